@@ -1,0 +1,53 @@
+"""The one exception tree of cakemp.
+
+Foreign exceptions (struct, UnicodeDecodeError, zmq, torch) are mapped onto these at the
+boundary where they occur, so callers only ever catch what is declared here.
+"""
+
+
+class CakempError(Exception):
+    """Base of every error cakemp raises on purpose."""
+
+
+class ProtocolError(CakempError):
+    """The peer sent bytes that are not valid Cake protocol; only its connection is closed."""
+
+
+class AuthError(CakempError):
+    """The cluster-key handshake failed or timed out; the connection is closed unanswered."""
+
+
+class ConfigError(CakempError):
+    """The configuration cannot work (bad flag, topology, checkpoint); `cakemp run` exits 78."""
+
+
+class CheckpointError(ConfigError):
+    """The checkpoint is unusable: unsupported architecture, missing tensor, bad config."""
+
+
+class RequestError(CakempError):
+    """A well-formed request that cannot be served; the master gets WorkerError(str(self))."""
+
+
+class UnknownLayer(RequestError):
+    """The request names a layer this worker does not serve."""
+
+
+class BadTensor(RequestError):
+    """The activation's dtype, shape or byte count does not fit the request."""
+
+
+class ContextLimitExceeded(RequestError):
+    """A position would pass the maximum context length."""
+
+
+class CacheBudgetExceeded(RequestError):
+    """The KV caches of this device process would exceed their byte budget."""
+
+
+class DeviceLost(RequestError):
+    """The device process serving the request died or stopped answering."""
+
+
+class RemoteWorkerError(CakempError):
+    """The worker answered a request with WorkerError; raised by the master client."""
