@@ -1,0 +1,100 @@
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from cakemp.model.synthetic import SyntheticSpec, cache_root, demo_checkpoint, write_checkpoint
+
+SMALL = SyntheticSpec(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, shards=3)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("synthetic")
+    write_checkpoint(directory, SMALL)
+    return directory
+
+
+def shard_tensors(directory):
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            tensors.update({name: (path.name, f.get_tensor(name)) for name in f.keys()})
+    return tensors
+
+
+def test_demo_checkpoint_is_built_once_in_the_cache_dir(tmp_path, monkeypatch):
+    """The checkpoint lands under $XDG_CACHE_HOME/cakemp, is reused on the next call, and leaves no temp dir."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = demo_checkpoint(SMALL)
+    assert first.parent == tmp_path / "cakemp" == cache_root()
+    assert first.name == f"demo-{SMALL.version_hash()}"
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert demo_checkpoint(SMALL) == first
+    assert (first / "config.json").stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "cakemp").iterdir()] == [first.name]
+
+
+def test_other_spec_gets_another_cache_entry():
+    """Changing any field of the spec changes the version hash."""
+    assert SyntheticSpec().version_hash() != SyntheticSpec(seed=1).version_hash()
+    assert SyntheticSpec().version_hash() == SyntheticSpec().version_hash()
+
+
+def test_index_maps_every_tensor_to_its_shard(small):
+    """The weights are sharded into the asked number of files and the index names each tensor's file."""
+    index = json.loads((small / "model.safetensors.index.json").read_text())
+    tensors = shard_tensors(small)
+    assert len({filename for filename, _ in tensors.values()}) == 3
+    assert index["weight_map"] == {name: filename for name, (filename, _) in tensors.items()}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for _, t in tensors.values())
+
+
+def test_config_matches_the_tensors_and_the_tokenizer(small):
+    """Config sizes, GQA shapes and the tokenizer's vocabulary and special tokens agree."""
+    config = json.loads((small / "config.json").read_text())
+    tokenizer = Tokenizer.from_file(str(small / "tokenizer.json"))
+    tensors = {name: t for name, (_, t) in shard_tensors(small).items()}
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["vocab_size"] == tokenizer.get_vocab_size() == 512
+    assert tokenizer.id_to_token(config["bos_token_id"]) == "<s>"
+    assert tokenizer.id_to_token(config["eos_token_id"]) == "</s>"
+    assert tensors["model.embed_tokens.weight"].shape == (512, 64)
+    assert tensors["model.layers.2.self_attn.k_proj.weight"].shape == (32, 64)
+    assert tensors["lm_head.weight"].shape == (512, 64)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert len(tensors) == 1 + 9 * 3 + 2
+
+
+def test_weights_are_reproducible_from_the_seed(small, tmp_path):
+    """Writing the same spec again gives byte-identical files."""
+    write_checkpoint(tmp_path, SMALL)
+    for path in small.iterdir():
+        assert (tmp_path / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_tokenizer_prepends_bos_and_round_trips_any_text(small):
+    """Encoding adds <s> in front, and decoding gives back the text, including bytes never seen in training."""
+    tokenizer = Tokenizer.from_file(str(small / "tokenizer.json"))
+    text = "Hello world — ünïcode 🍰 and the quick brown fox"
+    ids = tokenizer.encode(text).ids
+    assert ids[0] == tokenizer.token_to_id("<s>")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert len(tokenizer.encode("the quick brown fox").ids) < len("the quick brown fox")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_loads_it_without_missing_weights(tmp_path, tied):
+    """HF transformers reads the checkpoint as a Llama with every weight present (lm_head tied or not)."""
+    transformers = pytest.importorskip("transformers")
+    write_checkpoint(tmp_path, dataclasses.replace(SMALL, tie_word_embeddings=tied))
+    model, info = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.tie_word_embeddings is tied
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight) is tied
