@@ -51,3 +51,8 @@ class DeviceLost(RequestError):
 
 class RemoteWorkerError(CakempError):
     """The worker answered a request with WorkerError; raised by the master client."""
+
+
+class MalformedTensor(ProtocolError):
+    """A well-formed frame whose tensor has an unknown dtype tag or a byte count that does not
+    match its shape; Cake's worker answers this with WorkerError and keeps the connection."""

@@ -1,0 +1,91 @@
+"""Cake's framing: an 8-byte header (u32 BE magic, u32 BE payload length) before each payload.
+
+One TCP stream carries frame after frame with no other delimiter (spec §2). `FrameDecoder`
+is sans-I/O in the manner of h11: feed it whatever bytes arrived, take out whole messages.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from cakemp.errors import ProtocolError
+from cakemp.wire.messages import Message, Revision, decode_payload, encode_buffers
+
+MAGIC = 0x0104F4C7
+MAX_PAYLOAD = 512 * 1024 * 1024  # Cake's MESSAGE_MAX_SIZE; exactly this size is accepted
+HEADER_SIZE = 8
+
+_HEADER = struct.Struct(">II")
+
+
+def read_header(header: bytes | bytearray | memoryview, max_payload: int = MAX_PAYLOAD) -> int:
+    """The payload length announced by an 8-byte frame header; ProtocolError when the magic is
+    wrong or the length is over `max_payload`."""
+    if len(header) != HEADER_SIZE:
+        raise ProtocolError(f"frame header must be {HEADER_SIZE} bytes, got {len(header)}")
+    magic, size = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"invalid magic value 0x{magic:08x} (expected 0x{MAGIC:08x})")
+    if size > max_payload:
+        raise ProtocolError(f"payload length {size} > maximum {max_payload}")
+    return size
+
+
+def encode_frame(msg: Message, revision: Revision) -> list[bytes | bytearray | memoryview]:
+    """Header and payload of `msg` as buffers for `writer.writelines`; tensor and model data
+    are passed by reference, never copied here."""
+    w = encode_buffers(msg, revision, HEADER_SIZE)
+    pieces = w.finish()
+    size = sum(memoryview(piece).nbytes for piece in pieces) - HEADER_SIZE
+    if size > MAX_PAYLOAD:
+        # Cake's writer refuses too, and sends nothing.
+        raise ProtocolError(f"{type(msg).__name__} payload of {size} bytes > maximum {MAX_PAYLOAD}")
+    _HEADER.pack_into(pieces[0], 0, MAGIC, size)
+    return pieces
+
+
+class FrameDecoder:
+    """Reassembles frames from arbitrary chunks of a stream and decodes their messages.
+
+    A bad header (magic, length) loses the frame boundary for good: the error is raised again
+    on every later call. A payload that does not decode raises once, after the frame has been
+    consumed, so the decoder stays in step with the stream and a caller that chooses to go on
+    (a MalformedTensor answered with WorkerError) reads the next frame normally.
+    """
+
+    def __init__(self, revision: Revision, max_payload: int = MAX_PAYLOAD) -> None:
+        self.revision = Revision(revision)
+        self.max_payload = max_payload
+        self._buf = bytearray()
+        self._payload_size: int | None = None  # known once the current frame's header is in
+        self._broken: ProtocolError | None = None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Append bytes received from the peer."""
+        if self._broken is not None:
+            raise self._broken
+        self._buf += data
+
+    def next_message(self) -> Message | None:
+        """The next whole message, or None until more bytes are fed."""
+        if self._broken is not None:
+            raise self._broken
+        if self._payload_size is None:
+            if len(self._buf) < HEADER_SIZE:
+                return None
+            try:
+                self._payload_size = read_header(self._buf[:HEADER_SIZE], self.max_payload)
+            except ProtocolError as exc:
+                self._broken = exc
+                raise
+            del self._buf[:HEADER_SIZE]
+        size = self._payload_size
+        if len(self._buf) < size:
+            return None
+        # One copy out of the receive buffer; decoded tensors are views of this bytes object,
+        # which (unlike the bytearray) never changes under them.
+        with memoryview(self._buf) as view:
+            payload = bytes(view[:size])
+        del self._buf[:size]
+        self._payload_size = None
+        return decode_payload(payload, self.revision)
