@@ -56,3 +56,7 @@ class RemoteWorkerError(CakempError):
 class MalformedTensor(ProtocolError):
     """A well-formed frame whose tensor has an unknown dtype tag or a byte count that does not
     match its shape; Cake's worker answers this with WorkerError and keeps the connection."""
+
+
+class WorkerUnreachable(CakempError):
+    """The master could not connect to a worker: nothing listens there, or the connect timed out."""
