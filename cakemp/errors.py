@@ -60,3 +60,15 @@ class MalformedTensor(ProtocolError):
 
 class WorkerUnreachable(CakempError):
     """The master could not connect to a worker: nothing listens there, or the connect timed out."""
+
+
+class PositionGap(RequestError):
+    """A request's index_pos skips past the positions the session's KV cache holds for that layer."""
+
+
+class NodeFailed(CakempError):
+    """A node started as a subprocess (demo, tests) exited early or never became ready."""
+
+
+class HiddenStateMismatch(CakempError):
+    """The pool's hidden states differ from a single-process run of the same layers (the demo's check)."""
