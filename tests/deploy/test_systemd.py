@@ -1,0 +1,71 @@
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+UNIT = Path(__file__).parents[2] / "deploy" / "systemd" / "cakemp@.service"
+EXAMPLE_ENV = Path(__file__).parents[2] / "deploy" / "systemd" / "example.env"
+
+
+def settings(text: str) -> dict[str, list[str]]:
+    """`Key=value` lines of a unit or env file, every value of a repeated key kept in order."""
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
+            key, value = line.split("=", 1)
+            found.setdefault(key.strip(), []).append(value.strip())
+    return found
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_unit_passes_systemd_analyze_verify(tmp_path):
+    """systemd-analyze verify accepts the unit with no error and no warning (ExecStart pointed at a real binary)."""
+    unit = UNIT.read_text()
+    # verify checks that ExecStart's binary exists; the install path is the one thing that
+    # varies per machine, so it is pointed at a binary this machine has.
+    assert "ExecStart=/opt/cakemp/bin/cakemp run\n" in unit
+    copy = tmp_path / "cakemp@.service"
+    copy.write_text(unit.replace("/opt/cakemp/bin/cakemp", shutil.which("true")))
+    result = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(copy)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == "" and result.stdout.strip() == ""
+
+
+def test_unit_settings_the_node_relies_on():
+    """The unit is a notify service that signals only the front, restarts on failure but not on exit 78."""
+    unit = settings(UNIT.read_text())
+    expected = {
+        "Type": ["notify"],
+        "NotifyAccess": ["main"],
+        "KillMode": ["mixed"],
+        "Restart": ["on-failure"],
+        "RestartPreventExitStatus": ["78"],
+        "RuntimeDirectory": ["cakemp-%i"],
+        "EnvironmentFile": ["/etc/cakemp/%i.env"],
+        "RestrictAddressFamilies": ["AF_UNIX AF_INET AF_INET6"],
+    }
+    assert {key: unit.get(key) for key in expected} == expected
+    assert "WatchdogSec" in unit
+    assert "PrivateDevices" not in unit
+    assert "char-nvidia-frontend rw" in unit["DeviceAllow"]
+
+
+def test_stop_timeout_leaves_room_for_the_drain():
+    """TimeoutStopSec is above the example drain deadline, so a drain is never cut short by SIGKILL."""
+    stop_timeout = int(settings(UNIT.read_text())["TimeoutStopSec"][0])
+    drain = int(settings(EXAMPLE_ENV.read_text())["CAKEMP_DRAIN_TIMEOUT"][0])
+    assert stop_timeout > drain
+
+
+def test_example_env_names_only_known_settings():
+    """Every variable the example env file sets is a `cakemp run` flag as CAKEMP_<FLAG> or CAKE_CLUSTER_KEY."""
+    flags = {"NAME", "MODEL", "TOPOLOGY", "ADDRESS", "DTYPE", "GPUS", "PROTOCOL"}
+    flags |= {"DRAIN_TIMEOUT", "REQUEST_TIMEOUT", "METRICS_ADDRESS"}
+    text = EXAMPLE_ENV.read_text()
+    variables = set(settings(text)) | set(re.findall(r"^#(CAKEMP_\w+)=", text, re.MULTILINE))
+    assert variables <= {f"CAKEMP_{flag}" for flag in flags} | {"CAKE_CLUSTER_KEY"}
+    assert "CAKE_CLUSTER_KEY" in variables and "CAKEMP_MODEL" in variables
