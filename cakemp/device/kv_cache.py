@@ -1,0 +1,134 @@
+"""Per-session KV caches of one device process, under one byte budget and one context limit.
+
+Allocation strategy: every (session, block_idx) owns two contiguous buffers
+`k, v: [1, H_kv, capacity, D]` in the compute dtype, and a length. A request for positions
+[p, p+T) first makes sure capacity >= p+T, growing by doubling (from 256 positions, capped at
+the context limit), then the block writes rows [p, p+T) in place and attends over a view of
+rows [0, p+T) -- no copy, no concatenation per step.
+
+Why not fixed-size pages: torch's SDPA wants each sequence's K/V as one strided tensor, so
+pages would have to be gathered into a contiguous copy on every step (the whole context,
+every token), which costs more than the amortised O(1) doubling copy. Contiguous buffers
+also keep the cache addressable without any Python object per token: a later cross-session
+batch can index buffers by (session, block_idx) and lengths, and CUDA-graph replay can ask
+for buffers preallocated at the context limit (stable addresses) through `reserve`.
+
+The budget counts allocated capacity, not used positions, since that is what the device
+actually holds. Growth falls back to the exact size needed when doubling would pass the
+budget, so a session is refused only when the positions it needs cannot fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded
+
+MIN_CAPACITY = 256
+
+
+@dataclass
+class KVSlot:
+    """One layer's keys and values for one session; rows [0, length) are valid."""
+
+    k: torch.Tensor  # [1, H_kv, capacity, D]
+    v: torch.Tensor  # [1, H_kv, capacity, D]
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+class KVCache:
+    def __init__(
+        self,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_context: int,
+        budget_bytes: int | None = None,
+    ):
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.max_context = max_context
+        self.budget_bytes = budget_bytes
+        # K and V rows of one position, together.
+        self.bytes_per_position = 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        self._sessions: dict[int, dict[int, KVSlot]] = {}
+        self._bytes = 0
+
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    def length(self, session: int, block_idx: int) -> int:
+        """Positions cached for this layer of this session (0 when nothing is)."""
+        slot = self._sessions.get(session, {}).get(block_idx)
+        return 0 if slot is None else slot.length
+
+    def reserve(self, session: int, ends: dict[int, int]) -> dict[int, KVSlot]:
+        """Slots of `session` for each block_idx in `ends`, each with capacity >= its end.
+
+        All or nothing: limits and the budget are checked for every slot before any buffer
+        is allocated, so a refusal leaves every session's cache as it was.
+        """
+        for block_idx, end in ends.items():
+            if end > self.max_context:
+                raise ContextLimitExceeded(
+                    f"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions"
+                )
+        slots = self._sessions.get(session, {})
+        growth = {}
+        for block_idx, end in ends.items():
+            capacity = slots[block_idx].capacity if block_idx in slots else 0
+            if end > capacity:
+                growth[block_idx] = (capacity, end, min(self.max_context, max(2 * capacity, MIN_CAPACITY, end)))
+        self._check_budget(session, growth)
+        slots = self._sessions.setdefault(session, slots)
+        for block_idx, (_, _, new_capacity) in growth.items():
+            self._grow(slots, block_idx, new_capacity)
+        return {block_idx: slots[block_idx] for block_idx in ends}
+
+    def _check_budget(self, session: int, growth: dict[int, tuple[int, int, int]]) -> None:
+        """Shrink doubling to exact sizes if that is what fits; refuse if even those do not."""
+        if self.budget_bytes is None or not growth:
+            return
+        left = self.budget_bytes - self._bytes
+        doubled = sum(new - old for old, _, new in growth.values()) * self.bytes_per_position
+        if doubled <= left:
+            return
+        exact = sum(end - old for old, end, _ in growth.values()) * self.bytes_per_position
+        if exact > left:
+            raise CacheBudgetExceeded(
+                f"session {session} needs {exact / 2**20:.2f} MiB more KV cache but only "
+                f"{max(left, 0) / 2**20:.2f} MiB of the {self.budget_bytes / 2**20:.2f} MiB budget is left"
+            )
+        for block_idx, (old, end, _) in growth.items():
+            growth[block_idx] = (old, end, end)
+
+    def _grow(self, slots: dict[int, KVSlot], block_idx: int, capacity: int) -> None:
+        shape = (1, self.kv_heads, capacity, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        old = slots.get(block_idx)
+        length = 0
+        if old is not None:
+            length = old.length
+            k[:, :, :length] = old.k[:, :, :length]
+            v[:, :, :length] = old.v[:, :, :length]
+            self._bytes -= old.capacity * self.bytes_per_position
+        slots[block_idx] = KVSlot(k, v, length)
+        self._bytes += capacity * self.bytes_per_position
+
+    def clear(self, session: int) -> None:
+        """Free every buffer of `session` (unknown sessions are a no-op)."""
+        slots = self._sessions.pop(session, {})
+        self._bytes -= sum(slot.capacity for slot in slots.values()) * self.bytes_per_position

@@ -1,0 +1,182 @@
+"""Tiny random-weight Hugging Face checkpoints, and HF's own decoder layers as the oracle.
+
+    path = make_checkpoint(tmp_path, "qwen3", num_hidden_layers=6, shards=3)
+    ref = HFLayers(path, [2, 3], torch.float32)    # HF's decoder layers 2 and 3 with a DynamicCache
+    y = ref(x, index_pos)                          # x: [1, T, H]; positions continue the cache
+
+A checkpoint is what `save_pretrained` would give for the family's *ForCausalLM (config.json
+written by the installed transformers, tensors under their HF names), with every parameter
+drawn at random: HF's init leaves norms at 1 and biases at 0, which would hide a missing norm
+weight or bias. `shards > 1` splits the layers over that many files with a
+model.safetensors.index.json; `fp8_block=(bm, bn)` stores the layers' projection matrices as
+float8_e4m3fn with block-wise `weight_scale_inv`, as FP8 checkpoints do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, "LlamaForCausalLM"),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, "Qwen2ForCausalLM"),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, "Qwen3ForCausalLM"),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, "MistralForCausalLM"),
+}
+
+# Small enough for a test to build and run in milliseconds, big enough for GQA (4 query heads
+# on 2 kv heads) and several layers.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def make_config(family: str, **overrides) -> transformers.PreTrainedConfig:
+    config_class, _, architecture = FAMILIES[family]
+    config = config_class(**{**TINY, **overrides})
+    config.architectures = [architecture]
+    return config
+
+
+def make_checkpoint(
+    tmp_path: Path,
+    family: str,
+    *,
+    shards: int = 1,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    fp8_block: tuple[int, int] | None = None,
+    **config_overrides,
+) -> Path:
+    """Write a random `family` checkpoint under tmp_path/<family>-<seed> and return its directory.
+
+    dtype: the stored dtype of the (non-FP8) tensors.
+    """
+    config = make_config(family, **config_overrides)
+    path = Path(tmp_path) / f"{family}-{seed}"
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    tensors = {name: t.to(dtype) for name, t in _random_weights(config, seed).items()}
+    if fp8_block is not None:
+        tensors = _quantize_layers(tensors, fp8_block)
+        raw = json.loads((path / "config.json").read_text())
+        raw["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(fp8_block),
+        }
+        (path / "config.json").write_text(json.dumps(raw, indent=2))
+    _write(path, tensors, config.num_hidden_layers, shards)
+    return path
+
+
+def _random_weights(config, seed: int) -> dict[str, torch.Tensor]:
+    _, model_class, _ = FAMILIES[config.model_type]
+    generator = torch.Generator().manual_seed(seed)
+    model = model_class(config)
+    tensors = {}
+    for name, param in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if "norm" in name:
+            value = 1 + 0.2 * torch.randn(param.shape, generator=generator)
+        elif name.endswith("bias"):
+            value = 0.2 * torch.randn(param.shape, generator=generator)
+        elif "embed_tokens" in name:
+            value = torch.randn(param.shape, generator=generator)
+        else:  # [out, in]: unit-variance outputs for unit-variance inputs, so attention is peaked
+            value = torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5
+        tensors[name] = value
+    return tensors
+
+
+def _quantize_layers(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Store each layer projection as e4m3 with one f32 scale per block (partial edge blocks too)."""
+    bm, bn = block
+    out = {}
+    for name, w in tensors.items():
+        if ".layers." not in name or not name.endswith("proj.weight"):
+            out[name] = w
+            continue
+        rows, cols = w.shape
+        blocks_r, blocks_c = -(-rows // bm), -(-cols // bn)
+        padded = torch.zeros(blocks_r * bm, blocks_c * bn)
+        padded[:rows, :cols] = w.float()
+        amax = padded.view(blocks_r, bm, blocks_c, bn).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+        scale = amax / FP8_MAX  # [blocks_r, blocks_c]; dequantized = stored * scale
+        expanded = scale.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+        out[name] = (w.float() / expanded).to(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale
+    return out
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], layers: int, shards: int) -> None:
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    if shards == 1:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        return
+
+    def shard_of(name: str) -> int:
+        # Layers split into `shards` contiguous runs; embeddings with the first, head with the last.
+        if ".layers." in name:
+            return int(name.split(".layers.")[1].split(".")[0]) * shards // layers
+        return 0 if "embed_tokens" in name else shards - 1
+
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {name: files[shard_of(name)] for name in tensors}
+    for i, file in enumerate(files):
+        part = {name: t for name, t in tensors.items() if shard_of(name) == i}
+        save_file(part, path / file, metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+class HFLayers:
+    """HF's decoder layers `indices` of the checkpoint at `path`, run eagerly with a DynamicCache."""
+
+    def __init__(self, path: Path, indices: list[int], dtype: torch.dtype):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+        self.config = model.config
+        self.model = model.model
+        self.indices = indices
+        self.cache = DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def __call__(self, x: torch.Tensor, index_pos: int) -> torch.Tensor:
+        """x: [1, T, H] at positions index_pos.. (must continue the cache) -> [1, T, H]."""
+        positions = torch.arange(index_pos, index_pos + x.shape[1])[None, :]
+        cos_sin = self.model.rotary_emb(x, position_ids=positions)
+        for i in self.indices:
+            layer = self.model.layers[i]
+            sliding = layer.self_attn.sliding_window if hasattr(layer.self_attn, "sliding_window") else None
+            if self.config.model_type == "mistral":
+                sliding = self.config.sliding_window
+            make_mask = create_sliding_window_causal_mask if sliding is not None else create_causal_mask
+            mask = make_mask(
+                config=self.config,
+                inputs_embeds=x,
+                attention_mask=None,
+                cache=self.cache,
+                position_ids=positions,
+                layer_idx=i,
+            )
+            x = layer(x, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
+        return x
