@@ -1,0 +1,31 @@
+"""What a device process is told at start (pickled by the front, which never imports torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device process: which layers it loads, how, and where it listens for the front.
+
+    `gpu` is the CUDA_VISIBLE_DEVICES value the parent sets before start (None: a CPU process,
+    which is then started with no GPU visible); inside the process that GPU is always cuda:0.
+    """
+
+    index: int
+    gpu: str | None
+    layers: tuple[str, ...]
+    model_dir: str
+    dtype: str  # f16 | bf16 | f32
+    endpoint: str
+    kv_budget_bytes: int | None = None
+    max_context: int | None = None
+    threads: int | None = None  # torch intra-op threads for a CPU process
+    log_format: str = "auto"
+    log_level: str = "info"
+
+    @property
+    def label(self) -> str:
+        """How logs and errors name this device: "cuda:2" (the physical GPU) or "cpu:1"."""
+        return f"cuda:{self.gpu}" if self.gpu is not None else f"cpu:{self.index}"

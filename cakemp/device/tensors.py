@@ -1,0 +1,49 @@
+"""Activation bytes with a wire dtype tag ⇄ torch tensors, inside a device process.
+
+Wire tensors are little-endian, row-major and contiguous (spec §3.2); only the floating dtypes
+a hidden state can have are accepted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cakemp.errors import BadTensor, ConfigError
+from cakemp.wire import DType
+
+_WIRE_TO_TORCH = {DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.F32: torch.float32}
+_NAME_TO_TORCH = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a `--dtype` value (f16, bf16, f32)."""
+    try:
+        return _NAME_TO_TORCH[name]
+    except KeyError:
+        raise ConfigError(f"unsupported dtype {name!r}: expected one of f16, bf16, f32") from None
+
+
+def to_tensor(data: bytes | bytearray | memoryview, dtype: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A CPU tensor over `data` (no copy when the buffer is writable). Raises BadTensor."""
+    torch_dtype = _WIRE_TO_TORCH.get(dtype)
+    if torch_dtype is None:
+        name = DType(dtype).name if dtype in DType._value2member_map_ else f"tag {dtype}"
+        raise BadTensor(f"unsupported dtype {name}: activations must be F16, BF16 or F32")
+    expected = math.prod(shape) * torch_dtype.itemsize
+    if len(memoryview(data).cast("B")) != expected:
+        raise BadTensor(
+            f"tensor data is {len(memoryview(data).cast('B'))} bytes but shape {list(shape)} of "
+            f"{DType(dtype).name} needs {expected}"
+        )
+    if expected == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    return torch.frombuffer(data, dtype=torch_dtype).view(shape)
+
+
+def to_bytes(x: torch.Tensor, dtype: int) -> memoryview:
+    """`x` cast to wire `dtype` as little-endian bytes on the CPU (a view of a fresh tensor, no extra copy)."""
+    y = x.to(device="cpu", dtype=_WIRE_TO_TORCH[DType(dtype)]).contiguous()
+    # bf16 has no numpy dtype: reinterpret as bytes first.
+    return memoryview(y.reshape(-1).view(torch.uint8).numpy())

@@ -1,0 +1,41 @@
+"""structlog, configured once inside each process (the front and every device process).
+
+On a terminal lines are rendered for people; otherwise (journald, supervisor, tests) each event
+is one JSON object per line on stdout. Connection, session and device ids are bound by callers
+(`log.bind(conn=…)`); loggers are never pickled into child processes, children call `configure`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+FORMATS = ("auto", "console", "json")
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure(fmt: str = "auto", level: str = "info") -> None:
+    """Set up structlog for this process; `fmt` is auto (console on a TTY, else JSON), console or json."""
+    if fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")
+    console = sys.stdout.isatty() if fmt == "auto" else fmt == "console"
+    renderer = structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+
+
+def get_logger(**context: object) -> structlog.typing.FilteringBoundLogger:
+    """A logger with `context` (conn, session, device, …) bound to every event."""
+    return structlog.get_logger().bind(**context)
