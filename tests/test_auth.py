@@ -1,0 +1,182 @@
+"""Cake's cluster-key handshake over real loopback TCP, both sides, good and bad peers."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+
+from cakemp.auth import authenticate_master, authenticate_worker
+from cakemp.errors import AuthError, ProtocolError
+from cakemp.wire import Hello, Revision, WorkerInfo, decode_payload, encode_frame, read_header
+
+INFO = WorkerInfo("0.1.0", "F16", "linux", "x86_64", "cpu", 0, 0)
+SHORT = 0.3  # seconds: the handshake timeout in the stall tests
+
+
+async def read_frame(reader: asyncio.StreamReader):
+    header = await reader.readexactly(8)
+    return decode_payload(await reader.readexactly(read_header(header)), Revision.V2)
+
+
+async def send_frame(writer: asyncio.StreamWriter, msg) -> None:
+    writer.writelines(encode_frame(msg, Revision.V2))
+    await writer.drain()
+
+
+async def start_worker(key: str | None, timeout: float = 5.0):
+    """A worker that authenticates the master when it has a key, then answers one Hello.
+    Returns (server, port, outcome); outcome resolves to "served" or the error it hit."""
+    outcome = asyncio.get_running_loop().create_future()
+
+    async def handle(reader, writer):
+        try:
+            if key is not None:
+                await authenticate_master(reader, writer, key, timeout)
+            assert await read_frame(reader) == Hello()  # a keyless worker reads the nonce as a header
+            await send_frame(writer, INFO)
+            outcome.set_result("served")
+        except (AuthError, ProtocolError) as exc:
+            outcome.set_result(exc)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], outcome
+
+
+async def run_master(port: int, key: str | None, timeout: float = 5.0):
+    """A master that authenticates when it has a key, then says Hello; returns the reply or the error."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        if key is not None:
+            await authenticate_worker(reader, writer, key, timeout)
+        await send_frame(writer, Hello())
+        return await read_frame(reader)
+    except (AuthError, ProtocolError, asyncio.IncompleteReadError) as exc:
+        return exc
+    finally:
+        writer.close()
+
+
+def pair(worker_key, master_key, worker_timeout=5.0):
+    """Run one master against one worker; returns (master result, worker outcome)."""
+
+    async def main():
+        server, port, outcome = await start_worker(worker_key, worker_timeout)
+        async with server:
+            result = await run_master(port, master_key)
+            return result, await asyncio.wait_for(outcome, 5)
+
+    return asyncio.run(main())
+
+
+def test_same_key_authenticates_both_ways_and_frames_follow():
+    """With the same key both sides pass and the Hello/WorkerInfo exchange follows on the same stream."""
+    assert pair("s3cret", "s3cret") == (INFO, "served")
+
+
+def test_different_keys_fail_on_both_sides():
+    """With different keys the master rejects the worker's HMAC and the worker sees the master hang up."""
+    result, outcome = pair("worker-key", "master-key")
+    assert isinstance(result, AuthError) and "worker authentication failed: invalid HMAC" in str(result)
+    assert isinstance(outcome, AuthError) and "master closed the connection" in str(outcome)
+
+
+def test_worker_rejects_a_master_with_a_wrong_proof():
+    """A master that answers the worker's challenge with a wrong HMAC is rejected by the worker."""
+
+    async def main():
+        server, port, outcome = await start_worker("k")
+        async with server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(bytes(32))
+            await reader.readexactly(64)
+            writer.write(b"\x01" * 32)
+            await writer.drain()
+            result = await asyncio.wait_for(outcome, 5)
+            writer.close()
+            return result
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, AuthError) and "master authentication failed: invalid HMAC" in str(outcome)
+
+
+def test_worker_answers_the_spec_test_vector():
+    """The worker's first 32 bytes are HMAC-SHA256("mysecret", 00..1f), the spec §5 vector."""
+
+    async def main():
+        server, port, _ = await start_worker("mysecret")
+        async with server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(bytes(range(32)))
+            reply = await reader.readexactly(64)
+            writer.close()
+            return reply
+
+    reply = asyncio.run(main())
+    assert reply[:32].hex() == "8250d19d8b424884cd648b8edb810b63075f6168ff3c2e3127153c4313d10652"
+    assert reply[:32] == hmac.new(b"mysecret", bytes(range(32)), hashlib.sha256).digest()
+
+
+def test_keyed_worker_times_out_a_master_without_a_key():
+    """A keyless master's Hello (12 bytes) never fills the 32-byte nonce, so the worker gives up at its timeout."""
+
+    async def main():
+        server, port, outcome = await start_worker("k", timeout=SHORT)
+        async with server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            await send_frame(writer, Hello())
+            result = await asyncio.wait_for(outcome, 5)
+            writer.close()
+            return result
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, AuthError) and f"within {SHORT:g} s" in str(outcome)
+
+
+def test_keyed_master_fails_against_a_worker_without_a_key():
+    """A keyless worker reads the master's nonce as a frame header, rejects its magic and hangs up; the master gets AuthError."""
+    result, outcome = pair(None, "k")
+    assert isinstance(outcome, ProtocolError) and "invalid magic" in str(outcome)
+    assert isinstance(result, AuthError) and "worker closed the connection" in str(result)
+
+
+def test_worker_times_out_a_stalled_master():
+    """A master that connects and sends nothing is dropped by the worker after the handshake timeout."""
+
+    async def main():
+        server, port, outcome = await start_worker("k", timeout=SHORT)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            result = await asyncio.wait_for(outcome, 5)
+            writer.close()
+            return result
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, AuthError) and "master did not complete the cluster-key handshake" in str(outcome)
+
+
+def test_master_times_out_a_stalled_worker():
+    """A worker that accepts and never answers the nonce makes the master give up after its timeout."""
+
+    async def main():
+        held = []
+
+        async def silent(reader, writer):
+            held.append(writer)  # keep the connection open, say nothing
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        async with server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+            try:
+                await authenticate_worker(reader, writer, "k", timeout=SHORT)
+            except AuthError as exc:
+                return exc
+            finally:
+                writer.close()
+                for w in held:
+                    w.close()
+
+    error = asyncio.run(main())
+    assert isinstance(error, AuthError) and "worker did not complete the cluster-key handshake within" in str(error)
