@@ -78,6 +78,108 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
     sys.exit(asyncio.run(Front(config).run()))
 
 
+@cli.command()
+@click.option("--model", envvar=_env("model"), default="./cake-data/Meta-Llama-3-8B/", help="Model directory.")
+@click.option("--topology", envvar=_env("topology"), help="Cake topology YAML (without it every layer runs here).")
+@click.option("--prompt", envvar=_env("prompt"), default="Once upon a time", help="Text to continue.")
+@click.option("--max-tokens", envvar=_env("max_tokens"), type=click.IntRange(min=1), default=128,
+              help="Most tokens to generate (fewer when EOS comes first).")
+@click.option("--temperature", envvar=_env("temperature"), type=float, default=1.0, help="0 or less: greedy.")
+@click.option("--top-k", envvar=_env("top_k"), type=click.IntRange(min=1), help="Sample among the k likeliest.")
+@click.option("--top-p", envvar=_env("top_p"), type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass.")
+@click.option("--repeat-penalty", envvar=_env("repeat_penalty"), type=click.FloatRange(0, min_open=True),
+              default=1.1, help="Penalty on recently generated tokens (1.0: none).")
+@click.option("--repeat-last-n", envvar=_env("repeat_last_n"), type=click.IntRange(min=0), default=128,
+              help="How many recent tokens the penalty looks at.")
+@click.option("--seed", envvar=_env("seed"), type=int, default=299792458, help="Sampling seed.")
+@click.option("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster_key")], help="Shared key of the workers.")
+@click.option("--dtype", envvar=_env("dtype"), type=click.Choice(["f16", "bf16", "f32"]), default="f16",
+              help="Compute and wire dtype; must match the workers'.")
+@click.option("--protocol", envvar=_env("protocol"), type=click.Choice(["1", "2"]), default="2",
+              help="Cake revision the workers speak.")
+def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed,
+             cluster_key, dtype, protocol) -> None:
+    """Generate text as a Cake master: this process runs the layers no worker serves."""
+    import torch  # here, not at the top: `cakemp run`'s front must never import torch
+
+    from cakemp.master.generator import Generator
+    from cakemp.master.sampler import SamplingParams
+
+    sampling = SamplingParams(temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed)
+    layout = Topology.load(topology) if topology else Topology(())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    async def stream():
+        async with await Generator.open(model, layout, dtype=dtype, device=device, cluster_key=cluster_key or None,
+                                        revision=Revision(int(protocol))) as generator:
+            click.echo(prompt, nl=False)
+            done = await generator.generate(prompt, max_tokens, sampling, on_text=lambda t: click.echo(t, nl=False))
+        click.echo()
+        click.echo(done.summary(), err=True)
+
+    _run_or_exit(stream())
+
+
+@cli.command()
+@click.argument("address")
+@click.option("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster_key")], help="Shared key of the node.")
+@click.option("--json", "as_json", is_flag=True, help="Print the WorkerInfo as one JSON object.")
+@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=5.0, help="Seconds per step.")
+@click.option("--protocol", envvar=_env("protocol"), type=click.Choice(["1", "2"]), default="2",
+              help="Cake revision the node speaks.")
+def probe(address, cluster_key, as_json, timeout, protocol) -> None:
+    """Check the node at ADDRESS (host:port): authenticate, say Hello, print its WorkerInfo.
+
+    Exits 0 when it answers; 1 when it is down, 2 when the key handshake fails, 3 when it
+    answers anything but WorkerInfo; each with one line on stderr.
+    """
+    import dataclasses
+    import json
+
+    from cakemp.errors import AuthError, ProtocolError, WorkerUnreachable
+    from cakemp.master.probe import probe as probe_node
+
+    try:
+        info = asyncio.run(probe_node(address, cluster_key=cluster_key or None, timeout=timeout,
+                                      revision=Revision(int(protocol))))
+    except WorkerUnreachable as e:
+        _exit(f"down: {e}", 1)
+    except AuthError as e:
+        _exit(f"cluster key refused: {e}", 2)
+    except ProtocolError as e:
+        _exit(f"wrong answer: {e}", 3)
+    if as_json:
+        click.echo(json.dumps({"address": address, **dataclasses.asdict(info)}))
+    else:
+        click.echo(f"{address} is up: version {info.version}, {info.os}/{info.arch}, device {info.device} "
+                   f"{info.device_idx}, dtype {info.dtype}, latency {info.latency} ms")
+
+
+@cli.command()
+def demo() -> None:
+    """Run a synthetic model through a local two-device node, no download needed (about a minute)."""
+    from cakemp.demo import run_demo
+
+    _run_or_exit(run_demo())
+
+
+def _run_or_exit(coroutine) -> None:
+    """Run `coroutine`; a CakempError other than ConfigError (that one exits 78) exits 1 with one line."""
+    from cakemp.errors import CakempError
+
+    try:
+        asyncio.run(coroutine)
+    except ConfigError:
+        raise
+    except CakempError as e:
+        _exit(str(e), 1)
+
+
+def _exit(message: str, status: int) -> None:
+    click.echo(f"cakemp: error: {message}", err=True)
+    sys.exit(status)
+
+
 def main() -> None:
     """Console entry point: click's own usage errors and ConfigError exit 78 with one line."""
     try:

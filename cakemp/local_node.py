@@ -1,0 +1,99 @@
+"""A cakemp node run as a real `cakemp run` subprocess on a loopback port (demo and tests).
+
+The node is started exactly as an operator starts one, with flags, so what the demo and the
+end-to-end tests exercise is the shipped command, its device processes and their shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cakemp.errors import CakempError, NodeFailed
+from cakemp.master.probe import probe
+from cakemp.wire import WorkerInfo
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now on 127.0.0.1 (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalNode:
+    """`cakemp run --name NAME ...` listening on `address`, its output in `log_path`."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        model_dir: Path,
+        topology: Path,
+        port: int,
+        gpus: str,
+        dtype: str,
+        log_path: Path,
+        cluster_key: str | None = None,
+        protocol: int = 2,
+    ) -> None:
+        self.address = f"127.0.0.1:{port}"
+        self.cluster_key = cluster_key
+        self.log_path = log_path
+        self.command = [
+            sys.executable, "-m", "cakemp", "run",
+            "--name", name, "--model", str(model_dir), "--topology", str(topology),
+            "--address", self.address, "--gpus", gpus, "--dtype", dtype, "--protocol", str(protocol),
+        ]  # fmt: skip
+        self._process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start the subprocess; the key goes through the environment, never the command line."""
+        env = {k: v for k, v in os.environ.items() if k != "CAKE_CLUSTER_KEY" and not k.startswith("CAKEMP_")}
+        if self.cluster_key is not None:
+            env["CAKE_CLUSTER_KEY"] = self.cluster_key
+        with open(self.log_path, "wb") as log:
+            self._process = subprocess.Popen(
+                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+
+    async def wait_ready(self, timeout: float = 120.0) -> WorkerInfo:
+        """Probe until the node answers Hello; NodeFailed if it exits first or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._process.poll() is not None:
+                raise NodeFailed(f"the node exited with status {self._process.returncode}{self.log_tail()}")
+            try:
+                return await probe(self.address, cluster_key=self.cluster_key, timeout=5.0)
+            except CakempError:
+                if time.monotonic() > deadline:
+                    raise NodeFailed(f"the node was not ready after {timeout:g} s{self.log_tail()}") from None
+            await asyncio.sleep(0.2)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait for the node to exit; its exit status (SIGKILL after `timeout`)."""
+        process = self._process
+        if process is None:
+            return 0
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return process.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines of the node's output, indented, after a newline ("" when empty)."""
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "".join(f"\n  | {line}" for line in tail)

@@ -1,0 +1,63 @@
+"""The two ends of a model that a Cake master keeps: token embeddings, and final norm + lm_head.
+
+Cake never shards these (spec cake-model §5.1): the master embeds the tokens, sends the hidden
+states through the decoder layers, normalises the last position and projects it onto the
+vocabulary. A tied checkpoint reuses the embedding matrix as lm_head.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cakemp.model.block import _rms_norm
+from cakemp.model.checkpoint import Checkpoint
+from cakemp.model.config import ModelConfig
+
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+class Head:
+    """Embeddings [V, H], final norm weight [H] and lm_head [V, H], on one device in one dtype."""
+
+    def __init__(self, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float):
+        self.embed_weight = embed
+        self.norm_weight = norm
+        self.lm_head_weight = lm_head
+        self.eps = eps
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
+
+    @classmethod
+    def load(
+        cls, model_dir: str | Path, config: ModelConfig, device: torch.device | str, dtype: torch.dtype
+    ) -> Head:
+        """Read the three tensors (two when tied) from the checkpoint, cast to `dtype`."""
+        tied = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
+        names = [EMBED, NORM] if tied else [EMBED, NORM, LM_HEAD]
+        tensors = Checkpoint(model_dir, config).load(names, torch.device(device), dtype)
+        lm_head = tensors[EMBED] if tied else tensors[LM_HEAD]
+        return cls(tensors[EMBED], tensors[NORM], lm_head, config.rms_norm_eps)
+
+    def embed(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Token ids [T] -> hidden states [1, T, H]."""
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        return F.embedding(ids, self.embed_weight)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states [1, T, H] -> logits [V] of the last position (the norm is per position,
+        so normalising only the last one gives the same values for less work)."""
+        last = _rms_norm(x[0, -1], self.norm_weight, self.eps)  # [H]
+        return F.linear(last, self.lm_head_weight)  # [V]
