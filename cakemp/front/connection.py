@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from cakemp import log
 from cakemp.auth import authenticate_master
-from cakemp.errors import AuthError, CakempError, ProtocolError, RequestError
+from cakemp.errors import AuthError, CakempError, MalformedTensor, ProtocolError, RequestError
 from cakemp.front.pool import DevicePool
 from cakemp.front.router import Router
 from cakemp.front.stats import Stats
@@ -72,7 +72,15 @@ class Connection:
             self._log.warning("unexpected first message (expected Hello)", message=type(message).__name__)
             return
         await self._send(self._worker_info(int(read_s * 1000)))
-        while (received := await self._read()) is not None:
+        while True:
+            try:
+                received = await self._read()
+            except MalformedTensor as e:  # the frame was sound, only its tensor is not: answer, go on
+                self._log.warning("request failed", error=str(e))
+                await self._send(WorkerError(str(e)))
+                continue
+            if received is None:
+                return
             message, read_bytes, read_s = received
             if isinstance(message, Goodbye):
                 await self._goodbye()

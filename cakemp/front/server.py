@@ -57,8 +57,10 @@ class Front:
             self.pool = DevicePool(self._device_specs(runtime_dir))
             readies = await self.pool.start()
             server = await asyncio.start_server(self._accept, self.config.host, self.config.port)
+            host, port = server.sockets[0].getsockname()[:2]  # the real port when --address asked for 0
             self._log.info(
-                f"listening on {self.config.host}:{self.config.port} (mem:{human_bytes(_rss_bytes())}) ...",
+                f"listening on {host}:{port} (mem:{human_bytes(_rss_bytes())}) ...",
+                port=port,
                 devices=[f"{self.pool.label(i)}={human_bytes(r.memory_bytes)}" for i, r in enumerate(readies)],
                 layers=len(self.config.layers),
             )

@@ -1,0 +1,56 @@
+"""A Cake-style master for tests and benchmarks, built on WorkerClient.
+
+As Cake's text model does: one connection per remote layer, each Hello'd; the whole run of
+this worker's layers is sent as one Batch on the run's first connection; Goodbye on all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import torch
+
+from cakemp.master.client import WorkerClient
+from cakemp.wire import DType, RawTensor, Revision
+
+WIRE_DTYPES = {torch.float16: DType.F16, torch.bfloat16: DType.BF16, torch.float32: DType.F32}
+
+
+def to_raw(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> RawTensor:
+    """x [1, T, H] as a wire tensor of `dtype`."""
+    y = x.to(dtype).contiguous()
+    return RawTensor(y.reshape(-1).view(torch.uint8).numpy().tobytes(), WIRE_DTYPES[dtype], tuple(y.shape))
+
+
+def from_raw(raw: RawTensor) -> torch.Tensor:
+    dtype = {v: k for k, v in WIRE_DTYPES.items()}[DType(raw.dtype)]
+    return torch.frombuffer(bytearray(raw.data), dtype=dtype).view(raw.shape).float()
+
+
+class CakeMaster:
+    def __init__(self, clients: list[WorkerClient], layers: Sequence[int]):
+        self.clients = clients
+        self.layers = list(layers)
+
+    @classmethod
+    async def connect(cls, port: int, layers: Sequence[int], *, cluster_key: str | None = None,
+                      revision: Revision = Revision.V2) -> "CakeMaster":
+        clients = []
+        for _ in layers:  # sequentially, one per remote layer, as Cake does
+            client = await WorkerClient.connect("127.0.0.1", port, cluster_key=cluster_key, revision=revision)
+            await client.hello()
+            clients.append(client)
+        return cls(clients, layers)
+
+    async def forward(self, x: torch.Tensor, index_pos: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x [1, T, H] through every layer, at positions index_pos.. -> [1, T, H] float32."""
+        ops = [(f"model.layers.{i}", index_pos, i) for i in self.layers]
+        return from_raw(await self.clients[0].batch(to_raw(x, dtype), ops))
+
+    async def goodbye(self) -> None:
+        for client in self.clients:
+            await client.goodbye()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(client.close() for client in self.clients))
