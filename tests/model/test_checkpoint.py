@@ -1,0 +1,124 @@
+"""Loading a layer span: only its shards, cast on load, FP8 dequantized, missing tensors named."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from cakemp.device.runner import BlockRunner
+from cakemp.errors import CheckpointError
+from cakemp.model import fp8
+from cakemp.model.block import DecoderBlock
+from cakemp.model.checkpoint import Checkpoint
+from cakemp.model.config import ModelConfig
+from tests.checkpoints import make_checkpoint
+
+
+def layer_names(config, index):
+    return [f"model.layers.{index}.{n}" for n in DecoderBlock.tensor_names(config)]
+
+
+def test_only_the_shards_holding_the_layers_are_opened(tmp_path):
+    """With the other shards deleted, layers 1-2 of a 4-shard checkpoint still load."""
+    path = make_checkpoint(tmp_path, "llama", shards=4)  # one layer per shard
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    needed = {weight_map[f"model.layers.{i}.mlp.down_proj.weight"] for i in (1, 2)}
+    for file in set(weight_map.values()) - needed:
+        (path / file).unlink()
+    runner = BlockRunner.load(path, ["model.layers.1", "model.layers.2"], "cpu", torch.float32)
+    assert runner.layers == ("model.layers.1", "model.layers.2")
+
+
+def test_single_file_checkpoint_loads_tensors_as_stored(tmp_path):
+    """Without an index, tensors come from model.safetensors, bit for bit in f32."""
+    path = make_checkpoint(tmp_path, "qwen2")
+    config = ModelConfig.from_dir(path)
+    names = layer_names(config, 2)
+    loaded = Checkpoint(path, config).load(names, torch.device("cpu"), torch.float32)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        for name in names:
+            assert torch.equal(loaded[name], f.get_tensor(name))
+
+
+def test_tensors_are_cast_to_the_compute_dtype(tmp_path):
+    """A bf16 checkpoint loaded for f16 compute holds f16 tensors (as Cake's default does)."""
+    path = make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
+    runner = BlockRunner.load(path, ["model.layers.0"], "cpu", torch.float16)
+    block = runner.blocks["model.layers.0"]
+    assert block.w_qkv.dtype == block.w_down.dtype == block.input_norm.dtype == torch.float16
+
+
+def test_tensor_missing_from_its_shard_names_tensor_and_file(tmp_path):
+    """A tensor listed in the index but absent from its shard is named with that shard's path."""
+    path = make_checkpoint(tmp_path, "llama", shards=2)
+    name = "model.layers.3.mlp.up_proj.weight"
+    file = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with safe_open(path / file, "pt") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys() if k != name}
+    save_file(kept, path / file)
+    with pytest.raises(CheckpointError, match=rf"{name} is missing from .*{file}"):
+        BlockRunner.load(path, ["model.layers.3"], "cpu", torch.float32)
+
+
+def test_tensor_missing_from_the_index_names_tensor_and_index(tmp_path):
+    """A tensor the index does not list is named with the index file."""
+    path = make_checkpoint(tmp_path, "qwen3", shards=2)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.layers.0.self_attn.k_norm.weight"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.k_norm.weight is missing from .*index.json"):
+        BlockRunner.load(path, ["model.layers.0"], "cpu", torch.float32)
+
+
+def test_tensor_missing_from_single_file_names_it(tmp_path):
+    """In a single-file checkpoint the missing bias is named with model.safetensors."""
+    path = make_checkpoint(tmp_path, "qwen2")
+    with safe_open(path / "model.safetensors", "pt") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.1.self_attn.v_proj.bias"}
+    save_file(kept, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"v_proj.bias is missing from .*model.safetensors"):
+        BlockRunner.load(path, ["model.layers.1"], "cpu", torch.float32)
+
+
+def test_unknown_layer_name_is_refused_at_load(tmp_path):
+    """Asking for a layer the model does not have is a CheckpointError naming it."""
+    path = make_checkpoint(tmp_path, "llama")
+    with pytest.raises(CheckpointError, match="model.layers.9"):
+        BlockRunner.load(path, ["model.layers.9"], "cpu", torch.float32)
+
+
+def test_directory_without_weights_is_refused(tmp_path):
+    """No index and no model.safetensors is a CheckpointError."""
+    path = make_checkpoint(tmp_path, "llama")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="neither"):
+        BlockRunner.load(path, ["model.layers.0"], "cpu", torch.float32)
+
+
+def test_fp8_checkpoint_with_ragged_blocks_is_dequantized_on_load(tmp_path):
+    """FP8 projections (sides not multiples of the 48x40 block) load as stored e4m3 times block scale."""
+    path = make_checkpoint(tmp_path, "llama", shards=2, fp8_block=(48, 40))
+    runner = BlockRunner.load(path, ["model.layers.2"], "cpu", torch.float32)
+    block = runner.blocks["model.layers.2"]
+    files = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    stored = {}
+    for file in files:
+        with safe_open(path / file, "pt") as f:
+            stored |= {k: f.get_tensor(k) for k in f.keys() if k.startswith("model.layers.2.")}
+    down = stored["model.layers.2.mlp.down_proj.weight"]
+    assert down.dtype == torch.float8_e4m3fn
+    scale = stored["model.layers.2.mlp.down_proj.weight_scale_inv"]
+    rows, cols = down.shape  # [64, 128]: 64 = 48 + 16, 128 = 3 * 40 + 8
+    expected = torch.empty(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            expected[i, j] = down[i, j].float() * scale[i // 48, j // 40]
+    assert torch.equal(block.w_down, expected)
+    q = stored["model.layers.2.self_attn.q_proj.weight"]
+    q_scale = stored["model.layers.2.self_attn.q_proj.weight_scale_inv"]
+    assert torch.equal(block.w_qkv[: q.shape[0]], fp8.dequantize(q, q_scale, (48, 40)))
+    # Norms are not quantized and load as stored.
+    assert torch.equal(block.input_norm, stored["model.layers.2.input_layernorm.weight"])

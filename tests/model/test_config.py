@@ -1,0 +1,125 @@
+"""ModelConfig from config.json: one set of switches per family, refusals named."""
+
+import json
+
+import pytest
+
+from cakemp.errors import CheckpointError
+from cakemp.model.config import Llama3RopeScaling, ModelConfig
+from tests.checkpoints import make_config
+
+
+def parsed(family, **overrides):
+    return ModelConfig.from_dict(make_config(family, **overrides).to_dict())
+
+
+def test_llama_has_no_biases_no_qk_norm_no_window():
+    """A Llama config gives head_dim hidden/heads, GQA heads, and none of the other families' switches."""
+    c = parsed("llama")
+    assert (c.family, c.head_dim, c.num_attention_heads, c.num_key_value_heads) == ("llama", 16, 4, 2)
+    assert not c.qkv_bias and not c.o_bias and not c.qk_norm
+    assert c.layer_windows == (None,) * 4 and c.rope_scaling is None and c.fp8_block is None
+
+
+def test_qwen2_always_has_qkv_biases_but_no_o_bias():
+    """Qwen2 projects q/k/v with biases whatever attention_bias says, and o without."""
+    c = parsed("qwen2")
+    assert c.qkv_bias and not c.o_bias
+
+
+def test_qwen3_takes_head_dim_from_config_and_norms_q_k():
+    """Qwen3's head_dim comes from the config even when it differs from hidden/heads."""
+    c = parsed("qwen3", head_dim=32)
+    assert c.head_dim == 32 and c.qk_norm and not c.qkv_bias
+
+
+def test_mistral_window_applies_to_every_layer():
+    """Mistral's sliding_window covers all layers."""
+    assert parsed("mistral", sliding_window=5).layer_windows == (5, 5, 5, 5)
+
+
+def test_qwen2_window_applies_only_from_max_window_layers_when_enabled():
+    """Qwen2 slides only with use_sliding_window, and only on layers at or past max_window_layers."""
+    assert parsed("qwen2", sliding_window=8).layer_windows == (None,) * 4
+    c = parsed("qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=2)
+    assert c.layer_windows == (None, None, 8, 8)
+
+
+def test_legacy_top_level_rope_theta_and_rope_scaling_are_read():
+    """A transformers-4 style Llama 3.1 config (rope_theta + rope_scaling at top level) parses."""
+    d = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+    c = ModelConfig.from_dict(d)
+    assert c.rope_theta == 500000.0
+    assert c.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 8192)
+
+
+def test_transformers_5_rope_parameters_are_read():
+    """rope_parameters (transformers 5) gives theta and llama3 scaling."""
+    rope = {"rope_type": "llama3", "rope_theta": 1234.0, "factor": 2.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    c = parsed("llama", rope_parameters=rope)
+    assert c.rope_theta == 1234.0 and c.rope_scaling.factor == 2.0
+
+
+@pytest.mark.parametrize("architectures", [["GPT2LMHeadModel"], ["Qwen3_5ForConditionalGeneration"]])
+def test_unsupported_architecture_is_named(architectures):
+    """An architecture cakemp does not implement is refused by name, never run as Llama."""
+    d = make_config("llama").to_dict() | {"architectures": architectures}
+    with pytest.raises(CheckpointError, match=architectures[0]):
+        ModelConfig.from_dict(d)
+
+
+def test_missing_architectures_is_refused():
+    """A config.json with no architectures list is refused."""
+    d = make_config("llama").to_dict()
+    del d["architectures"]
+    with pytest.raises(CheckpointError, match="None"):
+        ModelConfig.from_dict(d)
+
+
+def test_unsupported_rope_type_is_refused():
+    """A rope type other than default/llama3 (here yarn) is an error, not silently ignored."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    with pytest.raises(CheckpointError, match="yarn"):
+        parsed("llama", rope_parameters=rope)
+
+
+def test_from_dir_names_a_missing_config(tmp_path):
+    """A directory without config.json is a CheckpointError naming the path."""
+    with pytest.raises(CheckpointError, match="config.json"):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_from_dir_reads_fp8_block_size(tmp_path):
+    """quantization_config.weight_block_size gives the FP8 block; 128x128 when absent."""
+    d = make_config("llama").to_dict()
+    d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [64, 32]}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert ModelConfig.from_dir(tmp_path).fp8_block == (64, 32)
+    d["quantization_config"] = {"quant_method": "fp8"}
+    assert ModelConfig.from_dict(d).fp8_block == (128, 128)
+
+
+def test_layer_index_accepts_only_this_models_layers():
+    """model.layers.N maps to N when N < num_hidden_layers; other names map to None."""
+    c = parsed("llama")
+    assert c.layer_index("model.layers.3") == 3
+    assert c.layer_index("model.layers.4") is None
+    assert c.layer_index("model.language_model.layers.0") is None
+    assert c.layer_index("model.layers.x") is None
