@@ -82,10 +82,14 @@ class FrameDecoder:
         size = self._payload_size
         if len(self._buf) < size:
             return None
-        # One copy out of the receive buffer; decoded tensors are views of this bytes object,
-        # which (unlike the bytearray) never changes under them.
-        with memoryview(self._buf) as view:
-            payload = bytes(view[:size])
-        del self._buf[:size]
+        # Decoded tensors are views of `payload`, so it must never change afterwards: when the
+        # buffer holds exactly this frame (the usual case, Cake never pipelines requests) it is
+        # handed over whole; otherwise the payload is copied out once.
+        if len(self._buf) == size:
+            payload, self._buf = self._buf, bytearray()
+        else:
+            with memoryview(self._buf) as view:
+                payload = bytes(view[:size])
+            del self._buf[:size]
         self._payload_size = None
         return decode_payload(payload, self.revision)

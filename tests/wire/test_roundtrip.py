@@ -108,3 +108,16 @@ def test_random_splits_of_a_long_stream():
         pos += step
         got += drain(decoder)
     assert got == msgs
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["frame by frame", "two frames at once"])
+def test_decoded_tensors_survive_later_feeds(together):
+    """A tensor taken from FrameDecoder keeps its bytes while later frames are fed and decoded."""
+    first = TensorMessage(RawTensor(b"\x11" * 64, DType.F16, (1, 32)))
+    second = TensorMessage(RawTensor(b"\x22" * 64, DType.F16, (1, 32)))
+    decoder = FrameDecoder(Revision.V2)
+    decoder.feed(stream_of([first, second] if together else [first], Revision.V2))
+    got = decoder.next_message()
+    decoder.feed(stream_of([second], Revision.V2))
+    assert drain(decoder) == ([second, second] if together else [second])
+    assert got == first
