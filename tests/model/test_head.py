@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from cakemp.model.config import ModelConfig
+from cakemp.model.head import Head
+from tests.checkpoints import make_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_head_matches_transformers(tmp_path, family, tied):
+    """Embeddings and the last position's logits equal HF's embed_tokens and lm_head(norm(x)), tied or not."""
+    path = make_checkpoint(tmp_path, family, tie_word_embeddings=tied)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    head = Head.load(path, ModelConfig.from_dir(path), "cpu", torch.float32)
+    tokens = [3, 17, 99, 0, 127]
+    x = torch.randn(1, 4, hf.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected_embed = hf.model.embed_tokens(torch.tensor([tokens]))
+        expected_logits = hf.lm_head(hf.model.norm(x))[0, -1]
+    assert torch.equal(head.embed(tokens), expected_embed)
+    torch.testing.assert_close(head.logits(x), expected_logits, rtol=1e-5, atol=1e-5)
+    assert (head.lm_head_weight is head.embed_weight) is tied
+
+
+def test_head_casts_to_the_compute_dtype(tmp_path):
+    """Weights stored in f32 are loaded in the asked dtype, and so are embeddings and logits."""
+    path = make_checkpoint(tmp_path, "llama")
+    head = Head.load(path, ModelConfig.from_dir(path), "cpu", torch.bfloat16)
+    x = head.embed([1, 2])
+    assert x.dtype == head.logits(x).dtype == torch.bfloat16
+    assert x.shape == (1, 2, 64) and head.logits(x).shape == (128,)
