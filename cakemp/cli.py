@@ -25,29 +25,32 @@ def _env(flag: str) -> str:
     return "CAKEMP_" + flag.upper().replace("-", "_")
 
 
+def _flag(*decls: str, **kwargs):
+    """A click option that also reads CAKEMP_<FLAG> (unless given its own envvar) and says so in --help."""
+    kwargs.setdefault("envvar", _env(decls[0].lstrip("-")))
+    return click.option(*decls, show_envvar=True, **kwargs)
+
+
 @click.group(context_settings={"show_default": True})
 def cli() -> None:
     """cakemp: a multi-GPU worker node for Cake distributed LLM inference."""
 
 
 @cli.command()
-@click.option("--name", envvar=_env("name"), help="This worker's entry in the topology.")
-@click.option("--model", envvar=_env("model"), default="./cake-data/Meta-Llama-3-8B/", help="Model directory.")
-@click.option("--topology", envvar=_env("topology"), help="Cake topology YAML.")
-@click.option("--address", envvar=_env("address"), default="0.0.0.0:10128", help="host:port to listen on.")
-@click.option("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster_key")], help="Shared key; turns on auth.")
-@click.option("--dtype", envvar=_env("dtype"), type=click.Choice(["f16", "bf16", "f32"]), default="f16",
-              help="Compute dtype of the layers.")
-@click.option("--gpus", envvar=_env("gpus"), default="all", help="all | cpu | cpu:N | GPU indices like 0,2.")
-@click.option("--protocol", envvar=_env("protocol"), type=click.Choice(["1", "2"]), default="2",
-              help="Cake revision: 1 = fa7d08a (WorkerError tag 11), 2 = after 2026-03-21 (tag 12).")
-@click.option("--kv-budget-mib", envvar=_env("kv_budget_mib"), type=click.IntRange(min=1),
-              help="KV cache budget per device process, in MiB (default: no limit).")
-@click.option("--max-context", envvar=_env("max_context"), type=click.IntRange(min=1),
-              help="Maximum positions per session (default: the model's).")
-@click.option("--log-format", envvar=_env("log_format"), type=click.Choice(list(log.FORMATS)), default="auto",
-              help="auto = console on a terminal, JSON lines otherwise.")
-@click.option("--log-level", envvar=_env("log_level"), type=click.Choice(list(log.LEVELS)), default="info")
+@_flag("--name", help="This worker's entry in the topology.")
+@_flag("--model", default="./cake-data/Meta-Llama-3-8B/", help="Model directory.")
+@_flag("--topology", help="Cake topology YAML.")
+@_flag("--address", default="0.0.0.0:10128", help="host:port to listen on.")
+@_flag("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster-key")], help="Shared key; turns on auth.")
+@_flag("--dtype", type=click.Choice(["f16", "bf16", "f32"]), default="f16", help="Compute dtype of the layers.")
+@_flag("--gpus", default="all", help="all | cpu | cpu:N | GPU indices like 0,2.")
+@_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
+       help="Cake revision: 1 = fa7d08a (WorkerError tag 11), 2 = after 2026-03-21 (tag 12).")
+@_flag("--kv-budget-mib", type=click.IntRange(min=1), help="KV cache budget per device process, in MiB (default: none).")
+@_flag("--max-context", type=click.IntRange(min=1), help="Maximum positions per session (default: the model's).")
+@_flag("--log-format", type=click.Choice(list(log.FORMATS)), default="auto",
+       help="auto = console on a terminal, JSON lines otherwise.")
+@_flag("--log-level", type=click.Choice(list(log.LEVELS)), default="info")
 def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_budget_mib, max_context,
         log_format, log_level) -> None:
     """Serve this worker's layers of a Cake topology."""

@@ -1,0 +1,77 @@
+"""`cakemp run` configuration handling: every configuration error exits 78 with one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.front.node import write_topology
+
+EX_CONFIG = 78
+
+
+def cakemp_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("CAKEMP_", "CAKE_"))}
+    return subprocess.run([sys.executable, "-m", "cakemp", "run", "--log-format", "json", *args],
+                          capture_output=True, text=True, timeout=120, env={**environ, **(env or {})})
+
+
+@pytest.fixture
+def topology(tmp_path):
+    return write_topology(tmp_path / "topology.yml", ["model.layers.0-1"], name="w1")
+
+
+def assert_config_error(result: subprocess.CompletedProcess, words: str) -> None:
+    assert result.returncode == EX_CONFIG, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["--topology", "{topology}"], {}, "no --name"),
+    (["--name", "w1"], {}, "--topology"),
+    (["--name", "w1", "--topology", "{tmp}/missing.yml"], {}, "missing.yml"),
+    (["--name", "w1", "--topology", "{topology}", "--gpus", "cpu:0"], {}, "cpu:N"),
+    (["--name", "w1", "--topology", "{topology}", "--gpus", "0,0"], {}, "--gpus"),
+    (["--name", "w1", "--topology", "{topology}", "--dtype", "f64"], {}, "f64"),
+    (["--name", "w1", "--topology", "{topology}", "--address", "nowhere"], {}, "--address"),
+    (["--name", "w1", "--topology", "{topology}"], {"CAKEMP_DTYPE": "int8"}, "int8"),
+    (["--name", "w1", "--topology", "{topology}"], {"CAKEMP_PROTOCOL": "3"}, "3"),
+])
+def test_configuration_errors_exit_78_with_one_line(tmp_path, topology, args, env, words):
+    """Missing or invalid flags (or CAKEMP_* variables) exit 78 and say what is wrong in one line."""
+    args = [a.format(topology=topology, tmp=tmp_path) for a in args]
+    assert_config_error(cakemp_run(*args, env=env), words)
+
+
+def test_an_empty_topology_exits_78(tmp_path):
+    """A topology file with no entries is a configuration error."""
+    (tmp_path / "empty.yml").write_text("")
+    assert_config_error(cakemp_run("--name", "w1", "--topology", str(tmp_path / "empty.yml")), "empty")
+
+
+def test_an_entry_without_layers_exits_78(tmp_path):
+    """An entry that lists no layers gives the node nothing to serve."""
+    path = write_topology(tmp_path / "topology.yml", [], name="w1")
+    assert_config_error(cakemp_run("--name", "w1", "--topology", str(path)), "no layers")
+
+
+def test_unknown_name_falls_back_with_a_warning_and_a_bad_model_exits_78(tmp_path, topology):
+    """An unknown --name serves the first entry after a warning; a device that cannot load the
+    checkpoint makes the node exit 78 with the device's reason."""
+    result = cakemp_run("--name", "stranger", "--topology", str(topology), "--gpus", "cpu",
+                        "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0")
+    assert "topology for worker name 'stranger' not found, using 'w1'" in result.stdout
+    assert_config_error(result, "no-model")
+
+
+def test_help_lists_every_flag_with_its_environment_variable():
+    """`cakemp run --help` exits 0 and names each flag's CAKEMP_ variable."""
+    result = subprocess.run([sys.executable, "-m", "cakemp", "run", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    for flag in ("name", "model", "topology", "address", "dtype", "gpus", "protocol", "log-format"):
+        assert f"CAKEMP_{flag.upper().replace('-', '_')}" in result.stdout
+    assert "CAKE_CLUSTER_KEY" in result.stdout
