@@ -34,8 +34,7 @@ def read_header(header: bytes | bytearray | memoryview, max_payload: int = MAX_P
 def encode_frame(msg: Message, revision: Revision) -> list[bytes | bytearray | memoryview]:
     """Header and payload of `msg` as buffers for `writer.writelines`; tensor and model data
     are passed by reference, never copied here."""
-    w = encode_buffers(msg, revision, HEADER_SIZE)
-    pieces = w.finish()
+    pieces = encode_buffers(msg, revision, HEADER_SIZE)
     size = sum(memoryview(piece).nbytes for piece in pieces) - HEADER_SIZE
     if size > MAX_PAYLOAD:
         # Cake's writer refuses too, and sends nothing.

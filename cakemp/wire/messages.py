@@ -225,7 +225,6 @@ class _Writer:
     def __init__(self, reserve: int) -> None:
         self.pieces: list[bytes | bytearray | memoryview] = []
         self.head = bytearray(reserve)  # room for the frame header when encoding a frame
-        self.size = 0  # payload bytes in finished pieces
 
     def u8(self, value: int) -> None:
         self.head += _U8.pack(value)
@@ -316,8 +315,8 @@ def _write(w: _Writer, msg: Message, revision: Revision) -> None:
     # Hello, Goodbye, ModelDataDone, WorkerReady: the tag is the whole message.
 
 
-def encode_buffers(msg: Message, revision: Revision, reserve: int) -> _Writer:
-    """`msg` written into a _Writer whose first piece starts with `reserve` spare bytes (for
+def encode_buffers(msg: Message, revision: Revision, reserve: int) -> list[bytes | bytearray | memoryview]:
+    """`msg` as buffers, the first a bytearray starting with `reserve` spare bytes (room for
     the frame header); used by `encode_payload` and `frames.encode_frame`."""
     w = _Writer(reserve)
     try:
@@ -325,12 +324,12 @@ def encode_buffers(msg: Message, revision: Revision, reserve: int) -> _Writer:
     except (struct.error, OverflowError, UnicodeEncodeError) as exc:
         # A negative or oversized integer, or a str with lone surrogates: not representable.
         raise ProtocolError(f"cannot encode {type(msg).__name__}: {exc}") from None
-    return w
+    return w.finish()
 
 
 def encode_payload(msg: Message, revision: Revision) -> bytes:
     """The speedy BigEndian payload of `msg` (no frame header)."""
-    return b"".join(encode_buffers(msg, revision, 0).finish())
+    return b"".join(encode_buffers(msg, revision, 0))
 
 
 # --------------------------------------------------------------------------- decoding
