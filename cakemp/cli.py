@@ -82,24 +82,24 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
 
 
 @cli.command()
-@click.option("--model", envvar=_env("model"), default="./cake-data/Meta-Llama-3-8B/", help="Model directory.")
-@click.option("--topology", envvar=_env("topology"), help="Cake topology YAML (without it every layer runs here).")
-@click.option("--prompt", envvar=_env("prompt"), default="Once upon a time", help="Text to continue.")
-@click.option("--max-tokens", envvar=_env("max_tokens"), type=click.IntRange(min=1), default=128,
-              help="Most tokens to generate (fewer when EOS comes first).")
-@click.option("--temperature", envvar=_env("temperature"), type=float, default=1.0, help="0 or less: greedy.")
-@click.option("--top-k", envvar=_env("top_k"), type=click.IntRange(min=1), help="Sample among the k likeliest.")
-@click.option("--top-p", envvar=_env("top_p"), type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass.")
-@click.option("--repeat-penalty", envvar=_env("repeat_penalty"), type=click.FloatRange(0, min_open=True),
-              default=1.1, help="Penalty on recently generated tokens (1.0: none).")
-@click.option("--repeat-last-n", envvar=_env("repeat_last_n"), type=click.IntRange(min=0), default=128,
-              help="How many recent tokens the penalty looks at.")
-@click.option("--seed", envvar=_env("seed"), type=int, default=299792458, help="Sampling seed.")
-@click.option("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster_key")], help="Shared key of the workers.")
-@click.option("--dtype", envvar=_env("dtype"), type=click.Choice(["f16", "bf16", "f32"]), default="f16",
-              help="Compute and wire dtype; must match the workers'.")
-@click.option("--protocol", envvar=_env("protocol"), type=click.Choice(["1", "2"]), default="2",
-              help="Cake revision the workers speak.")
+@_flag("--model", default="./cake-data/Meta-Llama-3-8B/", help="Model directory.")
+@_flag("--topology", help="Cake topology YAML (without it every layer runs here).")
+@_flag("--prompt", default="Once upon a time", help="Text to continue.")
+@_flag("--max-tokens", type=click.IntRange(min=1), default=128,
+       help="Most tokens to generate (fewer when EOS comes first).")
+@_flag("--temperature", type=float, default=1.0, help="0 or less: greedy.")
+@_flag("--top-k", type=click.IntRange(min=1), help="Sample among the k likeliest.")
+@_flag("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass.")
+@_flag("--repeat-penalty", type=click.FloatRange(0, min_open=True),
+       default=1.1, help="Penalty on recently generated tokens (1.0: none).")
+@_flag("--repeat-last-n", type=click.IntRange(min=0), default=128,
+       help="How many recent tokens the penalty looks at.")
+@_flag("--seed", type=int, default=299792458, help="Sampling seed.")
+@_flag("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster-key")], help="Shared key of the workers.")
+@_flag("--dtype", type=click.Choice(["f16", "bf16", "f32"]), default="f16",
+       help="Compute and wire dtype; must match the workers'.")
+@_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
+       help="Cake revision the workers speak.")
 def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed,
              cluster_key, dtype, protocol) -> None:
     """Generate text as a Cake master: this process runs the layers no worker serves."""
@@ -125,11 +125,11 @@ def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, rep
 
 @cli.command()
 @click.argument("address")
-@click.option("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster_key")], help="Shared key of the node.")
-@click.option("--json", "as_json", is_flag=True, help="Print the WorkerInfo as one JSON object.")
-@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=5.0, help="Seconds per step.")
-@click.option("--protocol", envvar=_env("protocol"), type=click.Choice(["1", "2"]), default="2",
-              help="Cake revision the node speaks.")
+@_flag("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster-key")], help="Shared key of the node.")
+@_flag("--json", "as_json", is_flag=True, help="Print the WorkerInfo as one JSON object.")
+@_flag("--timeout", type=click.FloatRange(0, min_open=True), default=5.0, help="Seconds per step.")
+@_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
+       help="Cake revision the node speaks.")
 def probe(address, cluster_key, as_json, timeout, protocol) -> None:
     """Check the node at ADDRESS (host:port): authenticate, say Hello, print its WorkerInfo.
 
