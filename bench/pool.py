@@ -1,0 +1,222 @@
+"""Pool benchmark: what the front and ZeroMQ cost, and what several device processes buy.
+
+    python -m bench.pool [--steps 400] [--seconds 4]
+
+Writes two random Llama checkpoints (4 layers each) to a temp dir and starts, side by side,
+`cakemp run` and bench/single_worker.py (Cake's design in one process: TCP, codec and
+BlockRunner in one asyncio loop) on the same layers, f32, all cores each. A Cake-style master
+(one connection per layer, the run as one Batch on the first) then measures, in the same run:
+
+1. relay tax (small model, hidden 256, so that compute does not drown the overhead): round
+   trip of a decode Batch through `cakemp run --gpus cpu:1` against the single-process
+   worker, p50 and p99 over --steps steps, the two alternating in blocks of 50. An empty
+   Batch (no layers: TCP + codec + asyncio only, no device hop in cakemp) separates the
+   ipc hop from the rest.
+2. concurrency (hidden 1024, decode compute dominant): aggregate decode steps/s of 1, 2 and
+   4 concurrent sessions, each decoding through all 4 layers for --seconds, on
+   `cakemp run --gpus cpu:2` (layers 0-1 on one process, 2-3 on the other) against the
+   single-process worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from cakemp.master.client import WorkerClient
+from cakemp.wire import DType, RawTensor
+from tests.checkpoints import make_checkpoint
+
+LAYERS = 4
+BLOCK = 50  # decode steps per block when alternating between the two workers
+PREFILL = 8
+MAX_POSITIONS = 4096
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"worker exited with {process.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("worker never listened")
+
+
+def start_cakemp(model: Path, workdir: Path, gpus: str) -> tuple[subprocess.Popen, int]:
+    topology = workdir / f"topology-{model.name}.yml"
+    topology.write_text(yaml.safe_dump({"w": {"host": "x:1", "layers": [f"model.layers.0-{LAYERS - 1}"]}}))
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cakemp", "run", "--name", "w", "--model", str(model), "--topology", str(topology),
+         "--address", f"127.0.0.1:{port}", "--gpus", gpus, "--dtype", "f32", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL)
+    wait_listening(port, process)
+    return process, port
+
+
+def start_single(model: Path) -> tuple[subprocess.Popen, int]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.single_worker", "--model", str(model), "--layers", f"model.layers.0-{LAYERS - 1}",
+         "--threads", str(os.cpu_count())], stdout=subprocess.PIPE, text=True)
+    port = int(process.stdout.readline().split()[1])
+    return process, port
+
+
+def raw(x: torch.Tensor) -> RawTensor:
+    return RawTensor(x.numpy().tobytes(), DType.F32, tuple(x.shape))
+
+
+class Session:
+    """One master session: a connection per layer, decode steps as Batches on the first."""
+
+    def __init__(self, clients: list[WorkerClient], hidden: int):
+        self.clients, self.hidden, self.position = clients, hidden, 0
+
+    @classmethod
+    async def open(cls, port: int, hidden: int) -> "Session":
+        clients = []
+        for _ in range(LAYERS):
+            client = await WorkerClient.connect("127.0.0.1", port)
+            await client.hello()
+            clients.append(client)
+        session = cls(clients, hidden)
+        await session.restart()
+        return session
+
+    async def restart(self) -> None:
+        await self.clients[0].goodbye()
+        self.position = 0
+        await self.step(PREFILL)
+
+    async def step(self, tokens: int = 1, layers: int = LAYERS) -> None:
+        if self.position + tokens > MAX_POSITIONS:
+            await self.restart()
+        ops = [(f"model.layers.{i}", self.position, i) for i in range(layers)]
+        await self.clients[0].batch(raw(torch.randn(1, tokens, self.hidden)), ops)
+        if layers:
+            self.position += tokens
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+
+async def relay_tax(ports: dict[str, int], hidden: int, steps: int) -> dict[str, dict[str, list[float]]]:
+    """Round-trip times in µs: {worker: {"decode": [...], "empty": [...]}}, blocks alternating."""
+    sessions = {name: await Session.open(port, hidden) for name, port in ports.items()}
+    times = {name: {"decode": [], "empty": []} for name in ports}
+    for kind, layers in (("decode", LAYERS), ("empty", 0)):
+        for name, session in sessions.items():  # warm-up
+            for _ in range(BLOCK):
+                await session.step(layers=layers)
+        for _ in range(steps // BLOCK):
+            for name, session in sessions.items():
+                for _ in range(BLOCK):
+                    start = time.perf_counter()
+                    await session.step(layers=layers)
+                    times[name][kind].append((time.perf_counter() - start) * 1e6)
+    for session in sessions.values():
+        await session.close()
+    return times
+
+
+async def throughput(port: int, hidden: int, sessions: int, seconds: float) -> float:
+    """Aggregate decode steps/s of `sessions` masters decoding concurrently for `seconds`."""
+    opened = [await Session.open(port, hidden) for _ in range(sessions)]
+    for session in opened:
+        await session.step()
+    counts = [0] * sessions
+    deadline = time.perf_counter() + seconds
+
+    async def loop(i: int) -> None:
+        while time.perf_counter() < deadline:
+            await opened[i].step()
+            counts[i] += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(loop(i) for i in range(sessions)))
+    elapsed = time.perf_counter() - start
+    for session in opened:
+        await session.close()
+    return sum(counts) / elapsed
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if q < 100 else max(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    args = parser.parse_args()
+    print(f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
+          f"{os.cpu_count()} cores")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        common = dict(num_hidden_layers=LAYERS, max_position_embeddings=MAX_POSITIONS)
+        small = make_checkpoint(work / "small", "llama", hidden_size=256, intermediate_size=704,
+                                num_attention_heads=4, num_key_value_heads=2, **common)
+        big = make_checkpoint(work / "big", "llama", hidden_size=1024, intermediate_size=2816,
+                              num_attention_heads=16, num_key_value_heads=4, **common)
+
+        processes = []
+        try:
+            node, node_port = start_cakemp(small, work, "cpu:1")
+            single, single_port = start_single(small)
+            processes += [node, single]
+            times = asyncio.run(relay_tax({"cakemp cpu:1": node_port, "single process": single_port}, 256, args.steps))
+            print(f"\n1. relay tax: decode Batch of {LAYERS} layers, hidden 256, f32, [1, 1, 256]; "
+                  f"{args.steps} steps each, blocks of {BLOCK} alternating")
+            print("| worker | Batch | p50 µs | p99 µs |\n|---|---|---:|---:|")
+            for name, kinds in times.items():
+                for kind, values in kinds.items():
+                    label = f"{LAYERS} layers" if kind == "decode" else "empty (no layers)"
+                    print(f"| {name} | {label} | {pct(values, 50):.0f} | {pct(values, 99):.0f} |")
+            for kind in ("decode", "empty"):
+                tax = pct(times["cakemp cpu:1"][kind], 50) - pct(times["single process"][kind], 50)
+                print(f"p50 difference, {kind}: {tax:+.0f} µs")
+            for process in (node, single):
+                process.terminate()
+                process.wait()
+
+            node, node_port = start_cakemp(big, work, "cpu:2")
+            single, single_port = start_single(big)
+            processes += [node, single]
+            print(f"\n2. concurrency: decode through {LAYERS} layers, hidden 1024, f32, {args.seconds:g} s per cell")
+            print("| sessions | single process steps/s | cakemp cpu:2 steps/s | ratio |\n|---:|---:|---:|---:|")
+            for sessions in (1, 2, 4):
+                base = asyncio.run(throughput(single_port, 1024, sessions, args.seconds))
+                pooled = asyncio.run(throughput(node_port, 1024, sessions, args.seconds))
+                print(f"| {sessions} | {base:.1f} | {pooled:.1f} | {pooled / base:.2f}× |")
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.terminate()
+                    process.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The device process itself, spawned as the front spawns it, driven over its ipc socket."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from cakemp.device import process
+from cakemp.device.spec import DeviceSpec
+from cakemp.ipc import Activation, Failure, Forward, FrontChannel, Op, Ready
+from cakemp.wire import DType
+from tests.checkpoints import HFLayers, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+
+
+async def spawn(spec: DeviceSpec):
+    """The front's end of a freshly spawned device process: (channel, process, parent pipe)."""
+    channel = FrontChannel(spec.endpoint)
+    context = multiprocessing.get_context("spawn")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=process.main, args=(spec, reader, os.getpid()), daemon=True)
+    child.start()
+    reader.close()
+    return channel, child, writer
+
+
+async def join(child, timeout: float = 20.0) -> int:
+    for _ in range(int(timeout / 0.05)):
+        if not child.is_alive():
+            break
+        await asyncio.sleep(0.05)
+    child.join(0)
+    return child.exitcode
+
+
+def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, checkpoint):
+    """The process reports Ready with its layers, answers a Forward like HF's layer, survives a bad
+    request, and exits 0 once the parent's end of the pipe closes."""
+    spec = DeviceSpec(0, None, ("model.layers.1",), str(checkpoint), "f32", f"ipc://{tmp_path}/device-0",
+                      threads=1, log_format="json")
+    x = torch.randn(1, 3, 64)
+
+    async def main():
+        channel, child, parent_pipe = await spawn(spec)
+        ready = await asyncio.wait_for(channel.receive(), 60)
+        assert isinstance(ready, Ready) and (ready.device, ready.layers) == ("cpu", 1) and ready.memory_bytes > 0
+        await channel.send(Forward(1, 1, DType.F32, (1, 3, 64), (Op(5, 0, 1),), bytearray(x.numpy().tobytes())))
+        refused = await asyncio.wait_for(channel.receive(), 10)
+        await channel.send(Forward(1, 2, DType.F32, (1, 3, 64), (Op(0, 0, 1),), bytearray(x.numpy().tobytes())))
+        answered = await asyncio.wait_for(channel.receive(), 10)
+        parent_pipe.close()
+        exitcode = await join(child)
+        channel.close()
+        return refused, answered, exitcode
+
+    refused, answered, exitcode = asyncio.run(main())
+    assert isinstance(refused, Failure) and refused.error == "UnknownLayer"
+    assert isinstance(answered, Activation) and answered.request_id == 2
+    y = torch.frombuffer(bytearray(answered.data), dtype=torch.float32).view(1, 3, 64)
+    torch.testing.assert_close(y, HFLayers(checkpoint, [1], torch.float32)(x, 0), atol=1e-4, rtol=0)
+    assert exitcode == 0
+
+
+def test_a_load_failure_is_reported_before_exiting(tmp_path):
+    """A model directory that cannot be loaded is reported as a start Failure, then the process exits 1."""
+    spec = DeviceSpec(0, None, ("model.layers.0",), str(tmp_path / "absent"), "f32", f"ipc://{tmp_path}/device-0",
+                      threads=1, log_format="json")
+
+    async def main():
+        channel, child, parent_pipe = await spawn(spec)
+        failure = await asyncio.wait_for(channel.receive(), 60)
+        exitcode = await join(child)
+        channel.close()
+        parent_pipe.close()
+        return failure, exitcode
+
+    failure, exitcode = asyncio.run(main())
+    assert isinstance(failure, Failure) and failure.request_id == 0 and "absent" in failure.message
+    assert exitcode == 1

@@ -1,0 +1,71 @@
+"""DeviceService, the device process's request handling, run in-process on a real runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cakemp.device.runner import BlockRunner
+from cakemp.device.service import DeviceService
+from cakemp.device.spec import DeviceSpec
+from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, Op
+from cakemp.wire import DType
+from tests.checkpoints import make_checkpoint
+
+LAYERS = ("model.layers.2", "model.layers.3")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+
+
+@pytest.fixture
+def service(checkpoint):
+    return DeviceService.load(DeviceSpec(0, None, LAYERS, str(checkpoint), "f32", "ipc://unused", max_context=32))
+
+
+def forward(x: torch.Tensor, ops, session=1, request_id=1, wire=DType.F32, data=None) -> Forward:
+    raw = x.to({DType.F32: torch.float32, DType.F16: torch.float16}[wire]).reshape(-1).view(torch.uint8)
+    return Forward(session, request_id, wire, tuple(x.shape), tuple(ops), data or bytearray(raw.numpy().tobytes()))
+
+
+def test_forward_runs_the_addressed_layers_like_the_runner(service, checkpoint):
+    """Ops naming layers by index give the runner's own output for those layers, as F32 bytes."""
+    x = torch.randn(1, 4, 64)
+    reply = service.handle(forward(x, [Op(0, 0, 2), Op(1, 0, 3)], request_id=5))
+    runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
+    expected = runner.forward(9, x, [("model.layers.2", 0, 2), ("model.layers.3", 0, 3)])
+    assert isinstance(reply, Activation) and (reply.request_id, reply.dtype, reply.shape) == (5, DType.F32, (1, 4, 64))
+    torch.testing.assert_close(torch.frombuffer(bytearray(reply.data), dtype=torch.float32).view(1, 4, 64), expected)
+
+
+def test_an_f16_request_is_answered_in_f16(service):
+    """The reply keeps the request's wire dtype whatever the device computes in."""
+    reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], wire=DType.F16))
+    assert reply.dtype == DType.F16 and len(bytes(reply.data)) == 2 * 64 * 2
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda x: forward(x, [Op(2, 0, 2)]), "UnknownLayer", "layer #2"),
+    (lambda x: forward(x, [Op(0, 0, 2)], data=bytearray(7)), "BadTensor", "7 bytes"),
+    (lambda x: Forward(1, 1, DType.F64, (1, 2, 64), (Op(0, 0, 2),), bytearray(2 * 64 * 8)), "BadTensor", "F64"),
+    (lambda x: forward(torch.randn(1, 2, 32), [Op(0, 0, 2)]), "BadTensor", "64"),
+    (lambda x: forward(x, [Op(0, 31, 2)]), "PositionGap", "31"),
+    (lambda x: forward(torch.randn(1, 33, 64), [Op(0, 0, 2)]), "ContextLimitExceeded", "32"),
+])
+def test_requests_that_cannot_be_served_become_failures(service, make, error, words):
+    """Each bad request is answered with a Failure naming the error class and what was wrong."""
+    reply = service.handle(make(torch.randn(1, 2, 64)))
+    assert isinstance(reply, Failure) and reply.error == error and words in reply.message, reply
+
+
+def test_clear_and_end_report_the_sessions_left(service):
+    """Done after Clear and End carries the device's session count and KV bytes."""
+    for session in (1, 2):
+        assert isinstance(service.handle(forward(torch.randn(1, 3, 64), [Op(0, 0, 2)], session=session)), Activation)
+    cleared = service.handle(Clear(1, 7))
+    assert isinstance(cleared, Done) and cleared.request_id == 7 and cleared.kv_bytes > 0
+    service.handle(End(1, 8))
+    last = service.handle(End(2, 9))
+    assert (last.sessions, last.kv_bytes) == (0, 0)
