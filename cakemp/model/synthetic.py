@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 # Bump when the files written for the same spec change, so old cache entries are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 BOS = "<s>"
 EOS = "</s>"
@@ -129,7 +129,7 @@ def write_checkpoint(directory: Path, spec: SyntheticSpec = SyntheticSpec()) -> 
         json.dumps({"bos_token": BOS, "eos_token": EOS, "model_max_length": spec.max_position_embeddings,
                     "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n"
     )
-    _write_shards(directory, _weights(spec, vocab_size), spec.shards)
+    _write_shards(directory, _weights(spec, vocab_size, _unprintable(tokenizer)), spec.shards)
 
 
 def build_tokenizer(vocab_target: int) -> Tokenizer:
@@ -150,19 +150,33 @@ def build_tokenizer(vocab_target: int) -> Tokenizer:
     return tokenizer
 
 
-def _weights(spec: SyntheticSpec, vocab_size: int) -> dict[str, torch.Tensor]:
+def _unprintable(tokenizer: Tokenizer) -> list[int]:
+    """Ids whose text alone is empty or does not print: the special tokens, control bytes, and
+    lone bytes of a multi-byte character (they decode to U+FFFD)."""
+    ids = []
+    for i in range(tokenizer.get_vocab_size()):
+        text = tokenizer.decode([i])
+        if not text or "\ufffd" in text or not (text.isprintable() or text == "\n"):
+            ids.append(i)
+    return ids
+
+
+def _weights(spec: SyntheticSpec, vocab_size: int, quiet: list[int]) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint by name, drawn from one seeded generator, in bf16.
 
     Linear weights are N(0, 0.02) as in HF's initialisation; norm weights are near 1 (not
-    exactly 1, so a missing or misplaced norm changes the output).
+    exactly 1, so a missing or misplaced norm changes the output). An untied lm_head is drawn
+    wider, N(0, 0.15), so logits spread over a few units as a trained model's do, and its rows
+    for the `quiet` tokens 20x narrower: sampling then rarely picks a token that cannot print
+    alone, and the (random, meaningless) text reads as pieces of words rather than U+FFFD.
     """
     g = torch.Generator().manual_seed(spec.seed)
     h, i = spec.hidden_size, spec.intermediate_size
     head_dim = h // spec.num_attention_heads
     kv = spec.num_key_value_heads * head_dim
 
-    def linear(rows: int, cols: int) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    def linear(rows: int, cols: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * std).to(torch.bfloat16)
 
     def norm() -> torch.Tensor:
         return (1.0 + 0.1 * torch.randn(h, generator=g)).to(torch.bfloat16)
@@ -181,7 +195,9 @@ def _weights(spec: SyntheticSpec, vocab_size: int) -> dict[str, torch.Tensor]:
         tensors[p + "mlp.down_proj.weight"] = linear(h, i)        # [H, I]
     tensors["model.norm.weight"] = norm()
     if not spec.tie_word_embeddings:
-        tensors["lm_head.weight"] = linear(vocab_size, h)
+        lm_head = linear(vocab_size, h, std=0.15)
+        lm_head[quiet] /= 20
+        tensors["lm_head.weight"] = lm_head
     return tensors
 
 
