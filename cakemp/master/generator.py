@@ -147,10 +147,7 @@ class Generator:
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
         torch_dtype = compute_dtype(dtype)
-        tokenizer_path = model_dir / "tokenizer.json"
-        if not tokenizer_path.is_file():
-            raise CheckpointError(f"{tokenizer_path} does not exist")
-        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        tokenizer = _tokenizer(model_dir / "tokenizer.json")
         head = Head.load(model_dir, config, device, torch_dtype)
         names = [config.layer_name(i) for i in range(config.num_hidden_layers)]
         runs = plan_runs(names, layer_hosts(topology))
@@ -267,6 +264,15 @@ class Generator:
             self.runner.clear_session(_SESSION)
         for index in sorted(self.clients):
             await self.clients[index].goodbye()
+
+
+def _tokenizer(path: Path) -> Tokenizer:
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers package raises plain Exception for a bad file
+        raise CheckpointError(f"{path} is not a usable tokenizer: {exc}") from None
 
 
 def _eos_ids(model_dir: Path) -> frozenset[int]:
