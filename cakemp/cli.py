@@ -12,7 +12,7 @@ import sys
 import click
 
 from cakemp import log
-from cakemp.errors import ConfigError
+from cakemp.errors import CakempError, ConfigError
 from cakemp.front import Front, NodeConfig
 from cakemp.front.config import cuda_devices, parse_address, parse_gpus
 from cakemp.topology import Topology
@@ -78,7 +78,13 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         kv_budget_bytes=kv_budget_mib * (1 << 20) if kv_budget_mib else None, max_context=max_context,
         log_format=log_format, log_level=log_level,
     )
-    sys.exit(asyncio.run(Front(config).run()))
+    try:
+        status = asyncio.run(Front(config).run())
+    except ConfigError:
+        raise
+    except CakempError as e:  # a device that died while loading, say
+        _exit(str(e), 1)
+    sys.exit(status)
 
 
 @cli.command()

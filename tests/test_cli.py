@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -75,3 +76,14 @@ def test_help_lists_every_flag_with_its_environment_variable():
     for flag in ("name", "model", "topology", "address", "dtype", "gpus", "protocol", "log-format"):
         assert f"CAKEMP_{flag.upper().replace('-', '_')}" in result.stdout
     assert "CAKE_CLUSTER_KEY" in result.stdout
+
+
+def test_an_address_in_use_exits_78_before_loading(tmp_path, topology):
+    """A port another process holds is reported at once, before any device process starts."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", "cpu",
+                            "--model", str(tmp_path / "no-model"), "--address", f"127.0.0.1:{port}")
+    assert_config_error(result, "cannot listen")

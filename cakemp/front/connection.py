@@ -42,6 +42,10 @@ class Connection:
         peer = writer.get_extra_info("peername")
         self._log = log.get_logger(conn=f"{peer[0]}:{peer[1]}" if peer else "?", session=session)
 
+    def close(self) -> None:
+        """Close the transport: the read loop sees EOF and `serve` frees the session and returns."""
+        self._writer.close()
+
     async def serve(self) -> None:
         """Serve until the master closes, sends garbage, or the task is cancelled; then free the session."""
         try:

@@ -20,6 +20,7 @@ import tempfile
 import cakemp
 from cakemp import log
 from cakemp.device.spec import DeviceSpec
+from cakemp.errors import ConfigError
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
 from cakemp.front.connection import Connection
 from cakemp.front.pool import DevicePool
@@ -54,9 +55,16 @@ class Front:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop)
         try:
+            # Bound first, so that a taken port fails before minutes of loading; accepting
+            # (listen) starts only once every device is ready.
+            try:
+                server = await asyncio.start_server(self._accept, self.config.host, self.config.port,
+                                                    start_serving=False)
+            except OSError as e:
+                raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {e.strerror}") from None
             self.pool = DevicePool(self._device_specs(runtime_dir))
             readies = await self.pool.start()
-            server = await asyncio.start_server(self._accept, self.config.host, self.config.port)
+            await server.start_serving()
             host, port = server.sockets[0].getsockname()[:2]  # the real port when --address asked for 0
             self._log.info(
                 f"listening on {host}:{port} (mem:{human_bytes(_rss_bytes())}) ...",
@@ -96,10 +104,16 @@ class Front:
         deadline = asyncio.get_running_loop().time() + _ANSWER_GRACE_S
         while any(c.busy for c in self._connections) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
+        # Closing a transport ends its connection's read loop, which then frees the session; a
+        # task is cancelled only if that does not finish (Python 3.11's streams log a cancelled
+        # connection task as an error).
+        for connection in self._connections:
+            connection.close()
         tasks = list(self._connections.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=_ANSWER_GRACE_S)
+            for task in pending:
+                task.cancel()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = Connection(
@@ -137,7 +151,7 @@ class Front:
                 kv_budget_bytes=self.config.kv_budget_bytes,
                 max_context=self.config.max_context,
                 # CPU processes share the cores rather than oversubscribe them.
-                threads=max(1, (os.cpu_count() or 1) // cpu_processes) if gpu is None else None,
+                threads=max(1, len(os.sched_getaffinity(0)) // cpu_processes) if gpu is None else None,
                 log_format=self.config.log_format,
                 log_level=self.config.log_level,
             )
