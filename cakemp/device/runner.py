@@ -60,19 +60,29 @@ class BlockRunner:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
         config = ModelConfig.from_dir(model_dir)
         checkpoint = Checkpoint(model_dir, config)
-        names = DecoderBlock.tensor_names(config)
-        blocks = {}
+        groups = DecoderBlock.weight_groups(config)
+        wanted = {}
         for layer in layers:
-            index = config.layer_index(layer)
-            if index is None:
+            if config.layer_index(layer) is None:
                 raise CheckpointError(
                     f"layer {layer!r} is not one of {config.layer_name(0)}..{config.layer_name(config.num_hidden_layers - 1)}"
                 )
-            # One layer at a time, so only one layer's unfused weights are ever held twice.
-            tensors = checkpoint.load([f"{layer}.{n}" for n in names], device, dtype)
-            blocks[layer] = DecoderBlock(
-                config, config.layer_windows[index], {n: tensors[f"{layer}.{n}"] for n in names}
+            for key, members in groups.items():
+                wanted[layer, key] = [f"{layer}.{name}" for name in members]
+        weights = checkpoint.load(wanted, device, dtype)
+        shapes = DecoderBlock.weight_shapes(config)
+        for (layer, key), tensor in weights.items():
+            if tuple(tensor.shape) != shapes[key]:
+                raise CheckpointError(
+                    f"{layer}: {' + '.join(groups[key])} give shape {tuple(tensor.shape)}, "
+                    f"config.json implies {shapes[key]}"
+                )
+        blocks = {
+            layer: DecoderBlock(
+                config, config.layer_windows[config.layer_index(layer)], {key: weights[layer, key] for key in groups}
             )
+            for layer in layers
+        }
         return cls(config, blocks, device, dtype, kv_budget_bytes, max_context)
 
     def forward(self, session: int, x: torch.Tensor, ops: Sequence[tuple[str, int, int]]) -> torch.Tensor:

@@ -19,38 +19,62 @@ class DecoderBlock:
     (bench/blocks.py measures the gain).
     """
 
-    def __init__(self, config: ModelConfig, window: int | None, tensors: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, window: int | None, weights: dict[str, torch.Tensor]):
+        """weights: the tensors named by `weight_groups(config)`, on the device, in the compute dtype."""
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
         self.window = window
-        t = tensors
-        self.input_norm = t["input_layernorm.weight"]  # [H]
-        self.post_norm = t["post_attention_layernorm.weight"]  # [H]
-        # w_qkv: [(H_q + 2 H_kv) * D, H]
-        self.w_qkv = torch.cat([t[f"self_attn.{p}_proj.weight"] for p in "qkv"])
-        self.b_qkv = torch.cat([t[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if config.qkv_bias else None
-        self.w_o = t["self_attn.o_proj.weight"]  # [H, H_q * D]
-        self.b_o = t["self_attn.o_proj.bias"] if config.o_bias else None
-        self.q_norm = t["self_attn.q_norm.weight"] if config.qk_norm else None  # [D]
-        self.k_norm = t["self_attn.k_norm.weight"] if config.qk_norm else None  # [D]
-        self.w_gate_up = torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])  # [2I, H]
-        self.w_down = t["mlp.down_proj.weight"]  # [H, I]
+        self.input_norm = weights["input_norm"]  # [H]
+        self.post_norm = weights["post_norm"]  # [H]
+        self.w_qkv = weights["w_qkv"]  # [(H_q + 2 H_kv) * D, H]
+        self.b_qkv = weights.get("b_qkv")  # [(H_q + 2 H_kv) * D] or None
+        self.w_o = weights["w_o"]  # [H, H_q * D]
+        self.b_o = weights.get("b_o")  # [H] or None
+        self.q_norm = weights.get("q_norm")  # [D] or None
+        self.k_norm = weights.get("k_norm")  # [D] or None
+        self.w_gate_up = weights["w_gate_up"]  # [2I, H]
+        self.w_down = weights["w_down"]  # [H, I]
 
     @staticmethod
-    def tensor_names(config: ModelConfig) -> list[str]:
-        """The checkpoint tensors of one layer, relative to its prefix (`model.layers.N.`)."""
-        names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-        names += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+    def weight_groups(config: ModelConfig) -> dict[str, list[str]]:
+        """Each weight of the block and the checkpoint tensors (relative to `model.layers.N.`)
+        stacked along dim 0 to make it."""
+        groups = {
+            "input_norm": ["input_layernorm.weight"],
+            "post_norm": ["post_attention_layernorm.weight"],
+            "w_qkv": [f"self_attn.{p}_proj.weight" for p in "qkv"],
+            "w_o": ["self_attn.o_proj.weight"],
+            "w_gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+            "w_down": ["mlp.down_proj.weight"],
+        }
         if config.qkv_bias:
-            names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+            groups["b_qkv"] = [f"self_attn.{p}_proj.bias" for p in "qkv"]
         if config.o_bias:
-            names.append("self_attn.o_proj.bias")
+            groups["b_o"] = ["self_attn.o_proj.bias"]
         if config.qk_norm:
-            names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-        names += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-        return names
+            groups["q_norm"] = ["self_attn.q_norm.weight"]
+            groups["k_norm"] = ["self_attn.k_norm.weight"]
+        return groups
+
+    @staticmethod
+    def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The shape each weight of `weight_groups` must have for this config."""
+        H, D, I = config.hidden_size, config.head_dim, config.intermediate_size
+        qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * D
+        return {
+            "input_norm": (H,),
+            "post_norm": (H,),
+            "w_qkv": (qkv, H),
+            "b_qkv": (qkv,),
+            "w_o": (H, config.num_attention_heads * D),
+            "b_o": (H,),
+            "q_norm": (D,),
+            "k_norm": (D,),
+            "w_gate_up": (2 * I, H),
+            "w_down": (H, I),
+        }
 
     def forward(
         self,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -15,6 +16,8 @@ from cakemp.model.config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+
+K = TypeVar("K")
 
 
 class Checkpoint:
@@ -41,46 +44,58 @@ class Checkpoint:
         return self.weight_map.get(name, INDEX)
 
     def load(
-        self, names: list[str], device: torch.device, dtype: torch.dtype
-    ) -> dict[str, torch.Tensor]:
-        """Read `names` straight onto `device`, cast to `dtype`; FP8 weights are dequantized first.
+        self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype
+    ) -> dict[K, torch.Tensor]:
+        """One `dtype` tensor on `device` per group: its tensors concatenated along dim 0.
 
-        Each shard holding one of them is opened once; other shards are never opened.
+        Each shard holding one of the names is opened once (memory-mapped); other shards are
+        never opened. Every destination is allocated once and filled by one copy_ per source
+        tensor, which casts on the way, so fused weights (q/k/v) cost no extra pass over the
+        bytes. FP8 weights are dequantized (in f32, on `device`) first.
         """
-        by_file: dict[str, list[str]] = defaultdict(list)
-        for name in names:
-            by_file[self.file_of(name)].append(name)
-        if INDEX in by_file:
-            raise CheckpointError(f"tensor {by_file[INDEX][0]} is missing from {self.dir / INDEX}")
-        tensors = {}
-        for file, file_names in by_file.items():
-            path = self.dir / file
-            try:
-                with safe_open(path, framework="pt", device=_safetensors_device(device)) as f:
-                    present = set(f.keys())
-                    for name in file_names:
-                        if name not in present:
-                            raise CheckpointError(f"tensor {name} is missing from {path}")
-                        tensors[name] = self._read(f, present, name, dtype)
-            except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"cannot read {path}: {exc}") from None
-        return tensors
+        names = [name for members in groups.values() for name in members]
+        missing = [name for name in names if self.file_of(name) == INDEX]
+        if missing:
+            raise CheckpointError(f"tensor {missing[0]} is missing from {self.dir / INDEX}")
+        with ExitStack() as stack:
+            files = {}  # file -> (open handle, names it holds)
+            for file in dict.fromkeys(self.file_of(name) for name in names):
+                path = self.dir / file
+                try:
+                    handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+                except (SafetensorError, OSError) as exc:
+                    raise CheckpointError(f"cannot read {path}: {exc}") from None
+                files[file] = (handle, set(handle.keys()))
+            out = {}
+            for key, members in groups.items():
+                sources = [self._source(*files[self.file_of(name)], name, device) for name in members]
+                if len({t.shape[1:] for t in sources}) > 1:
+                    shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(members, sources))
+                    raise CheckpointError(f"tensors that should stack along dim 0 do not: {shapes}")
+                shape = (sum(t.shape[0] for t in sources), *sources[0].shape[1:])
+                out[key] = torch.empty(shape, dtype=dtype, device=device)
+                row = 0
+                for t in sources:
+                    if t.device != device and t.dtype != dtype:
+                        t = t.to(device)  # cast on the accelerator, not in torch's slow CPU cast
+                    out[key][row : row + t.shape[0]].copy_(t)
+                    row += t.shape[0]
+            return out
 
-    def _read(self, f, present: set[str], name: str, dtype: torch.dtype) -> torch.Tensor:
+    def _source(self, f, present: set[str], name: str, device: torch.device) -> torch.Tensor:
+        """The stored tensor (a view of the mapped file), or its f32 dequantization on `device`."""
+        if name not in present:
+            raise CheckpointError(f"tensor {name} is missing from {self.dir / self.file_of(name)}")
         tensor = f.get_tensor(name)
         scale_name = name + "_scale_inv"
-        if tensor.dtype == torch.float8_e4m3fn and scale_name in present:
-            if self.config.fp8_block is None:
-                raise CheckpointError(f"{name} has a {scale_name} but config.json declares no fp8 quantization")
-            try:
-                tensor = fp8.dequantize(tensor, f.get_tensor(scale_name), self.config.fp8_block)
-            except ValueError as exc:
-                raise CheckpointError(f"{name}: {exc}") from None
-        return tensor.to(dtype)
+        if tensor.dtype != torch.float8_e4m3fn or scale_name not in present:
+            return tensor
+        if self.config.fp8_block is None:
+            raise CheckpointError(f"{name} has a {scale_name} but config.json declares no fp8 quantization")
+        try:
+            # Dequantize where the weight goes: the e4m3 bytes are a quarter of its f32 size.
+            return fp8.dequantize(tensor.to(device), f.get_tensor(scale_name).to(device), self.config.fp8_block)
+        except ValueError as exc:
+            raise CheckpointError(f"{name}: {exc}") from None
 
 
-def _safetensors_device(device: torch.device) -> str:
-    """safetensors wants an indexed device name ("cuda:0"), never a bare "cuda"."""
-    if device.type == "cuda" and device.index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)

@@ -16,10 +16,6 @@ from cakemp.model.config import ModelConfig
 from tests.checkpoints import make_checkpoint
 
 
-def layer_names(config, index):
-    return [f"model.layers.{index}.{n}" for n in DecoderBlock.tensor_names(config)]
-
-
 def test_only_the_shards_holding_the_layers_are_opened(tmp_path):
     """With the other shards deleted, layers 1-2 of a 4-shard checkpoint still load."""
     path = make_checkpoint(tmp_path, "llama", shards=4)  # one layer per shard
@@ -32,14 +28,15 @@ def test_only_the_shards_holding_the_layers_are_opened(tmp_path):
 
 
 def test_single_file_checkpoint_loads_tensors_as_stored(tmp_path):
-    """Without an index, tensors come from model.safetensors, bit for bit in f32."""
+    """Without an index, tensors come from model.safetensors, bit for bit in f32, stacked per weight."""
     path = make_checkpoint(tmp_path, "qwen2")
     config = ModelConfig.from_dir(path)
-    names = layer_names(config, 2)
-    loaded = Checkpoint(path, config).load(names, torch.device("cpu"), torch.float32)
+    groups = {key: [f"model.layers.2.{name}" for name in members]
+              for key, members in DecoderBlock.weight_groups(config).items()}
+    loaded = Checkpoint(path, config).load(groups, torch.device("cpu"), torch.float32)
     with safe_open(path / "model.safetensors", "pt") as f:
-        for name in names:
-            assert torch.equal(loaded[name], f.get_tensor(name))
+        for key, members in groups.items():
+            assert torch.equal(loaded[key], torch.cat([f.get_tensor(name) for name in members]))
 
 
 def test_tensors_are_cast_to_the_compute_dtype(tmp_path):
@@ -122,3 +119,13 @@ def test_fp8_checkpoint_with_ragged_blocks_is_dequantized_on_load(tmp_path):
     assert torch.equal(block.w_qkv[: q.shape[0]], fp8.dequantize(q, q_scale, (48, 40)))
     # Norms are not quantized and load as stored.
     assert torch.equal(block.input_norm, stored["model.layers.2.input_layernorm.weight"])
+
+
+def test_weights_that_disagree_with_config_are_refused_at_load(tmp_path):
+    """A config.json that does not match the tensors (intermediate size) fails at load, naming the weight."""
+    path = make_checkpoint(tmp_path, "llama")
+    config = json.loads((path / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"model.layers.0: mlp.gate_proj.weight \+ mlp.up_proj.weight give shape \(256, 64\)"):
+        BlockRunner.load(path, ["model.layers.0"], "cpu", torch.float32)
