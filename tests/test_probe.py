@@ -44,7 +44,8 @@ def test_a_running_node_is_up(node):
     """With the node's key, probe exits 0 and prints the WorkerInfo."""
     result = probe(node.address, "--cluster-key", KEY)
     assert result.exit_code == 0, result.output
-    assert result.stdout == f"{node.address} is up: version 0.1.0, linux/x86_64, device cpu 0, dtype F32, latency 0 ms\n"
+    assert result.stdout.startswith(f"{node.address} is up: version 0.1.0, ")
+    assert result.stdout.endswith(", device cpu 0, dtype F32, latency 0 ms\n")
 
 
 def test_json_output_is_the_worker_info(node):
