@@ -47,7 +47,7 @@ class Head:
         """Read the three tensors (two when tied) from the checkpoint, cast to `dtype`."""
         tied = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
         names = [EMBED, NORM] if tied else [EMBED, NORM, LM_HEAD]
-        tensors = Checkpoint(model_dir, config).load(names, torch.device(device), dtype)
+        tensors = Checkpoint(model_dir, config).load({name: [name] for name in names}, torch.device(device), dtype)
         lm_head = tensors[EMBED] if tied else tensors[LM_HEAD]
         return cls(tensors[EMBED], tensors[NORM], lm_head, config.rms_norm_eps)
 
