@@ -10,8 +10,8 @@ BlockRunner in one asyncio loop) on the same layers, f32, all cores each. A Cake
 1. relay tax (small model, hidden 256, so that compute does not drown the overhead): round
    trip of a decode Batch through `cakemp run --gpus cpu:1` against the single-process
    worker, p50 and p99 over --steps steps, the two alternating in blocks of 50. An empty
-   Batch (no layers: TCP + codec + asyncio only, no device hop in cakemp) separates the
-   ipc hop from the rest.
+   Batch (no layers: TCP + codec + asyncio only, no device hop in cakemp) and the ipc hop
+   alone (the front's socket to a device process that echoes, no compute) split the tax.
 2. concurrency (hidden 1024, decode compute dominant): aggregate decode steps/s of 1, 2 and
    4 concurrent sessions, each decoding through all 4 layers for --seconds, on
    `cakemp run --gpus cpu:2` (layers 0-1 on one process, 2-3 on the other) against the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import platform
 import socket
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from cakemp.ipc import Activation, DeviceChannel, Forward, FrontChannel, Op
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
 from tests.checkpoints import make_checkpoint
@@ -163,6 +165,35 @@ async def throughput(port: int, hidden: int, sessions: int, seconds: float) -> f
     return sum(counts) / elapsed
 
 
+def echo_device(endpoint: str, parent_pipe) -> None:
+    """A device process that answers each Forward with its own bytes: the ipc hop and nothing else."""
+    channel = DeviceChannel(endpoint, parent_pipe.fileno())
+    while (request := channel.receive()) is not None:
+        channel.send(Activation(request.request_id, request.dtype, request.shape, request.data))
+
+
+async def ipc_hop(workdir: Path, steps: int, hidden: int = 4096) -> list[float]:
+    """Round trips in µs of a decode-size Forward ([1, 1, hidden] f16) to an echoing device process."""
+    endpoint = f"ipc://{workdir}/echo"
+    channel = FrontChannel(endpoint)
+    context = multiprocessing.get_context("spawn")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=echo_device, args=(endpoint, reader), daemon=True)
+    child.start()
+    body = memoryview(bytearray(hidden * 2))
+    times = []
+    for i in range(steps + BLOCK):
+        start = time.perf_counter()
+        await channel.send(Forward(1, i, DType.F16, (1, 1, hidden), (Op(0, i, 0),), body))
+        await channel.receive()
+        if i >= BLOCK:  # the first block warms up
+            times.append((time.perf_counter() - start) * 1e6)
+    writer.close()
+    child.join()
+    channel.close()
+    return times
+
+
 def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if q < 100 else max(values)
 
@@ -201,6 +232,9 @@ def main() -> None:
             for process in (node, single):
                 process.terminate()
                 process.wait()
+            hop = asyncio.run(ipc_hop(work, args.steps))
+            print(f"ipc hop alone (front FrontChannel -> echoing device process -> back, [1, 1, 4096] f16): "
+                  f"p50 {pct(hop, 50):.0f} µs, p99 {pct(hop, 99):.0f} µs")
 
             node, node_port = start_cakemp(big, work, "cpu:2")
             single, single_port = start_single(big)

@@ -7,7 +7,6 @@ nothing a master sends can crash the process or touch another session's state.
 
 from __future__ import annotations
 
-import resource
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ from cakemp.device.runner import BlockRunner
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import RequestError, UnknownLayer
 from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward
+from cakemp.rss import resident_bytes
 
 
 @dataclass
@@ -36,10 +36,10 @@ class DeviceService:
         return cls(runner, spec.layers)
 
     def memory_bytes(self) -> int:
-        """Bytes this device holds: GPU memory allocated, or the process's peak RSS on a CPU."""
+        """Bytes this device holds: GPU memory allocated, or the process's RSS on a CPU."""
         if torch.device(self.runner.device).type == "cuda":
             return torch.cuda.memory_allocated()
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return resident_bytes()
 
     def handle(self, request: Forward | Clear | End) -> Activation | Done | Failure:
         try:

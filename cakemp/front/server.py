@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import os
 import platform
-import resource
 import shutil
 import signal
 import tempfile
@@ -26,6 +25,8 @@ from cakemp.front.connection import Connection
 from cakemp.front.pool import DevicePool
 from cakemp.front.router import Router
 from cakemp.front.stats import human_bytes
+from cakemp.ipc import Ready
+from cakemp.rss import resident_bytes
 from cakemp.topology import place_layers
 from cakemp.wire import WorkerInfo
 
@@ -55,36 +56,54 @@ class Front:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop)
         try:
-            # Bound first, so that a taken port fails before minutes of loading; accepting
-            # (listen) starts only once every device is ready.
+            server = await self._bind()
             try:
-                server = await asyncio.start_server(self._accept, self.config.host, self.config.port,
-                                                    start_serving=False)
-            except OSError as e:
-                raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {e.strerror}") from None
-            self.pool = DevicePool(self._device_specs(runtime_dir))
-            readies = await self.pool.start()
-            await server.start_serving()
-            host, port = server.sockets[0].getsockname()[:2]  # the real port when --address asked for 0
-            self._log.info(
-                f"listening on {host}:{port} (mem:{human_bytes(_rss_bytes())}) ...",
-                port=port,
-                devices=[f"{self.pool.label(i)}={human_bytes(r.memory_bytes)}" for i, r in enumerate(readies)],
-                layers=len(self.config.layers),
-            )
-            try:
+                readies = await self._start_pool(runtime_dir)
+                if readies is None:
+                    return EXIT_OK
+                await server.start_serving()
+                host, port = server.sockets[0].getsockname()[:2]  # the real port when --address asked for 0
+                self._log.info(
+                    f"listening on {host}:{port} (mem:{human_bytes(resident_bytes())}) ...",
+                    port=port,
+                    devices=[f"{self.pool.label(i)}={human_bytes(r.memory_bytes)}" for i, r in enumerate(readies)],
+                    layers=len(self.config.layers),
+                )
                 status = await self._serve_until_done()
-            finally:
                 server.close()
                 await self._close_connections()
+                return status
+            finally:
+                server.close()
                 await server.wait_closed()
-            return status
         finally:
             if self.pool is not None:
                 await self.pool.stop()
             shutil.rmtree(runtime_dir, ignore_errors=True)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+
+    async def _bind(self) -> asyncio.Server:
+        # Bound before loading, so that a taken port fails before minutes of loading; it
+        # accepts connections (listen) only once every device is ready.
+        try:
+            return await asyncio.start_server(self._accept, self.config.host, self.config.port, start_serving=False)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {e.strerror}") from None
+
+    async def _start_pool(self, runtime_dir: str) -> tuple[Ready, ...] | None:
+        """Every device's Ready, or None when asked to stop while they load."""
+        self.pool = DevicePool(self._device_specs(runtime_dir))
+        starting = asyncio.create_task(self.pool.start())
+        stopping = asyncio.create_task(self._stopping.wait())
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if starting.done():
+            return starting.result()
+        starting.cancel()  # pool.start stops the processes it spawned
+        await asyncio.gather(starting, return_exceptions=True)
+        self._log.info("stopped while loading")
+        return None
 
     async def _serve_until_done(self) -> int:
         stopping = asyncio.create_task(self._stopping.wait())
@@ -157,7 +176,3 @@ class Front:
             )
             for i, (gpu, layers) in enumerate(zip(self.config.devices, self.placement))
         ]
-
-
-def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
