@@ -3,22 +3,23 @@
     python bench/blocks.py [--threads N] [--device cpu|cuda] [--dtypes f32,bf16]
 
 Writes a random Llama checkpoint (hidden 2048, 16 heads on 4 kv heads, intermediate 5632:
-TinyLlama-1.1B's layer shape; 4 layers, bf16, 2 shards) to a temp dir, then in one process,
+TinyLlama-1.1B's layer shape; 8 layers, bf16, 4 shards) to a temp dir, then in one process,
 with the same thread count for both:
 
-* decode: one new token at context 512 (then 513, ...) through layer 0, cakemp's
-  BlockRunner.forward against HF's LlamaDecoderLayer called with HF's DynamicCache, eager
-  attention (HF's reference path) and sdpa (HF's default); steps alternate between the
-  implementations and the median is reported;
+* decode: one new token at context 512 (then 513, ...) through all 8 layers, cakemp's
+  BlockRunner.forward against HF's LlamaDecoderLayers called with HF's DynamicCache, eager
+  attention (HF's reference path) and sdpa (HF's default), reported per layer; 8 layers
+  (0.7-1.4 GB) so the weights stream from memory rather than sit in a large L3 as one
+  layer would; steps alternate between the implementations and the best (minimum) of each
+  is reported: the machine may be shared, and interference only ever adds time;
 * prefill: 128 tokens into an empty cache, the same way;
 * the memory-bandwidth floor for decode: the layer's weight bytes / a measured read bandwidth;
 * fusion: q/k/v and gate/up as one GEMM each (what cakemp does) against separate GEMMs;
-* load: BlockRunner.load of the 4-layer span against reading the same tensor bytes from the
-  shard files with os.preadv, into a fresh buffer per tensor (what any loader must allocate)
-  and into one reused buffer (the copy alone); all from the page cache: the files were just
-  written and read once before timing. On CPU, most of a load is first-touch page faults
-  of the new memory; run with THP_MEM_ALLOC_ENABLE=1 (torch then asks for huge pages) to
-  see that part shrink.
+* load: BlockRunner.load of the 8-layer span against reading the same tensor bytes from the
+  shard files with os.preadv into a new buffer per tensor, each in a fresh process (as a
+  device process starting up); all from the page cache: the files were just written and
+  read once before timing. On CPU much of either is first-touch page faults of the new
+  memory.
 
 HF's causal mask and rotary tables are built outside its timed call (HF builds them once per
 model forward); cakemp's timing includes its own (per request), its input checks and KV
@@ -30,8 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,7 +52,7 @@ SHAPE = dict(
     intermediate_size=5632,
     num_attention_heads=16,
     num_key_value_heads=4,
-    num_hidden_layers=4,
+    num_hidden_layers=8,
     vocab_size=256,
     max_position_embeddings=4096,
     rope_theta=10000.0,
@@ -64,12 +66,12 @@ def write_checkpoint(directory: Path) -> None:
     config = transformers.LlamaConfig(**SHAPE)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    # ~90 MiB per layer in bf16: 200 MB shards put the 4 layers in 2 files.
+    # ~90 MiB per layer in bf16: 200 MB shards put the 8 layers in 4 files.
     model.save_pretrained(directory, max_shard_size="200MB")
 
 
-class HFLayer:
-    """HF's decoder layer 0 with its own DynamicCache, called as LlamaModel.forward calls it."""
+class HFLayers:
+    """HF's decoder layers with their own DynamicCache, called as LlamaModel.forward calls them."""
 
     def __init__(self, model, attention: str):
         self.model = model.model
@@ -88,10 +90,14 @@ class HFLayer:
             config=self.config, inputs_embeds=x, attention_mask=None, cache=self.cache, position_ids=positions
         )
         cos_sin = self.model.rotary_emb(x, position_ids=positions)
-        layer = self.model.layers[0]
-        return lambda: layer(
-            x, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions, cache=self.cache
-        )
+
+        def run() -> torch.Tensor:
+            h = x
+            for layer in self.model.layers:
+                h = layer(h, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
+            return h
+
+        return run
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:
@@ -105,10 +111,15 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def compare(path: Path, dtype: torch.dtype, device: torch.device, steps: int) -> dict[str, dict[str, float]]:
-    """Median ms per layer call for decode and prefill: cakemp, HF eager, HF sdpa."""
-    runner = BlockRunner.load(path, ["model.layers.0"], device, dtype)
+    """Best ms per layer for decode and prefill: cakemp, HF eager, HF sdpa."""
+    layers = SHAPE["num_hidden_layers"]
+    runner = BlockRunner.load(path, [f"model.layers.{i}" for i in range(layers)], device, dtype)
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    hf = {name: HFLayer(model, name) for name in ("eager", "sdpa")}
+    hf = {name: HFLayers(model, name) for name in ("eager", "sdpa")}
+
+    def ops(index_pos: int) -> list[tuple[str, int, int]]:
+        return [(f"model.layers.{i}", index_pos, i) for i in range(layers)]
+
     generator = torch.Generator().manual_seed(1)
 
     def tokens(T: int) -> torch.Tensor:
@@ -117,32 +128,32 @@ def compare(path: Path, dtype: torch.dtype, device: torch.device, steps: int) ->
     results = {"decode": {}, "prefill": {}}
     with torch.inference_mode():
         context = tokens(CONTEXT)
-        runner.forward(0, context, [("model.layers.0", 0, 0)])
+        runner.forward(0, context, ops(0))
         for layer in hf.values():
             layer.prepare(context, 0)()
         samples = {"cakemp": [], "eager": [], "sdpa": []}
         for step in range(steps + 2):  # two warm-up steps
             x, position = tokens(1), CONTEXT + step
-            t = {"cakemp": timed(lambda: runner.forward(0, x, [("model.layers.0", position, 0)]), device)}
+            t = {"cakemp": timed(lambda: runner.forward(0, x, ops(position)), device)}
             for name, layer in hf.items():
                 t[name] = timed(layer.prepare(x, position), device)
             if step >= 2:
                 for name in samples:
                     samples[name].append(t[name])
-        results["decode"] = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+        results["decode"] = {name: min(v) * 1e3 / layers for name, v in samples.items()}
 
         samples = {"cakemp": [], "eager": [], "sdpa": []}
-        for step in range(max(3, steps // 4) + 1):
+        for step in range(max(3, steps // 2) + 1):
             x = tokens(PREFILL)
             runner.clear_session(0)
-            t = {"cakemp": timed(lambda: runner.forward(0, x, [("model.layers.0", 0, 0)]), device)}
+            t = {"cakemp": timed(lambda: runner.forward(0, x, ops(0)), device)}
             for name, layer in hf.items():
                 layer.reset()
                 t[name] = timed(layer.prepare(x, 0), device)
             if step >= 1:
                 for name in samples:
                     samples[name].append(t[name])
-        results["prefill"] = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+        results["prefill"] = {name: min(v) * 1e3 / layers for name, v in samples.items()}
     return results
 
 
@@ -154,14 +165,24 @@ def layer_weight_bytes(dtype: torch.dtype) -> int:
 
 
 def read_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a large read-only reduction, the best of 5."""
-    x = torch.ones(256 * 2**20 // 4, device=device)  # 256 MiB f32
-    best = min(timed(lambda: x.sum(), device) for _ in range(5))
-    return x.numel() * 4 / best
+    """Bytes/s of the fastest of three streaming reads of 1 GiB, each the best of 5.
+
+    A reduction, a copy (counted as read + write) and a matrix-vector product; which one
+    streams fastest depends on the machine, and the floor should be the best achievable.
+    """
+    x = torch.ones(2**30 // 4, device=device)  # 1 GiB f32, more than any L3
+    y = torch.empty_like(x)
+    matrix, vector = x.view(-1, 4096), torch.ones(4096, device=device)
+    rates = [
+        x.numel() * 4 / min(timed(lambda: x.sum(), device) for _ in range(5)),
+        2 * x.numel() * 4 / min(timed(lambda: y.copy_(x), device) for _ in range(5)),
+        x.numel() * 4 / min(timed(lambda: torch.mv(matrix, vector), device) for _ in range(5)),
+    ]
+    return max(rates)
 
 
 def fusion(dtype: torch.dtype, device: torch.device, steps: int) -> dict[str, tuple[float, float]]:
-    """Median ms of (separate, fused) GEMMs for q/k/v and gate/up at T=1 and T=PREFILL."""
+    """Best ms of (separate, fused) GEMMs for q/k/v and gate/up at T=1 and T=PREFILL."""
     h, i = SHAPE["hidden_size"], SHAPE["intermediate_size"]
     kv = SHAPE["num_key_value_heads"] * h // SHAPE["num_attention_heads"]
     w = {name: torch.randn(rows, h, device=device).to(dtype) for name, rows in
@@ -185,7 +206,7 @@ def fusion(dtype: torch.dtype, device: torch.device, steps: int) -> dict[str, tu
                         t = timed(fn, device)
                         if step >= 2:
                             times[k].append(t)
-                out[f"{name} T={T}"] = tuple(statistics.median(t) * 1e3 for t in times)
+                out[f"{name} T={T}"] = tuple(min(t) * 1e3 for t in times)
     return out
 
 
@@ -204,31 +225,45 @@ def tensor_ranges(path: Path, prefixes: tuple[str, ...]) -> list[tuple[Path, int
     return ranges
 
 
-def read_bytes(ranges: list[tuple[Path, int, int]], fresh: bool) -> int:
-    """pread every range into memory: a new buffer per tensor (fresh), or one reused buffer."""
-    reused = memoryview(bytearray(max(length for _, _, length in ranges)))
+def read_bytes(ranges: list[tuple[Path, int, int]]) -> int:
+    """pread every range into a new buffer of its own, as any loader must allocate."""
     total = 0
     for file, offset, length in ranges:
-        view = memoryview(bytearray(length)) if fresh else reused[:length]
         fd = os.open(file, os.O_RDONLY)
         try:
-            total += os.preadv(fd, [view], offset)
+            total += os.preadv(fd, [memoryview(bytearray(length))], offset)
         finally:
             os.close(fd)
     return total
 
 
-def load_times(path: Path, dtype: torch.dtype, device: torch.device, repeats: int = 3) -> dict[str, float]:
-    """Median seconds of BlockRunner.load of the span and of pread of its tensor bytes."""
+def span(path: Path) -> tuple[list[str], list[tuple[Path, int, int]]]:
     layers = [f"model.layers.{i}" for i in range(SHAPE["num_hidden_layers"])]
-    ranges = tensor_ranges(path, tuple(layer + "." for layer in layers))
-    read_bytes(ranges, fresh=False)  # warm the page cache for all
-    times = {"load": [], "pread fresh": [], "pread reused": []}
-    for _ in range(repeats):
-        times["load"].append(timed(lambda: BlockRunner.load(path, layers, device, dtype), device))
-        times["pread fresh"].append(timed(lambda: read_bytes(ranges, fresh=True), torch.device("cpu")))
-        times["pread reused"].append(timed(lambda: read_bytes(ranges, fresh=False), torch.device("cpu")))
-    return {name: statistics.median(t) for name, t in times.items()} | {"bytes": sum(n for _, _, n in ranges)}
+    return layers, tensor_ranges(path, tuple(layer + "." for layer in layers))
+
+
+def once(what: str, path: Path, dtype: str, device: str) -> float:
+    """Seconds of one load (or pread) of the span: what a freshly started device process pays."""
+    layers, ranges = span(path)
+    if what == "pread":
+        return timed(lambda: read_bytes(ranges), torch.device("cpu"))
+    return timed(lambda: BlockRunner.load(path, layers, device, DTYPES[dtype]), torch.device(device))
+
+
+def load_times(path: Path, device: torch.device, repeats: int = 3) -> dict[str, float]:
+    """Best seconds of each way of loading the span, each run in a fresh process.
+
+    In one long-lived process the allocator would hand the second load memory the first one
+    already faulted in, which a device process starting up never has.
+    """
+    read_bytes(span(path)[1])  # warm the page cache for all
+    runs = {"pread": ("pread", "bf16"), "load bf16": ("load", "bf16"), "load f16 (cast)": ("load", "f16")}
+    best = {}
+    for name, (what, dtype) in runs.items():
+        command = [sys.executable, __file__, "--once", what, "--model", str(path), "--dtypes", dtype, "--device", str(device)]
+        outputs = [subprocess.run(command, capture_output=True, text=True, check=True).stdout for _ in range(repeats)]
+        best[name] = min(float(out) for out in outputs)
+    return best
 
 
 def main() -> None:
@@ -237,8 +272,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtypes", default="f32,bf16")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--once", choices=["load", "pread"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.once:
+        print(once(args.once, args.model, args.dtypes, args.device))
+        return
     device = torch.device(args.device)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -253,7 +293,7 @@ def main() -> None:
             dtype = DTYPES[name]
             r = compare(path, dtype, device, args.steps)
             floor = layer_weight_bytes(dtype) / bandwidth * 1e3
-            print(f"\n{name}: ms per layer call (median), ratio = cakemp / HF")
+            print(f"\n{name}: ms per layer call (best of the interleaved samples), ratio = cakemp / HF")
             print("| phase | cakemp | HF eager | HF sdpa | vs eager | vs sdpa |")
             print("|---|---:|---:|---:|---:|---:|")
             for phase, label in (("decode", f"decode T=1 @ctx {CONTEXT}"), ("prefill", f"prefill T={PREFILL}")):
@@ -266,14 +306,14 @@ def main() -> None:
             print("fusion: ms separate -> fused: " + ", ".join(
                 f"{k} {a:.2f} -> {b:.2f}" for k, (a, b) in fusion(dtype, device, args.steps).items()
             ))
-        print(f"\nload of 4 layers ({layer_weight_bytes(torch.bfloat16) * 4 / 2**20:.0f} MiB) from the bf16 checkpoint, "
-              f"warm page cache, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
-        print("| load as | BlockRunner.load ms | pread into fresh buffers ms | pread into one reused buffer ms | load / fresh | load / reused |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for name in ("bf16", "f16"):
-            t = load_times(path, DTYPES[name], device)
-            load, fresh, reused = t["load"], t["pread fresh"], t["pread reused"]
-            print(f"| {name} | {load * 1e3:.0f} | {fresh * 1e3:.0f} | {reused * 1e3:.0f} | {load / fresh:.2f} | {load / reused:.2f} |")
+        t = load_times(path, device)
+        size = layer_weight_bytes(torch.bfloat16) * SHAPE["num_hidden_layers"]
+        print(f"\nload of {SHAPE['num_hidden_layers']} layers ({size / 2**20:.0f} MiB) from the bf16 checkpoint, "
+              "warm page cache, each in a fresh process")
+        print("| how | ms | GB/s | vs pread |")
+        print("|---|---:|---:|---:|")
+        for name, seconds in t.items():
+            print(f"| {name} | {seconds * 1e3:.0f} | {size / seconds / 1e9:.1f} | {seconds / t['pread']:.2f} |")
 
 
 if __name__ == "__main__":

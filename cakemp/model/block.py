@@ -112,6 +112,8 @@ class DecoderBlock:
         v_cache[:, :, start : start + T] = v.view(B, T, n_kv, D).transpose(1, 2)
 
         end = start + T
+        # A sliding window only narrows what is read: the cache keeps every position (as Cake's
+        # full-attention layers do), so a window layer costs the same memory as a full one.
         first = 0 if self.window is None else max(0, start - self.window + 1)
         keys = k_cache[:, :, first:end]  # [B, H_kv, S, D], S = end - first
         values = v_cache[:, :, first:end]
