@@ -80,6 +80,8 @@ class KVCache:
         All or nothing: limits and the budget are checked for every slot before any buffer
         is allocated, so a refusal leaves every session's cache as it was.
         """
+        if not ends:
+            return {}
         for block_idx, end in ends.items():
             if end > self.max_context:
                 raise ContextLimitExceeded(

@@ -165,3 +165,11 @@ def test_failed_compute_keeps_earlier_positions(checkpoint):
     fresh = load(checkpoint)
     fresh.forward(1, tokens(5, 0), ops(0))
     assert torch.equal(runner.forward(1, tokens(1, 2), ops(5)), fresh.forward(1, tokens(1, 2), ops(5)))
+
+
+def test_empty_op_list_returns_the_input_and_creates_no_session(checkpoint):
+    """A Batch with no layers hands x back unchanged and allocates nothing."""
+    runner = load(checkpoint)
+    x = tokens(3, 0)
+    assert runner.forward(1, x, []) is x
+    assert runner.session_count() == 0 and runner.kv_bytes() == 0
