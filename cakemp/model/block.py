@@ -143,5 +143,5 @@ class DecoderBlock:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalise the last dim; the fused op accumulates in f32 for f16/bf16."""
+    """RMS-normalise the last dim (torch's rms_norm computes in f32 for f16/bf16 inputs)."""
     return F.rms_norm(x, weight.shape, weight, eps)
