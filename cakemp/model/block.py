@@ -6,6 +6,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from cakemp.model.config import ModelConfig
 from cakemp.model.rotary import rotate
@@ -104,10 +105,7 @@ class DecoderBlock:
         if self.q_norm is not None:
             q = _rms_norm(q, self.q_norm, self.eps)
             k = _rms_norm(k, self.k_norm, self.eps)
-        # Query head j reads kv head j // n_rep. Grouping the n_rep queries of a kv head as
-        # extra query rows lets SDPA read each K/V row once instead of repeating K/V n_rep times.
-        # q: [B, H_kv, n_rep, T, D]
-        q = rotate(q.view(B, T, n_kv, n_rep, D).permute(0, 2, 3, 1, 4), cos, sin)
+        q = rotate(q.transpose(1, 2), cos, sin)  # [B, H_q, T, D]
         k_cache[:, :, start : start + T] = rotate(k.transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
         v_cache[:, :, start : start + T] = v.view(B, T, n_kv, D).transpose(1, 2)
 
@@ -117,24 +115,30 @@ class DecoderBlock:
         first = 0 if self.window is None else max(0, start - self.window + 1)
         keys = k_cache[:, :, first:end]  # [B, H_kv, S, D], S = end - first
         values = v_cache[:, :, first:end]
-        # A lone query (decode) sees every key in [first, end): no mask, SDPA's fastest path.
-        # Several queries need an explicit mask: is_causal aligns the diagonal top-left,
-        # which is wrong once the cache already holds earlier positions (chunked prefill).
-        mask = None
-        if T > 1:
-            q_pos = torch.arange(start, end, device=h.device)[:, None]  # [T, 1]
-            k_pos = torch.arange(first, end, device=h.device)[None, :]  # [1, S]
-            mask = k_pos <= q_pos  # [T, S]
-            if self.window is not None:
-                mask &= k_pos > q_pos - self.window
-            mask = mask.repeat(n_rep, 1)  # [n_rep * T, S], rows ordered like q's (rep, t)
-        # SDPA's fused kernels (CPU flash, CUDA flash/mem-efficient) keep the running max,
-        # softmax sum and P@V accumulator in f32 for f16/bf16 inputs, so softmax accumulates in
-        # f32 without upcasting q/k/v; tests/model checks this against an f64 reference.
-        out = F.scaled_dot_product_attention(
-            q.reshape(B, n_kv, n_rep * T, D), keys, values, attn_mask=mask, scale=1 / math.sqrt(D)
-        )  # [B, H_kv, n_rep * T, D]
-        out = out.view(B, n_kv, n_rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, self.heads * D)
+        # All SDPA kernels used here (CPU flash, CUDA flash / memory-efficient, and the math
+        # fallback unless allow_fp16_bf16_reduction_math_sdp is switched on) keep the softmax
+        # max, sum and P@V accumulator in f32 for f16/bf16 inputs, so softmax accumulates in
+        # f32 without upcasting q/k/v; tests/model/test_block.py checks it.
+        scale = 1 / math.sqrt(D)
+        if T == 1:
+            # Decode: query head j reads kv head j // n_rep, so the n_rep query heads of a kv
+            # head become n_rep query rows of it and SDPA reads each K/V row once (enable_gqa
+            # repeats K/V: 3x slower at 4k context on CPU). One query sees every key in
+            # [first, end): no mask.
+            out = F.scaled_dot_product_attention(q.view(B, n_kv, n_rep, D), keys, values, scale=scale)
+        else:
+            # Several queries: is_causal would align the diagonal top-left, wrong once the cache
+            # holds earlier positions (chunked prefill); causal_lower_right aligns it to the
+            # last key without materialising a mask, and lets kernels skip masked blocks.
+            if self.window is None:
+                mask = causal_lower_right(T, end - first)
+            else:
+                q_pos = torch.arange(start, end, device=h.device)[:, None]  # [T, 1]
+                k_pos = torch.arange(first, end, device=h.device)[None, :]  # [1, S]
+                mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)  # [T, S]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        # out: [B, H_q, T, D] (decode: [B, H_kv, n_rep, D], the same memory)
+        out = out.reshape(B, self.heads, T, D).transpose(1, 2).reshape(B, T, self.heads * D)
         return F.linear(out, self.w_o, self.b_o)
 
     def _mlp(self, h):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from cakemp.model.config import ModelConfig
 from cakemp.model.rotary import Rotary
@@ -10,26 +11,31 @@ from tests.checkpoints import make_config
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("masked", [False, True], ids=["decode", "masked-prefill"])
-def test_attention_softmax_accumulates_in_f32(dtype, masked):
-    """Uniform attention over 4096 keys averages V to within 2 eps, as only an f32 softmax sum can.
+@pytest.mark.parametrize("pattern", ["decode", "causal-lower-right", "window-mask"])
+def test_attention_softmax_accumulates_in_f32(dtype, pattern):
+    """Uniform attention over up to 4096 keys averages V to within 2 eps, as only an f32 softmax sum can.
 
-    The block calls SDPA with low-precision q/k/v (no upcast) relying on its kernels
-    accumulating the softmax in f32; summed in bf16, 4096 equal weights would stall at 256.
+    The block calls SDPA in these three ways with low-precision q/k/v (no upcast), relying on
+    its kernels accumulating the softmax in f32; summed in bf16, 4096 equal weights would
+    stall at 256 and the average would be off by far more than 2 eps.
     """
-    S, D = 4096, 16
-    q = torch.randn(1, 2, 3, D).to(dtype)
-    k = torch.ones(1, 2, S, D, dtype=dtype)  # every key scores the same: weights 1/S
-    v = (1 + torch.rand(1, 2, S, D) / 8).to(dtype)
-    mask = torch.ones(3, S, dtype=torch.bool).tril(S - 3) if masked else None
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5).double()
-    if mask is None:
-        expected = v.double().mean(dim=2, keepdim=True)
+    S, T, D, H_kv, n_rep = 4096, 3, 16, 2, 2
+    k = torch.ones(1, H_kv, S, D, dtype=dtype)  # every key scores the same: weights 1/visible
+    v = (1 + torch.rand(1, H_kv, S, D) / 8).to(dtype)
+    visible = torch.ones(T, S, dtype=torch.bool).tril(S - T)  # [T, S]: query t sees S - T + t + 1 keys
+    if pattern == "decode":
+        q = torch.randn(1, H_kv, n_rep, D).to(dtype)
+        out = F.scaled_dot_product_attention(q, k, v, scale=D**-0.5)  # [1, H_kv, n_rep, D]
+        visible = torch.ones(n_rep, S, dtype=torch.bool)
     else:
-        counts = mask.sum(dim=1, keepdim=True).double()  # [3, 1]
-        expected = (mask.double() @ v.double()) / counts
+        q = torch.randn(1, H_kv * n_rep, T, D).to(dtype)
+        mask = causal_lower_right(T, S) if pattern == "causal-lower-right" else visible
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+        out = out.view(1, H_kv, n_rep, T, D)
+        v = v[:, :, None]  # [1, H_kv, 1, S, D]
+    expected = (visible.double() @ v.double()) / visible.sum(dim=1, keepdim=True)
     eps = torch.finfo(dtype).eps
-    assert (out - expected).abs().max() <= 2 * eps * expected.abs().max()
+    assert (out.double() - expected).abs().max() <= 2 * eps * expected.abs().max()
 
 
 def test_rotary_positions_are_absolute():
