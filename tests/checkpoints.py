@@ -150,7 +150,14 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], layers: int, shards: in
 
 
 class HFLayers:
-    """HF's decoder layers `indices` of the checkpoint at `path`, run eagerly with a DynamicCache."""
+    """HF's decoder layers `indices` of the checkpoint at `path`, run eagerly with a DynamicCache.
+
+    Called as transformers 5.24's own *Model.forward calls them (read from its installed
+    source): `layer(x, attention_mask=..., position_embeddings=(cos, sin), position_ids=...,
+    cache=...)` (`past_key_values` is deprecated in favour of `cache`), cos/sin from
+    `model.rotary_emb(x, position_ids)`, and the mask from `masking_utils`, sized against the
+    cache layer being run (`layer_idx`) since only some layers ever see tokens here.
+    """
 
     def __init__(self, path: Path, indices: list[int], dtype: torch.dtype):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
@@ -166,9 +173,11 @@ class HFLayers:
         cos_sin = self.model.rotary_emb(x, position_ids=positions)
         for i in self.indices:
             layer = self.model.layers[i]
-            sliding = layer.self_attn.sliding_window if hasattr(layer.self_attn, "sliding_window") else None
+            # Mistral's attention reads the window from the config; Qwen's per layer type.
             if self.config.model_type == "mistral":
                 sliding = self.config.sliding_window
+            else:
+                sliding = getattr(layer.self_attn, "sliding_window", None)
             make_mask = create_sliding_window_causal_mask if sliding is not None else create_causal_mask
             mask = make_mask(
                 config=self.config,
