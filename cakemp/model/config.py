@@ -111,6 +111,8 @@ class ModelConfig:
         rope_theta = float(rope.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA)))
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only silu)")
         attention_bias = family in ("llama", "qwen3") and bool(d.get("attention_bias", False))
         return cls(
             family=family,

@@ -123,3 +123,11 @@ def test_layer_index_accepts_only_this_models_layers():
     assert c.layer_index("model.layers.4") is None
     assert c.layer_index("model.language_model.layers.0") is None
     assert c.layer_index("model.layers.x") is None
+
+
+@pytest.mark.parametrize("key, value", [("hidden_act", "gelu"), ("mlp_bias", True)])
+def test_unsupported_mlp_variants_are_refused(key, value):
+    """An MLP cakemp does not compute (another activation, MLP biases) is refused, not approximated."""
+    d = make_config("llama").to_dict() | {key: value}
+    with pytest.raises(CheckpointError, match=key):
+        ModelConfig.from_dict(d)
