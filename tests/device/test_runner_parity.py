@@ -89,3 +89,23 @@ def test_half_precision_matches_hf_and_is_as_accurate(tmp_path, case, dtype):
         worst_ours = max(worst_ours, rel(ours, exact))
         worst_hf = max(worst_hf, rel(hf, exact))
     assert worst_ours <= 1.5 * worst_hf
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", ["llama-gqa", "qwen3-head-dim", "mistral-window"])
+def test_cuda_is_within_8_eps_of_exact(tmp_path, case, dtype):
+    """On CUDA (cuBLAS, flash / memory-efficient SDPA) outputs stay within 8 eps of HF's f32 on CPU."""
+    family, overrides = CASES[case]
+    path = make_checkpoint(tmp_path, family, shards=2, dtype=dtype, **overrides)
+    names = [f"model.layers.{i}" for i in LAYERS]
+    runner = BlockRunner.load(path, names, "cuda", dtype)
+    truth = HFLayers(path, LAYERS, torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    position = 0
+    for T in CHUNKS:
+        x = torch.randn(1, T, runner.config.hidden_size, generator=generator).to(dtype)
+        ops = [(name, position, i) for name, i in zip(names, LAYERS)]
+        ours = runner.forward(7, x.to(runner.device), ops).float().cpu()
+        assert rel(ours, truth(x.float(), position)) <= 8 * EPS[dtype]
+        position += T
