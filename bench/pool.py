@@ -4,18 +4,19 @@
 
 Writes two random Llama checkpoints (4 layers each) to a temp dir and starts, side by side,
 `cakemp run` and bench/single_worker.py (Cake's design in one process: TCP, codec and
-BlockRunner in one asyncio loop) on the same layers, f32, all cores each. A Cake-style master
+BlockRunner in one asyncio loop) on the same layers, f32. A Cake-style master
 (one connection per layer, the run as one Batch on the first) then measures, in the same run:
 
 1. relay tax (small model, hidden 256, so that compute does not drown the overhead): round
    trip of a decode Batch through `cakemp run --gpus cpu:1` against the single-process
-   worker, p50 and p99 over --steps steps, the two alternating in blocks of 50. An empty
-   Batch (no layers: TCP + codec + asyncio only, no device hop in cakemp) and the ipc hop
-   alone (the front's socket to a device process that echoes, no compute) split the tax.
+   worker, one torch thread each, p50 and p99 over --steps steps, the two alternating in
+   blocks of 50. An empty Batch (no layers: TCP + codec + asyncio only, no device hop in
+   cakemp) and the ipc hop alone (the front's socket to a device process that echoes, no
+   compute) split the tax.
 2. concurrency (hidden 1024, decode compute dominant): aggregate decode steps/s of 1, 2 and
    4 concurrent sessions, each decoding through all 4 layers for --seconds, on
    `cakemp run --gpus cpu:2` (layers 0-1 on one process, 2-3 on the other) against the
-   single-process worker.
+   single-process worker with 1 torch thread and with one per core.
 """
 
 from __future__ import annotations
@@ -66,22 +67,22 @@ def wait_listening(port: int, process: subprocess.Popen, timeout: float = 120.0)
     raise RuntimeError("worker never listened")
 
 
-def start_cakemp(model: Path, workdir: Path, gpus: str) -> tuple[subprocess.Popen, int]:
+def start_cakemp(model: Path, workdir: Path, gpus: str, *extra: str) -> tuple[subprocess.Popen, int]:
     topology = workdir / f"topology-{model.name}.yml"
     topology.write_text(yaml.safe_dump({"w": {"host": "x:1", "layers": [f"model.layers.0-{LAYERS - 1}"]}}))
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "cakemp", "run", "--name", "w", "--model", str(model), "--topology", str(topology),
-         "--address", f"127.0.0.1:{port}", "--gpus", gpus, "--dtype", "f32", "--log-level", "warning"],
+         "--address", f"127.0.0.1:{port}", "--gpus", gpus, "--dtype", "f32", "--log-level", "warning", *extra],
         stdout=subprocess.DEVNULL)
     wait_listening(port, process)
     return process, port
 
 
-def start_single(model: Path) -> tuple[subprocess.Popen, int]:
+def start_single(model: Path, threads: int) -> tuple[subprocess.Popen, int]:
     process = subprocess.Popen(
         [sys.executable, "-m", "bench.single_worker", "--model", str(model), "--layers", f"model.layers.0-{LAYERS - 1}",
-         "--threads", str(os.cpu_count())], stdout=subprocess.PIPE, text=True)
+         "--threads", str(threads)], stdout=subprocess.PIPE, text=True)
     port = int(process.stdout.readline().split()[1])
     return process, port
 
@@ -215,12 +216,12 @@ def main() -> None:
 
         processes = []
         try:
-            node, node_port = start_cakemp(small, work, "cpu:1")
-            single, single_port = start_single(small)
+            node, node_port = start_cakemp(small, work, "cpu:1", "--cpu-threads", "1")
+            single, single_port = start_single(small, threads=1)
             processes += [node, single]
             times = asyncio.run(relay_tax({"cakemp cpu:1": node_port, "single process": single_port}, 256, args.steps))
-            print(f"\n1. relay tax: decode Batch of {LAYERS} layers, hidden 256, f32, [1, 1, 256]; "
-                  f"{args.steps} steps each, blocks of {BLOCK} alternating")
+            print(f"\n1. relay tax: decode Batch of {LAYERS} layers, hidden 256, f32, [1, 1, 256], 1 torch thread "
+                  f"each; {args.steps} steps each, blocks of {BLOCK} alternating")
             print("| worker | Batch | p50 µs | p99 µs |\n|---|---|---:|---:|")
             for name, kinds in times.items():
                 for kind, values in kinds.items():
@@ -236,15 +237,22 @@ def main() -> None:
             print(f"ipc hop alone (front FrontChannel -> echoing device process -> back, [1, 1, 4096] f16): "
                   f"p50 {pct(hop, 50):.0f} µs, p99 {pct(hop, 99):.0f} µs")
 
+            # The single-process worker at 1 torch thread and at all cores: the better of the two
+            # is the baseline (intra-op threads do not always pay on small CPUs).
+            cores = len(os.sched_getaffinity(0))
             node, node_port = start_cakemp(big, work, "cpu:2")
-            single, single_port = start_single(big)
-            processes += [node, single]
-            print(f"\n2. concurrency: decode through {LAYERS} layers, hidden 1024, f32, {args.seconds:g} s per cell")
-            print("| sessions | single process steps/s | cakemp cpu:2 steps/s | ratio |\n|---:|---:|---:|---:|")
+            singles = {threads: start_single(big, threads) for threads in sorted({1, cores})}
+            processes += [node, *(process for process, _ in singles.values())]
+            print(f"\n2. concurrency: decode through {LAYERS} layers, hidden 1024, f32, {args.seconds:g} s per cell; "
+                  f"cakemp cpu:2 runs {cores // 2} torch thread(s) per device process")
+            header = " | ".join(f"single, {t} thread(s)" for t in singles)
+            print(f"| sessions | {header} | cakemp cpu:2 | cakemp / best single |")
+            print("|---:|" + "---:|" * (len(singles) + 2))
             for sessions in (1, 2, 4):
-                base = asyncio.run(throughput(single_port, 1024, sessions, args.seconds))
+                base = {t: asyncio.run(throughput(port, 1024, sessions, args.seconds)) for t, (_, port) in singles.items()}
                 pooled = asyncio.run(throughput(node_port, 1024, sessions, args.seconds))
-                print(f"| {sessions} | {base:.1f} | {pooled:.1f} | {pooled / base:.2f}× |")
+                cells = " | ".join(f"{v:.1f}" for v in base.values())
+                print(f"| {sessions} | {cells} | {pooled:.1f} | {pooled / max(base.values()):.2f}× |")
         finally:
             for process in processes:
                 if process.poll() is None:

@@ -48,11 +48,13 @@ def cli() -> None:
        help="Cake revision: 1 = fa7d08a (WorkerError tag 11), 2 = after 2026-03-21 (tag 12).")
 @_flag("--kv-budget-mib", type=click.IntRange(min=1), help="KV cache budget per device process, in MiB (default: none).")
 @_flag("--max-context", type=click.IntRange(min=1), help="Maximum positions per session (default: the model's).")
+@_flag("--cpu-threads", type=click.IntRange(min=1),
+       help="torch threads per CPU device process (default: the cores divided among them).")
 @_flag("--log-format", type=click.Choice(list(log.FORMATS)), default="auto",
        help="auto = console on a terminal, JSON lines otherwise.")
 @_flag("--log-level", type=click.Choice(list(log.LEVELS)), default="info")
 def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_budget_mib, max_context,
-        log_format, log_level) -> None:
+        cpu_threads, log_format, log_level) -> None:
     """Serve this worker's layers of a Cake topology."""
     log.configure(log_format, log_level)
     logger = log.get_logger()
@@ -76,7 +78,7 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         name=served, model_dir=model, layers=node.layers, devices=devices, host=host, port=port,
         cluster_key=cluster_key or None, dtype=dtype, revision=Revision(int(protocol)),
         kv_budget_bytes=kv_budget_mib * (1 << 20) if kv_budget_mib else None, max_context=max_context,
-        log_format=log_format, log_level=log_level,
+        cpu_threads=cpu_threads, log_format=log_format, log_level=log_level,
     )
     try:
         status = asyncio.run(Front(config).run())

@@ -29,6 +29,7 @@ class NodeConfig:
     revision: Revision = Revision.V2
     kv_budget_bytes: int | None = None
     max_context: int | None = None
+    cpu_threads: int | None = None  # torch threads per CPU device process (None: its share of the cores)
     log_format: str = "auto"
     log_level: str = "info"
 

@@ -159,6 +159,8 @@ class Front:
 
     def _device_specs(self, runtime_dir: str) -> list[DeviceSpec]:
         cpu_processes = sum(1 for gpu in self.config.devices if gpu is None)
+        # CPU processes share the cores rather than oversubscribe them.
+        cpu_threads = self.config.cpu_threads or max(1, len(os.sched_getaffinity(0)) // max(1, cpu_processes))
         return [
             DeviceSpec(
                 index=i,
@@ -169,8 +171,7 @@ class Front:
                 endpoint=f"ipc://{runtime_dir}/device-{i}",
                 kv_budget_bytes=self.config.kv_budget_bytes,
                 max_context=self.config.max_context,
-                # CPU processes share the cores rather than oversubscribe them.
-                threads=max(1, len(os.sched_getaffinity(0)) // cpu_processes) if gpu is None else None,
+                threads=cpu_threads if gpu is None else None,
                 log_format=self.config.log_format,
                 log_level=self.config.log_level,
             )
