@@ -129,6 +129,8 @@ class _Device:
     async def request(self, msg: Message) -> Message:
         if self._error is not None:
             raise self._error
+        if self._stopping:
+            raise DeviceLost(f"device {self.spec.label} is stopping")
         future = asyncio.get_running_loop().create_future()
         self._pending[msg.request_id] = future
         try:

@@ -39,6 +39,7 @@ class Front:
     def __init__(self, config: NodeConfig):
         self.config = config
         self.placement = place_layers(config.layers, len(config.devices))
+        self._router = Router(self.placement)
         self.pool: DevicePool | None = None
         self._stopping = asyncio.Event()
         self._connections: dict[Connection, asyncio.Task] = {}
@@ -136,7 +137,7 @@ class Front:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = Connection(
-            next(self._sessions), reader, writer, pool=self.pool, router=Router(self.placement),
+            next(self._sessions), reader, writer, pool=self.pool, router=self._router,
             revision=self.config.revision, cluster_key=self.config.cluster_key, worker_info=self._worker_info,
         )
         self._connections[connection] = asyncio.current_task()
