@@ -11,7 +11,7 @@ from cakemp.auth import authenticate_worker
 from cakemp.errors import AuthError, ProtocolError, RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from cakemp.wire import (
-    HEADER_SIZE, Batch, DType, Hello, LayerOp, RawTensor, Revision, SingleOp, WorkerError, WorkerInfo,
+    HEADER_SIZE, Batch, DType, Hello, LayerOp, RawTensor, Revision, WorkerError, WorkerInfo,
     decode_payload, encode_frame, read_header,
 )
 from tests.checkpoints import HFLayers, make_checkpoint
