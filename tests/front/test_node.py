@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import torch
@@ -181,6 +183,31 @@ def test_eight_concurrent_sessions_stay_independent(node, checkpoint):
         masters = await asyncio.gather(*(session(ref, seed) for seed, ref in enumerate(refs)))
         for master in masters:
             await master.close()
+
+    run(main())
+
+
+def test_a_stalled_device_does_not_block_sessions_on_the_other(node, checkpoint):
+    """While device 0 is stopped (SIGSTOP) with a request on it, a session on device 1's layers
+    is served; the stalled request completes once device 0 runs again."""
+    stalled_pid = node.wait_for(lambda e: e.get("event") == "device ready" and e.get("device") == 0)["pid"]
+    ref = hf(checkpoint, [2, 3])
+
+    async def main():
+        slow = await CakeMaster.connect(node.port, [0, 1])
+        fast = await CakeMaster.connect(node.port, [2, 3])
+        os.kill(stalled_pid, signal.SIGSTOP)
+        try:
+            stalled = asyncio.create_task(slow.forward(torch.randn(1, 4, HIDDEN), 0))
+            for pos, length in ((0, 3), (3, 1), (4, 1)):
+                x = torch.randn(1, length, HIDDEN)
+                torch.testing.assert_close(await fast.forward(x, pos), ref(x, pos), atol=F32_ATOL, rtol=0)
+            assert not stalled.done()
+        finally:
+            os.kill(stalled_pid, signal.SIGCONT)
+        assert (await stalled).shape == (1, 4, HIDDEN)
+        await slow.close()
+        await fast.close()
 
     run(main())
 
