@@ -17,7 +17,6 @@ class FrontChannel:
     """The front's end of one device's socket (asyncio)."""
 
     def __init__(self, endpoint: str):
-        self.endpoint = endpoint
         self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(endpoint)
