@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cakemp.errors import ProtocolError
 from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, Op, Ready, decode, encode
@@ -52,3 +54,26 @@ def test_garbage_is_a_protocol_error(frames):
     """Short, unknown or incomplete messages raise ProtocolError, never something else."""
     with pytest.raises(ProtocolError):
         decode(frames)
+
+
+u64 = st.integers(0, 2**64 - 1)
+
+
+@given(session=u64, request_id=u64, dtype=st.integers(0, 255),
+       shape=st.lists(st.integers(0, 2**40), max_size=6).map(tuple),
+       ops=st.lists(st.builds(Op, st.integers(0, 2**32 - 1), u64, u64), max_size=40).map(tuple),
+       data=st.binary(max_size=64))
+def test_any_forward_round_trips(session, request_id, dtype, shape, ops, data):
+    """Every field of a Forward survives the codec at the edges of its integer range."""
+    back = decode(encode(Forward(session, request_id, dtype, shape, ops, data)))
+    assert (back.session, back.request_id, back.dtype, back.shape, back.ops, bytes(back.data)) == (
+        session, request_id, dtype, shape, ops, data)
+
+
+@given(st.lists(st.binary(max_size=80), min_size=1, max_size=3))
+def test_random_frames_decode_or_raise_protocol_error(frames):
+    """Arbitrary frames either decode to a message or raise ProtocolError, nothing else."""
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
