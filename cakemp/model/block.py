@@ -91,8 +91,8 @@ class DecoderBlock:
         k_cache, v_cache: [B, H_kv, capacity, D], rows [0, start) already hold this layer's
         keys/values for earlier positions; this writes rows [start, start+T).
         """
-        x = x + self._attention(_rms_norm(x, self.input_norm, self.eps), cos, sin, k_cache, v_cache, start)
-        return x + self._mlp(_rms_norm(x, self.post_norm, self.eps))
+        x = x + self._attention(rms_norm(x, self.input_norm, self.eps), cos, sin, k_cache, v_cache, start)
+        return x + self._mlp(rms_norm(x, self.post_norm, self.eps))
 
     def _attention(self, h, cos, sin, k_cache, v_cache, start):
         B, T, _ = h.shape
@@ -103,8 +103,8 @@ class DecoderBlock:
         q = q.view(B, T, self.heads, D)
         k = k.view(B, T, n_kv, D)
         if self.q_norm is not None:
-            q = _rms_norm(q, self.q_norm, self.eps)
-            k = _rms_norm(k, self.k_norm, self.eps)
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
         q = rotate(q.transpose(1, 2), cos, sin)  # [B, H_q, T, D]
         k_cache[:, :, start : start + T] = rotate(k.transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
         v_cache[:, :, start : start + T] = v.view(B, T, n_kv, D).transpose(1, 2)
@@ -146,6 +146,6 @@ class DecoderBlock:
         return F.linear(F.silu(gate) * up, self.w_down)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalise the last dim (torch's rms_norm computes in f32 for f16/bf16 inputs)."""
     return F.rms_norm(x, weight.shape, weight, eps)

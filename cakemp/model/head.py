@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cakemp.model.block import _rms_norm
+from cakemp.model.block import rms_norm
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 
@@ -59,5 +59,5 @@ class Head:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states [1, T, H] -> logits [V] of the last position (the norm is per position,
         so normalising only the last one gives the same values for less work)."""
-        last = _rms_norm(x[0, -1], self.norm_weight, self.eps)  # [H]
+        last = rms_norm(x[0, -1], self.norm_weight, self.eps)  # [H]
         return F.linear(last, self.lm_head_weight)  # [V]
