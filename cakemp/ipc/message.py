@@ -31,6 +31,7 @@ class Kind(IntEnum):
     ACTIVATION = 17
     FAILURE = 18
     DONE = 19
+    LOADED = 20
 
 
 # kind u8 | dtype u8 | ndim u8 | pad | n_ops u32 | session u64 | request id u64   (24 bytes)
@@ -38,8 +39,10 @@ _FIXED = struct.Struct("<BBBxIQQ")
 _DIM = struct.Struct("<Q")
 # one op: layer (index into the device's layer list) u32 | index_pos u64 | block_idx u64
 _OP = struct.Struct("<IQQ")
-# Done: sessions u64 | kv bytes u64 ; Ready: memory bytes u64 | layers u64
+# Done: sessions u64 | kv bytes u64 ; Ready: memory bytes u64 | layers u64 ; Loaded: layers u64 | total u64
 _COUNTS = struct.Struct("<QQ")
+# Activation, after its shape: the device's KV bytes u64
+_KV = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -85,13 +88,26 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Loaded:
+    """Load progress of a starting device: `layers` of its `total` are on the device (0 as soon as it runs)."""
+
+    layers: int
+    total: int
+
+
+@dataclass(frozen=True)
 class Activation:
-    """The reply to Forward: same dtype and shape as the request."""
+    """The reply to Forward: same dtype and shape as the request.
+
+    `kv_bytes` is the device's KV cache size after the request, for the front's metrics (it
+    grows with every decode step, long before a Done would report it).
+    """
 
     request_id: int
     dtype: int
     shape: tuple[int, ...]
     data: Buffer
+    kv_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,7 +128,7 @@ class Done:
     kv_bytes: int
 
 
-Message = Union[Forward, Clear, End, Ready, Activation, Failure, Done]
+Message = Union[Forward, Clear, End, Ready, Loaded, Activation, Failure, Done]
 
 
 def _fixed(kind: Kind, *, dtype: int = 0, ndim: int = 0, n_ops: int = 0, session: int = 0, request_id: int = 0) -> bytes:
@@ -133,6 +149,7 @@ def encode(msg: Message) -> list[Buffer]:
         head = bytearray(_fixed(Kind.ACTIVATION, dtype=msg.dtype, ndim=len(msg.shape), request_id=msg.request_id))
         for dim in msg.shape:
             head += _DIM.pack(dim)
+        head += _KV.pack(msg.kv_bytes)
         return [bytes(head), msg.data]
     if isinstance(msg, Clear):
         return [_fixed(Kind.CLEAR, session=msg.session, request_id=msg.request_id)]
@@ -142,6 +159,8 @@ def encode(msg: Message) -> list[Buffer]:
         return [_fixed(Kind.DONE, request_id=msg.request_id) + _COUNTS.pack(msg.sessions, msg.kv_bytes)]
     if isinstance(msg, Ready):
         return [_fixed(Kind.READY) + _COUNTS.pack(msg.memory_bytes, msg.layers), msg.device.encode()]
+    if isinstance(msg, Loaded):
+        return [_fixed(Kind.LOADED) + _COUNTS.pack(msg.layers, msg.total)]
     if isinstance(msg, Failure):
         return [_fixed(Kind.FAILURE, request_id=msg.request_id), f"{msg.error}\n{msg.message}".encode()]
     raise TypeError(f"not an ipc message: {type(msg).__name__}")
@@ -166,7 +185,7 @@ def _decode(frames: Sequence[Buffer]) -> Message:
         ops = tuple(Op(*_OP.unpack_from(head, at + i * _OP.size)) for i in range(n_ops))
         return Forward(session, request_id, dtype, shape, ops, frames[1])
     if kind is Kind.ACTIVATION:
-        return Activation(request_id, dtype, shape, frames[1])
+        return Activation(request_id, dtype, shape, frames[1], _KV.unpack_from(head, at)[0])
     if kind is Kind.CLEAR:
         return Clear(session, request_id)
     if kind is Kind.END:
@@ -177,5 +196,7 @@ def _decode(frames: Sequence[Buffer]) -> Message:
     if kind is Kind.READY:
         memory_bytes, layers = _COUNTS.unpack_from(head, at)
         return Ready(bytes(frames[1]).decode(), memory_bytes, layers)
+    if kind is Kind.LOADED:
+        return Loaded(*_COUNTS.unpack_from(head, at))
     error, _, message = bytes(frames[1]).decode().partition("\n")
     return Failure(request_id, error, message)

@@ -7,16 +7,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cakemp.errors import ProtocolError
-from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, Op, Ready, decode, encode
+from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, Loaded, Op, Ready, decode, encode
 
 MESSAGES = [
     Forward(7, 42, 4, (1, 3, 64), (Op(0, 5, 12), Op(1, 5, 13)), memoryview(bytearray(range(256)) * 3)[: 3 * 64 * 2]),
     Forward(2**64 - 1, 2**64 - 1, 5, (), (), b""),
-    Activation(42, 3, (1, 1, 4096), memoryview(bytearray(8192))),
+    Activation(42, 3, (1, 1, 4096), memoryview(bytearray(8192)), kv_bytes=2**40 + 3),
     Clear(7, 43),
     End(7, 44),
     Done(44, 3, 123456789),
     Ready("cuda", 16 * 2**30, 16),
+    Loaded(3, 16),
     Failure(45, "ContextLimitExceeded", "position 70 is past the context limit of 64 positions"),
     Failure(0, "CheckpointError", "multi\nline message"),
 ]
