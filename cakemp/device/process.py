@@ -1,8 +1,8 @@
 """The device process: spawned by the front, one per device, serving its ipc socket.
 
 Lifecycle: die with the parent (PR_SET_PDEATHSIG and a parent-death pipe), load only this
-device's layers, report Ready (or the load Failure), then answer requests one at a time until
-the parent is gone. (Cross-session batching would drain every request waiting on the socket
+device's layers (reporting Loaded progress after each), report Ready (or the load Failure),
+then answer requests one at a time until the parent is gone. (Cross-session batching would drain every request waiting on the socket
 here and hand DeviceService the list.) This module is imported by the front to name the spawn
 target, so torch (via DeviceService) is imported only inside `main`, in the child.
 """
@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 from cakemp import log
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import ProtocolError
-from cakemp.ipc import DeviceChannel, Failure, Ready
+from cakemp.ipc import DeviceChannel, Failure, Loaded, Ready
 
 _PR_SET_PDEATHSIG = 1
 
@@ -31,8 +31,11 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int) -> None:
     log.configure(spec.log_format, spec.log_level)
     logger = log.get_logger(device=spec.index)
     channel = DeviceChannel(spec.endpoint, parent_pipe.fileno())
+    total = len(spec.layers)
+    # Progress from the first moment: the front counts a silent device as hung.
+    channel.send(Loaded(0, total))
     try:
-        service = _load(spec)
+        service = _load(spec, lambda loaded: channel.send(Loaded(loaded, total)))
     except Exception as e:
         logger.error("device load failed", device_label=spec.label, error=f"{type(e).__name__}: {e}")
         channel.send(Failure(0, type(e).__name__, str(e)))
@@ -62,7 +65,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _load(spec: DeviceSpec):
+def _load(spec: DeviceSpec, on_layer):
     from cakemp.device.service import DeviceService  # torch, in the child only
 
-    return DeviceService.load(spec)
+    return DeviceService.load(spec, on_layer)

@@ -6,7 +6,7 @@ process wraps it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -53,23 +53,32 @@ class BlockRunner:
         dtype: torch.dtype,
         kv_budget_bytes: int | None = None,
         max_context: int | None = None,
+        on_layer: Callable[[int], None] | None = None,
     ) -> BlockRunner:
-        """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`."""
+        """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
+
+        `on_layer(n)` is called once `n` of them are on the device (the device process reports
+        it, so that a load of minutes shows progress).
+        """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
         config = ModelConfig.from_dir(model_dir)
         checkpoint = Checkpoint(model_dir, config)
         groups = DecoderBlock.weight_groups(config)
-        wanted = {}
         for layer in layers:
             if config.layer_index(layer) is None:
                 raise CheckpointError(
                     f"layer {layer!r} is not one of {config.layer_name(0)}..{config.layer_name(config.num_hidden_layers - 1)}"
                 )
-            for key, members in groups.items():
-                wanted[layer, key] = [f"{layer}.{name}" for name in members]
-        weights = checkpoint.load(wanted, device, dtype)
+        weights = {}
+        # One layer at a time, so progress can be reported; opening a shard again per layer
+        # costs only its header (the file is memory-mapped).
+        for loaded, layer in enumerate(layers, 1):
+            wanted = {(layer, key): [f"{layer}.{name}" for name in members] for key, members in groups.items()}
+            weights.update(checkpoint.load(wanted, device, dtype))
+            if on_layer is not None:
+                on_layer(loaded)
         shapes = DecoderBlock.weight_shapes(config)
         for (layer, key), tensor in weights.items():
             if tuple(tensor.shape) != shapes[key]:

@@ -7,6 +7,7 @@ nothing a master sends can crash the process or touch another session's state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,13 +26,14 @@ class DeviceService:
     layers: tuple[str, ...]  # the front addresses layers by their index in this tuple
 
     @classmethod
-    def load(cls, spec: DeviceSpec) -> "DeviceService":
+    def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None) -> "DeviceService":
+        """Load the spec's layers; `on_layer(n)` once n of them are on the device."""
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         device = "cuda:0" if spec.gpu is not None else "cpu"  # the one GPU this process sees
         runner = BlockRunner.load(
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
-            kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context,
+            kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
         )
         return cls(runner, spec.layers)
 
@@ -64,4 +66,5 @@ class DeviceService:
         x = tensors.to_tensor(request.data, request.dtype, request.shape)  # [1, T, H] wire dtype, CPU
         with torch.inference_mode():
             y = self.runner.forward(request.session, x.to(self.runner.device, self.runner.dtype), ops)
-        return Activation(request.request_id, request.dtype, request.shape, tensors.to_bytes(y, request.dtype))
+        return Activation(request.request_id, request.dtype, request.shape, tensors.to_bytes(y, request.dtype),
+                          self.runner.kv_bytes())

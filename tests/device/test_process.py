@@ -11,7 +11,7 @@ import torch
 
 from cakemp.device import process
 from cakemp.device.spec import DeviceSpec
-from cakemp.ipc import Activation, Failure, Forward, FrontChannel, Op, Ready
+from cakemp.ipc import Activation, Failure, Forward, FrontChannel, Loaded, Op, Ready
 from cakemp.wire import DType
 from tests.checkpoints import HFLayers, make_checkpoint
 
@@ -42,14 +42,16 @@ async def join(child, timeout: float = 20.0) -> int:
 
 
 def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, checkpoint):
-    """The process reports Ready with its layers, answers a Forward like HF's layer, survives a bad
-    request, and exits 0 once the parent's end of the pipe closes."""
+    """The process reports its load progress and Ready with its layers, answers a Forward like HF's
+    layer (with its KV bytes), survives a bad request, and exits 0 once the parent's end of the pipe closes."""
     spec = DeviceSpec(0, None, ("model.layers.1",), str(checkpoint), "f32", f"ipc://{tmp_path}/device-0",
                       threads=1, log_format="json")
     x = torch.randn(1, 3, 64)
 
     async def main():
         channel, child, parent_pipe = await spawn(spec)
+        progress = [await asyncio.wait_for(channel.receive(), 60) for _ in range(2)]
+        assert progress == [Loaded(0, 1), Loaded(1, 1)]
         ready = await asyncio.wait_for(channel.receive(), 60)
         assert isinstance(ready, Ready) and (ready.device, ready.layers) == ("cpu", 1) and ready.memory_bytes > 0
         await channel.send(Forward(1, 1, DType.F32, (1, 3, 64), (Op(5, 0, 1),), bytearray(x.numpy().tobytes())))
@@ -63,19 +65,21 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
 
     refused, answered, exitcode = asyncio.run(main())
     assert isinstance(refused, Failure) and refused.error == "UnknownLayer"
-    assert isinstance(answered, Activation) and answered.request_id == 2
+    assert isinstance(answered, Activation) and answered.request_id == 2 and answered.kv_bytes > 0
     y = torch.frombuffer(bytearray(answered.data), dtype=torch.float32).view(1, 3, 64)
     torch.testing.assert_close(y, HFLayers(checkpoint, [1], torch.float32)(x, 0), atol=1e-4, rtol=0)
     assert exitcode == 0
 
 
 def test_a_load_failure_is_reported_before_exiting(tmp_path):
-    """A model directory that cannot be loaded is reported as a start Failure, then the process exits 1."""
+    """A model directory that cannot be loaded is reported as a start Failure after the first (empty)
+    progress report, then the process exits 1."""
     spec = DeviceSpec(0, None, ("model.layers.0",), str(tmp_path / "absent"), "f32", f"ipc://{tmp_path}/device-0",
                       threads=1, log_format="json")
 
     async def main():
         channel, child, parent_pipe = await spawn(spec)
+        assert await asyncio.wait_for(channel.receive(), 60) == Loaded(0, 1)
         failure = await asyncio.wait_for(channel.receive(), 60)
         exitcode = await join(child)
         channel.close()
