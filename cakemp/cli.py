@@ -15,6 +15,7 @@ from cakemp import log
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front import Front, NodeConfig
 from cakemp.front.config import cuda_devices, parse_address, parse_gpus
+from cakemp.front.notify import Notifier
 from cakemp.topology import Topology
 from cakemp.wire import Revision
 
@@ -50,14 +51,25 @@ def cli() -> None:
 @_flag("--max-context", type=click.IntRange(min=1), help="Maximum positions per session (default: the model's).")
 @_flag("--cpu-threads", type=click.IntRange(min=1),
        help="torch threads per CPU device process (default: the cores divided among them).")
+@_flag("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
+       help="Seconds requests in flight get to finish after SIGTERM or SIGINT (a second signal exits at once).")
+@_flag("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
+       help="Seconds a device process may stay silent while it owes an answer (or load progress) "
+            "before it is restarted.")
+@_flag("--restart-attempts", type=click.IntRange(min=1), default=5,
+       help="Failed starts in a row of one device process after which the node exits 1.")
+@_flag("--metrics-address", help="host:port serving /metrics, /healthz and /readyz (default: off).")
 @_flag("--log-format", type=click.Choice(list(log.FORMATS)), default="auto",
        help="auto = console on a terminal, JSON lines otherwise.")
 @_flag("--log-level", type=click.Choice(list(log.LEVELS)), default="info")
 def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_budget_mib, max_context,
-        cpu_threads, log_format, log_level) -> None:
+        cpu_threads, drain_timeout, request_timeout, restart_attempts, metrics_address, log_format,
+        log_level) -> None:
     """Serve this worker's layers of a Cake topology."""
     log.configure(log_format, log_level)
     logger = log.get_logger()
+    # First: it takes the manager's variables out of the environment the device processes inherit.
+    notifier = Notifier.from_env()
     if not name:
         raise ConfigError("no --name provided for worker")
     if not topology:
@@ -78,10 +90,13 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         name=served, model_dir=model, layers=node.layers, devices=devices, host=host, port=port,
         cluster_key=cluster_key or None, dtype=dtype, revision=Revision(int(protocol)),
         kv_budget_bytes=kv_budget_mib * (1 << 20) if kv_budget_mib else None, max_context=max_context,
-        cpu_threads=cpu_threads, log_format=log_format, log_level=log_level,
+        cpu_threads=cpu_threads, drain_timeout=drain_timeout, request_timeout=request_timeout,
+        restart_attempts=restart_attempts,
+        metrics_address=parse_address(metrics_address, "--metrics-address") if metrics_address else None,
+        log_format=log_format, log_level=log_level,
     )
     try:
-        status = asyncio.run(Front(config).run())
+        status = asyncio.run(Front(config, notifier).run())
     except ConfigError:
         raise
     except CakempError as e:  # a device that died while loading, say

@@ -30,15 +30,21 @@ class NodeConfig:
     kv_budget_bytes: int | None = None
     max_context: int | None = None
     cpu_threads: int | None = None  # torch threads per CPU device process (None: its share of the cores)
+    drain_timeout: float = 30.0  # seconds requests in flight get to finish after SIGTERM/SIGINT
+    # Seconds a device process may stay silent while it owes the front a reply (or load
+    # progress) before it counts as hung and is restarted.
+    request_timeout: float = 60.0
+    restart_attempts: int = 5  # failed starts in a row of one device before the node exits 1
+    metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics, /healthz, /readyz; None: off
     log_format: str = "auto"
     log_level: str = "info"
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """`host:port` (IPv6 hosts in brackets) -> (host, port)."""
+def parse_address(text: str, flag: str = "--address") -> tuple[str, int]:
+    """`host:port` (IPv6 hosts in brackets) -> (host, port); `flag` names the option in the error."""
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"invalid --address {text!r}: expected host:port")
+        raise ConfigError(f"invalid {flag} {text!r}: expected host:port")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 from cakemp import log
 from cakemp.auth import authenticate_master
 from cakemp.errors import AuthError, CakempError, MalformedTensor, ProtocolError, RequestError
+from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
 from cakemp.front.router import Router
 from cakemp.front.stats import Stats
@@ -28,12 +29,13 @@ _READ_SIZE = 1 << 20
 
 class Connection:
     def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 pool: DevicePool, router: Router, revision: Revision, cluster_key: str | None,
+                 pool: DevicePool, router: Router, metrics: Metrics, revision: Revision, cluster_key: str | None,
                  worker_info: Callable[[int], WorkerInfo]):
         self.session = session
-        self.busy = False  # a request is being served (the front waits for these when a device dies)
+        self.busy = False  # a request is being served
+        self._finishing = False  # close once the request being served is answered (the drain)
         self._reader, self._writer = reader, writer
-        self._pool, self._router = pool, router
+        self._pool, self._router, self._metrics = pool, router, metrics
         self._revision, self._cluster_key = revision, cluster_key
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
         self._decoder = FrameDecoder(revision)
@@ -45,6 +47,12 @@ class Connection:
     def close(self) -> None:
         """Close the transport: the read loop sees EOF and `serve` frees the session and returns."""
         self._writer.close()
+
+    def finish(self) -> None:
+        """Close now if idle, else as soon as the request being served is answered."""
+        self._finishing = True
+        if not self.busy:
+            self.close()
 
     async def serve(self) -> None:
         """Serve until the master closes, sends garbage, or the task is cancelled; then free the session."""
@@ -81,6 +89,8 @@ class Connection:
                 received = await self._read()
             except MalformedTensor as e:  # the frame was sound, only its tensor is not: answer, go on
                 self._log.warning("request failed", error=str(e))
+                self._metrics.requests.inc()
+                self._metrics.errors.inc(error=type(e).__name__)
                 await self._send(WorkerError(str(e)))
                 continue
             if received is None:
@@ -106,8 +116,11 @@ class Connection:
             computed = time.perf_counter()
             written = await self._send(reply)
             write_s = time.perf_counter() - computed
+            self._metrics.requests.inc()
         finally:
             self.busy = False
+            if self._finishing:
+                self.close()
         if isinstance(reply, TensorMessage):
             line = self._stats.add(len(ops), computed - start, read_bytes, read_s, written, write_s)
             if line is not None:
@@ -123,6 +136,7 @@ class Connection:
             return TensorMessage(RawTensor(data, x.dtype, x.shape))
         except RequestError as e:
             self._log.warning("request failed", error=str(e))
+            self._metrics.errors.inc(error=type(e).__name__)
             return WorkerError(str(e))
 
     async def _goodbye(self) -> None:
@@ -139,6 +153,7 @@ class Connection:
             if not data:
                 return None
             nbytes += len(data)
+            self._metrics.bytes_received.inc(len(data))
             self._decoder.feed(data)
         return message, nbytes, time.perf_counter() - start
 
@@ -146,7 +161,9 @@ class Connection:
         buffers = encode_frame(message, self._revision)
         self._writer.writelines(buffers)
         await self._writer.drain()
-        return sum(memoryview(b).nbytes for b in buffers)
+        written = sum(memoryview(b).nbytes for b in buffers)
+        self._metrics.bytes_sent.inc(written)
+        return written
 
     async def _release(self) -> None:
         """The connection is gone: free the session on every device that saw it, then close."""

@@ -210,7 +210,8 @@ async def start_metrics_server(metrics: Metrics, host: str, port: int) -> asynci
             writer.close()
 
     server = await asyncio.start_server(handle, host, port, limit=MAX_REQUEST_HEAD)
-    log.info("metrics_listening", address=[sock.getsockname() for sock in server.sockets])
+    bound_host, bound_port = server.sockets[0].getsockname()[:2]  # the real port when asked for 0
+    log.info(f"metrics on http://{bound_host}:{bound_port}/metrics", port=bound_port)
     return server
 
 

@@ -1,10 +1,17 @@
-"""The device processes of this node: start, requests in flight, death, stop.
+"""The device processes of this node: start, requests in flight, hangs, deaths, restarts, stop.
 
 One spawned process per device, each behind its own ipc socket. A request is a future keyed by
 request id; the device answers its socket in order, so requests to different devices run in
-parallel and requests to one device queue there. The death of a process is seen at once
-through its sentinel fd: its in-flight requests fail with DeviceLost and `lost` is set, which
-is the seam for whoever supervises the pool (today the front exits; later, restart in place).
+parallel and requests to one device queue there.
+
+A device fails when its process dies (seen at once through its sentinel fd) or stays silent for
+`request_timeout` seconds while it owes the front a message (a reply, or load progress while it
+starts; then the front kills it). Once the pool serves, a failed device is restarted in place,
+reloading its layers, while the others keep serving: its requests in flight fail with
+DeviceLost, so do requests to it until it is back, and a session that had KV state in the dead
+process gets one DeviceLost saying so when it next relies on that state. After
+`restart_attempts` failed starts in a row the pool gives up and sets `failed`, for the front to
+exit and leave the node to its service manager.
 """
 
 from __future__ import annotations
@@ -20,17 +27,29 @@ from cakemp import errors, log
 from cakemp.device import process as device_process
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import CakempError, ConfigError, DeviceLost, RequestError
-from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, FrontChannel, Message, Op, Ready
+from cakemp.front.metrics import Metrics
+from cakemp.front.status import NodeStatus
+from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, FrontChannel, Loaded, Message, Op, Ready
 
 _STOP_GRACE_S = 3.0
+_REAP_S = 1.0
+# Delay before restart attempt n (0-based): doubling from the first, capped.
+_BACKOFF_FIRST_S = 0.5
+_BACKOFF_MAX_S = 30.0
 
 
 class DevicePool:
-    def __init__(self, specs: Sequence[DeviceSpec]):
+    def __init__(self, specs: Sequence[DeviceSpec], *, status: NodeStatus, metrics: Metrics,
+                 request_timeout: float = 60.0, restart_attempts: int = 5):
         self.specs = tuple(specs)
-        self.lost = asyncio.Event()  # set when a device process dies unasked
-        self.lost_error: DeviceLost | None = None
+        self.failed = asyncio.Event()  # set when a device could not be restarted; `failure` says why
+        self.failure: str | None = None
+        self._status, self._metrics = status, metrics
+        self._request_timeout = request_timeout
+        self._restart_attempts = restart_attempts
+        self._context = multiprocessing.get_context("spawn")
         self._devices: list[_Device] = []
+        self._restarts: set[asyncio.Task] = set()
         self._request_ids = itertools.count(1)  # 0 is the start (Ready) exchange
         self._log = log.get_logger()
 
@@ -38,52 +57,94 @@ class DevicePool:
         """Spawn every device process and wait until all have loaded their layers.
 
         Raises ConfigError when a device rejects the configuration (its checkpoint, say), else
-        CakempError or DeviceLost; every process is stopped before it raises.
+        CakempError or DeviceLost; every process is stopped before it raises. Failures at this
+        first start are not retried: the configuration is the likely cause.
         """
-        context = multiprocessing.get_context("spawn")
         for spec in self.specs:
-            self._devices.append(_Device(context, spec, self._on_lost))
+            device = _Device(spec, self._request_timeout, self._status, self._on_failure)
+            self._devices.append(device)
+            device.spawn(self._context)
         try:
-            return tuple(await asyncio.gather(*(device.ready for device in self._devices)))
+            readies = tuple(await asyncio.gather(*(device.ready for device in self._devices)))
         except BaseException:
             await self.stop()
             raise
+        for device in self._devices:
+            device.serving()
+        return readies
 
     async def forward(self, device: int, session: int, dtype: int, shape: tuple[int, ...],
                       ops: tuple[Op, ...], data) -> Activation:
         """Run `ops` on `device` over activation bytes `data`; raises the device's RequestError or DeviceLost."""
-        reply = await self._devices[device].request(
-            Forward(session, next(self._request_ids), dtype, shape, ops, data))
+        target = self._devices[device]
+        target.admit(session, ops)
+        start = asyncio.get_running_loop().time()
+        reply = await target.request(Forward(session, next(self._request_ids), dtype, shape, ops, data))
+        self._metrics.request_seconds.observe(asyncio.get_running_loop().time() - start, device=target.spec.label)
         if isinstance(reply, Failure):
             raise _request_error(reply)
+        self._metrics.kv_bytes.set(reply.kv_bytes, device=target.spec.label)
         return reply
 
     async def clear(self, device: int, session: int) -> Done:
-        """Goodbye: drop the session's caches on `device`."""
+        """Goodbye: drop the session's caches on `device` (a fresh start, so a lost state no longer matters)."""
+        self._devices[device].lost.discard(session)
         return await self._done(device, Clear(session, next(self._request_ids)))
 
     async def end(self, device: int, session: int) -> Done:
         """The connection closed: free everything of the session on `device`."""
+        self._devices[device].sessions.discard(session)
+        self._devices[device].lost.discard(session)
         return await self._done(device, End(session, next(self._request_ids)))
 
     def label(self, device: int) -> str:
         return self.specs[device].label
 
     async def stop(self) -> None:
-        """Stop every device process (SIGTERM, then SIGKILL after a grace period) and close sockets."""
+        """Stop restarting, fail requests in flight, stop every device process (SIGTERM, then
+        SIGKILL after a grace period) and close the sockets. Safe to call again."""
+        for task in self._restarts:
+            task.cancel()
         await asyncio.gather(*(device.stop() for device in self._devices))
 
     async def _done(self, device: int, request: Clear | End) -> Done:
-        reply = await self._devices[device].request(request)
+        target = self._devices[device]
+        reply = await target.request(request)
         if isinstance(reply, Failure):
             raise _request_error(reply)
+        self._metrics.kv_bytes.set(reply.kv_bytes, device=target.spec.label)
         return reply
 
-    def _on_lost(self, error: DeviceLost) -> None:
-        self._log.error("device process died", error=str(error))
-        if self.lost_error is None:
-            self.lost_error = error
-        self.lost.set()
+    def _on_failure(self, device: _Device, reason: str) -> None:
+        """A serving device failed: restart it in the background."""
+        task = asyncio.get_running_loop().create_task(self._restart(device, reason), name=f"restart-{device.spec.label}")
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, device: _Device, reason: str) -> None:
+        label = device.spec.label
+        self._log.error("device failed; restarting it", device=device.spec.index, device_label=label, reason=reason)
+        self._metrics.device_restarts.inc(device=label)
+        self._metrics.kv_bytes.set(0, device=label)
+        self._status.restarting(device.spec.index, reason)
+        for attempt in itertools.count():
+            await asyncio.sleep(min(_BACKOFF_FIRST_S * 2**attempt, _BACKOFF_MAX_S))
+            device.spawn(self._context)
+            try:
+                await device.ready
+            except CakempError as e:
+                await device.reap()
+                self._log.error("device restart failed", device=device.spec.index, device_label=label,
+                                attempt=attempt + 1, error=str(e))
+                if attempt + 1 >= self._restart_attempts:
+                    self.failure = f"device {label} failed to start {attempt + 1} times in a row (last: {e})"
+                    self.failed.set()
+                    return
+                continue
+            device.serving()
+            self._status.restarted(device.spec.index)
+            self._log.info("device restarted", device=device.spec.index, device_label=label, pid=device.process.pid)
+            return
 
 
 def _request_error(failure: Failure) -> RequestError:
@@ -102,54 +163,106 @@ def _start_error(failure: Failure) -> CakempError:
 
 
 class _Device:
-    """One device process, its socket, and its requests in flight."""
+    """One device: its socket (kept across restarts), its current process, the messages that
+    process owes, and the sessions that may hold KV state in it."""
 
-    def __init__(self, context, spec: DeviceSpec, on_lost):
-        loop = asyncio.get_running_loop()
+    def __init__(self, spec: DeviceSpec, request_timeout: float, status: NodeStatus, on_failure):
         self.spec = spec
-        self._on_lost = on_lost
-        self._stopping = False
-        self._error: DeviceLost | None = None
+        self.process = None
+        self.ready: asyncio.Future | None = None  # the current process's Ready
+        # Why requests cannot be served now ("is starting", "is restarting after it died …"),
+        # None while serving.
+        self.down: str | None = "is starting"
+        self.sessions: set[int] = set()  # sessions that sent requests to the current process
+        self.lost: set[int] = set()  # sessions whose KV state died with an earlier process
+        self._request_timeout = request_timeout
+        self._status = status
+        self._on_failure = on_failure
         self._channel = FrontChannel(spec.endpoint)
+        # Requests sent and not yet answered, by request id, whether or not anyone still
+        # awaits them (the device owes the answer all the same); 0 is the Ready.
         self._pending: dict[int, asyncio.Future] = {}
-        self.ready: asyncio.Future = loop.create_future()
+        self._silence: asyncio.TimerHandle | None = None
+        self._hung: str | None = None  # set when we killed the process for its silence
+        self._gone = asyncio.Event()  # the current process has exited
+        self._parent_pipe = None
+        self._closed = False
+        self._log = log.get_logger(device=spec.index)
+        self._receiver = asyncio.get_running_loop().create_task(self._receive(), name=f"device-{spec.index}-receiver")
+
+    def spawn(self, context) -> None:
+        """Start a process for this device; `ready` resolves once it has loaded its layers."""
+        loop = asyncio.get_running_loop()
+        self.ready = loop.create_future()
         self._pending[0] = self.ready
+        self._gone = asyncio.Event()
         # Only we hold the write end; the child sees EOF on its read end when we are gone.
         reader, self._parent_pipe = context.Pipe(duplex=False)
         self.process = context.Process(
-            target=device_process.main, args=(spec, reader, os.getpid()),
-            name=f"cakemp-device-{spec.index}", daemon=True,
+            target=device_process.main, args=(self.spec, reader, os.getpid()),
+            name=f"cakemp-device-{self.spec.index}", daemon=True,
         )
-        with _visible_gpu(spec.gpu):
+        with _visible_gpu(self.spec.gpu):
             self.process.start()
         reader.close()
         loop.add_reader(self.process.sentinel, self._exited)
-        self._receiver = loop.create_task(self._receive(), name=f"device-{spec.index}-receiver")
+        self._listen()
+
+    def serving(self) -> None:
+        """The current process is ready: requests may go to it."""
+        self.down = None
+
+    def admit(self, session: int, ops: Sequence[Op]) -> None:
+        """Take note of the session's Forward, or raise DeviceLost: while the device is down, and
+        once for a session whose KV state died with an earlier process and that still relies on
+        it (a request past position 0; a fresh prefill just goes ahead)."""
+        if self.down is not None:
+            raise DeviceLost(f"device {self.spec.label} {self.down}")
+        if session in self.lost:
+            self.lost.discard(session)
+            if any(op.index_pos > 0 for op in ops):
+                raise DeviceLost(f"device {self.spec.label} restarted; this session's KV state was lost, "
+                                 "start again with a fresh prefill (index_pos 0)")
+        self.sessions.add(session)
 
     async def request(self, msg: Message) -> Message:
-        if self._error is not None:
-            raise self._error
-        if self._stopping:
-            raise DeviceLost(f"device {self.spec.label} is stopping")
+        if self.down is not None:
+            raise DeviceLost(f"device {self.spec.label} {self.down}")
         future = asyncio.get_running_loop().create_future()
         self._pending[msg.request_id] = future
-        try:
-            await self._channel.send(msg)
-            return await future
-        finally:
-            self._pending.pop(msg.request_id, None)
+        if self._silence is None:
+            self._listen()
+        await self._channel.send(msg)
+        return await future
+
+    def _listen(self) -> None:
+        """(Re)start the silence timer while the process owes a message, stop it when it owes none."""
+        if self._silence is not None:
+            self._silence.cancel()
+            self._silence = None
+        if self._pending:
+            self._silence = asyncio.get_running_loop().call_later(self._request_timeout, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self._silence = None
+        self._hung = f"did not answer within {self._request_timeout:g} s"
+        self.process.kill()  # its sentinel then reports the failure, with this reason
 
     async def _receive(self) -> None:
-        logger = log.get_logger(device=self.spec.index)
         while True:
             try:
                 reply = await self._channel.receive()
             except errors.ProtocolError as e:
-                logger.error("bad ipc reply", error=str(e))
+                self._log.error("bad ipc reply", error=str(e))
+                continue
+            if isinstance(reply, Loaded):
+                self._listen()
+                self._status.loaded(self.spec.index, reply.layers)
                 continue
             request_id = 0 if isinstance(reply, Ready) else reply.request_id
             future = self._pending.pop(request_id, None)
-            if future is None or future.done():  # its requester went away (connection closed)
+            self._listen()
+            if future is None or future.done():  # a dead process's late reply, or its requester went away
                 continue
             if request_id == 0 and isinstance(reply, Failure):
                 future.set_exception(_start_error(reply))
@@ -158,30 +271,58 @@ class _Device:
 
     def _exited(self) -> None:
         asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        self.process.join(0)
-        if self._stopping:
+        # The sentinel closes as the process exits, a moment before it can be reaped.
+        self.process.join(_REAP_S)
+        self._parent_pipe.close()
+        self._gone.set()
+        if self._silence is not None:
+            self._silence.cancel()
+            self._silence = None
+        reason, self._hung = self._hung or f"died (exit code {self.process.exitcode})", None
+        if self._closed:
             return
-        self._error = DeviceLost(f"device {self.spec.label} died (exit code {self.process.exitcode})")
+        was_serving = self.down is None
+        self.down = f"is restarting after it {reason}"
+        error = DeviceLost(f"device {self.spec.label} {reason}")
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(self._error)
+                future.set_exception(error)
         self._pending.clear()
-        self._on_lost(self._error)
+        self.lost |= self.sessions
+        self.sessions = set()
+        if was_serving:
+            self._on_failure(self, reason)
+
+    async def reap(self) -> None:
+        """Kill the current process if it still runs (a start that failed) and wait until it is gone."""
+        if self.process.exitcode is None:
+            self.process.kill()
+        await self._gone.wait()
 
     async def stop(self) -> None:
-        self._stopping = True
+        if self._closed:
+            return
+        self._closed = True
+        self.down = "is stopping"
+        error = DeviceLost(f"device {self.spec.label} is stopping")
+        for request_id, future in self._pending.items():
+            if future.done():
+                continue
+            if request_id == 0:
+                future.cancel()  # a Ready nobody awaits any more
+            else:
+                future.set_exception(error)
+        self._pending.clear()
+        self._listen()
         self._receiver.cancel()
-        if self.process.is_alive():
+        if self.process is not None and not self._gone.is_set():
             self.process.terminate()
-            deadline = asyncio.get_running_loop().time() + _STOP_GRACE_S
-            while self.process.is_alive() and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.02)
-            if self.process.is_alive():
+            try:
+                await asyncio.wait_for(self._gone.wait(), _STOP_GRACE_S)
+            except asyncio.TimeoutError:
                 self.process.kill()
-        self.process.join()
-        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+                await self._gone.wait()
         self._channel.close()
-        self._parent_pipe.close()
 
 
 @contextlib.contextmanager

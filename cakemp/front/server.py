@@ -1,9 +1,12 @@
 """The front process: device pool up, then a TCP server with one task per master connection.
 
-Lifecycle (`Front.run`): make the runtime dir, start the pool and wait until every device is
-ready, listen, serve until asked to stop (SIGINT/SIGTERM -> exit 0) or until a device process
-dies (its in-flight requests are answered WorkerError first -> exit 1, so that the supervisor
-restarts the node), then close connections, stop the pool and remove the runtime dir.
+Lifecycle (`Front.run`): make the runtime dir, listen for metrics (if asked), start the pool
+and wait until every device is ready (reporting progress), accept connections and tell the
+service manager READY=1, then serve, restarting devices in place as they fail, until
+
+* SIGTERM or SIGINT: stop accepting, let requests in flight finish within --drain-timeout,
+  stop the device processes, remove the runtime dir, exit 0 (a second signal exits at once);
+* or a device could not be restarted: the same drain, then exit 1 for the manager to act.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import platform
 import shutil
 import signal
+import sys
 import tempfile
 
 import cakemp
@@ -22,44 +26,62 @@ from cakemp.device.spec import DeviceSpec
 from cakemp.errors import ConfigError
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
 from cakemp.front.connection import Connection
+from cakemp.front.metrics import Metrics, start_metrics_server
+from cakemp.front.notify import Notifier
 from cakemp.front.pool import DevicePool
 from cakemp.front.router import Router
 from cakemp.front.stats import human_bytes
+from cakemp.front.status import NodeStatus
 from cakemp.ipc import Ready
 from cakemp.rss import resident_bytes
 from cakemp.topology import place_layers
 from cakemp.wire import WorkerInfo
 
 EXIT_OK = 0
-EXIT_DEVICE_LOST = 1
-_ANSWER_GRACE_S = 5.0  # how long in-flight requests get to be answered when shutting down
+EXIT_DEVICE_FAILED = 1
+EXIT_ABORTED = 1  # a second signal cut the drain short
+_CLOSE_GRACE_S = 5.0  # for connections to wind up once the pool has failed what they waited for
+# How much longer than --request-timeout the manager waits for the next load progress: a
+# silent device is killed after the request timeout, and the front then needs a moment to exit.
+_PROGRESS_SLACK_S = 30.0
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Front:
-    def __init__(self, config: NodeConfig):
+    def __init__(self, config: NodeConfig, notifier: Notifier | None = None):
         self.config = config
         self.placement = place_layers(config.layers, len(config.devices))
+        self.metrics = Metrics()
+        self._notifier = notifier or Notifier(None)
         self._router = Router(self.placement)
         self.pool: DevicePool | None = None
+        self.status: NodeStatus | None = None
+        self._runtime_dir: str | None = None
         self._stopping = asyncio.Event()
         self._connections: dict[Connection, asyncio.Task] = {}
         self._sessions = itertools.count(1)
         self._log = log.get_logger()
 
     def stop(self) -> None:
-        """Ask `run` to stop serving and return EXIT_OK (signal handlers call this)."""
+        """Ask `run` to drain and return EXIT_OK; asked a second time, exit at once (signal handlers call this)."""
+        if self._stopping.is_set():
+            self._abort()
         self._stopping.set()
 
     async def run(self) -> int:
-        """Serve until stopped or a device dies; returns the process exit status. Raises ConfigError at start."""
-        runtime_dir = tempfile.mkdtemp(prefix="cakemp-", dir=os.environ.get("RUNTIME_DIRECTORY") or None)
+        """Serve until stopped or a device cannot be restarted; returns the exit status. Raises ConfigError at start."""
+        self._runtime_dir = tempfile.mkdtemp(prefix="cakemp-", dir=os.environ.get("RUNTIME_DIRECTORY") or None)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _SIGNALS:
             loop.add_signal_handler(sig, self.stop)
+        # From the start: the manager may hold the node to its watchdog while it loads.
+        keep_alive = asyncio.create_task(self._notifier.keep_alive())
+        metrics_server = None
         try:
             server = await self._bind()
+            metrics_server = await self._serve_metrics()
             try:
-                readies = await self._start_pool(runtime_dir)
+                readies = await self._start_pool()
                 if readies is None:
                     return EXIT_OK
                 await server.start_serving()
@@ -70,19 +92,32 @@ class Front:
                     devices=[f"{self.pool.label(i)}={human_bytes(r.memory_bytes)}" for i, r in enumerate(readies)],
                     layers=len(self.config.layers),
                 )
-                status = await self._serve_until_done()
+                self.status.serving(f"{host}:{port}")
+                exit_status = await self._serve_until_done()
                 server.close()
-                await self._close_connections()
-                return status
+                await self._drain()
+                return exit_status
             finally:
                 server.close()
                 await server.wait_closed()
         finally:
             if self.pool is not None:
                 await self.pool.stop()
-            shutil.rmtree(runtime_dir, ignore_errors=True)
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            keep_alive.cancel()
+            if metrics_server is not None:
+                metrics_server.close()
+            shutil.rmtree(self._runtime_dir, ignore_errors=True)
+            for sig in _SIGNALS:
                 loop.remove_signal_handler(sig)
+
+    def _abort(self) -> None:
+        # The operator will not wait for the drain: exit now. Device processes die with the
+        # front (they are SIGKILLed on its death); only the runtime dir needs removing.
+        self._log.warning("second signal: exiting without waiting for requests in flight")
+        if self._runtime_dir is not None:
+            shutil.rmtree(self._runtime_dir, ignore_errors=True)
+        sys.stdout.flush()
+        os._exit(EXIT_ABORTED)
 
     async def _bind(self) -> asyncio.Server:
         # Bound before loading, so that a taken port fails before minutes of loading; it
@@ -92,9 +127,27 @@ class Front:
         except OSError as e:
             raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {e.strerror}") from None
 
-    async def _start_pool(self, runtime_dir: str) -> tuple[Ready, ...] | None:
+    async def _serve_metrics(self) -> asyncio.Server | None:
+        """The /metrics, /healthz, /readyz endpoint when --metrics-address is given (up while loading, /readyz 503)."""
+        if self.config.metrics_address is None:
+            return None
+        host, port = self.config.metrics_address
+        try:
+            return await start_metrics_server(self.metrics, host, port)
+        except OSError as e:
+            raise ConfigError(f"cannot serve metrics on {host}:{port}: {e.strerror}") from None
+
+    async def _start_pool(self) -> tuple[Ready, ...] | None:
         """Every device's Ready, or None when asked to stop while they load."""
-        self.pool = DevicePool(self._device_specs(runtime_dir))
+        specs = self._device_specs()
+        self.status = NodeStatus(
+            self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.layers) for spec in specs],
+            progress_window=self.config.request_timeout + _PROGRESS_SLACK_S,
+        )
+        self.pool = DevicePool(specs, status=self.status, metrics=self.metrics,
+                               request_timeout=self.config.request_timeout,
+                               restart_attempts=self.config.restart_attempts)
+        self.status.starting()
         starting = asyncio.create_task(self.pool.start())
         stopping = asyncio.create_task(self._stopping.wait())
         await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
@@ -103,48 +156,57 @@ class Front:
             return starting.result()
         starting.cancel()  # pool.start stops the processes it spawned
         await asyncio.gather(starting, return_exceptions=True)
+        self.status.stopping(0)
         self._log.info("stopped while loading")
         return None
 
     async def _serve_until_done(self) -> int:
         stopping = asyncio.create_task(self._stopping.wait())
-        lost = asyncio.create_task(self.pool.lost.wait())
-        await asyncio.wait((stopping, lost), return_when=asyncio.FIRST_COMPLETED)
+        failed = asyncio.create_task(self.pool.failed.wait())
+        await asyncio.wait((stopping, failed), return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
-        lost.cancel()
-        if self.pool.lost.is_set():
-            self._log.error("a device process died; exiting so that the node is restarted",
-                            error=str(self.pool.lost_error))
-            return EXIT_DEVICE_LOST
-        self._log.info("stopping")
+        failed.cancel()
+        if self.pool.failed.is_set():
+            self._log.error("giving up on a device; exiting so that the node is restarted", error=self.pool.failure)
+            return EXIT_DEVICE_FAILED
         return EXIT_OK
 
-    async def _close_connections(self) -> None:
-        # In-flight requests are answered first (WorkerError when their device died).
-        deadline = asyncio.get_running_loop().time() + _ANSWER_GRACE_S
-        while any(c.busy for c in self._connections) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
-        # Closing a transport ends its connection's read loop, which then frees the session; a
-        # task is cancelled only if that does not finish (Python 3.11's streams log a cancelled
-        # connection task as an error).
+    async def _drain(self) -> None:
+        """Let requests in flight finish (for up to --drain-timeout), closing each connection once
+        it is idle; then fail whatever is left and close the rest."""
+        busy = sum(1 for connection in self._connections if connection.busy)
+        self._log.info("draining", in_flight=busy, connections=len(self._connections),
+                       timeout=self.config.drain_timeout)
+        self.status.stopping(busy)
         for connection in self._connections:
-            connection.close()
+            connection.finish()
         tasks = list(self._connections.values())
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=_ANSWER_GRACE_S)
-            for task in pending:
-                task.cancel()
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=self.config.drain_timeout)
+        if not pending:
+            return
+        self._log.warning("drain timeout: failing the requests still in flight", in_flight=len(pending))
+        # Stopping the pool answers every request still waiting on a device with DeviceLost;
+        # the connections then send their WorkerError and close. A task is cancelled only if
+        # that does not finish (Python 3.11's streams log a cancelled connection task as an error).
+        await self.pool.stop()
+        _, pending = await asyncio.wait(pending, timeout=_CLOSE_GRACE_S)
+        for task in pending:
+            task.cancel()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = Connection(
-            next(self._sessions), reader, writer, pool=self.pool, router=self._router,
+            next(self._sessions), reader, writer, pool=self.pool, router=self._router, metrics=self.metrics,
             revision=self.config.revision, cluster_key=self.config.cluster_key, worker_info=self._worker_info,
         )
         self._connections[connection] = asyncio.current_task()
+        self.metrics.active_sessions.inc()
         try:
             await connection.serve()
         finally:
             del self._connections[connection]
+            self.metrics.active_sessions.dec()
 
     def _worker_info(self, latency_ms: int) -> WorkerInfo:
         first_gpu = next((gpu for gpu in self.config.devices if gpu is not None), None)
@@ -158,7 +220,7 @@ class Front:
             latency=latency_ms,
         )
 
-    def _device_specs(self, runtime_dir: str) -> list[DeviceSpec]:
+    def _device_specs(self) -> list[DeviceSpec]:
         cpu_processes = sum(1 for gpu in self.config.devices if gpu is None)
         # CPU processes share the cores rather than oversubscribe them.
         cpu_threads = self.config.cpu_threads or max(1, len(os.sched_getaffinity(0)) // max(1, cpu_processes))
@@ -169,7 +231,7 @@ class Front:
                 layers=layers,
                 model_dir=self.config.model_dir,
                 dtype=self.config.dtype,
-                endpoint=f"ipc://{runtime_dir}/device-{i}",
+                endpoint=f"ipc://{self._runtime_dir}/device-{i}",
                 kv_budget_bytes=self.config.kv_budget_bytes,
                 max_context=self.config.max_context,
                 threads=cpu_threads if gpu is None else None,

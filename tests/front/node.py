@@ -1,4 +1,4 @@
-"""`cakemp run` as a real subprocess for tests: started, read line by line, stopped."""
+"""`cakemp run` as a real subprocess for tests: started, read line by line, stopped; and its processes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,27 @@ from pathlib import Path
 import yaml
 
 LISTENING = "listening on "
+
+
+def children(pid: int) -> set[int]:
+    """The pids of `pid`'s child processes (a node's device processes)."""
+    return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+
+
+def gone(pid: int) -> bool:
+    """True once `pid` no longer runs (a zombie nobody reaps counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
+    """The pids still running after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (alive := {p for p in pids if not gone(p)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
 
 
 def write_topology(path: Path, layers: list[str], name: str = "worker") -> Path:
@@ -45,10 +66,14 @@ class RunningNode:
         with self._changed:
             self._changed.notify_all()
 
-    def events(self) -> list[dict]:
-        """The JSON log events so far (other output, such as progress bars, is skipped)."""
+    def mark(self) -> int:
+        """A position in the output, for `events` and `wait_for` to look only at what comes after it."""
+        return len(self.lines)
+
+    def events(self, after: int = 0) -> list[dict]:
+        """The JSON log events so far, from output line `after` on (other output, such as progress bars, is skipped)."""
         events = []
-        for line in list(self.lines):
+        for line in self.lines[after:]:
             start = line.find("{")
             if start < 0:
                 continue
@@ -58,18 +83,24 @@ class RunningNode:
                 continue
         return events
 
-    def wait_for(self, match, timeout: float = 30.0) -> dict:
-        """The first event for which match(event) holds, waiting for it; fails on exit or timeout."""
+    def wait_for(self, match, timeout: float = 30.0, after: int = 0) -> dict:
+        """The first event (from output line `after` on) for which match(event) holds, waiting for it;
+        fails on exit or timeout."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
-                for event in self.events():
+                for event in self.events(after):
                     if match(event):
                         return event
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._reader.is_alive():
                     raise AssertionError("node never logged the awaited event; output:\n" + "\n".join(self.lines[-40:]))
                 self._changed.wait(min(remaining, 0.2))
+
+    def device_pid(self, index: int) -> int:
+        """The pid of device `index`'s current process (its latest "device ready")."""
+        self.wait_for(lambda e: e.get("event") == "device ready" and e.get("device") == index)
+        return [e for e in self.events() if e.get("event") == "device ready" and e.get("device") == index][-1]["pid"]
 
     def stop(self) -> int:
         if self.process.poll() is None:

@@ -1,90 +1,137 @@
-"""A device process killed under a running node: the master hears of it, the node goes away cleanly."""
+"""Device processes that die or hang under a running node are restarted in place while it keeps serving.
+
+One node serves the whole module; the last test breaks its checkpoint and ends it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from cakemp.errors import RemoteWorkerError
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import HFLayers, make_checkpoint
 from tests.front.master import CakeMaster
-from tests.front.node import RunningNode, write_topology
+from tests.front.node import RunningNode, children, gone, wait_gone, write_topology
+
+HIDDEN = 64
+LAYERS = [0, 1, 2, 3]  # layers 0-1 on device 0 (cpu:0), 2-3 on device 1 (cpu:1)
+REQUEST_TIMEOUT_S = 3
+RESTART_ATTEMPTS = 2
+F32_ATOL = 1e-4
 
 
-def children(pid: int) -> set[int]:
-    return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 90))
 
 
-def gone(pid: int) -> bool:
-    """True once `pid` no longer runs (a zombie nobody reaps counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
 
 
-def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
-    """The pids still running after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while (alive := {p for p in pids if not gone(p)}) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    """The node's $RUNTIME_DIRECTORY, where its ipc sockets live."""
+    return tmp_path_factory.mktemp("run")
 
 
-@pytest.fixture
-def node(tmp_path):
-    checkpoint = make_checkpoint(tmp_path, "llama")
-    topology = write_topology(tmp_path / "topology.yml", ["model.layers.0-3"])
-    runtime = tmp_path / "run"
-    runtime.mkdir()
+@pytest.fixture(scope="module")
+def node(checkpoint, runtime, tmp_path_factory):
+    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
     running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32",
+                          "--request-timeout", str(REQUEST_TIMEOUT_S), "--restart-attempts", str(RESTART_ATTEMPTS),
                           env={"RUNTIME_DIRECTORY": str(runtime)})
-    yield running, runtime
+    yield running
     if running.process.poll() is None:
         running.process.kill()
         running.process.wait()
 
 
-def device_pid(node: RunningNode, index: int) -> int:
-    return node.wait_for(lambda e: e.get("event") == "device ready" and e.get("device") == index)["pid"]
+def hf(checkpoint, layers=LAYERS) -> HFLayers:
+    return HFLayers(checkpoint, layers, torch.float32)
 
 
-def test_a_killed_device_fails_in_flight_requests_and_the_node_exits(node):
-    """SIGKILL of device 1 answers the request stuck on it with WorkerError naming cpu:1; the front
-    exits 1, leaving no process and no ipc directory behind."""
-    node, runtime = node
-    assert any(runtime.iterdir())  # the ipc directory lives here while serving
-    victim = device_pid(node, 1)
-    spawned = children(node.process.pid)
+def restarted(node: RunningNode, device: int, after: int) -> dict:
+    """The front's "device restarted" event for `device`, once it comes (after output line `after`)."""
+    return node.wait_for(lambda e: e.get("event") == "device restarted" and e.get("device") == device, 60, after)
+
+
+def test_a_killed_device_is_restarted_while_the_other_serves(node, checkpoint):
+    """SIGKILL of cpu:1 fails the request stuck on it, cpu:0 serves meanwhile, cpu:1 comes back in the
+    same front, and the session that had state there is told once to start again from position 0."""
+    victim = node.device_pid(1)
+    mark = node.mark()
 
     async def main():
-        master = await CakeMaster.connect(node.port, [0, 1, 2, 3])
-        await master.forward(torch.randn(1, 4, 64), 0)
+        master = await CakeMaster.connect(node.port, LAYERS)
+        await master.forward(torch.randn(1, 4, HIDDEN), 0)
         os.kill(victim, signal.SIGSTOP)  # hold the next request on device 1
-        in_flight = asyncio.create_task(master.forward(torch.randn(1, 1, 64), 4))
+        in_flight = asyncio.create_task(master.forward(torch.randn(1, 1, HIDDEN), 4))
         await asyncio.sleep(0.5)
         assert not in_flight.done()
         os.kill(victim, signal.SIGKILL)
-        with pytest.raises(RemoteWorkerError, match="device cpu:1 died"):
+        with pytest.raises(RemoteWorkerError, match=r"device cpu:1 died \(exit code -9\)"):
             await in_flight
+        # cpu:1 waits out its first backoff before it even starts loading again.
+        with pytest.raises(RemoteWorkerError, match=r"device cpu:1 is restarting after it died"):
+            await master.forward(torch.randn(1, 1, HIDDEN), 4)
+        other = await CakeMaster.connect(node.port, [0, 1])
+        x = torch.randn(1, 3, HIDDEN)
+        torch.testing.assert_close(await other.forward(x, 0), hf(checkpoint, [0, 1])(x, 0), atol=F32_ATOL, rtol=0)
+        await other.close()
+        await asyncio.to_thread(restarted, node, 1, mark)
+        with pytest.raises(RemoteWorkerError, match=r"device cpu:1 restarted; this session's KV state was lost"):
+            await master.forward(torch.randn(1, 1, HIDDEN), 4)
+        x = torch.randn(1, 5, HIDDEN)
+        torch.testing.assert_close(await master.forward(x, 0), hf(checkpoint)(x, 0), atol=F32_ATOL, rtol=0)
         await master.close()
 
-    asyncio.run(asyncio.wait_for(main(), 30))
-    assert node.process.wait(timeout=30) == 1
+    run(main())
+    assert node.process.poll() is None
+    assert node.device_pid(1) != victim and gone(victim)
+
+
+def test_a_hung_device_is_restarted_after_the_request_timeout(node, checkpoint):
+    """A device that stops answering (SIGSTOP) is killed after --request-timeout, its request gets
+    WorkerError saying so, and once restarted it serves the same session's fresh prefill."""
+    victim = node.device_pid(0)
+    mark = node.mark()
+
+    async def main():
+        master = await CakeMaster.connect(node.port, [0, 1])
+        await master.forward(torch.randn(1, 2, HIDDEN), 0)
+        os.kill(victim, signal.SIGSTOP)
+        with pytest.raises(RemoteWorkerError, match=f"device cpu:0 did not answer within {REQUEST_TIMEOUT_S} s"):
+            await master.forward(torch.randn(1, 1, HIDDEN), 2)
+        await asyncio.to_thread(restarted, node, 0, mark)
+        x = torch.randn(1, 3, HIDDEN)
+        torch.testing.assert_close(await master.forward(x, 0), hf(checkpoint, [0, 1])(x, 0), atol=F32_ATOL, rtol=0)
+        await master.close()
+
+    run(main())
+    assert node.process.poll() is None
+    assert gone(victim)
+
+
+def test_a_device_that_keeps_failing_to_start_ends_the_node_with_exit_1(node, checkpoint, runtime):
+    """With the checkpoint gone, a killed device fails --restart-attempts starts in a row; the front
+    then exits 1, leaving no process and no ipc file behind."""
+    spawned = children(node.process.pid)
+    weights = checkpoint / "model.safetensors"
+    weights.rename(weights.with_suffix(".moved"))
+    try:
+        os.kill(node.device_pid(1), signal.SIGKILL)
+        assert node.process.wait(timeout=60) == 1
+    finally:
+        weights.with_suffix(".moved").rename(weights)
+    failures = [e for e in node.events() if e.get("event") == "device restart failed"]
+    assert [e["attempt"] for e in failures] == list(range(1, RESTART_ATTEMPTS + 1))
+    assert all("model.safetensors" in e["error"] for e in failures)
+    assert f"failed to start {RESTART_ATTEMPTS} times in a row" in node.wait_for(
+        lambda e: e.get("event", "").startswith("giving up"))["error"]
     assert wait_gone(spawned) == set()
     assert list(runtime.iterdir()) == []
-
-
-def test_devices_exit_when_the_front_is_killed(node):
-    """SIGKILL of the front takes every device process with it."""
-    node, _ = node
-    devices = {device_pid(node, 0), device_pid(node, 1)}
-    node.process.kill()
-    node.process.wait()
-    assert wait_gone(devices) == set()
