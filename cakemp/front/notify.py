@@ -94,7 +94,10 @@ class Notifier:
         target = "\0" + self.address[1:] if self.address.startswith("@") else self.address
         try:
             if self._socket is None:
-                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                # Non-blocking: a manager that does not read its socket must not stall the
+                # front's event loop once the socket's queue is full; the datagram is dropped.
+                self._socket = socket.socket(
+                    socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
             self._socket.sendto("\n".join(assignments).encode(), target)
         except OSError as error:
             log.warning("notify_failed", socket=self.address, error=str(error))

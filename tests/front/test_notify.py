@@ -69,6 +69,13 @@ def test_missing_socket_is_reported_not_raised(tmp_path):
     assert Notifier(str(tmp_path / "gone")).ready() is False
 
 
+def test_a_manager_that_does_not_read_never_blocks_the_sender(manager):
+    """Once the manager's socket queue is full, notify returns False at once instead of blocking."""
+    notifier = Notifier(manager.getsockname())
+    results = [notifier.watchdog() for _ in range(10_000)]
+    assert results[0] is True and results[-1] is False
+
+
 def test_relative_address_is_a_config_error():
     """NOTIFY_SOCKET must be an absolute path or an abstract name."""
     with pytest.raises(ConfigError, match="NOTIFY_SOCKET"):
