@@ -1,31 +1,65 @@
-import getpass
-import signal
-from pathlib import Path
+"""The project's supervisor program section: as supervisor parses it, and as supervisord runs the node from it."""
 
+import asyncio
+import getpass
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from xmlrpc.client import ServerProxy
+
+import pytest
+import torch
 from supervisor.datatypes import RestartWhenExitUnexpected
 from supervisor.options import ServerOptions
+from supervisor.xmlrpc import SupervisorTransport
+
+from cakemp.errors import CakempError
+from cakemp.local_node import free_port
+from cakemp.master.client import WorkerClient
+from cakemp.master.probe import probe
+from tests.checkpoints import HFLayers, make_checkpoint
+from tests.front.master import from_raw, to_raw
+from tests.front.node import children, gone, wait_gone, write_topology
 
 PROGRAM = Path(__file__).parents[2] / "deploy" / "supervisor" / "cakemp.conf"
 
 
-def load(tmp_path: Path):
-    """The program's config as supervisord reads it: the project's file [include]d from a minimal supervisord.conf.
+def write_config(tmp_path: Path, command: str | None = None, environment: dict[str, str] | None = None) -> Path:
+    """A minimal supervisord.conf (with its control socket) that [include]s the project's program section.
 
-    The account and log directory are the two machine-specific values; they are swapped for
-    the current user and tmp_path, since supervisor checks that both exist.
+    The account and log directory, which supervisor checks exist, become the current user and
+    tmp_path; `command` and the `environment` values given replace the file's.
     """
     text = PROGRAM.read_text()
     assert "\nuser=cakemp\n" in text and "/var/log/supervisor/" in text
-    (tmp_path / "cakemp.conf").write_text(
-        text.replace("\nuser=cakemp\n", f"\nuser={getpass.getuser()}\n").replace("/var/log/supervisor/", f"{tmp_path}/")
-    )
+    text = text.replace("\nuser=cakemp\n", f"\nuser={getpass.getuser()}\n").replace("/var/log/supervisor/", f"{tmp_path}/")
+    if command is not None:
+        assert "\ncommand=/opt/cakemp/bin/cakemp run\n" in text
+        text = text.replace("\ncommand=/opt/cakemp/bin/cakemp run\n", f"\ncommand={command}\n")
+    for key, value in (environment or {}).items():
+        text, count = re.subn(rf'\b{key}="[^"]*"', f'{key}="{value}"', text)
+        assert count == 1, f"{key} is not set in {PROGRAM}"
+    (tmp_path / "cakemp.conf").write_text(text)
     main = tmp_path / "supervisord.conf"
     main.write_text(
         f"[supervisord]\nlogfile={tmp_path}/supervisord.log\npidfile={tmp_path}/supervisord.pid\n"
+        f"[unix_http_server]\nfile={tmp_path}/supervisor.sock\n"
+        "[rpcinterface:supervisor]\nsupervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface\n"
         "[include]\nfiles = cakemp.conf\n"
     )
+    return main
+
+
+def load(tmp_path: Path):
+    """The program's config as supervisord reads it from the project's file."""
     options = ServerOptions()
-    options.realize(args=["-c", str(main)])
+    options.realize(args=["-c", str(write_config(tmp_path))])
     [group] = options.process_group_configs
     [program] = group.process_configs
     return program
@@ -53,3 +87,125 @@ def test_restarts_on_crashes_but_not_after_a_clean_stop_or_config_error(tmp_path
     program = load(tmp_path)
     assert program.autorestart is RestartWhenExitUnexpected
     assert sorted(program.exitcodes) == [0, 78]
+
+
+# supervisord itself running the node from the project's program section. One supervisord
+# serves the tests below, in order; the last one stops it.
+
+KEY = "change-me"  # the example key in the project's file, kept: the probes authenticate with it
+HIDDEN = 64
+
+
+@dataclass
+class Supervised:
+    """A running supervisord and what the tests need to reach it and its node."""
+
+    process: subprocess.Popen
+    rpc: ServerProxy
+    address: str
+    log: Path  # the node's stdout, as supervisord writes it
+
+    def front_pid(self) -> int:
+        return self.rpc.supervisor.getProcessInfo("cakemp")["pid"]
+
+    def events(self) -> list[dict]:
+        lines = self.log.read_text().splitlines() if self.log.exists() else []
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def wait_for_event(self, match, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.events() if match(e)]
+            if found:
+                return found[0]
+            time.sleep(0.1)
+        raise AssertionError(f"the node never logged the awaited event; last lines: {self.events()[-20:]}")
+
+    def serve_one_batch(self, checkpoint: Path, timeout: float = 60.0) -> None:
+        """Probe until the node answers (auth, Hello), then check one Batch through layers 0-3 against HF's."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                asyncio.run(probe(self.address, cluster_key=KEY, timeout=5.0))
+                break
+            except CakempError:
+                assert time.monotonic() < deadline, f"the node did not answer within {timeout:g} s"
+                time.sleep(0.2)
+        x = torch.randn(1, 3, HIDDEN)
+
+        async def batch():
+            host, port = self.address.split(":")
+            async with await WorkerClient.connect(host, int(port), cluster_key=KEY) as client:
+                await client.hello()
+                return from_raw(await client.batch(to_raw(x), [(f"model.layers.{i}", 0, i) for i in range(4)]))
+
+        y = asyncio.run(asyncio.wait_for(batch(), 30))
+        torch.testing.assert_close(y, HFLayers(checkpoint, range(4), torch.float32)(x, 0), atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+
+
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory, checkpoint):
+    tmp = tmp_path_factory.mktemp("supervisord")
+    topology = write_topology(tmp / "topology.yml", ["model.layers.0-3"], name="worker0")
+    address = f"127.0.0.1:{free_port()}"
+    config = write_config(tmp, command=f"{sys.executable} -m cakemp run", environment={
+        "CAKEMP_MODEL": str(checkpoint),
+        "CAKEMP_TOPOLOGY": str(topology),
+        "CAKEMP_ADDRESS": address,
+        "CAKEMP_DTYPE": "f32",
+        "CAKEMP_GPUS": "cpu:2",
+        "CAKEMP_METRICS_ADDRESS": f"127.0.0.1:{free_port()}",
+    })
+    process = subprocess.Popen(["supervisord", "--nodaemon", "--configuration", str(config)], cwd=tmp,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    rpc = ServerProxy("http://localhost", transport=SupervisorTransport(serverurl=f"unix://{tmp}/supervisor.sock"))
+    yield Supervised(process, rpc, address, tmp / "cakemp.log")
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_supervisord_brings_the_node_up(supervised, checkpoint):
+    """Started from the project's program section, the node answers a keyed probe and serves a Batch."""
+    supervised.serve_one_batch(checkpoint)
+
+
+def test_a_killed_device_is_healed_in_place(supervised, checkpoint):
+    """SIGKILL of a device process is healed by the same front: it logs the restart and serves again."""
+    front = supervised.front_pid()
+    victim = next(e["pid"] for e in reversed(supervised.events()) if e.get("event") == "device ready")
+    os.kill(victim, signal.SIGKILL)
+    restarted = supervised.wait_for_event(lambda e: e.get("event") == "device restarted")
+    assert restarted["pid"] != victim and gone(victim)
+    supervised.serve_one_batch(checkpoint)
+    assert supervised.front_pid() == front
+
+
+def test_a_killed_front_takes_its_devices_and_supervisord_restarts_it(supervised, checkpoint):
+    """SIGKILL of the front ends its device processes within two seconds, and supervisord starts a
+    new front that serves."""
+    front = supervised.front_pid()
+    spawned = children(front)
+    os.kill(front, signal.SIGKILL)
+    assert wait_gone(spawned, timeout=2.0) == set()
+    deadline = time.monotonic() + 30
+    while supervised.front_pid() in (0, front):
+        assert time.monotonic() < deadline, "supervisord did not start the node again"
+        time.sleep(0.1)
+    supervised.serve_one_batch(checkpoint)
+
+
+def test_stopping_supervisord_stops_the_node_cleanly(supervised):
+    """supervisord's SIGTERM to the front drains it: the front exits 0 and no process of it remains."""
+    front = supervised.front_pid()
+    spawned = children(front) | {front}
+    supervised.process.send_signal(signal.SIGTERM)
+    assert supervised.process.wait(timeout=60) == 0
+    assert wait_gone(spawned) == set()
+    log = (supervised.log.parent / "supervisord.log").read_text()
+    assert "stopped: cakemp (exit status 0)" in log
