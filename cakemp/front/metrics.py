@@ -93,10 +93,6 @@ class Gauge(_Valued):
     def dec(self, amount: float = 1.0, **labels: str) -> None:
         self.inc(-amount, **labels)
 
-    def remove(self, **labels: str) -> None:
-        """Forgets a label set (a device that no longer exists)."""
-        self._values.pop(self._key(labels), None)
-
 
 class Histogram(_Metric):
     """Counts observations into cumulative buckets, with their sum and count."""
@@ -118,9 +114,6 @@ class Histogram(_Metric):
         index = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
         counts[index] += 1
         self._sums[key] = self._sums.get(key, 0.0) + value
-
-    def count(self, **labels: str) -> int:
-        return sum(self._counts.get(self._key(labels), ()))
 
     def render(self) -> list[str]:
         lines = self._header()

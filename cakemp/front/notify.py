@@ -49,11 +49,6 @@ def watchdog_interval(environ: Mapping[str, str] = os.environ, pid: int | None =
     return period / 2 / 1_000_000
 
 
-def child_environ(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """A copy of `environ` without the manager's variables, for processes the front starts."""
-    return {key: value for key, value in environ.items() if key not in MANAGER_VARIABLES}
-
-
 class Notifier:
     """Sends state changes to the service manager; does nothing when there is none."""
 
@@ -65,17 +60,16 @@ class Notifier:
         self._socket: socket.socket | None = None
 
     @classmethod
-    def from_env(cls, environ: MutableMapping[str, str] = os.environ, *, unset: bool = True) -> Notifier:
-        """Reads $NOTIFY_SOCKET and the watchdog variables, then (by default) removes them.
+    def from_env(cls, environ: MutableMapping[str, str] = os.environ) -> Notifier:
+        """Reads $NOTIFY_SOCKET and the watchdog variables, then removes them.
 
         Removing them from the front's own environment is what keeps device processes from
         inheriting them: multiprocessing's spawn start method copies os.environ at start and
         takes no env= argument. This is sd_notify's `unset_environment`.
         """
         notifier = cls(environ.get("NOTIFY_SOCKET") or None, watchdog_interval(environ))
-        if unset:
-            for key in MANAGER_VARIABLES:
-                environ.pop(key, None)
+        for key in MANAGER_VARIABLES:
+            environ.pop(key, None)
         return notifier
 
     @property

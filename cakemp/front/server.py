@@ -104,6 +104,7 @@ class Front:
             if self.pool is not None:
                 await self.pool.stop()
             keep_alive.cancel()
+            self._notifier.close()
             if metrics_server is not None:
                 metrics_server.close()
             shutil.rmtree(self._runtime_dir, ignore_errors=True)

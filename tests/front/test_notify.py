@@ -7,7 +7,7 @@ import uuid
 import pytest
 
 from cakemp.errors import ConfigError
-from cakemp.front.notify import Notifier, child_environ, watchdog_interval
+from cakemp.front.notify import Notifier, watchdog_interval
 
 
 @pytest.fixture
@@ -115,12 +115,6 @@ def test_bad_watchdog_usec_is_a_config_error():
         watchdog_interval({"WATCHDOG_USEC": "abc"})
     with pytest.raises(ConfigError, match="positive"):
         watchdog_interval({"WATCHDOG_USEC": "0"})
-
-
-def test_child_environ_drops_only_the_manager_variables():
-    """child_environ keeps everything except NOTIFY_SOCKET and WATCHDOG_*."""
-    environ = {"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "2", "HOME": "/root"}
-    assert child_environ(environ) == {"HOME": "/root"}
 
 
 def test_keep_alive_pings_from_the_event_loop(manager):
