@@ -41,6 +41,10 @@ def assert_config_error(result: subprocess.CompletedProcess, words: str) -> None
     (["--name", "w1", "--topology", "{topology}", "--address", "nowhere"], {}, "--address"),
     (["--name", "w1", "--topology", "{topology}"], {"CAKEMP_DTYPE": "int8"}, "int8"),
     (["--name", "w1", "--topology", "{topology}"], {"CAKEMP_PROTOCOL": "3"}, "3"),
+    (["--name", "w1", "--topology", "{topology}", "--metrics-address", "nowhere"], {}, "--metrics-address"),
+    (["--name", "w1", "--topology", "{topology}", "--request-timeout", "0"], {}, "--request-timeout"),
+    (["--name", "w1", "--topology", "{topology}"], {"WATCHDOG_USEC": "soon"}, "WATCHDOG_USEC"),
+    (["--name", "w1", "--topology", "{topology}"], {"NOTIFY_SOCKET": "relative/notify"}, "NOTIFY_SOCKET"),
 ])
 def test_configuration_errors_exit_78_with_one_line(tmp_path, topology, args, env, words):
     """Missing or invalid flags (or CAKEMP_* variables) exit 78 and say what is wrong in one line."""
@@ -73,7 +77,8 @@ def test_help_lists_every_flag_with_its_environment_variable():
     """`cakemp run --help` exits 0 and names each flag's CAKEMP_ variable."""
     result = subprocess.run([sys.executable, "-m", "cakemp", "run", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
-    for flag in ("name", "model", "topology", "address", "dtype", "gpus", "protocol", "log-format"):
+    for flag in ("name", "model", "topology", "address", "dtype", "gpus", "protocol", "drain-timeout",
+                 "request-timeout", "restart-attempts", "metrics-address", "log-format"):
         assert f"CAKEMP_{flag.upper().replace('-', '_')}" in result.stdout
     assert "CAKE_CLUSTER_KEY" in result.stdout
 
@@ -87,3 +92,15 @@ def test_an_address_in_use_exits_78_before_loading(tmp_path, topology):
         result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", "cpu",
                             "--model", str(tmp_path / "no-model"), "--address", f"127.0.0.1:{port}")
     assert_config_error(result, "cannot listen")
+
+
+def test_a_metrics_address_in_use_exits_78_before_loading(tmp_path, topology):
+    """A metrics port another process holds is a configuration error too, found before any device starts."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", "cpu",
+                            "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0",
+                            "--metrics-address", f"127.0.0.1:{port}")
+    assert_config_error(result, "cannot serve metrics")

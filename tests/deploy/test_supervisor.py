@@ -24,6 +24,7 @@ from cakemp.local_node import free_port
 from cakemp.master.client import WorkerClient
 from cakemp.master.probe import probe
 from tests.checkpoints import HFLayers, make_checkpoint
+from tests.deploy.flags import run_variables
 from tests.front.master import from_raw, to_raw
 from tests.front.node import children, gone, wait_gone, write_topology
 
@@ -66,12 +67,13 @@ def load(tmp_path: Path):
 
 
 def test_supervisor_accepts_the_program_section(tmp_path):
-    """supervisor's own config parser reads the program section and its multi-line environment."""
+    """supervisor's own config parser reads the program section and its multi-line environment, which
+    sets only variables `cakemp run` reads."""
     program = load(tmp_path)
     assert program.name == "cakemp"
     assert program.command == "/opt/cakemp/bin/cakemp run"
     assert program.environment["CAKE_CLUSTER_KEY"]
-    assert set(program.environment) >= {"CAKEMP_MODEL", "CAKEMP_TOPOLOGY", "CAKEMP_DRAIN_TIMEOUT"}
+    assert {"CAKEMP_MODEL", "CAKEMP_TOPOLOGY", "CAKEMP_DRAIN_TIMEOUT"} <= set(program.environment) <= run_variables()
 
 
 def test_stop_signals_the_front_and_kills_the_group_after_the_drain(tmp_path):
