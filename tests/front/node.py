@@ -9,9 +9,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 LISTENING = "listening on "
 
@@ -35,6 +38,23 @@ def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
     while (alive := {p for p in pids if not gone(p)}) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a node's /metrics as prometheus_client's parser reads it: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def http_status(port: int, path: str) -> int:
+    """The status code of GET `path` on a node's metrics endpoint."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def write_topology(path: Path, layers: list[str], name: str = "worker") -> Path:
@@ -101,6 +121,10 @@ class RunningNode:
         """The pid of device `index`'s current process (its latest "device ready")."""
         self.wait_for(lambda e: e.get("event") == "device ready" and e.get("device") == index)
         return [e for e in self.events() if e.get("event") == "device ready" and e.get("device") == index][-1]["pid"]
+
+    def metrics_port(self) -> int:
+        """The port of the metrics endpoint (started with --metrics-address)."""
+        return self.wait_for(lambda e: e.get("event", "").startswith("metrics on "))["port"]
 
     def stop(self) -> int:
         if self.process.poll() is None:

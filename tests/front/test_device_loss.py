@@ -15,7 +15,7 @@ import torch
 from cakemp.errors import RemoteWorkerError
 from tests.checkpoints import HFLayers, make_checkpoint
 from tests.front.master import CakeMaster
-from tests.front.node import RunningNode, children, gone, wait_gone, write_topology
+from tests.front.node import RunningNode, children, gone, scrape, wait_gone, write_topology
 
 HIDDEN = 64
 LAYERS = [0, 1, 2, 3]  # layers 0-1 on device 0 (cpu:0), 2-3 on device 1 (cpu:1)
@@ -44,7 +44,7 @@ def node(checkpoint, runtime, tmp_path_factory):
     topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
     running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32",
                           "--request-timeout", str(REQUEST_TIMEOUT_S), "--restart-attempts", str(RESTART_ATTEMPTS),
-                          env={"RUNTIME_DIRECTORY": str(runtime)})
+                          "--metrics-address", "127.0.0.1:0", env={"RUNTIME_DIRECTORY": str(runtime)})
     yield running
     if running.process.poll() is None:
         running.process.kill()
@@ -62,7 +62,8 @@ def restarted(node: RunningNode, device: int, after: int) -> dict:
 
 def test_a_killed_device_is_restarted_while_the_other_serves(node, checkpoint):
     """SIGKILL of cpu:1 fails the request stuck on it, cpu:0 serves meanwhile, cpu:1 comes back in the
-    same front, and the session that had state there is told once to start again from position 0."""
+    same front (counted in the restart metric), and the session that had state there is told once to
+    start again from position 0."""
     victim = node.device_pid(1)
     mark = node.mark()
 
@@ -93,6 +94,7 @@ def test_a_killed_device_is_restarted_while_the_other_serves(node, checkpoint):
     run(main())
     assert node.process.poll() is None
     assert node.device_pid(1) != victim and gone(victim)
+    assert scrape(node.metrics_port())["cakemp_device_restarts_total", (("device", "cpu:1"),)] == 1
 
 
 def test_a_hung_device_is_restarted_after_the_request_timeout(node, checkpoint):

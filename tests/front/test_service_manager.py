@@ -11,19 +11,16 @@ import os
 import signal
 import socket
 import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from cakemp.errors import ProtocolError, RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from tests.checkpoints import HFLayers, make_checkpoint
 from tests.front.master import CakeMaster, to_raw
-from tests.front.node import RunningNode, children, wait_gone, write_topology
+from tests.front.node import RunningNode, children, http_status, scrape, wait_gone, write_topology
 
 HIDDEN = 64
 LAYERS = [0, 1, 2, 3]  # layers 0-1 on cpu:0, 2-3 on cpu:1
@@ -76,22 +73,6 @@ def keys(datagrams: list[list[str]]) -> list[str]:
     return [assignments[0].split("=", 1)[0] for assignments in datagrams]
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of the node's /metrics as prometheus_client's parser reads it."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
-
-
-def http_status(port: int, path: str) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
@@ -116,12 +97,11 @@ def manager(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def node(checkpoint, topology, runtime, manager):
-    """Two CPU devices, a watchdog, metrics on a kernel-chosen port; its metrics port as `node.metrics_port`."""
+    """Two CPU devices, a watchdog, and metrics on a kernel-chosen port."""
     running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32",
                           "--metrics-address", "127.0.0.1:0",
                           env={"NOTIFY_SOCKET": manager.path, "WATCHDOG_USEC": str(WATCHDOG_USEC),
                                "RUNTIME_DIRECTORY": str(runtime)})
-    running.metrics_port = running.wait_for(lambda e: e.get("event", "").startswith("metrics on "))["port"]
     yield running
     if running.process.poll() is None:
         running.process.kill()
@@ -162,7 +142,7 @@ def test_device_processes_do_not_see_the_manager_variables(node, runtime):
 def test_metrics_parse_and_move_as_requests_are_served(node):
     """/metrics parses with prometheus_client; three Batches and one bad request move the request,
     error, byte, latency, session and KV series; /healthz and /readyz answer 200."""
-    port = node.metrics_port
+    port = node.metrics_port()
     assert http_status(port, "/healthz") == 200 and http_status(port, "/readyz") == 200
     before = scrape(port)
     assert before["cakemp_ready", ()] == 1
@@ -237,7 +217,7 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(node, checkpoint
             await asyncio.sleep(0.3)
             node.process.send_signal(signal.SIGTERM)
             await asyncio.to_thread(manager.wait_until, lambda received: "STOPPING" in keys(received))
-            assert await asyncio.to_thread(http_status, node.metrics_port, "/readyz") == 503
+            assert await asyncio.to_thread(http_status, node.metrics_port(), "/readyz") == 503
             with pytest.raises(ConnectionRefusedError):
                 await WorkerClient.connect("127.0.0.1", node.port)
             assert not in_flight.done()
