@@ -6,8 +6,8 @@ parallel and requests to one device queue there.
 
 A device fails when its process dies (seen at once through its sentinel fd) or stays silent for
 `request_timeout` seconds while it owes the front a message (a reply, or load progress while it
-starts; then the front kills it). Once the pool serves, a failed device is restarted in place,
-reloading its layers, while the others keep serving: its requests in flight fail with
+starts; then the front kills it). A device that failed after it had reported Ready is restarted
+in place, reloading its layers, while the others keep serving: its requests in flight fail with
 DeviceLost, so do requests to it until it is back, and a session that had KV state in the dead
 process gets one DeviceLost saying so when it next relies on that state. After
 `restart_attempts` failed starts in a row the pool gives up and sets `failed`, for the front to
@@ -65,13 +65,10 @@ class DevicePool:
             self._devices.append(device)
             device.spawn(self._context)
         try:
-            readies = tuple(await asyncio.gather(*(device.ready for device in self._devices)))
+            return tuple(await asyncio.gather(*(device.ready for device in self._devices)))
         except BaseException:
             await self.stop()
             raise
-        for device in self._devices:
-            device.serving()
-        return readies
 
     async def forward(self, device: int, session: int, dtype: int, shape: tuple[int, ...],
                       ops: tuple[Op, ...], data) -> Activation:
@@ -141,7 +138,6 @@ class DevicePool:
                     self.failed.set()
                     return
                 continue
-            device.serving()
             self._status.restarted(device.spec.index)
             self._log.info("device restarted", device=device.spec.index, device_label=label, pid=device.process.pid)
             return
@@ -208,10 +204,6 @@ class _Device:
         loop.add_reader(self.process.sentinel, self._exited)
         self._listen()
 
-    def serving(self) -> None:
-        """The current process is ready: requests may go to it."""
-        self.down = None
-
     def admit(self, session: int, ops: Sequence[Op]) -> None:
         """Take note of the session's Forward, or raise DeviceLost: while the device is down, and
         once for a session whose KV state died with an earlier process and that still relies on
@@ -266,8 +258,12 @@ class _Device:
                 continue
             if request_id == 0 and isinstance(reply, Failure):
                 future.set_exception(_start_error(reply))
-            else:
-                future.set_result(reply)
+                continue
+            if request_id == 0:
+                # Serving from its Ready on: a death from now on is a failure to restart from,
+                # even while other devices are still loading.
+                self.down = None
+            future.set_result(reply)
 
     def _exited(self) -> None:
         asyncio.get_running_loop().remove_reader(self.process.sentinel)
