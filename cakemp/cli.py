@@ -54,8 +54,7 @@ def cli() -> None:
 @_flag("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
        help="Seconds requests in flight get to finish after SIGTERM or SIGINT (a second signal exits at once).")
 @_flag("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
-       help="Seconds a device process may stay silent while it owes an answer (or load progress) "
-            "before it is restarted.")
+       help="Seconds a device process may take to answer the front before it counts as hung and is restarted.")
 @_flag("--restart-attempts", type=click.IntRange(min=1), default=5,
        help="Failed starts in a row of one device process after which the node exits 1.")
 @_flag("--metrics-address", help="host:port serving /metrics, /healthz and /readyz (default: off).")

@@ -31,9 +31,7 @@ class NodeConfig:
     max_context: int | None = None
     cpu_threads: int | None = None  # torch threads per CPU device process (None: its share of the cores)
     drain_timeout: float = 30.0  # seconds requests in flight get to finish after SIGTERM/SIGINT
-    # Seconds a device process may stay silent while it owes the front a reply (or load
-    # progress) before it counts as hung and is restarted.
-    request_timeout: float = 60.0
+    request_timeout: float = 60.0  # seconds a device may take to answer before it counts as hung and is restarted
     restart_attempts: int = 5  # failed starts in a row of one device before the node exits 1
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics, /healthz, /readyz; None: off
     log_format: str = "auto"

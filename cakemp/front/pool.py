@@ -4,9 +4,9 @@ One spawned process per device, each behind its own ipc socket. A request is a f
 request id; the device answers its socket in order, so requests to different devices run in
 parallel and requests to one device queue there.
 
-A device fails when its process dies (seen at once through its sentinel fd) or stays silent for
-`request_timeout` seconds while it owes the front a message (a reply, or load progress while it
-starts; then the front kills it). A device that failed after it had reported Ready is restarted
+A device fails when its process dies (seen at once through its sentinel fd), or stays silent
+while it owes the front a message (then the front kills it): a reply for `request_timeout`
+seconds, or its next loaded layer for LOAD_SILENCE_S while it starts. A device that failed after it had reported Ready is restarted
 in place, reloading its layers, while the others keep serving: its requests in flight fail with
 DeviceLost, so do requests to it until it is back, and a session that had KV state in the dead
 process gets one DeviceLost saying so when it next relies on that state. After
@@ -31,6 +31,10 @@ from cakemp.front.metrics import Metrics
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, FrontChannel, Loaded, Message, Op, Ready
 
+# A starting device that reports no loaded layer for this long is hung. Not --request-timeout:
+# that one is sized for requests, and a device's first layer comes only after torch and its
+# CUDA context have started, which can take many seconds.
+LOAD_SILENCE_S = 300.0
 _STOP_GRACE_S = 3.0
 _REAP_S = 1.0
 # Delay before restart attempt n (0-based): doubling from the first, capped.
@@ -233,11 +237,16 @@ class _Device:
             self._silence.cancel()
             self._silence = None
         if self._pending:
-            self._silence = asyncio.get_running_loop().call_later(self._request_timeout, self._timed_out)
+            loading = 0 in self._pending  # its Ready; no request is sent before it
+            self._silence = asyncio.get_running_loop().call_later(
+                LOAD_SILENCE_S if loading else self._request_timeout, self._timed_out, loading)
 
-    def _timed_out(self) -> None:
+    def _timed_out(self, loading: bool) -> None:
         self._silence = None
-        self._hung = f"did not answer within {self._request_timeout:g} s"
+        if loading:
+            self._hung = f"loaded no layer within {LOAD_SILENCE_S:g} s"
+        else:
+            self._hung = f"did not answer within {self._request_timeout:g} s"
         self.process.kill()  # its sentinel then reports the failure, with this reason
 
     async def _receive(self) -> None:

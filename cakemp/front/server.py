@@ -28,7 +28,7 @@ from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
 from cakemp.front.connection import Connection
 from cakemp.front.metrics import Metrics, start_metrics_server
 from cakemp.front.notify import Notifier
-from cakemp.front.pool import DevicePool
+from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.front.router import Router
 from cakemp.front.stats import human_bytes
 from cakemp.front.status import NodeStatus
@@ -41,8 +41,8 @@ EXIT_OK = 0
 EXIT_DEVICE_FAILED = 1
 EXIT_ABORTED = 1  # a second signal cut the drain short
 _CLOSE_GRACE_S = 5.0  # for connections to wind up once the pool has failed what they waited for
-# How much longer than --request-timeout the manager waits for the next load progress: a
-# silent device is killed after the request timeout, and the front then needs a moment to exit.
+# How much longer than the front itself the manager waits for the next load progress: the
+# front kills a device silent for LOAD_SILENCE_S, and then needs a moment to exit.
 _PROGRESS_SLACK_S = 30.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -143,7 +143,7 @@ class Front:
         specs = self._device_specs()
         self.status = NodeStatus(
             self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.layers) for spec in specs],
-            progress_window=self.config.request_timeout + _PROGRESS_SLACK_S,
+            progress_window=LOAD_SILENCE_S + _PROGRESS_SLACK_S,
         )
         self.pool = DevicePool(specs, status=self.status, metrics=self.metrics,
                                request_timeout=self.config.request_timeout,
