@@ -182,7 +182,10 @@ class _Device:
         # Requests sent and not yet answered, by request id, whether or not anyone still
         # awaits them (the device owes the answer all the same); 0 is the Ready.
         self._pending: dict[int, asyncio.Future] = {}
-        self._silence: asyncio.TimerHandle | None = None
+        # Loop time of the process's last message, or of when it began to owe one; a timer
+        # looks at it while something is owed (lazily: the hot path only stores a time).
+        self._heard = 0.0
+        self._watch: asyncio.TimerHandle | None = None
         self._hung: str | None = None  # set when we killed the process for its silence
         self._gone = asyncio.Event()  # the current process has exited
         self._parent_pipe = None
@@ -194,7 +197,7 @@ class _Device:
         """Start a process for this device; `ready` resolves once it has loaded its layers."""
         loop = asyncio.get_running_loop()
         self.ready = loop.create_future()
-        self._pending[0] = self.ready
+        self._owe(0, self.ready)
         self._gone = asyncio.Event()
         # Only we hold the write end; the child sees EOF on its read end when we are gone.
         reader, self._parent_pipe = context.Pipe(duplex=False)
@@ -206,7 +209,6 @@ class _Device:
             self.process.start()
         reader.close()
         loop.add_reader(self.process.sentinel, self._exited)
-        self._listen()
 
     def admit(self, session: int, ops: Sequence[Op]) -> None:
         """Take note of the session's Forward, or raise DeviceLost: while the device is down, and
@@ -225,29 +227,40 @@ class _Device:
         if self.down is not None:
             raise DeviceLost(f"device {self.spec.label} {self.down}")
         future = asyncio.get_running_loop().create_future()
-        self._pending[msg.request_id] = future
-        if self._silence is None:
-            self._listen()
+        self._owe(msg.request_id, future)
         await self._channel.send(msg)
         return await future
 
-    def _listen(self) -> None:
-        """(Re)start the silence timer while the process owes a message, stop it when it owes none."""
-        if self._silence is not None:
-            self._silence.cancel()
-            self._silence = None
-        if self._pending:
-            loading = 0 in self._pending  # its Ready; no request is sent before it
-            self._silence = asyncio.get_running_loop().call_later(
-                LOAD_SILENCE_S if loading else self._request_timeout, self._timed_out, loading)
+    def _owe(self, request_id: int, future: asyncio.Future) -> None:
+        """The process now owes the reply to `request_id`; its silence counts from now if it owed nothing."""
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            self._heard = loop.time()
+        self._pending[request_id] = future
+        deadline = self._heard + self._silence_limit()
+        if self._watch is None or self._watch.when() > deadline:
+            self._stop_watching()
+            self._watch = loop.call_at(deadline, self._check_silence)
 
-    def _timed_out(self, loading: bool) -> None:
-        self._silence = None
-        if loading:
-            self._hung = f"loaded no layer within {LOAD_SILENCE_S:g} s"
-        else:
-            self._hung = f"did not answer within {self._request_timeout:g} s"
+    def _silence_limit(self) -> float:
+        return LOAD_SILENCE_S if 0 in self._pending else self._request_timeout  # 0: its Ready, before any request
+
+    def _check_silence(self) -> None:
+        """Kill the process if it has owed a message too long without a word, else look again when it would have."""
+        self._watch = None
+        if not self._pending:
+            return
+        limit = self._silence_limit()
+        if asyncio.get_running_loop().time() < self._heard + limit:
+            self._watch = asyncio.get_running_loop().call_at(self._heard + limit, self._check_silence)
+            return
+        self._hung = f"loaded no layer within {limit:g} s" if 0 in self._pending else f"did not answer within {limit:g} s"
         self.process.kill()  # its sentinel then reports the failure, with this reason
+
+    def _stop_watching(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
 
     async def _receive(self) -> None:
         while True:
@@ -256,13 +269,12 @@ class _Device:
             except errors.ProtocolError as e:
                 self._log.error("bad ipc reply", error=str(e))
                 continue
+            self._heard = asyncio.get_running_loop().time()
             if isinstance(reply, Loaded):
-                self._listen()
                 self._status.loaded(self.spec.index, reply.layers)
                 continue
             request_id = 0 if isinstance(reply, Ready) else reply.request_id
             future = self._pending.pop(request_id, None)
-            self._listen()
             if future is None or future.done():  # a dead process's late reply, or its requester went away
                 continue
             if request_id == 0 and isinstance(reply, Failure):
@@ -280,9 +292,7 @@ class _Device:
         self.process.join(_REAP_S)
         self._parent_pipe.close()
         self._gone.set()
-        if self._silence is not None:
-            self._silence.cancel()
-            self._silence = None
+        self._stop_watching()
         reason, self._hung = self._hung or f"died (exit code {self.process.exitcode})", None
         if self._closed:
             return
@@ -318,7 +328,7 @@ class _Device:
             else:
                 future.set_exception(error)
         self._pending.clear()
-        self._listen()
+        self._stop_watching()
         self._receiver.cancel()
         if self.process is not None and not self._gone.is_set():
             self.process.terminate()
