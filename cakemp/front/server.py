@@ -79,8 +79,8 @@ class Front:
         metrics_server = None
         try:
             server = await self._bind()
-            metrics_server = await self._serve_metrics()
             try:
+                metrics_server = await self._serve_metrics()
                 readies = await self._start_pool()
                 if readies is None:
                     return EXIT_OK
