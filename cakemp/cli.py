@@ -94,13 +94,8 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         metrics_address=parse_address(metrics_address, "--metrics-address") if metrics_address else None,
         log_format=log_format, log_level=log_level,
     )
-    try:
-        status = asyncio.run(Front(config, notifier).run())
-    except ConfigError:
-        raise
-    except CakempError as e:  # a device that died while loading, say
-        _exit(str(e), 1)
-    sys.exit(status)
+    # The front's exit status; a CakempError (a device that died while loading, say) exits 1.
+    sys.exit(_run_or_exit(Front(config, notifier).run()))
 
 
 @cli.command()
@@ -188,12 +183,11 @@ def demo() -> None:
     _run_or_exit(run_demo())
 
 
-def _run_or_exit(coroutine) -> None:
-    """Run `coroutine`; a CakempError other than ConfigError (that one exits 78) exits 1 with one line."""
-    from cakemp.errors import CakempError
-
+def _run_or_exit(coroutine):
+    """Run `coroutine`, returning its result; a CakempError other than ConfigError (that one exits 78) exits 1
+    with one line."""
     try:
-        asyncio.run(coroutine)
+        return asyncio.run(coroutine)
     except ConfigError:
         raise
     except CakempError as e:
