@@ -88,10 +88,8 @@ class Connection:
             try:
                 received = await self._read()
             except MalformedTensor as e:  # the frame was sound, only its tensor is not: answer, go on
-                self._log.warning("request failed", error=str(e))
                 self._metrics.requests.inc()
-                self._metrics.errors.inc(error=type(e).__name__)
-                await self._send(WorkerError(str(e)))
+                await self._send(self._refusal(e))
                 continue
             if received is None:
                 return
@@ -135,9 +133,13 @@ class Connection:
                 data = (await self._pool.forward(leg.device, self.session, x.dtype, x.shape, leg.ops, data)).data
             return TensorMessage(RawTensor(data, x.dtype, x.shape))
         except RequestError as e:
-            self._log.warning("request failed", error=str(e))
-            self._metrics.errors.inc(error=type(e).__name__)
-            return WorkerError(str(e))
+            return self._refusal(e)
+
+    def _refusal(self, error: RequestError | MalformedTensor) -> WorkerError:
+        """The WorkerError answering a request that cannot be served, logged and counted."""
+        self._log.warning("request failed", error=str(error))
+        self._metrics.errors.inc(error=type(error).__name__)
+        return WorkerError(str(error))
 
     async def _goodbye(self) -> None:
         results = await asyncio.gather(*(self._pool.clear(d, self.session) for d in sorted(self._devices)),
