@@ -79,13 +79,11 @@ class DevicePool:
         """Run `ops` on `device` over activation bytes `data`; raises the device's RequestError or DeviceLost."""
         target = self._devices[device]
         target.admit(session, ops)
-        start = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         reply = await target.request(Forward(session, next(self._request_ids), dtype, shape, ops, data))
-        self._metrics.request_seconds.observe(asyncio.get_running_loop().time() - start, device=target.spec.label)
-        if isinstance(reply, Failure):
-            raise _request_error(reply)
-        self._metrics.kv_bytes.set(reply.kv_bytes, device=target.spec.label)
-        return reply
+        self._metrics.request_seconds.observe(loop.time() - start, device=target.spec.label)
+        return self._answer(target, reply)
 
     async def clear(self, device: int, session: int) -> Done:
         """Goodbye: drop the session's caches on `device` (a fresh start, so a lost state no longer matters)."""
@@ -110,7 +108,10 @@ class DevicePool:
 
     async def _done(self, device: int, request: Clear | End) -> Done:
         target = self._devices[device]
-        reply = await target.request(request)
+        return self._answer(target, await target.request(request))
+
+    def _answer(self, target: _Device, reply: Message) -> Activation | Done:
+        """The reply to a request, its KV bytes recorded; the device's RequestError raised for a Failure."""
         if isinstance(reply, Failure):
             raise _request_error(reply)
         self._metrics.kv_bytes.set(reply.kv_bytes, device=target.spec.label)
