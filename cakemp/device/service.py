@@ -64,7 +64,7 @@ class DeviceService:
                 raise UnknownLayer(f"could not find layer #{op.layer} on this device")
             ops.append((self.layers[op.layer], op.index_pos, op.block_idx))
         x = tensors.to_tensor(request.data, request.dtype, request.shape)  # [1, T, H] wire dtype, CPU
-        with torch.inference_mode():
-            y = self.runner.forward(request.session, x.to(self.runner.device, self.runner.dtype), ops)
+        # No inference_mode here: runner.forward enters it, and the cast builds no graph (x needs no grad).
+        y = self.runner.forward(request.session, x.to(self.runner.device, self.runner.dtype), ops)
         return Activation(request.request_id, request.dtype, request.shape, tensors.to_bytes(y, request.dtype),
                           self.runner.kv_bytes())
