@@ -131,24 +131,25 @@ class Done:
 Message = Union[Forward, Clear, End, Ready, Loaded, Activation, Failure, Done]
 
 
-def _fixed(kind: Kind, *, dtype: int = 0, ndim: int = 0, n_ops: int = 0, session: int = 0, request_id: int = 0) -> bytes:
-    return _FIXED.pack(kind, dtype, ndim, n_ops, session, request_id)
+def _fixed(kind: Kind, *, dtype: int = 0, shape: tuple[int, ...] = (), n_ops: int = 0, session: int = 0,
+           request_id: int = 0) -> bytearray:
+    """The fixed part of a header frame, then the shape's dims."""
+    head = bytearray(_FIXED.pack(kind, dtype, len(shape), n_ops, session, request_id))
+    for dim in shape:
+        head += _DIM.pack(dim)
+    return head
 
 
 def encode(msg: Message) -> list[Buffer]:
     """Frames for `msg`; a body buffer is returned as given (the caller sends it with copy=False)."""
     if isinstance(msg, Forward):
-        head = bytearray(_fixed(Kind.FORWARD, dtype=msg.dtype, ndim=len(msg.shape), n_ops=len(msg.ops),
-                                session=msg.session, request_id=msg.request_id))
-        for dim in msg.shape:
-            head += _DIM.pack(dim)
+        head = _fixed(Kind.FORWARD, dtype=msg.dtype, shape=msg.shape, n_ops=len(msg.ops), session=msg.session,
+                      request_id=msg.request_id)
         for op in msg.ops:
             head += _OP.pack(op.layer, op.index_pos, op.block_idx)
         return [bytes(head), msg.data]
     if isinstance(msg, Activation):
-        head = bytearray(_fixed(Kind.ACTIVATION, dtype=msg.dtype, ndim=len(msg.shape), request_id=msg.request_id))
-        for dim in msg.shape:
-            head += _DIM.pack(dim)
+        head = _fixed(Kind.ACTIVATION, dtype=msg.dtype, shape=msg.shape, request_id=msg.request_id)
         head += _KV.pack(msg.kv_bytes)
         return [bytes(head), msg.data]
     if isinstance(msg, Clear):
