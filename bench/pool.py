@@ -1,6 +1,6 @@
 """Pool benchmark: what the front and ZeroMQ cost, and what several device processes buy.
 
-    python -m bench.pool [--steps 400] [--seconds 4]
+    python -m bench.pool [--steps 400] [--seconds 4]   (--seconds 0: the relay tax only)
 
 Writes two random Llama checkpoints (4 layers each) to a temp dir and starts, side by side,
 `cakemp run` and bench/single_worker.py (Cake's design in one process: TCP, codec and
@@ -11,8 +11,9 @@ BlockRunner in one asyncio loop) on the same layers, f32. A Cake-style master
    trip of a decode Batch through `cakemp run --gpus cpu:1` against the single-process
    worker, one torch thread each, p50 and p99 over --steps steps, the two alternating in
    blocks of 50. An empty Batch (no layers: TCP + codec + asyncio only, no device hop in
-   cakemp) and the ipc hop alone (the front's socket to a device process that echoes, no
-   compute) split the tax.
+   cakemp) and the ipc hop alone split the tax: the front's channel to a device process that
+   echoes, against the same echo over a plain Unix socket (the floor for any second process),
+   with the echo returning at once and after busy-waiting as long as the decode's compute.
 2. concurrency (hidden 1024, decode compute dominant): aggregate decode steps/s of 1, 2 and
    4 concurrent sessions, each decoding through all 4 layers for --seconds, on
    `cakemp run --gpus cpu:2` (layers 0-1 on one process, 2-3 on the other) against the
@@ -166,31 +167,75 @@ async def throughput(port: int, hidden: int, sessions: int, seconds: float) -> f
     return sum(counts) / elapsed
 
 
-def echo_device(endpoint: str, parent_pipe) -> None:
-    """A device process that answers each Forward with its own bytes: the ipc hop and nothing else."""
+def echo_device(endpoint: str, parent_pipe, busy_s: float) -> None:
+    """A device process that answers each Forward with its own bytes after `busy_s` of busy work."""
     channel = DeviceChannel(endpoint, parent_pipe.fileno())
     while (request := channel.receive()) is not None:
+        busy(busy_s)
         channel.send(Activation(request.request_id, request.dtype, request.shape, request.data))
 
 
-async def ipc_hop(workdir: Path, steps: int, hidden: int = 4096) -> list[float]:
-    """Round trips in µs of a decode-size Forward ([1, 1, hidden] f16) to an echoing device process."""
-    endpoint = f"ipc://{workdir}/echo"
-    channel = FrontChannel(endpoint)
+def echo_unix(path: str, busy_s: float, nbytes: int) -> None:
+    """The same echo over a plain Unix stream socket: the floor for any second process (2 thread hand-offs)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        while True:
+            data = bytearray()
+            while len(data) < nbytes:
+                chunk = sock.recv(nbytes - len(data))
+                if not chunk:
+                    return
+                data += chunk
+            busy(busy_s)
+            sock.sendall(data)
+
+
+def busy(seconds: float) -> None:
+    """Occupy this core for `seconds`, as a decode's compute does (a sleep would not: the core halts)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def ipc_hop(workdir: Path, steps: int, busy_s: float, hidden: int = 4096) -> dict[str, list[float]]:
+    """Round trips in µs, minus busy_s, of a decode-size Forward ([1, 1, hidden] f16) to an echoing
+    device process: over cakemp's ZeroMQ channels and over a plain Unix socket, blocks alternating."""
     context = multiprocessing.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
-    child = context.Process(target=echo_device, args=(endpoint, reader), daemon=True)
-    child.start()
+    endpoint = f"ipc://{workdir}/echo"
+    channel = FrontChannel(endpoint)
+    zmq_child = context.Process(target=echo_device, args=(endpoint, reader, busy_s), daemon=True)
+    zmq_child.start()
     body = memoryview(bytearray(hidden * 2))
-    times = []
-    for i in range(steps + BLOCK):
-        start = time.perf_counter()
+    accepted: asyncio.Queue = asyncio.Queue()
+    server = await asyncio.start_unix_server(lambda r, w: accepted.put_nowait((r, w)), str(workdir / "echo.sock"))
+    unix_child = context.Process(target=echo_unix, args=(str(workdir / "echo.sock"), busy_s, len(body)), daemon=True)
+    unix_child.start()
+    unix_reader, unix_writer = await accepted.get()
+
+    async def over_zmq(i: int) -> None:
         await channel.send(Forward(1, i, DType.F16, (1, 1, hidden), (Op(0, i, 0),), body))
         await channel.receive()
-        if i >= BLOCK:  # the first block warms up
-            times.append((time.perf_counter() - start) * 1e6)
+
+    async def over_unix(i: int) -> None:
+        unix_writer.write(body)
+        await unix_reader.readexactly(len(body))
+
+    times: dict[str, list[float]] = {"ZeroMQ (cakemp's channels)": [], "plain Unix socket": []}
+    hops = dict(zip(times, (over_zmq, over_unix)))
+    for block in range(steps // BLOCK + 1):  # the first block warms up
+        for name, hop in hops.items():
+            for i in range(BLOCK):
+                start = time.perf_counter()
+                await hop(block * BLOCK + i)
+                if block:
+                    times[name].append((time.perf_counter() - start - busy_s) * 1e6)
+    for child in (zmq_child, unix_child):
+        child.terminate()
+        child.join()
     writer.close()
-    child.join()
+    unix_writer.close()
+    server.close()
     channel.close()
     return times
 
@@ -202,7 +247,7 @@ def pct(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--seconds", type=float, default=4.0, help="per concurrency cell; 0 skips part 2")
     args = parser.parse_args()
     print(f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
           f"{os.cpu_count()} cores")
@@ -228,15 +273,21 @@ def main() -> None:
                     label = f"{LAYERS} layers" if kind == "decode" else "empty (no layers)"
                     print(f"| {name} | {label} | {pct(values, 50):.0f} | {pct(values, 99):.0f} |")
             for kind in ("decode", "empty"):
-                tax = pct(times["cakemp cpu:1"][kind], 50) - pct(times["single process"][kind], 50)
-                print(f"p50 difference, {kind}: {tax:+.0f} µs")
+                ours, base = (pct(times[name][kind], 50) for name in ("cakemp cpu:1", "single process"))
+                print(f"p50, {kind}: cakemp / single process = {ours / base:.2f}×, difference {ours - base:+.0f} µs")
+            compute_s = (pct(times["single process"]["decode"], 50) - pct(times["single process"]["empty"], 50)) / 1e6
             for process in (node, single):
                 process.terminate()
                 process.wait()
-            hop = asyncio.run(ipc_hop(work, args.steps))
-            print(f"ipc hop alone (front FrontChannel -> echoing device process -> back, [1, 1, 4096] f16): "
-                  f"p50 {pct(hop, 50):.0f} µs, p99 {pct(hop, 99):.0f} µs")
+            print(f"\nthe ipc hop alone: front -> echoing process -> front, [1, 1, 4096] f16, {args.steps} round trips "
+                  f"each, blocks of {BLOCK} alternating; µs above the echo's busy time")
+            print("| transport | echo busy for | p50 µs | p99 µs |\n|---|---:|---:|---:|")
+            for busy_s in (0.0, compute_s):
+                for name, values in asyncio.run(ipc_hop(work, args.steps, busy_s)).items():
+                    print(f"| {name} | {busy_s * 1e6:.0f} µs | {pct(values, 50):.0f} | {pct(values, 99):.0f} |")
 
+            if not args.seconds:
+                return
             # The single-process worker at 1 torch thread and at all cores: the better of the two
             # is the baseline (intra-op threads do not always pay on small CPUs).
             cores = len(os.sched_getaffinity(0))
