@@ -62,6 +62,10 @@ class _Valued(_Metric):
     def value(self, **labels: str) -> float:
         return self._values.get(self._key(labels), 0.0)
 
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = self._key(labels)
+        self._values[key] = self._values.get(key, 0.0) + amount
+
     def render(self) -> list[str]:
         return self._header() + [self._line(self.name, key, value) for key, value in self._values.items()]
 
@@ -74,8 +78,7 @@ class Counter(_Valued):
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         if amount < 0:
             raise ValueError(f"{self.name} is a counter; it cannot go down by {amount}")
-        key = self._key(labels)
-        self._values[key] = self._values.get(key, 0.0) + amount
+        super().inc(amount, **labels)
 
 
 class Gauge(_Valued):
@@ -85,10 +88,6 @@ class Gauge(_Valued):
 
     def set(self, value: float, **labels: str) -> None:
         self._values[self._key(labels)] = float(value)
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = self._key(labels)
-        self._values[key] = self._values.get(key, 0.0) + amount
 
     def dec(self, amount: float = 1.0, **labels: str) -> None:
         self.inc(-amount, **labels)
