@@ -27,7 +27,7 @@ from cakemp.local_node import LocalNode, free_port
 from cakemp.master.generator import Generator, RemoteCall
 from cakemp.master.sampler import SamplingParams
 from cakemp.model.config import ModelConfig
-from cakemp.model.synthetic import SyntheticSpec, cache_root, demo_checkpoint
+from cakemp.model.synthetic import SyntheticSpec, demo_checkpoint, demo_dir
 from cakemp.topology import Topology
 
 PROMPT = "Once upon a time"
@@ -52,7 +52,7 @@ async def run_demo(out: TextIO = sys.stdout) -> None:
     say("cakemp demo: the model's weights are synthetic (seeded random numbers), so its text is gibberish.")
 
     spec = SyntheticSpec()
-    cached = (cache_root() / f"demo-{spec.version_hash()}").is_dir()
+    cached = demo_dir(spec).is_dir()
     start = time.perf_counter()
     model_dir = demo_checkpoint(spec)
     built = "reused" if cached else f"built in {time.perf_counter() - start:.1f} s"

@@ -78,9 +78,14 @@ def cache_root() -> Path:
     return Path(base) / "cakemp"
 
 
+def demo_dir(spec: SyntheticSpec) -> Path:
+    """Where `demo_checkpoint` keeps the checkpoint of `spec`."""
+    return cache_root() / f"demo-{spec.version_hash()}"
+
+
 def demo_checkpoint(spec: SyntheticSpec = SyntheticSpec()) -> Path:
     """The cached checkpoint for `spec`, written first if it is not there yet."""
-    final = cache_root() / f"demo-{spec.version_hash()}"
+    final = demo_dir(spec)
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
