@@ -10,3 +10,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Llama checkpoint (tests/checkpoints.py), one per test module; modules that need
+    another define their own `checkpoint`."""
+    from tests.checkpoints import make_checkpoint  # transformers: imported only by the modules that use it
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")

@@ -23,7 +23,7 @@ from cakemp.errors import CakempError
 from cakemp.local_node import free_port
 from cakemp.master.client import WorkerClient
 from cakemp.master.probe import probe
-from tests.checkpoints import HFLayers, make_checkpoint
+from tests.checkpoints import HFLayers
 from tests.deploy.flags import run_variables
 from tests.front.master import from_raw, to_raw
 from tests.front.node import children, gone, wait_gone, write_topology
@@ -143,11 +143,6 @@ class Supervised:
 
         y = asyncio.run(asyncio.wait_for(batch(), 30))
         torch.testing.assert_close(y, HFLayers(checkpoint, range(4), torch.float32)(x, 0), atol=1e-4, rtol=0)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
 
 
 @pytest.fixture(scope="module")

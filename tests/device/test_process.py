@@ -6,19 +6,13 @@ import asyncio
 import multiprocessing
 import os
 
-import pytest
 import torch
 
 from cakemp.device import process
 from cakemp.device.spec import DeviceSpec
 from cakemp.ipc import Activation, Failure, Forward, FrontChannel, Loaded, Op, Ready
 from cakemp.wire import DType
-from tests.checkpoints import HFLayers, make_checkpoint
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+from tests.checkpoints import HFLayers
 
 
 async def spawn(spec: DeviceSpec):

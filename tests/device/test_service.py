@@ -10,14 +10,8 @@ from cakemp.device.service import DeviceService
 from cakemp.device.spec import DeviceSpec
 from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, Op
 from cakemp.wire import DType
-from tests.checkpoints import make_checkpoint
 
 LAYERS = ("model.layers.2", "model.layers.3")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
 
 
 @pytest.fixture

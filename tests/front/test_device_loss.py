@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cakemp.errors import RemoteWorkerError
-from tests.checkpoints import HFLayers, make_checkpoint
+from tests.checkpoints import HFLayers
 from tests.front.master import CakeMaster
 from tests.front.node import RunningNode, children, gone, scrape, wait_gone, write_topology
 
@@ -26,11 +26,6 @@ F32_ATOL = 1e-4
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 90))
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from cakemp.wire import (
     HEADER_SIZE, Batch, DType, Hello, LayerOp, RawTensor, Revision, WorkerError, WorkerInfo,
     decode_payload, encode_frame, read_header,
 )
-from tests.checkpoints import HFLayers, make_checkpoint
+from tests.checkpoints import HFLayers
 from tests.front.master import CakeMaster, from_raw, to_raw
 from tests.front.node import RunningNode, write_topology
 
@@ -33,11 +33,6 @@ F16_WIRE_ATOL = 1e-2
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 
 from cakemp.errors import ProtocolError, RemoteWorkerError
 from cakemp.master.client import WorkerClient
-from tests.checkpoints import HFLayers, make_checkpoint
+from tests.checkpoints import HFLayers
 from tests.front.master import CakeMaster, to_raw
 from tests.front.node import RunningNode, children, http_status, scrape, wait_gone, write_topology
 
@@ -72,11 +72,6 @@ class NotifySocket:
 def keys(datagrams: list[list[str]]) -> list[str]:
     """The datagrams as their first assignment's key: READY, STATUS, WATCHDOG, ..."""
     return [assignments[0].split("=", 1)[0] for assignments in datagrams]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
 
 
 @pytest.fixture(scope="module")
