@@ -25,6 +25,15 @@ def topology(tmp_path):
     return write_topology(tmp_path / "topology.yml", ["model.layers.0-1"], name="w1")
 
 
+@pytest.fixture
+def taken_port():
+    """A loopback port another socket listens on for the whole test."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
 def assert_config_error(result: subprocess.CompletedProcess, words: str) -> None:
     assert result.returncode == EX_CONFIG, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -83,24 +92,16 @@ def test_help_lists_every_flag_with_its_environment_variable():
     assert "CAKE_CLUSTER_KEY" in result.stdout
 
 
-def test_an_address_in_use_exits_78_before_loading(tmp_path, topology):
+def test_an_address_in_use_exits_78_before_loading(tmp_path, topology, taken_port):
     """A port another process holds is reported at once, before any device process starts."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", "cpu",
-                            "--model", str(tmp_path / "no-model"), "--address", f"127.0.0.1:{port}")
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", "cpu",
+                        "--model", str(tmp_path / "no-model"), "--address", f"127.0.0.1:{taken_port}")
     assert_config_error(result, "cannot listen")
 
 
-def test_a_metrics_address_in_use_exits_78_before_loading(tmp_path, topology):
+def test_a_metrics_address_in_use_exits_78_before_loading(tmp_path, topology, taken_port):
     """A metrics port another process holds is a configuration error too, found before any device starts."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", "cpu",
-                            "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0",
-                            "--metrics-address", f"127.0.0.1:{port}")
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", "cpu",
+                        "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0",
+                        "--metrics-address", f"127.0.0.1:{taken_port}")
     assert_config_error(result, "cannot serve metrics")
