@@ -21,6 +21,7 @@ from cakemp.device.runner import BlockRunner
 from tests.checkpoints import HFLayers, make_checkpoint
 
 LAYERS = [1, 2, 3]
+NAMES = [f"model.layers.{i}" for i in LAYERS]
 CHUNKS = [7] + [1] * 8 + [5]
 
 CASES = {
@@ -48,19 +49,23 @@ CASES = {
 EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
-def run_both(path, dtype, reference_dtype):
-    """Outputs of cakemp in dtype, HF in dtype, HF in reference_dtype over CHUNKS; each [1, T, H]."""
-    names = [f"model.layers.{i}" for i in LAYERS]
-    runner = BlockRunner.load(path, names, "cpu", dtype)
-    hf = HFLayers(path, LAYERS, dtype)
-    truth = HFLayers(path, LAYERS, reference_dtype)
+def requests(hidden_size, dtype):
+    """Each chunk of CHUNKS in turn, as (x [1, T, H] in dtype, its first position, the ops over LAYERS); seeded."""
     generator = torch.Generator().manual_seed(1)
     position = 0
     for T in CHUNKS:
-        x = torch.randn(1, T, runner.config.hidden_size, generator=generator).to(dtype)
-        ops = [(name, position, i) for name, i in zip(names, LAYERS)]
-        yield runner.forward(7, x, ops).float(), hf(x, position).float(), truth(x.to(reference_dtype), position)
+        x = torch.randn(1, T, hidden_size, generator=generator).to(dtype)
+        yield x, position, [(name, position, i) for name, i in zip(NAMES, LAYERS)]
         position += T
+
+
+def run_both(path, dtype, reference_dtype):
+    """Outputs of cakemp in dtype, HF in dtype, HF in reference_dtype over CHUNKS; each [1, T, H]."""
+    runner = BlockRunner.load(path, NAMES, "cpu", dtype)
+    hf = HFLayers(path, LAYERS, dtype)
+    truth = HFLayers(path, LAYERS, reference_dtype)
+    for x, position, ops in requests(runner.config.hidden_size, dtype):
+        yield runner.forward(7, x, ops).float(), hf(x, position).float(), truth(x.to(reference_dtype), position)
 
 
 def rel(a, b):
@@ -98,14 +103,8 @@ def test_cuda_is_within_8_eps_of_exact(tmp_path, case, dtype):
     """On CUDA (cuBLAS, flash / memory-efficient SDPA) outputs stay within 8 eps of HF's f32 on CPU."""
     family, overrides = CASES[case]
     path = make_checkpoint(tmp_path, family, shards=2, dtype=dtype, **overrides)
-    names = [f"model.layers.{i}" for i in LAYERS]
-    runner = BlockRunner.load(path, names, "cuda", dtype)
+    runner = BlockRunner.load(path, NAMES, "cuda", dtype)
     truth = HFLayers(path, LAYERS, torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    position = 0
-    for T in CHUNKS:
-        x = torch.randn(1, T, runner.config.hidden_size, generator=generator).to(dtype)
-        ops = [(name, position, i) for name, i in zip(names, LAYERS)]
+    for x, position, ops in requests(runner.config.hidden_size, dtype):
         ours = runner.forward(7, x.to(runner.device), ops).float().cpu()
         assert rel(ours, truth(x.float(), position)) <= 8 * EPS[dtype]
-        position += T
