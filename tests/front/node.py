@@ -40,12 +40,16 @@ def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
     return alive
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a node's /metrics as prometheus_client's parser reads it: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus text exposition as prometheus_client's parser reads it: (name, sorted labels) -> value."""
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a node's /metrics, as `samples` reads them."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return samples(response.read().decode())
 
 
 def http_status(port: int, path: str) -> int:

@@ -4,15 +4,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cakemp.front.metrics import Counter, Histogram, Metrics, start_metrics_server
-
-
-def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of the rendered registry, as prometheus_client's parser reads it."""
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(metrics.render())
-        for sample in family.samples
-    }
+from tests.front.node import samples
 
 
 def test_fresh_registry_parses_and_declares_every_family():
@@ -45,7 +37,7 @@ def test_recorded_values_appear_in_the_exposition():
     metrics.active_sessions.dec()
     metrics.kv_bytes.set(4096, device="0")
     metrics.set_ready(True)
-    seen = samples(metrics)
+    seen = samples(metrics.render())
     assert seen[("cakemp_requests_total", ())] == 2
     assert seen[("cakemp_request_errors_total", (("error", "UnknownLayer"),))] == 1
     assert seen[("cakemp_received_bytes_total", ())] == 1024
@@ -62,7 +54,7 @@ def test_histogram_buckets_are_cumulative_per_device():
     for seconds in (0.0003, 0.004, 0.004, 3.0, 60.0):
         metrics.request_seconds.observe(seconds, device="0")
     metrics.request_seconds.observe(0.02, device="1")
-    seen = samples(metrics)
+    seen = samples(metrics.render())
     name = "cakemp_device_request_duration_seconds"
 
     def bucket(device, le):
@@ -135,11 +127,11 @@ def test_endpoint_serves_metrics_that_move_between_scrapes():
     async def scenario(metrics, port):
         status, body = await http(port, get("/metrics"))
         assert status == 200
-        before = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
+        before = samples(body)
         metrics.requests.inc(3)
         _, body = await http(port, get("/metrics"))
-        after = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
-        assert (before["cakemp_requests_total"], after["cakemp_requests_total"]) == (0, 3)
+        after = samples(body)
+        assert (before["cakemp_requests_total", ()], after["cakemp_requests_total", ()]) == (0, 3)
 
     serve(scenario)
 
