@@ -22,7 +22,7 @@ class NodeStatus:
                  progress_window: float, stream: TextIO = sys.stderr):
         """`labels[d]` names device d, which loads `totals[d]` layers. `progress_window` is how long
         the manager is asked to wait for the next sign of progress while the node starts."""
-        self.notifier = notifier
+        self._notifier = notifier
         self._metrics = metrics
         self._labels = tuple(labels)
         self._totals = tuple(totals)
@@ -36,16 +36,16 @@ class NodeStatus:
 
     def starting(self) -> None:
         """The device processes are being spawned: say what will load, and ask the manager to wait."""
-        self.notifier.extend_timeout(self._progress_window)
-        self.notifier.status(self._text())
+        self._notifier.extend_timeout(self._progress_window)
+        self._notifier.status(self._text())
 
     def loaded(self, device: int, layers: int) -> None:
         """`device` now holds `layers` of its layers (at its first start or a restart)."""
         self._loaded[device] = layers
         if self._serving is None:
             # The manager is still waiting for READY=1: every layer buys the start more time.
-            self.notifier.extend_timeout(self._progress_window)
-        self.notifier.status(self._text())
+            self._notifier.extend_timeout(self._progress_window)
+        self._notifier.status(self._text())
         if self._bar is not None and self._serving is None:
             self._draw()
         else:
@@ -58,27 +58,27 @@ class NodeStatus:
             self._bar.write("\n")
             self._bar.flush()
         self._serving = f"serving {sum(self._totals)} layers on {len(self._labels)} devices at {address}"
-        self.notifier.ready(self._text())
+        self._notifier.ready(self._text())
         self._update_readiness()
 
     def restarting(self, device: int, reason: str) -> None:
         """`device` is being restarted because it `reason` ("died (exit code -9)", say)."""
         self._restarting[device] = reason
         self._loaded[device] = 0
-        self.notifier.status(self._text())
+        self._notifier.status(self._text())
         self._update_readiness()
 
     def restarted(self, device: int) -> None:
         """`device` is serving again."""
         self._restarting.pop(device, None)
-        self.notifier.status(self._text())
+        self._notifier.status(self._text())
         self._update_readiness()
 
     def stopping(self, in_flight: int) -> None:
         """The drain has begun, with `in_flight` requests still being served."""
         self._stopping = True
         self._update_readiness()
-        self.notifier.stopping(f"draining {in_flight} requests in flight")
+        self._notifier.stopping(f"draining {in_flight} requests in flight")
 
     def _update_readiness(self) -> None:
         self._metrics.set_ready(self._serving is not None and not self._restarting and not self._stopping)
