@@ -2,9 +2,10 @@
 
 Lifecycle: die with the parent (PR_SET_PDEATHSIG and a parent-death pipe), load only this
 device's layers (reporting Loaded progress after each), report Ready (or the load Failure),
-then answer requests one at a time until the parent is gone. (Cross-session batching would drain every request waiting on the socket
-here and hand DeviceService the list.) This module is imported by the front to name the spawn
-target, so torch (via DeviceService) is imported only inside `main`, in the child.
+then answer requests one at a time until the parent is gone. (Cross-session batching would
+drain every request waiting on the socket here and hand DeviceService the list.) This module is
+imported by the front to name the spawn target, so torch (via DeviceService) is imported only
+inside `main`, in the child.
 """
 
 from __future__ import annotations

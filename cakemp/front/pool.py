@@ -6,12 +6,12 @@ parallel and requests to one device queue there.
 
 A device fails when its process dies (seen at once through its sentinel fd), or stays silent
 while it owes the front a message (then the front kills it): a reply for `request_timeout`
-seconds, or its next loaded layer for LOAD_SILENCE_S while it starts. A device that failed after it had reported Ready is restarted
-in place, reloading its layers, while the others keep serving: its requests in flight fail with
-DeviceLost, so do requests to it until it is back, and a session that had KV state in the dead
-process gets one DeviceLost saying so when it next relies on that state. After
-`restart_attempts` failed starts in a row the pool gives up and sets `failed`, for the front to
-exit and leave the node to its service manager.
+seconds, or its next loaded layer for LOAD_SILENCE_S while it starts. A device that failed
+after it had reported Ready is restarted in place, reloading its layers, while the others keep
+serving: its requests in flight fail with DeviceLost, so do requests to it until it is back,
+and a session that had KV state in the dead process gets one DeviceLost saying so when it next
+relies on that state. After `restart_attempts` failed starts in a row the pool gives up and
+sets `failed`, for the front to exit and leave the node to its service manager.
 """
 
 from __future__ import annotations

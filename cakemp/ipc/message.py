@@ -1,8 +1,9 @@
 """Messages between the front and a device process, and their multipart frame codec (no I/O).
 
-Every message is one small fixed struct header frame, optionally followed by
-* the shape and layer-run tail (in the header frame, after the fixed part), and
-* one body frame: the activation bytes (Forward, Activation), a UTF-8 text (Failure, Ready).
+Every message is one header frame: a small fixed struct, then what its kind carries (Forward:
+the shape and the layer run; Activation: the shape and the KV bytes; Done, Ready, Loaded: two
+counts). Forward and Activation add one body frame holding the activation bytes, Failure and
+Ready one holding a UTF-8 text.
 
 The activation bytes are never copied or interpreted here: the body frame is the caller's
 buffer (a memoryview into the master's Cake frame on the way in, the device's tensor memory on

@@ -41,7 +41,8 @@ def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a Prometheus text exposition as prometheus_client's parser reads it: (name, sorted labels) -> value."""
+    """Every sample of a Prometheus text exposition as prometheus_client's parser reads it:
+    (name, sorted labels) -> value."""
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
