@@ -67,7 +67,7 @@ class PositionGap(RequestError):
 
 
 class NodeFailed(CakempError):
-    """A node started as a subprocess (demo, tests) exited early or never became ready."""
+    """A node started as a subprocess (demo, tests) exited early, never became ready, or did not stop cleanly."""
 
 
 class HiddenStateMismatch(CakempError):
