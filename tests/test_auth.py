@@ -59,6 +59,21 @@ async def run_master(port: int, key: str | None, timeout: float = 5.0):
         writer.close()
 
 
+def outcome_of(talk, key: str = "k", timeout: float = 5.0):
+    """The worker's outcome (see start_worker) when the master's side of the connection does `talk(reader, writer)`."""
+
+    async def main():
+        server, port, outcome = await start_worker(key, timeout)
+        async with server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            await talk(reader, writer)
+            result = await asyncio.wait_for(outcome, 5)
+            writer.close()
+            return result
+
+    return asyncio.run(main())
+
+
 def pair(worker_key, master_key, worker_timeout=5.0):
     """Run one master against one worker; returns (master result, worker outcome)."""
 
@@ -86,19 +101,13 @@ def test_different_keys_fail_on_both_sides():
 def test_worker_rejects_a_master_with_a_wrong_proof():
     """A master that answers the worker's challenge with a wrong HMAC is rejected by the worker."""
 
-    async def main():
-        server, port, outcome = await start_worker("k")
-        async with server:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(bytes(32))
-            await reader.readexactly(64)
-            writer.write(b"\x01" * 32)
-            await writer.drain()
-            result = await asyncio.wait_for(outcome, 5)
-            writer.close()
-            return result
+    async def wrong_proof(reader, writer):
+        writer.write(bytes(32))
+        await reader.readexactly(64)
+        writer.write(b"\x01" * 32)
+        await writer.drain()
 
-    outcome = asyncio.run(main())
+    outcome = outcome_of(wrong_proof)
     assert isinstance(outcome, AuthError) and "master authentication failed: invalid HMAC" in str(outcome)
 
 
@@ -122,16 +131,10 @@ def test_worker_answers_the_spec_test_vector():
 def test_keyed_worker_times_out_a_master_without_a_key():
     """A keyless master's Hello (12 bytes) never fills the 32-byte nonce, so the worker gives up at its timeout."""
 
-    async def main():
-        server, port, outcome = await start_worker("k", timeout=SHORT)
-        async with server:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            await send_frame(writer, Hello())
-            result = await asyncio.wait_for(outcome, 5)
-            writer.close()
-            return result
+    async def hello(reader, writer):
+        await send_frame(writer, Hello())
 
-    outcome = asyncio.run(main())
+    outcome = outcome_of(hello, timeout=SHORT)
     assert isinstance(outcome, AuthError) and f"within {SHORT:g} s" in str(outcome)
 
 
@@ -145,15 +148,10 @@ def test_keyed_master_fails_against_a_worker_without_a_key():
 def test_worker_times_out_a_stalled_master():
     """A master that connects and sends nothing is dropped by the worker after the handshake timeout."""
 
-    async def main():
-        server, port, outcome = await start_worker("k", timeout=SHORT)
-        async with server:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            result = await asyncio.wait_for(outcome, 5)
-            writer.close()
-            return result
+    async def nothing(reader, writer):
+        pass
 
-    outcome = asyncio.run(main())
+    outcome = outcome_of(nothing, timeout=SHORT)
     assert isinstance(outcome, AuthError) and "master did not complete the cluster-key handshake" in str(outcome)
 
 
