@@ -45,7 +45,7 @@ import transformers
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from cakemp.device.runner import BlockRunner
+from cakemp.compute.runner import BlockRunner
 
 SHAPE = dict(
     hidden_size=2048,

@@ -15,8 +15,8 @@ import itertools
 
 import torch
 
-from cakemp.device import tensors
-from cakemp.device.runner import BlockRunner
+from cakemp.compute import tensors
+from cakemp.compute.runner import BlockRunner
 from cakemp.errors import ProtocolError, RequestError
 from cakemp.topology import expand_layers
 from cakemp.wire import (

@@ -14,7 +14,8 @@ import click
 from cakemp import log
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front import Front, NodeConfig
-from cakemp.front.config import cuda_devices, parse_address, parse_gpus
+from cakemp.address import parse_address
+from cakemp.front.config import cuda_devices, parse_gpus
 from cakemp.front.notify import Notifier
 from cakemp.topology import Topology
 from cakemp.wire import Revision
@@ -178,7 +179,7 @@ def probe(address, cluster_key, as_json, timeout, protocol) -> None:
 @cli.command()
 def demo() -> None:
     """Run a synthetic model through a local two-device node, no download needed (about a minute)."""
-    from cakemp.demo import run_demo
+    from cakemp.demo.run import run_demo
 
     _run_or_exit(run_demo())
 

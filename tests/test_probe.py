@@ -11,8 +11,8 @@ import yaml
 from click.testing import CliRunner
 
 from cakemp.cli import cli, main
-from cakemp.local_node import LocalNode, free_port
-from cakemp.model.synthetic import SyntheticSpec, write_checkpoint
+from cakemp.demo.local_node import LocalNode, free_port
+from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
 
 KEY = "probe secret"
 
@@ -101,4 +101,4 @@ def test_a_malformed_address_exits_78(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exited:
         main()
     assert exited.value.code == 78
-    assert capsys.readouterr().err == "cakemp: error: bad worker address 'localhost': expected HOST:PORT\n"
+    assert capsys.readouterr().err == "cakemp: error: invalid worker address 'localhost': expected host:port\n"

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cakemp.device import tensors
-from cakemp.device.runner import BlockRunner
+from cakemp.compute import tensors
+from cakemp.compute.runner import BlockRunner
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import RequestError, UnknownLayer
 from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward

@@ -38,14 +38,6 @@ class NodeConfig:
     log_level: str = "info"
 
 
-def parse_address(text: str, flag: str = "--address") -> tuple[str, int]:
-    """`host:port` (IPv6 hosts in brackets) -> (host, port); `flag` names the option in the error."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"invalid {flag} {text!r}: expected host:port")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
 def parse_gpus(text: str, cuda_devices: tuple[str, ...]) -> tuple[str | None, ...]:
     """--gpus all|cpu|cpu:N|0,2,… -> one CUDA_VISIBLE_DEVICES value per device (None: a CPU process).
 

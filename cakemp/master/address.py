@@ -1,23 +1,14 @@
-"""A worker's address as Cake writes it ("host:port", "[v6 address]:port"), and dialling it."""
+"""Dialling a worker at its address as Cake writes it ("host:port", "[v6 address]:port")."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 
-from cakemp.errors import ConfigError, WorkerUnreachable
+from cakemp.address import parse_address
+from cakemp.errors import WorkerUnreachable
 from cakemp.master.client import WorkerClient
 from cakemp.wire import Revision
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """("host", port) from "host:port"; brackets around an IPv6 host are dropped."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"bad worker address {address!r}: expected HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
 
 
 async def dial(
@@ -27,7 +18,7 @@ async def dial(
 
     A refused, unroutable or timed-out connect is WorkerUnreachable; a failed handshake stays AuthError.
     """
-    host, port = split_address(address)
+    host, port = parse_address(address, "worker address", default_host=None)
     try:
         return await WorkerClient.connect(host, port, cluster_key=cluster_key, revision=revision, timeout=timeout)
     except asyncio.TimeoutError:

@@ -23,8 +23,8 @@ from statistics import median
 import torch
 from tokenizers import Tokenizer
 
-from cakemp.device.runner import BlockRunner
-from cakemp.device.tensors import compute_dtype, to_bytes, to_tensor
+from cakemp.compute.runner import BlockRunner
+from cakemp.compute.tensors import compute_dtype, to_bytes, to_tensor
 from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.master.address import dial
 from cakemp.master.client import WorkerClient

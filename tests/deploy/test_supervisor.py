@@ -20,7 +20,7 @@ from supervisor.options import ServerOptions
 from supervisor.xmlrpc import SupervisorTransport
 
 from cakemp.errors import CakempError
-from cakemp.local_node import free_port
+from cakemp.demo.local_node import free_port
 from cakemp.master.client import WorkerClient
 from cakemp.master.probe import probe
 from tests.checkpoints import HFLayers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cakemp.device.runner import BlockRunner
+from cakemp.compute.runner import BlockRunner
 from cakemp.device.service import DeviceService
 from cakemp.device.spec import DeviceSpec
 from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, Op

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cakemp.errors import ConfigError
-from cakemp.front.config import cuda_devices, parse_address, parse_gpus
+from cakemp.address import parse_address
+from cakemp.front.config import cuda_devices, parse_gpus
 
 
 @pytest.mark.parametrize("text, cuda, expected", [

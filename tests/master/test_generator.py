@@ -16,10 +16,10 @@ from tokenizers import Tokenizer
 
 from cakemp.cli import cli
 from cakemp.errors import RemoteWorkerError, WorkerUnreachable
-from cakemp.local_node import LocalNode, free_port
+from cakemp.demo.local_node import LocalNode, free_port
 from cakemp.master.generator import Generation, Generator, LayerRun, layer_hosts, plan_runs
 from cakemp.master.sampler import SamplingParams
-from cakemp.model.synthetic import write_checkpoint
+from cakemp.demo.synthetic import write_checkpoint
 from cakemp.topology import Topology
 
 transformers = pytest.importorskip("transformers")

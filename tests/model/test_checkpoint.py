@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cakemp.device.runner import BlockRunner
+from cakemp.compute.runner import BlockRunner
 from cakemp.errors import CheckpointError
 from cakemp.model import fp8
 from cakemp.model.block import DecoderBlock

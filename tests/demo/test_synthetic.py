@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from cakemp.model.synthetic import SyntheticSpec, cache_root, demo_checkpoint, write_checkpoint
+from cakemp.demo.synthetic import SyntheticSpec, cache_root, demo_checkpoint, write_checkpoint
 
 SMALL = SyntheticSpec(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, shards=3)

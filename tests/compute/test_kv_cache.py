@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cakemp.device.kv_cache import MIN_CAPACITY, KVCache
+from cakemp.compute.kv_cache import MIN_CAPACITY, KVCache
 from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded
 
 PER_POSITION = 2 * 2 * 8 * 4  # K+V x 2 kv heads x 8 dims x f32

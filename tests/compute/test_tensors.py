@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cakemp.device import tensors
+from cakemp.compute import tensors
 from cakemp.errors import BadTensor, ConfigError
 from cakemp.wire import DType
 

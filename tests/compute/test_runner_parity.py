@@ -17,7 +17,7 @@ Tolerances, relative to the largest magnitude of the reference output:
 import pytest
 import torch
 
-from cakemp.device.runner import BlockRunner
+from cakemp.compute.runner import BlockRunner
 from tests.checkpoints import HFLayers, make_checkpoint
 
 LAYERS = [1, 2, 3]

@@ -20,14 +20,14 @@ from typing import TextIO
 import torch
 import yaml
 
-from cakemp.device.runner import BlockRunner
-from cakemp.device.tensors import compute_dtype
+from cakemp.compute.runner import BlockRunner
+from cakemp.compute.tensors import compute_dtype
 from cakemp.errors import HiddenStateMismatch, NodeFailed
-from cakemp.local_node import LocalNode, free_port
+from cakemp.demo.local_node import LocalNode, free_port
 from cakemp.master.generator import Generator, RemoteCall
 from cakemp.master.sampler import SamplingParams
 from cakemp.model.config import ModelConfig
-from cakemp.model.synthetic import SyntheticSpec, demo_checkpoint, demo_dir
+from cakemp.demo.synthetic import SyntheticSpec, demo_checkpoint, demo_dir
 from cakemp.topology import Topology
 
 PROMPT = "Once upon a time"

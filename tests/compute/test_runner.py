@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from cakemp.device.kv_cache import MIN_CAPACITY
-from cakemp.device.runner import BlockRunner
+from cakemp.compute.kv_cache import MIN_CAPACITY
+from cakemp.compute.runner import BlockRunner
 from cakemp.errors import BadTensor, CacheBudgetExceeded, ContextLimitExceeded, PositionGap, UnknownLayer
 from tests.checkpoints import make_checkpoint
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from cakemp.device.kv_cache import KVCache
+from cakemp.compute.kv_cache import KVCache
 from cakemp.errors import BadTensor, CheckpointError, PositionGap, UnknownLayer
 from cakemp.model.block import DecoderBlock
 from cakemp.model.checkpoint import Checkpoint

@@ -1,0 +1,18 @@
+"""One parser for the `host:port` addresses of the command line and of Cake topologies (no I/O)."""
+
+from __future__ import annotations
+
+from cakemp.errors import ConfigError
+
+
+def parse_address(text: str, flag: str = "--address", default_host: str | None = "0.0.0.0") -> tuple[str, int]:
+    """`host:port` (IPv6 hosts in brackets) -> (host, port); `flag` names the option in the error.
+
+    An empty host (":10128") means `default_host` where one is given (a bind address), else it
+    is an error (an address to dial).
+    """
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]") or default_host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"invalid {flag} {text!r}: expected host:port")
+    return host, int(port)
