@@ -58,12 +58,15 @@ def cli() -> None:
        help="Seconds a device process may take to answer the front before it counts as hung and is restarted.")
 @_flag("--restart-attempts", type=click.IntRange(min=1), default=5,
        help="Failed starts in a row of one device process after which the node exits 1.")
+@_flag("--prefill-chunk", type=click.IntRange(min=1), default=64,
+       help="Tokens per chunk when a prompt's layers span several devices: the chunks flow down the devices "
+            "one after another, so they work at once.")
 @_flag("--metrics-address", help="host:port serving /metrics, /healthz and /readyz (default: off).")
 @_flag("--log-format", type=click.Choice(list(log.FORMATS)), default="auto",
        help="auto = console on a terminal, JSON lines otherwise.")
 @_flag("--log-level", type=click.Choice(list(log.LEVELS)), default="info")
 def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_budget_mib, max_context,
-        cpu_threads, drain_timeout, request_timeout, restart_attempts, metrics_address, log_format,
+        cpu_threads, drain_timeout, request_timeout, restart_attempts, prefill_chunk, metrics_address, log_format,
         log_level) -> None:
     """Serve this worker's layers of a Cake topology."""
     log.configure(log_format, log_level)
@@ -91,7 +94,7 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         cluster_key=cluster_key or None, dtype=dtype, revision=Revision(int(protocol)),
         kv_budget_bytes=kv_budget_mib * (1 << 20) if kv_budget_mib else None, max_context=max_context,
         cpu_threads=cpu_threads, drain_timeout=drain_timeout, request_timeout=request_timeout,
-        restart_attempts=restart_attempts,
+        restart_attempts=restart_attempts, prefill_chunk=prefill_chunk,
         metrics_address=parse_address(metrics_address, "--metrics-address") if metrics_address else None,
         log_format=log_format, log_level=log_level,
     )

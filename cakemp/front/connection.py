@@ -125,12 +125,11 @@ class Connection:
                 self._log.info(line)
 
     async def _run(self, x: RawTensor, ops: Sequence[LayerOp]) -> TensorMessage | WorkerError:
-        """Pass x through each device's leg in order; the bytes go on untouched (never a tensor here)."""
+        """Pass x down the devices of its route (device to device); the bytes go on untouched (never a tensor here)."""
         try:
-            data = x.data
-            for leg in self._router.plan(ops):
-                self._devices.add(leg.device)
-                data = (await self._pool.forward(leg.device, self.session, x.dtype, x.shape, leg.ops, data)).data
+            legs = self._router.plan(ops)
+            self._devices.update(leg.device for leg in legs)
+            data = await self._pool.forward(self.session, x.dtype, x.shape, legs, x.data)
             return TensorMessage(RawTensor(data, x.dtype, x.shape))
         except RequestError as e:
             return self._refusal(e)
