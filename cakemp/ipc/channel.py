@@ -167,9 +167,9 @@ class DeviceChannel:
         return True
 
     def close(self, linger_ms: int = 0) -> None:
-        """Close; `linger_ms` lets a last message (a load failure) reach the front first."""
+        """Close; `linger_ms` lets last messages (a load failure, a hand-off) leave first."""
         self._front.close(linger=linger_ms)
         self._inbox.close(linger=0)
         for push in self._peers.values():
-            push.close(linger=0)
+            push.close(linger=linger_ms)
         self._context.term()
