@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from cakemp.ipc import Activation, DeviceChannel, Forward, FrontChannel, Op
+from cakemp.ipc import Activation, DeviceChannel, Hop, FrontChannel, Op, Stage
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
 from tests.checkpoints import make_checkpoint
@@ -168,7 +168,7 @@ async def throughput(port: int, hidden: int, sessions: int, seconds: float) -> f
 
 
 def echo_device(endpoint: str, parent_pipe, busy_s: float) -> None:
-    """A device process that answers each Forward with its own bytes after `busy_s` of busy work."""
+    """A device process that answers each Hop with its own bytes after `busy_s` of busy work."""
     channel = DeviceChannel(endpoint, parent_pipe.fileno())
     while (request := channel.receive()) is not None:
         busy(busy_s)
@@ -198,12 +198,13 @@ def busy(seconds: float) -> None:
 
 
 async def ipc_hop(workdir: Path, steps: int, busy_s: float, hidden: int = 4096) -> dict[str, list[float]]:
-    """Round trips in µs, minus busy_s, of a decode-size Forward ([1, 1, hidden] f16) to an echoing
+    """Round trips in µs, minus busy_s, of a decode-size Hop ([1, 1, hidden] f16) to an echoing
     device process: over cakemp's ZeroMQ channels and over a plain Unix socket, blocks alternating."""
     context = multiprocessing.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
     endpoint = f"ipc://{workdir}/echo"
-    channel = FrontChannel(endpoint)
+    replies: asyncio.Queue = asyncio.Queue()
+    channel = FrontChannel(endpoint, replies.put_nowait, lambda error: None)
     zmq_child = context.Process(target=echo_device, args=(endpoint, reader, busy_s), daemon=True)
     zmq_child.start()
     body = memoryview(bytearray(hidden * 2))
@@ -214,8 +215,8 @@ async def ipc_hop(workdir: Path, steps: int, busy_s: float, hidden: int = 4096) 
     unix_reader, unix_writer = await accepted.get()
 
     async def over_zmq(i: int) -> None:
-        await channel.send(Forward(1, i, DType.F16, (1, 1, hidden), (Op(0, i, 0),), body))
-        await channel.receive()
+        await channel.send(Hop(1, i, DType.F16, (1, 1, hidden), (Stage(0, 1, (Op(0, i, 0),)),), body))
+        await replies.get()
 
     async def over_unix(i: int) -> None:
         unix_writer.write(body)

@@ -17,6 +17,7 @@ from cakemp.front import Front, NodeConfig
 from cakemp.address import parse_address
 from cakemp.front.config import cuda_devices, parse_gpus
 from cakemp.front.notify import Notifier
+from cakemp.front.router import PREFILL_CHUNK
 from cakemp.topology import Topology
 from cakemp.wire import Revision
 
@@ -58,7 +59,7 @@ def cli() -> None:
        help="Seconds a device process may take to answer the front before it counts as hung and is restarted.")
 @_flag("--restart-attempts", type=click.IntRange(min=1), default=5,
        help="Failed starts in a row of one device process after which the node exits 1.")
-@_flag("--prefill-chunk", type=click.IntRange(min=1), default=64,
+@_flag("--prefill-chunk", type=click.IntRange(min=1), default=PREFILL_CHUNK,
        help="Tokens per chunk when a prompt's layers span several devices: the chunks flow down the devices "
             "one after another, so they work at once.")
 @_flag("--metrics-address", help="host:port serving /metrics, /healthz and /readyz (default: off).")

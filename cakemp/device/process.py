@@ -2,7 +2,7 @@
 
 Lifecycle: die with the parent (PR_SET_PDEATHSIG and a parent-death pipe), load only this
 device's layers (reporting Loaded progress after each), report Ready (or StartFailure), then
-serve one message at a time until the parent is gone: a Forward's result goes to the next
+serve one message at a time until the parent is gone: a Hop's result goes to the next
 device of its route or, from the last, to the front; a Ping is answered at once. While one
 request runs long, the device tells the front every `progress_s` seconds (between slices of
 its ops), so that the front's watchdog never takes a busy device for a hung one. (Cross-session
@@ -24,7 +24,7 @@ from typing import Sequence
 from cakemp import log
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import ProtocolError
-from cakemp.ipc import DeviceChannel, Forward, Loaded, Ping, Pong, Progress, Ready, StartFailure, error_code
+from cakemp.ipc import DeviceChannel, Hop, Loaded, Ping, Pong, Progress, Ready, StartFailure, error_code
 
 _PR_SET_PDEATHSIG = 1
 
@@ -65,10 +65,10 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
         if isinstance(request, Ping):
             channel.send(Pong())
             continue
-        if isinstance(request, Forward):  # between chunks and requests too, not only inside one
+        if isinstance(request, Hop):  # between chunks and requests too, not only inside one
             service.progress(request.request_id)
         reply = service.handle(request)
-        if isinstance(reply, Forward):
+        if isinstance(reply, Hop):
             if not channel.hand_off(reply.stages[0].device, reply):
                 logger.warning("next device on the route is gone; dropping the hand-off", request=reply.request_id)
         elif reply is not None:

@@ -2,8 +2,8 @@
 
 `DeviceService.handle` turns one ipc message into at most one message to send on, and never
 raises, so that nothing a master sends can crash the process or touch another session's
-state. A Forward runs this device's stage and becomes either the hand-off to the next stage's
-device (a Forward holding the rest of the route) or, from the last stage, the Activation for
+state. A Hop runs this device's stage and becomes either the hand-off to the next stage's
+device (a Hop holding the rest of the route) or, from the last stage, the Activation for
 the front. A RequestError becomes a Failure with its code and message; any other exception is
 logged here and reaches the front as an INTERNAL failure that names no class, path or
 traceback.
@@ -26,7 +26,7 @@ from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import RequestError, UnknownLayer
-from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Forward, error_code
+from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, error_code
 from cakemp.rss import resident_bytes
 
 # Ops run per runner call when a request has many: between calls the device may report
@@ -69,10 +69,10 @@ class DeviceService:
             return torch.cuda.memory_allocated()
         return resident_bytes()
 
-    def handle(self, request: Forward | Clear | End) -> Forward | Activation | Done | Failure | None:
-        """The message to send on (a Forward to hand off, else one for the front); None for a
-        Forward meant for another process of this device (a stale route), which is dropped."""
-        if isinstance(request, Forward):
+    def handle(self, request: Hop | Clear | End) -> Hop | Activation | Done | Failure | None:
+        """The message to send on (a Hop to hand off, else one for the front); None for a
+        Hop meant for another process of this device (a stale route), which is dropped."""
+        if isinstance(request, Hop):
             if not request.stages or request.stages[0].device != self.index:
                 return None
             if request.stages[0].generation != self.generation:
@@ -87,7 +87,7 @@ class DeviceService:
             return self._failure(request.request_id, 0, e)
         return Done(request.request_id, self.runner.session_count(), self.runner.kv_bytes())
 
-    def _forward(self, request: Forward) -> Forward | Activation | Failure:
+    def _forward(self, request: Hop) -> Hop | Activation | Failure:
         last = request.chunk + 1 >= request.chunks
         earlier = self._failed.pop(request.request_id, None) if last else self._failed.get(request.request_id)
         if earlier is not None:
@@ -103,11 +103,11 @@ class DeviceService:
         kv = request.kv + (self.runner.kv_bytes(),)
         rest = request.stages[1:]
         if rest:
-            return Forward(request.session, request.request_id, request.dtype, request.shape, rest, data,
+            return Hop(request.session, request.request_id, request.dtype, request.shape, rest, data,
                            request.chunk, request.chunks, kv)
         return Activation(request.request_id, request.dtype, request.shape, data, request.chunk, kv)
 
-    def _run(self, request: Forward) -> torch.Tensor:
+    def _run(self, request: Hop) -> torch.Tensor:
         ops = []
         for op in request.stages[0].ops:
             if op.layer >= len(self.layers):

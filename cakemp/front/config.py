@@ -8,6 +8,7 @@ import subprocess
 from dataclasses import dataclass
 
 from cakemp.errors import ConfigError
+from cakemp.front.router import PREFILL_CHUNK
 from cakemp.wire import Revision
 
 # Cake's WorkerInfo.dtype spelling (candle's Debug names) for each --dtype value.
@@ -33,7 +34,7 @@ class NodeConfig:
     drain_timeout: float = 30.0  # seconds requests in flight get to finish after SIGTERM/SIGINT
     request_timeout: float = 60.0  # seconds a device may take to answer before it counts as hung and is restarted
     restart_attempts: int = 5  # failed starts in a row of one device before the node exits 1
-    prefill_chunk: int = 64  # tokens per chunk of a prompt whose route spans devices (pipelined prefill)
+    prefill_chunk: int = PREFILL_CHUNK  # tokens per chunk of a prompt whose route spans devices (pipelined prefill)
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics, /healthz, /readyz; None: off
     log_format: str = "auto"
     log_level: str = "info"

@@ -129,7 +129,7 @@ class Connection:
         try:
             legs = self._router.plan(ops)
             self._devices.update(leg.device for leg in legs)
-            data = await self._pool.forward(self.session, x.dtype, x.shape, legs, x.data)
+            data = await self._pool.run(self.session, x.dtype, x.shape, legs, x.data)
             return TensorMessage(RawTensor(data, x.dtype, x.shape))
         except RequestError as e:
             return self._refusal(e)

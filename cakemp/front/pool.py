@@ -1,7 +1,7 @@
 """The device processes of this node, as an asyncio layer over the pool's state machine.
 
 One spawned process per device, each behind its own ipc socket, and one inbox per device for
-hand-offs from the others. `forward` sends a request to the first device of its route; each
+hand-offs from the others. `run` sends a request to the first device of its route; each
 device passes its result to the next, the last answers here. A prompt longer than
 `prefill_chunk` tokens whose route spans devices is cut into chunks that follow each other
 down the route, so that device 1 works on chunk k while device 0 works on chunk k + 1.
@@ -32,10 +32,10 @@ from cakemp.errors import DeviceLost, ProtocolError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
-from cakemp.front.router import Leg, chunk_bounds
+from cakemp.front.router import PREFILL_CHUNK, Leg, chunk_bounds
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import (
-    Activation, Clear, Done, End, ErrorCode, Failure, Forward, FrontChannel, Loaded, Message, Op, Ping, Progress,
+    Activation, Clear, Done, End, ErrorCode, Failure, Hop, FrontChannel, Loaded, Message, Op, Ping, Progress,
     Ready, Stage, StartFailure, encode, error_from,
 )
 
@@ -43,9 +43,6 @@ from cakemp.ipc import (
 # that one is sized for requests, and a device's first layer comes only after torch and its
 # CUDA context have started, which can take many seconds.
 LOAD_SILENCE_S = 300.0
-# Tokens per chunk of a prompt whose route spans devices (--prefill-chunk); see
-# docs/benchmarks.md, "Route and pipelined prefill", for how it was chosen.
-PREFILL_CHUNK = 64
 _STOP_GRACE_S = 3.0
 _REAP_S = 1.0
 
@@ -103,13 +100,13 @@ class DevicePool:
             await self.stop()
             raise
 
-    async def forward(self, session: int, dtype: int, shape: tuple[int, ...], legs: Sequence[Leg], data):
+    async def run(self, session: int, dtype: int, shape: tuple[int, ...], legs: Sequence[Leg], data):
         """Run `legs` in order over activation bytes `data` ([1, T, H] of wire `dtype`); returns the
         result's bytes. Raises the failing device's RequestError, or DeviceLost."""
         devices = tuple(leg.device for leg in legs)
         self._state.admit(session, devices, [any(op.index_pos > 0 for op in leg.ops) for leg in legs])
         stages = tuple(Stage(leg.device, self._state.generation(leg.device), leg.ops) for leg in legs)
-        messages = [Forward(session, 0, dtype, chunk_shape, tuple(_shifted(stage, start) for stage in stages),
+        messages = [Hop(session, 0, dtype, chunk_shape, tuple(_shifted(stage, start) for stage in stages),
                             chunk_data, i, 0)
                     for i, (start, chunk_shape, chunk_data) in enumerate(self._chunks(shape, data, len(legs) > 1))]
         start = self._loop.time()
@@ -177,7 +174,7 @@ class DevicePool:
         return await self._request(session, device, self._state.generation(device), (device,), [msg])
 
     async def _request(self, session: int, first: int, generation: int, devices: tuple[int, ...],
-                       messages: list[Forward | Clear | End]):
+                       messages: list[Hop | Clear | End]):
         """Send `messages` (a request's chunks, or one control message) to device `first`; the
         chunks' outputs once every one is answered (a control message's Done)."""
         if (error := self._state.down(first)) is not None:
@@ -351,9 +348,9 @@ class DevicePool:
         self._loop.add_reader(process.sentinel, self._exited, device)
 
 
-def _with_id(msg: Forward | Clear | End, request_id: int, chunks: int) -> Forward | Clear | End:
-    if isinstance(msg, Forward):
-        return Forward(msg.session, request_id, msg.dtype, msg.shape, msg.stages, msg.data, msg.chunk, chunks)
+def _with_id(msg: Hop | Clear | End, request_id: int, chunks: int) -> Hop | Clear | End:
+    if isinstance(msg, Hop):
+        return Hop(msg.session, request_id, msg.dtype, msg.shape, msg.stages, msg.data, msg.chunk, chunks)
     return type(msg)(msg.session, request_id)
 
 

@@ -1,13 +1,14 @@
 """Messages between the front and its device processes, and their multipart frame codec (no I/O).
 
 Every message is one header frame: a fixed struct (kind, dtype, ndim, session, request id),
-then what its kind carries. Forward and Activation add one body frame holding the activation
+then what its kind carries. Hop and Activation add one body frame holding the activation
 bytes, Failure, StartFailure and Ready one holding a UTF-8 text.
 
-A Forward names its whole route: the stages still to run, each a device, the generation of
+(`forward` names one thing in cakemp: a layer's computation. What travels is a Hop.)
+A Hop names its whole route: the stages still to run, each a device, the generation of
 that device's process the front expects, and the ops for it. The device that runs stage 0
-passes the result, as a Forward holding the remaining stages, straight to the next device;
-the last one answers the front with an Activation. A prompt cut into chunks is one Forward per
+passes the result, as a Hop holding the remaining stages, straight to the next device;
+the last one answers the front with an Activation. A prompt cut into chunks is one Hop per
 chunk, all with the request's id and their `chunk` of `chunks`.
 
 The activation bytes are never copied or interpreted here: the body frame is the caller's
@@ -29,8 +30,8 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 
 class Kind(IntEnum):
-    # front -> device (and device -> device: FORWARD)
-    FORWARD = 1
+    # front -> device (and device -> device: HOP)
+    HOP = 1
     CLEAR = 2  # Goodbye: drop the session's caches, keep the session usable
     END = 3  # the connection closed: free everything of the session
     PING = 4  # are you alive? (asked of the devices of a request that went silent)
@@ -89,7 +90,7 @@ def error_from(code: int, message: str) -> errors.CakempError:
 # kind u8 | dtype u8 | pad u16 | ndim u32 | session u64 | request id u64   (24 bytes)
 _FIXED = struct.Struct("<BBxxIQQ")
 _DIM = struct.Struct("<Q")
-# Forward, after the fixed part: chunk u32 | chunks u32 | stages u32 | kv entries u32
+# Hop, after the fixed part: chunk u32 | chunks u32 | stages u32 | kv entries u32
 _ROUTE = struct.Struct("<IIII")
 # one stage: device u32 | generation u32 | n_ops u32
 _STAGE = struct.Struct("<III")
@@ -122,8 +123,9 @@ class Stage:
 
 
 @dataclass(frozen=True)
-class Forward:
-    """Run `stages[0]` over x, then hand the result to the next stage's device (or answer the front).
+class Hop:
+    """A chunk of a request on its way down its route: run `stages[0]` over x, then hand the
+    result to the next stage's device as a Hop (or, from the last stage, answer the front).
 
     `data` holds [1, T, H] little-endian elements of wire `dtype` (`shape`), chunk `chunk` of the
     request's `chunks`; `kv` is the KV bytes reported by the stages already run, in route order.
@@ -229,7 +231,7 @@ class Done:
     kv_bytes: int
 
 
-Message = Union[Forward, Clear, End, Ping, Pong, Ready, Loaded, StartFailure, Activation, Failure, Progress, Done]
+Message = Union[Hop, Clear, End, Ping, Pong, Ready, Loaded, StartFailure, Activation, Failure, Progress, Done]
 
 
 def _head(kind: Kind, *, dtype: int = 0, shape: tuple[int, ...] = (), session: int = 0,
@@ -256,8 +258,8 @@ def encode(msg: Message) -> list[Buffer]:
 
 
 def _encode(msg: Message) -> list[Buffer]:
-    if isinstance(msg, Forward):
-        head = _head(Kind.FORWARD, dtype=msg.dtype, shape=msg.shape, session=msg.session, request_id=msg.request_id)
+    if isinstance(msg, Hop):
+        head = _head(Kind.HOP, dtype=msg.dtype, shape=msg.shape, session=msg.session, request_id=msg.request_id)
         head += _ROUTE.pack(msg.chunk, msg.chunks, len(msg.stages), len(msg.kv)) + _u64s(msg.kv)
         for stage in msg.stages:
             head += _STAGE.pack(stage.device, stage.generation, len(stage.ops))
@@ -332,7 +334,7 @@ class _Reader:
         kind_tag, dtype, ndim, session, request_id = self.take(_FIXED)
         kind = Kind(kind_tag)
         shape = self.u64s(ndim)
-        if kind is Kind.FORWARD:
+        if kind is Kind.HOP:
             chunk, chunks, n_stages, n_kv = self.take(_ROUTE)
             kv = self.u64s(n_kv)
             if n_stages * _STAGE.size > self.size - self.at:
@@ -341,7 +343,7 @@ class _Reader:
             for _ in range(n_stages):
                 device, generation, n_ops = self.take(_STAGE)
                 stages.append(Stage(device, generation, self.ops(n_ops)))
-            return Forward(session, request_id, dtype, shape, tuple(stages), self.frames[1], chunk, chunks, kv)
+            return Hop(session, request_id, dtype, shape, tuple(stages), self.frames[1], chunk, chunks, kv)
         if kind is Kind.ACTIVATION:
             chunk, n_kv = self.take(_PAIR)
             return Activation(request_id, dtype, shape, self.frames[1], chunk, self.u64s(n_kv))

@@ -11,7 +11,7 @@ import torch
 from cakemp.device import process
 from cakemp.device.spec import DeviceSpec
 from cakemp.ipc import (
-    Activation, ErrorCode, Failure, Forward, FrontChannel, Loaded, Op, Ping, Pong, Ready, Stage, StartFailure,
+    Activation, ErrorCode, Failure, Hop, FrontChannel, Loaded, Op, Ping, Pong, Ready, Stage, StartFailure,
 )
 from cakemp.wire import DType
 from tests.checkpoints import HFLayers
@@ -50,7 +50,7 @@ async def join(child, timeout: float = 20.0) -> int:
 
 
 def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, checkpoint):
-    """The process reports its load progress and Ready with its layers, answers a Ping, answers a Forward
+    """The process reports its load progress and Ready with its layers, answers a Ping, answers a Hop
     like HF's layer (with its KV bytes), survives a bad request, and exits 0 once the parent's end of the
     pipe closes."""
     spec = DeviceSpec(0, None, ("model.layers.1",), str(checkpoint), "f32", f"ipc://{tmp_path}/device-0",
@@ -66,9 +66,9 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
         await front.channel.send(Ping())
         assert await front.receive(10) == Pong()
         stage = lambda layer: (Stage(0, 1, (Op(layer, 0, 1),)),)  # noqa: E731
-        await front.channel.send(Forward(1, 1, DType.F32, (1, 3, 64), stage(5), bytearray(x.numpy().tobytes())))
+        await front.channel.send(Hop(1, 1, DType.F32, (1, 3, 64), stage(5), bytearray(x.numpy().tobytes())))
         refused = await front.receive(10)
-        await front.channel.send(Forward(1, 2, DType.F32, (1, 3, 64), stage(0), bytearray(x.numpy().tobytes())))
+        await front.channel.send(Hop(1, 2, DType.F32, (1, 3, 64), stage(0), bytearray(x.numpy().tobytes())))
         answered = await front.receive(10)
         parent_pipe.close()
         exitcode = await join(child)

@@ -8,7 +8,7 @@ import torch
 from cakemp.compute.runner import BlockRunner
 from cakemp.device.service import DeviceService
 from cakemp.device.spec import DeviceSpec
-from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Forward, Op, Stage
+from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, Op, Stage
 from cakemp.wire import DType
 
 LAYERS = ("model.layers.2", "model.layers.3")
@@ -27,9 +27,9 @@ def raw(x: torch.Tensor, wire=DType.F32) -> bytearray:
 
 
 def forward(x: torch.Tensor, ops, session=1, request_id=1, wire=DType.F32, data=None, rest=(), chunk=0, chunks=1,
-            device=1, generation=GENERATION) -> Forward:
+            device=1, generation=GENERATION) -> Hop:
     stages = (Stage(device, generation, tuple(ops)), *rest)
-    return Forward(session, request_id, wire, tuple(x.shape), stages, raw(x, wire) if data is None else data,
+    return Hop(session, request_id, wire, tuple(x.shape), stages, raw(x, wire) if data is None else data,
                    chunk, chunks)
 
 
@@ -49,11 +49,11 @@ def test_the_last_stage_answers_the_front_like_the_runner(service, checkpoint):
 
 
 def test_a_stage_with_more_to_run_is_handed_on_with_the_rest_of_the_route(service):
-    """With a later stage on the route, the result becomes a Forward for that stage, its chunk and KV report kept."""
+    """With a later stage on the route, the result becomes a Hop for that stage, its chunk and KV report kept."""
     later = Stage(0, 2, (Op(0, 0, 4),))
     x = torch.randn(1, 3, 64)
     reply = service.handle(forward(x, [Op(0, 0, 2)], request_id=6, rest=(later,), chunk=1, chunks=3))
-    assert isinstance(reply, Forward)
+    assert isinstance(reply, Hop)
     assert (reply.session, reply.request_id, reply.stages, reply.chunk, reply.chunks) == (1, 6, (later,), 1, 3)
     assert reply.kv == (service.runner.kv_bytes(),) and len(bytes(reply.data)) == 3 * 64 * 4
 
@@ -87,7 +87,7 @@ def test_chunks_in_order_equal_the_whole_prompt(service, checkpoint):
 @pytest.mark.parametrize("make, code, words", [
     (lambda x: forward(x, [Op(2, 0, 2)]), ErrorCode.UNKNOWN_LAYER, "layer #2"),
     (lambda x: forward(x, [Op(0, 0, 2)], data=bytearray(7)), ErrorCode.BAD_TENSOR, "7 bytes"),
-    (lambda x: Forward(1, 1, DType.F64, (1, 2, 64), (Stage(1, GENERATION, (Op(0, 0, 2),)),), bytearray(2 * 64 * 8)),
+    (lambda x: Hop(1, 1, DType.F64, (1, 2, 64), (Stage(1, GENERATION, (Op(0, 0, 2),)),), bytearray(2 * 64 * 8)),
      ErrorCode.BAD_TENSOR, "F64"),
     (lambda x: forward(torch.randn(1, 2, 32), [Op(0, 0, 2)]), ErrorCode.BAD_TENSOR, "64"),
     (lambda x: forward(x, [Op(0, 31, 2)]), ErrorCode.POSITION_GAP, "31"),

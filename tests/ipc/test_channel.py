@@ -6,11 +6,11 @@ import asyncio
 import os
 import threading
 
-from cakemp.ipc import Activation, DeviceChannel, Forward, FrontChannel, Op, Stage
+from cakemp.ipc import Activation, DeviceChannel, Hop, FrontChannel, Op, Stage
 
 
 def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
-    """A 4 MiB Forward routed over two devices reaches the first, goes to the second's inbox
+    """A 4 MiB Hop routed over two devices reaches the first, goes to the second's inbox
     straight from it, and the second's Activation reaches the front with the same bytes."""
     endpoints = [f"ipc://{tmp_path}/device-{i}" for i in range(2)]
     body = os.urandom(4 << 20)
@@ -21,7 +21,7 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
         request = channel.receive()
         rest = request.stages[1:]
         if rest:
-            assert channel.hand_off(rest[0].device, Forward(request.session, request.request_id, request.dtype,
+            assert channel.hand_off(rest[0].device, Hop(request.session, request.request_id, request.dtype,
                                                             request.shape, rest, request.data))
         else:
             channel.send(Activation(request.request_id, request.dtype, request.shape, request.data))
@@ -34,7 +34,7 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
         for thread in threads:
             thread.start()
         route = (Stage(0, 1, (Op(0, 0, 0),)), Stage(1, 1, (Op(0, 0, 1),)))
-        await channels[0].send(Forward(3, 9, 5, (1, 1024, 1024), route, memoryview(body)))
+        await channels[0].send(Hop(3, 9, 5, (1, 1024, 1024), route, memoryview(body)))
         reply = await asyncio.wait_for(replies.get(), 10)
         for thread in threads:
             thread.join()

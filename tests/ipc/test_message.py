@@ -9,14 +9,14 @@ from hypothesis import strategies as st
 from cakemp import errors
 from cakemp.errors import BadTensor, ProtocolError
 from cakemp.ipc import (
-    Activation, Clear, Done, End, ErrorCode, Failure, Forward, Loaded, Op, Ping, Pong, Progress, Ready, Stage,
+    Activation, Clear, Done, End, ErrorCode, Failure, Hop, Loaded, Op, Ping, Pong, Progress, Ready, Stage,
     StartFailure, decode, encode, error_code, error_from,
 )
 
 ROUTE = (Stage(0, 3, (Op(0, 5, 12), Op(1, 5, 13))), Stage(2, 1, (Op(0, 5, 14),)))
 MESSAGES = [
-    Forward(7, 42, 4, (1, 3, 64), ROUTE, memoryview(bytearray(range(256)) * 3)[: 3 * 64 * 2], 2, 5, (123, 2**40)),
-    Forward(2**64 - 1, 2**64 - 1, 5, (), (), b""),
+    Hop(7, 42, 4, (1, 3, 64), ROUTE, memoryview(bytearray(range(256)) * 3)[: 3 * 64 * 2], 2, 5, (123, 2**40)),
+    Hop(2**64 - 1, 2**64 - 1, 5, (), (), b""),
     Activation(42, 3, (1, 1, 4096), memoryview(bytearray(8192)), chunk=4, kv=(2**40 + 3, 7)),
     Clear(7, 43),
     End(7, 44),
@@ -47,7 +47,7 @@ def test_every_message_round_trips(msg):
 def test_activation_bytes_are_handed_on_not_copied():
     """The body frame is the caller's buffer on the way out, and the received buffer on the way in."""
     data = memoryview(bytearray(1 << 20))
-    frames = encode(Forward(1, 1, 5, (1, 1024, 256), ROUTE, data))
+    frames = encode(Hop(1, 1, 5, (1, 1024, 256), ROUTE, data))
     assert frames[1] is data
     assert decode(frames).data is frames[1]
 
@@ -55,24 +55,24 @@ def test_activation_bytes_are_handed_on_not_copied():
 def test_a_shape_of_any_ndim_round_trips():
     """300 dimensions (a one-byte ndim would wrap to 44) come back as sent: the device, not the header, judges them."""
     shape = (1,) * 299 + (64,)
-    back = decode(encode(Forward(1, 1, 5, shape, ROUTE, bytes(256))))
+    back = decode(encode(Hop(1, 1, 5, shape, ROUTE, bytes(256))))
     assert back.shape == shape
 
 
 def test_a_field_too_large_for_the_header_is_a_request_error():
     """A dimension past 2^64 - 1 is refused as BadTensor (the master's WorkerError), not a struct error."""
     with pytest.raises(BadTensor, match="does not fit the device header"):
-        encode(Forward(1, 1, 5, (2**64, 0), ROUTE, b""))
+        encode(Hop(1, 1, 5, (2**64, 0), ROUTE, b""))
 
 
 @pytest.mark.parametrize("frames", [
     [b""],
     [b"\x01" * 10],
     [bytes([99]) + bytes(23)],  # unknown kind
-    [bytes([1, 5, 0, 0, 3, 0, 0, 0]) + bytes(16)],  # Forward claiming 3 dims that are not there
+    [bytes([1, 5, 0, 0, 3, 0, 0, 0]) + bytes(16)],  # Hop claiming 3 dims that are not there
     [bytes([1, 5, 0, 0, 0, 0, 0, 0]) + bytes(16) + bytes([0] * 8 + [2, 0, 0, 0] + [0] * 4)],  # 2 stages, none there
     [bytes([1, 5, 0, 0, 255, 255, 255, 255]) + bytes(16)],  # 2^32 - 1 dims claimed
-    [bytes([1, 5, 0, 0, 0, 0, 0, 0]) + bytes(16) + bytes(16)],  # Forward without its body frame
+    [bytes([1, 5, 0, 0, 0, 0, 0, 0]) + bytes(16) + bytes(16)],  # Hop without its body frame
 ])
 def test_garbage_is_a_protocol_error(frames):
     """Short, unknown or incomplete messages raise ProtocolError, never something else."""
@@ -113,8 +113,8 @@ ops = st.lists(st.builds(Op, u32, u64, u64), max_size=20).map(tuple)
        stages=st.lists(st.builds(Stage, u32, u32, ops), max_size=4).map(tuple),
        chunk=u32, chunks=u32, kv=st.lists(u64, max_size=4).map(tuple), data=st.binary(max_size=64))
 def test_any_forward_round_trips(session, request_id, dtype, shape, stages, chunk, chunks, kv, data):
-    """Every field of a Forward survives the codec at the edges of its integer range."""
-    back = decode(encode(Forward(session, request_id, dtype, shape, stages, data, chunk, chunks, kv)))
+    """Every field of a Hop survives the codec at the edges of its integer range."""
+    back = decode(encode(Hop(session, request_id, dtype, shape, stages, data, chunk, chunks, kv)))
     assert (back.session, back.request_id, back.dtype, back.shape, back.stages, back.chunk, back.chunks, back.kv,
             bytes(back.data)) == (session, request_id, dtype, shape, stages, chunk, chunks, kv, data)
 
