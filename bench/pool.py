@@ -80,9 +80,9 @@ def start_cakemp(model: Path, workdir: Path, gpus: str, *extra: str) -> tuple[su
     return process, port
 
 
-def start_single(model: Path, threads: int) -> tuple[subprocess.Popen, int]:
+def start_single(model: Path, threads: int, layers: int = LAYERS) -> tuple[subprocess.Popen, int]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.single_worker", "--model", str(model), "--layers", f"model.layers.0-{LAYERS - 1}",
+        [sys.executable, "-m", "bench.single_worker", "--model", str(model), "--layers", f"model.layers.0-{layers - 1}",
          "--threads", str(threads)], stdout=subprocess.PIPE, text=True)
     port = int(process.stdout.readline().split()[1])
     return process, port

@@ -124,7 +124,7 @@ def main() -> None:
         model = make_checkpoint(work, "llama", num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=2816,
                                 num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=MAX_POSITIONS)
         try:
-            single, single_port = start_single(model, threads=1)
+            single, single_port = start_single(model, threads=1, layers=LAYERS)
             processes.append(single)
             ports = {"single process, 1 thread": single_port}
             if args.base is not None:

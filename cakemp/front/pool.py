@@ -103,6 +103,8 @@ class DevicePool:
     async def run(self, session: int, dtype: int, shape: tuple[int, ...], legs: Sequence[Leg], data):
         """Run `legs` in order over activation bytes `data` ([1, T, H] of wire `dtype`); returns the
         result's bytes. Raises the failing device's RequestError, or DeviceLost."""
+        if not legs:  # no layers: nothing to compute
+            return data
         devices = tuple(leg.device for leg in legs)
         self._state.admit(session, devices, [any(op.index_pos > 0 for op in leg.ops) for leg in legs])
         stages = tuple(Stage(leg.device, self._state.generation(leg.device), leg.ops) for leg in legs)

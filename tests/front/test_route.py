@@ -118,6 +118,27 @@ def test_an_error_on_the_second_devices_part_is_the_requests_worker_error(node, 
     run(main())
 
 
+def test_a_tensor_of_300_dimensions_gets_worker_error_and_nothing_is_left_owed(node, checkpoint):
+    """A Batch whose shape has 300 dimensions (a one-byte ndim used to wrap) is answered WorkerError by the
+    device that judges it; no device is taken for hung, and the connection then serves a good prompt."""
+    mark = node.mark()
+    shape = (1,) * 299 + (HIDDEN,)
+    ops = [(f"model.layers.{i}", 0, i) for i in LAYERS]
+
+    async def main():
+        async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+            await client.hello()
+            bad = to_raw(torch.randn(1, 1, HIDDEN))
+            with pytest.raises(RemoteWorkerError, match="activation has shape"):
+                await client.batch(type(bad)(bad.data, bad.dtype, shape), ops)
+            x = torch.randn(1, 3, HIDDEN)
+            torch.testing.assert_close(from_raw(await client.batch(to_raw(x), ops)), hf(checkpoint)(x, 0),
+                                       atol=F32_ATOL, rtol=0)
+
+    run(main())
+    assert not [e for e in node.events(mark) if e.get("event") == "device failed; restarting it"]
+
+
 def test_goodbye_then_close_free_the_session_on_every_device(node, checkpoint):
     """Goodbye clears the session on all three devices (a fresh prefill matches HF), and closing the
     connection frees it on each of them."""
