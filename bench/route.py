@@ -13,13 +13,18 @@ workers alternating:
    p99 over --steps steps each, in blocks of 25; and each worker's p50 extra over the single
    process;
 2. prefill: a 512-token Batch at position 0 through all 8 layers, --prefills times each,
-   median; and its ratio to the single process.
+   median; and its ratio to the single process;
+3. the hops alone: two echoing device processes (no torch) that each busy-wait `--busy-us`
+   per request, a [1, 1, 1024] f32 activation sent through both as a route (front → 0 → 1 →
+   front, three one-way hops) and as two requests one after the other (front → 0 → front → 1
+   → front, four, as before the change); p50 and p99 above the busy time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import platform
 import statistics
@@ -32,7 +37,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from bench.pool import free_port, pct, raw, start_single, wait_listening
+from bench.pool import busy, free_port, pct, raw, start_single, wait_listening
+from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 from cakemp.master.client import WorkerClient
 from tests.checkpoints import make_checkpoint
 
@@ -108,12 +114,70 @@ async def measure(ports: dict[str, int], steps: int, prefills: int) -> tuple[dic
     return decode, prefill
 
 
+def echo_device(endpoint: str, peers: tuple[str, ...], parent_pipe, busy_s: float) -> None:
+    """A device process that busy-waits `busy_s` per Hop, then hands it on or answers the front."""
+    channel = DeviceChannel(endpoint, parent_pipe.fileno(), peers)
+    while (hop := channel.receive()) is not None:
+        busy(busy_s)
+        rest = hop.stages[1:]
+        if rest:
+            channel.hand_off(rest[0].device, Hop(hop.session, hop.request_id, hop.dtype, hop.shape, rest, hop.data))
+        else:
+            channel.send(Activation(hop.request_id, hop.dtype, hop.shape, hop.data))
+
+
+async def hops(workdir: Path, steps: int, busy_s: float) -> dict[str, list[float]]:
+    """µs above 2 x busy_s of one activation through two echoing devices, routed and relayed, blocks alternating."""
+    context = multiprocessing.get_context("spawn")
+    endpoints = tuple(f"ipc://{workdir}/echo-{i}" for i in range(2))
+    replies: asyncio.Queue = asyncio.Queue()
+    channels = [FrontChannel(endpoint, replies.put_nowait, lambda error: None) for endpoint in endpoints]
+    children, pipes = [], []
+    for endpoint in endpoints:
+        reader, writer = context.Pipe(duplex=False)
+        child = context.Process(target=echo_device, args=(endpoint, endpoints, reader, busy_s), daemon=True)
+        child.start()
+        children.append(child)
+        pipes.append(writer)
+    body = memoryview(bytearray(HIDDEN * 4))
+    stage = [Stage(i, 1, (Op(0, 0, 0),)) for i in range(2)]
+
+    async def routed(i: int) -> None:
+        await channels[0].send(Hop(1, i, 0, (1, 1, HIDDEN), (stage[0], stage[1]), body))
+        await replies.get()
+
+    async def relayed(i: int) -> None:
+        data = body
+        for device in range(2):
+            await channels[device].send(Hop(1, i, 0, (1, 1, HIDDEN), (stage[device],), data))
+            data = (await replies.get()).data
+
+    times: dict[str, list[float]] = {"routed: front → 0 → 1 → front": [], "relayed: front → 0 → front → 1 → front": []}
+    ways = dict(zip(times, (routed, relayed)))
+    for block in range(steps // BLOCK + 1):  # the first block warms up
+        for name, way in ways.items():
+            for i in range(BLOCK):
+                start = time.perf_counter()
+                await way(block * BLOCK + i)
+                if block:
+                    times[name].append((time.perf_counter() - start - 2 * busy_s) * 1e6)
+    for child in children:
+        child.terminate()
+        child.join()
+    for channel, pipe in zip(channels, pipes):
+        channel.close()
+        pipe.close()
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", type=Path, help="checkout of the commit to compare with (e.g. a git worktree)")
     parser.add_argument("--chunks", default="32,64,128", help="--prefill-chunk values to run this tree with")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prefills", type=int, default=3)
+    parser.add_argument("--busy-us", type=float, default=12000.0, help="each echo device's busy time (part 3)")
+    parser.add_argument("--hops-only", action="store_true", help="part 3 only")
     args = parser.parse_args()
     here = Path(__file__).resolve().parent.parent
     print(f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
@@ -121,6 +185,9 @@ def main() -> None:
     processes = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.hops_only:
+            print_hops(asyncio.run(hops(work, args.steps, args.busy_us / 1e6)), args)
+            return
         model = make_checkpoint(work, "llama", num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=2816,
                                 num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=MAX_POSITIONS)
         try:
@@ -152,7 +219,17 @@ def main() -> None:
         median = statistics.median(prefill[name])
         print(f"| {name} | {p50:.2f} | {pct(decode[name], 99):.2f} | {p50 - base_decode:+.2f} | {median:.0f} | "
               f"{median / base_prefill:.2f}x |")
+    with tempfile.TemporaryDirectory() as tmp:
+        print_hops(asyncio.run(hops(Path(tmp), args.steps, args.busy_us / 1e6)), args)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+def print_hops(times: dict[str, list[float]], args) -> None:
+    print(f"\nthe hops alone: [1, 1, {HIDDEN}] f32 through 2 echoing device processes busy {args.busy_us:.0f} µs each; "
+          f"{args.steps} round trips each, blocks of {BLOCK} alternating; µs above the busy time")
+    print("| way | p50 µs | p99 µs |\n|---|---:|---:|")
+    for name, values in times.items():
+        print(f"| {name} | {pct(values, 50):.0f} | {pct(values, 99):.0f} |")
 
 
 if __name__ == "__main__":
