@@ -100,11 +100,12 @@ async def measure(ports: dict[str, int], steps: int, prefills: int) -> tuple[dic
         await master.prompt()
         for _ in range(5):
             await master.batch(1)
+    # One list per round (a block of decode steps, or one prompt, from every worker in turn), so
+    # that each worker can also be compared with the single process within the same round.
     decode = {name: [] for name in ports}
     for _ in range(steps // BLOCK):
         for name, master in masters.items():
-            for _ in range(BLOCK):
-                decode[name].append(await master.batch(1) * 1e3)
+            decode[name].append([await master.batch(1) * 1e3 for _ in range(BLOCK)])
     prefill = {name: [] for name in ports}
     for _ in range(prefills):
         for name, master in masters.items():
@@ -206,19 +207,21 @@ def main() -> None:
                 process.terminate()
                 process.wait()
     single_name = next(iter(ports))
-    base_decode = pct(decode[single_name], 50)
-    base_prefill = statistics.median(prefill[single_name])
+    single_blocks, single_prompts = decode[single_name], prefill[single_name]
     print(f"\n{LAYERS} layers, hidden {HIDDEN}, f32; cakemp: 4 layers on each of 2 device processes, 1 torch thread "
           f"each; decode {args.steps} steps each in blocks of {BLOCK}, prefill {PROMPT} tokens x {args.prefills} "
           f"each, workers alternating")
-    print("| worker | decode p50 ms | p99 ms | extra over one process, p50 ms | prefill 512 ms (median) | "
-          "vs one process |")
+    print("decode extra: median over rounds of (block p50 - the single process's block p50 in the same round); "
+          "prefill ratio: median over rounds of (prompt time / the single process's in the same round)")
+    print("| worker | decode p50 ms | p99 ms | decode extra over one process, ms | prefill 512 ms (median) | "
+          "prefill vs one process |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in ports:
-        p50 = pct(decode[name], 50)
-        median = statistics.median(prefill[name])
-        print(f"| {name} | {p50:.2f} | {pct(decode[name], 99):.2f} | {p50 - base_decode:+.2f} | {median:.0f} | "
-              f"{median / base_prefill:.2f}x |")
+        steps_ms = [t for block in decode[name] for t in block]
+        extra = statistics.median(pct(mine, 50) - pct(theirs, 50) for mine, theirs in zip(decode[name], single_blocks))
+        ratio = statistics.median(mine / theirs for mine, theirs in zip(prefill[name], single_prompts))
+        print(f"| {name} | {pct(steps_ms, 50):.2f} | {pct(steps_ms, 99):.2f} | {extra:+.2f} | "
+              f"{statistics.median(prefill[name]):.0f} | {ratio:.2f}x |")
     with tempfile.TemporaryDirectory() as tmp:
         print_hops(asyncio.run(hops(Path(tmp), args.steps, args.busy_us / 1e6)), args)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

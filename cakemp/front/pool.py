@@ -192,6 +192,7 @@ class DevicePool:
                 # Registered in the same step as the send succeeded: owed exactly when sent.
                 self._state.sent(request_id, session, devices, self._loop.time())
                 self._pending[request_id] = pending
+                self._arm()
                 sent += 1
         except BaseException:
             # The chunks already sent stay owed until answered; nobody waits for them any more.
@@ -213,7 +214,6 @@ class DevicePool:
             if self._state.generation(device) != generation:
                 raise DeviceLost(f"device {self.label(device)} restarted")
             if channel.try_send(frames):
-                self._arm()
                 return
             await channel.writable()
 
