@@ -24,7 +24,9 @@ from typing import Sequence
 from cakemp import log
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import ProtocolError
-from cakemp.ipc import DeviceChannel, Hop, Loaded, Ping, Pong, Progress, Ready, StartFailure, error_code
+from cakemp.ipc import (
+    DeviceChannel, ErrorCode, Failure, Hop, Loaded, Ping, Pong, Progress, Ready, StartFailure, error_code,
+)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -70,7 +72,10 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
         reply = service.handle(request)
         if isinstance(reply, Hop):
             if not channel.hand_off(reply.stages[0].device, reply):
-                logger.warning("next device on the route is gone; dropping the hand-off", request=reply.request_id)
+                # Every chunk gets its answer: this one's is that it went no further.
+                channel.send(Failure(reply.request_id, ErrorCode.DEVICE_LOST,
+                                     f"device {spec.label} could not pass the activation on to device "
+                                     f"#{reply.stages[0].device} (its queue is full or it is gone)", reply.chunk))
         elif reply is not None:
             channel.send(reply)
     channel.close()

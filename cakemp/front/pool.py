@@ -108,23 +108,25 @@ class DevicePool:
         devices = tuple(leg.device for leg in legs)
         self._state.admit(session, devices, [any(op.index_pos > 0 for op in leg.ops) for leg in legs])
         stages = tuple(Stage(leg.device, self._state.generation(leg.device), leg.ops) for leg in legs)
-        messages = [Hop(session, 0, dtype, chunk_shape, tuple(_shifted(stage, start) for stage in stages),
-                            chunk_data, i, 0)
-                    for i, (start, chunk_shape, chunk_data) in enumerate(self._chunks(shape, data, len(legs) > 1))]
+        chunks = list(self._chunks(shape, data, len(legs) > 1))
+        request_id = next(self._request_ids)
+        messages = [Hop(session, request_id, dtype, chunk_shape, tuple(_shifted(stage, first) for stage in stages),
+                        chunk_data, i, len(chunks))
+                    for i, (first, chunk_shape, chunk_data) in enumerate(chunks)]
         start = self._loop.time()
-        outputs = await self._request(session, stages[0].device, stages[0].generation, devices, messages)
+        outputs = await self._request(session, tuple((s.device, s.generation) for s in stages), messages)
         self._metrics.request_seconds.observe(self._loop.time() - start, device=self.label(devices[0]))
         return outputs[0] if len(outputs) == 1 else b"".join(outputs)
 
     async def clear(self, device: int, session: int) -> Done:
         """Goodbye: drop the session's caches on `device` (a fresh start, so a lost state no longer matters)."""
         self._state.cleared(device, session)
-        return await self._control(device, session, Clear(session, 0))
+        return await self._control(device, session, Clear(session, next(self._request_ids)))
 
     async def end(self, device: int, session: int) -> Done:
         """The connection closed: free everything of the session on `device`."""
         self._state.ended(device, session)
-        return await self._control(device, session, End(session, 0))
+        return await self._control(device, session, End(session, next(self._request_ids)))
 
     def label(self, device: int) -> str:
         return self.specs[device].label
@@ -173,22 +175,21 @@ class DevicePool:
             yield start, (1, end - start, shape[2]), view[start * row:end * row]
 
     async def _control(self, device: int, session: int, msg: Clear | End) -> Done:
-        return await self._request(session, device, self._state.generation(device), (device,), [msg])
+        return await self._request(session, ((device, self._state.generation(device)),), [msg])
 
-    async def _request(self, session: int, first: int, generation: int, devices: tuple[int, ...],
-                       messages: list[Hop | Clear | End]):
-        """Send `messages` (a request's chunks, or one control message) to device `first`; the
-        chunks' outputs once every one is answered (a control message's Done)."""
-        if (error := self._state.down(first)) is not None:
-            raise error
-        request_id = next(self._request_ids)
+    async def _request(self, session: int, route: tuple[tuple[int, int], ...], messages: list[Hop | Clear | End]):
+        """Send `messages` (a request's chunks, or one control message) to the first device of
+        `route` ((device, generation) pairs); the chunks' outputs once every one is answered (a
+        control message's Done)."""
+        devices = tuple(device for device, _ in route)
+        request_id = messages[0].request_id
         # Encoded before anything is registered: a request that cannot be encoded leaves nothing behind.
-        frames = [encode(_with_id(msg, request_id, len(messages))) for msg in messages]
+        frames = [encode(msg) for msg in messages]
         pending = _Pending(self._loop.create_future(), devices)
         sent = 0
         try:
             for chunk in frames:
-                await self._send(first, generation, chunk)
+                await self._send(route, chunk)
                 # Registered in the same step as the send succeeded: owed exactly when sent.
                 self._state.sent(request_id, session, devices, self._loop.time())
                 self._pending[request_id] = pending
@@ -205,14 +206,16 @@ class DevicePool:
         self._act(self._state.sealed(request_id))
         return await pending.future
 
-    async def _send(self, device: int, generation: int, frames) -> None:
-        """Hand encoded frames to the device's socket; DeviceLost if its process changes or goes down first."""
-        channel = self._channels[device]
+    async def _send(self, route: tuple[tuple[int, int], ...], frames) -> None:
+        """Hand encoded frames to the socket of the route's first device; DeviceLost if a device
+        of the route goes down or changes process first (its new process would drop the hop)."""
+        channel = self._channels[route[0][0]]
         while True:
-            if (error := self._state.down(device)) is not None:
-                raise error
-            if self._state.generation(device) != generation:
-                raise DeviceLost(f"device {self.label(device)} restarted")
+            for device, generation in route:
+                if (error := self._state.down(device)) is not None:
+                    raise error
+                if self._state.generation(device) != generation:
+                    raise DeviceLost(f"device {self.label(device)} restarted")
             if channel.try_send(frames):
                 return
             await channel.writable()
@@ -348,12 +351,6 @@ class DevicePool:
         reader.close()
         self._processes[device] = process
         self._loop.add_reader(process.sentinel, self._exited, device)
-
-
-def _with_id(msg: Hop | Clear | End, request_id: int, chunks: int) -> Hop | Clear | End:
-    if isinstance(msg, Hop):
-        return Hop(msg.session, request_id, msg.dtype, msg.shape, msg.stages, msg.data, msg.chunk, chunks)
-    return type(msg)(msg.session, request_id)
 
 
 def _shifted(stage: Stage, start: int) -> Stage:
