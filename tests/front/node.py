@@ -70,18 +70,21 @@ def write_topology(path: Path, layers: list[str], name: str = "worker") -> Path:
 class RunningNode:
     """A `cakemp run` process whose JSON log lines are collected as they come."""
 
-    def __init__(self, model: Path, topology: Path, *args: str, env: dict[str, str] | None = None,
-                 timeout: float = 60.0):
-        command = [sys.executable, "-m", "cakemp", "run", "--name", "worker", "--model", str(model),
-                   "--topology", str(topology), "--address", "127.0.0.1:0", "--log-format", "json", *args]
+    def __init__(self, model: Path | None, topology: Path | None, *args: str, env: dict[str, str] | None = None,
+                 timeout: float = 60.0, ready: str = LISTENING):
+        """Start the node and wait for its event starting with `ready` (which carries its TCP port);
+        without `model` and `topology` it starts in zero-config mode (give it a cluster key)."""
+        where = [] if topology is None else ["--model", str(model), "--topology", str(topology)]
+        command = [sys.executable, "-m", "cakemp", "run", "--name", "worker", *where,
+                   "--address", "127.0.0.1:0", "--log-format", "json", *args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
-        listening = self.wait_for(lambda e: e.get("event", "").startswith(LISTENING), timeout)
-        self.port: int = listening["port"]
+        self.started = self.wait_for(lambda e: e.get("event", "").startswith(ready), timeout)
+        self.port: int = self.started["port"]
 
     def _collect(self) -> None:
         for line in self.process.stdout:

@@ -1,0 +1,220 @@
+"""Zero-config setup on the node's TCP listener, before it serves (spec §7.2, §7.3).
+
+    master → node   auth, LayerAssignment{layers, model_hash}
+    node → master   LayerAssignmentAck{needs_data}     (needs_data: the cache does not cover them)
+    master → node   ModelDataChunk × N, ModelDataDone   (only when needs_data)
+    node → master   WorkerReady                          (once the devices have loaded them)
+
+`Setup.handle` runs each connection that arrives before the node serves; `Setup.next` hands
+the front one accepted assignment at a time, its files whole in the cache, and the front
+answers it with `ready` once its devices hold the layers, or `refuse` when they cannot load
+them. Cake's worker answers WorkerReady before loading; its masters set no deadline on that
+answer (only on connecting), so waiting for the load is compatible, and a model that cannot
+load is never announced ready.
+
+Unlike Cake, one bad connection never ends or blocks the setup: a connection that fails
+auth, stays silent, sends something other than LayerAssignment, or pushes something refused
+is answered WorkerError where it can be, closed, and the node keeps waiting. One setup runs at
+a time; a second LayerAssignment meanwhile is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cakemp import log
+from cakemp.auth import authenticate_master
+from cakemp.errors import AuthError, ProtocolError, SetupError
+from cakemp.front.model_cache import ModelCache
+from cakemp.wire import (
+    FrameDecoder, LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
+    WorkerError, WorkerReady, encode_frame,
+)
+from cakemp.wire.discovery import cluster_hash
+
+_READ_SIZE = 1 << 20
+_LAYER_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*\.[0-9]+")
+_MAX_LAYERS = 4096
+
+
+@dataclass(frozen=True)
+class SetupConfig:
+    """What zero-config mode needs beyond the node's own configuration."""
+
+    cluster_key: str
+    cache_root: Path
+    max_model_bytes: int  # the most a push may announce, all files together
+    discovery_host: str = "0.0.0.0"
+    discovery_port: int = 10127
+    handshake_timeout: float = 10.0  # seconds for the cluster-key handshake
+    idle_timeout: float = 60.0  # seconds a setup connection may send nothing while one is owed
+
+
+@dataclass
+class Assignment:
+    """A setup whose files are whole in the cache, held open until the front answers it."""
+
+    message: LayerAssignment
+    cache: ModelCache
+    needed_data: bool
+    _writer: asyncio.StreamWriter
+    _revision: Revision
+    answered: asyncio.Event = field(default_factory=asyncio.Event)  # set once ready or refuse has run
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return self.message.layers
+
+    @property
+    def model_dir(self) -> Path:
+        return self.cache.directory
+
+    async def ready(self) -> None:
+        """The devices hold the layers: tell the master (the connection then closes)."""
+        await _send_quietly(self._writer, WorkerReady(), self._revision)
+        self.answered.set()
+
+    async def refuse(self, reason: str) -> None:
+        """The layers could not be loaded: the cache no longer counts, the master is told why."""
+        self.cache.invalidate()
+        await _send_quietly(self._writer, WorkerError(reason), self._revision)
+        self.answered.set()
+
+
+class Setup:
+    def __init__(self, config: SetupConfig, revision: Revision):
+        self.config = config
+        self.revision = Revision(revision)
+        self.cluster_hash = cluster_hash(config.cluster_key)
+        self._accepted: asyncio.Queue[Assignment] = asyncio.Queue()
+        self._busy = False  # a setup is past its LayerAssignment and not yet answered
+        self._log = log.get_logger()
+
+    async def next(self) -> Assignment:
+        """The next setup whose files are in the cache; answer it with `ready` or `refuse`."""
+        return await self._accepted.get()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection that arrived before the node serves; never raises, always closes it."""
+        peer = writer.get_extra_info("peername")
+        logger = self._log.bind(conn=f"{peer[0]}:{peer[1]}" if peer else "?")
+        try:
+            await authenticate_master(reader, writer, self.config.cluster_key, self.config.handshake_timeout)
+            frames = _Frames(reader, self.revision, self.config.idle_timeout)
+            first = await frames.next()
+            if first is None:
+                return
+            if not isinstance(first, LayerAssignment):
+                raise SetupError(f"this node is waiting for setup: expected LayerAssignment, got {type(first).__name__}")
+            if self._busy:
+                raise SetupError("another setup is in progress")
+            self._busy = True
+            try:
+                assignment = await self._receive(first, frames, writer, logger)
+                self._accepted.put_nowait(assignment)
+                await assignment.answered.wait()
+            finally:
+                self._busy = False
+        except AuthError as e:
+            logger.warning("setup connection: authentication failed", error=str(e))
+        except SetupError as e:
+            logger.warning("setup refused", error=str(e))
+            await _send_quietly(writer, WorkerError(str(e)), self.revision)
+        except ProtocolError as e:
+            logger.warning("setup connection closed: not Cake protocol", error=str(e))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            logger.warning("setup connection lost")
+        finally:
+            writer.close()
+
+    async def _receive(self, message: LayerAssignment, frames: _Frames, writer: asyncio.StreamWriter,
+                       logger) -> Assignment:
+        layers = _check_layers(message.layers)
+        cache = ModelCache.for_model(self.config.cache_root, self.cluster_hash, message.model_hash)
+        needs_data = not cache.covers(layers)
+        logger.info("layer assignment", layers=len(layers), first=layers[0], last=layers[-1],
+                    model_hash=message.model_hash, cache=str(cache.directory), needs_data=needs_data)
+        push = None
+        if needs_data:
+            try:
+                push = cache.begin_push(layers, self.config.max_model_bytes, self.revision >= Revision.V2)
+            except OSError as e:
+                raise SetupError(f"cannot prepare the model cache: {e.strerror}") from None
+        try:
+            await _send(writer, LayerAssignmentAck(needs_data), self.revision)
+            if push is not None:
+                await self._push(push, frames, logger)
+        except BaseException:
+            if push is not None:
+                push.abort()
+            raise
+        return Assignment(message, cache, needs_data, writer, self.revision)
+
+    async def _push(self, push, frames: _Frames, logger) -> None:
+        chunks = received = 0
+        while True:
+            message = await frames.next()
+            if message is None:
+                raise SetupError(f"the master closed the connection after {chunks} chunks of the push")
+            if isinstance(message, ModelDataDone):
+                await asyncio.to_thread(push.finish)
+                logger.info("model received", chunks=chunks, bytes=received)
+                return
+            if not isinstance(message, ModelDataChunk):
+                raise SetupError(f"expected ModelDataChunk or ModelDataDone, got {type(message).__name__}")
+            # Off the event loop: CRC, zstd and disk writes of up to 128 MiB would stall discovery
+            # and the other connections.
+            try:
+                await asyncio.to_thread(push.receive, message)
+            except OSError as e:
+                raise SetupError(f"cannot write {message.filename} to the cache: {e.strerror}") from None
+            chunks += 1
+            received += len(message.data)
+
+
+class _Frames:
+    """Messages off one setup connection; a connection silent for `idle_timeout` is lost."""
+
+    def __init__(self, reader: asyncio.StreamReader, revision: Revision, idle_timeout: float):
+        self._reader, self._idle_timeout = reader, idle_timeout
+        self._decoder = FrameDecoder(revision)
+
+    async def next(self) -> Message | None:
+        """The next message, or None when the master closed the connection."""
+        while (message := self._decoder.next_message()) is None:
+            try:
+                data = await asyncio.wait_for(self._reader.read(_READ_SIZE), self._idle_timeout)
+            except asyncio.TimeoutError:
+                raise SetupError(f"nothing received for {self._idle_timeout:g} s") from None
+            if not data:
+                return None
+            self._decoder.feed(data)
+        return message
+
+
+def _check_layers(layers: tuple[str, ...]) -> tuple[str, ...]:
+    """The assigned layers if they are a non-empty list of distinct `<prefix>.<index>` names; else SetupError."""
+    if not layers:
+        raise SetupError("the assignment names no layer")
+    if len(layers) > _MAX_LAYERS or len(set(layers)) != len(layers):
+        raise SetupError("the assignment must name distinct layers")
+    for layer in layers:
+        if not _LAYER_NAME.fullmatch(layer):
+            raise SetupError(f"invalid layer name {layer[:64]!r}")
+    return layers
+
+
+async def _send(writer: asyncio.StreamWriter, message: Message, revision: Revision) -> None:
+    writer.writelines(encode_frame(message, revision))
+    await writer.drain()
+
+
+async def _send_quietly(writer: asyncio.StreamWriter, message: Message, revision: Revision) -> None:
+    """Send if the master still listens; a gone master needs no answer."""
+    try:
+        await _send(writer, message, revision)
+    except (ConnectionError, RuntimeError):
+        pass
