@@ -15,7 +15,8 @@ load is never announced ready.
 Unlike Cake, one bad connection never ends or blocks the setup: a connection that fails
 auth, stays silent, sends something other than LayerAssignment, or pushes something refused
 is answered WorkerError where it can be, closed, and the node keeps waiting. One setup runs at
-a time; a second LayerAssignment meanwhile is refused.
+a time: a newer LayerAssignment replaces one still pushing, and is refused while one's layers
+load.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from cakemp.wire import (
 from cakemp.wire.discovery import cluster_hash
 
 _READ_SIZE = 1 << 20
+# After a refusal, how long what the master still sends is read and dropped, so that closing
+# with unread bytes does not reset the connection before the master has read why.
+_LINGER_S = 5.0
 _LAYER_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*\.[0-9]+")
 _MAX_LAYERS = 4096
 
@@ -90,7 +94,8 @@ class Setup:
         self.revision = Revision(revision)
         self.cluster_hash = cluster_hash(config.cluster_key)
         self._accepted: asyncio.Queue[Assignment] = asyncio.Queue()
-        self._busy = False  # a setup is past its LayerAssignment and not yet answered
+        self._pushing: asyncio.Task | None = None  # the setup between its LayerAssignment and its push's end
+        self._loading = False  # a setup's layers are being loaded: it is answered once they are
         self._log = log.get_logger()
 
     async def next(self) -> Assignment:
@@ -109,26 +114,48 @@ class Setup:
                 return
             if not isinstance(first, LayerAssignment):
                 raise SetupError(f"this node is waiting for setup: expected LayerAssignment, got {type(first).__name__}")
-            if self._busy:
-                raise SetupError("another setup is in progress")
-            self._busy = True
+            assignment = await self._take_over(first, frames, writer, logger)
+            self._loading = True
             try:
-                assignment = await self._receive(first, frames, writer, logger)
                 self._accepted.put_nowait(assignment)
                 await assignment.answered.wait()
             finally:
-                self._busy = False
+                self._loading = False
         except AuthError as e:
             logger.warning("setup connection: authentication failed", error=str(e))
         except SetupError as e:
             logger.warning("setup refused", error=str(e))
             await _send_quietly(writer, WorkerError(str(e)), self.revision)
+            await _linger(reader, writer)
         except ProtocolError as e:
             logger.warning("setup connection closed: not Cake protocol", error=str(e))
         except (ConnectionError, asyncio.IncompleteReadError):
             logger.warning("setup connection lost")
         finally:
             writer.close()
+
+    async def _take_over(self, message: LayerAssignment, frames: _Frames, writer: asyncio.StreamWriter,
+                         logger) -> Assignment:
+        """Run this setup's assignment and push. A newer setup replaces one still pushing (a master
+        that reconnected, say: the stale push must not hold it up), but not one whose layers load."""
+        if self._loading:
+            raise SetupError("another setup is loading its layers")
+        if self._pushing is not None:
+            logger.warning("a new setup replaces the one in progress")
+            self._pushing.cancel()
+            await asyncio.wait({self._pushing})  # its push aborted, its files closed
+        pushing = self._pushing = asyncio.create_task(self._receive(message, frames, writer, logger))
+        try:
+            await asyncio.wait({pushing})
+        except asyncio.CancelledError:
+            pushing.cancel()
+            raise
+        finally:
+            if self._pushing is pushing:
+                self._pushing = None
+        if pushing.cancelled():
+            raise SetupError("a newer setup replaced this one")
+        return pushing.result()
 
     async def _receive(self, message: LayerAssignment, frames: _Frames, writer: asyncio.StreamWriter,
                        logger) -> Assignment:
@@ -160,7 +187,7 @@ class Setup:
             if message is None:
                 raise SetupError(f"the master closed the connection after {chunks} chunks of the push")
             if isinstance(message, ModelDataDone):
-                await asyncio.to_thread(push.finish)
+                await _off_loop(push.finish)
                 logger.info("model received", chunks=chunks, bytes=received)
                 return
             if not isinstance(message, ModelDataChunk):
@@ -168,7 +195,7 @@ class Setup:
             # Off the event loop: CRC, zstd and disk writes of up to 128 MiB would stall discovery
             # and the other connections.
             try:
-                await asyncio.to_thread(push.receive, message)
+                await _off_loop(push.receive, message)
             except OSError as e:
                 raise SetupError(f"cannot write {message.filename} to the cache: {e.strerror}") from None
             chunks += 1
@@ -205,6 +232,28 @@ def _check_layers(layers: tuple[str, ...]) -> tuple[str, ...]:
         if not _LAYER_NAME.fullmatch(layer):
             raise SetupError(f"invalid layer name {layer[:64]!r}")
     return layers
+
+
+async def _off_loop(function, *args):
+    """`function(*args)` in a thread. A cancelled caller still waits for the thread to end, so
+    that the push is never aborted (its file closed) while the thread writes to it."""
+    future = asyncio.ensure_future(asyncio.to_thread(function, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait({future})
+        raise
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Half-close, then drop what the master still sends until it closes or _LINGER_S pass."""
+    try:
+        writer.write_eof()
+        async with asyncio.timeout(_LINGER_S):
+            while await reader.read(_READ_SIZE):
+                pass
+    except (OSError, RuntimeError, TimeoutError):
+        pass
 
 
 async def _send(writer: asyncio.StreamWriter, message: Message, revision: Revision) -> None:
