@@ -137,8 +137,15 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
        help="Compute and wire dtype; must match the workers'.")
 @_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
        help="Cake revision the workers speak.")
+@_flag("--discover", help="Zero-config: find the cluster's workers at these comma-separated addresses "
+       "(broadcast like 255.255.255.255, or the workers' own), give them layers and push them the files.")
+@_flag("--discovery-port", type=click.IntRange(1, 65535), default=DISCOVERY_PORT, help="UDP port of the workers' discovery.")
+@_flag("--discovery-timeout", type=click.FloatRange(0, min_open=True), default=10.0,
+       help="Seconds to collect discovery replies.")
+@_flag("--min-workers", type=click.IntRange(min=0), default=0,
+       help="Stop collecting replies once this many workers answered (0: wait the whole timeout).")
 def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed,
-             cluster_key, dtype, protocol) -> None:
+             cluster_key, dtype, protocol, discover, discovery_port, discovery_timeout, min_workers) -> None:
     """Generate text as a Cake master: this process runs the layers no worker serves."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 
@@ -146,10 +153,19 @@ def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, rep
     from cakemp.master.sampler import SamplingParams
 
     sampling = SamplingParams(temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed)
+    if discover and topology:
+        raise ConfigError("--discover and --topology exclude each other")
+    if discover and not cluster_key:
+        raise ConfigError("--discover needs --cluster-key (the cluster's workers answer only to its hash)")
     layout = Topology.load(topology) if topology else Topology(())
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     async def stream():
+        nonlocal layout
+        if discover:
+            layout = await _discover_cluster(model, cluster_key, [t.strip() for t in discover.split(",") if t.strip()],
+                                             discovery_port, discovery_timeout, min_workers, Revision(int(protocol)),
+                                             device)
         async with await Generator.open(model, layout, dtype=dtype, device=device, cluster_key=cluster_key or None,
                                         revision=Revision(int(protocol))) as generator:
             click.echo(prompt, nl=False)
@@ -158,6 +174,25 @@ def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, rep
         click.echo(done.summary(), err=True)
 
     _run_or_exit(stream())
+
+
+async def _discover_cluster(model, cluster_key, targets, port, timeout, min_workers, revision, device) -> Topology:
+    """Discover the workers, give them layers as Cake does, push them the files; the resulting topology."""
+    from cakemp.front.discovery import local_devices
+    from cakemp.master.cluster import assign_layers, layer_bytes, set_up
+    from cakemp.master.discovery import discover
+    from cakemp.model.config import ModelConfig
+
+    workers = await discover(cluster_key, targets, port=port, timeout=timeout, min_workers=min_workers)
+    if not workers:
+        raise CakempError(f"no worker of this cluster answered at {', '.join(targets)} within {timeout:g} s")
+    config = ModelConfig.from_dir(model)
+    master_tflops = sum(gpu.tflops for gpu in local_devices(cuda_devices() if device == "cuda" else (None,)))
+    assignments = assign_layers(workers, config.num_hidden_layers, master_tflops,
+                                layer_bytes(model, config.num_hidden_layers), config.layer_prefix)
+    for worker, layers in assignments:
+        click.echo(f"{worker.name} at {worker.address}: {layers[0]}..{layers[-1]} ({len(layers)} layers)", err=True)
+    return await set_up(model, assignments, cluster_key=cluster_key, revision=revision)
 
 
 @cli.command()

@@ -70,13 +70,20 @@ class DiscoveryResponder(asyncio.DatagramProtocol):
 
 def announcement_for(cluster_hash: str, name: str, port: int, gpus: Sequence[str | None]) -> Announcement:
     """What this node advertises: its name, the bound TCP `port`, the devices it will use (`--gpus`)."""
+    devices = local_devices(gpus)
+    return Announcement(
+        cluster_hash=cluster_hash, worker_name=name, port=port, gpus=devices,
+        backend="CPU" if devices[0].name.startswith("CPU (") else "CUDA", hostname=socket.gethostname(),
+        os=platform.system().lower(),
+    )
+
+
+def local_devices(gpus: Sequence[str | None]) -> tuple[GpuInfo, ...]:
+    """The devices among `gpus` (CUDA_VISIBLE_DEVICES ids, None for a CPU slot) as discovery
+    describes them; one CPU entry when none of them is a GPU nvidia-smi lists."""
     cuda = [gpu for gpu in gpus if gpu is not None]
     found = _nvidia_gpus(cuda) if cuda else ()
-    devices = found or (GpuInfo(f"CPU ({platform.machine()})", _system_memory(), _CPU_TFLOPS),)
-    return Announcement(
-        cluster_hash=cluster_hash, worker_name=name, port=port, gpus=tuple(devices),
-        backend="CUDA" if found else "CPU", hostname=socket.gethostname(), os=platform.system().lower(),
-    )
+    return found or (GpuInfo(f"CPU ({platform.machine()})", _system_memory(), _CPU_TFLOPS),)
 
 
 def _nvidia_gpus(ids: Sequence[str]) -> tuple[GpuInfo, ...]:
