@@ -199,6 +199,7 @@ class Front:
                 await assignment.refuse("the node is stopping")
                 return None
             self._served = assignment.message
+            self._setup.serving()
             await assignment.ready()
             return readies
 

@@ -96,7 +96,13 @@ class Setup:
         self._accepted: asyncio.Queue[Assignment] = asyncio.Queue()
         self._pushing: asyncio.Task | None = None  # the setup between its LayerAssignment and its push's end
         self._loading = False  # a setup's layers are being loaded: it is answered once they are
+        self._served = False  # a setup succeeded: the node serves, later connections are not setups
         self._log = log.get_logger()
+
+    def serving(self) -> None:
+        """The node serves now: a setup connection still open takes no new assignment (the
+        files in the cache are in use)."""
+        self._served = True
 
     async def next(self) -> Assignment:
         """The next setup whose files are in the cache; answer it with `ready` or `refuse`."""
@@ -138,27 +144,38 @@ class Setup:
                          logger) -> Assignment:
         """Run this setup's assignment and push. A newer setup replaces one still pushing (a master
         that reconnected, say: the stale push must not hold it up), but not one whose layers load."""
+        if self._served:
+            raise SetupError("this node has just been set up: connect again")
         if self._loading:
             raise SetupError("another setup is loading its layers")
-        if self._pushing is not None:
+        while self._pushing is not None:  # again if another newcomer got in first: the last one wins
             logger.warning("a new setup replaces the one in progress")
-            self._pushing.cancel()
-            await asyncio.wait({self._pushing})  # its push aborted, its files closed
+            stale = self._pushing
+            stale.cancel()
+            await asyncio.wait({stale})  # its push aborted, its files closed; it cleared _pushing
         pushing = self._pushing = asyncio.create_task(self._receive(message, frames, writer, logger))
         try:
             await asyncio.wait({pushing})
         except asyncio.CancelledError:
             pushing.cancel()
             raise
-        finally:
-            if self._pushing is pushing:
-                self._pushing = None
         if pushing.cancelled():
             raise SetupError("a newer setup replaced this one")
         return pushing.result()
 
     async def _receive(self, message: LayerAssignment, frames: _Frames, writer: asyncio.StreamWriter,
                        logger) -> Assignment:
+        """The task `_pushing` names: the exchange, after which it clears `_pushing` itself,
+        before it counts as done (what `_take_over` relies on)."""
+        try:
+            return await self._exchange(message, frames, writer, logger)
+        finally:
+            if self._pushing is asyncio.current_task():
+                self._pushing = None
+
+    async def _exchange(self, message: LayerAssignment, frames: _Frames, writer: asyncio.StreamWriter,
+                        logger) -> Assignment:
+        """LayerAssignment → Ack, then the push if the cache does not cover the layers."""
         layers = _check_layers(message.layers)
         cache = ModelCache.for_model(self.config.cache_root, self.cluster_hash, message.model_hash)
         needs_data = not cache.covers(layers)
@@ -194,10 +211,7 @@ class Setup:
                 raise SetupError(f"expected ModelDataChunk or ModelDataDone, got {type(message).__name__}")
             # Off the event loop: CRC, zstd and disk writes of up to 128 MiB would stall discovery
             # and the other connections.
-            try:
-                await _off_loop(push.receive, message)
-            except OSError as e:
-                raise SetupError(f"cannot write {message.filename} to the cache: {e.strerror}") from None
+            await _off_loop(push.receive, message)
             chunks += 1
             received += len(message.data)
 
@@ -243,6 +257,10 @@ async def _off_loop(function, *args):
     except asyncio.CancelledError:
         await asyncio.wait({future})
         raise
+    except (ConnectionError, TimeoutError):
+        raise  # not the disk's: the caller's handlers see them as they are
+    except OSError as e:  # the disk: full, read-only, permissions
+        raise SetupError(f"cannot write the model cache: {e.strerror or e}") from None
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -256,6 +256,24 @@ def test_a_wrong_key_a_silent_connection_and_a_hello_do_not_block_or_end_the_set
     run(main())
 
 
+def test_a_newer_setup_replaces_a_push_left_hanging(node, checkpoints):
+    """A push that stops midway (its master gone quiet) does not hold up a reconnecting master:
+    the newer setup is asked for the data, and the stale one is told it was replaced."""
+    model = checkpoints[node.revision]
+    chunks = pushed_chunks(model, node.revision)
+
+    async def main():
+        async with await connect(node) as stale:
+            assert await assign(stale, model) is True
+            for c in chunks[:2]:
+                await stale.send(c)
+            async with await connect(node) as newer:
+                assert await assign(newer, model) is True
+                assert "replaced" in await refusal(stale)
+
+    run(main())
+
+
 # --------------------------------------------------------------------------- the real push
 
 
