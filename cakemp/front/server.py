@@ -192,7 +192,9 @@ class Front:
                 readies = await self._start_pool()
             except CakempError as e:
                 self._log.error("the assigned layers cannot be loaded; waiting for the next setup", error=str(e))
-                await assignment.refuse(f"cannot load the assigned layers: {e}")
+                # The master learns why, not where this node keeps its cache.
+                reason = str(e).replace(str(assignment.model_dir), "<cache>")
+                await assignment.refuse(f"cannot load the assigned layers: {reason}")
                 self.pool = None
                 continue
             if readies is None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
+from safetensors.torch import save_file
 
 from cakemp.errors import AuthError, ProtocolError, RemoteWorkerError
 from cakemp.master.client import WorkerClient
@@ -272,6 +273,28 @@ def test_a_newer_setup_replaces_a_push_left_hanging(node, checkpoints):
                 assert "replaced" in await refusal(stale)
 
     run(main())
+
+
+def test_a_pushed_model_that_cannot_load_is_refused_and_the_node_waits_again(node, tmp_path):
+    """Whole files holding the layers, but an architecture cakemp does not run: the devices refuse
+    it, the master gets WorkerError (not WorkerReady), and the cache no longer counts (revision 2 only:
+    a device start is dear)."""
+    if node.revision < Revision.V2:
+        pytest.skip("one device start suffices")
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    (model / "tokenizer.json").write_text("{}")
+    save_file({f"{layer}.weight": torch.zeros(2) for layer in LAYERS}, model / "model.safetensors")
+
+    async def main():
+        async with await connect(node) as client:
+            with pytest.raises(RemoteWorkerError, match="cannot load") as refused:
+                await client.assign_layers(LAYERS, model_hash(model), model_chunks(model, LAYERS, node.revision))
+            assert "GPT2LMHeadModel" in str(refused.value) and str(node.home) not in str(refused.value)
+
+    run(main())
+    assert_asks_for_data_again(node, model)
 
 
 # --------------------------------------------------------------------------- the real push
