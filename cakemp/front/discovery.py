@@ -87,28 +87,36 @@ def local_devices(gpus: Sequence[str | None]) -> tuple[GpuInfo, ...]:
 
 
 def _nvidia_gpus(ids: Sequence[str]) -> tuple[GpuInfo, ...]:
-    """The GPUs among nvidia-smi's list whose index is in `ids`; () when nvidia-smi is missing or fails."""
+    """The GPUs among nvidia-smi's list whose index or UUID is in `ids`; () when nvidia-smi is missing or fails."""
     if shutil.which("nvidia-smi") is None:
         return ()
-    query = ["nvidia-smi", "--query-gpu=index,name,memory.total,clocks.max.graphics", "--format=csv,noheader,nounits"]
+    query = ["nvidia-smi", "--query-gpu=index,uuid,memory.total,clocks.max.graphics,name",
+             "--format=csv,noheader,nounits"]
     try:
         out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return ()
-    return tuple(gpu for index, gpu in (_nvidia_line(line) for line in out.splitlines()) if index in ids)
+    found = []
+    for line in out.splitlines():
+        keys, gpu = nvidia_smi_line(line)
+        if gpu is not None and keys & set(ids):
+            found.append(gpu)
+    return tuple(found)
 
 
-def _nvidia_line(line: str) -> tuple[str | None, GpuInfo | None]:
-    parts = [part.strip() for part in line.split(",")]
-    if len(parts) < 3 or not parts[2].isdigit():
-        return None, None
-    index, name, vram_mib = parts[0], parts[1], int(parts[2])
+def nvidia_smi_line(line: str) -> tuple[set[str], GpuInfo | None]:
+    """One line of the query: its index and UUID, and the GPU with Cake's TFLOPS estimate."""
+    # The name goes last: it is the one field that may hold a comma.
+    parts = [part.strip() for part in line.split(",", 4)]
+    if len(parts) < 5 or not parts[2].isdigit():
+        return set(), None
+    index, uuid, vram_mib, clock, name = parts[0], parts[1], int(parts[2]), parts[3], parts[4]
     try:
-        clock_ghz = float(parts[3]) / 1000
-    except (IndexError, ValueError):
-        clock_ghz = 1.5  # Cake's default when the clock is not reported
+        clock_ghz = float(clock) / 1000
+    except ValueError:
+        clock_ghz = 1.5  # Cake's default when the clock is not reported ("[N/A]")
     vram_gib = vram_mib / 1024
-    return index, GpuInfo(name, vram_mib << 20, round(vram_gib * clock_ghz * 1.5, 2))
+    return {index, uuid}, GpuInfo(name, vram_mib << 20, round(vram_gib * clock_ghz * 1.5, 2))
 
 
 def _system_memory() -> int:
