@@ -75,7 +75,8 @@ def cli() -> None:
 def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_budget_mib, max_context,
         cpu_threads, drain_timeout, request_timeout, restart_attempts, metrics_address, discovery_port,
         discovery_bind, max_model_gib, log_format, log_level) -> None:
-    """Serve this worker's layers of a Cake topology."""
+    """Serve this worker's layers: its entry's in a Cake topology, or (with --cluster-key and no
+    --topology: zero-config) those a master discovering it assigns and pushes."""
     log.configure(log_format, log_level)
     logger = log.get_logger()
     # First: it takes the manager's variables out of the environment the device processes inherit.

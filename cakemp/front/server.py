@@ -176,7 +176,9 @@ class Front:
         await server.start_serving()  # setup connections only, until `_served` is set
         port = server.sockets[0].getsockname()[1]
         setup = self.config.setup
-        announcement = announcement_for(self._setup.cluster_hash, self.config.name, port, self.config.devices)
+        # nvidia-smi may take a second or two: off the loop, which keeps the watchdog fed.
+        announcement = await asyncio.to_thread(
+            announcement_for, self._setup.cluster_hash, self.config.name, port, self.config.devices)
         self._discovery, discovery_port = await DiscoveryResponder.start(
             announcement, setup.discovery_host, setup.discovery_port)
         self._log.info(f"waiting for setup on port {port}, discovery on {discovery_port}/udp",
