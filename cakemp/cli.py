@@ -85,6 +85,8 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
     if cluster_key and not topology:
         # Cake's rule for zero-config: a key and no topology (--model has a default, so it cannot count).
         served, layers, model = name or socket.gethostname(), (), ""
+        if click.get_current_context().get_parameter_source("model") != click.core.ParameterSource.DEFAULT:
+            logger.warning("--model is ignored in zero-config mode: the master pushes the model")
         setup = SetupConfig(cluster_key=cluster_key, cache_root=cache_root(),
                             max_model_bytes=int(max_model_gib * (1 << 30)),
                             discovery_host=discovery_bind, discovery_port=discovery_port)
