@@ -8,9 +8,14 @@ Unlike Cake, a cache counts only once a push completed (spec §7.5 lists what Ca
 every file is written beside its final name (`.<name>.partial`) and moved into place when
 whole, the push ends by recording each file's size in a marker (`.cakemp-complete`, written
 the same way), and a cache is valid only when that marker is there, every file in it has its
-recorded size, and the files hold the assigned layers. A new push removes the marker first,
-so an interrupted or refused push leaves the cache invalid and the next master is asked for
-the data again. A cache Cake wrote has no marker: it is pushed once more.
+recorded size, and the files hold the assigned layers. A new push empties the directory
+first, and a push that fails (interrupted, refused) removes what it wrote, so the next master
+is asked for the data again.
+
+A cache Cake itself wrote has no marker. It is adopted (the marker written) only when every
+file the layers need is whole by its own structure: config.json and the index parse, and each
+safetensors file is exactly as long as its header says (8 + header + the last tensor's end),
+which an interrupted Cake push, truncating a shard, fails.
 
 Everything a master sends is checked before it touches the disk: file names are bare names
 from the push's allowed set, offsets continue exactly where the file stands, a file's size
@@ -80,13 +85,37 @@ class ModelCache:
         return cls(Path(root) / name)
 
     def covers(self, layers: Sequence[str]) -> bool:
-        """Whether a completed push left every file whole here, holding every one of `layers`."""
+        """Whether a completed push left every file whole here, holding every one of `layers`
+        (or, without a marker, Cake's own files are whole: then they are adopted)."""
         try:
             sizes = json.loads((self.directory / MARKER).read_text())["files"]
+        except FileNotFoundError:
+            return self._adopt(layers)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        try:
             if not all(os.lstat(self.directory / check_file_name(name)).st_size == size
                        for name, size in sizes.items()):
                 return False
             return _holds_layers(self.directory, set(sizes), layers)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, SetupError):
+            return False
+
+    def _adopt(self, layers: Sequence[str]) -> bool:
+        """A cache without a marker (Cake wrote it) counts, and gets a marker, when the files the
+        layers need are whole by their own structure."""
+        try:
+            present = {entry.name for entry in os.scandir(self.directory)
+                       if entry.is_file(follow_symlinks=False) and not entry.name.startswith(".")}
+            if CONFIG not in present or not _holds_layers(self.directory, present, layers):
+                return False
+            needed = {CONFIG} | _weight_files(self.directory, present, layers)
+            json.loads((self.directory / CONFIG).read_bytes())
+            if not all(_safetensors_whole(self.directory / name) for name in needed - {CONFIG, INDEX}):
+                return False
+            sizes = {name: os.lstat(self.directory / name).st_size for name in needed}
+            _write_atomically(self.directory / MARKER, json.dumps({"files": sizes}).encode())
+            return True
         except (OSError, ValueError, KeyError, TypeError, AttributeError, SetupError):
             return False
 
@@ -95,18 +124,20 @@ class ModelCache:
         (`verify_crc`: the chunks carry a CRC, as they do at protocol revision 2)."""
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.invalidate()
-        with os.scandir(self.directory) as entries:
-            for entry in entries:
-                if not entry.is_dir(follow_symlinks=False):
-                    os.unlink(entry.path)  # a symlink itself, never what it points at
         return ModelPush(self.directory, tuple(layers), max_total_bytes, verify_crc)
 
     def invalidate(self) -> None:
-        """Forget that a push completed here: the next setup asks for the data again."""
+        """Forget the files here (the marker first): the next setup asks for the data again."""
         try:
             os.unlink(self.directory / MARKER)
         except FileNotFoundError:
             pass
+        if not self.directory.is_dir():
+            return
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    os.unlink(entry.path)  # a symlink itself, never what it points at
 
 
 class ModelPush:
@@ -158,10 +189,17 @@ class ModelPush:
         _write_atomically(self._directory / MARKER, json.dumps({"files": self._done}).encode())
 
     def abort(self) -> None:
-        """Remove the file being written, if any (whole files stay; without the marker they count for nothing)."""
+        """Remove what this push wrote: the file being written and the whole ones (so that nothing
+        of a failed push is ever adopted as a cache)."""
         if self._current is not None:
             self._current.discard()
             self._current = None
+        for name in self._done:
+            try:
+                os.unlink(self._directory / name)
+            except FileNotFoundError:
+                pass
+        self._done.clear()
 
     def _start(self, name: str, size: int) -> None:
         if self._current is not None:
@@ -289,8 +327,17 @@ def _holds_layers(directory: Path, files: set[str], layers: Sequence[str]) -> bo
     return False
 
 
-def _safetensors_names(path: Path) -> set[str]:
-    """The tensor names in a safetensors file's header (u64 LE length, then JSON)."""
+def _weight_files(directory: Path, files: set[str], layers: Sequence[str]) -> set[str]:
+    """The weight files (and the index) the layers' tensors are in."""
+    if INDEX in files:
+        weight_map = _weight_map(directory / INDEX)
+        return {INDEX} | {shard for name, shard in weight_map.items()
+                          if any(name.startswith(layer + ".") for layer in layers)}
+    return {SINGLE_FILE}
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's header (u64 LE length, then JSON) and that length."""
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
         if length > _MAX_HEADER_BYTES:
@@ -301,4 +348,16 @@ def _safetensors_names(path: Path) -> set[str]:
             raise SetupError(f"{path.name}: bad safetensors header: {e}") from None
     if not isinstance(header, dict):
         raise SetupError(f"{path.name}: bad safetensors header")
-    return set(header) - {"__metadata__"}
+    return length, header
+
+
+def _safetensors_names(path: Path) -> set[str]:
+    """The tensor names in a safetensors file."""
+    return set(_safetensors_header(path)[1]) - {"__metadata__"}
+
+
+def _safetensors_whole(path: Path) -> bool:
+    """Whether the file is exactly as long as its header says: 8 + header + the last tensor's end."""
+    length, header = _safetensors_header(path)
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    return os.lstat(path).st_size == 8 + length + max(ends, default=0)

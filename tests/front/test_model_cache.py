@@ -67,11 +67,44 @@ def test_a_file_changed_after_the_push_invalidates_the_cache(cache, model):
     assert not cache.covers(LAYERS)
 
 
-def test_files_without_the_marker_do_not_count(cache, model):
-    """What Cake itself wrote (or an interrupted push left) has no marker: the data is asked for again."""
+def test_whole_files_cake_wrote_are_adopted(cache, model):
+    """Cake writes no marker: its files count (and get one) when each is whole by its own structure."""
+    cache.directory.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (cache.directory / name).write_bytes((model / name).read_bytes())
+    assert cache.covers(LAYERS)
+    assert (cache.directory / ".cakemp-complete").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "broken config", "no config"])
+def test_what_an_interrupted_cake_push_left_is_not_adopted(cache, model, damage):
     cache.directory.mkdir(parents=True)
     for name in ("config.json", "model.safetensors"):
         (cache.directory / name).write_bytes((model / name).read_bytes())
+    if damage == "truncated shard":
+        with open(cache.directory / "model.safetensors", "r+b") as f:
+            f.truncate((model / "model.safetensors").stat().st_size - 1)
+    elif damage == "broken config":
+        (cache.directory / "config.json").write_text('{"num_hidden')
+    else:
+        (cache.directory / "config.json").unlink()
+    assert not cache.covers(LAYERS)
+    assert not (cache.directory / ".cakemp-complete").exists()
+
+
+def test_a_failed_push_leaves_nothing_to_adopt(cache, model):
+    """Whole files of a push refused later are removed with it, so they are never taken for Cake's."""
+    chunks = chunks_of(model)
+    with pytest.raises(SetupError):
+        push(cache, chunks + [ModelDataChunk("evil.bin", 0, 1, b"x", False, zlib.crc32(b"x"))])
+    assert not cache.covers(LAYERS)
+    assert [p.name for p in cache.directory.iterdir()] == []
+
+
+def test_invalidate_forgets_the_files(cache, model):
+    """A model that could not load is not taken up again, marker or not."""
+    push(cache, chunks_of(model))
+    cache.invalidate()
     assert not cache.covers(LAYERS)
 
 
