@@ -10,8 +10,9 @@ commit before the change) for "today's" figures. A Cake-style master then measur
 workers alternating:
 
 1. decode: round trip of a [1, 1, 1024] Batch through all 8 layers (4 per device), p50 and
-   p99 over --steps steps each, in blocks of 25; and each worker's p50 extra over the single
-   process;
+   p99 over --steps steps each, in blocks of 25; each worker's p50 extra over the single
+   process; and the CPU time its processes spent per step (user + system, from /proc: what
+   the machine's load does not inflate much, unlike wall time);
 2. prefill: a 512-token Batch at position 0 through all 8 layers, --prefills times each,
    median; and its ratio to the single process;
 3. the hops alone: two echoing device processes (no torch) that each busy-wait `--busy-us`
@@ -94,7 +95,17 @@ class Master:
         return await self.batch(PROMPT)
 
 
-async def measure(ports: dict[str, int], steps: int, prefills: int) -> tuple[dict, dict]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its children (a node's front and device processes)."""
+    pids = [pid] + [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    ticks = 0
+    for one in pids:
+        fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(ports: dict[str, int], pids: dict[str, int], steps: int, prefills: int) -> tuple[dict, dict, dict]:
     masters = {name: await Master.open(port) for name, port in ports.items()}
     for master in masters.values():  # warm-up: first prompt, a few decode steps
         await master.prompt()
@@ -103,16 +114,19 @@ async def measure(ports: dict[str, int], steps: int, prefills: int) -> tuple[dic
     # One list per round (a block of decode steps, or one prompt, from every worker in turn), so
     # that each worker can also be compared with the single process within the same round.
     decode = {name: [] for name in ports}
+    cpu = {name: 0.0 for name in ports}  # CPU seconds the worker's processes spent on the decode steps
     for _ in range(steps // BLOCK):
         for name, master in masters.items():
+            before = cpu_seconds(pids[name])
             decode[name].append([await master.batch(1) * 1e3 for _ in range(BLOCK)])
+            cpu[name] += cpu_seconds(pids[name]) - before
     prefill = {name: [] for name in ports}
     for _ in range(prefills):
         for name, master in masters.items():
             prefill[name].append(await master.prompt() * 1e3)
     for master in masters.values():
         await master.client.close()
-    return decode, prefill
+    return decode, prefill, cpu
 
 
 def echo_device(endpoint: str, peers: tuple[str, ...], parent_pipe, busy_s: float) -> None:
@@ -195,13 +209,18 @@ def main() -> None:
             single, single_port = start_single(model, threads=1, layers=LAYERS)
             processes.append(single)
             ports = {"single process, 1 thread": single_port}
+            pids = {"single process, 1 thread": single.pid}
             if args.base is not None:
-                process, ports[f"cakemp {args.base.name} cpu:2"] = start_node(model, work, args.base.resolve())
+                name = f"cakemp {args.base.name} cpu:2"
+                process, ports[name] = start_node(model, work, args.base.resolve())
                 processes.append(process)
+                pids[name] = process.pid
             for chunk in args.chunks.split(","):
-                process, ports[f"cakemp cpu:2, chunk {chunk}"] = start_node(model, work, here, "--prefill-chunk", chunk)
+                name = f"cakemp cpu:2, chunk {chunk}"
+                process, ports[name] = start_node(model, work, here, "--prefill-chunk", chunk)
                 processes.append(process)
-            decode, prefill = asyncio.run(measure(ports, args.steps, args.prefills))
+                pids[name] = process.pid
+            decode, prefill, cpu = asyncio.run(measure(ports, pids, args.steps, args.prefills))
         finally:
             for process in processes:
                 process.terminate()
@@ -213,15 +232,15 @@ def main() -> None:
           f"each, workers alternating")
     print("decode extra: median over rounds of (block p50 - the single process's block p50 in the same round); "
           "prefill ratio: median over rounds of (prompt time / the single process's in the same round)")
-    print("| worker | decode p50 ms | p99 ms | decode extra over one process, ms | prefill 512 ms (median) | "
-          "prefill vs one process |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| worker | decode p50 ms | p99 ms | decode extra over one process, ms | CPU ms per decode step | "
+          "prefill 512 ms (median) | prefill vs one process |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name in ports:
         steps_ms = [t for block in decode[name] for t in block]
         extra = statistics.median(pct(mine, 50) - pct(theirs, 50) for mine, theirs in zip(decode[name], single_blocks))
         ratio = statistics.median(mine / theirs for mine, theirs in zip(prefill[name], single_prompts))
         print(f"| {name} | {pct(steps_ms, 50):.2f} | {pct(steps_ms, 99):.2f} | {extra:+.2f} | "
-              f"{statistics.median(prefill[name]):.0f} | {ratio:.2f}x |")
+              f"{cpu[name] / len(steps_ms) * 1e3:.1f} | {statistics.median(prefill[name]):.0f} | {ratio:.2f}x |")
     with tempfile.TemporaryDirectory() as tmp:
         print_hops(asyncio.run(hops(Path(tmp), args.steps, args.busy_us / 1e6)), args)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

@@ -11,7 +11,7 @@ from cakemp.wire import LayerOp
 
 # Tokens per chunk of a prompt whose route spans devices (--prefill-chunk): docs/benchmarks.md,
 # "Route and pipelined prefill", says how it was chosen.
-PREFILL_CHUNK = 64
+PREFILL_CHUNK = 128
 
 
 @dataclass(frozen=True)
