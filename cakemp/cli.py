@@ -7,6 +7,7 @@ CAKE_CLUSTER_KEY). A configuration error exits with status 78 (EX_CONFIG) and on
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import click
@@ -15,7 +16,7 @@ from cakemp import log
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front import Front, NodeConfig
 from cakemp.address import parse_address
-from cakemp.front.config import cuda_devices, parse_gpus
+from cakemp.front.config import discover_gpus, parse_gpus
 from cakemp.front.notify import Notifier
 from cakemp.topology import Topology
 from cakemp.wire import Revision
@@ -45,7 +46,7 @@ def cli() -> None:
 @_flag("--address", default="0.0.0.0:10128", help="host:port to listen on.")
 @_flag("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster-key")], help="Shared key; turns on auth.")
 @_flag("--dtype", type=click.Choice(["f16", "bf16", "f32"]), default="f16", help="Compute dtype of the layers.")
-@_flag("--gpus", default="all", help="all | cpu | cpu:N | GPU indices like 0,2.")
+@_flag("--gpus", default="all", help="all | cpu | cpu:N | GPU indices (of the visible GPUs, PCI bus order) or GPU/MIG UUIDs, like 0,2.")
 @_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
        help="Cake revision: 1 = fa7d08a (WorkerError tag 11), 2 = after 2026-03-21 (tag 12).")
 @_flag("--kv-budget-mib", type=click.IntRange(min=1), help="KV cache budget per device process, in MiB (default: none).")
@@ -79,7 +80,10 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         logger.warning(f"topology for worker name '{name}' not found, using '{served}'")
     if not node.layers:
         raise ConfigError(f"topology entry '{served}' lists no layers")
-    devices = parse_gpus(gpus, cuda_devices() if gpus.strip() == "all" else ())
+    # GPUs are numbered in PCI bus order, as nvidia-smi lists them, here and in every device process.
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    wants_gpus = not gpus.strip().startswith("cpu")
+    devices = parse_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"), discover_gpus() if wants_gpus else None)
     if gpus.strip() == "all" and devices == (None,):
         logger.warning("no CUDA device found; serving on one CPU device")
     if len(devices) > len(node.layers):
