@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from cakemp.model import attention
 from cakemp.model.config import ModelConfig
+from cakemp.model.fp8 import linear
 from cakemp.model.rotary import rotate
 
 
@@ -21,7 +22,8 @@ class DecoderBlock:
     """
 
     def __init__(self, config: ModelConfig, window: int | None, weights: dict[str, torch.Tensor]):
-        """weights: the tensors named by `weight_groups(config)`, on the device, in the compute dtype."""
+        """weights: the tensors named by `weight_groups(config)`, on the device, in the compute dtype
+        (matrices of an FP8 checkpoint may be `fp8.Fp8Weight`s, multiplied by `linear`)."""
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -97,7 +99,7 @@ class DecoderBlock:
     def _attention(self, h, cos, sin, k_cache, v_cache, start):
         B, T, _ = h.shape
         D, n_kv = self.head_dim, self.kv_heads
-        qkv = F.linear(h, self.w_qkv, self.b_qkv)  # [B, T, (H_q + 2 H_kv) * D]
+        qkv = linear(h, self.w_qkv, self.b_qkv)  # [B, T, (H_q + 2 H_kv) * D]
         q, k, v = qkv.split([self.heads * D, n_kv * D, n_kv * D], dim=-1)
         q = q.view(B, T, self.heads, D)
         k = k.view(B, T, n_kv, D)
@@ -115,11 +117,11 @@ class DecoderBlock:
         # accumulator in f32 for f16/bf16 inputs; tests/model/test_block.py checks it.
         out = attention.attend(q, k_cache, v_cache, start, self.window, 1 / math.sqrt(D))  # [B, H_q, T, D]
         out = out.reshape(B, self.heads, T, D).transpose(1, 2).reshape(B, T, self.heads * D)
-        return F.linear(out, self.w_o, self.b_o)
+        return linear(out, self.w_o, self.b_o)
 
     def _mlp(self, h):
-        gate, up = F.linear(h, self.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
-        return F.linear(F.silu(gate) * up, self.w_down)
+        gate, up = linear(h, self.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
+        return linear(F.silu(gate) * up, self.w_down)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
