@@ -16,7 +16,7 @@ from cakemp import log
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front import Front, NodeConfig
 from cakemp.address import parse_address
-from cakemp.front.config import discover_gpus, parse_gpus
+from cakemp.front.config import device_environment, discover_gpus, parse_gpus
 from cakemp.front.notify import Notifier
 from cakemp.topology import Topology
 from cakemp.wire import Revision
@@ -80,8 +80,7 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         logger.warning(f"topology for worker name '{name}' not found, using '{served}'")
     if not node.layers:
         raise ConfigError(f"topology entry '{served}' lists no layers")
-    # GPUs are numbered in PCI bus order, as nvidia-smi lists them, here and in every device process.
-    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    os.environ.update(device_environment(os.environ))  # for the device processes, which inherit it
     wants_gpus = not gpus.strip().startswith("cpu")
     devices = parse_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"), discover_gpus() if wants_gpus else None)
     if gpus.strip() == "all" and devices == (None,):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cakemp.errors import ConfigError
@@ -36,6 +37,19 @@ class NodeConfig:
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics, /healthz, /readyz; None: off
     log_format: str = "auto"
     log_level: str = "info"
+
+
+def device_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """Variables the front sets for the device processes it spawns (they inherit its environment).
+
+    CUDA_DEVICE_ORDER=PCI_BUS_ID: GPUs numbered as nvidia-smi lists them, as `parse_gpus` counts
+    them. Unless the operator configured torch's allocator: expandable segments, so that KV
+    caches growing by doubling and requests of every size strand less memory between segments.
+    """
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return env
 
 
 @dataclass(frozen=True)

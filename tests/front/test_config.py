@@ -8,7 +8,7 @@ import pytest
 
 from cakemp.errors import ConfigError
 from cakemp.address import parse_address
-from cakemp.front.config import parse_gpu_list, parse_gpus
+from cakemp.front.config import device_environment, parse_gpu_list, parse_gpus
 
 
 # What `nvidia-smi -L` prints on a machine with two whole GPUs and a third split into two MIG instances.
@@ -104,3 +104,11 @@ def test_bad_addresses_are_config_errors(text):
     """An address without a valid port is refused."""
     with pytest.raises(ConfigError):
         parse_address(text)
+
+
+def test_device_processes_number_gpus_in_pci_order_and_get_expandable_segments():
+    """The front gives its devices PCI bus order, and torch's expandable segments unless the operator chose."""
+    assert device_environment({}) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                                      "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for operators in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        assert device_environment({operators: "max_split_size_mb:512"}) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
