@@ -16,7 +16,7 @@ from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner
 from cakemp.device import fault
 from cakemp.device.spec import DeviceSpec
-from cakemp.errors import RequestError, UnknownLayer
+from cakemp.errors import ConfigError, RequestError, UnknownLayer
 from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward
 from cakemp.rss import resident_bytes
 
@@ -33,6 +33,9 @@ class DeviceService:
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         device = "cuda:0" if spec.gpu is not None else "cpu"  # the one GPU this process sees
+        if spec.gpu is not None and not torch.cuda.is_available():
+            build = "this torch build has no CUDA" if torch.version.cuda is None else "CUDA finds no such GPU"
+            raise ConfigError(f"device {spec.label}: cannot use GPU {spec.gpu}: {build}")
         runner = BlockRunner.load(
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,

@@ -9,6 +9,7 @@ from cakemp.compute.runner import BlockRunner
 from cakemp.device import fault
 from cakemp.device.service import DeviceService
 from cakemp.device.spec import DeviceSpec
+from cakemp.errors import ConfigError
 from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, Op
 from cakemp.wire import DType
 
@@ -121,3 +122,10 @@ def test_other_faults_fail_their_request_and_the_device_serves_on(failing, error
     assert isinstance(reply, Failure) and reply.error == kind and reply.message == words, reply
     assert service.poisoned is None
     assert isinstance(service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=2)), Activation)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA finds no GPU")
+def test_a_gpu_this_process_cannot_use_is_a_configuration_error(checkpoint):
+    """A GPU device whose GPU CUDA cannot find (or a torch without CUDA) fails its load with ConfigError (exit 78)."""
+    with pytest.raises(ConfigError, match="cuda:7: cannot use GPU 7"):
+        DeviceService.load(DeviceSpec(0, "7", LAYERS, str(checkpoint), "f32", "ipc://unused"))
