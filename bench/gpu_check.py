@@ -350,8 +350,10 @@ def check_decode(device: torch.device, rehearse: bool) -> None:
         weight_bytes = sum(w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
                            for w in (block.w_qkv, block.w_o, block.w_gate_up, block.w_down))
         floor_ms = weight_bytes / rate * 1e3
-        finding(f"decode.{name}", {"per_layer_ms_median": round(per_layer, 4), "weight_mib": round(weight_bytes / 2**20, 1),
-                                   "floor_ms": round(floor_ms, 4), "ratio_to_floor": round(per_layer / floor_ms, 2)})
+        finding(f"decode.{name}", {
+            "per_layer_ms_median": round(per_layer, 4), "weight_mib": round(weight_bytes / 2**20, 1),
+            "floor_ms": round(floor_ms, 4), "ratio_to_floor": round(per_layer / floor_ms, 2),
+        })
         del runner, blocks
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -435,7 +437,8 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
         finally:
             finding("node.exit_status", node.stop())
             log = (Path(tmp) / "node.log").read_text(errors="replace")
-            finding("node.log_errors", [line[:300] for line in log.splitlines() if re.search(r"error|Traceback", line)][:10])
+            errors = [line[:300] for line in log.splitlines() if re.search(r"error|Traceback", line)]
+            finding("node.log_errors", errors[:10])
 
 
 def take_gpu_memory() -> list[torch.Tensor]:

@@ -46,7 +46,8 @@ def cli() -> None:
 @_flag("--address", default="0.0.0.0:10128", help="host:port to listen on.")
 @_flag("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster-key")], help="Shared key; turns on auth.")
 @_flag("--dtype", type=click.Choice(["f16", "bf16", "f32"]), default="f16", help="Compute dtype of the layers.")
-@_flag("--gpus", default="all", help="all | cpu | cpu:N | GPU indices (of the visible GPUs, PCI bus order) or GPU/MIG UUIDs, like 0,2.")
+@_flag("--gpus", default="all",
+       help="all | cpu | cpu:N | GPU indices (of the visible GPUs, PCI bus order) or GPU/MIG UUIDs, like 0,2.")
 @_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
        help="Cake revision: 1 = fa7d08a (WorkerError tag 11), 2 = after 2026-03-21 (tag 12).")
 @_flag("--kv-budget-mib", type=click.IntRange(min=1), help="KV cache budget per device process, in MiB (default: none).")

@@ -61,10 +61,10 @@ class Checkpoint:
             for key, members in groups.items():
                 handles = [files[self.file_of(name)] for name in members]
                 if keep_fp8 and self._kept_fp8(handles, members):
-                    out[key] = fp8.Fp8Weight.create(
-                        torch.cat([f.get_tensor(name).to(device) for (f, _), name in zip(handles, members)]),
-                        torch.cat([f.get_tensor(name + "_scale_inv").to(device) for (f, _), name in zip(handles, members)]),
-                    )
+                    stored = [(f.get_tensor(name), f.get_tensor(name + "_scale_inv"))
+                              for (f, _), name in zip(handles, members)]
+                    out[key] = fp8.Fp8Weight.create(torch.cat([w.to(device) for w, _ in stored]),
+                                                    torch.cat([s.to(device) for _, s in stored]))
                     continue
                 sources = [self._source(*handle, name, device) for handle, name in zip(handles, members)]
                 if len({t.shape[1:] for t in sources}) > 1:

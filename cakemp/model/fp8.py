@@ -55,7 +55,9 @@ class Fp8Weight:
     def create(cls, weight: torch.Tensor, scale_inv: torch.Tensor) -> Fp8Weight:
         rows, cols = weight.shape
         if rows % BLOCK or cols % BLOCK or scale_inv.shape != (rows // BLOCK, cols // BLOCK):
-            raise ValueError(f"a {rows}x{cols} weight with scales {tuple(scale_inv.shape)} is not in {BLOCK}x{BLOCK} blocks")
+            raise ValueError(
+                f"a {rows}x{cols} weight with scales {tuple(scale_inv.shape)} is not in {BLOCK}x{BLOCK} blocks"
+            )
         scale_inv = scale_inv.float().contiguous()
         padded = -(-scale_inv.shape[1] // 4) * 4
         return cls(weight, scale_inv, F.pad(scale_inv, (0, padded - scale_inv.shape[1])).t())
@@ -126,7 +128,8 @@ def scaled_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
             x = torch.randn(rows, 384, generator=generator).to(device, dtype)
             got = weight.matmul(x).float()
             expected = emulated_matmul(x, weight)
-            if not torch.allclose(got, expected, rtol=16 * torch.finfo(dtype).eps, atol=1e-3 * expected.abs().max().item()):
+            tolerance = dict(rtol=16 * torch.finfo(dtype).eps, atol=1e-3 * expected.abs().max().item())
+            if not torch.allclose(got, expected, **tolerance):
                 return False
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return False

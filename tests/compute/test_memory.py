@@ -76,10 +76,10 @@ def test_fp8_groups_in_128_blocks_stay_fp8_and_are_counted_at_a_byte(tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_load_that_cannot_fit_is_a_configuration_error(tmp_path):
-    """With all but a little of the GPU taken, loading the layers is refused by ConfigError naming the sizes."""
-    path = make_checkpoint(tmp_path, "llama", hidden_size=1024, intermediate_size=4096)
+    """With all but 32 MiB of the GPU taken, loading two 54 MiB layers is refused by ConfigError naming the sizes."""
+    path = make_checkpoint(tmp_path, "llama", hidden_size=1024, intermediate_size=8192)  # 54 MiB a layer in bf16
     free, _ = torch.cuda.mem_get_info()
-    hog = torch.empty(free - (16 << 20), dtype=torch.uint8, device="cuda")  # leaves 16 MiB
+    hog = torch.empty(free - (32 << 20), dtype=torch.uint8, device="cuda")  # leaves 32 MiB
     try:
         with pytest.raises(ConfigError, match=r"the layers need \d+ bytes .* on cuda:0 but \d+ bytes"):
             BlockRunner.load(path, ["model.layers.0", "model.layers.1"], "cuda", torch.bfloat16)

@@ -112,7 +112,8 @@ def test_a_poisoning_error_fails_its_request_and_marks_the_process_to_end(failin
 
 
 @pytest.mark.parametrize("error, kind, words", [
-    (torch.OutOfMemoryError(OUT_OF_MEMORY), "RequestError", "out of memory on cpu: CUDA out of memory. Tried to allocate 2.00 GiB"),
+    (torch.OutOfMemoryError(OUT_OF_MEMORY), "RequestError",
+     "out of memory on cpu: CUDA out of memory. Tried to allocate 2.00 GiB"),
     (ValueError("a bug"), "ValueError", "ValueError: a bug"),
 ])
 def test_other_faults_fail_their_request_and_the_device_serves_on(failing, error, kind, words):
