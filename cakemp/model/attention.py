@@ -10,8 +10,9 @@ takes no GQA. So each call shape is built for the kernels that exist:
 |                             | rows of it, over the window's keys; no mask        | efficient (f32)          |
 | prefill, full causal        | lower-right causal, no mask tensor; GQA passed     | flash (f16/bf16),        |
 |                             | through where flash takes it, else K/V expanded    | efficient (f32)          |
-| prefill, sliding window     | window-sized query chunks, each over its <= 2W - 1 | efficient                |
-|                             | keys with a band mask; K/V expanded                |                          |
+| prefill, sliding window     | window-sized query chunks, each over its <= 2W - 1 | efficient (flash, as     |
+|                             | keys with a band mask; K/V expanded (a chunk the   | causal, where the window |
+|                             | window does not cut is plain causal)               | cuts nothing)            |
 
 A windowed prefill thus never holds more than [window, 2 * window] of mask and scores at a
 time, whatever the prompt length. cuDNN attention is switched off on CUDA (`use_fused_kernels`):
@@ -69,10 +70,13 @@ def attend(
     for c0 in range(start, end, window):
         c1 = min(c0 + window, end)
         first = max(0, c0 - window + 1)
+        q_chunk = q[:, :, c0 - start : c1 - start]
+        if c1 - window <= first:  # the window cuts no key here (a prompt within the window): plain causal
+            out[:, :, c0 - start : c1 - start] = _causal(q_chunk, k[:, :, first:c1], v[:, :, first:c1], scale)
+            continue
         q_pos = torch.arange(c0, c1, device=q.device)[:, None]  # [C, 1]
         k_pos = torch.arange(first, c1, device=q.device)[None, :]  # [1, S_c]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [C, S_c]
-        q_chunk = q[:, :, c0 - start : c1 - start]
         keys, values, gqa = _kv_heads_for(q_chunk, k[:, :, first:c1], v[:, :, first:c1], flash_possible=False)
         out[:, :, c0 - start : c1 - start] = F.scaled_dot_product_attention(
             q_chunk, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
