@@ -391,8 +391,10 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
             info = await node.wait_ready(timeout=120)
             finding("node.worker_info", f"device {info.device} {info.device_idx}, dtype {info.dtype}")
             front = node._process.pid
-            devices = [int(p) for p in Path(f"/proc/{front}/task/{front}/children").read_text().split()]
-            finding("node.cuda_context", {"front": maps_cuda(front), "devices": [maps_cuda(p) for p in devices]})
+            children = [int(p) for p in Path(f"/proc/{front}/task/{front}/children").read_text().split()]
+            # The device processes, and multiprocessing's resource tracker, which must hold no context either.
+            finding("node.cuda_context", {"front": maps_cuda(front), "children": {
+                Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[-60:]: maps_cuda(p) for p in children}})
             finding("node.nvidia_smi_compute_apps", shell("nvidia-smi --query-compute-apps=pid,used_memory "
                                                           "--format=csv,noheader"))
             runner = BlockRunner.load(model, layers, device, torch.bfloat16)
