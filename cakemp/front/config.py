@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cakemp.errors import ConfigError
+from cakemp.front.setup import SetupConfig
 from cakemp.wire import Revision
 
 # Cake's WorkerInfo.dtype spelling (candle's Debug names) for each --dtype value.
@@ -37,6 +38,8 @@ class NodeConfig:
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics, /healthz, /readyz; None: off
     log_format: str = "auto"
     log_level: str = "info"
+    # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
+    setup: SetupConfig | None = None
 
 
 def device_environment(environ: Mapping[str, str]) -> dict[str, str]:
