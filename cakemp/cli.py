@@ -55,7 +55,9 @@ def cli() -> None:
        help="all | cpu | cpu:N | GPU indices (of the visible GPUs, PCI bus order) or GPU/MIG UUIDs, like 0,2.")
 @_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
        help="Cake revision: 1 = fa7d08a (WorkerError tag 11), 2 = after 2026-03-21 (tag 12).")
-@_flag("--kv-budget-mib", type=click.IntRange(min=1), help="KV cache budget per device process, in MiB (default: none).")
+@_flag("--kv-budget-mib", type=click.IntRange(min=1),
+       help="KV cache budget per device process, in MiB (default: none on a CPU; on a GPU what is free after "
+            "loading, less max(2 GiB, a tenth of the GPU)).")
 @_flag("--max-context", type=click.IntRange(min=1), help="Maximum positions per session (default: the model's).")
 @_flag("--cpu-threads", type=click.IntRange(min=1),
        help="torch threads per CPU device process (default: the cores divided among them).")
