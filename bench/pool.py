@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from cakemp.ipc import Activation, DeviceChannel, Hop, FrontChannel, Op, Stage
+from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
 from tests.checkpoints import make_checkpoint

@@ -24,8 +24,9 @@ import torch
 from cakemp import log
 from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner
+from cakemp.device import fault
 from cakemp.device.spec import DeviceSpec
-from cakemp.errors import RequestError, UnknownLayer
+from cakemp.errors import ConfigError, RequestError, UnknownLayer
 from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, error_code
 from cakemp.rss import resident_bytes
 
@@ -47,6 +48,7 @@ class DeviceService:
     label: str = "cpu:0"
     # Called with the request id between slices of a long request's ops.
     progress: Callable[[int], None] = _no_progress
+    poisoned: str | None = None  # why this process must end after its last answer (a sticky CUDA error)
     # request id -> the failure of one of its chunks, while later chunks may still come.
     _failed: dict[int, Failure] = field(default_factory=dict)
 
@@ -57,6 +59,9 @@ class DeviceService:
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         device = "cuda:0" if spec.gpu is not None else "cpu"  # the one GPU this process sees
+        if spec.gpu is not None and not torch.cuda.is_available():
+            build = "this torch build has no CUDA" if torch.version.cuda is None else "CUDA finds no such GPU"
+            raise ConfigError(f"device {spec.label}: cannot use GPU {spec.gpu}: {build}")
         runner = BlockRunner.load(
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
@@ -114,8 +119,9 @@ class DeviceService:
                 raise UnknownLayer(f"could not find layer #{op.layer} on this device")
             ops.append((self.layers[op.layer], op.index_pos, op.block_idx))
         x = tensors.to_tensor(request.data, request.dtype, request.shape)  # [1, T, H] wire dtype, CPU
-        # No inference_mode here: runner.forward enters it, and the cast builds no graph (x needs no grad).
-        x = x.to(self.runner.device, self.runner.dtype)
+        # No inference_mode here: runner.forward enters it, and the casts build no graph (x needs no grad).
+        # Cast on the device: torch casts within a host copy on the CPU, single-threaded.
+        x = x.to(self.runner.device).to(self.runner.dtype)
         for start in range(0, len(ops), _SLICE_OPS):
             if start:
                 self.progress(request.request_id)
@@ -123,9 +129,21 @@ class DeviceService:
         return x
 
     def _failure(self, request_id: int, chunk: int, error: Exception) -> Failure:
+        """The Failure for `error`. Out of memory fails that request alone; an error that poisons
+        the CUDA context sets `poisoned`, for the process to end once this answer is sent
+        (cakemp/device/fault.py says why); any other fault is logged here and named to the front
+        only as internal."""
         code = error_code(error)
         if isinstance(error, RequestError):
             return Failure(request_id, code, str(error), chunk)
+        summary = ". ".join(str(error).split(". ")[:2]).strip()  # torch's OOM text goes on for lines
+        if isinstance(error, torch.OutOfMemoryError):
+            torch.cuda.empty_cache()  # hand back what the failed request had cached
+            return Failure(request_id, ErrorCode.REQUEST, f"out of memory on {self.runner.device}: {summary}", chunk)
+        if fault.poisons_context(error):
+            self.poisoned = f"{type(error).__name__}: {error}"
+            return Failure(request_id, ErrorCode.DEVICE_LOST, f"device {self.runner.device} faulted ({summary}); it "
+                           "restarts, and its sessions lose their KV state", chunk)
         log.get_logger(device=self.index).error("request failed inside the device", device_label=self.label,
                                                 error=f"{type(error).__name__}: {error}", exc_info=error)
         return Failure(request_id, ErrorCode.INTERNAL, f"internal error on device {self.label}", chunk)

@@ -15,6 +15,7 @@ from cakemp.ipc import (
 )
 from cakemp.wire import DType
 from tests.checkpoints import HFLayers
+from tests.device import faulting_gpu
 
 
 class Front:
@@ -28,12 +29,12 @@ class Front:
         return await asyncio.wait_for(self.messages.get(), timeout)
 
 
-async def spawn(spec: DeviceSpec, generation: int = 1):
+async def spawn(spec: DeviceSpec, generation: int = 1, target=process.main):
     """The front's end of a freshly spawned device process: (front, process, parent pipe)."""
     front = Front(spec.endpoint)
     context = multiprocessing.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
-    child = context.Process(target=process.main, args=(spec, reader, os.getpid(), generation, (spec.endpoint,)),
+    child = context.Process(target=target, args=(spec, reader, os.getpid(), generation, (spec.endpoint,)),
                             daemon=True)
     child.start()
     reader.close()
@@ -101,4 +102,29 @@ def test_a_load_failure_is_reported_before_exiting(tmp_path):
     failure, exitcode = asyncio.run(main())
     assert isinstance(failure, StartFailure) and failure.code in (ErrorCode.CHECKPOINT, ErrorCode.CONFIG)
     assert "absent" in failure.message
+    assert exitcode == 1
+
+
+def test_a_poisoned_context_fails_its_request_then_the_process_exits(tmp_path, checkpoint):
+    """After a sticky CUDA error the device answers the request with DeviceLost, then exits 1 by
+    itself (its parent still there), for the front's pool to restart it."""
+    spec = DeviceSpec(0, None, ("model.layers.1",), str(checkpoint), "f32", f"ipc://{tmp_path}/device-0",
+                      threads=1, log_format="json")
+    x = torch.randn(1, 3, 64)
+
+    async def main():
+        front, child, parent_pipe = await spawn(spec, target=faulting_gpu.main)
+        while not isinstance(await front.receive(60), Ready):
+            pass
+        await front.channel.send(Hop(1, 4, DType.F32, (1, 3, 64), (Stage(0, 1, (Op(0, 0, 1),)),),
+                                     bytearray(x.numpy().tobytes())))
+        failure = await front.receive(10)
+        exitcode = await join(child)
+        front.channel.close()
+        parent_pipe.close()
+        return failure, exitcode
+
+    failure, exitcode = asyncio.run(main())
+    assert isinstance(failure, Failure) and (failure.request_id, failure.code) == (4, ErrorCode.DEVICE_LOST)
+    assert "illegal memory access" in failure.message
     assert exitcode == 1

@@ -6,7 +6,7 @@ import asyncio
 import os
 import threading
 
-from cakemp.ipc import Activation, DeviceChannel, Hop, FrontChannel, Op, Stage
+from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 
 
 def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
