@@ -71,7 +71,7 @@ class Master:
         self.client, self.position = client, 0
 
     @classmethod
-    async def open(cls, port: int) -> "Master":
+    async def open(cls, port: int) -> Master:
         client = await WorkerClient.connect("127.0.0.1", port)
         await client.hello()
         return cls(client)

@@ -18,14 +18,24 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Sequence
 
 from cakemp import log
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import ProtocolError
 from cakemp.ipc import (
-    DeviceChannel, ErrorCode, Failure, Hop, Loaded, Ping, Pong, Progress, Ready, StartFailure, error_code,
+    DeviceChannel,
+    ErrorCode,
+    Failure,
+    Hop,
+    Loaded,
+    Ping,
+    Pong,
+    Progress,
+    Ready,
+    StartFailure,
+    error_code,
 )
 
 _PR_SET_PDEATHSIG = 1

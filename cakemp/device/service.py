@@ -54,7 +54,7 @@ class DeviceService:
 
     @classmethod
     def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None, generation: int = 0,
-             progress: Callable[[int], None] = _no_progress) -> "DeviceService":
+             progress: Callable[[int], None] = _no_progress) -> DeviceService:
         """Load the spec's layers; `on_layer(n)` once n of them are on the device."""
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)

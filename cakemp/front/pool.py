@@ -22,8 +22,8 @@ import itertools
 import math
 import multiprocessing
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 from cakemp import log
 from cakemp.device import process as device_process
@@ -35,8 +35,24 @@ from cakemp.front.pool_state import PoolState
 from cakemp.front.router import PREFILL_CHUNK, Leg, chunk_bounds
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import (
-    Activation, Clear, Done, End, ErrorCode, Failure, Hop, FrontChannel, Loaded, Message, Op, Ping, Progress,
-    Ready, Stage, StartFailure, encode, error_from,
+    Activation,
+    Clear,
+    Done,
+    End,
+    ErrorCode,
+    Failure,
+    FrontChannel,
+    Hop,
+    Loaded,
+    Message,
+    Op,
+    Ping,
+    Progress,
+    Ready,
+    Stage,
+    StartFailure,
+    encode,
+    error_from,
 )
 
 # A starting device that reports no loaded layer for this long is hung. Not --request-timeout:

@@ -23,8 +23,9 @@ for another `request_timeout` is hung and killed, and its death fails the reques
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Union
 
 from cakemp.errors import CakempError, DeviceLost, RequestError
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 

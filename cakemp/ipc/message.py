@@ -19,9 +19,10 @@ the way out), handed to zmq with copy=False.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Sequence, Union
+from typing import Union
 
 from cakemp import errors
 from cakemp.errors import BadTensor, ProtocolError

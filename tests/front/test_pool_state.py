@@ -6,8 +6,19 @@ import pytest
 
 from cakemp.errors import CakempError, ConfigError, DeviceLost, PositionGap
 from cakemp.front.pool_state import (
-    BACKOFF_FIRST_S, Complete, DeviceState, GiveUp, Kill, Ping, PoolState, Restarted, RestartFailed, Restarting,
-    Spawn, Started, StartFailed,
+    BACKOFF_FIRST_S,
+    Complete,
+    DeviceState,
+    GiveUp,
+    Kill,
+    Ping,
+    PoolState,
+    Restarted,
+    RestartFailed,
+    Restarting,
+    Spawn,
+    Started,
+    StartFailed,
 )
 
 TIMEOUT = 10.0

@@ -51,9 +51,10 @@ def freed(node: RunningNode, after: int) -> list[dict]:
 
 def test_the_layers_span_all_three_devices(node):
     """Each device process loaded its own share: 2, 1 and 1 layers."""
-    ready = {index: node.wait_for(lambda e: e.get("event") == "device ready" and e.get("device") == index)["layers"]
-             for index in range(3)}
-    assert ready == {0: 2, 1: 1, 2: 1}
+    def ready(index: int) -> dict:
+        return node.wait_for(lambda e: e.get("event") == "device ready" and e.get("device") == index)
+
+    assert {index: ready(index)["layers"] for index in range(3)} == {0: 2, 1: 1, 2: 1}
 
 
 def test_a_chunked_prefill_then_decode_match_hf(node, checkpoint):

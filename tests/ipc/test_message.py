@@ -9,8 +9,25 @@ from hypothesis import strategies as st
 from cakemp import errors
 from cakemp.errors import BadTensor, ProtocolError
 from cakemp.ipc import (
-    Activation, Clear, Done, End, ErrorCode, Failure, Hop, Loaded, Op, Ping, Pong, Progress, Ready, Stage,
-    StartFailure, decode, encode, error_code, error_from,
+    Activation,
+    Clear,
+    Done,
+    End,
+    ErrorCode,
+    Failure,
+    Hop,
+    Loaded,
+    Op,
+    Ping,
+    Pong,
+    Progress,
+    Ready,
+    Stage,
+    StartFailure,
+    decode,
+    encode,
+    error_code,
+    error_from,
 )
 
 ROUTE = (Stage(0, 3, (Op(0, 5, 12), Op(1, 5, 13))), Stage(2, 1, (Op(0, 5, 14),)))
