@@ -131,7 +131,9 @@ class DevicePool:
                     for i, (first, chunk_shape, chunk_data) in enumerate(chunks)]
         start = self._loop.time()
         outputs = await self._request(session, tuple((s.device, s.generation) for s in stages), messages)
-        self._metrics.request_seconds.observe(self._loop.time() - start, device=self.label(devices[0]))
+        elapsed = self._loop.time() - start
+        for device in dict.fromkeys(devices):  # every device the request passed, once
+            self._metrics.request_seconds.observe(elapsed, device=self.label(device))
         return outputs[0] if len(outputs) == 1 else b"".join(outputs)
 
     async def clear(self, device: int, session: int) -> Done:
