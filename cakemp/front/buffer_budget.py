@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Callable
 
 
 class BufferBudget:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, on_change: Callable[[int], None] | None = None):
         self.capacity = capacity
         self.held = 0
+        self._on_change = on_change  # told the bytes held after every change (the front's gauge)
         self._waiters: deque[tuple[int, asyncio.Future]] = deque()
 
     async def take(self, size: int) -> None:
@@ -25,7 +27,7 @@ class BufferBudget:
         if size > self.capacity:
             raise ValueError(f"{size} bytes is more than the whole budget of {self.capacity}")
         if not self._waiters and self.held + size <= self.capacity:
-            self.held += size
+            self._hold(size)
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append((size, waiter))
@@ -41,11 +43,16 @@ class BufferBudget:
 
     def give(self, size: int) -> None:
         """Return `size` bytes taken before."""
-        self.held -= size
+        self._hold(-size)
         self._grant()
 
     def _grant(self) -> None:
         while self._waiters and self.held + self._waiters[0][0] <= self.capacity:
             size, waiter = self._waiters.popleft()
-            self.held += size
+            self._hold(size)
             waiter.set_result(None)
+
+    def _hold(self, change: int) -> None:
+        self.held += change
+        if self._on_change is not None:
+            self._on_change(self.held)

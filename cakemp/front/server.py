@@ -60,7 +60,7 @@ class Front:
         self._router = Router(self.placement)
         self._admission: Admission | None = None
         self._limits: ConnectionLimits | None = None
-        self._budget = BufferBudget(config.max_buffered_bytes)
+        self._budget = BufferBudget(config.max_buffered_bytes, on_change=self.metrics.buffered_bytes.set)
         self.pool: DevicePool | None = None
         self.status: NodeStatus | None = None
         self._runtime_dir: str | None = None
@@ -219,6 +219,7 @@ class Front:
             peer = writer.get_extra_info("peername")
             self._log.warning("refusing a connection: --max-connections reached",
                               peer=f"{peer[0]}:{peer[1]}" if peer else "?", max_connections=self.config.max_connections)
+            self.metrics.refused_connections.inc()
             writer.close()
             return
         keep_alive(writer.get_extra_info("socket"))
