@@ -81,7 +81,6 @@ class Connection:
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
         self._devices: set[int] = set()  # devices that may hold state of this session
         self._expired = False  # its KV state was freed for idleness and it has not been told yet
-        self._accepted = asyncio.get_running_loop().time()
         self._stats = Stats()
         peer = writer.get_extra_info("peername")
         self._log = log.get_logger(session=f"{peer[0]}:{peer[1]}" if peer else "?")
@@ -108,11 +107,14 @@ class Connection:
             self._log.warning("closing connection", error=str(e), fault="peer")
         except (ConnectionError, asyncio.IncompleteReadError):
             self._log.debug("connection lost")
+        except Exception as e:  # a bug in cakemp: this connection alone ends, the node serves on
+            self._log.error("closing connection: unexpected error", error=f"{type(e).__name__}: {e}", fault="node")
         finally:
             await self._release()
 
     async def _serve(self) -> None:
-        first = await self._read(first=True)
+        # Hello is due within the frame timeout of the connection's start (after the key handshake).
+        first = await self._read(hello_due=asyncio.get_running_loop().time() + self._limits.frame_timeout)
         if first is None:
             return
         message, _, read_s, size = first
@@ -124,7 +126,8 @@ class Connection:
             await self._send(WorkerReady())
             return
         if not isinstance(message, Hello):
-            self._log.warning("unexpected first message (expected Hello)", message=type(message).__name__)
+            self._log.warning("unexpected first message (expected Hello)", message=type(message).__name__,
+                              fault="peer")
             return
         await self._send(self._worker_info(int(read_s * 1000)))
         while True:
@@ -222,16 +225,17 @@ class Connection:
         for error in (r for r in results if isinstance(r, BaseException)):
             self._log.warning("goodbye: could not clear caches", error=str(error))
 
-    async def _read(self, first: bool = False) -> tuple[Message, int, float, int] | None:
+    async def _read(self, hello_due: float | None = None) -> tuple[Message, int, float, int] | None:
         """The next message with the bytes read and seconds spent for it, and the payload size it
         holds of the budget (the caller gives it back once done with the message); None at EOF.
+        With `hello_due` (loop time) the whole frame must have arrived by then, its first byte too.
 
-        Raises ProtocolError (MalformedTensor for a sound frame with a bad tensor, the budget
-        then already given back) and ProtocolError when the frame does not arrive in time.
+        Raises ProtocolError: when the frame is not Cake protocol or does not arrive in time, and
+        MalformedTensor for a sound frame with a bad tensor (its budget then already given back).
         """
         loop = asyncio.get_running_loop()
-        if first:  # Hello is due within the frame timeout of the accept
-            deadline = self._accepted + self._limits.frame_timeout
+        if hello_due is not None:
+            deadline = hello_due
             try:
                 async with asyncio.timeout_at(deadline):
                     lead = await self._reader.read(1)
