@@ -55,7 +55,7 @@ class BadTensor(BadRequest):
 
 
 class BadOps(BadRequest):
-    """The request's layer run is empty, too long, or names a layer or KV slot twice."""
+    """The request's layer run is too long, or names a layer or KV slot twice or out of range."""
 
 
 class ContextLimitExceeded(BadRequest):

@@ -8,7 +8,9 @@ torch: the served layers, and the model's hidden size and context length from co
 
 An activation is [1, T, hidden] with 1 <= T <= the context limit, of a dtype a hidden state
 can have, its byte count exactly T * hidden * itemsize; a layer run names served layers, each
-layer and each KV slot (block_idx) at most once, so it is never longer than the layers served.
+layer and each KV slot (block_idx) at most once, so it is never longer than the layers served
+(an empty run is allowed, as Cake allows it: the activation comes back as it came, no device
+involved).
 """
 
 from __future__ import annotations
@@ -72,8 +74,6 @@ class Admission:
                             f"{DType(x.dtype).name} needs {expected}")
 
     def _check_ops(self, ops: Sequence[LayerOp], tokens: int) -> None:
-        if not ops:
-            raise BadOps("the request names no layer")
         if len(ops) > len(self.layers):
             raise BadOps(f"the request has {len(ops)} ops; this worker serves {len(self.layers)} layers, "
                          "each runs at most once per request")

@@ -47,7 +47,6 @@ def test_a_tensor_that_is_not_one_hidden_state_is_refused(x, words):
 @pytest.mark.parametrize("x, request_ops, error, words", [
     (activation(33), ops(0), ContextLimitExceeded, "33 positions in one request pass the context limit of 32"),
     (activation(2), ops(0, index_pos=31), ContextLimitExceeded, "positions 31..32 of layer model.layers.0"),
-    (activation(), (), BadOps, "names no layer"),
     (activation(), ops(0) * 500_000, BadOps, "has 500000 ops; this worker serves 4 layers"),
     (activation(), ops(0, 1, 0), BadOps, "layer model.layers.0 appears twice"),
     (activation(), (LayerOp("model.layers.0", 0, 1), LayerOp("model.layers.1", 0, 1)), BadOps, "block_idx 1 .* twice"),
@@ -56,11 +55,16 @@ def test_a_tensor_that_is_not_one_hidden_state_is_refused(x, words):
     (activation(), (LayerOp("x" * 10_000, 0, 0),), UnknownLayer, r"^could not find layer x{64}… \(10000 chars\)$"),
 ])
 def test_a_layer_run_the_worker_cannot_serve_is_refused(x, request_ops, error, words):
-    """Too many positions, no op, more ops than served layers, a layer or KV slot twice, a slot out of
+    """Too many positions, more ops than served layers, a layer or KV slot twice, a slot out of
     range or an unknown layer are refused before any device sees them; a peer's long name is clipped."""
     with pytest.raises(error, match=words) as refused:
         ADMISSION.check(x, request_ops)
     assert isinstance(refused.value, PeerFault)
+
+
+def test_an_empty_layer_run_is_admitted():
+    """A Batch with no op is admitted, as Cake's worker takes it (the front answers it without a device)."""
+    ADMISSION.check(activation(), ())
 
 
 def test_shown_escapes_what_is_not_printable():
