@@ -64,7 +64,7 @@ def cli() -> None:
 @_flag("--max-buffered-mib", type=click.IntRange(min=1), default=1024,
        help="MiB of frames all connections together may hold; past it connections wait, unread (backpressure).")
 @_flag("--frame-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
-       help="Seconds a frame may take to arrive once its first byte has; then its connection is closed.")
+       help="Seconds a frame may take to arrive once its header has (Hello: once connected); then it is closed.")
 @_flag("--session-idle-timeout", type=click.FloatRange(min=0, min_open=True),
        help="Seconds a session may sit idle before its KV cache is freed (default: never, as Cake).")
 @_flag("--log-format", type=click.Choice(list(log.FORMATS)), default="auto",

@@ -7,8 +7,9 @@ close this connection only.
 
 What a peer can hold is bounded: a frame may be no larger than the model can need
 (`ConnectionLimits.max_payload`), its payload is read only once the node-wide BufferBudget
-has room for it, and once its first byte is in the whole frame must arrive within
-`frame_timeout` (so must the first frame, Hello, counted from the connection's accept).
+has room for it, and from then on it must arrive within `frame_timeout` (so must the first
+frame, Hello, counted from the end of the key handshake). A peer idle between frames, or
+inside a header of 8 bytes, holds no budget.
 Between frames a master may sit idle for as long as it likes (Cake masters do, between
 prompts); with `session_idle_timeout` its KV state is freed after that long, and it is told
 once if it then tries to continue. TCP keepalive finds a master that vanished without a FIN.
@@ -53,7 +54,7 @@ _INTERNAL_ERROR = "internal error on the worker; its log has the details"
 @dataclass(frozen=True)
 class ConnectionLimits:
     max_payload: int  # bytes; a frame announcing more closes the connection
-    frame_timeout: float  # seconds for a frame to arrive once its first byte has
+    frame_timeout: float  # seconds for a frame's payload to arrive once its header has (and for Hello)
     session_idle_timeout: float | None = None  # seconds idle after which the session's KV is freed; None: never
 
 
@@ -81,6 +82,9 @@ class Connection:
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
         self._devices: set[int] = set()  # devices that may hold state of this session
         self._expired = False  # its KV state was freed for idleness and it has not been told yet
+        self._frame_started: float | None = None  # loop time a frame's payload (or Hello) became due; None: idle
+        self._awaiting_hello = False
+        self._frame_watch: asyncio.TimerHandle | None = None
         self._stats = Stats()
         peer = writer.get_extra_info("peername")
         self._log = log.get_logger(session=f"{peer[0]}:{peer[1]}" if peer else "?")
@@ -114,7 +118,11 @@ class Connection:
 
     async def _serve(self) -> None:
         # Hello is due within the frame timeout of the connection's start (after the key handshake).
-        first = await self._read(hello_due=asyncio.get_running_loop().time() + self._limits.frame_timeout)
+        self._frame_started = asyncio.get_running_loop().time()
+        self._awaiting_hello = True
+        self._watch_frames()
+        first = await self._read()
+        self._awaiting_hello = False
         if first is None:
             return
         message, _, read_s, size = first
@@ -187,9 +195,7 @@ class Connection:
         except RequestError as e:
             return self._refusal(e)
         except Exception as e:  # a bug on this request's path fails this request alone
-            self._log.error("request failed: unexpected error in the front", error=f"{type(e).__name__}: {e}",
-                            fault="node")
-            return self._refusal(InternalError(f"{type(e).__name__}: {e}"))
+            return self._refusal(InternalError(f"unexpected error in the front: {type(e).__name__}: {e}"))
 
     def _check_not_expired(self, ops: Sequence[LayerOp]) -> None:
         """Raise SessionExpired once after the idle timeout freed the session's KV state, if the
@@ -225,64 +231,67 @@ class Connection:
         for error in (r for r in results if isinstance(r, BaseException)):
             self._log.warning("goodbye: could not clear caches", error=str(error))
 
-    async def _read(self, hello_due: float | None = None) -> tuple[Message, int, float, int] | None:
+    async def _read(self) -> tuple[Message, int, float, int] | None:
         """The next message with the bytes read and seconds spent for it, and the payload size it
         holds of the budget (the caller gives it back once done with the message); None at EOF.
-        With `hello_due` (loop time) the whole frame must have arrived by then, its first byte too.
 
-        Raises ProtocolError: when the frame is not Cake protocol or does not arrive in time, and
-        MalformedTensor for a sound frame with a bad tensor (its budget then already given back).
+        Raises ProtocolError when the frame is not Cake protocol, MalformedTensor for a sound
+        frame with a bad tensor (its budget then already given back).
         """
-        loop = asyncio.get_running_loop()
-        if hello_due is not None:
-            deadline = hello_due
-            try:
-                async with asyncio.timeout_at(deadline):
-                    lead = await self._reader.read(1)
-            except TimeoutError:
-                raise ProtocolError(f"no frame within {self._limits.frame_timeout:g} s of connecting") from None
-        else:
-            lead = await self._idle_read()
-            deadline = loop.time() + self._limits.frame_timeout
-        if not lead:
+        header = await self._next_header()
+        if not header:
             return None
         start = time.perf_counter()
+        size = read_header(header, self._limits.max_payload)
+        await self._budget.take(size)
+        # The peer has frame_timeout from now for the payload (waiting for the budget was ours).
+        self._frame_started = asyncio.get_running_loop().time()
         try:
-            async with asyncio.timeout_at(deadline) as frame_deadline:
-                header = lead + await self._reader.readexactly(HEADER_SIZE - 1)
-                size = read_header(header, self._limits.max_payload)
-                waiting = loop.time()
-                await self._budget.take(size)
-                # Waiting for the budget is the node's doing, not the peer's: not counted.
-                frame_deadline.reschedule(frame_deadline.when() + loop.time() - waiting)
-                try:
-                    payload = await self._read_payload(size)
-                except BaseException:
-                    self._budget.give(size)
-                    raise
-        except TimeoutError:
-            raise ProtocolError(f"a frame did not arrive within {self._limits.frame_timeout:g} s "
-                                "of its first byte") from None
-        self._metrics.bytes_received.inc(HEADER_SIZE + size)
-        try:
+            payload = await self._read_payload(size)
             message = decode_payload(payload, self._revision)
         except BaseException:
             self._budget.give(size)
             raise
+        finally:
+            self._frame_started = None
+        self._metrics.bytes_received.inc(HEADER_SIZE + size)
         return message, HEADER_SIZE + size, time.perf_counter() - start, size
 
-    async def _idle_read(self) -> bytes:
-        """The first byte of the next frame (b"" at EOF), however long it takes; past the session
-        idle timeout the session's KV state is freed meanwhile."""
+    async def _next_header(self) -> bytes:
+        """The next frame header (b"" at EOF between frames), however long the master stays idle
+        before it; past the session idle timeout the session's KV state is freed meanwhile."""
         idle = self._limits.session_idle_timeout
-        if idle is None or self._expired or not self._devices:
-            return await self._reader.read(1)
+        if idle is not None and not self._expired and self._devices:
+            try:
+                async with asyncio.timeout(idle):
+                    return await self._header()
+            except TimeoutError:
+                await self._expire()
+        return await self._header()
+
+    async def _header(self) -> bytes:
         try:
-            async with asyncio.timeout(idle):
-                return await self._reader.read(1)
-        except TimeoutError:
-            await self._expire()
-        return await self._reader.read(1)
+            return await self._reader.readexactly(HEADER_SIZE)
+        except asyncio.IncompleteReadError as e:
+            if e.partial:
+                raise
+            return b""
+
+    def _watch_frames(self) -> None:
+        """Close the connection once a frame (or, first, Hello) has taken longer than the frame
+        timeout; looked at every frame_timeout seconds rather than timed per frame, which would
+        cost every decode step a timer."""
+        loop = asyncio.get_running_loop()
+        timeout = self._limits.frame_timeout
+        started = self._frame_started
+        if started is None or loop.time() < started + timeout:
+            self._frame_watch = loop.call_at((loop.time() if started is None else started) + timeout,
+                                             self._watch_frames)
+            return
+        error = (f"no Hello within {timeout:g} s of connecting" if self._awaiting_hello
+                 else f"a frame did not arrive within {timeout:g} s of its header")
+        self._log.warning("closing connection", error=error, fault="peer")
+        self._writer.transport.abort()  # the read waiting on it ends at once, as a lost connection
 
     async def _read_payload(self, size: int) -> bytearray:
         """`size` bytes of the stream into one buffer (decoded tensors are views of it)."""
@@ -307,6 +316,8 @@ class Connection:
 
     async def _release(self) -> None:
         """The connection is gone: free the session on every device that saw it, then close."""
+        if self._frame_watch is not None:
+            self._frame_watch.cancel()
         for device in sorted(self._devices):
             try:
                 done = await self._pool.end(device, self.session)

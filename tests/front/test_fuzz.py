@@ -1,5 +1,8 @@
 """A live node under >= 20,000 generated and mutated frames from many connections, with a canary session.
 
+The node's buffer budget is 1 MiB, about twelve of the largest frames this model allows, so
+that the fuzzing connections also run into its backpressure.
+
 Frames are random bytes, frames with hostile lengths, Batch and SingleOp requests with hostile
 ndims, shapes, dtypes, op counts, layer names and positions, other messages (tags) out of place,
 valid requests, and bit-flipped or overwritten copies of all of these. The wire codec (tested
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import random
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +51,7 @@ F32_ATOL = 1e-4
 # The front's resident memory may grow this much under the fuzz (it holds at most a few frames of
 # at most MAX_PAYLOAD bytes; the rest is allocator slack and log buffers).
 RSS_GROWTH_BOUND = 64 << 20
+BUFFER_BUDGET = 1 << 20
 MAX_PAYLOAD = Admission(frozenset(NAMES), HIDDEN, MAX_CONTEXT, len(LAYERS)).max_payload()
 U64 = 2**64 - 1
 
@@ -59,7 +64,8 @@ def run(coro, timeout=600):
 def node(checkpoint, tmp_path_factory):
     topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
     running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32", "--max-context",
-                          str(MAX_CONTEXT), "--metrics-address", "127.0.0.1:0")
+                          str(MAX_CONTEXT), "--metrics-address", "127.0.0.1:0", "--max-buffered-mib",
+                          str(BUFFER_BUDGET >> 20))
     yield running
     assert running.stop() == 0
 
@@ -301,3 +307,38 @@ def test_fuzzed_frames_from_many_connections_leave_the_node_and_a_canary_session
     print(f"fuzz: {sent} frames on {len(connections)} connections ({len(endings)} ended by a closing frame); "
           f"{refused} refusals and {closed} closes logged; canary {steps} decode steps; "
           f"front RSS {before >> 20} MiB before, peak {peak >> 20} MiB")
+
+
+def test_frames_past_the_buffer_budget_wait_unread_until_bytes_are_given_back(node, checkpoint):
+    """Connections holding half-sent frames fill the budget exactly; a master's next request then
+    waits, unread, and is served once one of them closes; nothing stays held after."""
+    ref = HFLayers(checkpoint, LAYERS, torch.float32)
+
+    async def main():
+        master = await CakeMaster.connect(node.port, LAYERS)
+        x = torch.randn(1, 3, HIDDEN)
+        torch.testing.assert_close(await master.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
+        sizes = [MAX_PAYLOAD] * (BUFFER_BUDGET // MAX_PAYLOAD) + [BUFFER_BUDGET % MAX_PAYLOAD]
+        hogs = []
+        for size in sizes:  # each announces a frame, sends one byte of it, and stalls
+            reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
+            writer.write(frame(Hello()) + struct.pack(">II", MAGIC, size) + b"\0")
+            hogs.append(writer)
+        while scrape(node.metrics_port())["cakemp_buffered_bytes", ()] < BUFFER_BUDGET:
+            await asyncio.sleep(0.05)  # the node takes the hogs' frames one by one
+        assert scrape(node.metrics_port())["cakemp_buffered_bytes", ()] == BUFFER_BUDGET
+        x = torch.randn(1, 1, HIDDEN)
+        waiting = asyncio.create_task(master.forward(x, 3))
+        done, _ = await asyncio.wait([waiting], timeout=1)
+        assert not done  # a blocked request cannot finish however long it is given
+        hogs.pop().close()
+        torch.testing.assert_close(await asyncio.wait_for(waiting, 60), ref(x, 3), atol=F32_ATOL, rtol=0)
+        for writer in hogs:
+            writer.close()
+        await master.close()
+
+    run(main(), timeout=120)
+    deadline = time.monotonic() + 30
+    while scrape(node.metrics_port())["cakemp_buffered_bytes", ()] != 0:  # the node sees the closes a moment later
+        assert time.monotonic() < deadline, "frame bytes still held after every connection closed"
+        time.sleep(0.05)
