@@ -34,8 +34,9 @@ LAYERS = [0, 1, 2, 3]  # 0-1 on cpu:0, 2-3 on cpu:1
 OPS = [(f"model.layers.{i}", 0, i) for i in LAYERS]
 MAX_CONTEXT = 64
 MAX_CONNECTIONS = 12
-# Long enough that no legitimate frame or pause between a test's requests comes near them on a
-# loaded machine; the tests that need them to pass wait for the node's own log line.
+# Long enough that no legitimate frame comes near the frame timeout on a loaded machine; the idle
+# timeout well above it, since a bystander session sits idle through a frame-timeout attack. The
+# tests that need them to pass wait for the node's own log line.
 FRAME_TIMEOUT_S = 3
 IDLE_TIMEOUT_S = 10
 F32_ATOL = 1e-4
