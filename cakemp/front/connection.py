@@ -222,7 +222,7 @@ class Connection:
     async def _expire(self) -> None:
         """The session sat idle past --session-idle-timeout: free its KV state on every device."""
         await self._goodbye()
-        self._expired = bool(self._devices)
+        self._expired = True
         self._log.info("session idle: freed its KV state", idle_timeout=self._limits.session_idle_timeout)
 
     async def _goodbye(self) -> None:
