@@ -51,6 +51,8 @@ TINY = dict(
 )
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# A hub_config value meaning "the key is left out" (the family's default applies).
+OMIT = "<omitted>"
 
 
 def make_config(family: str, **overrides) -> transformers.PreTrainedConfig:
@@ -76,15 +78,19 @@ def make_checkpoint(
     dtype: the stored dtype of the (non-FP8) tensors.
     hub_config: config.json is then written as the hub's files carry it, with the classic keys
     (rope_theta, rope_scaling, rope_local_base_freq, sliding_window_pattern, ...) that
-    transformers 5 would rewrite on save: TINY, the overrides and these keys, exactly.
+    transformers 5 would rewrite on save: TINY, the overrides and these keys, exactly (keys whose
+    value is OMIT left out).
     """
-    config = make_config(family, **config_overrides, **(hub_config or {}))
+    classic = TINY | config_overrides | (hub_config or {})
+    classic = {key: value for key, value in classic.items() if value != OMIT}
+    config_class, _, architecture = FAMILIES[family]
+    config = config_class(**classic)
+    config.architectures = [architecture]
     path = Path(tmp_path) / f"{family}-{seed}"
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
     if hub_config is not None:
-        classic = {"architectures": config.architectures, "model_type": config.model_type}
-        classic |= TINY | config_overrides | hub_config
+        classic = {"architectures": [architecture], "model_type": config.model_type} | classic
         (path / "config.json").write_text(json.dumps(classic, indent=2))
     tensors = {name: t.to(dtype) for name, t in _random_weights(family, config, seed).items()}
     if fp8_block is not None:

@@ -172,11 +172,18 @@ class DecoderBlock:
 
 
 def plus_one(weight: torch.Tensor) -> torch.Tensor:
-    """A (1 + w) norm's stored w -> the weight rms_norm multiplies by: summed in f32, rounded
-    once to w's dtype (Gemma's checkpoints store the offset from 1)."""
-    return (weight.float() + 1).to(weight.dtype)
+    """A (1 + w) norm's stored w -> the f32 weight rms_norm multiplies by (Gemma's checkpoints
+    store the offset from 1). Kept in f32 as transformers keeps it: rounded to bf16, 1 + w
+    would lose the low bits of w."""
+    return weight.float() + 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalise the last dim (torch's rms_norm computes in f32 for f16/bf16 inputs)."""
+    """RMS-normalise the last dim (torch's rms_norm computes in f32 for f16/bf16 inputs).
+
+    An f32 weight on f16/bf16 x (a folded (1 + w)) scales in f32 and rounds once at the end,
+    as transformers' Gemma norm does.
+    """
+    if weight.dtype != x.dtype:
+        return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
     return F.rms_norm(x, weight.shape, weight, eps)
