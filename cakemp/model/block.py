@@ -155,7 +155,9 @@ class DecoderBlock:
             # Several queries: is_causal would align the diagonal top-left, wrong once the cache
             # holds earlier positions (chunked prefill); causal_lower_right aligns it to the
             # last key without materialising a mask, and lets kernels skip masked blocks.
-            if self.window is None:
+            if self.window is None or first >= end - self.window:
+                # Every key from `first` on is inside every query's window (a prompt no longer
+                # than the window): the causal mask alone is exact, and cheaper.
                 mask = causal_lower_right(T, end - first)
             else:
                 q_pos = torch.arange(start, end, device=h.device)[:, None]  # [T, 1]
