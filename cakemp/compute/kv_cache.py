@@ -13,6 +13,11 @@ also keep the cache addressable without any Python object per token: a later cro
 batch can index buffers by (session, block_idx) and lengths, and CUDA-graph replay can ask
 for buffers preallocated at the context limit (stable addresses) through `reserve`.
 
+What each layer kind keeps: every attention layer, global or local (a sliding-window layer of
+Mistral, Qwen, Gemma 3, EXAONE 4, Phi-3), keeps all its positions; a local layer reads only the
+last `window` of them (model/block.py), so it costs as much memory as a global one. Keeping
+only the window would need a ring buffer whose rows no longer sit in position order.
+
 The budget counts allocated capacity, not used positions, since that is what the device
 actually holds. Growth falls back to the exact size needed when doubling would pass the
 budget, so a session is refused only when the positions it needs cannot fit.
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded
+from cakemp.units import human_bytes
 
 MIN_CAPACITY = 256
 
@@ -110,8 +116,8 @@ class KVCache:
         exact = sum(end - old for old, end, _ in growth.values()) * self.bytes_per_position
         if exact > left:
             raise CacheBudgetExceeded(
-                f"session {session} needs {exact / 2**20:.2f} MiB more KV cache but only "
-                f"{max(left, 0) / 2**20:.2f} MiB of the {self.budget_bytes / 2**20:.2f} MiB budget is left"
+                f"the KV cache would need {human_bytes(exact)} more but only {human_bytes(max(left, 0))} "
+                f"of this device's {human_bytes(self.budget_bytes)} budget is left"
             )
         for block_idx, (old, end, _) in growth.items():
             growth[block_idx] = (old, end, end)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from cakemp import log
 from cakemp.device import process as device_process
 from cakemp.device.spec import DeviceSpec
-from cakemp.errors import DeviceLost, ProtocolError, RequestError
+from cakemp.errors import DeviceLost, InternalError, ProtocolError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
@@ -39,7 +39,6 @@ from cakemp.ipc import (
     Clear,
     Done,
     End,
-    ErrorCode,
     Failure,
     FrontChannel,
     Hop,
@@ -251,8 +250,8 @@ class DevicePool:
             self._act(self._state.answered(device, msg.request_id, now))
         elif isinstance(msg, Failure):
             error = error_from(msg.code, msg.message)
-            if msg.code == ErrorCode.INTERNAL or not isinstance(error, RequestError):
-                error = RequestError(msg.message)
+            if not isinstance(error, RequestError):  # a start code on a request: the device's own fault
+                error = InternalError(msg.message)
             self._act(self._state.answered(device, msg.request_id, now, error))
         elif isinstance(msg, Done):
             pending = self._pending.get(msg.request_id)

@@ -60,16 +60,23 @@ class ErrorCode(IntEnum):
     DEVICE_LOST = 8
     CONFIG = 9
     CHECKPOINT = 10
+    BAD_OPS = 11
+    SESSION_EXPIRED = 12
+    BAD_REQUEST = 13
 
 
 # Most specific first: the first class an exception is an instance of gives its code.
 _CODES: tuple[tuple[type[errors.CakempError], ErrorCode], ...] = (
     (errors.UnknownLayer, ErrorCode.UNKNOWN_LAYER),
     (errors.BadTensor, ErrorCode.BAD_TENSOR),
+    (errors.BadOps, ErrorCode.BAD_OPS),
     (errors.ContextLimitExceeded, ErrorCode.CONTEXT_LIMIT),
-    (errors.CacheBudgetExceeded, ErrorCode.CACHE_BUDGET),
+    (errors.SessionExpired, ErrorCode.SESSION_EXPIRED),
     (errors.PositionGap, ErrorCode.POSITION_GAP),
+    (errors.CacheBudgetExceeded, ErrorCode.CACHE_BUDGET),
     (errors.DeviceLost, ErrorCode.DEVICE_LOST),
+    (errors.InternalError, ErrorCode.INTERNAL),
+    (errors.BadRequest, ErrorCode.BAD_REQUEST),
     (errors.RequestError, ErrorCode.REQUEST),
     (errors.CheckpointError, ErrorCode.CHECKPOINT),
     (errors.ConfigError, ErrorCode.CONFIG),
@@ -83,8 +90,8 @@ def error_code(error: BaseException) -> ErrorCode:
 
 
 def error_from(code: int, message: str) -> errors.CakempError:
-    """The exception a code stands for, with `message`; an INTERNAL or unknown code is a plain CakempError."""
-    cls = _CLASSES.get(code, errors.CakempError)
+    """The exception a code stands for, with `message` (an unknown code: InternalError)."""
+    cls = _CLASSES.get(code, errors.InternalError)
     return cls(message)
 
 

@@ -104,18 +104,23 @@ def test_garbage_is_a_protocol_error(frames):
     (errors.CacheBudgetExceeded("x"), ErrorCode.CACHE_BUDGET),
     (errors.PositionGap("x"), ErrorCode.POSITION_GAP),
     (errors.DeviceLost("x"), ErrorCode.DEVICE_LOST),
+    (errors.BadOps("x"), ErrorCode.BAD_OPS),
+    (errors.SessionExpired("x"), ErrorCode.SESSION_EXPIRED),
+    (errors.InternalError("x"), ErrorCode.INTERNAL),
+    (errors.BadRequest("x"), ErrorCode.BAD_REQUEST),
     (errors.RequestError("x"), ErrorCode.REQUEST),
     (errors.CheckpointError("x"), ErrorCode.CHECKPOINT),
     (errors.ConfigError("x"), ErrorCode.CONFIG),
     (RuntimeError("x"), ErrorCode.INTERNAL),
 ])
 def test_errors_travel_as_codes_and_come_back_as_the_same_class(error, code):
-    """Each error of cakemp's tree has its code and is rebuilt as that class; anything else is INTERNAL."""
+    """Each error of cakemp's tree has its code and is rebuilt as that class; anything else is INTERNAL,
+    rebuilt as InternalError."""
     assert error_code(error) == code
     back = error_from(code, "message")
     assert str(back) == "message"
     if code is ErrorCode.INTERNAL:
-        assert type(back) is errors.CakempError
+        assert type(back) is errors.InternalError
     else:
         assert type(back) is type(error)
 
