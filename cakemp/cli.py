@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from cakemp import log
+from cakemp import __version__, log
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front import Front, NodeConfig
 from cakemp.address import parse_address
@@ -34,6 +34,7 @@ def _flag(*decls: str, **kwargs):
 
 
 @click.group(context_settings={"show_default": True})
+@click.version_option(__version__, prog_name="cakemp")
 def cli() -> None:
     """cakemp: a multi-GPU worker node for Cake distributed LLM inference."""
 

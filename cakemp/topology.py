@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import yaml
 
@@ -40,7 +40,7 @@ class Topology:
     nodes: tuple[tuple[str, Node], ...]
 
     @classmethod
-    def load(cls, path: str | Path) -> "Topology":
+    def load(cls, path: str | Path) -> Topology:
         try:
             text = Path(path).read_text()
         except OSError as e:
@@ -48,7 +48,7 @@ class Topology:
         return cls.parse(text, source=str(path))
 
     @classmethod
-    def parse(cls, text: str, source: str = "topology") -> "Topology":
+    def parse(cls, text: str, source: str = "topology") -> Topology:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:

@@ -26,7 +26,7 @@ class DeviceService:
     layers: tuple[str, ...]  # the front addresses layers by their index in this tuple
 
     @classmethod
-    def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None) -> "DeviceService":
+    def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None) -> DeviceService:
         """Load the spec's layers; `on_layer(n)` once n of them are on the device."""
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)

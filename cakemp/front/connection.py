@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from cakemp import log
 from cakemp.auth import authenticate_master

@@ -186,7 +186,7 @@ async def start_metrics_server(metrics: Metrics, host: str, port: int) -> asynci
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
             status, body, content_type = _respond(metrics, head)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             status, body, content_type = "400 Bad Request", "bad request\n", "text/plain; charset=utf-8"
         try:
             writer.write(

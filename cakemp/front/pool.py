@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import multiprocessing
 import os
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from cakemp import errors, log
 from cakemp.device import process as device_process
@@ -335,7 +335,7 @@ class _Device:
             self.process.terminate()
             try:
                 await asyncio.wait_for(self._gone.wait(), _STOP_GRACE_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.process.kill()
                 await self._gone.wait()
         self._channel.close()

@@ -20,7 +20,7 @@ async def probe(
     client = await dial(address, cluster_key=cluster_key, revision=revision, timeout=timeout)
     try:
         return await asyncio.wait_for(client.hello(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         hint = "" if cluster_key else " (does it expect a cluster key?)"
         raise ProtocolError(f"{address} did not answer Hello within {timeout:g} s{hint}") from None
     except RemoteWorkerError as exc:

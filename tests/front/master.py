@@ -7,7 +7,7 @@ this worker's layers is sent as one Batch on the run's first connection; Goodbye
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ class CakeMaster:
 
     @classmethod
     async def connect(cls, port: int, layers: Sequence[int], *, cluster_key: str | None = None,
-                      revision: Revision = Revision.V2) -> "CakeMaster":
+                      revision: Revision = Revision.V2) -> CakeMaster:
         clients = []
         for _ in layers:  # sequentially, one per remote layer, as Cake does
             client = await WorkerClient.connect("127.0.0.1", port, cluster_key=cluster_key, revision=revision)
