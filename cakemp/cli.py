@@ -63,9 +63,11 @@ def cli() -> None:
 @_flag("--log-format", type=click.Choice(list(log.FORMATS)), default="auto",
        help="auto = console on a terminal, JSON lines otherwise.")
 @_flag("--log-level", type=click.Choice(list(log.LEVELS)), default="info")
+@_flag("--stats-interval", type=click.FloatRange(min=0, min_open=True), default=60.0,
+       help="Seconds between throughput log lines (none while nothing is served).")
 def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_budget_mib, max_context,
         cpu_threads, drain_timeout, request_timeout, restart_attempts, metrics_address, log_format,
-        log_level) -> None:
+        log_level, stats_interval) -> None:
     """Serve this worker's layers of a Cake topology."""
     log.configure(log_format, log_level)
     logger = log.get_logger()
@@ -77,14 +79,15 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         raise ConfigError("no --topology given (zero-config setup is not supported)")
     served, node = Topology.load(topology).worker(name)
     if served != name:
-        logger.warning(f"topology for worker name '{name}' not found, using '{served}'")
+        logger.warning("worker name not in topology, serving its first entry", name=name, entry=served)
     if not node.layers:
         raise ConfigError(f"topology entry '{served}' lists no layers")
     devices = parse_gpus(gpus, cuda_devices() if gpus.strip() == "all" else ())
     if gpus.strip() == "all" and devices == (None,):
         logger.warning("no CUDA device found; serving on one CPU device")
     if len(devices) > len(node.layers):
-        logger.warning(f"{len(devices)} devices for {len(node.layers)} layers; using {len(node.layers)}")
+        logger.warning("more devices than layers, using one per layer", devices=len(devices),
+                       layers=len(node.layers))
         devices = devices[: len(node.layers)]
     host, port = parse_address(address)
     config = NodeConfig(
@@ -94,7 +97,7 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         cpu_threads=cpu_threads, drain_timeout=drain_timeout, request_timeout=request_timeout,
         restart_attempts=restart_attempts,
         metrics_address=parse_address(metrics_address, "--metrics-address") if metrics_address else None,
-        log_format=log_format, log_level=log_level,
+        log_format=log_format, log_level=log_level, stats_interval=stats_interval,
     )
     # The front's exit status; a CakempError (a device that died while loading, say) exits 1.
     sys.exit(_run_or_exit(Front(config, notifier).run()))

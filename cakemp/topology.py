@@ -17,6 +17,7 @@ from cakemp.errors import ConfigError
 
 # Cake's `(?m)^(.+[^\d])(\d+)-(\d+)$`: "model.layers.0-15" -> base "model.layers.", 0, 15.
 _RANGE = re.compile(r"(.+[^0-9])([0-9]+)-([0-9]+)")
+_NUMBERED = re.compile(r"(.+[^0-9])([0-9]+)")  # "model.layers.7" -> "model.layers.", 7
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,33 @@ def expand_layers(entries: Sequence[str]) -> tuple[str, ...]:
             raise ConfigError(f"invalid layer range {entry!r}: {last} < {first}")
         layers.extend(f"{base}{i}" for i in range(first, last + 1))
     return tuple(layers)
+
+
+def collapse_layers(layers: Sequence[str]) -> tuple[str, ...]:
+    """The inverse of `expand_layers`: consecutive base<i>, base<i+1>, … as one `base<a>-<b>` entry."""
+    entries: list[str] = []
+    run: tuple[str, int, int] | None = None  # (base, first, last) of the run being collected
+
+    def close() -> None:
+        if run is not None:
+            base, first, last = run
+            entries.append(f"{base}{first}" if first == last else f"{base}{first}-{last}")
+
+    for layer in layers:
+        match = _NUMBERED.fullmatch(layer)
+        if match is None or match.group(2) != str(int(match.group(2))):  # "layers.07" is kept as written
+            close()
+            run = None
+            entries.append(layer)
+            continue
+        base, index = match.group(1), int(match.group(2))
+        if run is not None and run[0] == base and run[2] + 1 == index:
+            run = (base, run[1], index)
+            continue
+        close()
+        run = (base, index, index)
+    close()
+    return tuple(entries)
 
 
 def device_of(position: int, num_layers: int, num_devices: int) -> int:

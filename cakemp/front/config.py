@@ -36,6 +36,7 @@ class NodeConfig:
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics, /healthz, /readyz; None: off
     log_format: str = "auto"
     log_level: str = "info"
+    stats_interval: float = 60.0  # seconds between throughput lines (none while idle)
 
 
 def parse_gpus(text: str, cuda_devices: tuple[str, ...]) -> tuple[str | None, ...]:

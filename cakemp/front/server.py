@@ -30,11 +30,11 @@ from cakemp.front.metrics import Metrics, start_metrics_server
 from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.front.router import Router
-from cakemp.front.stats import human_bytes
+from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import Ready
 from cakemp.rss import resident_bytes
-from cakemp.topology import place_layers
+from cakemp.topology import collapse_layers, place_layers
 from cakemp.wire import WorkerInfo
 
 EXIT_OK = 0
@@ -87,13 +87,15 @@ class Front:
                 await server.start_serving()
                 host, port = server.sockets[0].getsockname()[:2]  # the real port when --address asked for 0
                 self._log.info(
-                    f"listening on {host}:{port} (mem:{human_bytes(resident_bytes())}) ...",
-                    port=port,
-                    devices=[f"{self.pool.label(i)}={human_bytes(r.memory_bytes)}" for i, r in enumerate(readies)],
-                    layers=len(self.config.layers),
+                    "listening", host=host, port=port, memory_bytes=resident_bytes(), layers=len(self.config.layers),
+                    device_memory_bytes={self.pool.label(i): r.memory_bytes for i, r in enumerate(readies)},
                 )
                 self.status.serving(f"{host}:{port}")
-                exit_status = await self._serve_until_done()
+                stats = asyncio.create_task(log_stats(self.metrics, self.config.stats_interval))
+                try:
+                    exit_status = await self._serve_until_done()
+                finally:
+                    stats.cancel()
                 server.close()
                 await self._drain()
                 return exit_status
@@ -134,13 +136,16 @@ class Front:
             return None
         host, port = self.config.metrics_address
         try:
-            return await start_metrics_server(self.metrics, host, port)
+            return await start_metrics_server(self.metrics, host, port, self._placement_document())
         except OSError as e:
             raise ConfigError(f"cannot serve metrics on {host}:{port}: {e.strerror}") from None
 
     async def _start_pool(self) -> tuple[Ready, ...] | None:
         """Every device's Ready, or None when asked to stop while they load."""
         specs = self._device_specs()
+        for spec in specs:
+            self._log.info("device layers", device=spec.index, device_label=spec.label,
+                           layers=list(collapse_layers(spec.layers)), count=len(spec.layers))
         self.status = NodeStatus(
             self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.layers) for spec in specs],
             progress_window=LOAD_SILENCE_S + _PROGRESS_SLACK_S,
@@ -202,12 +207,12 @@ class Front:
             revision=self.config.revision, cluster_key=self.config.cluster_key, worker_info=self._worker_info,
         )
         self._connections[connection] = asyncio.current_task()
-        self.metrics.active_sessions.inc()
+        self.metrics.connections.inc()
         try:
             await connection.serve()
         finally:
             del self._connections[connection]
-            self.metrics.active_sessions.dec()
+            self.metrics.connections.dec()
 
     def _worker_info(self, latency_ms: int) -> WorkerInfo:
         first_gpu = next((gpu for gpu in self.config.devices if gpu is not None), None)
@@ -220,6 +225,14 @@ class Front:
             device_idx=int(first_gpu) if first_gpu is not None and first_gpu.isdigit() else 0,
             latency=latency_ms,
         )
+
+    def _placement_document(self) -> dict:
+        """What /layers shows: this worker's name and, per device, the layers it serves."""
+        return {
+            "name": self.config.name,
+            "devices": [{"device": spec.label, "layers": list(collapse_layers(spec.layers)), "count": len(spec.layers)}
+                        for spec in self._device_specs()],
+        }
 
     def _device_specs(self) -> list[DeviceSpec]:
         cpu_processes = sum(1 for gpu in self.config.devices if gpu is None)

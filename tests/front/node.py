@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-LISTENING = "listening on "
+LISTENING = "listening"
 
 
 def children(pid: int) -> set[int]:
@@ -80,7 +80,7 @@ class RunningNode:
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
-        listening = self.wait_for(lambda e: e.get("event", "").startswith(LISTENING), timeout)
+        listening = self.wait_for(lambda e: e.get("event") == LISTENING, timeout)
         self.port: int = listening["port"]
 
     def _collect(self) -> None:
@@ -129,7 +129,7 @@ class RunningNode:
 
     def metrics_port(self) -> int:
         """The port of the metrics endpoint (started with --metrics-address)."""
-        return self.wait_for(lambda e: e.get("event", "").startswith("metrics on "))["port"]
+        return self.wait_for(lambda e: e.get("event") == "metrics endpoint")["port"]
 
     def stop(self) -> int:
         if self.process.poll() is None:
