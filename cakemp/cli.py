@@ -152,7 +152,8 @@ def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, rep
 @_flag("--timeout", type=click.FloatRange(0, min_open=True), default=5.0, help="Seconds per step.")
 @_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
        help="Cake revision the node speaks.")
-def probe(address, cluster_key, as_json, timeout, protocol) -> None:
+@_flag("--metrics-address", help="The node's --metrics-address: also show which layers each device serves.")
+def probe(address, cluster_key, as_json, timeout, protocol, metrics_address) -> None:
     """Check the node at ADDRESS (host:port): authenticate, say Hello, print its WorkerInfo.
 
     Exits 0 when it answers; 1 when it is down, 2 when the key handshake fails, 3 when it
@@ -163,10 +164,12 @@ def probe(address, cluster_key, as_json, timeout, protocol) -> None:
 
     from cakemp.errors import AuthError, ProtocolError, WorkerUnreachable
     from cakemp.master.probe import probe as probe_node
+    from cakemp.master.probe import read_placement
 
     try:
         info = asyncio.run(probe_node(address, cluster_key=cluster_key or None, timeout=timeout,
                                       revision=Revision(int(protocol))))
+        placement = read_placement(metrics_address, timeout=timeout) if metrics_address else None
     except WorkerUnreachable as e:
         _exit(f"down: {e}", 1)
     except AuthError as e:
@@ -174,10 +177,13 @@ def probe(address, cluster_key, as_json, timeout, protocol) -> None:
     except ProtocolError as e:
         _exit(f"wrong answer: {e}", 3)
     if as_json:
-        click.echo(json.dumps({"address": address, **dataclasses.asdict(info)}))
-    else:
-        click.echo(f"{address} is up: version {info.version}, {info.os}/{info.arch}, device {info.device} "
-                   f"{info.device_idx}, dtype {info.dtype}, latency {info.latency} ms")
+        extra = {} if placement is None else {"placement": placement}
+        click.echo(json.dumps({"address": address, **dataclasses.asdict(info), **extra}))
+        return
+    click.echo(f"{address} is up: version {info.version}, {info.os}/{info.arch}, device {info.device} "
+               f"{info.device_idx}, dtype {info.dtype}, latency {info.latency} ms")
+    for device in (placement or {}).get("devices", ()):
+        click.echo(f"  {device['device']} serves {', '.join(device['layers'])}")
 
 
 @cli.command()

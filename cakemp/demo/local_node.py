@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import cakemp
 from cakemp.errors import CakempError, NodeFailed
 from cakemp.master.probe import probe
 from cakemp.wire import WorkerInfo
@@ -54,13 +55,22 @@ class LocalNode:
         self._process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        """Start the subprocess; the key goes through the environment, never the command line."""
+        """Start the subprocess; the key goes through the environment, never the command line.
+
+        The node runs the very package this process imported, whatever the working directory:
+        `python -m cakemp` would otherwise import whatever `cakemp` the working directory or the
+        environment offers first (a clone's source tree, another install). It runs in the log's
+        directory, so nothing in the caller's working directory shadows a module it imports.
+        """
         env = {k: v for k, v in os.environ.items() if k != "CAKE_CLUSTER_KEY" and not k.startswith("CAKEMP_")}
         if self.cluster_key is not None:
             env["CAKE_CLUSTER_KEY"] = self.cluster_key
+        package_root = str(Path(cakemp.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
-                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=self.log_path.parent,
             )
 
     async def wait_ready(self, timeout: float = 120.0) -> WorkerInfo:

@@ -7,9 +7,11 @@ import urllib.request
 
 import pytest
 import torch
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 import cakemp
+from cakemp.cli import cli
 from cakemp.compute.kv_cache import MIN_CAPACITY
 from cakemp.front.metrics import Counter, Histogram, Metrics, start_metrics_server
 from cakemp.wire import Batch, LayerOp, Revision, TensorMessage, encode_frame
@@ -358,3 +360,19 @@ def test_layers_and_the_start_log_name_each_devices_layers(node):
     assert [(d["device"], d["layers"], d["count"]) for d in placement["devices"]] == expected
     logged = [(e["device_label"], e["layers"], e["count"]) for e in node.events() if e.get("event") == "device layers"]
     assert logged == expected
+
+
+def test_probe_shows_the_placement_beside_the_worker_info(node):
+    """`cakemp probe --metrics-address … --json` adds the /layers document to the WorkerInfo; without
+    --json each device's layers follow the status line."""
+    metrics = f"127.0.0.1:{node.metrics_port()}"
+    as_json = CliRunner().invoke(cli, ["probe", f"127.0.0.1:{node.port}", "--metrics-address", metrics, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    answer = json.loads(as_json.stdout)
+    assert answer["device"] == "cpu" and answer["placement"]["name"] == "worker"
+    assert [d["layers"] for d in answer["placement"]["devices"]] == [["model.layers.0-1"], ["model.layers.2-3"]]
+    text = CliRunner().invoke(cli, ["probe", f"127.0.0.1:{node.port}", "--metrics-address", metrics])
+    assert text.exit_code == 0, text.output
+    assert text.stdout.splitlines()[1:] == ["  cpu:0 serves model.layers.0-1", "  cpu:1 serves model.layers.2-3"]
+    wrong = CliRunner().invoke(cli, ["probe", f"127.0.0.1:{node.port}", "--metrics-address", f"127.0.0.1:{node.port}"])
+    assert wrong.exit_code == 3, wrong.output  # the Cake port speaks no HTTP
