@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 import yaml
 
+from cakemp.compute import tensors
 from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
 from cakemp.master.client import WorkerClient
-from cakemp.wire import DType, RawTensor
+from cakemp.wire import DType
 
 HERE = Path(__file__).resolve().parents[1]
 SPEC = SyntheticSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -64,8 +65,7 @@ async def decode(port: int, steps: int) -> None:
     ops = [(f"model.layers.{i}", 0, i) for i in range(SPEC.num_hidden_layers)]
     for position in range(steps):
         x = torch.randn(1, 1, SPEC.hidden_size)
-        await client.batch(RawTensor(x.numpy().tobytes(), DType.F32, (1, 1, SPEC.hidden_size)),
-                           [(name, position, index) for name, _, index in ops])
+        await client.batch(tensors.to_raw(x, DType.F32), [(name, position, index) for name, _, index in ops])
     await client.goodbye()
     await client.close()
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from cakemp.compute import tensors
 from cakemp.ipc import Activation, DeviceChannel, Forward, FrontChannel, Op
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
@@ -89,7 +90,7 @@ def start_single(model: Path, threads: int) -> tuple[subprocess.Popen, int]:
 
 
 def raw(x: torch.Tensor) -> RawTensor:
-    return RawTensor(x.numpy().tobytes(), DType.F32, tuple(x.shape))
+    return tensors.to_raw(x, DType.F32)
 
 
 class Session:
