@@ -21,6 +21,11 @@ from cakemp.master.probe import probe
 from cakemp.wire import WorkerInfo
 
 
+# As long as the node's front waits for a device that loads nothing (its LOAD_SILENCE_S): on a
+# loaded machine, starting torch in every device process alone can take minutes.
+READY_TIMEOUT_S = 300.0
+
+
 def free_port() -> int:
     """A TCP port nothing listens on right now on 127.0.0.1 (the kernel's pick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -73,7 +78,7 @@ class LocalNode:
                 cwd=self.log_path.parent,
             )
 
-    async def wait_ready(self, timeout: float = 120.0) -> WorkerInfo:
+    async def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> WorkerInfo:
         """Probe until the node answers Hello; NodeFailed if it exits first or `timeout` passes."""
         deadline = time.monotonic() + timeout
         while True:

@@ -232,7 +232,7 @@ class Metrics:
         )
         self.requests_waiting = Gauge(
             "cakemp_device_requests_waiting",
-            "Requests handed to each device and not answered yet (queued there or running).",
+            "Forward requests handed to each device and not answered yet (queued there or running).",
             ["device"],
         )
         self.kv_bytes = Gauge("cakemp_kv_cache_bytes", "KV cache bytes held, as last reported by each device.", ["device"])
