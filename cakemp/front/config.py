@@ -8,6 +8,7 @@ import subprocess
 from dataclasses import dataclass
 
 from cakemp.errors import ConfigError
+from cakemp.front.setup import SetupConfig
 from cakemp.wire import Revision
 
 # Cake's WorkerInfo.dtype spelling (candle's Debug names) for each --dtype value.
@@ -37,6 +38,8 @@ class NodeConfig:
     log_format: str = "auto"
     log_level: str = "info"
     stats_interval: float = 60.0  # seconds between throughput lines (none while idle)
+    # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
+    setup: SetupConfig | None = None
 
 
 def parse_gpus(text: str, cuda_devices: tuple[str, ...]) -> tuple[str | None, ...]:

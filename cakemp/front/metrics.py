@@ -303,13 +303,14 @@ MAX_REQUEST_HEAD = 8192  # bytes; the paths served here need a few dozen
 
 
 async def start_metrics_server(
-    metrics: Metrics, host: str, port: int, placement: Mapping[str, object] | None = None
+    metrics: Metrics, host: str, port: int, placement: Callable[[], Mapping[str, object]] | None = None
 ) -> asyncio.Server:
     """Serves /metrics, /healthz, /readyz and /layers on (host, port) from the running loop.
 
     /healthz answers 200 whenever the loop answers at all: a blocked front answers nothing,
     which is what a liveness probe should see. /readyz is 200 only while `metrics.is_ready`.
-    /layers is `placement` as JSON: which layers each device serves (404 when not given).
+    /layers is what `placement()` returns now, as JSON: which layers each device serves (404
+    without `placement`).
     Each response closes its connection; a scraper reconnects every interval anyway.
     """
 
@@ -338,7 +339,9 @@ async def start_metrics_server(
     return server
 
 
-def _respond(metrics: Metrics, placement: Mapping[str, object] | None, head: bytes) -> tuple[str, str, str]:
+def _respond(
+    metrics: Metrics, placement: Callable[[], Mapping[str, object]] | None, head: bytes
+) -> tuple[str, str, str]:
     """(status line, body, content type) for one request head."""
     text_plain = "text/plain; charset=utf-8"
     try:
@@ -353,7 +356,7 @@ def _respond(metrics: Metrics, placement: Mapping[str, object] | None, head: byt
     if path == "/metrics":
         return "200 OK", metrics.render(), CONTENT_TYPE
     if path == "/layers" and placement is not None:
-        return "200 OK", json.dumps(placement) + "\n", "application/json"
+        return "200 OK", json.dumps(placement()) + "\n", "application/json"
     if path == "/healthz":
         return "200 OK", "ok\n", text_plain
     if path == "/readyz":

@@ -233,14 +233,14 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving():
 
 
 def test_layers_shows_the_placement_it_was_given_as_json():
-    """/layers answers the placement document as JSON; without one it is 404."""
+    """/layers answers the placement document as JSON, read at each request; without one it is 404."""
     placement = {"name": "w", "devices": [{"device": "cpu:0", "layers": ["model.layers.0-1"], "count": 2}]}
 
     async def scenario(metrics, port):
         status, body = await http(port, get("/layers"))
         assert (status, json.loads(body)) == (200, placement)
 
-    serve(scenario, placement)
+    serve(scenario, lambda: placement)
 
     async def without(metrics, port):
         assert (await http(port, get("/layers")))[0] == 404
