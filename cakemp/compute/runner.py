@@ -11,8 +11,10 @@ from pathlib import Path
 
 import torch
 
+from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache
 from cakemp.errors import BadTensor, CheckpointError, PositionGap, UnknownLayer
+from cakemp.model import attention, fp8
 from cakemp.model.block import DecoderBlock
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
@@ -71,14 +73,28 @@ class BlockRunner:
                 raise CheckpointError(
                     f"layer {layer!r} is not one of {config.layer_name(0)}..{config.layer_name(config.num_hidden_layers - 1)}"
                 )
+        wanted = [{(layer, key): [f"{layer}.{name}" for name in members] for key, members in groups.items()}
+                  for layer in layers]
+        keep_fp8 = config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
+        needed = sum(checkpoint.nbytes(layer_groups, dtype, keep_fp8) for layer_groups in wanted)
+        free = None
+        if device.type == "cuda":
+            attention.use_fused_kernels()
+            free = torch.cuda.mem_get_info(device)[0]
+            memory.check_fits(needed, free, str(device))
         weights = {}
         # One layer at a time, so progress can be reported; opening a shard again per layer
         # costs only its header (the file is memory-mapped).
-        for loaded, layer in enumerate(layers, 1):
-            wanted = {(layer, key): [f"{layer}.{name}" for name in members] for key, members in groups.items()}
-            weights.update(checkpoint.load(wanted, device, dtype))
-            if on_layer is not None:
-                on_layer(loaded)
+        try:
+            for loaded, layer_groups in enumerate(wanted, 1):
+                weights.update(checkpoint.load(layer_groups, device, dtype, keep_fp8))
+                if on_layer is not None:
+                    on_layer(loaded)
+        except torch.OutOfMemoryError:
+            if free is None:
+                raise
+            # Past the estimate (another process took memory meanwhile, say): as much a configuration error.
+            raise memory.too_big(needed, free, str(device), "ran out of memory while loading") from None
         shapes = DecoderBlock.weight_shapes(config)
         for (layer, key), tensor in weights.items():
             if tuple(tensor.shape) != shapes[key]:
@@ -92,6 +108,8 @@ class BlockRunner:
             )
             for layer in layers
         }
+        if device.type == "cuda" and kv_budget_bytes is None:
+            kv_budget_bytes = memory.default_kv_budget(*torch.cuda.mem_get_info(device), str(device))
         return cls(config, blocks, device, dtype, kv_budget_bytes, max_context)
 
     def forward(self, session: int, x: torch.Tensor, ops: Sequence[tuple[str, int, int]]) -> torch.Tensor:
