@@ -15,7 +15,7 @@ from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache
 from cakemp.errors import BadTensor, CheckpointError, PositionGap, UnknownLayer
 from cakemp.model import attention, fp8
-from cakemp.model.block import DecoderBlock
+from cakemp.model.block import DecoderBlock, plus_one
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 from cakemp.model.rotary import Rotary
@@ -36,7 +36,11 @@ class BlockRunner:
         self.layers = tuple(blocks)
         self.device = device
         self.dtype = dtype
-        self.rotary = Rotary(config, device)
+        # Each layer's rotary (None: the layer has none); layers sharing one share its tables.
+        rotaries = {rope: Rotary(rope, device) for rope in set(config.layer_ropes) if rope is not None}
+        self.rotaries = {
+            layer: rotaries.get(config.layer_ropes[config.layer_index(layer)]) for layer in self.layers
+        }
         self.cache = KVCache(
             config.num_key_value_heads,
             config.head_dim,
@@ -102,6 +106,8 @@ class BlockRunner:
                     f"{layer}: {' + '.join(groups[key])} give shape {tuple(tensor.shape)}, "
                     f"config.json implies {shapes[key]}"
                 )
+            if config.layout.norm_plus_one and key in DecoderBlock.NORMS:
+                weights[layer, key] = plus_one(tensor)
         blocks = {
             layer: DecoderBlock(
                 config, config.layer_windows[config.layer_index(layer)], {key: weights[layer, key] for key in groups}
@@ -136,13 +142,14 @@ class BlockRunner:
             ends[block_idx] = max(ends.get(block_idx, 0), index_pos + T)
         slots = self.cache.reserve(session, ends)
         previous = {block_idx: slot.length for block_idx, slot in slots.items()}
-        rotations = {}
+        rotations = {(None, index_pos): (None, None) for _, index_pos, _ in ops}
         try:
             with torch.inference_mode():
                 for layer, index_pos, block_idx in ops:
-                    if index_pos not in rotations:
-                        rotations[index_pos] = self.rotary.cos_sin(index_pos, T, self.dtype)
-                    cos, sin = rotations[index_pos]
+                    rotary = self.rotaries[layer]
+                    if (rotary, index_pos) not in rotations:
+                        rotations[rotary, index_pos] = rotary.cos_sin(index_pos, T, self.dtype)
+                    cos, sin = rotations[rotary, index_pos]
                     slot = slots[block_idx]
                     x = self.blocks[layer].forward(x, cos, sin, slot.k, slot.v, index_pos)
                     slot.length = index_pos + T
