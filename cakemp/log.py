@@ -4,8 +4,9 @@ On a terminal lines are rendered for people; otherwise (journald, supervisor, te
 is one JSON object per line on stdout. Records of the standard `logging` module (asyncio, zmq,
 torch, Python's warnings) go through the same processors and renderer, so that a service's
 output is JSON throughout. Event names are constant strings; figures go in fields.
-Connection, session and device ids are bound by callers (`log.bind(conn=…)`); loggers are
-never pickled into child processes, children call `configure`.
+Sessions (named by their master's address) and devices are bound by callers
+(`log.get_logger(session=…)`); loggers are never pickled into child processes, children call
+`configure`.
 """
 
 from __future__ import annotations

@@ -248,6 +248,12 @@ class Metrics:
         self.device_restarts = Counter(
             "cakemp_device_restarts_total", "Device processes restarted after dying or hanging.", ["device"]
         )
+        self.refused_connections = Counter(
+            "cakemp_refused_connections_total", "Master connections closed on accept: --max-connections were open."
+        )
+        self.buffered_bytes = Gauge(
+            "cakemp_buffered_bytes", "Frame bytes master connections hold now, against --max-buffered-mib."
+        )
         self.readiness = Gauge("cakemp_ready", "1 when every device process is ready and connections are accepted.")
         self.build_info = Gauge("cakemp_build_info", "Always 1: the labels say what is running.", ["version", "python"])
         self.build_info.set(1, version=cakemp.__version__, python=platform.python_version())
@@ -263,6 +269,8 @@ class Metrics:
             self.sessions,
             self.device_request_seconds,
             self.requests_waiting,
+            self.refused_connections,
+            self.buffered_bytes,
             self.kv_bytes,
             self.kv_budget_bytes,
             self.device_memory,

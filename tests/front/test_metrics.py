@@ -42,6 +42,8 @@ def test_fresh_registry_parses_and_declares_every_family():
         "cakemp_sent_bytes": "counter",
         "cakemp_connections": "gauge",
         "cakemp_sessions": "gauge",
+        "cakemp_refused_connections": "counter",
+        "cakemp_buffered_bytes": "gauge",
         "cakemp_device_request_duration_seconds": "histogram",
         "cakemp_device_requests_waiting": "gauge",
         "cakemp_kv_cache_bytes": "gauge",
