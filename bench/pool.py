@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from cakemp.compute import tensors
 from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor

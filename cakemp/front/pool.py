@@ -129,10 +129,17 @@ class DevicePool:
                         chunk_data, i, len(chunks))
                     for i, (first, chunk_shape, chunk_data) in enumerate(chunks)]
         start = self._loop.time()
-        outputs = await self._request(session, tuple((s.device, s.generation) for s in stages), messages)
+        passed = tuple(dict.fromkeys(devices))  # every device of the route, once
+        for device in passed:
+            self._metrics.requests_waiting.inc(device=self.label(device))
+        try:
+            outputs = await self._request(session, tuple((s.device, s.generation) for s in stages), messages)
+        finally:
+            for device in passed:
+                self._metrics.requests_waiting.dec(device=self.label(device))
         elapsed = self._loop.time() - start
-        for device in dict.fromkeys(devices):  # every device the request passed, once
-            self._metrics.request_seconds.observe(elapsed, device=self.label(device))
+        for device in passed:
+            self._metrics.device_request_seconds.observe(elapsed, device=self.label(device))
         return outputs[0] if len(outputs) == 1 else b"".join(outputs)
 
     async def clear(self, device: int, session: int) -> Done:
@@ -171,7 +178,7 @@ class DevicePool:
                 continue
             try:
                 await asyncio.wait_for(self._gone[index].wait(), _STOP_GRACE_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 process.kill()
                 await self._gone[index].wait()
         for channel in self._channels:
@@ -266,6 +273,7 @@ class DevicePool:
             self._status.loaded(device, msg.layers)
         elif isinstance(msg, Ready):
             self._readies[device] = msg
+            self._metrics.device_loaded(self.label(device), msg.memory_bytes, self.specs[device].kv_budget_bytes)
             self._act(self._state.ready(device, now))
         elif isinstance(msg, StartFailure):
             self._act(self._state.start_failed(device, now, error_from(msg.code, msg.message)))

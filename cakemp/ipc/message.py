@@ -22,7 +22,6 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Union
 
 from cakemp import errors
 from cakemp.errors import BadTensor, ProtocolError
@@ -239,7 +238,7 @@ class Done:
     kv_bytes: int
 
 
-Message = Union[Hop, Clear, End, Ping, Pong, Ready, Loaded, StartFailure, Activation, Failure, Progress, Done]
+Message = Hop | Clear | End | Ping | Pong | Ready | Loaded | StartFailure | Activation | Failure | Progress | Done
 
 
 def _head(kind: Kind, *, dtype: int = 0, shape: tuple[int, ...] = (), session: int = 0,
