@@ -26,7 +26,7 @@ from enum import IntEnum
 from cakemp import errors
 from cakemp.errors import BadTensor, ProtocolError
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 class Kind(IntEnum):
