@@ -169,20 +169,22 @@ def copy_tree(source: Path, rev: str | None, destination: Path) -> None:
 
 
 def present(tree: Path, tests: tuple[str, ...]) -> list[str]:
-    """`tests` without the paths this tree lacks (options and their values are kept)."""
-    kept, value_next = [], False
+    """`tests` without the paths this tree lacks (options and their values are kept), or [] when
+    no path is left (an option alone would select from the whole suite)."""
+    kept, paths, value_next = [], 0, False
     for arg in tests:
         if value_next or arg.startswith("-"):
             kept.append(arg)
             value_next = arg in ("-k", "-m")
         elif (tree / arg.split("::")[0]).exists():
             kept.append(arg)
-    return kept
+            paths += 1
+    return kept if paths else []
 
 
 def run_tests(tree: Path, tests: list[str]) -> tuple[str, float]:
     """("failed" | "passed" | "no tests" | "timeout" | "error rc=N", seconds) for `tests` in `tree`."""
-    if not any(not a.startswith("-") for a in tests):
+    if not tests:
         return "no tests", 0.0
     env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(tree / ".cache")}
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]

@@ -26,9 +26,13 @@ from cakemp.master.probe import probe
 from tests.checkpoints import HFLayers
 from tests.deploy.flags import run_variables
 from tests.front.master import from_raw, to_raw
-from tests.front.node import children, gone, wait_gone, write_topology
+from tests.front.node import children, gone, wait_gone, wait_until, write_topology
+from tests.tolerance import assert_close
 
 PROGRAM = Path(__file__).parents[2] / "deploy" / "supervisor" / "cakemp.conf"
+# supervisor's console script, installed beside the interpreter running the tests (a venv's
+# bin/ need not be on PATH).
+SUPERVISORD = str(Path(sys.executable).parent / "supervisord")
 
 
 def write_config(tmp_path: Path, command: str | None = None, environment: dict[str, str] | None = None) -> Path:
@@ -142,7 +146,7 @@ class Supervised:
                 return from_raw(await client.batch(to_raw(x), [(f"model.layers.{i}", 0, i) for i in range(4)]))
 
         y = asyncio.run(asyncio.wait_for(batch(), 30))
-        torch.testing.assert_close(y, HFLayers(checkpoint, range(4), torch.float32)(x, 0), atol=1e-4, rtol=0)
+        assert_close(y, HFLayers(checkpoint, range(4), torch.float32)(x, 0))
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +162,7 @@ def supervised(tmp_path_factory, checkpoint):
         "CAKEMP_GPUS": "cpu:2",
         "CAKEMP_METRICS_ADDRESS": f"127.0.0.1:{free_port()}",
     })
-    process = subprocess.Popen(["supervisord", "--nodaemon", "--configuration", str(config)], cwd=tmp,
+    process = subprocess.Popen([SUPERVISORD, "--nodaemon", "--configuration", str(config)], cwd=tmp,
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     rpc = ServerProxy("http://localhost", transport=SupervisorTransport(serverurl=f"unix://{tmp}/supervisor.sock"))
     yield Supervised(process, rpc, address, tmp / "cakemp.log")
@@ -184,16 +188,12 @@ def test_a_killed_device_is_healed_in_place(supervised, checkpoint):
 
 
 def test_a_killed_front_takes_its_devices_and_supervisord_restarts_it(supervised, checkpoint):
-    """SIGKILL of the front ends its device processes within two seconds, and supervisord starts a
-    new front that serves."""
+    """SIGKILL of the front ends its device processes, and supervisord starts a new front that serves."""
     front = supervised.front_pid()
     spawned = children(front)
     os.kill(front, signal.SIGKILL)
-    assert wait_gone(spawned, timeout=2.0) == set()
-    deadline = time.monotonic() + 30
-    while supervised.front_pid() in (0, front):
-        assert time.monotonic() < deadline, "supervisord did not start the node again"
-        time.sleep(0.1)
+    assert wait_gone(spawned) == set()
+    wait_until(lambda: supervised.front_pid() not in (0, front), what="supervisord starting the node again")
     supervised.serve_one_batch(checkpoint)
 
 

@@ -15,13 +15,13 @@ import torch
 from cakemp.errors import RemoteWorkerError
 from tests.checkpoints import HFLayers
 from tests.front.master import CakeMaster
-from tests.front.node import RunningNode, children, gone, scrape, wait_gone, write_topology
+from tests.front.node import RunningNode, answered, children, gone, scrape, wait_answered, wait_gone, write_topology
+from tests.tolerance import assert_close
 
 HIDDEN = 64
 LAYERS = [0, 1, 2, 3]  # layers 0-1 on device 0 (cpu:0), 2-3 on device 1 (cpu:1)
 REQUEST_TIMEOUT_S = 3
 RESTART_ATTEMPTS = 2
-F32_ATOL = 1e-4
 
 
 def run(coro):
@@ -61,13 +61,16 @@ def test_a_killed_device_is_restarted_while_the_other_serves(node, checkpoint):
     start again from position 0."""
     victim = node.device_pid(1)
     mark = node.mark()
+    port = node.metrics_port()
 
     async def main():
         master = await CakeMaster.connect(node.port, LAYERS)
         await master.forward(torch.randn(1, 4, HIDDEN), 0)
         os.kill(victim, signal.SIGSTOP)  # hold the next request on device 1
+        before = answered(await asyncio.to_thread(scrape, port), "cpu:0")
         in_flight = asyncio.create_task(master.forward(torch.randn(1, 1, HIDDEN), 4))
-        await asyncio.sleep(0.5)
+        # cpu:0 answering its part means the request now waits on cpu:1.
+        await asyncio.to_thread(wait_answered, port, "cpu:0", before + 1)
         assert not in_flight.done()
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(RemoteWorkerError, match=r"device cpu:1 died \(exit code -9\)"):
@@ -77,13 +80,13 @@ def test_a_killed_device_is_restarted_while_the_other_serves(node, checkpoint):
             await master.forward(torch.randn(1, 1, HIDDEN), 4)
         other = await CakeMaster.connect(node.port, [0, 1])
         x = torch.randn(1, 3, HIDDEN)
-        torch.testing.assert_close(await other.forward(x, 0), hf(checkpoint, [0, 1])(x, 0), atol=F32_ATOL, rtol=0)
+        assert_close(await other.forward(x, 0), hf(checkpoint, [0, 1])(x, 0))
         await other.close()
         await asyncio.to_thread(restarted, node, 1, mark)
         with pytest.raises(RemoteWorkerError, match=r"device cpu:1 restarted; this session's KV state was lost"):
             await master.forward(torch.randn(1, 1, HIDDEN), 4)
         x = torch.randn(1, 5, HIDDEN)
-        torch.testing.assert_close(await master.forward(x, 0), hf(checkpoint)(x, 0), atol=F32_ATOL, rtol=0)
+        assert_close(await master.forward(x, 0), hf(checkpoint)(x, 0))
         await master.close()
 
     run(main())
@@ -106,7 +109,7 @@ def test_a_hung_device_is_restarted_after_the_request_timeout(node, checkpoint):
             await master.forward(torch.randn(1, 1, HIDDEN), 2)
         await asyncio.to_thread(restarted, node, 0, mark)
         x = torch.randn(1, 3, HIDDEN)
-        torch.testing.assert_close(await master.forward(x, 0), hf(checkpoint, [0, 1])(x, 0), atol=F32_ATOL, rtol=0)
+        assert_close(await master.forward(x, 0), hf(checkpoint, [0, 1])(x, 0))
         await master.close()
 
     run(main())
