@@ -50,10 +50,10 @@ class Mutant:
 WIRE = ("tests/wire",)
 AUTH = ("tests/test_auth.py", "tests/front/test_node.py", "-k", "key or proof or auth")
 ROUTER = ("tests/front/test_node.py",)
-POOL = ("tests/front/test_node.py", "tests/front/test_node_limits.py")
+POOL = ("tests/front/test_node.py", "tests/front/test_node_flags.py")
 RUNNER = ("tests/compute", "tests/device/test_service.py")
 KV = ("tests/compute/test_kv_cache.py", "tests/compute/test_runner.py", "tests/device/test_service.py",
-      "tests/front/test_node_limits.py")
+      "tests/front/test_node_flags.py")
 BLOCK = ("tests/model/test_block.py", "tests/compute/test_runner_parity.py", "-k", "f32 or block")
 GENERATION = ("tests/master/test_generator.py", "-k", "greedy")
 
@@ -100,15 +100,15 @@ MUTANTS = (
            "if any(op.index_pos > 0 for op in ops):", "if False:", ("tests/front/test_device_loss.py",)),
     Mutant("drain-never-times-out", "cakemp/front/server.py",
            "_, pending = await asyncio.wait(tasks, timeout=self.config.drain_timeout)",
-           "_, pending = await asyncio.wait(tasks)", ("tests/front/test_node_limits.py", "-k", "drain")),
+           "_, pending = await asyncio.wait(tasks)", ("tests/front/test_node_flags.py", "-k", "drain")),
     Mutant("cpu-threads-ignored", "cakemp/front/server.py",
-           "cpu_threads = self.config.cpu_threads or", "cpu_threads = None or", ("tests/front/test_node_limits.py",)),
+           "cpu_threads = self.config.cpu_threads or", "cpu_threads = None or", ("tests/front/test_node_flags.py",)),
     Mutant("kv-budget-not-passed", "cakemp/front/server.py",
-           "kv_budget_bytes=self.config.kv_budget_bytes,", "kv_budget_bytes=None,", ("tests/front/test_node_limits.py",)),
+           "kv_budget_bytes=self.config.kv_budget_bytes,", "kv_budget_bytes=None,", ("tests/front/test_node_flags.py",)),
     Mutant("default-dtype-f32", "cakemp/cli.py",
            '@_flag("--dtype", type=click.Choice(["f16", "bf16", "f32"]), default="f16", help="Compute dtype of the layers.")',
            '@_flag("--dtype", type=click.Choice(["f16", "bf16", "f32"]), default="f32", help="Compute dtype of the layers.")',
-           ("tests/front/test_node_limits.py", "tests/test_cli.py")),
+           ("tests/front/test_node_flags.py", "tests/test_cli.py")),
     # --- runner
     Mutant("rotary-offset-dropped", "cakemp/compute/runner.py",
            "rotations[index_pos] = self.rotary.cos_sin(index_pos, T, self.dtype)",
