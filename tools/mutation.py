@@ -77,6 +77,9 @@ MUTANTS = (
     # --- auth
     Mutant("worker-accepts-any-master-proof", "cakemp/auth.py",
            "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:", AUTH),
+    # The same bug as above, against the node-level tests alone (the issue: one unit test only).
+    Mutant("worker-accepts-any-master-proof/node", "cakemp/auth.py",
+           "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:", ("tests/front/test_node.py", "-k", "key or proof")),
     Mutant("master-accepts-any-worker-proof", "cakemp/auth.py",
            "if not hmac.compare_digest(reply[:HMAC_SIZE], _mac(key, nonce_m)):", "if False:", AUTH),
     Mutant("worker-signs-its-own-nonce", "cakemp/auth.py",
@@ -113,6 +116,14 @@ MUTANTS = (
     Mutant("rotary-offset-dropped", "cakemp/compute/runner.py",
            "rotations[index_pos] = self.rotary.cos_sin(index_pos, T, self.dtype)",
            "rotations[index_pos] = self.rotary.cos_sin(0, T, self.dtype)", RUNNER + GENERATION),
+    # The same bug against the end-to-end generation oracle alone (the issue: it saw nothing).
+    Mutant("rotary-offset-dropped/generation", "cakemp/compute/runner.py",
+           "rotations[index_pos] = self.rotary.cos_sin(index_pos, T, self.dtype)",
+           "rotations[index_pos] = self.rotary.cos_sin(0, T, self.dtype)", GENERATION),
+    # The same bug against the f32 parity tests alone (the issue: 4 of 5 families let it through).
+    Mutant("rms-eps-10x/parity", "cakemp/model/block.py",
+           "self.eps = config.rms_norm_eps", "self.eps = config.rms_norm_eps * 10",
+           ("tests/compute/test_runner_parity.py", "-k", "f32")),
     Mutant("position-gap-unchecked", "cakemp/compute/runner.py",
            "if index_pos < 0 or index_pos > cached:", "if index_pos < 0:", RUNNER),
     Mutant("failed-request-keeps-length", "cakemp/compute/runner.py",
