@@ -1,6 +1,6 @@
 """Device processes that die or hang under a running node are restarted in place while it keeps serving.
 
-One node serves the whole module; the last test breaks its checkpoint and ends it.
+One node serves the module's tests; the one that ends a node starts its own, on its own checkpoint.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cakemp.errors import RemoteWorkerError
-from tests.checkpoints import HFLayers
+from tests.checkpoints import HFLayers, make_checkpoint
 from tests.front.master import CakeMaster
 from tests.front.node import RunningNode, answered, children, gone, scrape, wait_answered, wait_gone, write_topology
 from tests.tolerance import assert_close
@@ -34,12 +34,16 @@ def runtime(tmp_path_factory):
     return tmp_path_factory.mktemp("run")
 
 
+def start_node(checkpoint, runtime, work) -> RunningNode:
+    topology = write_topology(work / "topology.yml", ["model.layers.0-3"])
+    return RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32",
+                       "--request-timeout", str(REQUEST_TIMEOUT_S), "--restart-attempts", str(RESTART_ATTEMPTS),
+                       "--metrics-address", "127.0.0.1:0", env={"RUNTIME_DIRECTORY": str(runtime)})
+
+
 @pytest.fixture(scope="module")
 def node(checkpoint, runtime, tmp_path_factory):
-    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
-    running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32",
-                          "--request-timeout", str(REQUEST_TIMEOUT_S), "--restart-attempts", str(RESTART_ATTEMPTS),
-                          "--metrics-address", "127.0.0.1:0", env={"RUNTIME_DIRECTORY": str(runtime)})
+    running = start_node(checkpoint, runtime, tmp_path_factory.mktemp("topo"))
     yield running
     if running.process.poll() is None:
         running.process.kill()
@@ -62,6 +66,7 @@ def test_a_killed_device_is_restarted_while_the_other_serves(node, checkpoint):
     victim = node.device_pid(1)
     mark = node.mark()
     port = node.metrics_port()
+    restarts = scrape(port).get(("cakemp_device_restarts_total", (("device", "cpu:1"),)), 0)
 
     async def main():
         master = await CakeMaster.connect(node.port, LAYERS)
@@ -92,7 +97,7 @@ def test_a_killed_device_is_restarted_while_the_other_serves(node, checkpoint):
     run(main())
     assert node.process.poll() is None
     assert node.device_pid(1) != victim and gone(victim)
-    assert scrape(node.metrics_port())["cakemp_device_restarts_total", (("device", "cpu:1"),)] == 1
+    assert scrape(port)["cakemp_device_restarts_total", (("device", "cpu:1"),)] == restarts + 1
 
 
 def test_a_hung_device_is_restarted_after_the_request_timeout(node, checkpoint):
@@ -117,17 +122,21 @@ def test_a_hung_device_is_restarted_after_the_request_timeout(node, checkpoint):
     assert gone(victim)
 
 
-def test_a_device_that_keeps_failing_to_start_ends_the_node_with_exit_1(node, checkpoint, runtime):
+def test_a_device_that_keeps_failing_to_start_ends_the_node_with_exit_1(tmp_path):
     """With the checkpoint gone, a killed device fails --restart-attempts starts in a row; the front
     then exits 1, leaving no process and no ipc file behind."""
+    checkpoint = make_checkpoint(tmp_path, "llama")
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    node = start_node(checkpoint, runtime, tmp_path)
     spawned = children(node.process.pid)
-    weights = checkpoint / "model.safetensors"
-    weights.rename(weights.with_suffix(".moved"))
+    (checkpoint / "model.safetensors").unlink()
     try:
         os.kill(node.device_pid(1), signal.SIGKILL)
         assert node.process.wait(timeout=60) == 1
     finally:
-        weights.with_suffix(".moved").rename(weights)
+        if node.process.poll() is None:
+            node.process.kill()
     failures = [e for e in node.events() if e.get("event") == "device restart failed"]
     assert [e["attempt"] for e in failures] == list(range(1, RESTART_ATTEMPTS + 1))
     assert all("model.safetensors" in e["error"] for e in failures)

@@ -1,7 +1,7 @@
 """`cakemp run` as a service manager sees it: sd_notify datagrams on a real socket, the metrics
 endpoint, and the stop on SIGTERM (drain) or on a second signal (at once).
 
-One node serves the module's tests up to the drain, which ends it.
+One node serves the module's tests; the two that stop a node start their own.
 """
 
 from __future__ import annotations
@@ -94,13 +94,16 @@ def manager(tmp_path_factory):
     sock.close()
 
 
+def managed_node(checkpoint, topology, runtime: Path, manager: NotifySocket) -> RunningNode:
+    """Two CPU devices, a watchdog, and metrics on a kernel-chosen port, under `manager`."""
+    return RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32", "--metrics-address", "127.0.0.1:0",
+                       env={"NOTIFY_SOCKET": manager.path, "WATCHDOG_USEC": str(WATCHDOG_USEC),
+                            "RUNTIME_DIRECTORY": str(runtime)})
+
+
 @pytest.fixture(scope="module")
 def node(checkpoint, topology, runtime, manager):
-    """Two CPU devices, a watchdog, and metrics on a kernel-chosen port."""
-    running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32",
-                          "--metrics-address", "127.0.0.1:0",
-                          env={"NOTIFY_SOCKET": manager.path, "WATCHDOG_USEC": str(WATCHDOG_USEC),
-                               "RUNTIME_DIRECTORY": str(runtime)})
+    running = managed_node(checkpoint, topology, runtime, manager)
     yield running
     if running.process.poll() is None:
         running.process.kill()
@@ -203,10 +206,14 @@ def test_a_second_signal_exits_at_once(checkpoint, topology, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(node, checkpoint, manager, runtime):
+def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(checkpoint, topology, tmp_path):
     """After SIGTERM the manager hears STOPPING=1, /readyz turns 503 and new connections are refused,
     while the request held on a stalled device completes correctly; then the node exits 0 with no
     process and no ipc file left."""
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    manager = NotifySocket(tmp_path / "notify")
+    node = managed_node(checkpoint, topology, runtime, manager)
     spawned = children(node.process.pid)
     device = node.device_pid(1)
     port = node.metrics_port()
@@ -231,11 +238,17 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(node, checkpoint
         await master.close()
         return y
 
-    y = run(main())
+    try:
+        y = run(main())
+        assert node.process.wait(timeout=30) == 0
+        received = list(manager.received)  # everything the node sent, now that it has exited
+    finally:
+        manager.close()
+        if node.process.poll() is None:
+            node.process.kill()
     assert_close(y, HFLayers(checkpoint, LAYERS, torch.float32)(x, 0))
-    assert node.process.wait(timeout=30) == 0
     assert wait_gone(spawned) == set()
     assert list(runtime.iterdir()) == []
-    stopping = keys(manager.received).index("STOPPING")
-    assert manager.received[stopping] == ["STOPPING=1", "STATUS=draining 1 requests in flight"]
-    assert set(keys(manager.received[stopping + 1:])) <= {"WATCHDOG"}  # the loop still turns while it drains
+    stopping = keys(received).index("STOPPING")
+    assert received[stopping] == ["STOPPING=1", "STATUS=draining 1 requests in flight"]
+    assert set(keys(received[stopping + 1:])) <= {"WATCHDOG"}  # the loop still turns while it drains
