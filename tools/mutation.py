@@ -195,19 +195,23 @@ def present(tree: Path, tests: tuple[str, ...]) -> list[str]:
 
 
 def run_tests(tree: Path, tests: list[str]) -> tuple[str, float]:
-    """("failed" | "passed" | "no tests" | "timeout" | "error rc=N", seconds) for `tests` in `tree`."""
+    """("failed: <first failing test>" | "passed" | "no tests" | "timeout" | "error rc=N", seconds)
+    for `tests` in `tree`."""
     if not tests:
         return "no tests", 0.0
     env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(tree / ".cache")}
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", *tests]
     start = time.monotonic()
     try:
-        rc = subprocess.run(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            timeout=MUTANT_TIMEOUT_S, start_new_session=True).returncode
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
+                              timeout=MUTANT_TIMEOUT_S, start_new_session=True)
     except subprocess.TimeoutExpired:
         return "timeout", time.monotonic() - start
     seconds = time.monotonic() - start
-    return {0: "passed", 1: "failed", 5: "no tests"}.get(rc, f"error rc={rc}"), seconds
+    if done.returncode == 1:
+        failed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("FAILED ")]
+        return f"failed: {failed[0] if failed else '?'}", seconds
+    return {0: "passed", 5: "no tests"}.get(done.returncode, f"error rc={done.returncode}"), seconds
 
 
 def mutate(tree: Path, mutant: Mutant) -> str | None:
@@ -250,7 +254,7 @@ def main() -> int:
             else:
                 outcome, seconds = run_tests(tree, present(tree, mutant.tests))
             shutil.rmtree(tree, ignore_errors=True)
-            dead = outcome in ("failed", "timeout")
+            dead = outcome.startswith("failed") or outcome == "timeout"
             killed += dead
             print(f"{'KILLED  ' if dead else 'SURVIVED'} {mutant.name:36s} {outcome} ({seconds:.0f} s)", flush=True)
     print(f"score: {killed}/{len(chosen)} killed in {(time.monotonic() - started) / 60:.1f} min", flush=True)
