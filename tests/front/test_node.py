@@ -26,16 +26,18 @@ from cakemp.wire import (
 from tests.checkpoints import HFLayers
 from tests.front.master import CakeMaster, from_raw, to_raw
 from tests.front.node import RunningNode, answered, kv_bytes, quiescent, scrape, wait_until, write_topology
-from tests.tolerance import EPS, assert_close, half_bound
+from tests.tolerance import assert_close, half_bound
 
 HIDDEN = 64
 LAYERS = [0, 1, 2, 3]  # layers 0-1 on device 0, 2-3 on device 1
 DEVICES = ("cpu:0", "cpu:1")
 MAX_CONTEXT = 64
 KEY = "cluster secret"
-# F16 on the wire into an f32 node: the input is f16 already, so only the answer's rounding to
-# f16 (at most one unit roundoff of each element) comes on top of the f32 error.
-F16_WIRE_BOUND = EPS[torch.float16] + 2e-6
+# F16 on the wire into an f32 node: the input is f16 already, but the hidden state is rounded to
+# f16 twice, between the devices (it travels in the request's wire dtype) and in the answer, each
+# by up to one unit roundoff of the largest element, the first carried through two more layers
+# (observed up to 1.2 eps in 30 requests); the half-precision bound of the parity tests holds it.
+F16_WIRE_BOUND = half_bound(torch.float16)
 
 
 def run(coro):
