@@ -28,7 +28,13 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, "Qwen2ForCausalLM"),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, "Qwen3ForCausalLM"),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, "MistralForCausalLM"),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, "Gemma3ForCausalLM"),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, "Phi3ForCausalLM"),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, "Olmo2ForCausalLM"),
+    "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM, "Exaone4ForCausalLM"),
 }
+# Families whose checkpoints store every RMSNorm weight as w for a (1 + w) scale.
+PLUS_ONE_NORMS = {"gemma3"}
 
 # Small enough for a test to build and run in milliseconds, big enough for GQA (4 query heads
 # on 2 kv heads) and several layers.
@@ -45,6 +51,8 @@ TINY = dict(
 )
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# A hub_config value meaning "the key is left out" (the family's default applies).
+OMIT = "<omitted>"
 
 
 def make_config(family: str, **overrides) -> transformers.PreTrainedConfig:
@@ -62,17 +70,29 @@ def make_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     fp8_block: tuple[int, int] | None = None,
+    hub_config: dict | None = None,
     **config_overrides,
 ) -> Path:
     """Write a random `family` checkpoint under tmp_path/<family>-<seed> and return its directory.
 
     dtype: the stored dtype of the (non-FP8) tensors.
+    hub_config: config.json is then written as the hub's files carry it, with the classic keys
+    (rope_theta, rope_scaling, rope_local_base_freq, sliding_window_pattern, ...) that
+    transformers 5 would rewrite on save: TINY, the overrides and these keys, exactly (keys whose
+    value is OMIT left out).
     """
-    config = make_config(family, **config_overrides)
+    classic = TINY | config_overrides | (hub_config or {})
+    classic = {key: value for key, value in classic.items() if value != OMIT}
+    config_class, _, architecture = FAMILIES[family]
+    config = config_class(**classic)
+    config.architectures = [architecture]
     path = Path(tmp_path) / f"{family}-{seed}"
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
-    tensors = {name: t.to(dtype) for name, t in _random_weights(config, seed).items()}
+    if hub_config is not None:
+        classic = {"architectures": [architecture], "model_type": config.model_type} | classic
+        (path / "config.json").write_text(json.dumps(classic, indent=2))
+    tensors = {name: t.to(dtype) for name, t in _random_weights(family, config, seed).items()}
     if fp8_block is not None:
         tensors = _quantize_layers(tensors, fp8_block)
         raw = json.loads((path / "config.json").read_text())
@@ -87,8 +107,8 @@ def make_checkpoint(
     return path
 
 
-def _random_weights(config, seed: int) -> dict[str, torch.Tensor]:
-    _, model_class, _ = FAMILIES[config.model_type]
+def _random_weights(family: str, config, seed: int) -> dict[str, torch.Tensor]:
+    _, model_class, _ = FAMILIES[family]
     generator = torch.Generator().manual_seed(seed)
     model = model_class(config)
     tensors = {}
@@ -96,7 +116,8 @@ def _random_weights(config, seed: int) -> dict[str, torch.Tensor]:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if "norm" in name:
-            value = 1 + 0.2 * torch.randn(param.shape, generator=generator)
+            center = 0 if family in PLUS_ONE_NORMS else 1
+            value = center + 0.2 * torch.randn(param.shape, generator=generator)
         elif name.endswith("bias"):
             value = 0.2 * torch.randn(param.shape, generator=generator)
         elif "embed_tokens" in name:
@@ -162,6 +183,7 @@ class HFLayers:
     def __init__(self, path: Path, indices: list[int], dtype: torch.dtype):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
         self.config = model.config
+        self.layer_types = getattr(self.config, "layer_types", None)
         self.model = model.model
         self.indices = indices
         self.cache = DynamicCache(config=self.config)
@@ -170,12 +192,18 @@ class HFLayers:
     def __call__(self, x: torch.Tensor, index_pos: int) -> torch.Tensor:
         """x: [1, T, H] at positions index_pos.. (must continue the cache) -> [1, T, H]."""
         positions = torch.arange(index_pos, index_pos + x.shape[1])[None, :]
-        cos_sin = self.model.rotary_emb(x, position_ids=positions)
+        if self.config.model_type != "gemma3_text":
+            cos_sin = self.model.rotary_emb(x, position_ids=positions)
         for i in self.indices:
             layer = self.model.layers[i]
-            # Mistral's attention reads the window from the config; Qwen's per layer type.
-            if self.config.model_type == "mistral":
+            if self.config.model_type == "gemma3_text":  # one rotary per layer type
+                cos_sin = self.model.rotary_emb(x, positions, self.layer_types[i])
+            # Mistral's and Phi-3's attention read the window from the config, EXAONE 4's is
+            # sliding only where is_sliding, Qwen's and Gemma's per layer type.
+            if self.config.model_type in ("mistral", "phi3"):
                 sliding = self.config.sliding_window
+            elif self.config.model_type == "exaone4":
+                sliding = layer.self_attn.sliding_window if layer.self_attn.is_sliding else None
             else:
                 sliding = getattr(layer.self_attn, "sliding_window", None)
             make_mask = create_sliding_window_causal_mask if sliding is not None else create_causal_mask

@@ -4,8 +4,8 @@ Every bound is relative to the largest magnitude of the reference output (`rel_e
 does not depend on how large the hidden state happens to grow over a few random layers.
 
 * f32: 2e-6. cakemp and HF transformers do the same arithmetic, differently fused; the
-  observed error is 3-5e-7 for every family in tests/compute/test_runner_parity.py, so this
-  leaves a 4x margin and no room for a real bug: a 10x larger rms_norm epsilon already moves
+  observed error is 3-6e-7 over the families of tests/compute/test_runner_parity.py, so this
+  leaves a ~3x margin and no room for a real bug: a 10x larger rms_norm epsilon already moves
   the output by ~5e-6.
 * bf16 / f16: 8 eps (eps = the unit roundoff, 2^-8 for bf16, 2^-11 for f16). Both sides round
   every matmul, norm and residual to the dtype, in different places; each ends ~3 eps from

@@ -13,6 +13,11 @@ also keep the cache addressable without any Python object per token: a later cro
 batch can index buffers by (session, block_idx) and lengths, and CUDA-graph replay can ask
 for buffers preallocated at the context limit (stable addresses) through `reserve`.
 
+What each layer kind keeps: every attention layer, global or local (a sliding-window layer of
+Mistral, Qwen, Gemma 3, EXAONE 4, Phi-3), keeps all its positions; a local layer reads only the
+last `window` of them (model/block.py), so it costs as much memory as a global one. Keeping
+only the window would need a ring buffer whose rows no longer sit in position order.
+
 The budget counts allocated capacity, not used positions, since that is what the device
 actually holds. Growth falls back to the exact size needed when doubling would pass the
 budget, so a session is refused only when the positions it needs cannot fit.

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 
+from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache
 from cakemp.errors import BadTensor, CheckpointError, PositionGap, UnknownLayer
-from cakemp.model.block import DecoderBlock
+from cakemp.model import attention, fp8
+from cakemp.model.block import DecoderBlock, plus_one
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 from cakemp.model.rotary import Rotary
@@ -34,7 +36,11 @@ class BlockRunner:
         self.layers = tuple(blocks)
         self.device = device
         self.dtype = dtype
-        self.rotary = Rotary(config, device)
+        # Each layer's rotary (None: the layer has none); layers sharing one share its tables.
+        rotaries = {rope: Rotary(rope, device) for rope in set(config.layer_ropes) if rope is not None}
+        self.rotaries = {
+            layer: rotaries.get(config.layer_ropes[config.layer_index(layer)]) for layer in self.layers
+        }
         self.cache = KVCache(
             config.num_key_value_heads,
             config.head_dim,
@@ -71,14 +77,28 @@ class BlockRunner:
                 raise CheckpointError(
                     f"layer {layer!r} is not one of {config.layer_name(0)}..{config.layer_name(config.num_hidden_layers - 1)}"
                 )
+        wanted = [{(layer, key): [f"{layer}.{name}" for name in members] for key, members in groups.items()}
+                  for layer in layers]
+        keep_fp8 = config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
+        needed = sum(checkpoint.nbytes(layer_groups, dtype, keep_fp8) for layer_groups in wanted)
+        free = None
+        if device.type == "cuda":
+            attention.use_fused_kernels()
+            free = torch.cuda.mem_get_info(device)[0]
+            memory.check_fits(needed, free, str(device))
         weights = {}
         # One layer at a time, so progress can be reported; opening a shard again per layer
         # costs only its header (the file is memory-mapped).
-        for loaded, layer in enumerate(layers, 1):
-            wanted = {(layer, key): [f"{layer}.{name}" for name in members] for key, members in groups.items()}
-            weights.update(checkpoint.load(wanted, device, dtype))
-            if on_layer is not None:
-                on_layer(loaded)
+        try:
+            for loaded, layer_groups in enumerate(wanted, 1):
+                weights.update(checkpoint.load(layer_groups, device, dtype, keep_fp8))
+                if on_layer is not None:
+                    on_layer(loaded)
+        except torch.OutOfMemoryError:
+            if free is None:
+                raise
+            # Past the estimate (another process took memory meanwhile, say): as much a configuration error.
+            raise memory.too_big(needed, free, str(device), "ran out of memory while loading") from None
         shapes = DecoderBlock.weight_shapes(config)
         for (layer, key), tensor in weights.items():
             if tuple(tensor.shape) != shapes[key]:
@@ -86,12 +106,16 @@ class BlockRunner:
                     f"{layer}: {' + '.join(groups[key])} give shape {tuple(tensor.shape)}, "
                     f"config.json implies {shapes[key]}"
                 )
+            if config.layout.norm_plus_one and key in DecoderBlock.NORMS:
+                weights[layer, key] = plus_one(tensor)
         blocks = {
             layer: DecoderBlock(
                 config, config.layer_windows[config.layer_index(layer)], {key: weights[layer, key] for key in groups}
             )
             for layer in layers
         }
+        if device.type == "cuda" and kv_budget_bytes is None:
+            kv_budget_bytes = memory.default_kv_budget(*torch.cuda.mem_get_info(device), str(device))
         return cls(config, blocks, device, dtype, kv_budget_bytes, max_context)
 
     def forward(self, session: int, x: torch.Tensor, ops: Sequence[tuple[str, int, int]]) -> torch.Tensor:
@@ -118,13 +142,14 @@ class BlockRunner:
             ends[block_idx] = max(ends.get(block_idx, 0), index_pos + T)
         slots = self.cache.reserve(session, ends)
         previous = {block_idx: slot.length for block_idx, slot in slots.items()}
-        rotations = {}
+        rotations = {(None, index_pos): (None, None) for _, index_pos, _ in ops}
         try:
             with torch.inference_mode():
                 for layer, index_pos, block_idx in ops:
-                    if index_pos not in rotations:
-                        rotations[index_pos] = self.rotary.cos_sin(index_pos, T, self.dtype)
-                    cos, sin = rotations[index_pos]
+                    rotary = self.rotaries[layer]
+                    if (rotary, index_pos) not in rotations:
+                        rotations[rotary, index_pos] = rotary.cos_sin(index_pos, T, self.dtype)
+                    cos, sin = rotations[rotary, index_pos]
                     slot = slots[block_idx]
                     x = self.blocks[layer].forward(x, cos, sin, slot.k, slot.v, index_pos)
                     slot.length = index_pos + T

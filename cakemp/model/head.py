@@ -2,19 +2,20 @@
 
 Cake never shards these (spec cake-model §5.1): the master embeds the tokens, sends the hidden
 states through the decoder layers, normalises the last position and projects it onto the
-vocabulary. A tied checkpoint reuses the embedding matrix as lm_head.
+vocabulary. A tied checkpoint reuses the embedding matrix as lm_head. Gemma 3 scales the
+embeddings by sqrt(H) (rounded to the dtype, as transformers does) and stores its final norm
+as (1 + w).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from cakemp.model.block import rms_norm
+from cakemp.model.block import plus_one, rms_norm
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 
@@ -26,11 +27,14 @@ LM_HEAD = "lm_head.weight"
 class Head:
     """Embeddings [V, H], final norm weight [H] and lm_head [V, H], on one device in one dtype."""
 
-    def __init__(self, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float):
+    def __init__(
+        self, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float, embed_scale: float = 1.0
+    ):
         self.embed_weight = embed
         self.norm_weight = norm
         self.lm_head_weight = lm_head
         self.eps = eps
+        self.embed_scale = embed_scale
 
     @property
     def device(self) -> torch.device:
@@ -45,16 +49,21 @@ class Head:
         cls, model_dir: str | Path, config: ModelConfig, device: torch.device | str, dtype: torch.dtype
     ) -> Head:
         """Read the three tensors (two when tied) from the checkpoint, cast to `dtype`."""
-        tied = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
+        tied = config.tie_word_embeddings
         names = [EMBED, NORM] if tied else [EMBED, NORM, LM_HEAD]
         tensors = Checkpoint(model_dir, config).load({name: [name] for name in names}, torch.device(device), dtype)
         lm_head = tensors[EMBED] if tied else tensors[LM_HEAD]
-        return cls(tensors[EMBED], tensors[NORM], lm_head, config.rms_norm_eps)
+        norm = plus_one(tensors[NORM]) if config.layout.norm_plus_one else tensors[NORM]
+        gemma = config.family == "gemma3"
+        return cls(tensors[EMBED], norm, lm_head, config.rms_norm_eps, config.hidden_size**0.5 if gemma else 1.0)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Token ids [T] -> hidden states [1, T, H]."""
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        return F.embedding(ids, self.embed_weight)
+        embedded = F.embedding(ids, self.embed_weight)
+        if self.embed_scale != 1.0:
+            embedded = embedded * torch.tensor(self.embed_scale, dtype=self.dtype)
+        return embedded
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states [1, T, H] -> logits [V] of the last position (the norm is per position,
