@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
 import socket
 import subprocess
@@ -73,13 +75,24 @@ def test_an_entry_without_layers_exits_78(tmp_path):
     assert_config_error(cakemp_run("--name", "w1", "--topology", str(path)), "no layers")
 
 
-def test_unknown_name_falls_back_with_a_warning_and_a_bad_model_exits_78(tmp_path, topology):
-    """An unknown --name serves the first entry after a warning; a device that cannot load the
-    checkpoint makes the node exit 78 with the device's reason."""
+def test_unknown_name_falls_back_to_the_only_entry_with_a_warning_and_a_bad_model_exits_78(tmp_path, topology):
+    """An unknown --name serves a one-entry topology's entry after a warning (as Cake does); a model
+    directory without config.json makes the node exit 78 saying so."""
     result = cakemp_run("--name", "stranger", "--topology", str(topology), "--gpus", "cpu",
                         "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0")
-    assert "topology for worker name 'stranger' not found, using 'w1'" in result.stdout
+    warning = next(json.loads(line) for line in result.stdout.splitlines() if "worker name not in topology" in line)
+    assert (warning["level"], warning["name"], warning["entry"]) == ("warning", "stranger", "w1")
     assert_config_error(result, "no-model")
+
+
+def test_unknown_name_in_a_topology_of_several_entries_exits_78(tmp_path):
+    """An unknown --name among several entries is refused, naming the entries (Cake would serve the
+    first one's layers on every misnamed machine)."""
+    path = tmp_path / "topology.yml"
+    path.write_text("w1:\n  host: a:10128\n  layers: [model.layers.0]\n"
+                    "w2:\n  host: b:10128\n  layers: [model.layers.1]\n")
+    result = cakemp_run("--name", "w3", "--topology", str(path), "--gpus", "cpu", "--address", "127.0.0.1:0")
+    assert_config_error(result, "worker name 'w3' is not in the topology (its entries: w1, w2)")
 
 
 def test_help_lists_every_flag_with_its_environment_variable():
@@ -105,6 +118,13 @@ def test_a_metrics_address_in_use_exits_78_before_loading(tmp_path, topology, ta
                         "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0",
                         "--metrics-address", f"127.0.0.1:{taken_port}")
     assert_config_error(result, "cannot serve metrics")
+
+
+def test_version_is_the_package_metadata_version():
+    """`cakemp --version` prints the version the installed distribution declares."""
+    result = subprocess.run([sys.executable, "-m", "cakemp", "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"cakemp, version {importlib.metadata.version('cakemp')}"
 
 
 @pytest.mark.parametrize("listing, gpus, words", [

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded
+from cakemp.units import human_bytes
 
 MIN_CAPACITY = 256
 
@@ -115,8 +116,8 @@ class KVCache:
         exact = sum(end - old for old, end, _ in growth.values()) * self.bytes_per_position
         if exact > left:
             raise CacheBudgetExceeded(
-                f"session {session} needs {exact / 2**20:.2f} MiB more KV cache but only "
-                f"{max(left, 0) / 2**20:.2f} MiB of the {self.budget_bytes / 2**20:.2f} MiB budget is left"
+                f"the KV cache would need {human_bytes(exact)} more but only {human_bytes(max(left, 0))} "
+                f"of this device's {human_bytes(self.budget_bytes)} budget is left"
             )
         for block_idx, (old, end, _) in growth.items():
             growth[block_idx] = (old, end, end)

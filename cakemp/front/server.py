@@ -4,7 +4,7 @@ Lifecycle (`Front.run`): make the runtime dir, listen for metrics (if asked), st
 and wait until every device is ready (reporting progress), accept connections and tell the
 service manager READY=1, then serve, restarting devices in place as they fail, until
 
-* SIGTERM or SIGINT: stop accepting, let requests in flight finish within --drain-timeout,
+* SIGTERM, SIGINT or SIGHUP (a closed terminal): stop accepting, let requests in flight finish within --drain-timeout,
   stop the device processes, remove the runtime dir, exit 0 (a second signal exits at once);
 * or a device could not be restarted: the same drain, then exit 1 for the manager to act.
 """
@@ -25,19 +25,23 @@ import cakemp
 from cakemp import log
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import CakempError, ConfigError
+from cakemp.front.admission import Admission
+from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
-from cakemp.front.connection import Connection
+from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
 from cakemp.front.discovery import DiscoveryResponder, announcement_for
 from cakemp.front.metrics import Metrics, start_metrics_server
 from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.front.router import Router
 from cakemp.front.setup import Setup
-from cakemp.front.stats import human_bytes
+from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import Ready
+from cakemp.model.config import ModelConfig
 from cakemp.rss import resident_bytes
-from cakemp.topology import place_layers
+from cakemp.topology import collapse_layers, place_layers
+from cakemp.units import human_bytes
 from cakemp.wire import LayerAssignment, WorkerInfo
 
 EXIT_OK = 0
@@ -47,7 +51,8 @@ _CLOSE_GRACE_S = 5.0  # for connections to wind up once the pool has failed what
 # How much longer than the front itself the manager waits for the next load progress: the
 # front kills a device silent for LOAD_SILENCE_S, and then needs a moment to exit.
 _PROGRESS_SLACK_S = 30.0
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP too: a node started from a terminal that closes stops as cleanly as under its manager.
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
 # per core in each of several such processes only contends for the cores.
 GPU_DEVICE_THREADS = 2
@@ -60,6 +65,9 @@ class Front:
         self.metrics = Metrics()
         self._notifier = notifier or Notifier(None)
         self._router = Router(self.placement)
+        self._admission: Admission | None = None
+        self._limits: ConnectionLimits | None = None
+        self._budget = BufferBudget(config.max_buffered_bytes, on_change=self.metrics.buffered_bytes.set)
         self._setup = Setup(config.setup, config.revision) if config.setup is not None else None
         self._served: LayerAssignment | None = None  # zero-config: the setup being served
         self._discovery: asyncio.DatagramTransport | None = None
@@ -96,13 +104,15 @@ class Front:
                 await server.start_serving()
                 host, port = server.sockets[0].getsockname()[:2]  # the real port when --address asked for 0
                 self._log.info(
-                    f"listening on {host}:{port} (mem:{human_bytes(resident_bytes())}) ...",
-                    port=port,
-                    devices=[f"{self.pool.label(i)}={human_bytes(r.memory_bytes)}" for i, r in enumerate(readies)],
-                    layers=len(self.config.layers),
+                    "listening", host=host, port=port, memory_bytes=resident_bytes(), layers=len(self.config.layers),
+                    device_memory_bytes={self.pool.label(i): r.memory_bytes for i, r in enumerate(readies)},
                 )
                 self.status.serving(f"{host}:{port}")
-                exit_status = await self._serve_until_done()
+                stats = asyncio.create_task(log_stats(self.metrics, self.config.stats_interval))
+                try:
+                    exit_status = await self._serve_until_done()
+                finally:
+                    stats.cancel()
                 server.close()
                 await self._drain()
                 return exit_status
@@ -131,6 +141,16 @@ class Front:
         sys.stdout.flush()
         os._exit(EXIT_ABORTED)
 
+    def _admit_from_model(self) -> None:
+        """What the front checks of requests, from the model's config.json (read here, no torch)."""
+        model = ModelConfig.from_dir(self.config.model_dir)
+        self._admission = Admission.for_model(model, self.config.layers, self.config.max_context)
+        max_payload = self._admission.max_payload()
+        if max_payload > self.config.max_buffered_bytes:
+            raise ConfigError(f"--max-buffered-mib {self.config.max_buffered_bytes / 2**20:g} is less than one "
+                              f"frame of this model can need ({human_bytes(max_payload)})")
+        self._limits = ConnectionLimits(max_payload, self.config.frame_timeout, self.config.session_idle_timeout)
+
     async def _bind(self) -> asyncio.Server:
         # Bound before loading, so that a taken port fails before minutes of loading; it
         # accepts connections (listen) only once every device is ready.
@@ -145,13 +165,17 @@ class Front:
             return None
         host, port = self.config.metrics_address
         try:
-            return await start_metrics_server(self.metrics, host, port)
+            return await start_metrics_server(self.metrics, host, port, self._placement_document)
         except OSError as e:
             raise ConfigError(f"cannot serve metrics on {host}:{port}: {e.strerror}") from None
 
     async def _start_pool(self) -> tuple[Ready, ...] | None:
         """Every device's Ready, or None when asked to stop while they load."""
+        self._admit_from_model()
         specs = self._device_specs()
+        for spec in specs:
+            self._log.info("device layers", device=spec.index, device_label=spec.label,
+                           layers=list(collapse_layers(spec.layers)), count=len(spec.layers))
         self.status = NodeStatus(
             self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.layers) for spec in specs],
             progress_window=LOAD_SILENCE_S + _PROGRESS_SLACK_S,
@@ -184,8 +208,7 @@ class Front:
             announcement_for, self._setup.cluster_hash, self.config.name, port, self.config.devices)
         self._discovery, discovery_port = await DiscoveryResponder.start(
             announcement, setup.discovery_host, setup.discovery_port)
-        self._log.info(f"waiting for setup on port {port}, discovery on {discovery_port}/udp",
-                       port=port, discovery_port=discovery_port, cluster_hash=self._setup.cluster_hash,
+        self._log.info("waiting for setup", port=port, discovery_port=discovery_port, cluster_hash=self._setup.cluster_hash,
                        worker_name=self.config.name, gpus=[gpu.name for gpu in announcement.gpus])
         self._notifier.ready(f"waiting for a Cake master's setup on port {port}")
         while True:
@@ -267,18 +290,26 @@ class Front:
         if self._setup is not None and self._served is None:
             await self._setup.handle(reader, writer)
             return
+        if len(self._connections) >= self.config.max_connections:
+            peer = writer.get_extra_info("peername")
+            self._log.warning("refusing a connection: --max-connections reached",
+                              peer=f"{peer[0]}:{peer[1]}" if peer else "?", max_connections=self.config.max_connections)
+            self.metrics.refused_connections.inc()
+            writer.close()
+            return
+        keep_alive(writer.get_extra_info("socket"))
         connection = Connection(
-            next(self._sessions), reader, writer, pool=self.pool, router=self._router, metrics=self.metrics,
-            revision=self.config.revision, cluster_key=self.config.cluster_key, worker_info=self._worker_info,
-            served=self._served,
+            next(self._sessions), reader, writer, pool=self.pool, router=self._router, admission=self._admission,
+            limits=self._limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
+            cluster_key=self.config.cluster_key, worker_info=self._worker_info, served=self._served,
         )
         self._connections[connection] = asyncio.current_task()
-        self.metrics.active_sessions.inc()
+        self.metrics.connections.inc()
         try:
             await connection.serve()
         finally:
             del self._connections[connection]
-            self.metrics.active_sessions.dec()
+            self.metrics.connections.dec()
 
     def _worker_info(self, latency_ms: int) -> WorkerInfo:
         first_gpu = next((gpu for gpu in self.config.devices if gpu is not None), None)
@@ -291,6 +322,15 @@ class Front:
             device_idx=int(first_gpu) if first_gpu is not None and first_gpu.isdigit() else 0,
             latency=latency_ms,
         )
+
+    def _placement_document(self) -> dict:
+        """What /layers shows: this worker's name and, per device, the layers it serves (none in
+        zero-config mode until a setup has assigned them)."""
+        return {
+            "name": self.config.name,
+            "devices": [{"device": spec.label, "layers": list(collapse_layers(spec.layers)), "count": len(spec.layers)}
+                        for spec in self._device_specs()],
+        }
 
     def _device_specs(self) -> list[DeviceSpec]:
         cpu_processes = sum(1 for gpu in self.config.devices if gpu is None)

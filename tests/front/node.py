@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-LISTENING = "listening on "
+LISTENING = "listening"
 
 
 def children(pid: int) -> set[int]:
@@ -81,7 +81,7 @@ def quiescent(port: int) -> Samples:
     """/metrics once no master connection is open any more, so every earlier session has been
     freed on every device (the front counts a connection until its devices answered its End)
     and each device's KV gauge is what it holds now."""
-    return wait_until(lambda: (m := scrape(port))["cakemp_active_sessions", ()] == 0 and m,
+    return wait_until(lambda: (m := scrape(port))["cakemp_connections", ()] == 0 and m,
                       what="closing every connection")
 
 
@@ -170,7 +170,7 @@ class RunningNode:
 
     def metrics_port(self) -> int:
         """The port of the metrics endpoint (started with --metrics-address)."""
-        return self.wait_for(lambda e: e.get("event", "").startswith("metrics on "))["port"]
+        return self.wait_for(lambda e: e.get("event") == "metrics endpoint")["port"]
 
     def stop(self) -> int:
         if self.process.poll() is None:

@@ -132,25 +132,6 @@ def test_f16_on_the_wire_is_answered_in_f16(node, checkpoint):
     run(main())
 
 
-def test_every_fifth_request_logs_the_seeds_stats_line(node):
-    """After five served Batches on a connection the front logs the seed's ops/read/write line for it."""
-
-    async def main():
-        master = await CakeMaster.connect(node.port, [0])
-        conn = master.clients[0].local_address
-        for pos in range(4):
-            await master.forward(torch.randn(1, 1, HIDDEN), pos)
-        four = [e for e in node.events() if e.get("conn") == conn and e.get("event", "").startswith("ops=")]
-        await master.forward(torch.randn(1, 1, HIDDEN), 4)
-        await master.close()
-        return conn, four
-
-    conn, four = run(main())
-    assert four == []
-    line = node.wait_for(lambda e: e.get("conn") == conn and e.get("event", "").startswith("ops="))["event"]
-    assert "/s read=" in line and "/s write=" in line
-
-
 def test_single_op_runs_one_layer(node, checkpoint):
     """A SingleOp on layer 3 is answered with HF's layer 3 output."""
     ref = hf(checkpoint, [3])

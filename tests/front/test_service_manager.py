@@ -172,7 +172,7 @@ def test_metrics_parse_and_move_as_requests_are_served(node):
     for device in ("cpu:0", "cpu:1"):
         assert moved("cakemp_device_request_duration_seconds_count", (("device", device),)) == 3
         assert during["cakemp_kv_cache_bytes", (("device", device),)] > 0
-    assert during["cakemp_active_sessions", ()] == len(LAYERS)
+    assert during["cakemp_connections", ()] == len(LAYERS)
     assert all(kv_bytes(quiescent(port), device) == kv_bytes(before, device) for device in ("cpu:0", "cpu:1"))
 
 
