@@ -81,7 +81,7 @@ class WorkerClient:
 
     @property
     def local_address(self) -> str:
-        """Our end of the connection as "host:port": how the worker's logs name this session."""
+        """Our end of the connection as "host:port": how the worker's logs name this session (their `session` field)."""
         host, port = self._writer.get_extra_info("sockname")[:2]
         return f"{host}:{port}"
 

@@ -175,7 +175,7 @@ def test_goodbye_then_a_fresh_prefill_on_the_same_connection(node, checkpoint):
 def freed(node: RunningNode, conn: str, count: int = len(DEVICES)) -> list[dict]:
     """The front's "session freed" events (one per device) for the connection from `conn`, sorted by device."""
     def lines():
-        found = [e for e in node.events() if e.get("event") == "session freed" and e.get("conn") == conn]
+        found = [e for e in node.events() if e.get("event") == "session freed" and e.get("session") == conn]
         return found if len(found) >= count else None
 
     return sorted(wait_until(lines, what=f"freeing {conn}'s session"), key=lambda e: e["device"])
@@ -391,7 +391,7 @@ def test_a_master_with_a_wrong_proof_is_closed_before_any_frame(keyed_node):
 
     conn, answer = run(main())
     assert answer == b""
-    failed = keyed_node.wait_for(lambda e: e.get("event") == "authentication failed" and e.get("conn") == conn)
+    failed = keyed_node.wait_for(lambda e: e.get("event") == "authentication failed" and e.get("session") == conn)
     assert "invalid HMAC" in failed["error"]
 
 

@@ -90,7 +90,7 @@ def test_the_kv_budget_refuses_a_session_until_another_closes(node):
         for client in admitted:
             await client.batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), OPS)
         full = await asyncio.to_thread(scrape, port)
-        with pytest.raises(RemoteWorkerError, match=r"more KV cache but only 0\.00 MiB of the 1\.00 MiB budget"):
+        with pytest.raises(RemoteWorkerError, match=r"only 0 B of this device.s 1\.0 MiB budget is left"):
             await refused.batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), OPS)
         # A session already in decodes on within its reserved rows.
         await admitted[0].batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), [(n, 1, i) for n, _, i in OPS])
