@@ -43,7 +43,8 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int) -> None:
         channel.close(linger_ms=5000)
         sys.exit(1)
     channel.send(Ready("cuda" if spec.gpu is not None else "cpu", service.memory_bytes(), len(spec.layers)))
-    logger.info("device ready", device_label=spec.label, layers=len(spec.layers), pid=os.getpid())
+    logger.info("device ready", device_label=spec.label, layers=len(spec.layers), pid=os.getpid(),
+                threads=service.threads())
     while True:
         try:
             request = channel.receive()

@@ -4,6 +4,7 @@ import torch
 from cakemp.model.config import ModelConfig
 from cakemp.model.head import Head
 from tests.checkpoints import make_checkpoint
+from tests.tolerance import assert_close
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,7 +23,7 @@ def test_head_matches_transformers(tmp_path, family, tied):
         expected_embed = hf.model.embed_tokens(torch.tensor([tokens]))
         expected_logits = hf.lm_head(hf.model.norm(x))[0, -1]
     assert torch.equal(head.embed(tokens), expected_embed)
-    torch.testing.assert_close(head.logits(x), expected_logits, rtol=1e-5, atol=1e-5)
+    assert_close(head.logits(x), expected_logits)
     assert (head.lm_head_weight is head.embed_weight) is tied
 
 
