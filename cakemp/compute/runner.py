@@ -12,18 +12,27 @@ from pathlib import Path
 import torch
 
 from cakemp.compute.kv_cache import KVCache
-from cakemp.errors import BadTensor, CheckpointError, PositionGap, UnknownLayer
-from cakemp.model.block import DecoderBlock
+from cakemp.errors import BadTensor, CheckpointError, PositionGap, RecurrentRewind, UnknownLayer
+from cakemp.model.block import PLUS_ONE_NORMS, DecoderBlock
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
+from cakemp.model.deltanet import LinearState
+from cakemp.model.linear_block import LinearAttentionBlock
 from cakemp.model.rotary import Rotary
+
+Block = DecoderBlock | LinearAttentionBlock
+
+
+def block_type(config: ModelConfig, index: int) -> type[Block]:
+    """The class of layer `index`: Qwen3.5's linear-attention layers, or an attention layer."""
+    return LinearAttentionBlock if index in config.linear_layers else DecoderBlock
 
 
 class BlockRunner:
     def __init__(
         self,
         config: ModelConfig,
-        blocks: dict[str, DecoderBlock],
+        blocks: dict[str, Block],
         device: torch.device,
         dtype: torch.dtype,
         kv_budget_bytes: int | None = None,
@@ -42,6 +51,7 @@ class BlockRunner:
             device,
             max_context=max_context or config.max_position_embeddings,
             budget_bytes=kv_budget_bytes,
+            linear_shapes=_linear_state_shapes(config),
         )
 
     @classmethod
@@ -65,33 +75,35 @@ class BlockRunner:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
         config = ModelConfig.from_dir(model_dir)
         checkpoint = Checkpoint(model_dir, config)
-        groups = DecoderBlock.weight_groups(config)
         for layer in layers:
             if config.layer_index(layer) is None:
                 raise CheckpointError(
                     f"layer {layer!r} is not one of {config.layer_name(0)}..{config.layer_name(config.num_hidden_layers - 1)}"
                 )
-        weights = {}
+        plus_one = PLUS_ONE_NORMS if config.norm_plus_one else frozenset()
+        blocks = {}
         # One layer at a time, so progress can be reported; opening a shard again per layer
         # costs only its header (the file is memory-mapped).
         for loaded, layer in enumerate(layers, 1):
-            wanted = {(layer, key): [f"{layer}.{name}" for name in members] for key, members in groups.items()}
-            weights.update(checkpoint.load(wanted, device, dtype))
+            index = config.layer_index(layer)
+            kind = block_type(config, index)
+
+            def stored(name: str, layer: str = layer) -> bool:
+                return checkpoint.has(f"{layer}.{name}")
+
+            groups = kind.weight_groups(config, index, stored)
+            wanted = {key: [f"{layer}.{name}" for name in members] for key, members in groups.items()}
+            weights = checkpoint.load(wanted, device, dtype, plus_one=plus_one & groups.keys())
+            shapes = kind.weight_shapes(config, index, stored)
+            for key, tensor in weights.items():
+                if tuple(tensor.shape) != shapes[key]:
+                    raise CheckpointError(
+                        f"{layer}: {' + '.join(groups[key])} give shape {tuple(tensor.shape)}, "
+                        f"config.json implies {shapes[key]}"
+                    )
+            blocks[layer] = kind(config, index, weights)
             if on_layer is not None:
                 on_layer(loaded)
-        shapes = DecoderBlock.weight_shapes(config)
-        for (layer, key), tensor in weights.items():
-            if tuple(tensor.shape) != shapes[key]:
-                raise CheckpointError(
-                    f"{layer}: {' + '.join(groups[key])} give shape {tuple(tensor.shape)}, "
-                    f"config.json implies {shapes[key]}"
-                )
-        blocks = {
-            layer: DecoderBlock(
-                config, config.layer_windows[config.layer_index(layer)], {key: weights[layer, key] for key in groups}
-            )
-            for layer in layers
-        }
         return cls(config, blocks, device, dtype, kv_budget_bytes, max_context)
 
     def forward(self, session: int, x: torch.Tensor, ops: Sequence[tuple[str, int, int]]) -> torch.Tensor:
@@ -101,40 +113,81 @@ class BlockRunner:
         A request at index_pos p keeps the first p cached positions of each slot and replaces
         the rest, so a master that restarts a prompt at 0 without Goodbye gets a fresh context
         rather than Cake's silently appended one; a p beyond what is cached is refused.
+
+        A linear-attention layer's state is a recurrence: p must be what it has consumed
+        (continue) or 0 (start afresh); anything else is a RecurrentRewind. Everything is
+        checked before anything runs, and the new linear states are installed only once every
+        op has succeeded, so a failed request leaves them as they were (attention slots fall
+        back to their old length, or to index_pos if less).
         """
         self._check_input(x)
         T = x.shape[1]
-        ends = {}
+        ends, linear_ends = {}, {}
         for layer, index_pos, block_idx in ops:
             if layer not in self.blocks:
                 raise UnknownLayer(f"layer {layer!r} is not served here (this device has {', '.join(self.layers)})")
             if not 0 <= block_idx < self.config.num_hidden_layers:
                 raise UnknownLayer(f"block_idx {block_idx} is outside 0..{self.config.num_hidden_layers - 1}")
-            cached = self.cache.length(session, block_idx)
+            if self.blocks[layer].recurrent:
+                # An earlier op of this request on the same slot counts as consumed.
+                consumed = linear_ends.get(block_idx, self.cache.linear_length(session, block_idx))
+                if 0 < index_pos < consumed:
+                    raise RecurrentRewind(
+                        f"index_pos {index_pos} for block {block_idx} would rewind a linear-attention layer's "
+                        f"recurrent state, which cannot be rewound: it has consumed {consumed} positions in this "
+                        f"session; continue at {consumed} or start again at 0"
+                    )
+                cached = consumed
+            else:
+                cached = self.cache.length(session, block_idx)
             if index_pos < 0 or index_pos > cached:
                 raise PositionGap(
                     f"index_pos {index_pos} for block {block_idx} does not follow the {cached} positions cached in this session"
                 )
-            ends[block_idx] = max(ends.get(block_idx, 0), index_pos + T)
-        slots = self.cache.reserve(session, ends)
+            if self.blocks[layer].recurrent:
+                linear_ends[block_idx] = index_pos + T
+            else:
+                ends[block_idx] = max(ends.get(block_idx, 0), index_pos + T)
+        slots = self.cache.reserve(session, ends, linear_ends)
         previous = {block_idx: slot.length for block_idx, slot in slots.items()}
         rotations = {}
+        computed: dict[int, tuple[LinearState, int]] = {}  # block_idx -> (new state, positions consumed)
         try:
             with torch.inference_mode():
                 for layer, index_pos, block_idx in ops:
+                    block = self.blocks[layer]
+                    if block.recurrent:
+                        x, state = block.forward(x, self._linear_state(session, block_idx, index_pos, computed))
+                        computed[block_idx] = (state, index_pos + T)
+                        continue
                     if index_pos not in rotations:
                         rotations[index_pos] = self.rotary.cos_sin(index_pos, T, self.dtype)
                     cos, sin = rotations[index_pos]
                     slot = slots[block_idx]
-                    x = self.blocks[layer].forward(x, cos, sin, slot.k, slot.v, index_pos)
+                    x = block.forward(x, cos, sin, slot.k, slot.v, index_pos)
                     slot.length = index_pos + T
         except BaseException:
             # Rows past a slot's previous length are unused; rows a rewind overwrote are lost,
             # so a failed request leaves each slot at its old length or at index_pos if less.
-            for (_, index_pos, block_idx) in ops:
-                slots[block_idx].length = min(previous[block_idx], index_pos)
+            for (layer, index_pos, block_idx) in ops:
+                if not self.blocks[layer].recurrent:
+                    slots[block_idx].length = min(previous[block_idx], index_pos)
             raise
+        for block_idx, (state, consumed) in computed.items():
+            self.cache.linear_slot(session, block_idx).install(state.conv, state.recurrent, consumed)
         return x
+
+    def _linear_state(
+        self, session: int, block_idx: int, index_pos: int, computed: dict[int, tuple[LinearState, int]]
+    ) -> LinearState | None:
+        """The state a linear-attention op starts from: none at position 0, else this request's
+        own latest for the slot, else the session's."""
+        if index_pos == 0:
+            return None
+        if block_idx in computed:
+            return computed[block_idx][0]
+        slot = self.cache.linear_slot(session, block_idx)
+        return LinearState(slot.conv, slot.recurrent)
 
     def _check_input(self, x: torch.Tensor) -> None:
         hidden = self.config.hidden_size
@@ -156,3 +209,11 @@ class BlockRunner:
 
     def session_count(self) -> int:
         return self.cache.session_count()
+
+
+def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """LinearState's conv and recurrent shapes for one session (batch 1), if the model has linear layers."""
+    la = config.linear_attention
+    if la is None:
+        return None
+    return (1, la.conv_channels, la.conv_kernel - 1), (1, la.value_heads, la.key_head_dim, la.value_head_dim)

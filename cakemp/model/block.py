@@ -1,15 +1,26 @@
-"""One pre-norm decoder layer (Llama, Qwen2, Qwen3, Mistral) run on T new tokens over a KV buffer."""
+"""One pre-norm attention decoder layer run on T new tokens over a KV buffer.
+
+Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE (its MLP a SparseMoe on sparse layers); Qwen3.5's
+full-attention layers (q/k norm, partial rotary, a sigmoid output gate, (1 + w) norms folded
+at load). Qwen3.5's linear-attention layers are LinearAttentionBlock (linear_block.py).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from cakemp.model.config import ModelConfig
+from cakemp.model.mlp import GatedMlp
+from cakemp.model.moe import SparseMoe
 from cakemp.model.rotary import rotate
+
+# The norms a (1 + w) family stores as w - 1 (Qwen3.5); Checkpoint.load adds the 1.
+PLUS_ONE_NORMS = frozenset({"input_norm", "post_norm", "q_norm", "k_norm"})
 
 
 class DecoderBlock:
@@ -20,35 +31,36 @@ class DecoderBlock:
     (bench/blocks.py measures the gain).
     """
 
-    def __init__(self, config: ModelConfig, window: int | None, weights: dict[str, torch.Tensor]):
-        """weights: the tensors named by `weight_groups(config)`, on the device, in the compute dtype."""
+    recurrent = False  # its session state is KV rows, which a rewind can cut back
+
+    def __init__(self, config: ModelConfig, index: int, weights: dict[str, torch.Tensor]):
+        """weights: the tensors named by `weight_groups(config, index, ...)`, on the device, in the compute dtype."""
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
-        self.window = window
+        self.window = config.layer_windows[index]
+        self.output_gate = config.attention_output_gate
         self.input_norm = weights["input_norm"]  # [H]
         self.post_norm = weights["post_norm"]  # [H]
-        self.w_qkv = weights["w_qkv"]  # [(H_q + 2 H_kv) * D, H]
+        self.w_qkv = weights["w_qkv"]  # [(H_q (x2 with an output gate) + 2 H_kv) * D, H]
         self.b_qkv = weights.get("b_qkv")  # [(H_q + 2 H_kv) * D] or None
         self.w_o = weights["w_o"]  # [H, H_q * D]
         self.b_o = weights.get("b_o")  # [H] or None
         self.q_norm = weights.get("q_norm")  # [D] or None
         self.k_norm = weights.get("k_norm")  # [D] or None
-        self.w_gate_up = weights["w_gate_up"]  # [2I, H]
-        self.w_down = weights["w_down"]  # [H, I]
+        self.mlp = feed_forward(config, index, weights)
 
     @staticmethod
-    def weight_groups(config: ModelConfig) -> dict[str, list[str]]:
+    def weight_groups(config: ModelConfig, index: int, stored: Callable[[str], bool]) -> dict[str, list[str]]:
         """Each weight of the block and the checkpoint tensors (relative to `model.layers.N.`)
-        stacked along dim 0 to make it."""
+        stacked along dim 0 to make it; `stored(name)` says whether the layer holds `name`."""
         groups = {
             "input_norm": ["input_layernorm.weight"],
             "post_norm": ["post_attention_layernorm.weight"],
             "w_qkv": [f"self_attn.{p}_proj.weight" for p in "qkv"],
             "w_o": ["self_attn.o_proj.weight"],
-            "w_gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-            "w_down": ["mlp.down_proj.weight"],
+            **feed_forward_groups(config, index, stored),
         }
         if config.qkv_bias:
             groups["b_qkv"] = [f"self_attn.{p}_proj.bias" for p in "qkv"]
@@ -60,10 +72,11 @@ class DecoderBlock:
         return groups
 
     @staticmethod
-    def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    def weight_shapes(config: ModelConfig, index: int, stored: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
         """The shape each weight of `weight_groups` must have for this config."""
-        H, D, I = config.hidden_size, config.head_dim, config.intermediate_size
-        qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * D
+        H, D = config.hidden_size, config.head_dim
+        q_rows = config.num_attention_heads * D * (2 if config.attention_output_gate else 1)
+        qkv = q_rows + 2 * config.num_key_value_heads * D
         return {
             "input_norm": (H,),
             "post_norm": (H,),
@@ -73,8 +86,7 @@ class DecoderBlock:
             "b_o": (H,),
             "q_norm": (D,),
             "k_norm": (D,),
-            "w_gate_up": (2 * I, H),
-            "w_down": (H, I),
+            **feed_forward_shapes(config, stored),
         }
 
     def forward(
@@ -92,15 +104,19 @@ class DecoderBlock:
         keys/values for earlier positions; this writes rows [start, start+T).
         """
         x = x + self._attention(rms_norm(x, self.input_norm, self.eps), cos, sin, k_cache, v_cache, start)
-        return x + self._mlp(rms_norm(x, self.post_norm, self.eps))
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
 
     def _attention(self, h, cos, sin, k_cache, v_cache, start):
         B, T, _ = h.shape
         D, n_kv = self.head_dim, self.kv_heads
         n_rep = self.heads // n_kv
-        qkv = F.linear(h, self.w_qkv, self.b_qkv)  # [B, T, (H_q + 2 H_kv) * D]
-        q, k, v = qkv.split([self.heads * D, n_kv * D, n_kv * D], dim=-1)
-        q = q.view(B, T, self.heads, D)
+        q_width = self.heads * D * (2 if self.output_gate else 1)
+        qkv = F.linear(h, self.w_qkv, self.b_qkv)  # [B, T, q_width + 2 H_kv D]
+        q, k, v = qkv.split([q_width, n_kv * D, n_kv * D], dim=-1)
+        if self.output_gate:
+            # Qwen3.5: each head's rows are [q | gate].
+            q, gate = q.view(B, T, self.heads, 2 * D).chunk(2, dim=-1)  # [B, T, H_q, D] each
+        q = q.reshape(B, T, self.heads, D)
         k = k.view(B, T, n_kv, D)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.eps)
@@ -139,11 +155,30 @@ class DecoderBlock:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         # out: [B, H_q, T, D] (decode: [B, H_kv, n_rep, D], the same memory)
         out = out.reshape(B, self.heads, T, D).transpose(1, 2).reshape(B, T, self.heads * D)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate.reshape(B, T, self.heads * D))
         return F.linear(out, self.w_o, self.b_o)
 
-    def _mlp(self, h):
-        gate, up = F.linear(h, self.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
-        return F.linear(F.silu(gate) * up, self.w_down)
+
+def feed_forward(config: ModelConfig, index: int, weights: dict[str, torch.Tensor]) -> GatedMlp | SparseMoe:
+    """Layer `index`'s MLP: a SparseMoe on a MoE family's sparse layers, else the dense GatedMlp."""
+    if config.moe is not None and config.moe.sparse_layers[index]:
+        return SparseMoe(config, weights)
+    return GatedMlp(weights["w_gate_up"], weights["w_down"])
+
+
+def feed_forward_groups(config: ModelConfig, index: int, stored: Callable[[str], bool]) -> dict[str, list[str]]:
+    if config.moe is not None and config.moe.sparse_layers[index]:
+        return SparseMoe.weight_groups(config, stored)
+    return {"w_gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "w_down": ["mlp.down_proj.weight"]}
+
+
+def feed_forward_shapes(config: ModelConfig, stored: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
+    H, I = config.hidden_size, config.intermediate_size
+    shapes = {"w_gate_up": (2 * I, H), "w_down": (H, I)}
+    if config.moe is not None:
+        shapes.update(SparseMoe.weight_shapes(config, stored))
+    return shapes
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -32,7 +32,7 @@ def test_single_file_checkpoint_loads_tensors_as_stored(tmp_path):
     path = make_checkpoint(tmp_path, "qwen2")
     config = ModelConfig.from_dir(path)
     groups = {key: [f"model.layers.2.{name}" for name in members]
-              for key, members in DecoderBlock.weight_groups(config).items()}
+              for key, members in DecoderBlock.weight_groups(config, 2, lambda name: True).items()}
     loaded = Checkpoint(path, config).load(groups, torch.device("cpu"), torch.float32)
     with safe_open(path / "model.safetensors", "pt") as f:
         for key, members in groups.items():
@@ -44,7 +44,7 @@ def test_tensors_are_cast_to_the_compute_dtype(tmp_path):
     path = make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
     runner = BlockRunner.load(path, ["model.layers.0"], "cpu", torch.float16)
     block = runner.blocks["model.layers.0"]
-    assert block.w_qkv.dtype == block.w_down.dtype == block.input_norm.dtype == torch.float16
+    assert block.w_qkv.dtype == block.mlp.w_down.dtype == block.input_norm.dtype == torch.float16
 
 
 def test_tensor_missing_from_its_shard_names_tensor_and_file(tmp_path):
@@ -113,7 +113,7 @@ def test_fp8_checkpoint_with_ragged_blocks_is_dequantized_on_load(tmp_path):
     for i in range(rows):
         for j in range(cols):
             expected[i, j] = down[i, j].float() * scale[i // 48, j // 40]
-    assert torch.equal(block.w_down, expected)
+    assert torch.equal(block.mlp.w_down, expected)
     q = stored["model.layers.2.self_attn.q_proj.weight"]
     q_scale = stored["model.layers.2.self_attn.q_proj.weight_scale_inv"]
     assert torch.equal(block.w_qkv[: q.shape[0]], fp8.dequantize(q, q_scale, (48, 40)))
