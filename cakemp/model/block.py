@@ -182,5 +182,11 @@ def feed_forward_shapes(config: ModelConfig, stored: Callable[[str], bool]) -> d
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalise the last dim (torch's rms_norm computes in f32 for f16/bf16 inputs)."""
+    """RMS-normalise the last dim (torch's rms_norm computes in f32 for f16/bf16 inputs).
+
+    An f32 weight with a lower-precision x (a folded 1 + w) is applied in f32 and the result
+    rounded once to x's dtype, as HF's (1 + w) norms do.
+    """
+    if weight.dtype != x.dtype:
+        return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
     return F.rms_norm(x, weight.shape, weight, eps)

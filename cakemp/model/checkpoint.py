@@ -66,8 +66,10 @@ class Checkpoint:
         """One `dtype` tensor on `device` per group: its tensors concatenated along dim 0.
 
         Groups in `plus_one` are norm weights stored as w - 1 (Qwen3.5, Gemma 3): 1 is added
-        here, in f32, then rounded once to `dtype`, so their norm is an ordinary RMSNorm with
-        weight 1 + w (HF forms 1 + w in f32 on every call; Cake at the seed adds in f16).
+        here, in f32, and they stay f32, so their norm is an ordinary RMSNorm with weight 1 + w,
+        as HF computes it (1 + w in f32 on every call). Rounded to bf16, 1 + w would scale each
+        channel by up to 2^-9 off, the same way at every position, and such systematic errors
+        add up over layers (Cake at the seed adds the 1 in f16).
 
         Each shard holding one of the names is opened once (memory-mapped); other shards are
         never opened. Every destination is allocated once and filled by one copy_ per source
@@ -94,7 +96,7 @@ class Checkpoint:
                     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(members, sources))
                     raise CheckpointError(f"tensors that should stack along dim 0 do not: {shapes}")
                 shape = (sum(t.shape[0] for t in sources), *sources[0].shape[1:])
-                out[key] = torch.empty(shape, dtype=dtype, device=device)
+                out[key] = torch.empty(shape, dtype=torch.float32 if key in plus_one else dtype, device=device)
                 row = 0
                 for t in sources:
                     if key in plus_one:
