@@ -2,9 +2,9 @@
 
 Layers 0-3 (linear, linear, linear, full attention; every layer MoE) are split over two CPU
 device processes, 0-1 and 2-3, so each request crosses the device boundary and both layer
-kinds run. The node runs once per protocol revision (the seed's, which introduced Qwen3.5,
-and the current one): what differs between them is the WorkerError tag, which the rewind and
-budget refusals exercise.
+kinds run. One node, at protocol revision 2 (Cake's, since Qwen3.5-MoE came after the seed):
+the revisions differ only in tags the wire tests cover, and a node costs ~30 s to start on a
+loaded machine (ISSUE-NOTES: revisions x dtypes at the block level, not a node per combination).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicCache
 
 from cakemp.errors import RemoteWorkerError
 from cakemp.wire import Revision
@@ -39,19 +40,18 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen3_5_moe", shards=3)
 
 
-@pytest.fixture(scope="module", params=[Revision.V1, Revision.V2], ids=["rev1", "rev2"])
-def node(request, checkpoint, tmp_path_factory):
+@pytest.fixture(scope="module")
+def node(checkpoint, tmp_path_factory):
     topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", [f"{PREFIX}.0-3"])
-    running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32", "--protocol",
-                          str(int(request.param)), "--kv-budget-mib", str(BUDGET_MIB), "--max-context", "8192",
+    running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32", "--protocol", "2",
+                          "--kv-budget-mib", str(BUDGET_MIB), "--max-context", "8192",
                           "--metrics-address", "127.0.0.1:0")
-    running.revision = request.param
     yield running
     assert running.stop() == 0
 
 
 async def connect(node) -> CakeMaster:
-    return await CakeMaster.connect(node.port, LAYERS, revision=node.revision, prefix=PREFIX)
+    return await CakeMaster.connect(node.port, LAYERS, revision=Revision.V2, prefix=PREFIX)
 
 
 def kv_bytes(node) -> list[float]:
@@ -66,7 +66,7 @@ def rel(a, b):
 def test_prompt_in_3_token_chunks_then_decode_match_hf_across_both_devices(node, checkpoint):
     """A 9-token prompt sent as three 3-token chunks, then 8 decode steps, match HF's layers 0-3;
     so does a 7-token prefill on a second session; Goodbye frees every session's state."""
-    ref, ref_whole = HFLayers(checkpoint, LAYERS, torch.float32), HFLayers(checkpoint, LAYERS, torch.float32)
+    ref = HFLayers(checkpoint, LAYERS, torch.float32)
     generator = torch.Generator().manual_seed(3)
 
     async def main():
@@ -77,7 +77,8 @@ def test_prompt_in_3_token_chunks_then_decode_match_hf_across_both_devices(node,
             assert rel(await chunked.forward(x, position), ref(x, position)) <= F32_REL
             position += T
         x = torch.randn(1, 7, HIDDEN, generator=generator)
-        assert rel(await whole.forward(x, 0), ref_whole(x, 0)) <= F32_REL
+        ref.cache = DynamicCache(config=ref.config)  # HF's side of the second session
+        assert rel(await whole.forward(x, 0), ref(x, 0)) <= F32_REL
         assert all(held > 0 for held in kv_bytes(node))
         await chunked.goodbye()
         await whole.goodbye()
