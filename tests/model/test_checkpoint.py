@@ -129,3 +129,24 @@ def test_weights_that_disagree_with_config_are_refused_at_load(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"model.layers.0: mlp.gate_proj.weight \+ mlp.up_proj.weight give shape \(256, 64\)"):
         BlockRunner.load(path, ["model.layers.0"], "cpu", torch.float32)
+
+
+def test_fp8_qwen3_5_moe_loads_dequantized_and_skips_vision_and_mtp(tmp_path):
+    """An FP8 Qwen3.5-MoE checkpoint's linear-attention projections load as e4m3 times block scale
+    (fused in one matrix), its (1 + w) norms with the 1 added; vision and mtp tensors are never read."""
+    path = make_checkpoint(tmp_path, "qwen3_5_moe", shards=2, fp8_block=(32, 48))
+    runner = BlockRunner.load(path, ["model.language_model.layers.1"], "cpu", torch.float32)
+    block = runner.blocks["model.language_model.layers.1"]
+    files = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    stored = {}
+    for file in files:
+        with safe_open(path / file, "pt") as f:
+            stored |= {k: f.get_tensor(k) for k in f.keys()}
+    prefix = "model.language_model.layers.1."
+    assert stored[prefix + "linear_attn.in_proj_qkv.weight"].dtype == torch.float8_e4m3fn
+    parts = [fp8.dequantize(stored[f"{prefix}linear_attn.in_proj_{p}.weight"],
+                            stored[f"{prefix}linear_attn.in_proj_{p}.weight_scale_inv"], (32, 48))
+             for p in ("qkv", "z", "b", "a")]
+    assert torch.equal(block.mixer.w_in, torch.cat(parts))
+    assert torch.equal(block.input_norm, stored[prefix + "input_layernorm.weight"] + 1)
+    assert any(k.startswith("mtp.layers.0.") for k in stored) and any(k.startswith("model.visual.") for k in stored)
