@@ -18,8 +18,6 @@ from cakemp.model.block import rms_norm
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 
-EMBED = "model.embed_tokens.weight"
-NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 
 
@@ -44,12 +42,20 @@ class Head:
     def load(
         cls, model_dir: str | Path, config: ModelConfig, device: torch.device | str, dtype: torch.dtype
     ) -> Head:
-        """Read the three tensors (two when tied) from the checkpoint, cast to `dtype`."""
+        """Read the three tensors (two when tied) from the checkpoint, cast to `dtype`.
+
+        They sit beside the decoder layers (`model.` or Qwen3.5's `model.language_model.`); a
+        (1 + w) family's final norm gets its 1 added as its layers' norms do.
+        """
         tied = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
-        names = [EMBED, NORM] if tied else [EMBED, NORM, LM_HEAD]
-        tensors = Checkpoint(model_dir, config).load({name: [name] for name in names}, torch.device(device), dtype)
-        lm_head = tensors[EMBED] if tied else tensors[LM_HEAD]
-        return cls(tensors[EMBED], tensors[NORM], lm_head, config.rms_norm_eps)
+        model = config.layer_prefix.rpartition(".")[0]  # "model.layers" -> "model"
+        embed, norm = f"{model}.embed_tokens.weight", f"{model}.norm.weight"
+        names = [embed, norm] if tied else [embed, norm, LM_HEAD]
+        plus_one = frozenset({norm}) if config.norm_plus_one else frozenset()
+        tensors = Checkpoint(model_dir, config).load({name: [name] for name in names}, torch.device(device), dtype,
+                                                     plus_one=plus_one)
+        lm_head = tensors[embed] if tied else tensors[LM_HEAD]
+        return cls(tensors[embed], tensors[norm], lm_head, config.rms_norm_eps)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Token ids [T] -> hidden states [1, T, H]."""
