@@ -38,8 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cakemp.compute.runner import BlockRunner  # noqa: E402
-from tests.checkpoints import HFLayers, make_checkpoint  # noqa: E402
+from cakemp.compute.runner import BlockRunner
+from tests.checkpoints import HFLayers, make_checkpoint
 
 CONTEXT = 512
 PREFILL = 512
@@ -68,7 +68,10 @@ def timed(fn) -> float:
 def compare(path: Path, family: str, index: int, dtype: torch.dtype, steps: int) -> dict[str, tuple[float, float]]:
     """Best ms of (cakemp, HF) for decode and prefill of layer `index`."""
     prefix = "model.language_model.layers" if family.startswith("qwen3_5") else "model.layers"
-    ops = lambda position: [(f"{prefix}.{index}", position, index)]  # noqa: E731
+
+    def ops(position: int) -> list[tuple[str, int, int]]:
+        return [(f"{prefix}.{index}", position, index)]
+
     runner = BlockRunner.load(path, [f"{prefix}.{index}"], "cpu", dtype)
     hf = HFLayers(path, [index], dtype)
     hidden = runner.config.hidden_size
@@ -85,8 +88,8 @@ def compare(path: Path, family: str, index: int, dtype: torch.dtype, steps: int)
         ours, theirs = [], []
         for step in range(steps + 2):  # two warm-up steps
             x, position = tokens(1), CONTEXT + step
-            t_ours = timed(lambda: runner.forward(0, x, ops(position)))
-            t_hf = timed(lambda: hf(x, position))
+            t_ours = timed(lambda x=x, position=position: runner.forward(0, x, ops(position)))
+            t_hf = timed(lambda x=x, position=position: hf(x, position))
             if step >= 2:
                 ours.append(t_ours)
                 theirs.append(t_hf)
@@ -96,9 +99,9 @@ def compare(path: Path, family: str, index: int, dtype: torch.dtype, steps: int)
         for step in range(max(3, steps // 4) + 1):
             x = tokens(PREFILL)
             runner.clear_session(0)
-            t_ours = timed(lambda: runner.forward(0, x, ops(0)))
+            t_ours = timed(lambda x=x: runner.forward(0, x, ops(0)))
             hf.cache = type(hf.cache)(config=hf.config)
-            t_hf = timed(lambda: hf(x, 0))
+            t_hf = timed(lambda x=x: hf(x, 0))
             if step >= 1:
                 ours.append(t_ours)
                 theirs.append(t_hf)
