@@ -7,6 +7,7 @@ CAKE_CLUSTER_KEY). A configuration error exits with status 78 (EX_CONFIG) and on
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 
 import click
@@ -16,9 +17,12 @@ from cakemp.errors import CakempError, ConfigError
 from cakemp.front import Front, NodeConfig
 from cakemp.address import parse_address
 from cakemp.front.config import cuda_devices, parse_gpus
+from cakemp.front.model_cache import cache_root
+from cakemp.front.setup import SetupConfig
 from cakemp.front.notify import Notifier
 from cakemp.topology import Topology
 from cakemp.wire import Revision
+from cakemp.wire.discovery import DISCOVERY_PORT
 
 EXIT_CONFIG = 78
 
@@ -39,9 +43,10 @@ def cli() -> None:
 
 
 @cli.command()
-@_flag("--name", help="This worker's entry in the topology.")
+@_flag("--name", help="This worker's entry in the topology; in zero-config mode its discovery name (default: the host name).")
 @_flag("--model", default="./cake-data/Meta-Llama-3-8B/", help="Model directory.")
-@_flag("--topology", help="Cake topology YAML.")
+@_flag("--topology", help="Cake topology YAML; without it and with --cluster-key, zero-config mode (the master "
+       "discovers the node and pushes the model).")
 @_flag("--address", default="0.0.0.0:10128", help="host:port to listen on.")
 @_flag("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster-key")], help="Shared key; turns on auth.")
 @_flag("--dtype", type=click.Choice(["f16", "bf16", "f32"]), default="f16", help="Compute dtype of the layers.")
@@ -59,41 +64,58 @@ def cli() -> None:
 @_flag("--restart-attempts", type=click.IntRange(min=1), default=5,
        help="Failed starts in a row of one device process after which the node exits 1.")
 @_flag("--metrics-address", help="host:port serving /metrics, /healthz and /readyz (default: off).")
+@_flag("--discovery-port", type=click.IntRange(0, 65535), default=DISCOVERY_PORT,
+       help="Zero-config: UDP port answering the master's discovery.")
+@_flag("--discovery-bind", default="0.0.0.0", help="Zero-config: address the discovery responder binds.")
+@_flag("--max-model-gib", type=click.FloatRange(0, min_open=True), default=1024.0,
+       help="Zero-config: most GiB a master may push, all files together.")
 @_flag("--log-format", type=click.Choice(list(log.FORMATS)), default="auto",
        help="auto = console on a terminal, JSON lines otherwise.")
 @_flag("--log-level", type=click.Choice(list(log.LEVELS)), default="info")
 def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_budget_mib, max_context,
-        cpu_threads, drain_timeout, request_timeout, restart_attempts, metrics_address, log_format,
-        log_level) -> None:
-    """Serve this worker's layers of a Cake topology."""
+        cpu_threads, drain_timeout, request_timeout, restart_attempts, metrics_address, discovery_port,
+        discovery_bind, max_model_gib, log_format, log_level) -> None:
+    """Serve this worker's layers: its entry's in a Cake topology, or (with --cluster-key and no
+    --topology: zero-config) those a master discovering it assigns and pushes."""
     log.configure(log_format, log_level)
     logger = log.get_logger()
     # First: it takes the manager's variables out of the environment the device processes inherit.
     notifier = Notifier.from_env()
-    if not name:
+    setup = None
+    if cluster_key and not topology:
+        # Cake's rule for zero-config: a key and no topology (--model has a default, so it cannot count).
+        served, layers, model = name or socket.gethostname(), (), ""
+        if click.get_current_context().get_parameter_source("model") != click.core.ParameterSource.DEFAULT:
+            logger.warning("--model is ignored in zero-config mode: the master pushes the model")
+        setup = SetupConfig(cluster_key=cluster_key, cache_root=cache_root(),
+                            max_model_bytes=int(max_model_gib * (1 << 30)),
+                            discovery_host=discovery_bind, discovery_port=discovery_port)
+    elif not name:
         raise ConfigError("no --name provided for worker")
-    if not topology:
-        raise ConfigError("no --topology given (zero-config setup is not supported)")
-    served, node = Topology.load(topology).worker(name)
-    if served != name:
-        logger.warning(f"topology for worker name '{name}' not found, using '{served}'")
-    if not node.layers:
-        raise ConfigError(f"topology entry '{served}' lists no layers")
+    elif not topology:
+        raise ConfigError("no --topology given (and no --cluster-key for zero-config setup)")
+    else:
+        served, node = Topology.load(topology).worker(name)
+        if served != name:
+            logger.warning(f"topology for worker name '{name}' not found, using '{served}'")
+        if not node.layers:
+            raise ConfigError(f"topology entry '{served}' lists no layers")
+        layers = node.layers
     devices = parse_gpus(gpus, cuda_devices() if gpus.strip() == "all" else ())
     if gpus.strip() == "all" and devices == (None,):
         logger.warning("no CUDA device found; serving on one CPU device")
-    if len(devices) > len(node.layers):
-        logger.warning(f"{len(devices)} devices for {len(node.layers)} layers; using {len(node.layers)}")
-        devices = devices[: len(node.layers)]
+    if setup is None and len(devices) > len(layers):
+        logger.warning(f"{len(devices)} devices for {len(layers)} layers; using {len(layers)}")
+        devices = devices[: len(layers)]
     host, port = parse_address(address)
     config = NodeConfig(
-        name=served, model_dir=model, layers=node.layers, devices=devices, host=host, port=port,
+        name=served, model_dir=model, layers=layers, devices=devices, host=host, port=port,
         cluster_key=cluster_key or None, dtype=dtype, revision=Revision(int(protocol)),
         kv_budget_bytes=kv_budget_mib * (1 << 20) if kv_budget_mib else None, max_context=max_context,
         cpu_threads=cpu_threads, drain_timeout=drain_timeout, request_timeout=request_timeout,
         restart_attempts=restart_attempts,
         metrics_address=parse_address(metrics_address, "--metrics-address") if metrics_address else None,
-        log_format=log_format, log_level=log_level,
+        log_format=log_format, log_level=log_level, setup=setup,
     )
     # The front's exit status; a CakempError (a device that died while loading, say) exits 1.
     sys.exit(_run_or_exit(Front(config, notifier).run()))
@@ -118,8 +140,15 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
        help="Compute and wire dtype; must match the workers'.")
 @_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
        help="Cake revision the workers speak.")
+@_flag("--discover", help="Zero-config: find the cluster's workers at these comma-separated addresses "
+       "(broadcast like 255.255.255.255, or the workers' own), give them layers and push them the files.")
+@_flag("--discovery-port", type=click.IntRange(1, 65535), default=DISCOVERY_PORT, help="UDP port of the workers' discovery.")
+@_flag("--discovery-timeout", type=click.FloatRange(0, min_open=True), default=10.0,
+       help="Seconds to collect discovery replies.")
+@_flag("--min-workers", type=click.IntRange(min=0), default=0,
+       help="Stop collecting replies once this many workers answered (0: wait the whole timeout).")
 def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed,
-             cluster_key, dtype, protocol) -> None:
+             cluster_key, dtype, protocol, discover, discovery_port, discovery_timeout, min_workers) -> None:
     """Generate text as a Cake master: this process runs the layers no worker serves."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 
@@ -127,10 +156,19 @@ def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, rep
     from cakemp.master.sampler import SamplingParams
 
     sampling = SamplingParams(temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed)
+    if discover and topology:
+        raise ConfigError("--discover and --topology exclude each other")
+    if discover and not cluster_key:
+        raise ConfigError("--discover needs --cluster-key (the cluster's workers answer only to its hash)")
     layout = Topology.load(topology) if topology else Topology(())
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     async def stream():
+        nonlocal layout
+        if discover:
+            layout = await _discover_cluster(model, cluster_key, [t.strip() for t in discover.split(",") if t.strip()],
+                                             discovery_port, discovery_timeout, min_workers, Revision(int(protocol)),
+                                             device)
         async with await Generator.open(model, layout, dtype=dtype, device=device, cluster_key=cluster_key or None,
                                         revision=Revision(int(protocol))) as generator:
             click.echo(prompt, nl=False)
@@ -139,6 +177,25 @@ def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, rep
         click.echo(done.summary(), err=True)
 
     _run_or_exit(stream())
+
+
+async def _discover_cluster(model, cluster_key, targets, port, timeout, min_workers, revision, device) -> Topology:
+    """Discover the workers, give them layers as Cake does, push them the files; the resulting topology."""
+    from cakemp.front.discovery import local_devices
+    from cakemp.master.cluster import assign_layers, layer_bytes, set_up
+    from cakemp.master.discovery import discover
+    from cakemp.model.config import ModelConfig
+
+    workers = await discover(cluster_key, targets, port=port, timeout=timeout, min_workers=min_workers)
+    if not workers:
+        raise CakempError(f"no worker of this cluster answered at {', '.join(targets)} within {timeout:g} s")
+    config = ModelConfig.from_dir(model)
+    master_tflops = sum(gpu.tflops for gpu in local_devices(cuda_devices() if device == "cuda" else (None,)))
+    assignments = assign_layers(workers, config.num_hidden_layers, master_tflops,
+                                layer_bytes(model, config.num_hidden_layers), config.layer_prefix)
+    for worker, layers in assignments:
+        click.echo(f"{worker.name} at {worker.address}: {layers[0]}..{layers[-1]} ({len(layers)} layers)", err=True)
+    return await set_up(model, assignments, cluster_key=cluster_key, revision=revision)
 
 
 @cli.command()

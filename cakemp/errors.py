@@ -25,6 +25,11 @@ class CheckpointError(ConfigError):
     """The checkpoint is unusable: unsupported architecture, missing tensor, bad config."""
 
 
+class SetupError(CakempError):
+    """A zero-config setup or model push that cannot be accepted; answered WorkerError, then the
+    connection is closed and the node waits for the next setup."""
+
+
 class RequestError(CakempError):
     """A well-formed request that cannot be served; the master gets WorkerError(str(self))."""
 

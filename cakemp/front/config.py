@@ -8,6 +8,7 @@ import subprocess
 from dataclasses import dataclass
 
 from cakemp.errors import ConfigError
+from cakemp.front.setup import SetupConfig
 from cakemp.wire import Revision
 
 # Cake's WorkerInfo.dtype spelling (candle's Debug names) for each --dtype value.
@@ -36,6 +37,8 @@ class NodeConfig:
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics, /healthz, /readyz; None: off
     log_format: str = "auto"
     log_level: str = "info"
+    # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
+    setup: SetupConfig | None = None
 
 
 def parse_gpus(text: str, cuda_devices: tuple[str, ...]) -> tuple[str | None, ...]:

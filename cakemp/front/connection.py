@@ -30,7 +30,7 @@ _READ_SIZE = 1 << 20
 class Connection:
     def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
                  pool: DevicePool, router: Router, metrics: Metrics, revision: Revision, cluster_key: str | None,
-                 worker_info: Callable[[int], WorkerInfo]):
+                 worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None):
         self.session = session
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
@@ -38,6 +38,7 @@ class Connection:
         self._pool, self._router, self._metrics = pool, router, metrics
         self._revision, self._cluster_key = revision, cluster_key
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
+        self._served = served  # zero-config: the assignment this node was set up with
         self._decoder = FrameDecoder(revision)
         self._devices: set[int] = set()  # devices that may hold state of this session
         self._stats = Stats()
@@ -76,6 +77,15 @@ class Connection:
         message, _, read_s = first
         if isinstance(message, LayerAssignment):
             # The master restarted and re-runs setup: we already hold the layers (seed behaviour).
+            # A zero-config node knows what it was set up with and refuses another model or
+            # layer set, rather than answer WorkerReady and fail every request that follows.
+            if self._served is not None and message != self._served:
+                self._log.warning("master re-setup with another assignment: refused", layers=len(message.layers),
+                                  model_hash=message.model_hash)
+                await self._send(WorkerError(
+                    f"this node serves {_span(self._served.layers)} of model {self._served.model_hash or '(no hash)'}; "
+                    f"restart it to take {_span(message.layers)} of model {message.model_hash or '(no hash)'}"))
+                return
             self._log.info("master re-setup: accepting layer assignment", layers=len(message.layers))
             await self._send(LayerAssignmentAck(needs_data=False))
             await self._send(WorkerReady())
@@ -177,3 +187,10 @@ class Connection:
                 continue
             self._log.info("session freed", device=device, device_sessions=done.sessions, kv_bytes=done.kv_bytes)
         self._writer.close()
+
+
+def _span(layers: Sequence[str]) -> str:
+    """How a message names a layer list: "model.layers.0..model.layers.15 (16 layers)"."""
+    if not layers:
+        return "no layers"
+    return f"{layers[0]}..{layers[-1]} ({len(layers)} layers)" if len(layers) > 1 else layers[0]

@@ -12,6 +12,7 @@ service manager READY=1, then serve, restarting devices in place as they fail, u
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import platform
@@ -23,19 +24,21 @@ import tempfile
 import cakemp
 from cakemp import log
 from cakemp.device.spec import DeviceSpec
-from cakemp.errors import ConfigError
+from cakemp.errors import CakempError, ConfigError
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
 from cakemp.front.connection import Connection
+from cakemp.front.discovery import DiscoveryResponder, announcement_for
 from cakemp.front.metrics import Metrics, start_metrics_server
 from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.front.router import Router
+from cakemp.front.setup import Setup
 from cakemp.front.stats import human_bytes
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import Ready
 from cakemp.rss import resident_bytes
 from cakemp.topology import place_layers
-from cakemp.wire import WorkerInfo
+from cakemp.wire import LayerAssignment, WorkerInfo
 
 EXIT_OK = 0
 EXIT_DEVICE_FAILED = 1
@@ -54,6 +57,9 @@ class Front:
         self.metrics = Metrics()
         self._notifier = notifier or Notifier(None)
         self._router = Router(self.placement)
+        self._setup = Setup(config.setup, config.revision) if config.setup is not None else None
+        self._served: LayerAssignment | None = None  # zero-config: the setup being served
+        self._discovery: asyncio.DatagramTransport | None = None
         self.pool: DevicePool | None = None
         self.status: NodeStatus | None = None
         self._runtime_dir: str | None = None
@@ -81,7 +87,7 @@ class Front:
             server = await self._bind()
             try:
                 metrics_server = await self._serve_metrics()
-                readies = await self._start_pool()
+                readies = await (self._set_up(server) if self._setup is not None else self._start_pool())
                 if readies is None:
                     return EXIT_OK
                 await server.start_serving()
@@ -107,6 +113,8 @@ class Front:
             self._notifier.close()
             if metrics_server is not None:
                 metrics_server.close()
+            if self._discovery is not None:
+                self._discovery.close()
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
             for sig in _SIGNALS:
                 loop.remove_signal_handler(sig)
@@ -161,6 +169,62 @@ class Front:
         self._log.info("stopped while loading")
         return None
 
+    async def _set_up(self, server: asyncio.Server) -> tuple[Ready, ...] | None:
+        """Zero-config: answer discovery and setups until one's layers have loaded (then the
+        node serves them); None when asked to stop first. A setup whose model cannot load is
+        refused and the node waits for the next."""
+        await server.start_serving()  # setup connections only, until `_served` is set
+        port = server.sockets[0].getsockname()[1]
+        setup = self.config.setup
+        # nvidia-smi may take a second or two: off the loop, which keeps the watchdog fed.
+        announcement = await asyncio.to_thread(
+            announcement_for, self._setup.cluster_hash, self.config.name, port, self.config.devices)
+        self._discovery, discovery_port = await DiscoveryResponder.start(
+            announcement, setup.discovery_host, setup.discovery_port)
+        self._log.info(f"waiting for setup on port {port}, discovery on {discovery_port}/udp",
+                       port=port, discovery_port=discovery_port, cluster_hash=self._setup.cluster_hash,
+                       worker_name=self.config.name, gpus=[gpu.name for gpu in announcement.gpus])
+        self._notifier.ready(f"waiting for a Cake master's setup on port {port}")
+        while True:
+            assignment = await self._unless_stopped(self._setup.next())
+            if assignment is None:
+                return None
+            self._adopt(assignment.layers, str(assignment.model_dir))
+            try:
+                readies = await self._start_pool()
+            except CakempError as e:
+                self._log.error("the assigned layers cannot be loaded; waiting for the next setup", error=str(e))
+                # The master learns why, not where this node keeps its cache.
+                reason = str(e).replace(str(assignment.model_dir), "<cache>")
+                await assignment.refuse(f"cannot load the assigned layers: {reason}")
+                self.pool = None
+                continue
+            if readies is None:
+                await assignment.refuse("the node is stopping")
+                return None
+            self._served = assignment.message
+            self._setup.serving()
+            await assignment.ready()
+            return readies
+
+    def _adopt(self, layers: tuple[str, ...], model_dir: str) -> None:
+        """Serve `layers` of the checkpoint in `model_dir` (zero-config: known only after setup)."""
+        devices = self.config.devices[: len(layers)]
+        self.config = dataclasses.replace(self.config, layers=layers, model_dir=model_dir, devices=devices)
+        self.placement = place_layers(layers, len(devices))
+        self._router = Router(self.placement)
+
+    async def _unless_stopped(self, awaitable):
+        """The result of `awaitable`, or None if the node is asked to stop first."""
+        waiting = asyncio.ensure_future(awaitable)
+        stopping = asyncio.create_task(self._stopping.wait())
+        await asyncio.wait((waiting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if waiting.done():
+            return waiting.result()
+        waiting.cancel()
+        return None
+
     async def _serve_until_done(self) -> int:
         stopping = asyncio.create_task(self._stopping.wait())
         failed = asyncio.create_task(self.pool.failed.wait())
@@ -197,9 +261,13 @@ class Front:
             task.cancel()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._setup is not None and self._served is None:
+            await self._setup.handle(reader, writer)
+            return
         connection = Connection(
             next(self._sessions), reader, writer, pool=self.pool, router=self._router, metrics=self.metrics,
             revision=self.config.revision, cluster_key=self.config.cluster_key, worker_info=self._worker_info,
+            served=self._served,
         )
         self._connections[connection] = asyncio.current_task()
         self.metrics.active_sessions.inc()

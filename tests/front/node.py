@@ -70,18 +70,21 @@ def write_topology(path: Path, layers: list[str], name: str = "worker") -> Path:
 class RunningNode:
     """A `cakemp run` process whose JSON log lines are collected as they come."""
 
-    def __init__(self, model: Path, topology: Path, *args: str, env: dict[str, str] | None = None,
-                 timeout: float = 60.0):
-        command = [sys.executable, "-m", "cakemp", "run", "--name", "worker", "--model", str(model),
-                   "--topology", str(topology), "--address", "127.0.0.1:0", "--log-format", "json", *args]
+    def __init__(self, model: Path | None, topology: Path | None, *args: str, env: dict[str, str] | None = None,
+                 timeout: float = 60.0, ready: str = LISTENING, name: str | None = "worker"):
+        """Start the node and wait for its event starting with `ready` (which carries its TCP port);
+        without `model` and `topology` it starts in zero-config mode (give it a cluster key)."""
+        where = [] if topology is None else ["--model", str(model), "--topology", str(topology)]
+        command = [sys.executable, "-m", "cakemp", "run", *(["--name", name] if name else []), *where,
+                   "--address", "127.0.0.1:0", "--log-format", "json", *args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
-        listening = self.wait_for(lambda e: e.get("event", "").startswith(LISTENING), timeout)
-        self.port: int = listening["port"]
+        self.started = self.wait_for(lambda e: e.get("event", "").startswith(ready), timeout)
+        self.port: int = self.started["port"]
 
     def _collect(self) -> None:
         for line in self.process.stdout:
@@ -135,3 +138,23 @@ class RunningNode:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=30)
+
+
+class ZeroConfigNode(RunningNode):
+    """`cakemp run` in zero-config mode (cluster key, no topology) on one f32 CPU device, waiting for
+    setup; discovery answers on 127.0.0.1 at `discovery_port`, the cache lives under `home`."""
+
+    KEY = "zero-config secret"
+
+    def __init__(self, home: Path, revision: int = 2, *args: str, name: str | None = "worker"):
+        self.home = home  # XDG_CACHE_HOME; the cache is home/cake/<cluster hash>-<model hash>
+        super().__init__(None, None, "--gpus", "cpu", "--dtype", "f32", "--protocol", str(int(revision)),
+                         "--discovery-port", "0", "--discovery-bind", "127.0.0.1", *args,
+                         env={"CAKE_CLUSTER_KEY": self.KEY, "XDG_CACHE_HOME": str(home)}, ready="waiting for setup",
+                         name=name)
+        self.revision = revision
+        self.discovery_port: int = self.started["discovery_port"]
+
+    def files(self) -> set[Path]:
+        """Every file under the node's cache home."""
+        return {p for p in self.home.rglob("*") if not p.is_dir()}

@@ -1,0 +1,363 @@
+"""Cake's model cache on a zero-config node: where pushed files live, and a push written into it.
+
+The directory is Cake's own (spec §7.3): `$XDG_CACHE_HOME/cake/<cluster hash>-<model hash>/`
+(`~/.cache` without XDG_CACHE_HOME; `<cluster hash>` alone when an old master sends no model
+hash), so a machine keeps one cache per cluster and model.
+
+Unlike Cake, a cache counts only once a push completed (spec §7.5 lists what Cake trusts):
+every file is written beside its final name (`.<name>.partial`) and moved into place when
+whole, the push ends by recording each file's size in a marker (`.cakemp-complete`, written
+the same way), and a cache is valid only when that marker is there, every file in it has its
+recorded size, and the files hold the assigned layers. A new push empties the directory
+first, and a push that fails (interrupted, refused) removes what it wrote, so the next master
+is asked for the data again.
+
+A cache Cake itself wrote has no marker. It is adopted (the marker written) only when every
+file the layers need is whole by its own structure: config.json and the index parse, and each
+safetensors file is exactly as long as its header says (8 + header + the last tensor's end),
+which an interrupted Cake push, truncating a shard, fails.
+
+Everything a master sends is checked before it touches the disk: file names are bare names
+from the push's allowed set, offsets continue exactly where the file stands, a file's size
+never changes, no file grows past its size, the push's sizes stay under a total limit, the
+CRC matches, and a zstd frame must be whole and may not decompress past the file's size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import zstandard
+
+from cakemp.errors import SetupError
+from cakemp.wire import ModelDataChunk
+
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+SINGLE_FILE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+MARKER = ".cakemp-complete"
+_PARTIAL = ".{}.partial"
+# Cake's chunks are at most 128 MiB before compression, so no chunk decompresses to more.
+MAX_CHUNK_BYTES = 128 << 20
+_MODEL_HASH = re.compile(r"[0-9a-f]{8}")
+_MAX_INDEX_BYTES = 64 << 20  # a rewritten index is a few MiB even for the largest models
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+
+
+def cache_root() -> Path:
+    """Where Cake keeps its caches: $XDG_CACHE_HOME/cake, else ~/.cache/cake (Linux's dirs::cache_dir)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(base if os.path.isabs(base) else Path.home() / ".cache") / "cake"
+
+
+def check_model_hash(model_hash: str) -> str:
+    """`model_hash` if it is 8 lowercase hex digits or empty (it becomes part of a path); else SetupError."""
+    if model_hash and not _MODEL_HASH.fullmatch(model_hash):
+        raise SetupError(f"invalid model hash {model_hash[:64]!r}: expected 8 lowercase hex digits")
+    return model_hash
+
+
+def check_file_name(name: str) -> str:
+    """`name` if it is a bare file name (no separator, not . or .., not hidden, no NUL); else SetupError."""
+    if (not name or len(name.encode("utf-8", "surrogatepass")) > 255 or "/" in name or "\\" in name
+            or "\0" in name or name.startswith(".")):
+        raise SetupError(f"invalid file name {name[:64]!r}: expected a bare file name")
+    return name
+
+
+@dataclass(frozen=True)
+class ModelCache:
+    """One cluster's cache directory for one model."""
+
+    directory: Path
+
+    @classmethod
+    def for_model(cls, root: Path, cluster_hash: str, model_hash: str) -> ModelCache:
+        name = f"{cluster_hash}-{check_model_hash(model_hash)}" if model_hash else cluster_hash
+        return cls(Path(root) / name)
+
+    def covers(self, layers: Sequence[str]) -> bool:
+        """Whether a completed push left every file whole here, holding every one of `layers`
+        (or, without a marker, Cake's own files are whole: then they are adopted)."""
+        try:
+            sizes = json.loads((self.directory / MARKER).read_text())["files"]
+        except FileNotFoundError:
+            return self._adopt(layers)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        try:
+            if not all(os.lstat(self.directory / check_file_name(name)).st_size == size
+                       for name, size in sizes.items()):
+                return False
+            return _holds_layers(self.directory, set(sizes), layers)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, SetupError):
+            return False
+
+    def _adopt(self, layers: Sequence[str]) -> bool:
+        """A cache without a marker (Cake wrote it) counts, and gets a marker, when the files the
+        layers need are whole by their own structure."""
+        try:
+            present = {entry.name for entry in os.scandir(self.directory)
+                       if entry.is_file(follow_symlinks=False) and not entry.name.startswith(".")}
+            if CONFIG not in present or not _holds_layers(self.directory, present, layers):
+                return False
+            needed = {CONFIG} | _weight_files(self.directory, present, layers)
+            json.loads((self.directory / CONFIG).read_bytes())
+            if not all(_safetensors_whole(self.directory / name) for name in needed - {CONFIG, INDEX}):
+                return False
+            sizes = {name: os.lstat(self.directory / name).st_size for name in needed}
+            _write_atomically(self.directory / MARKER, json.dumps({"files": sizes}).encode())
+            return True
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, SetupError):
+            return False
+
+    def begin_push(self, layers: Sequence[str], max_total_bytes: int, verify_crc: bool) -> ModelPush:
+        """Invalidate the cache and empty it, for a push of the files holding `layers`
+        (`verify_crc`: the chunks carry a CRC, as they do at protocol revision 2)."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.invalidate()
+        return ModelPush(self.directory, tuple(layers), max_total_bytes, verify_crc)
+
+    def invalidate(self) -> None:
+        """Forget the files here (the marker first): the next setup asks for the data again."""
+        try:
+            os.unlink(self.directory / MARKER)
+        except FileNotFoundError:
+            pass
+        if not self.directory.is_dir():
+            return
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    os.unlink(entry.path)  # a symlink itself, never what it points at
+
+
+class ModelPush:
+    """One push into a cache directory: `receive` each chunk, then `finish` at ModelDataDone.
+
+    Any refusal raises SetupError; the caller then calls `abort`, which removes the partial
+    file (the marker was removed when the push began, so the cache stays invalid).
+    """
+
+    def __init__(self, directory: Path, layers: tuple[str, ...], max_total_bytes: int, verify_crc: bool):
+        self._directory = directory
+        self._verify_crc = verify_crc
+        self._layers = layers
+        self._max_total = max_total_bytes
+        self._allowed = {CONFIG, TOKENIZER, SINGLE_FILE, INDEX}  # shards join once the index names them
+        self._done: dict[str, int] = {}  # whole files moved into place -> size
+        self._current: _File | None = None
+        self._announced = 0  # sum of the sizes of the files begun
+        self._decompressor = zstandard.ZstdDecompressor()
+
+    def receive(self, chunk: ModelDataChunk) -> None:
+        """Check and write one chunk."""
+        name = check_file_name(chunk.filename)
+        if self._current is None or self._current.name != name:
+            self._start(name, chunk.total_size)
+        current = self._current
+        if chunk.total_size != current.size:
+            raise SetupError(f"{name}: total_size changed from {current.size} to {chunk.total_size}")
+        if chunk.offset != current.written:
+            raise SetupError(f"{name}: chunk at offset {chunk.offset}, expected {current.written}")
+        data = self._payload(chunk, current.size - current.written)
+        current.write(data)
+        if current.written == current.size:
+            self._complete(current)
+
+    def finish(self) -> None:
+        """ModelDataDone: check the push is whole and holds the layers, then record it complete."""
+        if self._current is not None:
+            raise SetupError(f"{self._current.name}: push ended at {self._current.written} of "
+                             f"{self._current.size} bytes")
+        if CONFIG not in self._done:
+            raise SetupError(f"the push has no {CONFIG}")
+        if INDEX in self._done:
+            missing = sorted(self._allowed - self._done.keys() - {CONFIG, TOKENIZER, SINGLE_FILE, INDEX})
+            if missing:
+                raise SetupError(f"the push lacks shards its index names: {', '.join(missing[:3])}")
+        if not _holds_layers(self._directory, set(self._done), self._layers):
+            raise SetupError(f"the pushed files do not hold every assigned layer ({', '.join(self._layers[:3])}, ...)")
+        _write_atomically(self._directory / MARKER, json.dumps({"files": self._done}).encode())
+
+    def abort(self) -> None:
+        """Remove what this push wrote: the file being written and the whole ones (so that nothing
+        of a failed push is ever adopted as a cache)."""
+        if self._current is not None:
+            self._current.discard()
+            self._current = None
+        for name in self._done:
+            try:
+                os.unlink(self._directory / name)
+            except FileNotFoundError:
+                pass
+        self._done.clear()
+
+    def _start(self, name: str, size: int) -> None:
+        if self._current is not None:
+            raise SetupError(f"{name} begins while {self._current.name} is at {self._current.written} "
+                             f"of {self._current.size} bytes")
+        if name not in self._allowed:
+            raise SetupError(f"{name} is not a file of this push")
+        if name in self._done:
+            raise SetupError(f"{name} was pushed twice")
+        if SINGLE_FILE in self._done.keys() | {name} and INDEX in self._done.keys() | {name}:
+            raise SetupError(f"a push holds either {SINGLE_FILE} or {INDEX}, not both")
+        if size > self._max_total - self._announced:
+            raise SetupError(f"{name} of {size} bytes would take the push past the limit of {self._max_total} bytes")
+        self._announced += size
+        self._current = _File.create(self._directory, name, size)
+
+    def _payload(self, chunk: ModelDataChunk, room: int) -> bytes | memoryview:
+        """The chunk's file bytes: CRC checked (revision 2 carries one), zstd undone, never more than `room`."""
+        data = chunk.data
+        if self._verify_crc and zlib.crc32(data) != chunk.checksum:
+            raise SetupError(f"{chunk.filename}: CRC mismatch at offset {chunk.offset}")
+        if not chunk.compressed:
+            if len(data) > room:
+                raise SetupError(f"{chunk.filename}: chunk at {chunk.offset} runs past total_size")
+            return data
+        bound = min(room, MAX_CHUNK_BYTES)
+        try:
+            declared = zstandard.frame_content_size(data)
+            if declared > bound:
+                raise SetupError(f"{chunk.filename}: compressed chunk declares {declared} bytes, room for {bound}")
+            if bound == 0:
+                raise SetupError(f"{chunk.filename}: compressed chunk past total_size")
+            # Without a content size (Cake writes none) the output buffer is `bound` and a
+            # frame that needs more, or that is cut short, is an error, not partial output.
+            return self._decompressor.decompress(data, max_output_size=bound)
+        except zstandard.ZstdError as e:
+            raise SetupError(f"{chunk.filename}: bad zstd data at offset {chunk.offset}: {e}") from None
+
+    def _complete(self, current: _File) -> None:
+        current.close_into_place()
+        self._done[current.name] = current.size
+        self._current = None
+        if current.name == INDEX:
+            self._allowed |= _shards_of(self._directory / INDEX)
+
+
+class _File:
+    """A file being pushed: written at `.<name>.partial`, moved to `name` when whole."""
+
+    def __init__(self, directory: Path, name: str, size: int, fd: int):
+        self.name, self.size, self.written = name, size, 0
+        self._directory, self._fd = directory, fd
+
+    @classmethod
+    def create(cls, directory: Path, name: str, size: int) -> _File:
+        # O_EXCL|O_NOFOLLOW: never through a link someone planted, never over a file of this push.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(directory / _PARTIAL.format(name), flags, 0o600)
+        except OSError as e:
+            raise SetupError(f"cannot create {name} in the cache: {e.strerror}") from None
+        return cls(directory, name, size, fd)
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view.nbytes:
+            written = os.write(self._fd, view)
+            view = view[written:]
+            self.written += written
+
+    def close_into_place(self) -> None:
+        os.fsync(self._fd)
+        os.close(self._fd)
+        os.replace(self._directory / _PARTIAL.format(self.name), self._directory / self.name)
+
+    def discard(self) -> None:
+        os.close(self._fd)
+        try:
+            os.unlink(self._directory / _PARTIAL.format(self.name))
+        except FileNotFoundError:
+            pass
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
+
+
+def _shards_of(index: Path) -> set[str]:
+    """The shard names a pushed index maps tensors to (each must be a bare name)."""
+    weight_map = _weight_map(index)
+    shards = {check_file_name(shard) for shard in weight_map.values()}
+    if not all(shard.endswith(".safetensors") for shard in shards):
+        raise SetupError(f"{INDEX} names a shard that is not a .safetensors file")
+    return shards
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    if index.stat().st_size > _MAX_INDEX_BYTES:
+        raise SetupError(f"{INDEX} is over {_MAX_INDEX_BYTES} bytes")
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SetupError(f"{INDEX} is not a safetensors index: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SetupError(f"{INDEX}: weight_map must map tensor names to file names")
+    return weight_map
+
+
+def _holds_layers(directory: Path, files: set[str], layers: Sequence[str]) -> bool:
+    """Whether the whole files `files` hold a tensor of every layer (Cake's rule: a `<layer>.` prefix)."""
+    if INDEX in files:
+        weight_map = _weight_map(directory / INDEX)
+        return all(any(name.startswith(layer + ".") and shard in files for name, shard in weight_map.items())
+                   for layer in layers)
+    if SINGLE_FILE in files:
+        names = _safetensors_names(directory / SINGLE_FILE)
+        return all(any(name.startswith(layer + ".") for name in names) for layer in layers)
+    return False
+
+
+def _weight_files(directory: Path, files: set[str], layers: Sequence[str]) -> set[str]:
+    """The weight files (and the index) the layers' tensors are in."""
+    if INDEX in files:
+        weight_map = _weight_map(directory / INDEX)
+        return {INDEX} | {shard for name, shard in weight_map.items()
+                          if any(name.startswith(layer + ".") for layer in layers)}
+    return {SINGLE_FILE}
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's header (u64 LE length, then JSON) and that length."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
+        if length > _MAX_HEADER_BYTES:
+            raise SetupError(f"{path.name}: safetensors header of {length} bytes")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:
+            raise SetupError(f"{path.name}: bad safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise SetupError(f"{path.name}: bad safetensors header")
+    return length, header
+
+
+def _safetensors_names(path: Path) -> set[str]:
+    """The tensor names in a safetensors file."""
+    return set(_safetensors_header(path)[1]) - {"__metadata__"}
+
+
+def _safetensors_whole(path: Path) -> bool:
+    """Whether the file is exactly as long as its header says: 8 + header + the last tensor's end."""
+    length, header = _safetensors_header(path)
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    return os.lstat(path).st_size == 8 + length + max(ends, default=0)

@@ -1,0 +1,102 @@
+"""A zero-config cluster from the master's side: discovered workers, their layers, their setup.
+
+`assign_layers` splits the model's layers as Cake's default strategy does (spec §7.4): the
+workers, fastest first, get contiguous runs from layer 0 in proportion to their TFLOPS, the
+master's own TFLOPS counted in the total, each capped by what its devices' memory holds (less
+a reserve); the master keeps the rest. `set_up` runs the setup exchange with every worker at
+once, pushing the files it asks for, and returns the topology the generator then uses.
+(Cake also hands layers the master cannot fit back to the workers; cakemp's master computes
+whatever is left, so that step is not reproduced.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from typing import Sequence
+
+from cakemp.errors import ConfigError
+from cakemp.master.address import dial
+from cakemp.master.discovery import DiscoveredWorker
+from cakemp.master.model_push import model_chunks, model_hash
+from cakemp.topology import Node, Topology
+from cakemp.wire import Revision
+from cakemp.wire.discovery import GpuInfo
+
+_CUDA_RESERVE = (0.05, 768 << 20)  # fraction, floor in bytes: what a CUDA device keeps for itself
+_CPU_RESERVE = 0.20
+
+
+def max_layers(gpus: Sequence[GpuInfo], layer_bytes: int) -> int:
+    """How many layers of `layer_bytes` the devices hold, each keeping Cake's reserve."""
+    total = 0
+    for gpu in gpus:
+        if gpu.name.lower().startswith("cpu"):
+            usable = gpu.vram_bytes * (1 - _CPU_RESERVE)
+        else:
+            fraction, floor = _CUDA_RESERVE
+            usable = gpu.vram_bytes - max(gpu.vram_bytes * fraction, floor)
+        total += max(0, int(usable // layer_bytes))
+    return total
+
+
+def assign_layers(workers: Sequence[DiscoveredWorker], num_layers: int, master_tflops: float, layer_bytes: int,
+                  prefix: str = "model.layers") -> list[tuple[DiscoveredWorker, tuple[str, ...]]]:
+    """Each worker given layers, with its contiguous run of layer names; workers given none are left out."""
+    if not workers or num_layers == 0:
+        return []
+    workers_tflops = sum(w.tflops for w in workers)
+    total_tflops = workers_tflops + master_tflops
+    if total_tflops <= 0:  # nothing to weigh by: half the layers, split evenly (Cake's fallback)
+        share = num_layers // 2 // len(workers)
+        counts = [share] * (len(workers) - 1) + [num_layers // 2 - share * (len(workers) - 1)]
+        ordered = list(workers)
+    else:
+        ordered = sorted(workers, key=lambda w: w.tflops, reverse=True)
+        remaining = min(_round(workers_tflops / total_tflops * num_layers), num_layers)
+        remaining_tflops = workers_tflops
+        counts = []
+        for position, worker in enumerate(ordered):
+            if position == len(ordered) - 1:
+                count = remaining
+            else:
+                count = min(max(_round(worker.tflops / remaining_tflops * remaining), 1), remaining)
+            if layer_bytes > 0:
+                count = min(count, max_layers(worker.announcement.gpus, layer_bytes))
+            counts.append(count)
+            remaining -= count
+            remaining_tflops -= worker.tflops
+    assignments, offset = [], 0
+    for worker, count in zip(ordered, counts):
+        if count > 0:
+            assignments.append((worker, tuple(f"{prefix}.{i}" for i in range(offset, offset + count))))
+        offset += count
+    return assignments
+
+
+def layer_bytes(model_dir: str | Path, num_layers: int) -> int:
+    """A layer's size, over-estimated as all weight files over the layer count (embeddings included)."""
+    files = list(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir} has no .safetensors file")
+    return sum(f.stat().st_size for f in files) // max(1, num_layers)
+
+
+async def set_up(model_dir: str | Path, assignments: Sequence[tuple[DiscoveredWorker, tuple[str, ...]]], *,
+                 cluster_key: str, revision: Revision, timeout: float = 10.0) -> Topology:
+    """Run the setup with every assigned worker at once (pushing the files each asks for) and
+    return the topology of what they serve; raises the first worker's failure."""
+    hash_ = model_hash(model_dir)
+
+    async def one(worker: DiscoveredWorker, layers: tuple[str, ...]) -> tuple[str, Node]:
+        async with await dial(worker.address, cluster_key=cluster_key, revision=revision, timeout=timeout) as client:
+            await client.assign_layers(layers, hash_, model_chunks(model_dir, layers, revision))
+        return worker.name, Node(host=worker.address, layers=layers)
+
+    return Topology(tuple(await asyncio.gather(*(one(worker, layers) for worker, layers in assignments))))
+
+
+def _round(x: float) -> int:
+    """Rust's f64::round: halves away from zero (Python's round() goes to even)."""
+    return math.floor(x + 0.5)
