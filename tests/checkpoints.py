@@ -220,10 +220,12 @@ class HFLayers:
     cache layer being run (`layer_idx`) since only some layers ever see tokens here.
     """
 
-    def __init__(self, path: Path, indices: list[int], dtype: torch.dtype):
+    def __init__(self, path: Path, indices: list[int], dtype: torch.dtype, experts: str = "eager"):
+        """experts: HF's MoE expert path; "eager" (its reference loop, which also runs in f64) or
+        its default "grouped_mm"."""
         config = transformers.AutoConfig.from_pretrained(path)
         model_class = FAMILIES[config.model_type][1]
-        model = model_class.from_pretrained(path, dtype=dtype, attn_implementation="eager", experts_implementation="eager")
+        model = model_class.from_pretrained(path, dtype=dtype, attn_implementation="eager", experts_implementation=experts)
         self.config = text_config(model.config)
         # A wrapped family's decoder is the language model beside the vision tower.
         self.model = model.model.language_model if config.model_type in WRAPPED else model.model

@@ -182,12 +182,16 @@ def chunked_delta_rule(q, k, v, g, beta, state):
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).triu(1)
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [B, H, n, L, L]
     k_beta = k * beta
-    # I + A: A is the strict lower part (decay is 0 above the diagonal; the solve takes the
-    # diagonal as 1 whatever it holds). Solved once for both right-hand sides: u's part from
-    # the values and the weights of S_0 in it.
-    system = k_beta @ k.transpose(-1, -2) * decay
+    # I + A, A the strict lower part. It is inverted (a triangular solve against the identity,
+    # L right-hand sides) and the inverse applied to both right-hand sides at once (u's part
+    # from the values, and the weights of S_0 in it): on CPU that is ~4x faster than solving
+    # for the D_v + D_k columns directly, whose batched solve dominated the whole prefill.
+    eye = torch.eye(CHUNK, dtype=k.dtype, device=k.device)
+    on_or_above = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).triu()
+    system = (k_beta @ k.transpose(-1, -2) * decay).masked_fill(on_or_above, 0) + eye
+    inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False)
     rhs = torch.cat((v * beta, k_beta * c.exp()[..., None]), dim=-1)  # [B, H, n, L, D_v + D_k]
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    solved = inverse @ rhs
     u_values, u_state = solved.split([D_v, D_k], dim=-1)
     attend = q @ k.transpose(-1, -2) * decay  # [B, H, n, L, L], zero above the diagonal
     q_decayed = q * c.exp()[..., None]  # reads of S_0
