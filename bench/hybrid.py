@@ -73,7 +73,7 @@ def compare(path: Path, family: str, index: int, dtype: torch.dtype, steps: int)
         return [(f"{prefix}.{index}", position, index)]
 
     runner = BlockRunner.load(path, [f"{prefix}.{index}"], "cpu", dtype)
-    hf = HFLayers(path, [index], dtype, experts="grouped_mm")
+    hf = HFLayers(path, [index], dtype, experts="grouped_mm" if family.endswith("moe") else "eager")
     hidden = runner.config.hidden_size
     generator = torch.Generator().manual_seed(1)
 
