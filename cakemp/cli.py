@@ -7,6 +7,7 @@ CAKE_CLUSTER_KEY). A configuration error exits with status 78 (EX_CONFIG) and on
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
 
@@ -16,7 +17,7 @@ from cakemp import log
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front import Front, NodeConfig
 from cakemp.address import parse_address
-from cakemp.front.config import cuda_devices, parse_gpus
+from cakemp.front.config import device_environment, discover_gpus, parse_gpus
 from cakemp.front.model_cache import cache_root
 from cakemp.front.setup import SetupConfig
 from cakemp.front.notify import Notifier
@@ -50,10 +51,13 @@ def cli() -> None:
 @_flag("--address", default="0.0.0.0:10128", help="host:port to listen on.")
 @_flag("--cluster-key", envvar=["CAKE_CLUSTER_KEY", _env("cluster-key")], help="Shared key; turns on auth.")
 @_flag("--dtype", type=click.Choice(["f16", "bf16", "f32"]), default="f16", help="Compute dtype of the layers.")
-@_flag("--gpus", default="all", help="all | cpu | cpu:N | GPU indices like 0,2.")
+@_flag("--gpus", default="all",
+       help="all | cpu | cpu:N | GPU indices (of the visible GPUs, PCI bus order) or GPU/MIG UUIDs, like 0,2.")
 @_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
        help="Cake revision: 1 = fa7d08a (WorkerError tag 11), 2 = after 2026-03-21 (tag 12).")
-@_flag("--kv-budget-mib", type=click.IntRange(min=1), help="KV cache budget per device process, in MiB (default: none).")
+@_flag("--kv-budget-mib", type=click.IntRange(min=1),
+       help="KV cache budget per device process, in MiB (default: none on a CPU; on a GPU what is free after "
+            "loading, less max(2 GiB, a tenth of the GPU)).")
 @_flag("--max-context", type=click.IntRange(min=1), help="Maximum positions per session (default: the model's).")
 @_flag("--cpu-threads", type=click.IntRange(min=1),
        help="torch threads per CPU device process (default: the cores divided among them).")
@@ -101,7 +105,9 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         if not node.layers:
             raise ConfigError(f"topology entry '{served}' lists no layers")
         layers = node.layers
-    devices = parse_gpus(gpus, cuda_devices() if gpus.strip() == "all" else ())
+    os.environ.update(device_environment(os.environ))  # for the device processes, which inherit it
+    wants_gpus = not gpus.strip().startswith("cpu")
+    devices = parse_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"), discover_gpus() if wants_gpus else None)
     if gpus.strip() == "all" and devices == (None,):
         logger.warning("no CUDA device found; serving on one CPU device")
     if setup is None and len(devices) > len(layers):
@@ -190,7 +196,8 @@ async def _discover_cluster(model, cluster_key, targets, port, timeout, min_work
     if not workers:
         raise CakempError(f"no worker of this cluster answered at {', '.join(targets)} within {timeout:g} s")
     config = ModelConfig.from_dir(model)
-    master_tflops = sum(gpu.tflops for gpu in local_devices(cuda_devices() if device == "cuda" else (None,)))
+    gpus = parse_gpus("all", os.environ.get("CUDA_VISIBLE_DEVICES"), discover_gpus()) if device == "cuda" else (None,)
+    master_tflops = sum(gpu.tflops for gpu in local_devices(gpus))
     assignments = assign_layers(workers, config.num_hidden_layers, master_tflops,
                                 layer_bytes(model, config.num_hidden_layers), config.layer_prefix)
     for worker, layers in assignments:

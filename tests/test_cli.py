@@ -105,3 +105,22 @@ def test_a_metrics_address_in_use_exits_78_before_loading(tmp_path, topology, ta
                         "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0",
                         "--metrics-address", f"127.0.0.1:{taken_port}")
     assert_config_error(result, "cannot serve metrics")
+
+
+@pytest.mark.parametrize("listing, gpus, words", [
+    ("echo 'GPU 0: NVIDIA H100 (UUID: GPU-0a1b)'; echo 'GPU 1: NVIDIA H100 (UUID: GPU-2c3d)'", "7",
+     "there is no GPU 7 (only 2 visible)"),
+    ("echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\"; exit 9", "all",
+     "nvidia-smi -L exited 9: NVIDIA-SMI has failed"),
+])
+def test_gpus_the_machine_lacks_exit_78_with_one_line(tmp_path, topology, listing, gpus, words):
+    """A GPU index past the visible GPUs, or `--gpus all` where nvidia-smi fails (a broken driver),
+    is a configuration error, not a node on the CPU or a device process that dies at start."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"  # a stand-in for the driver's tool: this listing, or its failure
+    smi.write_text(f"#!/bin/sh\n{listing}\n")
+    smi.chmod(0o755)
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", gpus,
+                        env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert_config_error(result, words)

@@ -11,13 +11,16 @@ from pathlib import Path
 
 import torch
 
+from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache
 from cakemp.errors import BadTensor, CheckpointError, PositionGap, RecurrentRewind, UnknownLayer
+from cakemp.model import attention, fp8
 from cakemp.model.block import PLUS_ONE_NORMS, DecoderBlock
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 from cakemp.model.deltanet import LinearState
 from cakemp.model.linear_block import LinearAttentionBlock
+from cakemp.model.moe import STACKED
 from cakemp.model.rotary import Rotary
 
 Block = DecoderBlock | LinearAttentionBlock
@@ -80,30 +83,61 @@ class BlockRunner:
                 raise CheckpointError(
                     f"layer {layer!r} is not one of {config.layer_name(0)}..{config.layer_name(config.num_hidden_layers - 1)}"
                 )
-        plus_one = PLUS_ONE_NORMS if config.norm_plus_one else frozenset()
-        blocks = {}
-        # One layer at a time, so progress can be reported; opening a shard again per layer
-        # costs only its header (the file is memory-mapped).
-        for loaded, layer in enumerate(layers, 1):
+        kinds, groups, shapes = {}, {}, {}
+        for layer in layers:
             index = config.layer_index(layer)
-            kind = block_type(config, index)
+            kinds[layer] = kind = block_type(config, index)
 
             def stored(name: str, layer: str = layer) -> bool:
                 return checkpoint.has(f"{layer}.{name}")
 
-            groups = kind.weight_groups(config, index, stored)
-            wanted = {key: [f"{layer}.{name}" for name in members] for key, members in groups.items()}
-            weights = checkpoint.load(wanted, device, dtype, plus_one=plus_one & groups.keys())
-            shapes = kind.weight_shapes(config, index, stored)
-            for key, tensor in weights.items():
-                if tuple(tensor.shape) != shapes[key]:
-                    raise CheckpointError(
-                        f"{layer}: {' + '.join(groups[key])} give shape {tuple(tensor.shape)}, "
-                        f"config.json implies {shapes[key]}"
-                    )
-            blocks[layer] = kind(config, index, weights)
-            if on_layer is not None:
-                on_layer(loaded)
+            groups[layer] = kind.weight_groups(config, index, stored)
+            shapes[layer] = kind.weight_shapes(config, index, stored)
+        # Per layer, the groups that may stay FP8 and those that must be plain tensors (stacked
+        # experts, viewed as [E, rows, cols]).
+        wanted = [
+            tuple({(layer, key): [f"{layer}.{name}" for name in members]
+                   for key, members in groups[layer].items() if (key in STACKED) == stacked}
+                  for stacked in (False, True))
+            for layer in layers
+        ]
+        keep_fp8 = config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
+        needed = sum(checkpoint.nbytes(kept, dtype, keep_fp8) + checkpoint.nbytes(plain, dtype)
+                     for kept, plain in wanted)
+        free = None
+        if device.type == "cuda":
+            attention.use_fused_kernels()
+            free = torch.cuda.mem_get_info(device)[0]
+            memory.check_fits(needed, free, str(device))
+        plus_one = frozenset(
+            (layer, key) for layer in layers for key in groups[layer] if config.norm_plus_one and key in PLUS_ONE_NORMS
+        )
+        weights = {}
+        # One layer at a time, so progress can be reported; opening a shard again per layer
+        # costs only its header (the file is memory-mapped).
+        try:
+            for loaded, (kept, plain) in enumerate(wanted, 1):
+                weights.update(checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys()))
+                weights.update(checkpoint.load(plain, device, dtype))
+                if on_layer is not None:
+                    on_layer(loaded)
+        except torch.OutOfMemoryError:
+            if free is None:
+                raise
+            # Past the estimate (another process took memory meanwhile, say): as much a configuration error.
+            raise memory.too_big(needed, free, str(device), "ran out of memory while loading") from None
+        for (layer, key), tensor in weights.items():
+            if tuple(tensor.shape) != shapes[layer][key]:
+                raise CheckpointError(
+                    f"{layer}: {' + '.join(groups[layer][key])} give shape {tuple(tensor.shape)}, "
+                    f"config.json implies {shapes[layer][key]}"
+                )
+        blocks = {
+            layer: kinds[layer](config, config.layer_index(layer), {key: weights[layer, key] for key in groups[layer]})
+            for layer in layers
+        }
+        if device.type == "cuda" and kv_budget_bytes is None:
+            kv_budget_bytes = memory.default_kv_budget(*torch.cuda.mem_get_info(device), str(device))
         return cls(config, blocks, device, dtype, kv_budget_bytes, max_context)
 
     def forward(self, session: int, x: torch.Tensor, ops: Sequence[tuple[str, int, int]]) -> torch.Tensor:

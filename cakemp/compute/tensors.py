@@ -43,7 +43,10 @@ def to_tensor(data: bytes | bytearray | memoryview, dtype: int, shape: tuple[int
 
 
 def to_bytes(x: torch.Tensor, dtype: int) -> memoryview:
-    """`x` cast to wire `dtype` as little-endian bytes on the CPU (a view of a fresh tensor, no extra copy)."""
-    y = x.to(device="cpu", dtype=_WIRE_TO_TORCH[DType(dtype)]).contiguous()
+    """`x` cast to wire `dtype` as little-endian bytes on the CPU (a view of a fresh tensor, no extra copy).
+
+    The cast runs where `x` is, before the copy to the host: one `to(device, dtype)` would cast
+    inside the copy, on the CPU, single-threaded."""
+    y = x.to(_WIRE_TO_TORCH[DType(dtype)]).to("cpu").contiguous()
     # bf16 has no numpy dtype: reinterpret as bytes first.
     return memoryview(y.reshape(-1).view(torch.uint8).numpy())

@@ -53,6 +53,12 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int) -> None:
         if request is None:
             break
         channel.send(service.handle(request))
+        if service.poisoned is not None:
+            # The CUDA context fails every call from now on: end, for the front to start afresh.
+            logger.error("device fault; exiting so that the front restarts this device", device_label=spec.label,
+                         error=service.poisoned)
+            channel.close(linger_ms=5000)
+            sys.exit(1)
     channel.close()
 
 

@@ -14,8 +14,9 @@ import torch
 
 from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner
+from cakemp.device import fault
 from cakemp.device.spec import DeviceSpec
-from cakemp.errors import RequestError, UnknownLayer
+from cakemp.errors import ConfigError, RequestError, UnknownLayer
 from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward
 from cakemp.rss import resident_bytes
 
@@ -24,6 +25,7 @@ from cakemp.rss import resident_bytes
 class DeviceService:
     runner: BlockRunner
     layers: tuple[str, ...]  # the front addresses layers by their index in this tuple
+    poisoned: str | None = None  # why this process must end after its last answer (a sticky CUDA error)
 
     @classmethod
     def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None) -> "DeviceService":
@@ -31,6 +33,9 @@ class DeviceService:
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         device = "cuda:0" if spec.gpu is not None else "cpu"  # the one GPU this process sees
+        if spec.gpu is not None and not torch.cuda.is_available():
+            build = "this torch build has no CUDA" if torch.version.cuda is None else "CUDA finds no such GPU"
+            raise ConfigError(f"device {spec.label}: cannot use GPU {spec.gpu}: {build}")
         runner = BlockRunner.load(
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
@@ -54,8 +59,22 @@ class DeviceService:
             return Done(request.request_id, self.runner.session_count(), self.runner.kv_bytes())
         except RequestError as e:
             return Failure(request.request_id, type(e).__name__, str(e))
-        except Exception as e:  # a bug or a device fault: report it, keep serving
-            return Failure(request.request_id, type(e).__name__, f"{type(e).__name__}: {e}")
+        except Exception as e:  # a bug or a device fault: report it, and keep serving if the device still can
+            return self._fault(request.request_id, e)
+
+    def _fault(self, request_id: int, error: Exception) -> Failure:
+        """The Failure for an error that is no fault of the request. Out of memory fails that
+        request alone; an error that poisons the CUDA context sets `poisoned`, for the process to
+        end once this answer is sent (cakemp/device/fault.py says why)."""
+        summary = ". ".join(str(error).split(". ")[:2]).strip()  # torch's OOM text goes on for lines
+        if isinstance(error, torch.OutOfMemoryError):
+            torch.cuda.empty_cache()  # hand back what the failed request had cached
+            return Failure(request_id, "RequestError", f"out of memory on {self.runner.device}: {summary}")
+        if fault.poisons_context(error):
+            self.poisoned = f"{type(error).__name__}: {error}"
+            return Failure(request_id, "DeviceLost", f"device {self.runner.device} faulted ({summary}); it restarts, "
+                                                     "and its sessions lose their KV state")
+        return Failure(request_id, type(error).__name__, f"{type(error).__name__}: {error}")
 
     def _forward(self, request: Forward) -> Activation:
         ops = []
@@ -64,7 +83,8 @@ class DeviceService:
                 raise UnknownLayer(f"could not find layer #{op.layer} on this device")
             ops.append((self.layers[op.layer], op.index_pos, op.block_idx))
         x = tensors.to_tensor(request.data, request.dtype, request.shape)  # [1, T, H] wire dtype, CPU
-        # No inference_mode here: runner.forward enters it, and the cast builds no graph (x needs no grad).
-        y = self.runner.forward(request.session, x.to(self.runner.device, self.runner.dtype), ops)
+        # No inference_mode here: runner.forward enters it, and the casts build no graph (x needs no grad).
+        # Cast on the device: torch casts within a host copy on the CPU, single-threaded.
+        y = self.runner.forward(request.session, x.to(self.runner.device).to(self.runner.dtype), ops)
         return Activation(request.request_id, request.dtype, request.shape, tensors.to_bytes(y, request.dtype),
                           self.runner.kv_bytes())

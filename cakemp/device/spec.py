@@ -21,7 +21,7 @@ class DeviceSpec:
     endpoint: str
     kv_budget_bytes: int | None = None
     max_context: int | None = None
-    threads: int | None = None  # torch intra-op threads for a CPU process
+    threads: int | None = None  # torch intra-op threads (None: torch's default, one per core)
     log_format: str = "auto"
     log_level: str = "info"
 

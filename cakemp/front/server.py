@@ -48,6 +48,9 @@ _CLOSE_GRACE_S = 5.0  # for connections to wind up once the pool has failed what
 # front kills a device silent for LOAD_SILENCE_S, and then needs a moment to exit.
 _PROGRESS_SLACK_S = 30.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
+# per core in each of several such processes only contends for the cores.
+GPU_DEVICE_THREADS = 2
 
 
 class Front:
@@ -303,7 +306,7 @@ class Front:
                 endpoint=f"ipc://{self._runtime_dir}/device-{i}",
                 kv_budget_bytes=self.config.kv_budget_bytes,
                 max_context=self.config.max_context,
-                threads=cpu_threads if gpu is None else None,
+                threads=cpu_threads if gpu is None else GPU_DEVICE_THREADS,
                 log_format=self.config.log_format,
                 log_level=self.config.log_level,
             )

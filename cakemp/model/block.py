@@ -12,9 +12,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
+from cakemp.model import attention
 from cakemp.model.config import ModelConfig
+from cakemp.model.fp8 import linear
 from cakemp.model.mlp import GatedMlp
 from cakemp.model.moe import SparseMoe
 from cakemp.model.rotary import rotate
@@ -34,7 +35,8 @@ class DecoderBlock:
     recurrent = False  # its session state is KV rows, which a rewind can cut back
 
     def __init__(self, config: ModelConfig, index: int, weights: dict[str, torch.Tensor]):
-        """weights: the tensors named by `weight_groups(config, index, ...)`, on the device, in the compute dtype."""
+        """weights: the tensors named by `weight_groups(config, index, ...)`, on the device, in the compute
+        dtype (matrices of an FP8 checkpoint may be `fp8.Fp8Weight`s, multiplied by `linear`)."""
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -109,9 +111,8 @@ class DecoderBlock:
     def _attention(self, h, cos, sin, k_cache, v_cache, start):
         B, T, _ = h.shape
         D, n_kv = self.head_dim, self.kv_heads
-        n_rep = self.heads // n_kv
         q_width = self.heads * D * (2 if self.output_gate else 1)
-        qkv = F.linear(h, self.w_qkv, self.b_qkv)  # [B, T, q_width + 2 H_kv D]
+        qkv = linear(h, self.w_qkv, self.b_qkv)  # [B, T, q_width + 2 H_kv D]
         q, k, v = qkv.split([q_width, n_kv * D, n_kv * D], dim=-1)
         if self.output_gate:
             # Qwen3.5: each head's rows are [q | gate].
@@ -125,39 +126,16 @@ class DecoderBlock:
         k_cache[:, :, start : start + T] = rotate(k.transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
         v_cache[:, :, start : start + T] = v.view(B, T, n_kv, D).transpose(1, 2)
 
-        end = start + T
         # A sliding window only narrows what is read: the cache keeps every position (as Cake's
         # full-attention layers do), so a window layer costs the same memory as a full one.
-        first = 0 if self.window is None else max(0, start - self.window + 1)
-        keys = k_cache[:, :, first:end]  # [B, H_kv, S, D], S = end - first
-        values = v_cache[:, :, first:end]
-        # All SDPA kernels used here (CPU flash, CUDA flash / memory-efficient, and the math
-        # fallback unless allow_fp16_bf16_reduction_math_sdp is switched on) keep the softmax
-        # max, sum and P@V accumulator in f32 for f16/bf16 inputs, so softmax accumulates in
-        # f32 without upcasting q/k/v; tests/model/test_block.py checks it.
-        scale = 1 / math.sqrt(D)
-        if T == 1:
-            # Decode: query head j reads kv head j // n_rep, so the n_rep query heads of a kv
-            # head become n_rep query rows of it and SDPA reads each K/V row once (enable_gqa
-            # repeats K/V: 3x slower at 4k context on CPU). One query sees every key in
-            # [first, end): no mask.
-            out = F.scaled_dot_product_attention(q.view(B, n_kv, n_rep, D), keys, values, scale=scale)
-        else:
-            # Several queries: is_causal would align the diagonal top-left, wrong once the cache
-            # holds earlier positions (chunked prefill); causal_lower_right aligns it to the
-            # last key without materialising a mask, and lets kernels skip masked blocks.
-            if self.window is None:
-                mask = causal_lower_right(T, end - first)
-            else:
-                q_pos = torch.arange(start, end, device=h.device)[:, None]  # [T, 1]
-                k_pos = torch.arange(first, end, device=h.device)[None, :]  # [1, S]
-                mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)  # [T, S]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        # out: [B, H_q, T, D] (decode: [B, H_kv, n_rep, D], the same memory)
+        # SDPA's kernels (CPU flash, CUDA flash / memory-efficient; math only unless
+        # allow_fp16_bf16_reduction_math_sdp is switched on) keep the softmax max, sum and P@V
+        # accumulator in f32 for f16/bf16 inputs; tests/model/test_block.py checks it.
+        out = attention.attend(q, k_cache, v_cache, start, self.window, 1 / math.sqrt(D))  # [B, H_q, T, D]
         out = out.reshape(B, self.heads, T, D).transpose(1, 2).reshape(B, T, self.heads * D)
         if self.output_gate:
             out = out * torch.sigmoid(gate.reshape(B, T, self.heads * D))
-        return F.linear(out, self.w_o, self.b_o)
+        return linear(out, self.w_o, self.b_o)
 
 
 def feed_forward(config: ModelConfig, index: int, weights: dict[str, torch.Tensor]) -> GatedMlp | SparseMoe:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TypeVar
@@ -61,8 +62,9 @@ class Checkpoint:
         groups: dict[K, list[str]],
         device: torch.device,
         dtype: torch.dtype,
+        keep_fp8: bool = False,
         plus_one: frozenset[K] = frozenset(),
-    ) -> dict[K, torch.Tensor]:
+    ) -> dict[K, torch.Tensor | fp8.Fp8Weight]:
         """One `dtype` tensor on `device` per group: its tensors concatenated along dim 0.
 
         Groups in `plus_one` are norm weights stored as w - 1 (Qwen3.5, Gemma 3): 1 is added
@@ -74,24 +76,21 @@ class Checkpoint:
         Each shard holding one of the names is opened once (memory-mapped); other shards are
         never opened. Every destination is allocated once and filled by one copy_ per source
         tensor, which casts on the way, so fused weights (q/k/v) cost no extra pass over the
-        bytes. FP8 weights are dequantized (in f32, on `device`) first.
+        bytes. FP8 weights are dequantized (in f32, on `device`) first, unless `keep_fp8` and
+        the group is FP8 in 128x128 blocks: then it stays FP8, an `fp8.Fp8Weight`.
         """
-        names = [name for members in groups.values() for name in members]
-        missing = [name for name in names if self.file_of(name) == INDEX]
-        if missing:
-            raise CheckpointError(f"tensor {missing[0]} is missing from {self.dir / INDEX}")
         with ExitStack() as stack:
-            files = {}  # file -> (open handle, names it holds)
-            for file in dict.fromkeys(self.file_of(name) for name in names):
-                path = self.dir / file
-                try:
-                    handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-                except (SafetensorError, OSError) as exc:
-                    raise CheckpointError(f"cannot read {path}: {exc}") from None
-                files[file] = (handle, set(handle.keys()))
+            files = self._open(stack, groups)
             out = {}
             for key, members in groups.items():
-                sources = [self._source(*files[self.file_of(name)], name, device) for name in members]
+                handles = [files[self.file_of(name)] for name in members]
+                if keep_fp8 and self._kept_fp8(handles, members):
+                    stored = [(f.get_tensor(name), f.get_tensor(name + "_scale_inv"))
+                              for (f, _), name in zip(handles, members)]
+                    out[key] = fp8.Fp8Weight.create(torch.cat([w.to(device) for w, _ in stored]),
+                                                    torch.cat([s.to(device) for _, s in stored]))
+                    continue
+                sources = [self._source(*handle, name, device) for handle, name in zip(handles, members)]
                 if len({t.shape[1:] for t in sources}) > 1:
                     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(members, sources))
                     raise CheckpointError(f"tensors that should stack along dim 0 do not: {shapes}")
@@ -106,6 +105,49 @@ class Checkpoint:
                     out[key][row : row + t.shape[0]].copy_(t)
                     row += t.shape[0]
             return out
+
+    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False) -> int:
+        """Bytes `load` would allocate for these groups on the device (read from the shards' headers)."""
+        with ExitStack() as stack:
+            files = self._open(stack, groups)
+            total = 0
+            for members in groups.values():
+                handles = [files[self.file_of(name)] for name in members]
+                kept = keep_fp8 and self._kept_fp8(handles, members)
+                for (f, present), name in zip(handles, members):
+                    if name not in present:
+                        raise CheckpointError(f"tensor {name} is missing from {self.dir / self.file_of(name)}")
+                    numel = math.prod(f.get_slice(name).get_shape())
+                    total += numel * (1 if kept else dtype.itemsize)
+            return total
+
+    def _open(self, stack: ExitStack, groups: dict[K, list[str]]) -> dict[str, tuple]:
+        """file -> (open handle, names it holds), for each file holding one of the groups' tensors."""
+        names = [name for members in groups.values() for name in members]
+        missing = [name for name in names if self.file_of(name) == INDEX]
+        if missing:
+            raise CheckpointError(f"tensor {missing[0]} is missing from {self.dir / INDEX}")
+        files = {}
+        for file in dict.fromkeys(self.file_of(name) for name in names):
+            path = self.dir / file
+            try:
+                handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"cannot read {path}: {exc}") from None
+            files[file] = (handle, set(handle.keys()))
+        return files
+
+    def _kept_fp8(self, handles: list[tuple], members: list[str]) -> bool:
+        """Whether a group can stay FP8: every member stored e4m3 with its scales, in 128x128 blocks."""
+        if self.config.fp8_block != (fp8.BLOCK, fp8.BLOCK):
+            return False
+        for (f, present), name in zip(handles, members):
+            if name not in present or name + "_scale_inv" not in present:
+                return False
+            stored = f.get_slice(name)
+            if stored.get_dtype() != "F8_E4M3" or any(side % fp8.BLOCK for side in stored.get_shape()):
+                return False
+        return True
 
     def _source(self, f, present: set[str], name: str, device: torch.device) -> torch.Tensor:
         """The stored tensor (a view of the mapped file), or its f32 dequantization on `device`."""

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.model.config import ModelConfig
+from cakemp.model.fp8 import linear
 
 CHUNK = 64  # tokens per chunk of the parallel prefill form (flash-linear-attention's and HF's choice)
 L2_EPS = 1e-6  # inside the square root of q and k's L2 norm, as HF and flash-linear-attention
@@ -95,7 +96,7 @@ class GatedDeltaNet:
         B, T, _ = h.shape
         H_v, D_k, D_v = self.value_heads, self.key_dim, self.value_dim
         V = H_v * D_v
-        mixed, z, b, a = F.linear(h, self.w_in).split([self.channels, V, H_v, H_v], dim=-1)
+        mixed, z, b, a = linear(h, self.w_in).split([self.channels, V, H_v, H_v], dim=-1)
 
         # Causal depthwise convolution over [the last K-1 inputs | these T], in f32.
         conv_in = mixed.transpose(1, 2).float()  # [B, C, T]
@@ -132,7 +133,7 @@ class GatedDeltaNet:
         # Gated RMSNorm per value head (plain weight), in f32, then one rounding to the dtype.
         out = out.transpose(1, 2)  # [B, T, H_v, D_v] f32
         out = F.rms_norm(out, (D_v,), self.norm, self.eps) * F.silu(z.float().view(B, T, H_v, D_v))
-        out = F.linear(out.reshape(B, T, V).to(h.dtype), self.w_out)
+        out = linear(out.reshape(B, T, V).to(h.dtype), self.w_out)
         return out, LinearState(new_conv, recurrent)
 
 

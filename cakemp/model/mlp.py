@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cakemp.model.fp8 import linear
+
 
 class GatedMlp:
     """gate and up stored fused as one [2I, H] matrix: one GEMM where HF does two."""
@@ -15,5 +17,5 @@ class GatedMlp:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h: [..., H] -> [..., H]."""
-        gate, up = F.linear(h, self.w_gate_up).chunk(2, dim=-1)  # [..., I] each
-        return F.linear(F.silu(gate) * up, self.w_down)
+        gate, up = linear(h, self.w_gate_up).chunk(2, dim=-1)  # [..., I] each
+        return linear(F.silu(gate) * up, self.w_down)

@@ -23,10 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.model.config import ModelConfig
+from cakemp.model.fp8 import linear
 from cakemp.model.mlp import GatedMlp
 
 FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 FUSED_DOWN = "mlp.experts.down_proj"
+# Weights viewed as [E, rows, cols]: loaded as plain tensors even where other FP8 matrices stay FP8.
+STACKED = frozenset({"experts_gate_up", "experts_down"})
 
 
 class SparseMoe:
@@ -79,7 +82,7 @@ class SparseMoe:
         """h: [B, T, H] -> [B, T, H]."""
         shape = h.shape
         x = h.reshape(-1, shape[-1])  # [N, H]
-        probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)  # [N, E]
+        probs = F.softmax(linear(x, self.router), dim=-1, dtype=torch.float32)  # [N, E]
         weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k] each
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -102,5 +105,5 @@ class SparseMoe:
         mixed = torch.cat(outputs) * weights.reshape(-1)[order, None]  # [N k, H]
         out = torch.zeros_like(x).index_add_(0, tokens, mixed)
         if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+            out = out + torch.sigmoid(linear(x, self.shared_gate)) * self.shared(x)
         return out.view(shape)

@@ -13,14 +13,15 @@ from cakemp.device.spec import DeviceSpec
 from cakemp.ipc import Activation, Failure, Forward, FrontChannel, Loaded, Op, Ready
 from cakemp.wire import DType
 from tests.checkpoints import HFLayers
+from tests.device import faulting_gpu
 
 
-async def spawn(spec: DeviceSpec):
+async def spawn(spec: DeviceSpec, target=process.main):
     """The front's end of a freshly spawned device process: (channel, process, parent pipe)."""
     channel = FrontChannel(spec.endpoint)
     context = multiprocessing.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
-    child = context.Process(target=process.main, args=(spec, reader, os.getpid()), daemon=True)
+    child = context.Process(target=target, args=(spec, reader, os.getpid()), daemon=True)
     child.start()
     reader.close()
     return channel, child, writer
@@ -82,4 +83,28 @@ def test_a_load_failure_is_reported_before_exiting(tmp_path):
 
     failure, exitcode = asyncio.run(main())
     assert isinstance(failure, Failure) and failure.request_id == 0 and "absent" in failure.message
+    assert exitcode == 1
+
+
+def test_a_poisoned_context_fails_its_request_then_the_process_exits(tmp_path, checkpoint):
+    """After a sticky CUDA error the device answers the request with DeviceLost, then exits 1 by
+    itself (its parent still there), for the front's pool to restart it."""
+    spec = DeviceSpec(0, None, ("model.layers.1",), str(checkpoint), "f32", f"ipc://{tmp_path}/device-0",
+                      threads=1, log_format="json")
+    x = torch.randn(1, 3, 64)
+
+    async def main():
+        channel, child, parent_pipe = await spawn(spec, faulting_gpu.main)
+        while not isinstance(await asyncio.wait_for(channel.receive(), 60), Ready):
+            pass
+        await channel.send(Forward(1, 4, DType.F32, (1, 3, 64), (Op(0, 0, 1),), bytearray(x.numpy().tobytes())))
+        failure = await asyncio.wait_for(channel.receive(), 10)
+        exitcode = await join(child)
+        channel.close()
+        parent_pipe.close()
+        return failure, exitcode
+
+    failure, exitcode = asyncio.run(main())
+    assert isinstance(failure, Failure) and (failure.request_id, failure.error) == (4, "DeviceLost")
+    assert "illegal memory access" in failure.message
     assert exitcode == 1

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from cakemp.compute.runner import BlockRunner
+from cakemp.device import fault
 from cakemp.device.service import DeviceService
 from cakemp.device.spec import DeviceSpec
+from cakemp.errors import ConfigError
 from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, Op
 from cakemp.wire import DType
 
@@ -63,3 +65,68 @@ def test_clear_and_end_report_the_sessions_left(service):
     service.handle(End(1, 8))
     last = service.handle(End(2, 9))
     assert (last.sessions, last.kv_bytes) == (0, 0)
+
+
+ILLEGAL_ACCESS = ("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously "
+                  "reported at some other API call, so the stacktrace below might be incorrect.")
+OUT_OF_MEMORY = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+                 "1.06 GiB is free. Of the allocated memory 76.10 GiB is allocated by PyTorch.")
+
+
+@pytest.mark.parametrize("error, poisons", [
+    (RuntimeError(ILLEGAL_ACCESS), True),
+    (RuntimeError("CUDA error: device-side assert triggered"), True),
+    (RuntimeError("CUDA error: unspecified launch failure"), True),
+    (RuntimeError("CUDA error: misaligned address"), True),
+    (RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, opa, opb, ...)`"), True),
+    (torch.OutOfMemoryError(OUT_OF_MEMORY), False),
+    (RuntimeError("CUDA error: invalid configuration argument"), False),
+    (ValueError("a bug"), False),
+])
+def test_sticky_cuda_errors_poison_the_context(error, poisons):
+    """CUDA's sticky errors are told apart from out-of-memory and ordinary failures by what they say."""
+    assert fault.poisons_context(error) is poisons
+
+
+@pytest.fixture
+def failing(service, monkeypatch):
+    """The service whose runner raises the given stand-in error on its next forward only."""
+    forward = service.runner.forward
+
+    def fail_once(error):
+        def raising(*args):
+            monkeypatch.setattr(service.runner, "forward", forward)
+            raise error
+        monkeypatch.setattr(service.runner, "forward", raising)
+        return service
+    return fail_once
+
+
+def test_a_poisoning_error_fails_its_request_and_marks_the_process_to_end(failing):
+    """An illegal memory access is answered as DeviceLost (the device restarts) and sets `poisoned`."""
+    service = failing(RuntimeError(ILLEGAL_ACCESS))
+    reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=3))
+    assert isinstance(reply, Failure) and (reply.request_id, reply.error) == (3, "DeviceLost")
+    assert "illegal memory access" in reply.message and "restarts" in reply.message
+    assert service.poisoned is not None and "illegal memory access" in service.poisoned
+
+
+@pytest.mark.parametrize("error, kind, words", [
+    (torch.OutOfMemoryError(OUT_OF_MEMORY), "RequestError",
+     "out of memory on cpu: CUDA out of memory. Tried to allocate 2.00 GiB"),
+    (ValueError("a bug"), "ValueError", "ValueError: a bug"),
+])
+def test_other_faults_fail_their_request_and_the_device_serves_on(failing, error, kind, words):
+    """Out of memory (in two sentences, not torch's paragraph) and ordinary failures leave the process serving."""
+    service = failing(error)
+    reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)]))
+    assert isinstance(reply, Failure) and reply.error == kind and reply.message == words, reply
+    assert service.poisoned is None
+    assert isinstance(service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=2)), Activation)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA finds no GPU")
+def test_a_gpu_this_process_cannot_use_is_a_configuration_error(checkpoint):
+    """A GPU device whose GPU CUDA cannot find (or a torch without CUDA) fails its load with ConfigError (exit 78)."""
+    with pytest.raises(ConfigError, match="cuda:7: cannot use GPU 7"):
+        DeviceService.load(DeviceSpec(0, "7", LAYERS, str(checkpoint), "f32", "ipc://unused"))

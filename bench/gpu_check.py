@@ -1,0 +1,460 @@
+"""The prepared GPU check: what the first session with a lent GPU runs to see cakemp's CUDA path work.
+
+    python bench/gpu_check.py [--out FILE] [--rehearse]
+
+About five minutes on one GPU (Python 3.12, torch 2.11 or 2.13). Each section records its
+findings, or the error that stopped it, and the next one runs regardless:
+
+1. machine: torch, CUDA and driver versions, the GPU, `nvidia-smi -L`, and
+   `grep nvidia /proc/devices` (the device groups the systemd unit's DeviceAllow must name);
+2. tests: the gpu-marked tests (`pytest -m gpu tests/model tests/compute tests/device`);
+3. attention: every call shape the block makes, at Llama-3-8B's head shape (32 query heads on
+   8 kv heads of 128), in f16, bf16 and f32, with SDPA's math kernel disabled, so a shape no
+   fused kernel takes raises instead of quietly materialising scores: decode at two
+   neighbouring lengths (the first call at a new length against the steady time shows a
+   kernel that rebuilds per length; cuDNN attention is measured the same way, for the record),
+   full-causal prefill from 0 and after a cached prefix, and sliding-window prefill longer
+   than the window (4096, Mistral's). Per shape: the kernel that ran, the error against an f32
+   reference, and the peak memory against the f32 [heads, T, S] scores the math kernel holds;
+4. fp8: whether the block-scaled FP8 matmul runs here; an FP8 checkpoint loaded with its
+   matrices kept FP8, its outputs against the same layers dequantized, and the bytes of each;
+5. decode: per-layer decode time of Llama-3-8B-shaped layers (bf16; FP8 where it runs) against
+   the bandwidth floor, weight bytes / the HBM bandwidth measured by a copy in the same run;
+6. node: `cakemp run --gpus all` on the demo checkpoint: only its device processes hold a CUDA
+   context (the front maps no CUDA library), its output matches the same layers run here, an
+   out-of-memory request (this process takes all but a few MiB of the GPU) is answered with
+   WorkerError, and the node serves again once the memory is back.
+
+Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
+./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
+at small sizes (no kernel restriction, no OOM), to catch a broken script before GPU time is
+spent on it. Record what it finds in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# The node and pytest are subprocesses: they find cakemp (and the carried wheels) the same way.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from cakemp.model import attention, fp8  # noqa: E402
+
+FINDINGS: dict[str, object] = {}
+
+
+def finding(key: str, value: object) -> None:
+    FINDINGS[key] = value
+    print(f"{key}: {json.dumps(value, default=str)}", flush=True)
+
+
+def section(name: str):
+    """Run the decorated section now, recording its error (and going on) if it fails."""
+    def run(fn):
+        started = time.monotonic()
+        try:
+            fn()
+        except Exception as e:
+            finding(f"{name}.error", "".join(traceback.format_exception_only(type(e), e)).strip())
+            traceback.print_exc()
+        finding(f"{name}.seconds", round(time.monotonic() - started, 1))
+        return fn
+    return run
+
+
+def shell(command: str, timeout: float = 30) -> str:
+    try:
+        done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=timeout)
+        return (done.stdout + done.stderr).strip()
+    except subprocess.SubprocessError as e:
+        return f"failed: {e}"
+
+
+def timed_ms(fn, device: torch.device, repeats: int = 1) -> float:
+    """Best of `repeats` wall times of fn(), in ms, synchronised on a GPU."""
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    out_dir = os.environ.get("OUT")
+    parser.add_argument("--out", default=str(Path(out_dir) / "gpu_check.json") if out_dir else "gpu_check.json")
+    parser.add_argument("--rehearse", action="store_true", help="run on the CPU at small sizes")
+    args = parser.parse_args()
+    rehearse = args.rehearse
+    device = torch.device("cpu" if rehearse else "cuda", None if rehearse else 0)
+    if not rehearse and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device here (use --rehearse to try the script on the CPU)")
+    started = time.monotonic()
+
+    @section("machine")
+    def machine():
+        finding("machine.python", sys.version.split()[0])
+        finding("machine.torch", torch.__version__)
+        finding("machine.cuda", torch.version.cuda)
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(0)
+            finding("machine.gpu", f"{props.name}, sm{props.major}{props.minor}, {props.total_memory / 2**30:.1f} GiB")
+            finding("machine.cudnn", torch.backends.cudnn.version())
+        finding("machine.nvidia_smi", shell("nvidia-smi -L; nvidia-smi --query-gpu=driver_version,pci.bus_id "
+                                           "--format=csv,noheader"))
+        finding("machine.proc_devices_nvidia", shell("grep nvidia /proc/devices"))
+
+    @section("tests")
+    def tests():
+        if rehearse:
+            finding("tests.skipped", "rehearsal")
+            return
+        output = shell(f"cd {ROOT} && {sys.executable} -m pytest -q -m gpu -p no:cacheprovider "
+                       "tests/model tests/compute tests/device 2>&1 | tail -25", timeout=240)
+        finding("tests.summary", output.splitlines()[-1] if output else "no output")
+        failed = [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        finding("tests.failed", failed)
+
+    @section("attention")
+    def attention_shapes():
+        check_attention(device, rehearse)
+
+    @section("fp8")
+    def fp8_section():
+        check_fp8(device, rehearse)
+
+    @section("decode")
+    def decode():
+        check_decode(device, rehearse)
+
+    @section("node")
+    def node():
+        asyncio.run(check_node(device, rehearse))
+
+    finding("total_seconds", round(time.monotonic() - started, 1))
+    Path(args.out).write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
+    print(f"findings written to {args.out}")
+
+
+# --- 3. attention -------------------------------------------------------------------------
+
+H_Q, H_KV, D = 32, 8, 128
+
+
+def reference_attention(q, k, v, start, window, scale):
+    """f32 masked softmax, in query chunks of 1024 rows so that the reference itself stays small."""
+    T = q.shape[2]
+    end = start + T
+    n_rep = q.shape[1] // k.shape[1]
+    keys = k[:, :, :end].float().repeat_interleave(n_rep, dim=1)
+    values = v[:, :, :end].float().repeat_interleave(n_rep, dim=1)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for c0 in range(0, T, 1024):
+        c1 = min(T, c0 + 1024)
+        q_pos = torch.arange(start + c0, start + c1, device=q.device)[:, None]
+        k_pos = torch.arange(end, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        scores = (q[:, :, c0:c1].float() @ keys.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+        out[:, :, c0:c1] = scores.softmax(dim=-1) @ values
+    return out
+
+
+def check_attention(device: torch.device, rehearse: bool) -> None:
+    window = 256 if rehearse else 4096
+    long = 2 * window + window // 2  # a partial last chunk
+    shapes = {  # name: (start, T, window, context S the cache holds)
+        "decode-full@L": (2 * window - 1, 1, None),
+        "decode-full@L+1": (2 * window, 1, None),
+        "decode-window@L": (2 * window - 1, 1, window),
+        "decode-window@L+1": (2 * window, 1, window),
+        "prefill-full-from-0": (0, window, None),
+        "prefill-full-after-prefix": (window, window // 2, None),
+        "prefill-window-from-0": (0, long, window),
+        "prefill-window-after-prefix": (window // 2, long - window // 2, window),
+    }
+    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    if rehearse:
+        allowed.append(SDPBackend.MATH)  # the CPU's flash kernel counts as MATH in sdpa_kernel's terms
+    attention.use_fused_kernels()
+    scale = 1 / math.sqrt(D)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        capacity = long + window
+        k = torch.randn(1, H_KV, capacity, D, generator=generator, device=device).to(dtype)
+        v = torch.randn(1, H_KV, capacity, D, generator=generator, device=device).to(dtype)
+        for shape, (start, T, win) in shapes.items():
+            key = f"attention.{name}.{shape}"
+            q = torch.randn(1, H_Q, T, D, generator=generator, device=device).to(dtype)
+            try:
+                with sdpa_kernel(allowed):
+                    used = attention.backends_used(q, k, v, start, win, scale)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        before = torch.cuda.memory_allocated()
+                    first = timed_ms(lambda: attention.attend(q, k, v, start, win, scale), device)
+                    steady = timed_ms(lambda: attention.attend(q, k, v, start, win, scale), device, repeats=5)
+                    out = attention.attend(q, k, v, start, win, scale)
+                peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
+                # What the math kernel held before: f32 scores over every key the call reads.
+                S = start + T - (0 if win is None else max(0, start - win + 1))
+                error = (out.float() - reference_attention(q, k, v, start, win, scale)).abs().max().item()
+                finding(key, {
+                    "kernels": sorted(set(used)), "calls": len(used), "max_abs_error": error,
+                    "peak_mib": None if peak is None else round(peak / 2**20, 1),
+                    "math_scores_mib": round(H_Q * T * S * 4 / 2**20, 1),
+                    "first_ms": round(first, 3), "steady_ms": round(steady, 3),
+                })
+            except Exception as e:
+                finding(key, {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
+    if device.type == "cuda":
+        cudnn_decode_recompiles(device, window)
+
+
+def cudnn_decode_recompiles(device: torch.device, length: int) -> None:
+    """For the record (cakemp switches cuDNN attention off): cuDNN's first call at each new
+    decode length against its steady time at that length."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        q = torch.randn(1, H_KV, H_Q // H_KV, D, device=device, dtype=torch.bfloat16)
+        k = torch.randn(1, H_KV, length + 8, D, device=device, dtype=torch.bfloat16)
+        times = {}
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            for n in (length, length + 1, length + 2):
+                call = lambda: F.scaled_dot_product_attention(q, k[:, :, :n], k[:, :, :n])  # noqa: E731
+                times[n] = (round(timed_ms(call, device), 3), round(timed_ms(call, device, repeats=5), 3))
+        finding("attention.cudnn_decode_first_vs_steady_ms", times)
+    except Exception as e:
+        finding("attention.cudnn_decode_first_vs_steady_ms", f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    finally:
+        attention.use_fused_kernels()
+
+
+# --- 4. fp8 -------------------------------------------------------------------------------
+
+def check_fp8(device: torch.device, rehearse: bool) -> None:
+    from cakemp.compute.runner import BlockRunner
+    from tests.checkpoints import make_checkpoint  # transformers: only this section needs it
+
+    works = fp8.scaled_mm_works(device, torch.bfloat16)
+    finding("fp8.scaled_mm_works_bf16", works)
+    finding("fp8.scaled_mm_works_f16", fp8.scaled_mm_works(device, torch.float16))
+    layers = ["model.layers.0", "model.layers.1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(Path(tmp), "llama", fp8_block=(128, 128), hidden_size=1024, intermediate_size=2816,
+                               num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2)
+        kept = BlockRunner.load(path, layers, device, torch.bfloat16)
+        block = kept.blocks[layers[0]]
+        finding("fp8.kept_as_fp8", {name: isinstance(getattr(block, name), fp8.Fp8Weight)
+                                    for name in ("w_qkv", "w_o", "w_gate_up", "w_down")})
+        finding("fp8.weight_bytes_kept", sum(
+            w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
+            for b in kept.blocks.values() for w in (b.w_qkv, b.w_o, b.mlp.w_gate_up, b.mlp.w_down)))
+        exact = BlockRunner.load(path, layers, "cpu", torch.float32)  # dequantized, f32
+        generator = torch.Generator().manual_seed(0)
+        worst = 0.0
+        for position, T in ((0, 64), (64, 1), (65, 1)):
+            x = torch.randn(1, T, 1024, generator=generator)
+            ops = [(layer, position, i) for i, layer in enumerate(layers)]
+            ours = kept.forward(1, x.to(device, torch.bfloat16), ops).float().cpu()
+            truth = exact.forward(1, x, ops)
+            worst = max(worst, ((ours - truth).norm() / truth.norm()).item())
+        finding("fp8.relative_error_vs_dequantized_f32", worst)
+
+
+# --- 5. decode against the bandwidth floor -------------------------------------------------
+
+def llama8b_config(layers: int, rehearse: bool):
+    from cakemp.model.config import ModelConfig
+
+    hidden, inter, heads, kv = (512, 1792, 4, 1) if rehearse else (4096, 14336, 32, 8)
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "max_position_embeddings": 8192, "rope_theta": 500000.0,
+    })
+
+
+def random_blocks(config, device, dtype, as_fp8: bool):
+    from cakemp.model.block import DecoderBlock
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    blocks = {}
+    for i in range(config.num_hidden_layers):
+        weights = {}
+        for name, shape in DecoderBlock.weight_shapes(config, i, lambda name: True).items():
+            if name in ("b_qkv", "b_o", "q_norm", "k_norm"):
+                continue
+            w = torch.randn(shape, generator=generator, device=device) / math.sqrt(shape[-1])
+            if as_fp8 and len(shape) == 2:
+                scale = w.view(shape[0] // 128, 128, shape[1] // 128, 128).abs().amax(dim=(1, 3)) / fp8.FP8_MAX
+                stored = (w / scale.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.float8_e4m3fn)
+                weights[name] = fp8.Fp8Weight.create(stored, scale)
+            else:
+                weights[name] = w.to(dtype) if len(shape) == 2 else (1 + w / 10).to(dtype)
+        blocks[config.layer_name(i)] = DecoderBlock(config, i, weights)
+    return blocks
+
+
+def bandwidth(device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy of 2 GiB, counting bytes read and written (best of 5)."""
+    x = torch.empty(2**31 // 4 if device.type == "cuda" else 2**27 // 4, device=device)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 4 / (timed_ms(lambda: y.copy_(x), device, repeats=5) / 1e3)
+
+
+def check_decode(device: torch.device, rehearse: bool) -> None:
+    from cakemp.compute.runner import BlockRunner
+
+    layers, context = 8, 1024
+    config = llama8b_config(layers, rehearse)
+    rate = bandwidth(device)
+    finding("decode.copy_bandwidth_gb_s", round(rate / 1e9, 1))
+    variants = [("bf16", False)] + ([("fp8", True)] if fp8.scaled_mm_works(device, torch.bfloat16) else [])
+    for name, as_fp8 in variants:
+        blocks = random_blocks(config, device, torch.bfloat16, as_fp8)
+        runner = BlockRunner(config, blocks, device, torch.bfloat16, kv_budget_bytes=None, max_context=8192)
+        ops = lambda position: [(layer, position, i) for i, layer in enumerate(blocks)]  # noqa: E731
+        runner.forward(1, torch.randn(1, context, config.hidden_size, device=device, dtype=torch.bfloat16), ops(0))
+        x = torch.randn(1, 1, config.hidden_size, device=device, dtype=torch.bfloat16)
+        times = []
+        for step in range(30):
+            times.append(timed_ms(lambda: runner.forward(1, x, ops(context + step)), device))
+        per_layer = sorted(times)[len(times) // 2] / layers
+        block = next(iter(blocks.values()))
+        weight_bytes = sum(w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
+                           for w in (block.w_qkv, block.w_o, block.mlp.w_gate_up, block.mlp.w_down))
+        floor_ms = weight_bytes / rate * 1e3
+        finding(f"decode.{name}", {
+            "per_layer_ms_median": round(per_layer, 4), "weight_mib": round(weight_bytes / 2**20, 1),
+            "floor_ms": round(floor_ms, 4), "ratio_to_floor": round(per_layer / floor_ms, 2),
+        })
+        del runner, blocks
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# --- 6. a node with --gpus all ------------------------------------------------------------
+
+def maps_cuda(pid: int) -> bool:
+    """Whether process `pid` has the CUDA driver library mapped (what creating a context does)."""
+    try:
+        return "libcuda.so" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+async def check_node(device: torch.device, rehearse: bool) -> None:
+    from cakemp.compute.runner import BlockRunner
+    from cakemp.demo.local_node import LocalNode, free_port
+    from cakemp.demo.synthetic import demo_checkpoint
+    from cakemp.errors import RemoteWorkerError
+    from cakemp.master.client import WorkerClient
+    from cakemp.wire import DType, RawTensor
+
+    model = demo_checkpoint()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # what earlier sections cached here is the node's to budget
+    layers = [f"model.layers.{i}" for i in range(6)]
+    with tempfile.TemporaryDirectory() as tmp:
+        topology = Path(tmp) / "topology.yml"
+        topology.write_text("gpu-check:\n  host: 127.0.0.1:10128\n  layers:\n    - model.layers.0-5\n")
+        node = LocalNode(name="gpu-check", model_dir=model, topology=topology, port=free_port(),
+                         gpus="cpu" if rehearse else "all", dtype="bf16", log_path=Path(tmp) / "node.log")
+        node.start()
+        try:
+            info = await node.wait_ready(timeout=120)
+            finding("node.worker_info", f"device {info.device} {info.device_idx}, dtype {info.dtype}")
+            front = node._process.pid
+            children = [int(p) for p in Path(f"/proc/{front}/task/{front}/children").read_text().split()]
+            # The device processes, and multiprocessing's resource tracker, which must hold no context either.
+            finding("node.cuda_context", {"front": maps_cuda(front), "children": {
+                Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[-60:]: maps_cuda(p) for p in children}})
+            finding("node.nvidia_smi_compute_apps", shell("nvidia-smi --query-compute-apps=pid,used_memory "
+                                                          "--format=csv,noheader"))
+            runner = BlockRunner.load(model, layers, device, torch.bfloat16)
+            hidden = runner.config.hidden_size
+            generator = torch.Generator().manual_seed(0)
+
+            def wire(x: torch.Tensor) -> RawTensor:
+                return RawTensor(x.view(torch.uint16).numpy().tobytes(), DType.BF16, tuple(x.shape))
+
+            def unwire(t: RawTensor) -> torch.Tensor:
+                return torch.frombuffer(bytearray(t.data), dtype=torch.bfloat16).view(t.shape)
+
+            async def matches(client, session: int, position: int, T: int) -> float:
+                x = torch.randn(1, T, hidden, generator=generator).to(torch.bfloat16)
+                ops = [(layer, position, i) for i, layer in enumerate(layers)]
+                remote = unwire(await client.batch(wire(x), ops)).float()
+                local = runner.forward(session, x.to(device), ops).float().cpu()
+                return (remote - local).abs().max().item()
+
+            port = int(node.address.rsplit(":", 1)[1])
+            async with await WorkerClient.connect("127.0.0.1", port) as client:
+                await client.hello()
+                finding("node.max_abs_diff_vs_in_process", max([await matches(client, 1, 0, 64),
+                                                                await matches(client, 1, 64, 1)]))
+                if rehearse:
+                    finding("node.oom", "skipped (rehearsal)")
+                    return
+                hog = take_gpu_memory()
+                try:
+                    long = torch.randn(1, 2048, hidden, generator=generator).to(torch.bfloat16)
+                    await client.batch(wire(long), [(layer, 0, i) for i, layer in enumerate(layers)])
+                    finding("node.oom_request", "answered without error: the request found memory (not an OOM test)")
+                except RemoteWorkerError as e:
+                    finding("node.oom_request", f"WorkerError: {e}")
+                finally:
+                    del hog
+                    torch.cuda.empty_cache()
+            async with await WorkerClient.connect("127.0.0.1", port) as client:
+                await client.hello()
+                finding("node.after_oom_max_abs_diff", max([await matches(client, 2, 0, 64),
+                                                            await matches(client, 2, 64, 1)]))
+        finally:
+            finding("node.exit_status", node.stop())
+            log = (Path(tmp) / "node.log").read_text(errors="replace")
+            errors = [line[:300] for line in log.splitlines() if re.search(r"error|Traceback", line)]
+            finding("node.log_errors", errors[:10])
+
+
+def take_gpu_memory() -> list[torch.Tensor]:
+    """All of the GPU's free memory but a few MiB, in blocks (released when the list is dropped)."""
+    hog = []
+    for size in (1 << 30, 64 << 20, 4 << 20):
+        while True:
+            try:
+                hog.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                break
+    finding("node.free_mib_left_for_oom", round(torch.cuda.mem_get_info()[0] / 2**20, 1))
+    return hog
+
+
+if __name__ == "__main__":
+    main()
