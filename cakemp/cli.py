@@ -68,6 +68,14 @@ def cli() -> None:
 @_flag("--restart-attempts", type=click.IntRange(min=1), default=5,
        help="Failed starts in a row of one device process after which the node exits 1.")
 @_flag("--metrics-address", help="host:port serving /metrics, /healthz and /readyz (default: off).")
+@_flag("--max-connections", type=click.IntRange(min=1), default=4096,
+       help="Master connections served at once; more are closed at once (a master opens one per remote layer).")
+@_flag("--max-buffered-mib", type=click.IntRange(min=1), default=1024,
+       help="MiB of frames all connections together may hold; past it connections wait, unread (backpressure).")
+@_flag("--frame-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
+       help="Seconds a frame may take to arrive once its header has (Hello: once connected); then it is closed.")
+@_flag("--session-idle-timeout", type=click.FloatRange(min=0, min_open=True),
+       help="Seconds a session may sit idle before its KV cache is freed (default: never, as Cake).")
 @_flag("--discovery-port", type=click.IntRange(0, 65535), default=DISCOVERY_PORT,
        help="Zero-config: UDP port answering the master's discovery.")
 @_flag("--discovery-bind", default="0.0.0.0", help="Zero-config: address the discovery responder binds.")
@@ -77,8 +85,9 @@ def cli() -> None:
        help="auto = console on a terminal, JSON lines otherwise.")
 @_flag("--log-level", type=click.Choice(list(log.LEVELS)), default="info")
 def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_budget_mib, max_context,
-        cpu_threads, drain_timeout, request_timeout, restart_attempts, metrics_address, discovery_port,
-        discovery_bind, max_model_gib, log_format, log_level) -> None:
+        cpu_threads, drain_timeout, request_timeout, restart_attempts, metrics_address, max_connections,
+        max_buffered_mib, frame_timeout, session_idle_timeout, discovery_port, discovery_bind, max_model_gib,
+        log_format, log_level) -> None:
     """Serve this worker's layers: its entry's in a Cake topology, or (with --cluster-key and no
     --topology: zero-config) those a master discovering it assigns and pushes."""
     log.configure(log_format, log_level)
@@ -101,7 +110,7 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
     else:
         served, node = Topology.load(topology).worker(name)
         if served != name:
-            logger.warning(f"topology for worker name '{name}' not found, using '{served}'")
+            logger.warning(f"topology for worker name '{name}' not found, using its only entry '{served}'")
         if not node.layers:
             raise ConfigError(f"topology entry '{served}' lists no layers")
         layers = node.layers
@@ -121,7 +130,8 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         cpu_threads=cpu_threads, drain_timeout=drain_timeout, request_timeout=request_timeout,
         restart_attempts=restart_attempts,
         metrics_address=parse_address(metrics_address, "--metrics-address") if metrics_address else None,
-        log_format=log_format, log_level=log_level, setup=setup,
+        max_connections=max_connections, max_buffered_bytes=max_buffered_mib * (1 << 20), frame_timeout=frame_timeout,
+        session_idle_timeout=session_idle_timeout, log_format=log_format, log_level=log_level, setup=setup,
     )
     # The front's exit status; a CakempError (a device that died while loading, say) exits 1.
     sys.exit(_run_or_exit(Front(config, notifier).run()))

@@ -1,8 +1,9 @@
 """structlog, configured once inside each process (the front and every device process).
 
 On a terminal lines are rendered for people; otherwise (journald, supervisor, tests) each event
-is one JSON object per line on stdout. Connection, session and device ids are bound by callers
-(`log.bind(conn=…)`); loggers are never pickled into child processes, children call `configure`.
+is one JSON object per line on stdout. Sessions (named by their master's address) and devices
+are bound by callers (`log.get_logger(session=…)`); loggers are never pickled into child
+processes, children call `configure`.
 """
 
 from __future__ import annotations

@@ -60,12 +60,17 @@ class Topology:
         return cls(tuple((str(name), _node(str(name), entry, source)) for name, entry in data.items()))
 
     def worker(self, name: str) -> tuple[str, Node]:
-        """The entry for `name`, else the first entry (the caller warns when the name differs)."""
+        """The entry for `name`; with one entry only, that one whatever its name (Cake's fallback,
+        the caller warns). An unknown name among several entries is a ConfigError: Cake would serve
+        the first entry's layers, so every machine given a wrong name would serve the same ones."""
         nodes = dict(self.nodes)
         if name in nodes:
             return name, nodes[name]
         if not self.nodes:
             raise ConfigError(f"could not find topology for {name} and topology file is empty")
+        if len(self.nodes) > 1:
+            names = ", ".join(n for n, _ in self.nodes)
+            raise ConfigError(f"worker name {name!r} is not in the topology (its entries: {names})")
         return self.nodes[0]
 
 

@@ -33,7 +33,13 @@ FAMILIES = {
                 "Qwen3_5ForConditionalGeneration"),
     "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration,
                     "Qwen3_5MoeForConditionalGeneration"),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, "Gemma3ForCausalLM"),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, "Phi3ForCausalLM"),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, "Olmo2ForCausalLM"),
+    "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM, "Exaone4ForCausalLM"),
 }
+# Families whose checkpoints store every RMSNorm weight (but Qwen3.5's gated norm) as w for a (1 + w) scale.
+PLUS_ONE_NORMS = {"gemma3", "qwen3_5", "qwen3_5_moe"}
 # Families whose hub config.json nests the text model in `text_config` beside a vision tower's.
 WRAPPED = ("qwen3_5", "qwen3_5_moe")
 # The text sizes those add to TINY: 2 linear key heads serving 4 value heads; gated attention
@@ -58,6 +64,8 @@ TINY = dict(
 )
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# A hub_config value meaning "the key is left out" (the family's default applies).
+OMIT = "<omitted>"
 
 
 def make_config(family: str, **overrides) -> transformers.PreTrainedConfig:
@@ -86,17 +94,32 @@ def make_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     fp8_block: tuple[int, int] | None = None,
+    hub_config: dict | None = None,
     **config_overrides,
 ) -> Path:
     """Write a random `family` checkpoint under tmp_path/<family>-<seed> and return its directory.
 
     dtype: the stored dtype of the (non-FP8) tensors.
+    hub_config: config.json is then written as the hub's files carry it, with the classic keys
+    (rope_theta, rope_scaling, rope_local_base_freq, sliding_window_pattern, ...) that
+    transformers 5 would rewrite on save: TINY, the overrides and these keys, exactly (keys whose
+    value is OMIT left out).
     """
-    config = make_config(family, **config_overrides)
+    config_class, _, architecture = FAMILIES[family]
+    if hub_config is None:
+        config = make_config(family, **config_overrides)
+    else:
+        classic = TINY | config_overrides | hub_config
+        classic = {key: value for key, value in classic.items() if value != OMIT}
+        config = config_class(**classic)
+        config.architectures = [architecture]
     path = Path(tmp_path) / f"{family}-{seed}"
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
-    tensors = {name: t.to(dtype) for name, t in _random_weights(config, seed).items()}
+    if hub_config is not None:
+        classic = {"architectures": [architecture], "model_type": config.model_type} | classic
+        (path / "config.json").write_text(json.dumps(classic, indent=2))
+    tensors = {name: t.to(dtype) for name, t in _random_weights(family, config, seed).items()}
     tensors = _as_on_the_hub(config, tensors, seed)
     if fp8_block is not None:
         tensors = _quantize_layers(tensors, fp8_block)
@@ -144,8 +167,8 @@ def _as_on_the_hub(config, tensors: dict[str, torch.Tensor], seed: int) -> dict[
     return tensors
 
 
-def _random_weights(config, seed: int) -> dict[str, torch.Tensor]:
-    _, model_class, _ = FAMILIES[config.model_type]
+def _random_weights(family: str, config, seed: int) -> dict[str, torch.Tensor]:
+    _, model_class, _ = FAMILIES[family]
     generator = torch.Generator().manual_seed(seed)
     model = model_class(config)
     tensors = {}
@@ -153,9 +176,8 @@ def _random_weights(config, seed: int) -> dict[str, torch.Tensor]:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if "norm" in name:
-            # Qwen3.5's norms (but its gated norm) store w for a 1 + w weight: centre those on 0.
-            centre = 0 if config.model_type in WRAPPED and "linear_attn.norm" not in name else 1
-            value = centre + 0.2 * torch.randn(param.shape, generator=generator)
+            center = 0 if family in PLUS_ONE_NORMS and "linear_attn.norm" not in name else 1
+            value = center + 0.2 * torch.randn(param.shape, generator=generator)
         elif name.endswith("A_log"):  # decay rates A in [1, 15): g = -A softplus(a + dt_bias)
             value = torch.rand(param.shape, generator=generator) * 2.7
         elif name.endswith("bias"):
@@ -224,11 +246,13 @@ class HFLayers:
         """experts: HF's MoE expert path; "eager" (its reference loop, which also runs in f64) or
         its default "grouped_mm"."""
         config = transformers.AutoConfig.from_pretrained(path)
-        model_class = FAMILIES[config.model_type][1]
+        wrapped = config.model_type in WRAPPED
+        model_class = FAMILIES[config.model_type][1] if wrapped else transformers.AutoModelForCausalLM
         model = model_class.from_pretrained(path, dtype=dtype, attn_implementation="eager", experts_implementation=experts)
         self.config = text_config(model.config)
+        self.layer_types = getattr(self.config, "layer_types", None)
         # A wrapped family's decoder is the language model beside the vision tower.
-        self.model = model.model.language_model if config.model_type in WRAPPED else model.model
+        self.model = model.model.language_model if wrapped else model.model
         self.indices = indices
         self.dtype = dtype
         self.cache = DynamicCache(config=self.config)
@@ -237,15 +261,21 @@ class HFLayers:
     def __call__(self, x: torch.Tensor, index_pos: int) -> torch.Tensor:
         """x: [1, T, H] at positions index_pos.. (must continue the cache) -> [1, T, H]."""
         positions = torch.arange(index_pos, index_pos + x.shape[1])[None, :]
-        cos_sin = self.model.rotary_emb(x, position_ids=positions)
+        if self.config.model_type != "gemma3_text":
+            cos_sin = self.model.rotary_emb(x, position_ids=positions)
         for i in self.indices:
             layer = self.model.layers[i]
             if getattr(layer, "block_type", None) == "linear_attention":  # Qwen3.5: no mask, no rotary
                 x = layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
                 continue
-            # Mistral's attention reads the window from the config; Qwen's per layer type.
-            if self.config.model_type == "mistral":
+            if self.config.model_type == "gemma3_text":  # one rotary per layer type
+                cos_sin = self.model.rotary_emb(x, positions, self.layer_types[i])
+            # Mistral's and Phi-3's attention read the window from the config, EXAONE 4's is
+            # sliding only where is_sliding, Qwen's and Gemma's per layer type.
+            if self.config.model_type in ("mistral", "phi3"):
                 sliding = self.config.sliding_window
+            elif self.config.model_type == "exaone4":
+                sliding = layer.self_attn.sliding_window if layer.self_attn.is_sliding else None
             else:
                 sliding = getattr(layer.self_attn, "sliding_window", None)
             make_mask = create_sliding_window_causal_mask if sliding is not None else create_causal_mask

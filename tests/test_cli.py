@@ -73,13 +73,23 @@ def test_an_entry_without_layers_exits_78(tmp_path):
     assert_config_error(cakemp_run("--name", "w1", "--topology", str(path)), "no layers")
 
 
-def test_unknown_name_falls_back_with_a_warning_and_a_bad_model_exits_78(tmp_path, topology):
-    """An unknown --name serves the first entry after a warning; a device that cannot load the
-    checkpoint makes the node exit 78 with the device's reason."""
+def test_unknown_name_falls_back_to_the_only_entry_with_a_warning_and_a_bad_model_exits_78(tmp_path, topology):
+    """An unknown --name serves a one-entry topology's entry after a warning (as Cake does); a model
+    directory without config.json makes the node exit 78 saying so."""
     result = cakemp_run("--name", "stranger", "--topology", str(topology), "--gpus", "cpu",
                         "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0")
-    assert "topology for worker name 'stranger' not found, using 'w1'" in result.stdout
+    assert "topology for worker name 'stranger' not found, using its only entry 'w1'" in result.stdout
     assert_config_error(result, "no-model")
+
+
+def test_unknown_name_in_a_topology_of_several_entries_exits_78(tmp_path):
+    """An unknown --name among several entries is refused, naming the entries (Cake would serve the
+    first one's layers on every misnamed machine)."""
+    path = tmp_path / "topology.yml"
+    path.write_text("w1:\n  host: a:10128\n  layers: [model.layers.0]\n"
+                    "w2:\n  host: b:10128\n  layers: [model.layers.1]\n")
+    result = cakemp_run("--name", "w3", "--topology", str(path), "--gpus", "cpu", "--address", "127.0.0.1:0")
+    assert_config_error(result, "worker name 'w3' is not in the topology (its entries: w1, w2)")
 
 
 def test_help_lists_every_flag_with_its_environment_variable():

@@ -49,9 +49,15 @@ def test_a_descending_range_is_an_error():
         expand_layers(["model.layers.5-2"])
 
 
-def test_an_unknown_name_falls_back_to_the_first_entry():
-    """A name not in the file resolves to the first entry, and the caller learns which one."""
-    assert Topology.parse(EXAMPLE).worker("nobody")[0] == "linux_server_1"
+def test_an_unknown_name_among_several_entries_is_an_error():
+    """A name not in a file of several entries is refused, naming the entries there are."""
+    with pytest.raises(ConfigError, match="'nobody' is not in the topology .*linux_server_1"):
+        Topology.parse(EXAMPLE).worker("nobody")
+
+
+def test_an_unknown_name_falls_back_to_the_only_entry():
+    """With one entry, a name not in the file resolves to it, and the caller learns which one."""
+    assert Topology.parse("w1: {host: 'h:1', layers: [model.layers.0]}\n").worker("nobody")[0] == "w1"
 
 
 @pytest.mark.parametrize("text", ["", "{}\n"])

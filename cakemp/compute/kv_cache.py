@@ -13,6 +13,11 @@ also keep the cache addressable without any Python object per token: a later cro
 batch can index buffers by (session, block_idx) and lengths, and CUDA-graph replay can ask
 for buffers preallocated at the context limit (stable addresses) through `reserve`.
 
+What each layer kind keeps: every attention layer, global or local (a sliding-window layer of
+Mistral, Qwen, Gemma 3, EXAONE 4, Phi-3), keeps all its positions; a local layer reads only the
+last `window` of them (model/block.py), so it costs as much memory as a global one. Keeping
+only the window would need a ring buffer whose rows no longer sit in position order.
+
 Linear-attention layers (Qwen3.5's Gated DeltaNet) keep no rows: per (session, block_idx) a
 `LinearSlot` holds the convolution's last inputs and the recurrent state, f32, of a fixed size
 allocated on the slot's first use. They share the byte budget with the KV buffers and are
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded
+from cakemp.units import human_bytes
 
 MIN_CAPACITY = 256
 
@@ -158,8 +164,8 @@ class KVCache:
         exact = sum(end - old for old, end, _ in growth.values()) * self.bytes_per_position
         if exact > left:
             raise CacheBudgetExceeded(
-                f"session {session} needs {(exact + linear_bytes) / 2**20:.2f} MiB more KV cache but only "
-                f"{max(left + linear_bytes, 0) / 2**20:.2f} MiB of the {self.budget_bytes / 2**20:.2f} MiB budget is left"
+                f"the KV cache would need {human_bytes(exact + linear_bytes)} more but only "
+                f"{human_bytes(max(left + linear_bytes, 0))} of this device's {human_bytes(self.budget_bytes)} budget is left"
             )
         for block_idx, (old, end, _) in growth.items():
             growth[block_idx] = (old, end, end)

@@ -15,7 +15,7 @@ from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache
 from cakemp.errors import BadTensor, CheckpointError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model import attention, fp8
-from cakemp.model.block import PLUS_ONE_NORMS, DecoderBlock
+from cakemp.model.block import NORMS, DecoderBlock
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 from cakemp.model.deltanet import LinearState
@@ -46,7 +46,11 @@ class BlockRunner:
         self.layers = tuple(blocks)
         self.device = device
         self.dtype = dtype
-        self.rotary = Rotary(config, device)
+        # Each layer's rotary (None: the layer has none); layers sharing one share its tables.
+        rotaries = {rope: Rotary(rope, device) for rope in set(config.layer_ropes) if rope is not None}
+        self.rotaries = {
+            layer: rotaries.get(config.layer_ropes[config.layer_index(layer)]) for layer in self.layers
+        }
         self.cache = KVCache(
             config.num_key_value_heads,
             config.head_dim,
@@ -109,8 +113,9 @@ class BlockRunner:
             attention.use_fused_kernels()
             free = torch.cuda.mem_get_info(device)[0]
             memory.check_fits(needed, free, str(device))
+        # A (1 + w) family's norms get their 1 added at load, in f32 (Checkpoint.load).
         plus_one = frozenset(
-            (layer, key) for layer in layers for key in groups[layer] if config.norm_plus_one and key in PLUS_ONE_NORMS
+            (layer, key) for layer in layers for key in groups[layer] if config.layout.norm_plus_one and key in NORMS
         )
         weights = {}
         # One layer at a time, so progress can be reported; opening a shard again per layer
@@ -184,7 +189,7 @@ class BlockRunner:
                 ends[block_idx] = max(ends.get(block_idx, 0), index_pos + T)
         slots = self.cache.reserve(session, ends, linear_ends)
         previous = {block_idx: slot.length for block_idx, slot in slots.items()}
-        rotations = {}
+        rotations = {(None, index_pos): (None, None) for _, index_pos, _ in ops}
         computed: dict[int, tuple[LinearState, int]] = {}  # block_idx -> (new state, positions consumed)
         try:
             with torch.inference_mode():
@@ -194,9 +199,10 @@ class BlockRunner:
                         x, state = block.forward(x, self._linear_state(session, block_idx, index_pos, computed))
                         computed[block_idx] = (state, index_pos + T)
                         continue
-                    if index_pos not in rotations:
-                        rotations[index_pos] = self.rotary.cos_sin(index_pos, T, self.dtype)
-                    cos, sin = rotations[index_pos]
+                    rotary = self.rotaries[layer]
+                    if (rotary, index_pos) not in rotations:
+                        rotations[rotary, index_pos] = rotary.cos_sin(index_pos, T, self.dtype)
+                    cos, sin = rotations[rotary, index_pos]
                     slot = slots[block_idx]
                     x = block.forward(x, cos, sin, slot.k, slot.v, index_pos)
                     slot.length = index_pos + T

@@ -36,6 +36,10 @@ class NodeConfig:
     request_timeout: float = 60.0  # seconds a device may take to answer before it counts as hung and is restarted
     restart_attempts: int = 5  # failed starts in a row of one device before the node exits 1
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics, /healthz, /readyz; None: off
+    max_connections: int = 4096  # master connections at once (Cake opens one per remote layer)
+    max_buffered_bytes: int = 1 << 30  # frame bytes all connections together may hold
+    frame_timeout: float = 60.0  # seconds a frame may take to arrive once it has started
+    session_idle_timeout: float | None = None  # seconds idle before a session's KV is freed; None: never
     log_format: str = "auto"
     log_level: str = "info"
     # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).

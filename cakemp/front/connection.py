@@ -4,46 +4,91 @@ A Cake master opens one connection per remote layer and sends each contiguous ru
 the run's first connection; the others see only Hello and Goodbye. A request that cannot be
 served is answered WorkerError and the connection stays; bytes that are not Cake protocol
 close this connection only.
+
+What a peer can hold is bounded: a frame may be no larger than the model can need
+(`ConnectionLimits.max_payload`), its payload is read only once the node-wide BufferBudget
+has room for it, and from then on it must arrive within `frame_timeout` (so must the first
+frame, Hello, counted from the end of the key handshake). A peer idle between frames, or
+inside a header of 8 bytes, holds no budget.
+Between frames a master may sit idle for as long as it likes (Cake masters do, between
+prompts); with `session_idle_timeout` its KV state is freed after that long, and it is told
+once if it then tries to continue. TCP keepalive finds a master that vanished without a FIN.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from cakemp import log
 from cakemp.auth import authenticate_master
-from cakemp.errors import AuthError, CakempError, MalformedTensor, ProtocolError, RequestError
+from cakemp.errors import (
+    AuthError, CakempError, InternalError, MalformedTensor, PeerFault, ProtocolError, RequestError, SessionExpired,
+)
+from cakemp.front.admission import Admission
+from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
 from cakemp.front.router import Router
 from cakemp.front.stats import Stats
 from cakemp.wire import (
-    Batch, FrameDecoder, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, Message, RawTensor,
-    Revision, SingleOp, TensorMessage, WorkerError, WorkerInfo, WorkerReady, encode_frame,
+    HEADER_SIZE, Batch, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, Message, RawTensor,
+    Revision, SingleOp, TensorMessage, WorkerError, WorkerInfo, WorkerReady, decode_payload, encode_frame,
+    read_header,
 )
 
 _READ_SIZE = 1 << 20
+# Keepalive probes after this long without traffic, then every _KEEPALIVE_INTERVAL_S, up to
+# _KEEPALIVE_PROBES unanswered: a master gone without a FIN is dropped after ~2 minutes.
+_KEEPALIVE_IDLE_S = 60
+_KEEPALIVE_INTERVAL_S = 10
+_KEEPALIVE_PROBES = 6
+# A WorkerError's text never runs longer than this (a peer's own strings are clipped before).
+_MAX_ERROR_CHARS = 400
+_INTERNAL_ERROR = "internal error on the worker; its log has the details"
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_payload: int  # bytes; a frame announcing more closes the connection
+    frame_timeout: float  # seconds for a frame's payload to arrive once its header has (and for Hello)
+    session_idle_timeout: float | None = None  # seconds idle after which the session's KV is freed; None: never
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Turn on TCP keepalive with probes sized to find a vanished master in about two minutes."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", _KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", _KEEPALIVE_INTERVAL_S),
+                          ("TCP_KEEPCNT", _KEEPALIVE_PROBES)):
+        if hasattr(socket, option):  # Linux names; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class Connection:
     def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 pool: DevicePool, router: Router, metrics: Metrics, revision: Revision, cluster_key: str | None,
+                 pool: DevicePool, router: Router, admission: Admission, limits: ConnectionLimits,
+                 budget: BufferBudget, metrics: Metrics, revision: Revision, cluster_key: str | None,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None):
-        self.session = session
+        self.session = session  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
         self._reader, self._writer = reader, writer
-        self._pool, self._router, self._metrics = pool, router, metrics
+        self._pool, self._router, self._admission, self._metrics = pool, router, admission, metrics
+        self._limits, self._budget = limits, budget
         self._revision, self._cluster_key = revision, cluster_key
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
         self._served = served  # zero-config: the assignment this node was set up with
-        self._decoder = FrameDecoder(revision)
         self._devices: set[int] = set()  # devices that may hold state of this session
+        self._expired = False  # its KV state was freed for idleness and it has not been told yet
+        self._frame_started: float | None = None  # loop time a frame's payload (or Hello) became due; None: idle
+        self._awaiting_hello = False
+        self._frame_watch: asyncio.TimerHandle | None = None
         self._stats = Stats()
         peer = writer.get_extra_info("peername")
-        self._log = log.get_logger(conn=f"{peer[0]}:{peer[1]}" if peer else "?", session=session)
+        self._log = log.get_logger(session=f"{peer[0]}:{peer[1]}" if peer else "?")
 
     def close(self) -> None:
         """Close the transport: the read loop sees EOF and `serve` frees the session and returns."""
@@ -62,19 +107,27 @@ class Connection:
                 await authenticate_master(self._reader, self._writer, self._cluster_key)
             await self._serve()
         except AuthError as e:
-            self._log.warning("authentication failed", error=str(e))
+            self._log.warning("authentication failed", error=str(e), fault="peer")
         except ProtocolError as e:
-            self._log.warning("closing connection: not Cake protocol", error=str(e))
+            self._log.warning("closing connection", error=str(e), fault="peer")
         except (ConnectionError, asyncio.IncompleteReadError):
             self._log.debug("connection lost")
+        except Exception as e:  # a bug in cakemp: this connection alone ends, the node serves on
+            self._log.error("closing connection: unexpected error", error=f"{type(e).__name__}: {e}", fault="node")
         finally:
             await self._release()
 
     async def _serve(self) -> None:
+        # Hello is due within the frame timeout of the connection's start (after the key handshake).
+        self._frame_started = asyncio.get_running_loop().time()
+        self._awaiting_hello = True
+        self._watch_frames()
         first = await self._read()
+        self._awaiting_hello = False
         if first is None:
             return
-        message, _, read_s = first
+        message, _, read_s, size = first
+        self._budget.give(size)
         if isinstance(message, LayerAssignment):
             # The master restarted and re-runs setup: we already hold the layers (seed behaviour).
             # A zero-config node knows what it was set up with and refuses another model or
@@ -91,7 +144,8 @@ class Connection:
             await self._send(WorkerReady())
             return
         if not isinstance(message, Hello):
-            self._log.warning("unexpected first message (expected Hello)", message=type(message).__name__)
+            self._log.warning("unexpected first message (expected Hello)", message=type(message).__name__,
+                              fault="peer")
             return
         await self._send(self._worker_info(int(read_s * 1000)))
         while True:
@@ -103,18 +157,22 @@ class Connection:
                 continue
             if received is None:
                 return
-            message, read_bytes, read_s = received
-            if isinstance(message, Goodbye):
-                await self._goodbye()
-                await self._send(self._worker_info(int(read_s * 1000)))
-            elif isinstance(message, Batch):
-                await self._serve_request(message.x, message.batch, read_bytes, read_s)
-            elif isinstance(message, SingleOp):
-                op = LayerOp(message.layer_name, message.index_pos, message.block_idx)
-                await self._serve_request(message.x, (op,), read_bytes, read_s)
-            else:
-                self._log.warning("unhandled message, closing", message=type(message).__name__)
-                return
+            message, read_bytes, read_s, size = received
+            try:
+                if isinstance(message, Goodbye):
+                    await self._goodbye()
+                    self._expired = False  # a fresh start: nothing to be told
+                    await self._send(self._worker_info(int(read_s * 1000)))
+                elif isinstance(message, Batch):
+                    await self._serve_request(message.x, message.batch, read_bytes, read_s)
+                elif isinstance(message, SingleOp):
+                    op = LayerOp(message.layer_name, message.index_pos, message.block_idx)
+                    await self._serve_request(message.x, (op,), read_bytes, read_s)
+                else:
+                    self._log.warning("unexpected message, closing", message=type(message).__name__, fault="peer")
+                    return
+            finally:
+                self._budget.give(size)  # the request is answered: its bytes are no longer held
 
     async def _serve_request(self, x: RawTensor, ops: Sequence[LayerOp], read_bytes: int, read_s: float) -> None:
         self.busy = True
@@ -137,6 +195,8 @@ class Connection:
     async def _run(self, x: RawTensor, ops: Sequence[LayerOp]) -> TensorMessage | WorkerError:
         """Pass x through each device's leg in order; the bytes go on untouched (never a tensor here)."""
         try:
+            self._admission.check(x, ops)
+            self._check_not_expired(ops)
             data = x.data
             for leg in self._router.plan(ops):
                 self._devices.add(leg.device)
@@ -144,12 +204,36 @@ class Connection:
             return TensorMessage(RawTensor(data, x.dtype, x.shape))
         except RequestError as e:
             return self._refusal(e)
+        except Exception as e:  # a bug on this request's path fails this request alone
+            return self._refusal(InternalError(f"unexpected error in the front: {type(e).__name__}: {e}"))
+
+    def _check_not_expired(self, ops: Sequence[LayerOp]) -> None:
+        """Raise SessionExpired once after the idle timeout freed the session's KV state, if the
+        request relies on it (past position 0); a fresh prefill just goes ahead."""
+        if not self._expired:
+            return
+        self._expired = False
+        if any(op.index_pos > 0 for op in ops):
+            raise SessionExpired(
+                f"this session was idle for more than {self._limits.session_idle_timeout:g} s and its KV state "
+                "was freed; start again with a fresh prefill (index_pos 0)")
 
     def _refusal(self, error: RequestError | MalformedTensor) -> WorkerError:
-        """The WorkerError answering a request that cannot be served, logged and counted."""
-        self._log.warning("request failed", error=str(error))
+        """The WorkerError answering a request that cannot be served, logged and counted. The
+        master reads what it did wrong, or that the node failed; a node's own error stays in the log."""
         self._metrics.errors.inc(error=type(error).__name__)
-        return WorkerError(str(error))
+        if isinstance(error, InternalError):
+            self._log.error("request failed", error=str(error), fault="node")
+            return WorkerError(_INTERNAL_ERROR)
+        self._log.warning("request refused", error=str(error), fault="peer" if isinstance(error, PeerFault) else "node")
+        text = str(error)
+        return WorkerError(text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "…")
+
+    async def _expire(self) -> None:
+        """The session sat idle past --session-idle-timeout: free its KV state on every device."""
+        await self._goodbye()
+        self._expired = True
+        self._log.info("session idle: freed its KV state", idle_timeout=self._limits.session_idle_timeout)
 
     async def _goodbye(self) -> None:
         results = await asyncio.gather(*(self._pool.clear(d, self.session) for d in sorted(self._devices)),
@@ -157,17 +241,80 @@ class Connection:
         for error in (r for r in results if isinstance(r, BaseException)):
             self._log.warning("goodbye: could not clear caches", error=str(error))
 
-    async def _read(self) -> tuple[Message, int, float] | None:
-        """The next message with the bytes read and seconds spent for it, or None at EOF."""
-        start, nbytes = time.perf_counter(), 0
-        while (message := self._decoder.next_message()) is None:
-            data = await self._reader.read(_READ_SIZE)
-            if not data:
-                return None
-            nbytes += len(data)
-            self._metrics.bytes_received.inc(len(data))
-            self._decoder.feed(data)
-        return message, nbytes, time.perf_counter() - start
+    async def _read(self) -> tuple[Message, int, float, int] | None:
+        """The next message with the bytes read and seconds spent for it, and the payload size it
+        holds of the budget (the caller gives it back once done with the message); None at EOF.
+
+        Raises ProtocolError when the frame is not Cake protocol, MalformedTensor for a sound
+        frame with a bad tensor (its budget then already given back).
+        """
+        header = await self._next_header()
+        if not header:
+            return None
+        start = time.perf_counter()
+        size = read_header(header, self._limits.max_payload)
+        await self._budget.take(size)
+        # The peer has frame_timeout from now for the payload (waiting for the budget was ours).
+        self._frame_started = asyncio.get_running_loop().time()
+        try:
+            payload = await self._read_payload(size)
+            message = decode_payload(payload, self._revision)
+        except BaseException:
+            self._budget.give(size)
+            raise
+        finally:
+            self._frame_started = None
+        self._metrics.bytes_received.inc(HEADER_SIZE + size)
+        return message, HEADER_SIZE + size, time.perf_counter() - start, size
+
+    async def _next_header(self) -> bytes:
+        """The next frame header (b"" at EOF between frames), however long the master stays idle
+        before it; past the session idle timeout the session's KV state is freed meanwhile."""
+        idle = self._limits.session_idle_timeout
+        if idle is not None and not self._expired and self._devices:
+            try:
+                async with asyncio.timeout(idle):
+                    return await self._header()
+            except TimeoutError:
+                await self._expire()
+        return await self._header()
+
+    async def _header(self) -> bytes:
+        try:
+            return await self._reader.readexactly(HEADER_SIZE)
+        except asyncio.IncompleteReadError as e:
+            if e.partial:
+                raise
+            return b""
+
+    def _watch_frames(self) -> None:
+        """Close the connection once a frame (or, first, Hello) has taken longer than the frame
+        timeout; looked at every frame_timeout seconds rather than timed per frame, which would
+        cost every decode step a timer."""
+        loop = asyncio.get_running_loop()
+        timeout = self._limits.frame_timeout
+        started = self._frame_started
+        if started is None or loop.time() < started + timeout:
+            self._frame_watch = loop.call_at((loop.time() if started is None else started) + timeout,
+                                             self._watch_frames)
+            return
+        error = (f"no Hello within {timeout:g} s of connecting" if self._awaiting_hello
+                 else f"a frame did not arrive within {timeout:g} s of its header")
+        self._log.warning("closing connection", error=error, fault="peer")
+        self._writer.transport.abort()  # the read waiting on it ends at once, as a lost connection
+
+    async def _read_payload(self, size: int) -> bytearray:
+        """`size` bytes of the stream into one buffer (decoded tensors are views of it)."""
+        payload = bytearray(size)
+        got = 0
+        with memoryview(payload) as view:
+            while got < size:
+                chunk = await self._reader.read(min(size - got, _READ_SIZE))
+                if not chunk:
+                    raise asyncio.IncompleteReadError(bytes(view[:got]), size)
+                view[got:got + len(chunk)] = chunk
+                got += len(chunk)
+        return payload
 
     async def _send(self, message: Message) -> int:
         buffers = encode_frame(message, self._revision)
@@ -179,6 +326,8 @@ class Connection:
 
     async def _release(self) -> None:
         """The connection is gone: free the session on every device that saw it, then close."""
+        if self._frame_watch is not None:
+            self._frame_watch.cancel()
         for device in sorted(self._devices):
             try:
                 done = await self._pool.end(device, self.session)

@@ -140,6 +140,12 @@ class Metrics:
             "cakemp_device_restarts_total", "Device processes restarted after dying or hanging.", ["device"]
         )
         self.active_sessions = Gauge("cakemp_active_sessions", "Master connections open now.")
+        self.refused_connections = Counter(
+            "cakemp_refused_connections_total", "Master connections closed on accept: --max-connections were open."
+        )
+        self.buffered_bytes = Gauge(
+            "cakemp_buffered_bytes", "Frame bytes master connections hold now, against --max-buffered-mib."
+        )
         self.kv_bytes = Gauge("cakemp_kv_cache_bytes", "KV cache bytes held, as last reported by each device.", ["device"])
         self.readiness = Gauge("cakemp_ready", "1 when every device process is ready and connections are accepted.")
         self.request_seconds = Histogram(
@@ -152,6 +158,8 @@ class Metrics:
             self.bytes_sent,
             self.device_restarts,
             self.active_sessions,
+            self.refused_connections,
+            self.buffered_bytes,
             self.kv_bytes,
             self.readiness,
             self.request_seconds,

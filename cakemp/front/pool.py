@@ -149,10 +149,10 @@ class DevicePool:
 
 
 def _request_error(failure: Failure) -> RequestError:
-    """The device's exception as the same RequestError subclass here, else a plain RequestError."""
+    """The device's exception as the same RequestError subclass here, else an InternalError."""
     cls = getattr(errors, failure.error, None)
     if not (isinstance(cls, type) and issubclass(cls, RequestError)):
-        cls = RequestError
+        cls = errors.InternalError
     return cls(failure.message)
 
 

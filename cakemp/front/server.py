@@ -4,7 +4,7 @@ Lifecycle (`Front.run`): make the runtime dir, listen for metrics (if asked), st
 and wait until every device is ready (reporting progress), accept connections and tell the
 service manager READY=1, then serve, restarting devices in place as they fail, until
 
-* SIGTERM or SIGINT: stop accepting, let requests in flight finish within --drain-timeout,
+* SIGTERM, SIGINT or SIGHUP (a closed terminal): stop accepting, let requests in flight finish within --drain-timeout,
   stop the device processes, remove the runtime dir, exit 0 (a second signal exits at once);
 * or a device could not be restarted: the same drain, then exit 1 for the manager to act.
 """
@@ -25,19 +25,22 @@ import cakemp
 from cakemp import log
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import CakempError, ConfigError
+from cakemp.front.admission import Admission
+from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
-from cakemp.front.connection import Connection
+from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
 from cakemp.front.discovery import DiscoveryResponder, announcement_for
 from cakemp.front.metrics import Metrics, start_metrics_server
 from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.front.router import Router
 from cakemp.front.setup import Setup
-from cakemp.front.stats import human_bytes
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import Ready
+from cakemp.model.config import ModelConfig
 from cakemp.rss import resident_bytes
 from cakemp.topology import place_layers
+from cakemp.units import human_bytes
 from cakemp.wire import LayerAssignment, WorkerInfo
 
 EXIT_OK = 0
@@ -47,7 +50,8 @@ _CLOSE_GRACE_S = 5.0  # for connections to wind up once the pool has failed what
 # How much longer than the front itself the manager waits for the next load progress: the
 # front kills a device silent for LOAD_SILENCE_S, and then needs a moment to exit.
 _PROGRESS_SLACK_S = 30.0
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP too: a node started from a terminal that closes stops as cleanly as under its manager.
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
 # per core in each of several such processes only contends for the cores.
 GPU_DEVICE_THREADS = 2
@@ -60,6 +64,9 @@ class Front:
         self.metrics = Metrics()
         self._notifier = notifier or Notifier(None)
         self._router = Router(self.placement)
+        self._admission: Admission | None = None
+        self._limits: ConnectionLimits | None = None
+        self._budget = BufferBudget(config.max_buffered_bytes, on_change=self.metrics.buffered_bytes.set)
         self._setup = Setup(config.setup, config.revision) if config.setup is not None else None
         self._served: LayerAssignment | None = None  # zero-config: the setup being served
         self._discovery: asyncio.DatagramTransport | None = None
@@ -131,6 +138,16 @@ class Front:
         sys.stdout.flush()
         os._exit(EXIT_ABORTED)
 
+    def _admit_from_model(self) -> None:
+        """What the front checks of requests, from the model's config.json (read here, no torch)."""
+        model = ModelConfig.from_dir(self.config.model_dir)
+        self._admission = Admission.for_model(model, self.config.layers, self.config.max_context)
+        max_payload = self._admission.max_payload()
+        if max_payload > self.config.max_buffered_bytes:
+            raise ConfigError(f"--max-buffered-mib {self.config.max_buffered_bytes / 2**20:g} is less than one "
+                              f"frame of this model can need ({human_bytes(max_payload)})")
+        self._limits = ConnectionLimits(max_payload, self.config.frame_timeout, self.config.session_idle_timeout)
+
     async def _bind(self) -> asyncio.Server:
         # Bound before loading, so that a taken port fails before minutes of loading; it
         # accepts connections (listen) only once every device is ready.
@@ -151,6 +168,7 @@ class Front:
 
     async def _start_pool(self) -> tuple[Ready, ...] | None:
         """Every device's Ready, or None when asked to stop while they load."""
+        self._admit_from_model()
         specs = self._device_specs()
         self.status = NodeStatus(
             self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.layers) for spec in specs],
@@ -267,10 +285,18 @@ class Front:
         if self._setup is not None and self._served is None:
             await self._setup.handle(reader, writer)
             return
+        if len(self._connections) >= self.config.max_connections:
+            peer = writer.get_extra_info("peername")
+            self._log.warning("refusing a connection: --max-connections reached",
+                              peer=f"{peer[0]}:{peer[1]}" if peer else "?", max_connections=self.config.max_connections)
+            self.metrics.refused_connections.inc()
+            writer.close()
+            return
+        keep_alive(writer.get_extra_info("socket"))
         connection = Connection(
-            next(self._sessions), reader, writer, pool=self.pool, router=self._router, metrics=self.metrics,
-            revision=self.config.revision, cluster_key=self.config.cluster_key, worker_info=self._worker_info,
-            served=self._served,
+            next(self._sessions), reader, writer, pool=self.pool, router=self._router, admission=self._admission,
+            limits=self._limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
+            cluster_key=self.config.cluster_key, worker_info=self._worker_info, served=self._served,
         )
         self._connections[connection] = asyncio.current_task()
         self.metrics.active_sessions.inc()

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cakemp.units import human_bytes
+
 # As the seed: average over, and print once every, this many requests.
 REQUESTS_PER_LINE = 5
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> "1.5 KiB"."""
-    if n < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} TiB"
 
 
 @dataclass

@@ -1,13 +1,13 @@
-"""One pre-norm attention decoder layer run on T new tokens over a KV buffer.
+"""One attention decoder layer run on T new tokens over a KV buffer.
 
-Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE (its MLP a SparseMoe on sparse layers); Qwen3.5's
-full-attention layers (q/k norm, partial rotary, a sigmoid output gate, (1 + w) norms folded
-at load). Qwen3.5's linear-attention layers are LinearAttentionBlock (linear_block.py).
+Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3, OLMo 2, EXAONE 4 (where each family puts its
+norms is in layout.py); Qwen3-MoE (its MLP a SparseMoe on sparse layers); Qwen3.5's
+full-attention layers (q/k norm, partial rotary, a sigmoid output gate, (1 + w) norms).
+Qwen3.5's linear-attention layers are LinearAttentionBlock (linear_block.py).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -20,8 +20,9 @@ from cakemp.model.mlp import GatedMlp
 from cakemp.model.moe import SparseMoe
 from cakemp.model.rotary import rotate
 
-# The norms a (1 + w) family stores as w - 1 (Qwen3.5); Checkpoint.load adds the 1.
-PLUS_ONE_NORMS = frozenset({"input_norm", "post_norm", "q_norm", "k_norm"})
+# Weight slots that are RMSNorm weights, of either block kind: a (1 + w) family
+# (`layout.norm_plus_one`: Gemma 3, Qwen3.5) stores them as w, and Checkpoint.load adds the 1.
+NORMS = frozenset({"input_norm", "attn_out_norm", "post_norm", "mlp_out_norm", "q_norm", "k_norm"})
 
 
 class DecoderBlock:
@@ -42,25 +43,30 @@ class DecoderBlock:
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
         self.window = config.layer_windows[index]
+        self.scale = config.attention_scale
+        self.qk_norm = config.qk_norm
         self.output_gate = config.attention_output_gate
-        self.input_norm = weights["input_norm"]  # [H]
-        self.post_norm = weights["post_norm"]  # [H]
+        # Each norm [H] or None where the family's layout has none (layout.py).
+        self.input_norm = weights.get("input_norm")
+        self.attn_out_norm = weights.get("attn_out_norm")
+        self.post_norm = weights.get("post_norm")  # before the MLP
+        self.mlp_out_norm = weights.get("mlp_out_norm")
         self.w_qkv = weights["w_qkv"]  # [(H_q (x2 with an output gate) + 2 H_kv) * D, H]
         self.b_qkv = weights.get("b_qkv")  # [(H_q + 2 H_kv) * D] or None
         self.w_o = weights["w_o"]  # [H, H_q * D]
         self.b_o = weights.get("b_o")  # [H] or None
-        self.q_norm = weights.get("q_norm")  # [D] or None
-        self.k_norm = weights.get("k_norm")  # [D] or None
+        self.q_norm = weights.get("q_norm")  # [D] per head, [H_q * D] over the projection, or None
+        self.k_norm = weights.get("k_norm")  # [D] per head, [H_kv * D] over the projection, or None
         self.mlp = feed_forward(config, index, weights)
 
     @staticmethod
     def weight_groups(config: ModelConfig, index: int, stored: Callable[[str], bool]) -> dict[str, list[str]]:
         """Each weight of the block and the checkpoint tensors (relative to `model.layers.N.`)
         stacked along dim 0 to make it; `stored(name)` says whether the layer holds `name`."""
-        groups = {
-            "input_norm": ["input_layernorm.weight"],
-            "post_norm": ["post_attention_layernorm.weight"],
-            "w_qkv": [f"self_attn.{p}_proj.weight" for p in "qkv"],
+        layout = config.layout
+        groups = {slot: [name] for slot, name in layout.norms}
+        groups |= {
+            "w_qkv": list(layout.qkv),
             "w_o": ["self_attn.o_proj.weight"],
             **feed_forward_groups(config, index, stored),
         }
@@ -79,34 +85,42 @@ class DecoderBlock:
         H, D = config.hidden_size, config.head_dim
         q_rows = config.num_attention_heads * D * (2 if config.attention_output_gate else 1)
         qkv = q_rows + 2 * config.num_key_value_heads * D
+        whole = config.qk_norm == "projection"
         return {
             "input_norm": (H,),
+            "attn_out_norm": (H,),
             "post_norm": (H,),
+            "mlp_out_norm": (H,),
             "w_qkv": (qkv, H),
             "b_qkv": (qkv,),
             "w_o": (H, config.num_attention_heads * D),
             "b_o": (H,),
-            "q_norm": (D,),
-            "k_norm": (D,),
+            "q_norm": (config.num_attention_heads * D if whole else D,),
+            "k_norm": (config.num_key_value_heads * D if whole else D,),
             **feed_forward_shapes(config, stored),
         }
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         start: int,
     ) -> torch.Tensor:
         """x: [B, T, H] at positions start..start+T-1 -> [B, T, H].
 
+        cos, sin: [T, R] of this layer's rotary (R < D: partial), or None for a layer without one.
         k_cache, v_cache: [B, H_kv, capacity, D], rows [0, start) already hold this layer's
         keys/values for earlier positions; this writes rows [start, start+T).
         """
-        x = x + self._attention(rms_norm(x, self.input_norm, self.eps), cos, sin, k_cache, v_cache, start)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+        attended = self._attention(self._norm(x, self.input_norm), cos, sin, k_cache, v_cache, start)
+        x = x + self._norm(attended, self.attn_out_norm)
+        return x + self._norm(self.mlp(self._norm(x, self.post_norm)), self.mlp_out_norm)
+
+    def _norm(self, x, weight):
+        return x if weight is None else rms_norm(x, weight, self.eps)
 
     def _attention(self, h, cos, sin, k_cache, v_cache, start):
         B, T, _ = h.shape
@@ -117,38 +131,50 @@ class DecoderBlock:
         if self.output_gate:
             # Qwen3.5: each head's rows are [q | gate].
             q, gate = q.view(B, T, self.heads, 2 * D).chunk(2, dim=-1)  # [B, T, H_q, D] each
-        q = q.reshape(B, T, self.heads, D)
-        k = k.view(B, T, n_kv, D)
-        if self.q_norm is not None:
+        if self.qk_norm == "projection":  # OLMo 2: over all heads at once, before the split
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
-        q = rotate(q.transpose(1, 2), cos, sin)  # [B, H_q, T, D]
-        k_cache[:, :, start : start + T] = rotate(k.transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
+        q = q.reshape(B, T, self.heads, D)
+        k = k.view(B, T, n_kv, D)
+        if self.qk_norm == "head":
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q = q.transpose(1, 2)  # [B, H_q, T, D]
+        k = k.transpose(1, 2)  # [B, H_kv, T, D]
+        if cos is not None:
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        k_cache[:, :, start : start + T] = k
         v_cache[:, :, start : start + T] = v.view(B, T, n_kv, D).transpose(1, 2)
 
-        # A sliding window only narrows what is read: the cache keeps every position (as Cake's
-        # full-attention layers do), so a window layer costs the same memory as a full one.
-        # SDPA's kernels (CPU flash, CUDA flash / memory-efficient; math only unless
+        # A sliding window only narrows what is read: the cache keeps every position of every
+        # layer, local (Gemma 3, EXAONE 4, Mistral, Phi-3) or global (as Cake's full-attention
+        # layers do), so a window layer costs the same memory as a full one; its reads stop at
+        # the window. SDPA's kernels (CPU flash, CUDA flash / memory-efficient; math only unless
         # allow_fp16_bf16_reduction_math_sdp is switched on) keep the softmax max, sum and P@V
         # accumulator in f32 for f16/bf16 inputs; tests/model/test_block.py checks it.
-        out = attention.attend(q, k_cache, v_cache, start, self.window, 1 / math.sqrt(D))  # [B, H_q, T, D]
+        out = attention.attend(q, k_cache, v_cache, start, self.window, self.scale)  # [B, H_q, T, D]
         out = out.reshape(B, self.heads, T, D).transpose(1, 2).reshape(B, T, self.heads * D)
         if self.output_gate:
             out = out * torch.sigmoid(gate.reshape(B, T, self.heads * D))
         return linear(out, self.w_o, self.b_o)
 
 
+def _sparse(config: ModelConfig, index: int) -> bool:
+    return config.moe is not None and config.moe.sparse_layers[index]
+
+
 def feed_forward(config: ModelConfig, index: int, weights: dict[str, torch.Tensor]) -> GatedMlp | SparseMoe:
     """Layer `index`'s MLP: a SparseMoe on a MoE family's sparse layers, else the dense GatedMlp."""
-    if config.moe is not None and config.moe.sparse_layers[index]:
+    if _sparse(config, index):
         return SparseMoe(config, weights)
-    return GatedMlp(weights["w_gate_up"], weights["w_down"])
+    return GatedMlp(weights["w_gate_up"], weights["w_down"], config.activation)
 
 
 def feed_forward_groups(config: ModelConfig, index: int, stored: Callable[[str], bool]) -> dict[str, list[str]]:
-    if config.moe is not None and config.moe.sparse_layers[index]:
+    """The MLP's groups: the experts', or gate/up as the family's layout stores them (Phi: fused)."""
+    if _sparse(config, index):
         return SparseMoe.weight_groups(config, stored)
-    return {"w_gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "w_down": ["mlp.down_proj.weight"]}
+    return {"w_gate_up": list(config.layout.gate_up), "w_down": ["mlp.down_proj.weight"]}
 
 
 def feed_forward_shapes(config: ModelConfig, stored: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
@@ -162,8 +188,8 @@ def feed_forward_shapes(config: ModelConfig, stored: Callable[[str], bool]) -> d
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalise the last dim (torch's rms_norm computes in f32 for f16/bf16 inputs).
 
-    An f32 weight with a lower-precision x (a folded 1 + w) is applied in f32 and the result
-    rounded once to x's dtype, as HF's (1 + w) norms do.
+    An f32 weight on f16/bf16 x (a folded (1 + w): Gemma 3, Qwen3.5) scales in f32 and rounds
+    once at the end, as transformers' (1 + w) norms do.
     """
     if weight.dtype != x.dtype:
         return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)

@@ -1,20 +1,28 @@
 """What a worker needs to know about a checkpoint, read once from its config.json.
 
-Four families share one decoder block and differ only in a few switches:
+These families share one decoder block and differ only in switches (norm placement: layout.py):
 
-| family  | architectures[0]    | q/k/v bias | per-head q/k norm | sliding window        |
-|---------|---------------------|------------|-------------------|-----------------------|
-| llama   | LlamaForCausalLM    | attention_bias (o too) | no    | never                 |
-| qwen2   | Qwen2ForCausalLM    | always (not o) | no            | per layer_types       |
-| qwen3   | Qwen3ForCausalLM    | attention_bias (o too) | yes   | per layer_types       |
-| mistral | MistralForCausalLM  | no         | no                | every layer           |
-| qwen3_moe | Qwen3MoeForCausalLM | attention_bias (o too) | yes | per layer_types       |
+| family  | architectures[0]    | q/k/v bias | q/k norm          | sliding window        | rotary per layer        |
+|---------|---------------------|------------|-------------------|-----------------------|-------------------------|
+| llama   | LlamaForCausalLM    | attention_bias (o too) | no    | never                 | rope_theta (+ llama3)   |
+| qwen2   | Qwen2ForCausalLM    | always (not o) | no            | per layer_types       | rope_theta              |
+| qwen3   | Qwen3ForCausalLM    | attention_bias (o too) | per head | per layer_types    | rope_theta              |
+| mistral | MistralForCausalLM  | no         | no                | every layer           | rope_theta              |
+| gemma3  | Gemma3ForCausalLM   | attention_bias (o too) | per head, (1 + w) | sliding layers | global: rope_theta (+ linear); local: rope_local_base_freq |
+| phi3    | Phi3ForCausalLM     | no         | no                | every layer           | partial, longrope       |
+| olmo2   | Olmo2ForCausalLM    | attention_bias (o too) | whole projection | never      | rope_theta              |
+| exaone4 | Exaone4ForCausalLM  | no         | per head          | sliding layers        | sliding layers only (all when no window) |
+| qwen3_moe | Qwen3MoeForCausalLM | attention_bias (o too) | per head | per layer_types  | rope_theta              |
+
+Falcon 3 checkpoints declare LlamaForCausalLM (own rope_theta, explicit head_dim) and are Llama
+here. Phi-4 and Phi-4-mini checkpoints declare Phi3ForCausalLM.
 
 Qwen3.5 (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`) is a
 hybrid: its text model sits in `text_config` beside a vision tower's config, its layers
 under `model.language_model.layers`, and each layer is either Gated DeltaNet (linear
-attention, `cakemp/model/deltanet.py`) or gated full attention; see `_hybrid_fields`.
-MoE families (Qwen3-MoE, Qwen3.5-MoE) carry a `MoeConfig` (`cakemp/model/moe.py`).
+attention, `cakemp/model/deltanet.py`) or gated full attention (partial rotary, (1 + w)
+norms); see `_parse_hybrid`. MoE families (Qwen3-MoE, Qwen3.5-MoE) carry a `MoeConfig`
+(`cakemp/model/moe.py`).
 
 Anything else is a CheckpointError: Cake silently runs unknown architectures as Llama and
 computes garbage; a worker should refuse instead.
@@ -26,23 +34,34 @@ at the top level (what published checkpoints carry), transformers 5 writes `rope
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from cakemp.errors import CheckpointError
+from cakemp.model.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, QWEN3_5, BlockLayout
 
 FAMILIES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "Exaone4ForCausalLM": "exaone4",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 # Families whose config.json wraps the text model's keys in `text_config`.
 _WRAPPED = ("qwen3_5", "qwen3_5_moe")
+LAYOUTS = {
+    "gemma3": GEMMA3, "phi3": PHI3, "olmo2": POST_NORM, "exaone4": POST_NORM, "qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5,
+}
+# The MLP activations served, by their transformers name (Gemma calls the key hidden_activation).
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 # transformers' defaults for keys a config.json may leave out.
 _DEFAULT_ROPE_THETA = 10000.0
@@ -52,12 +71,43 @@ _DEFAULT_FP8_BLOCK = (128, 128)
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:
-    """`rope_type: llama3` frequency rescaling (Llama 3.1+); other rope types are refused."""
+    """`rope_type: llama3` frequency rescaling (Llama 3.1+, EXAONE 4)."""
 
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """`rope_type: linear`: every frequency divided by `factor` (Gemma 3 4B+ global layers)."""
+
+    factor: float
+
+
+@dataclass(frozen=True)
+class LongRopeScaling:
+    """`rope_type: longrope` (Phi-3/Phi-4, "su" in older configs): frequency i divided by
+    short_factor[i], or by long_factor[i] once a request reaches past the original context;
+    cos and sin multiplied by attention_factor at every position."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling | LongRopeScaling
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One rotary embedding: its base, how many leading dims of a head it rotates, its scaling."""
+
+    theta: float
+    dim: int
+    scaling: RopeScaling | None = None
 
 
 @dataclass(frozen=True)
@@ -101,30 +151,31 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Llama3RopeScaling | None
+    rope_scaling: RopeScaling | None
     max_position_embeddings: int
     qkv_bias: bool
     o_bias: bool
-    qk_norm: bool
+    # None, "head" (q_norm/k_norm [D] per head) or "projection" (OLMo 2: [H_q * D] over all heads).
+    qk_norm: str | None
     # Per layer: attend to at most this many latest positions (the query's own included), or None.
     layer_windows: tuple[int | None, ...]
+    # Per layer: the rotary embedding its q and k get, or None for a layer without one (EXAONE 4's
+    # global layers).
+    layer_ropes: tuple[Rope | None, ...]
+    # Scores are q.k * attention_scale: 1/sqrt(head_dim), Gemma 3 1/sqrt(query_pre_attn_scalar).
+    attention_scale: float
+    activation: str  # "silu" or "gelu_tanh", the MLP gate's
+    layout: BlockLayout
+    tie_word_embeddings: bool
     # FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None when not quantized.
     fp8_block: tuple[int, int] | None
     layer_prefix: str = "model.layers"
-    # Rotary covers the first int(head_dim * partial_rotary_factor) dims of each head; the rest pass through.
-    partial_rotary_factor: float = 1.0
-    # Norm weights stored as w - 1 (the norm multiplies by 1 + w); folded at load, see Checkpoint.load.
-    norm_plus_one: bool = False
     # q_proj gives [q | gate] per head and the attention output is multiplied by sigmoid(gate) (Qwen3.5).
     attention_output_gate: bool = False
     # Indices of the linear-attention (Gated DeltaNet) layers, and their shape; every other layer attends.
     linear_layers: frozenset[int] = frozenset()
     linear_attention: LinearAttentionConfig | None = None
     moe: MoeConfig | None = None
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -164,13 +215,24 @@ class ModelConfig:
         if heads % kv_heads:
             raise ValueError(f"{heads} attention heads are not a multiple of {kv_heads} key/value heads")
         layers = int(d["num_hidden_layers"])
+        head_dim = int(d.get("head_dim") or hidden // heads)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if family == "gemma3":
+            rope = _gemma3_global_rope(d)
         rope_theta = float(rope.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA)))
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias is not supported")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only silu)")
-        attention_bias = family in ("llama", "qwen3", "qwen3_moe") and bool(d.get("attention_bias", False))
+        act_key = "hidden_activation" if family == "gemma3" else "hidden_act"
+        activation = d.get(act_key) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{act_key} {activation!r} is not supported (only {', '.join(ACTIVATIONS)})")
+        if d.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
+        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma3", "olmo2") and bool(d.get("attention_bias", False))
+        rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))))
+        main_rope = Rope(rope_theta, rotary_dim, _rope_scaling(rope, d, family, rotary_dim))
+        types = _layer_types(d, family, layers)
+        windows = _layer_windows(d, family, layers, types)
         return cls(
             family=family,
             architecture=architecture,
@@ -179,15 +241,21 @@ class ModelConfig:
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", _DEFAULT_RMS_EPS)),
             rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(rope),
+            rope_scaling=main_rope.scaling,
             max_position_embeddings=int(d["max_position_embeddings"]),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
-            qk_norm=family in ("qwen3", "qwen3_moe"),
-            layer_windows=_layer_windows(d, family, layers),
+            qk_norm=_QK_NORM.get(family),
+            layer_windows=windows,
+            layer_ropes=_layer_ropes(d, family, main_rope, types, windows),
+            attention_scale=float(d.get("query_pre_attn_scalar", 256) if family == "gemma3" else head_dim) ** -0.5,
+            activation=ACTIVATIONS[activation],
+            layout=LAYOUTS.get(family, PRE_NORM),
+            # Gemma 3's hub configs leave the key out and mean True (transformers' default for it).
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3")),
             fp8_block=_fp8_block(d),
             moe=_moe(d, family, layers),
         )
@@ -204,9 +272,13 @@ class ModelConfig:
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
             raise ValueError(f"rope type {kind!r} is not supported for {architecture} (only default)")
-        text["rope_parameters"] = {"rope_theta": float(rope.get("rope_theta", text.get("rope_theta", _DEFAULT_ROPE_THETA)))}
+        text["rope_parameters"] = {
+            "rope_theta": float(rope.get("rope_theta", text.get("rope_theta", _DEFAULT_ROPE_THETA))),
+            "partial_rotary_factor": float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+        }
+        if "tie_word_embeddings" in d:  # the outer config's word wins, as transformers reads it
+            text["tie_word_embeddings"] = d["tie_word_embeddings"]
         base = cls._parse({**text, "use_sliding_window": False}, family, architecture)
-        factor = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
         layers = base.num_hidden_layers
         types = text.get("layer_types") or [
             "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else "linear_attention"
@@ -226,12 +298,9 @@ class ModelConfig:
         return replace(
             base,
             layer_prefix="model.language_model.layers",
-            partial_rotary_factor=factor,
-            norm_plus_one=True,
             attention_output_gate=True,
-            qk_norm=True,
-            qkv_bias=False,
-            o_bias=False,
+            # Linear-attention layers rotate nothing.
+            layer_ropes=tuple(None if t == "linear_attention" else rope for t, rope in zip(types, base.layer_ropes)),
             linear_layers=frozenset(i for i, t in enumerate(types) if t == "linear_attention"),
             linear_attention=linear,
         )
@@ -247,33 +316,108 @@ class ModelConfig:
         return int(tail)
 
 
-def _rope_scaling(rope: dict[str, Any]) -> Llama3RopeScaling | None:
+_QK_NORM = {
+    "qwen3": "head", "qwen3_moe": "head", "qwen3_5": "head", "qwen3_5_moe": "head",
+    "gemma3": "head", "exaone4": "head", "olmo2": "projection",
+}
+
+
+def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], family: str, rotary_dim: int) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if family == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # older Phi-3 names for it, mapped as transformers maps them
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise ValueError(f"rope type {kind!r} is not supported (only default and llama3)")
-    return Llama3RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-    )
+    if kind == "llama3":
+        return Llama3RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    if kind == "linear":
+        return LinearRopeScaling(float(rope["factor"]))
+    if kind == "longrope":
+        return _longrope(rope, d, rotary_dim)
+    raise ValueError(f"rope type {kind!r} is not supported (only default, llama3, linear and longrope)")
 
 
-def _layer_windows(d: dict[str, Any], family: str, layers: int) -> tuple[int | None, ...]:
-    window = d.get("sliding_window")
-    if family == "llama" or window is None:
+def _longrope(rope: dict[str, Any], d: dict[str, Any], rotary_dim: int) -> LongRopeScaling:
+    """Phi-3 configs keep original_max_position_embeddings at the top level; without `factor` the
+    context ratio sets the attention factor, as transformers does."""
+    original = int(rope.get("original_max_position_embeddings") or d["original_max_position_embeddings"])
+    short, long = (tuple(float(f) for f in rope[key]) for key in ("short_factor", "long_factor"))
+    if len(short) != rotary_dim // 2 or len(long) != rotary_dim // 2:
+        raise ValueError(f"longrope short/long factors need {rotary_dim // 2} entries, got {len(short)} and {len(long)}")
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        factor = float(rope.get("factor") or int(d["max_position_embeddings"]) / original)
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRopeScaling(short, long, original, float(attention_factor))
+
+
+def _layer_types(d: dict[str, Any], family: str, layers: int) -> tuple[str, ...] | None:
+    """Gemma 3 / EXAONE 4: "sliding_attention" or "full_attention" per layer, from `layer_types`
+    or, in configs without it, `sliding_window_pattern` (every pattern-th layer global; EXAONE
+    may spell it as a string of L and G, whose last layer is always global). None otherwise."""
+    if family not in ("gemma3", "exaone4"):
+        return None
+    if family == "exaone4" and d.get("sliding_window", 4096) is None:
+        return ("full_attention",) * layers
+    if d.get("layer_types"):
+        types = tuple(d["layer_types"])
+        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ValueError(f"layer_types must name sliding_attention or full_attention for each of {layers} layers")
+        return types
+    pattern = d.get("sliding_window_pattern", 6 if family == "gemma3" else 4)
+    if isinstance(pattern, str):
+        if not pattern or set(pattern) - {"L", "G"}:
+            raise ValueError(f"sliding_window_pattern {pattern!r} is not a string of L and G")
+        global_ = [pattern[i % len(pattern)] == "G" or i == layers - 1 for i in range(layers)]
+    else:
+        global_ = [(i + 1) % int(pattern) == 0 for i in range(layers)]
+    return tuple("full_attention" if g else "sliding_attention" for g in global_)
+
+
+def _layer_windows(
+    d: dict[str, Any], family: str, layers: int, types: tuple[str, ...] | None
+) -> tuple[int | None, ...]:
+    window = d.get("sliding_window", 4096 if family in ("gemma3", "exaone4") else None)
+    if family in ("llama", "olmo2") or window is None:
         return (None,) * layers
-    if family == "mistral":
+    if family in ("mistral", "phi3"):
         return (int(window),) * layers
-    # Qwen2/3: the window applies only when enabled, to the layers marked sliding.
-    if not d.get("use_sliding_window", False):
-        return (None,) * layers
-    types = d.get("layer_types") or [
-        "sliding_attention" if i >= d.get("max_window_layers", 0) else "full_attention" for i in range(layers)
-    ]
+    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"):
+        # Qwen2/3: the window applies only when enabled, to the layers marked sliding.
+        if not d.get("use_sliding_window", False):
+            return (None,) * layers
+        types = d.get("layer_types") or [
+            "sliding_attention" if i >= d.get("max_window_layers", 0) else "full_attention" for i in range(layers)
+        ]
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def _gemma3_global_rope(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's global rotary: transformers 5 keys it by layer type, hub configs keep rope_theta
+    (default 1e6) and rope_scaling (linear on 4B+) at the top level."""
+    by_type = (d.get("rope_parameters") or {}).get("full_attention")
+    if by_type is not None:
+        return by_type
+    return {"rope_theta": d.get("rope_theta", 1_000_000.0), **(d.get("rope_scaling") or {})}
+
+
+def _layer_ropes(
+    d: dict[str, Any], family: str, main: Rope, types: tuple[str, ...] | None, windows: tuple[int | None, ...]
+) -> tuple[Rope | None, ...]:
+    if family == "gemma3":
+        # Local layers rotate with their own base (rope_local_base_freq, default 1e4), unscaled.
+        by_type = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
+        local = Rope(float(by_type.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))), main.dim)
+        return tuple(local if t == "sliding_attention" else main for t in types)
+    if family == "exaone4" and any(w is not None for w in windows):
+        # With a sliding window configured, EXAONE 4's global layers use no rotary at all.
+        return tuple(main if t == "sliding_attention" else None for t in types)
+    return (main,) * len(windows)
 
 
 def _moe(d: dict[str, Any], family: str, layers: int) -> MoeConfig | None:

@@ -2,12 +2,13 @@
 
 Cake never shards these (spec cake-model §5.1): the master embeds the tokens, sends the hidden
 states through the decoder layers, normalises the last position and projects it onto the
-vocabulary. A tied checkpoint reuses the embedding matrix as lm_head.
+vocabulary. A tied checkpoint reuses the embedding matrix as lm_head. Gemma 3 scales the
+embeddings by sqrt(H) (rounded to the dtype, as transformers does); Gemma 3 and Qwen3.5 store
+their final norm as (1 + w).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,11 +25,14 @@ LM_HEAD = "lm_head.weight"
 class Head:
     """Embeddings [V, H], final norm weight [H] and lm_head [V, H], on one device in one dtype."""
 
-    def __init__(self, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float):
+    def __init__(
+        self, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float, embed_scale: float = 1.0
+    ):
         self.embed_weight = embed
         self.norm_weight = norm
         self.lm_head_weight = lm_head
         self.eps = eps
+        self.embed_scale = embed_scale
 
     @property
     def device(self) -> torch.device:
@@ -47,20 +51,24 @@ class Head:
         They sit beside the decoder layers (`model.` or Qwen3.5's `model.language_model.`); a
         (1 + w) family's final norm gets its 1 added as its layers' norms do.
         """
-        tied = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False))
+        tied = config.tie_word_embeddings
         model = config.layer_prefix.rpartition(".")[0]  # "model.layers" -> "model"
         embed, norm = f"{model}.embed_tokens.weight", f"{model}.norm.weight"
         names = [embed, norm] if tied else [embed, norm, LM_HEAD]
-        plus_one = frozenset({norm}) if config.norm_plus_one else frozenset()
+        plus_one = frozenset({norm}) if config.layout.norm_plus_one else frozenset()
         tensors = Checkpoint(model_dir, config).load({name: [name] for name in names}, torch.device(device), dtype,
                                                      plus_one=plus_one)
         lm_head = tensors[embed] if tied else tensors[LM_HEAD]
-        return cls(tensors[embed], tensors[norm], lm_head, config.rms_norm_eps)
+        gemma = config.family == "gemma3"
+        return cls(tensors[embed], tensors[norm], lm_head, config.rms_norm_eps, config.hidden_size**0.5 if gemma else 1.0)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Token ids [T] -> hidden states [1, T, H]."""
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        return F.embedding(ids, self.embed_weight)
+        embedded = F.embedding(ids, self.embed_weight)
+        if self.embed_scale != 1.0:
+            embedded = embedded * torch.tensor(self.embed_scale, dtype=self.dtype)
+        return embedded
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states [1, T, H] -> logits [V] of the last position (the norm is per position,

@@ -37,13 +37,14 @@ class SparseMoe:
         moe = config.moe
         E, I, H = moe.experts, moe.intermediate_size, config.hidden_size
         self.top_k = moe.top_k
+        self.activation = config.activation
         self.renormalize = moe.renormalize
         self.router = weights["router"]  # [E, H]
         self.gate_up = weights["experts_gate_up"].view(E, 2 * I, H)
         self.down = weights["experts_down"].view(E, H, I)
         self.shared = None
         if moe.shared_intermediate_size:
-            self.shared = GatedMlp(weights["shared_gate_up"], weights["shared_down"])
+            self.shared = GatedMlp(weights["shared_gate_up"], weights["shared_down"], self.activation)
             self.shared_gate = weights["shared_gate"]  # [1, H]
 
     @staticmethod
@@ -100,7 +101,7 @@ class SparseMoe:
         for expert, count in enumerate(counts):
             if count:
                 rows = routed[start : start + count]
-                outputs.append(GatedMlp(self.gate_up[expert], self.down[expert])(rows))
+                outputs.append(GatedMlp(self.gate_up[expert], self.down[expert], self.activation)(rows))
                 start += count
         mixed = torch.cat(outputs) * weights.reshape(-1)[order, None]  # [N k, H]
         out = torch.zeros_like(x).index_add_(0, tokens, mixed)

@@ -6,32 +6,53 @@ import math
 
 import torch
 
-from cakemp.model.config import Llama3RopeScaling, ModelConfig
+from cakemp.model.config import LinearRopeScaling, Llama3RopeScaling, LongRopeScaling, Rope
 
 
 class Rotary:
-    """cos/sin for absolute positions, shared by every layer of a model (they share head_dim)."""
+    """cos/sin for absolute positions of one rotary embedding, shared by the layers that use it."""
 
-    def __init__(self, config: ModelConfig, device: torch.device):
-        # inv_freq: [R/2] f32 for the rotated width R (= D unless the rotary is partial);
-        # frequencies are computed in f32 as HF and Cake do, so positions round the same way.
-        width = config.rotary_dim
-        exponents = torch.arange(0, width, 2, dtype=torch.int64).float() / width
-        inv_freq = 1.0 / (config.rope_theta**exponents)
-        if config.rope_scaling is not None:
-            inv_freq = _llama3_scaled(inv_freq, config.rope_scaling)
+    def __init__(self, rope: Rope, device: torch.device):
+        self.rope = rope
+        # inv_freq: [dim/2] f32; frequencies are computed in f32 as HF and Cake do, so positions
+        # round the same way they do.
+        exponents = torch.arange(0, rope.dim, 2, dtype=torch.int64).float() / rope.dim
+        scaling = rope.scaling
+        self.long_inv_freq = None
+        self.attention_factor = 1.0
+        if isinstance(scaling, LongRopeScaling):
+            # Divided by the factors before inverting, as transformers does (same rounding).
+            powers = rope.theta**exponents
+            inv_freq = 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32) * powers)
+            self.long_inv_freq = (1.0 / (torch.tensor(scaling.long_factor, dtype=torch.float32) * powers)).to(device)
+            self.attention_factor = scaling.attention_factor
+        else:
+            inv_freq = 1.0 / (rope.theta**exponents)
+            if isinstance(scaling, Llama3RopeScaling):
+                inv_freq = _llama3_scaled(inv_freq, scaling)
+            elif isinstance(scaling, LinearRopeScaling):
+                inv_freq = inv_freq / scaling.factor
         self.inv_freq = inv_freq.to(device)
 
     def cos_sin(self, index_pos: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [length, R] in `dtype` for positions index_pos .. index_pos+length-1.
+        """cos, sin: [length, dim] in `dtype` for positions index_pos .. index_pos+length-1.
 
         Computed per request rather than tabled up to the context limit: a table for 128k
-        positions would cost tens of MiB per device, and this is D/2 * length products.
+        positions would cost tens of MiB per device, and this is dim/2 * length products.
+        Longrope switches to its long factors for a whole request once the request reaches past
+        the original context, as transformers does per forward call (keys cached earlier keep
+        the short factors).
         """
-        positions = torch.arange(index_pos, index_pos + length, device=self.inv_freq.device, dtype=torch.float32)
-        angles = torch.outer(positions, self.inv_freq)  # [T, R/2] f32
-        angles = torch.cat((angles, angles), dim=-1)  # [T, R]: both halves rotate by the same angle
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None and index_pos + length > self.rope.scaling.original_max_position_embeddings:
+            inv_freq = self.long_inv_freq
+        positions = torch.arange(index_pos, index_pos + length, device=inv_freq.device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)  # [T, dim/2] f32
+        angles = torch.cat((angles, angles), dim=-1)  # [T, dim]: both halves rotate by the same angle
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
@@ -47,14 +68,11 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., T, D] rotated by cos/sin: [T, R]; pairs are (i, i + R/2), computed in x's dtype.
-
-    With a partial rotary (R < D, as Qwen3.5's 0.25 of head_dim) only the first R dims turn
-    and the other D - R pass through unchanged.
-    """
-    width = cos.shape[-1]
-    if width < x.shape[-1]:
-        return torch.cat((rotate(x[..., :width], cos, sin), x[..., width:]), dim=-1)
-    half = width // 2
+    """x: [..., T, D] rotated by cos/sin: [T, R]; pairs are (i, i + R/2) within the first R dims
+    (R < D: partial rotary, the rest pass through), computed in x's dtype."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+    half = rotary_dim // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated_half * sin

@@ -49,10 +49,12 @@ def test_tight_budget_grows_exactly_instead_of_doubling():
 
 
 def test_budget_refusal_is_all_or_nothing():
-    """A reservation that cannot fit allocates none of its slots and leaves other sessions alone."""
+    """A reservation that cannot fit allocates none of its slots and leaves other sessions alone; the
+    refusal gives its figures in units a person reads (262 positions of 128 bytes need 32.8 KiB)."""
     c = cache(max_context=4096, budget_bytes=2 * MIN_CAPACITY * PER_POSITION)
     c.reserve(1, {0: 5})
-    with pytest.raises(CacheBudgetExceeded, match="session 2"):
+    with pytest.raises(CacheBudgetExceeded, match=r"^the KV cache would need 32\.8 KiB more but only 32\.0 KiB "
+                                                  r"of this device's 64\.0 KiB budget is left$"):
         c.reserve(2, {0: 5, 1: MIN_CAPACITY + 1})
     assert c.nbytes() == MIN_CAPACITY * PER_POSITION and c.session_count() == 1
 

@@ -17,6 +17,8 @@ def test_fresh_registry_parses_and_declares_every_family():
         "cakemp_sent_bytes": "counter",
         "cakemp_device_restarts": "counter",
         "cakemp_active_sessions": "gauge",
+        "cakemp_refused_connections": "counter",
+        "cakemp_buffered_bytes": "gauge",
         "cakemp_kv_cache_bytes": "gauge",
         "cakemp_ready": "gauge",
         "cakemp_device_request_duration_seconds": "histogram",

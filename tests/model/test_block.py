@@ -40,7 +40,7 @@ def test_attention_softmax_accumulates_in_f32(dtype, pattern):
 
 def test_rotary_positions_are_absolute():
     """cos/sin for positions 5..7 are rows 5..7 of a table from 0, so decode offsets line up."""
-    rotary = Rotary(ModelConfig.from_dict(make_config("llama").to_dict()), torch.device("cpu"))
+    rotary = Rotary(ModelConfig.from_dict(make_config("llama").to_dict()).layer_ropes[0], torch.device("cpu"))
     cos_all, sin_all = rotary.cos_sin(0, 8, torch.float32)
     cos, sin = rotary.cos_sin(5, 3, torch.float32)
     assert torch.equal(cos, cos_all[5:]) and torch.equal(sin, sin_all[5:])

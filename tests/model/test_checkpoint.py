@@ -14,6 +14,7 @@ from cakemp.model.block import DecoderBlock
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 from tests.checkpoints import make_checkpoint
+from tests.families import HUB_FAMILIES
 
 
 def test_only_the_shards_holding_the_layers_are_opened(tmp_path):
@@ -150,3 +151,30 @@ def test_fp8_qwen3_5_moe_loads_dequantized_and_skips_vision_and_mtp(tmp_path):
     assert torch.equal(block.mixer.w_in, torch.cat(parts))
     assert torch.equal(block.input_norm, stored[prefix + "input_layernorm.weight"] + 1)
     assert any(k.startswith("mtp.layers.0.") for k in stored) and any(k.startswith("model.visual.") for k in stored)
+
+
+def test_fp8_fused_phi3_projections_dequantize_as_one_matrix(tmp_path):
+    """Phi-3's pre-fused qkv_proj and gate_up_proj in FP8 load as their e4m3 times block scale."""
+    family, overrides, hub_config = HUB_FAMILIES["phi3"]
+    path = make_checkpoint(tmp_path, family, fp8_block=(48, 40), hub_config=hub_config, **overrides)
+    block = BlockRunner.load(path, ["model.layers.1"], "cpu", torch.float32).blocks["model.layers.1"]
+    with safe_open(path / "model.safetensors", "pt") as f:
+        for weight, name in ((block.w_qkv, "self_attn.qkv_proj"), (block.mlp.w_gate_up, "mlp.gate_up_proj")):
+            stored = f.get_tensor(f"model.layers.1.{name}.weight")
+            assert stored.dtype == torch.float8_e4m3fn
+            scale = f.get_tensor(f"model.layers.1.{name}.weight_scale_inv")
+            assert torch.equal(weight, fp8.dequantize(stored, scale, (48, 40)))
+
+
+def test_gemma3_norms_fold_their_plus_one_in_f32(tmp_path):
+    """Gemma 3's six norm weights w load as 1 + w in f32, even for a bf16 block (as HF computes them)."""
+    family, overrides, hub_config = HUB_FAMILIES["gemma3"]
+    path = make_checkpoint(tmp_path, family, dtype=torch.bfloat16, hub_config=hub_config, **overrides)
+    block = BlockRunner.load(path, ["model.layers.1"], "cpu", torch.bfloat16).blocks["model.layers.1"]
+    norms = {"input_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+             "post_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm",
+             "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+    with safe_open(path / "model.safetensors", "pt") as f:
+        for slot, name in norms.items():
+            assert torch.equal(getattr(block, slot), f.get_tensor(f"model.layers.1.{name}.weight").float() + 1)
+    assert block.w_qkv.dtype == torch.bfloat16

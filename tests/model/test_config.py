@@ -1,11 +1,12 @@
 """ModelConfig from config.json: one set of switches per family, refusals named."""
 
 import json
+import math
 
 import pytest
 
 from cakemp.errors import CheckpointError
-from cakemp.model.config import Llama3RopeScaling, ModelConfig
+from cakemp.model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, Rope
 from tests.checkpoints import make_config
 
 
@@ -94,7 +95,7 @@ def test_missing_architectures_is_refused():
 
 
 def test_unsupported_rope_type_is_refused():
-    """A rope type other than default/llama3 (here yarn) is an error, not silently ignored."""
+    """A rope type cakemp does not compute (here yarn) is an error, not silently ignored."""
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
     with pytest.raises(CheckpointError, match="yarn"):
         parsed("llama", rope_parameters=rope)
@@ -137,8 +138,9 @@ def test_qwen3_5_reads_text_config_layer_kinds_and_partial_rotary():
     """Qwen3.5's text_config gives the hybrid's switches, its layer prefix and the linear layers."""
     c = parsed("qwen3_5")
     assert c.layer_prefix == "model.language_model.layers" and c.layer_name(3) == "model.language_model.layers.3"
-    assert c.linear_layers == {0, 1, 2} and c.norm_plus_one and c.attention_output_gate and c.qk_norm
-    assert c.rotary_dim == 4 and c.moe is None  # head_dim 16 x 0.25
+    assert c.linear_layers == {0, 1, 2} and c.layout.norm_plus_one and c.attention_output_gate and c.qk_norm == "head"
+    assert c.layer_ropes[3].dim == 4 and c.moe is None  # head_dim 16 x 0.25
+    assert c.layer_ropes[:3] == (None,) * 3  # linear-attention layers rotate nothing
     assert (c.linear_attention.key_heads, c.linear_attention.value_heads, c.linear_attention.conv_channels) == (2, 4, 96)
 
 
@@ -149,7 +151,7 @@ def test_qwen3_5_layer_kinds_from_full_attention_interval_and_classic_rope_keys(
     del text["layer_types"], text["rope_parameters"]
     text.update(full_attention_interval=3, rope_theta=5e6, partial_rotary_factor=0.5)
     c = ModelConfig.from_dict(d)
-    assert c.linear_layers == {0, 1, 3, 4} and c.rope_theta == 5e6 and c.rotary_dim == 8
+    assert c.linear_layers == {0, 1, 3, 4} and c.rope_theta == 5e6 and c.layer_ropes[2].dim == 8
 
 
 def test_qwen3_5_moe_always_renormalises_and_has_a_shared_expert():
@@ -163,4 +165,66 @@ def test_qwen3_moe_sparse_layers_follow_mlp_only_layers_and_step():
     d = make_config("qwen3_moe", mlp_only_layers=[0], decoder_sparse_step=2, norm_topk_prob=True).to_dict()
     d["num_experts"] = d.pop("num_local_experts")
     c = ModelConfig.from_dict(d)
-    assert c.moe.sparse_layers == (False, True, False, True) and c.moe.renormalize and c.qk_norm
+    assert c.moe.sparse_layers == (False, True, False, True) and c.moe.renormalize and c.qk_norm == "head"
+
+
+def hub(family, **keys):
+    """A hub-keyed config.json dict (classic keys, as tests/families.py writes them)."""
+    architecture = {"gemma3": "Gemma3ForCausalLM", "exaone4": "Exaone4ForCausalLM", "phi3": "Phi3ForCausalLM",
+                    "olmo2": "Olmo2ForCausalLM"}[family]
+    return {"architectures": [architecture], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512} | keys
+
+
+def test_gemma3_layer_kinds_from_the_pattern_with_their_own_rotary():
+    """Without layer_types, every 6th Gemma 3 layer is global (rope_theta, scaled) and the rest
+    local (window, rope_local_base_freq); the scale is query_pre_attn_scalar's; tied by default."""
+    c = ModelConfig.from_dict(hub("gemma3", rope_theta=1e6, rope_local_base_freq=1e4, sliding_window=512,
+                                  query_pre_attn_scalar=144, rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert c.layer_windows == (512,) * 5 + (None,)
+    local, global_ = Rope(1e4, 16), Rope(1e6, 16, LinearRopeScaling(8.0))
+    assert c.layer_ropes == (local,) * 5 + (global_,)
+    assert c.attention_scale == 144**-0.5 and c.tie_word_embeddings and c.activation == "gelu_tanh"
+    assert c.layout.norm_plus_one and c.qk_norm == "head"
+
+
+def test_exaone4_pattern_string_makes_the_last_layer_global_and_global_layers_unrotated():
+    """EXAONE 4's "LLLG" repeats, the last layer is global whatever the pattern says, and global
+    layers get no rotary when a window is configured; without a window every layer rotates."""
+    c = ModelConfig.from_dict(hub("exaone4", sliding_window=8, sliding_window_pattern="LLLG"))
+    assert c.layer_windows == (8, 8, 8, None, 8, None)
+    assert [r is None for r in c.layer_ropes] == [False, False, False, True, False, True]
+    c = ModelConfig.from_dict(hub("exaone4", sliding_window=None, layer_types=["full_attention"] * 6))
+    assert c.layer_windows == (None,) * 6 and None not in c.layer_ropes
+
+
+def test_phi3_longrope_reads_the_top_level_original_context_and_derives_the_attention_factor():
+    """A Phi-3 "su"/longrope config: partial rotary, factors per rotated pair, attention factor
+    sqrt(1 + ln(max / original) / ln(original))."""
+    factors = [1.0, 2.0, 3.0]  # rotary_dim 6 of head_dim 16 (partial_rotary_factor 0.375)
+    c = ModelConfig.from_dict(hub("phi3", partial_rotary_factor=0.375, original_max_position_embeddings=32,
+                                  rope_scaling={"type": "su", "short_factor": factors, "long_factor": factors}))
+    scaling = c.rope_scaling
+    assert c.layer_ropes[0].dim == 6 and scaling.original_max_position_embeddings == 32
+    assert scaling.attention_factor == pytest.approx((1 + math.log(512 / 32) / math.log(32)) ** 0.5)
+
+
+def test_phi3_longrope_factors_of_the_wrong_length_are_refused():
+    """longrope factors must cover every rotated pair of a head."""
+    rope = {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0], "original_max_position_embeddings": 32}
+    with pytest.raises(CheckpointError, match="longrope"):
+        ModelConfig.from_dict(hub("phi3", rope_scaling=rope))
+
+
+def test_olmo2_norms_after_each_branch_and_q_k_over_the_projection():
+    """OLMo 2 has no input norm, norms after attention and after the MLP, q/k norm over the projection."""
+    c = ModelConfig.from_dict(hub("olmo2"))
+    assert dict(c.layout.norms) == {"attn_out_norm": "post_attention_layernorm.weight",
+                                    "mlp_out_norm": "post_feedforward_layernorm.weight"}
+    assert c.qk_norm == "projection" and not c.tie_word_embeddings
+
+
+def test_an_embedding_gemma_is_refused():
+    """A bidirectional (embedding) Gemma 3 is not a causal decoder and is refused by name."""
+    with pytest.raises(CheckpointError, match="use_bidirectional_attention"):
+        ModelConfig.from_dict(hub("gemma3", use_bidirectional_attention=True))

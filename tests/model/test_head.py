@@ -9,10 +9,11 @@ from tests.checkpoints import make_checkpoint
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_head_matches_transformers(tmp_path, family, tied):
-    """Embeddings and the last position's logits equal HF's embed_tokens and lm_head(norm(x)), tied or not."""
+    """Embeddings and the last position's logits equal HF's embed_tokens and lm_head(norm(x)), tied or not
+    (Gemma 3: embeddings scaled by sqrt(H), a (1 + w) final norm)."""
     path = make_checkpoint(tmp_path, family, tie_word_embeddings=tied)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     head = Head.load(path, ModelConfig.from_dir(path), "cpu", torch.float32)

@@ -1,0 +1,107 @@
+"""What the front checks of a request before any of it reaches a device (pure: no I/O, no torch).
+
+A device refuses most bad requests too, but only after the bytes crossed ipc and the request
+was owed to the front; some it cannot refuse cleanly at all (a shape of 256 dimensions, a
+shape whose element count wraps, half a million ops that keep it busy past the watchdog). So
+the front admits only what a Cake master can legitimately send, from what it knows without
+torch: the served layers, and the model's hidden size and context length from config.json.
+
+An activation is [1, T, hidden] with 1 <= T <= the context limit, of a dtype a hidden state
+can have, its byte count exactly T * hidden * itemsize; a layer run names served layers, each
+layer and each KV slot (block_idx) at most once, so it is never longer than the layers served
+(an empty run is allowed, as Cake allows it: the activation comes back as it came, no device
+involved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from cakemp.errors import BadOps, BadTensor, ContextLimitExceeded, UnknownLayer
+from cakemp.model.config import ModelConfig
+from cakemp.wire import MAX_PAYLOAD, DType, LayerOp, RawTensor
+
+# The wire dtypes a hidden state can have; any of them is served whatever --dtype computes in.
+ACTIVATION_DTYPES = frozenset({DType.F16, DType.BF16, DType.F32})
+# Room in a frame for everything but the activation bytes: tags, counts, the shape, a layer run
+# (or a re-setup's LayerAssignment) with names of at most _MAX_NAME bytes.
+_FRAME_OVERHEAD = 64 * 1024
+_MAX_NAME = 256
+# How much of a peer's text an error repeats back.
+_SHOWN_CHARS = 64
+
+
+@dataclass(frozen=True)
+class Admission:
+    layers: frozenset[str]  # every layer this node serves
+    hidden_size: int
+    max_context: int  # positions per session
+    num_blocks: int  # block_idx (a KV slot) is in [0, num_blocks)
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, layers: Sequence[str], max_context: int | None) -> Admission:
+        return cls(frozenset(layers), model.hidden_size, max_context or model.max_position_embeddings,
+                   model.num_hidden_layers)
+
+    def max_payload(self) -> int:
+        """The largest frame payload a master can need: the longest f32 activation and a layer run
+        naming every served layer (a bigger frame is refused before it is read)."""
+        ops = len(self.layers) * (4 + _MAX_NAME + 16)  # name length, name, index_pos, block_idx
+        activation = self.max_context * self.hidden_size * DType.F32.itemsize
+        return min(MAX_PAYLOAD, activation + ops + _FRAME_OVERHEAD)
+
+    def check(self, x: RawTensor, ops: Sequence[LayerOp]) -> None:
+        """Raise the BadRequest that refuses running `ops` over `x`, if any."""
+        self._check_tensor(x)
+        self._check_ops(ops, x.shape[1])
+
+    def _check_tensor(self, x: RawTensor) -> None:
+        if x.dtype not in ACTIVATION_DTYPES:
+            name = DType(x.dtype).name if x.dtype in DType._value2member_map_ else f"tag {x.dtype}"
+            raise BadTensor(f"unsupported dtype {name}: activations must be F16, BF16 or F32")
+        # Each dim is checked on its own before anything is multiplied: no product can wrap.
+        shape = x.shape
+        if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != self.hidden_size:
+            raise BadTensor(f"activation has shape {_shape_text(shape)}, expected [1, T, {self.hidden_size}] "
+                            f"with T >= 1")
+        if shape[1] > self.max_context:
+            raise ContextLimitExceeded(f"{shape[1]} positions in one request pass the context limit of "
+                                       f"{self.max_context} positions")
+        expected = shape[1] * self.hidden_size * DType(x.dtype).itemsize
+        if memoryview(x.data).nbytes != expected:
+            raise BadTensor(f"activation data is {memoryview(x.data).nbytes} bytes, shape {list(shape)} of "
+                            f"{DType(x.dtype).name} needs {expected}")
+
+    def _check_ops(self, ops: Sequence[LayerOp], tokens: int) -> None:
+        if len(ops) > len(self.layers):
+            raise BadOps(f"the request has {len(ops)} ops; this worker serves {len(self.layers)} layers, "
+                         "each runs at most once per request")
+        layers, blocks = set(), set()
+        for layer, index_pos, block_idx in ops:
+            if layer not in self.layers:
+                raise UnknownLayer(f"could not find layer {shown(layer)}")
+            if layer in layers:
+                raise BadOps(f"layer {layer} appears twice in one request")
+            if not 0 <= block_idx < self.num_blocks:
+                raise BadOps(f"block_idx {block_idx} of layer {layer} is outside 0..{self.num_blocks - 1}")
+            if block_idx in blocks:
+                raise BadOps(f"block_idx {block_idx} (a KV slot) appears twice in one request")
+            if index_pos + tokens > self.max_context:
+                raise ContextLimitExceeded(
+                    f"positions {index_pos}..{index_pos + tokens - 1} of layer {layer} pass the context limit "
+                    f"of {self.max_context} positions")
+            layers.add(layer)
+            blocks.add(block_idx)
+
+
+def shown(text: str) -> str:
+    """A peer's text as an error may repeat it: printable, and at most _SHOWN_CHARS of it."""
+    clipped = text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + f"… ({len(text)} chars)"
+    return clipped if clipped.isprintable() else repr(clipped)
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    if len(shape) <= 4:
+        return str(list(shape))
+    return f"of {len(shape)} dimensions"
