@@ -6,7 +6,8 @@ About five minutes on one GPU (Python 3.12, torch 2.11 or 2.13). Each section re
 findings, or the error that stopped it, and the next one runs regardless:
 
 1. machine: torch, CUDA and driver versions, the GPU, `nvidia-smi -L`, and
-   `grep nvidia /proc/devices` (the device groups the systemd unit's DeviceAllow must name);
+   `grep nvidia /proc/devices` (the device groups the systemd unit's DeviceAllow must name),
+   and which of the unit's `DeviceAllow=char-…` groups this driver registers;
 2. tests: the gpu-marked tests (`pytest -m gpu tests/model tests/compute tests/device`);
 3. attention: every call shape the block makes, at Llama-3-8B's head shape (32 query heads on
    8 kv heads of 128), in f16, bf16 and f32, with SDPA's math kernel disabled, so a shape no
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fnmatch
 import json
 import math
 import os
@@ -87,6 +89,16 @@ def shell(command: str, timeout: float = 30) -> str:
         return f"failed: {e}"
 
 
+def unit_device_groups() -> dict[str, bool]:
+    """Each `DeviceAllow=char-NAME` of the systemd unit: whether this driver registers a character
+    device group NAME (systemd matches it as a glob against /proc/devices, as here)."""
+    chars = Path("/proc/devices").read_text().split("Block devices:")[0]
+    groups = {line.split()[1] for line in chars.splitlines() if line.strip()[:1].isdigit()}
+    unit = (ROOT / "deploy" / "systemd" / "cakemp@.service").read_text()
+    names = re.findall(r"^DeviceAllow=char-(\S+)", unit, re.MULTILINE)
+    return {name: any(fnmatch.fnmatchcase(group, name) for group in groups) for name in names}
+
+
 def timed_ms(fn, device: torch.device, repeats: int = 1) -> float:
     """Best of `repeats` wall times of fn(), in ms, synchronised on a GPU."""
     best = math.inf
@@ -125,6 +137,7 @@ def main() -> None:
         finding("machine.nvidia_smi", shell("nvidia-smi -L; nvidia-smi --query-gpu=driver_version,pci.bus_id "
                                            "--format=csv,noheader"))
         finding("machine.proc_devices_nvidia", shell("grep nvidia /proc/devices"))
+        finding("machine.unit_device_allow", unit_device_groups())
 
     @section("tests")
     def tests():
@@ -354,7 +367,7 @@ def check_decode(device: torch.device, rehearse: bool) -> None:
             "per_layer_ms_median": round(per_layer, 4), "weight_mib": round(weight_bytes / 2**20, 1),
             "floor_ms": round(floor_ms, 4), "ratio_to_floor": round(per_layer / floor_ms, 2),
         })
-        del runner, blocks
+        runner = blocks = None  # freed before empty_cache (not `del`: the lambdas above close over them)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from cakemp.compute import tensors
 from cakemp.ipc import Activation, DeviceChannel, Forward, FrontChannel, Op
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
@@ -89,7 +90,7 @@ def start_single(model: Path, threads: int) -> tuple[subprocess.Popen, int]:
 
 
 def raw(x: torch.Tensor) -> RawTensor:
-    return RawTensor(x.numpy().tobytes(), DType.F32, tuple(x.shape))
+    return tensors.to_raw(x, DType.F32)
 
 
 class Session:
@@ -99,7 +100,7 @@ class Session:
         self.clients, self.hidden, self.position = clients, hidden, 0
 
     @classmethod
-    async def open(cls, port: int, hidden: int) -> "Session":
+    async def open(cls, port: int, hidden: int) -> Session:
         clients = []
         for _ in range(LAYERS):
             client = await WorkerClient.connect("127.0.0.1", port)
@@ -132,7 +133,7 @@ async def relay_tax(ports: dict[str, int], hidden: int, steps: int) -> dict[str,
     sessions = {name: await Session.open(port, hidden) for name, port in ports.items()}
     times = {name: {"decode": [], "empty": []} for name in ports}
     for kind, layers in (("decode", LAYERS), ("empty", 0)):
-        for name, session in sessions.items():  # warm-up
+        for _name, session in sessions.items():  # warm-up
             for _ in range(BLOCK):
                 await session.step(layers=layers)
         for _ in range(steps // BLOCK):

@@ -35,7 +35,7 @@ async def _bounded(exchange, timeout: float, peer: str) -> None:
     """Run one side of the exchange under `timeout`, mapping every failure to AuthError."""
     try:
         await asyncio.wait_for(exchange, timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise AuthError(f"{peer} did not complete the cluster-key handshake within {timeout:g} s") from None
     except asyncio.IncompleteReadError:
         raise AuthError(f"{peer} closed the connection during the cluster-key handshake") from None

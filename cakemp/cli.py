@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from cakemp import log
+from cakemp import __version__, log
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front import Front, NodeConfig
 from cakemp.address import parse_address
@@ -39,6 +39,7 @@ def _flag(*decls: str, **kwargs):
 
 
 @click.group(context_settings={"show_default": True})
+@click.version_option(__version__, prog_name="cakemp")
 def cli() -> None:
     """cakemp: a multi-GPU worker node for Cake distributed LLM inference."""
 
@@ -84,10 +85,12 @@ def cli() -> None:
 @_flag("--log-format", type=click.Choice(list(log.FORMATS)), default="auto",
        help="auto = console on a terminal, JSON lines otherwise.")
 @_flag("--log-level", type=click.Choice(list(log.LEVELS)), default="info")
+@_flag("--stats-interval", type=click.FloatRange(min=0, min_open=True), default=60.0,
+       help="Seconds between throughput log lines (none while nothing is served).")
 def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_budget_mib, max_context,
         cpu_threads, drain_timeout, request_timeout, restart_attempts, metrics_address, max_connections,
         max_buffered_mib, frame_timeout, session_idle_timeout, discovery_port, discovery_bind, max_model_gib,
-        log_format, log_level) -> None:
+        log_format, log_level, stats_interval) -> None:
     """Serve this worker's layers: its entry's in a Cake topology, or (with --cluster-key and no
     --topology: zero-config) those a master discovering it assigns and pushes."""
     log.configure(log_format, log_level)
@@ -110,7 +113,7 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
     else:
         served, node = Topology.load(topology).worker(name)
         if served != name:
-            logger.warning(f"topology for worker name '{name}' not found, using its only entry '{served}'")
+            logger.warning("worker name not in topology, serving its only entry", name=name, entry=served)
         if not node.layers:
             raise ConfigError(f"topology entry '{served}' lists no layers")
         layers = node.layers
@@ -120,7 +123,7 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
     if gpus.strip() == "all" and devices == (None,):
         logger.warning("no CUDA device found; serving on one CPU device")
     if setup is None and len(devices) > len(layers):
-        logger.warning(f"{len(devices)} devices for {len(layers)} layers; using {len(layers)}")
+        logger.warning("more devices than layers, using one per layer", devices=len(devices), layers=len(layers))
         devices = devices[: len(layers)]
     host, port = parse_address(address)
     config = NodeConfig(
@@ -132,6 +135,7 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         metrics_address=parse_address(metrics_address, "--metrics-address") if metrics_address else None,
         max_connections=max_connections, max_buffered_bytes=max_buffered_mib * (1 << 20), frame_timeout=frame_timeout,
         session_idle_timeout=session_idle_timeout, log_format=log_format, log_level=log_level, setup=setup,
+        stats_interval=stats_interval,
     )
     # The front's exit status; a CakempError (a device that died while loading, say) exits 1.
     sys.exit(_run_or_exit(Front(config, notifier).run()))
@@ -222,7 +226,8 @@ async def _discover_cluster(model, cluster_key, targets, port, timeout, min_work
 @_flag("--timeout", type=click.FloatRange(0, min_open=True), default=5.0, help="Seconds per step.")
 @_flag("--protocol", type=click.Choice(["1", "2"]), default="2",
        help="Cake revision the node speaks.")
-def probe(address, cluster_key, as_json, timeout, protocol) -> None:
+@_flag("--metrics-address", help="The node's --metrics-address: also show which layers each device serves.")
+def probe(address, cluster_key, as_json, timeout, protocol, metrics_address) -> None:
     """Check the node at ADDRESS (host:port): authenticate, say Hello, print its WorkerInfo.
 
     Exits 0 when it answers; 1 when it is down, 2 when the key handshake fails, 3 when it
@@ -233,10 +238,12 @@ def probe(address, cluster_key, as_json, timeout, protocol) -> None:
 
     from cakemp.errors import AuthError, ProtocolError, WorkerUnreachable
     from cakemp.master.probe import probe as probe_node
+    from cakemp.master.probe import read_placement
 
     try:
         info = asyncio.run(probe_node(address, cluster_key=cluster_key or None, timeout=timeout,
                                       revision=Revision(int(protocol))))
+        placement = read_placement(metrics_address, timeout=timeout) if metrics_address else None
     except WorkerUnreachable as e:
         _exit(f"down: {e}", 1)
     except AuthError as e:
@@ -244,10 +251,13 @@ def probe(address, cluster_key, as_json, timeout, protocol) -> None:
     except ProtocolError as e:
         _exit(f"wrong answer: {e}", 3)
     if as_json:
-        click.echo(json.dumps({"address": address, **dataclasses.asdict(info)}))
-    else:
-        click.echo(f"{address} is up: version {info.version}, {info.os}/{info.arch}, device {info.device} "
-                   f"{info.device_idx}, dtype {info.dtype}, latency {info.latency} ms")
+        extra = {} if placement is None else {"placement": placement}
+        click.echo(json.dumps({"address": address, **dataclasses.asdict(info), **extra}))
+        return
+    click.echo(f"{address} is up: version {info.version}, {info.os}/{info.arch}, device {info.device} "
+               f"{info.device_idx}, dtype {info.dtype}, latency {info.latency} ms")
+    for device in (placement or {}).get("devices", ()):
+        click.echo(f"  {device['device']} serves {', '.join(device['layers'])}")
 
 
 @cli.command()

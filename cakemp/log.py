@@ -1,9 +1,12 @@
 """structlog, configured once inside each process (the front and every device process).
 
 On a terminal lines are rendered for people; otherwise (journald, supervisor, tests) each event
-is one JSON object per line on stdout. Sessions (named by their master's address) and devices
-are bound by callers (`log.get_logger(session=…)`); loggers are never pickled into child
-processes, children call `configure`.
+is one JSON object per line on stdout. Records of the standard `logging` module (asyncio, zmq,
+torch, Python's warnings) go through the same processors and renderer, so that a service's
+output is JSON throughout. Event names are constant strings; figures go in fields.
+Sessions (named by their master's address) and devices are bound by callers
+(`log.get_logger(session=…)`); loggers are never pickled into child processes, children call
+`configure`.
 """
 
 from __future__ import annotations
@@ -18,25 +21,43 @@ LEVELS = ("debug", "info", "warning", "error")
 
 
 def configure(fmt: str = "auto", level: str = "info") -> None:
-    """Set up structlog for this process; `fmt` is auto (console on a TTY, else JSON), console or json."""
+    """Set up structlog and the root `logging` logger for this process; `fmt` is auto (console on a
+    TTY, else JSON), console or json."""
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")
     console = sys.stdout.isatty() if fmt == "auto" else fmt == "console"
     renderer = structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
+    threshold = logging.getLevelNamesMapping()[level.upper()]
+    stamped = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        processors=[*stamped, structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
         # One write per line: the front and its device processes share stdout, and a line
         # written in two pieces could interleave with another process's.
         logger_factory=structlog.WriteLoggerFactory(sys.stdout),
         cache_logger_on_first_use=True,
     )
+    # A stdlib record's message becomes the event; its logger's name a field. StreamHandler
+    # also writes each line in one call.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*stamped, structlog.stdlib.add_logger_name],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(threshold)
+    logging.captureWarnings(True)  # warnings.warn(...) from libraries, as `py.warnings` records
 
 
 def get_logger(**context: object) -> structlog.typing.FilteringBoundLogger:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import yaml
 
@@ -17,6 +17,7 @@ from cakemp.errors import ConfigError
 
 # Cake's `(?m)^(.+[^\d])(\d+)-(\d+)$`: "model.layers.0-15" -> base "model.layers.", 0, 15.
 _RANGE = re.compile(r"(.+[^0-9])([0-9]+)-([0-9]+)")
+_NUMBERED = re.compile(r"(.+[^0-9])([0-9]+)")  # "model.layers.7" -> "model.layers.", 7
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Topology:
     nodes: tuple[tuple[str, Node], ...]
 
     @classmethod
-    def load(cls, path: str | Path) -> "Topology":
+    def load(cls, path: str | Path) -> Topology:
         try:
             text = Path(path).read_text()
         except OSError as e:
@@ -48,7 +49,7 @@ class Topology:
         return cls.parse(text, source=str(path))
 
     @classmethod
-    def parse(cls, text: str, source: str = "topology") -> "Topology":
+    def parse(cls, text: str, source: str = "topology") -> Topology:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -110,6 +111,33 @@ def expand_layers(entries: Sequence[str]) -> tuple[str, ...]:
             raise ConfigError(f"invalid layer range {entry!r}: {last} < {first}")
         layers.extend(f"{base}{i}" for i in range(first, last + 1))
     return tuple(layers)
+
+
+def collapse_layers(layers: Sequence[str]) -> tuple[str, ...]:
+    """The inverse of `expand_layers`: consecutive base<i>, base<i+1>, … as one `base<a>-<b>` entry."""
+    entries: list[str] = []
+    run: tuple[str, int, int] | None = None  # (base, first, last) of the run being collected
+
+    def close() -> None:
+        if run is not None:
+            base, first, last = run
+            entries.append(f"{base}{first}" if first == last else f"{base}{first}-{last}")
+
+    for layer in layers:
+        match = _NUMBERED.fullmatch(layer)
+        if match is None or match.group(2) != str(int(match.group(2))):  # "layers.07" is kept as written
+            close()
+            run = None
+            entries.append(layer)
+            continue
+        base, index = match.group(1), int(match.group(2))
+        if run is not None and run[0] == base and run[2] + 1 == index:
+            run = (base, run[1], index)
+            continue
+        close()
+        run = (base, index, index)
+    close()
+    return tuple(entries)
 
 
 def device_of(position: int, num_layers: int, num_devices: int) -> int:

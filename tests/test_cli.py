@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
 import socket
 import subprocess
@@ -78,7 +80,8 @@ def test_unknown_name_falls_back_to_the_only_entry_with_a_warning_and_a_bad_mode
     directory without config.json makes the node exit 78 saying so."""
     result = cakemp_run("--name", "stranger", "--topology", str(topology), "--gpus", "cpu",
                         "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0")
-    assert "topology for worker name 'stranger' not found, using its only entry 'w1'" in result.stdout
+    warning = next(json.loads(line) for line in result.stdout.splitlines() if "worker name not in topology" in line)
+    assert (warning["level"], warning["name"], warning["entry"]) == ("warning", "stranger", "w1")
     assert_config_error(result, "no-model")
 
 
@@ -115,6 +118,13 @@ def test_a_metrics_address_in_use_exits_78_before_loading(tmp_path, topology, ta
                         "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0",
                         "--metrics-address", f"127.0.0.1:{taken_port}")
     assert_config_error(result, "cannot serve metrics")
+
+
+def test_version_is_the_package_metadata_version():
+    """`cakemp --version` prints the version the installed distribution declares."""
+    result = subprocess.run([sys.executable, "-m", "cakemp", "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"cakemp, version {importlib.metadata.version('cakemp')}"
 
 
 @pytest.mark.parametrize("listing, gpus, words", [

@@ -1,20 +1,34 @@
-"""`cakemp demo` as a user runs it: no arguments, an empty cache, to the end."""
+"""`cakemp demo` as a user runs it: no arguments, an empty cache, to the end; from a clone's root
+(where `python -m cakemp` finds the source tree first) and from anywhere else."""
 
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 
-def test_demo_runs_to_the_end(tmp_path):
-    """The demo builds its checkpoint in the cache, generates through a node, passes its check and stops the node."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "cakemp", "demo"], env=env, capture_output=True, text=True,
-                          timeout=240)
+def demo(cwd: Path, cache: Path) -> str:
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    done = subprocess.run([sys.executable, "-m", "cakemp", "demo"], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
+    return done.stdout
+
+
+def test_demo_runs_to_the_end_from_the_repository_root_and_from_elsewhere(tmp_path):
+    """From the repository's root the demo builds its checkpoint in the cache, generates through a node,
+    passes its check and stops the node; from another directory it does the same on the cached checkpoint."""
+    cache = tmp_path / "cache"
+    out = demo(REPOSITORY, cache)
     assert "synthetic" in out and "gibberish" in out
-    assert f"checkpoint  {tmp_path}/cakemp/demo-" in out and "built in" in out
+    assert f"checkpoint  {cache}/cakemp/demo-" in out and "built in" in out
     assert "Once upon a time" in out and "tokens/s" in out
     assert "hidden states from the node equal one in-process BlockRunner" in out
     assert "node stopped cleanly (exit status 0)" in out
-    assert [p.name.startswith("demo-") for p in (tmp_path / "cakemp").iterdir()] == [True]
+    assert [p.name.startswith("demo-") for p in (cache / "cakemp").iterdir()] == [True]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    again = demo(elsewhere, cache)
+    assert "(reused)" in again and "node stopped cleanly (exit status 0)" in again

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cakemp.errors import ConfigError
-from cakemp.topology import Node, Topology, expand_layers, place_layers
+from cakemp.topology import Node, Topology, collapse_layers, expand_layers, place_layers
 
 EXAMPLE = """
 linux_server_1:
@@ -96,3 +96,16 @@ def test_layer_i_of_n_goes_to_device_i_times_d_over_n(layers, devices, expected)
     """Placement is contiguous, with layer i of n on device i*D//n, as the seed splits them."""
     names = [f"model.layers.{i}" for i in range(layers)]
     assert place_layers(names, devices) == tuple(tuple(names[i] for i in run) for run in expected)
+
+
+@pytest.mark.parametrize("layers, expected", [
+    ([f"model.layers.{i}" for i in range(16)], ("model.layers.0-15",)),
+    (["model.layers.0", "model.layers.1", "model.layers.3", "lm_head"], ("model.layers.0-1", "model.layers.3", "lm_head")),
+    (["a.1", "a.2", "b.3", "b.4", "a.3"], ("a.1-2", "b.3-4", "a.3")),
+    (["model.layers.07", "model.layers.8"], ("model.layers.07", "model.layers.8")),
+    ([], ()),
+])
+def test_collapse_layers_writes_consecutive_layers_as_ranges(layers, expected):
+    """Consecutive numbered layers of one base become one Cake range, which expands back to them."""
+    assert collapse_layers(layers) == expected
+    assert expand_layers(collapse_layers(layers)) == tuple(layers)

@@ -1,4 +1,5 @@
-"""Activation bytes with a wire dtype tag ⇄ torch tensors, inside a device process.
+"""Activation bytes with a wire dtype tag ⇄ torch tensors: the one conversion the device
+process, the master, the benchmarks and the tests use.
 
 Wire tensors are little-endian, row-major and contiguous (spec §3.2); only the floating dtypes
 a hidden state can have are accepted.
@@ -11,9 +12,10 @@ import math
 import torch
 
 from cakemp.errors import BadTensor, ConfigError
-from cakemp.wire import DType
+from cakemp.wire import DType, RawTensor
 
 _WIRE_TO_TORCH = {DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.F32: torch.float32}
+_TORCH_TO_WIRE = {torch_dtype: wire for wire, torch_dtype in _WIRE_TO_TORCH.items()}
 _NAME_TO_TORCH = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
@@ -50,3 +52,21 @@ def to_bytes(x: torch.Tensor, dtype: int) -> memoryview:
     y = x.to(_WIRE_TO_TORCH[DType(dtype)]).to("cpu").contiguous()
     # bf16 has no numpy dtype: reinterpret as bytes first.
     return memoryview(y.reshape(-1).view(torch.uint8).numpy())
+
+
+def wire_dtype(dtype: torch.dtype) -> DType:
+    """The wire tag of a floating torch dtype (F16, BF16, F32)."""
+    try:
+        return _TORCH_TO_WIRE[dtype]
+    except KeyError:
+        raise BadTensor(f"unsupported dtype {dtype}: activations must be float16, bfloat16 or float32") from None
+
+
+def to_raw(x: torch.Tensor, dtype: int) -> RawTensor:
+    """`x` as a wire tensor of `dtype` (its shape kept)."""
+    return RawTensor(to_bytes(x, dtype), dtype, tuple(x.shape))
+
+
+def from_raw(raw: RawTensor) -> torch.Tensor:
+    """A CPU tensor of a received wire tensor; copied, since a received frame's bytes are read-only."""
+    return to_tensor(bytearray(raw.data), raw.dtype, raw.shape)

@@ -15,9 +15,15 @@ import sys
 import time
 from pathlib import Path
 
+import cakemp
 from cakemp.errors import CakempError, NodeFailed
 from cakemp.master.probe import probe
 from cakemp.wire import WorkerInfo
+
+
+# As long as the node's front waits for a device that loads nothing (its LOAD_SILENCE_S): on a
+# loaded machine, starting torch in every device process alone can take minutes.
+READY_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
@@ -54,16 +60,25 @@ class LocalNode:
         self._process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        """Start the subprocess; the key goes through the environment, never the command line."""
+        """Start the subprocess; the key goes through the environment, never the command line.
+
+        The node runs the very package this process imported, whatever the working directory:
+        `python -m cakemp` would otherwise import whatever `cakemp` the working directory or the
+        environment offers first (a clone's source tree, another install). It runs in the log's
+        directory, so nothing in the caller's working directory shadows a module it imports.
+        """
         env = {k: v for k, v in os.environ.items() if k != "CAKE_CLUSTER_KEY" and not k.startswith("CAKEMP_")}
         if self.cluster_key is not None:
             env["CAKE_CLUSTER_KEY"] = self.cluster_key
+        package_root = str(Path(cakemp.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
-                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=self.log_path.parent,
             )
 
-    async def wait_ready(self, timeout: float = 120.0) -> WorkerInfo:
+    async def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> WorkerInfo:
         """Probe until the node answers Hello; NodeFailed if it exits first or `timeout` passes."""
         deadline = time.monotonic() + timeout
         while True:

@@ -28,7 +28,7 @@ class DeviceService:
     poisoned: str | None = None  # why this process must end after its last answer (a sticky CUDA error)
 
     @classmethod
-    def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None) -> "DeviceService":
+    def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None) -> DeviceService:
         """Load the spec's layers; `on_layer(n)` once n of them are on the device."""
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)

@@ -16,7 +16,7 @@ involved).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from cakemp.errors import BadOps, BadTensor, ContextLimitExceeded, UnknownLayer
 from cakemp.model.config import ModelConfig

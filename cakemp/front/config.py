@@ -42,6 +42,7 @@ class NodeConfig:
     session_idle_timeout: float | None = None  # seconds idle before a session's KV is freed; None: never
     log_format: str = "auto"
     log_level: str = "info"
+    stats_interval: float = 60.0  # seconds between throughput lines (none while idle)
     # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
     setup: SetupConfig | None = None
 

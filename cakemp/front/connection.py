@@ -18,10 +18,11 @@ once if it then tries to continue. TCP keepalive finds a master that vanished wi
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from cakemp import log
 from cakemp.auth import authenticate_master
@@ -33,7 +34,6 @@ from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
 from cakemp.front.router import Router
-from cakemp.front.stats import Stats
 from cakemp.wire import (
     HEADER_SIZE, Batch, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, Message, RawTensor,
     Revision, SingleOp, TensorMessage, WorkerError, WorkerInfo, WorkerReady, decode_payload, encode_frame,
@@ -86,7 +86,6 @@ class Connection:
         self._frame_started: float | None = None  # loop time a frame's payload (or Hello) became due; None: idle
         self._awaiting_hello = False
         self._frame_watch: asyncio.TimerHandle | None = None
-        self._stats = Stats()
         peer = writer.get_extra_info("peername")
         self._log = log.get_logger(session=f"{peer[0]}:{peer[1]}" if peer else "?")
 
@@ -157,40 +156,37 @@ class Connection:
                 continue
             if received is None:
                 return
-            message, read_bytes, read_s, size = received
+            message, _, read_s, size = received
             try:
                 if isinstance(message, Goodbye):
                     await self._goodbye()
                     self._expired = False  # a fresh start: nothing to be told
                     await self._send(self._worker_info(int(read_s * 1000)))
                 elif isinstance(message, Batch):
-                    await self._serve_request(message.x, message.batch, read_bytes, read_s)
+                    await self._serve_request(message.x, message.batch)
                 elif isinstance(message, SingleOp):
                     op = LayerOp(message.layer_name, message.index_pos, message.block_idx)
-                    await self._serve_request(message.x, (op,), read_bytes, read_s)
+                    await self._serve_request(message.x, (op,))
                 else:
                     self._log.warning("unexpected message, closing", message=type(message).__name__, fault="peer")
                     return
             finally:
                 self._budget.give(size)  # the request is answered: its bytes are no longer held
 
-    async def _serve_request(self, x: RawTensor, ops: Sequence[LayerOp], read_bytes: int, read_s: float) -> None:
+    async def _serve_request(self, x: RawTensor, ops: Sequence[LayerOp]) -> None:
         self.busy = True
         try:
             start = time.perf_counter()
             reply = await self._run(x, ops)
-            computed = time.perf_counter()
-            written = await self._send(reply)
-            write_s = time.perf_counter() - computed
+            await self._send(reply)
             self._metrics.requests.inc()
+            if isinstance(reply, TensorMessage):  # x: [B, T, H]
+                self._metrics.served(math.prod(x.shape[:-1]), ops[0].index_pos if ops else 0, len(ops),
+                                     time.perf_counter() - start)
         finally:
             self.busy = False
             if self._finishing:
                 self.close()
-        if isinstance(reply, TensorMessage):
-            line = self._stats.add(len(ops), computed - start, read_bytes, read_s, written, write_s)
-            if line is not None:
-                self._log.info(line)
 
     async def _run(self, x: RawTensor, ops: Sequence[LayerOp]) -> TensorMessage | WorkerError:
         """Pass x through each device's leg in order; the bytes go on untouched (never a tensor here)."""
@@ -199,7 +195,9 @@ class Connection:
             self._check_not_expired(ops)
             data = x.data
             for leg in self._router.plan(ops):
-                self._devices.add(leg.device)
+                if leg.device not in self._devices:
+                    self._devices.add(leg.device)
+                    self._metrics.sessions.inc(device=self._pool.label(leg.device))
                 data = (await self._pool.forward(leg.device, self.session, x.dtype, x.shape, leg.ops, data)).data
             return TensorMessage(RawTensor(data, x.dtype, x.shape))
         except RequestError as e:
@@ -329,6 +327,7 @@ class Connection:
         if self._frame_watch is not None:
             self._frame_watch.cancel()
         for device in sorted(self._devices):
+            self._metrics.sessions.dec(device=self._pool.label(device))
             try:
                 done = await self._pool.end(device, self.session)
             except CakempError as e:

@@ -19,7 +19,7 @@ import platform
 import shutil
 import socket
 import subprocess
-from typing import Sequence
+from collections.abc import Sequence
 
 from cakemp import log
 from cakemp.errors import ConfigError, ProtocolError

@@ -1,7 +1,9 @@
 """The front's metrics: a registry in Prometheus' text format and the HTTP endpoint serving it.
 
-Written here rather than taken from prometheus_client so the front keeps no extra runtime
-dependency; the format (text exposition 0.0.4) is small. Every metric is updated on the
+Written here rather than taken from prometheus_client: importing that costs the front ~20-45 ms
+(about a tenth of its import time) and 2.6 MB of RSS (bench/front_footprint.py, docs/benchmarks.md)
+for a format (text exposition 0.0.4) this module writes in a page; its process_* metrics are
+reproduced under the same names. Every metric is updated on the
 front's event loop (device processes report their KV bytes over the IPC, and the front
 records them), so nothing here takes a lock.
 
@@ -12,10 +14,17 @@ Recording is always on and costs a dict update; only the HTTP endpoint is off un
 from __future__ import annotations
 
 import asyncio
+import json
 import math
-from collections.abc import Sequence
+import os
+import platform
+import resource
+from collections.abc import Callable, Mapping, Sequence
 
 import structlog
+
+import cakemp
+from cakemp.rss import resident_bytes
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +70,10 @@ class _Valued(_Metric):
 
     def value(self, **labels: str) -> float:
         return self._values.get(self._key(labels), 0.0)
+
+    def total(self) -> float:
+        """The sum over every label set."""
+        return sum(self._values.values())
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         key = self._key(labels)
@@ -126,43 +139,145 @@ class Histogram(_Metric):
         return lines
 
 
+class Sampled(_Metric):
+    """A value read when scraped (the process's own figures); absent where it cannot be read."""
+
+    def __init__(self, name: str, documentation: str, kind: str, read: Callable[[], float | None]) -> None:
+        super().__init__(name, documentation)
+        self.kind = kind
+        self._read = read
+
+    def render(self) -> list[str]:
+        value = self._read()
+        return self._header() + ([] if value is None else [self._line(self.name, (), value)])
+
+
+def process_metrics() -> tuple[Sampled, ...]:
+    """The process_* family every Prometheus client library exports, under the same names and units."""
+    return (
+        Sampled("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.", "counter",
+                lambda: sum(os.times()[:2])),
+        Sampled("process_resident_memory_bytes", "Resident memory size in bytes.", "gauge", resident_bytes),
+        Sampled("process_virtual_memory_bytes", "Virtual memory size in bytes.", "gauge", _virtual_bytes),
+        Sampled("process_start_time_seconds", "Start time of the process since unix epoch in seconds.", "gauge",
+                _start_time),
+        Sampled("process_open_fds", "Number of open file descriptors.", "gauge", _open_fds),
+        Sampled("process_max_fds", "Maximum number of open file descriptors.", "gauge",
+                lambda: resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
+    )
+
+
+def _proc_stat() -> list[str] | None:
+    """/proc/self/stat's fields after the command name (field 3, the state, first); None off Linux."""
+    try:
+        with open("/proc/self/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _virtual_bytes() -> float | None:
+    fields = _proc_stat()
+    return None if fields is None else float(fields[20])  # field 23, vsize
+
+
+def _start_time() -> float | None:
+    fields = _proc_stat()
+    if fields is None:
+        return None
+    try:
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, StopIteration):
+        return None
+    return boot + float(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in ticks since boot
+
+
+def _open_fds() -> float | None:
+    try:
+        return float(len(os.listdir("/proc/self/fd")))
+    except OSError:
+        return None
+
+
 class Metrics:
     """The front's registry: what it serves, how fast, and whether it is ready."""
 
     def __init__(self) -> None:
+        # What masters ask, and how long they wait for it.
         self.requests = Counter("cakemp_requests_total", "Forward requests (Batch, SingleOp) answered.")
         self.errors = Counter(
             "cakemp_request_errors_total", "Requests answered with WorkerError, by error class.", ["error"]
         )
+        self.request_seconds = Histogram(
+            "cakemp_request_duration_seconds",
+            "Forward requests answered with a tensor, from the request read in full to the reply written, by kind "
+            "(decode: one token past position 0; prefill: the rest).",
+            ["kind"],
+        )
+        self.tokens = Counter(
+            "cakemp_tokens_total", "Token positions of the requests answered with a tensor, by kind.", ["kind"]
+        )
+        self.layer_ops = Counter("cakemp_layer_ops_total", "Layer forward passes of the requests answered with a tensor.")
         self.bytes_received = Counter("cakemp_received_bytes_total", "Bytes read from master connections.")
         self.bytes_sent = Counter("cakemp_sent_bytes_total", "Bytes written to master connections.")
+        # Who is connected. A session is one master connection; it belongs to a device once it sends it a request.
+        self.connections = Gauge("cakemp_connections", "Master connections open now.")
+        self.sessions = Gauge(
+            "cakemp_sessions", "Open master connections that have sent requests to each device.", ["device"]
+        )
+        # The devices.
+        self.device_request_seconds = Histogram(
+            "cakemp_device_request_duration_seconds", "Time from handing a request to a device to its reply.", ["device"]
+        )
+        self.requests_waiting = Gauge(
+            "cakemp_device_requests_waiting",
+            "Forward requests handed to each device and not answered yet (queued there or running).",
+            ["device"],
+        )
+        self.kv_bytes = Gauge("cakemp_kv_cache_bytes", "KV cache bytes held, as last reported by each device.", ["device"])
+        self.kv_budget_bytes = Gauge(
+            "cakemp_kv_cache_budget_bytes", "KV cache byte budget of each device (--kv-budget-mib; absent: none).",
+            ["device"],
+        )
+        self.device_memory = Gauge(
+            "cakemp_device_memory_bytes",
+            "Memory each device process held once its layers were loaded: GPU memory allocated, or its RSS on a CPU.",
+            ["device"],
+        )
         self.device_restarts = Counter(
             "cakemp_device_restarts_total", "Device processes restarted after dying or hanging.", ["device"]
         )
-        self.active_sessions = Gauge("cakemp_active_sessions", "Master connections open now.")
         self.refused_connections = Counter(
             "cakemp_refused_connections_total", "Master connections closed on accept: --max-connections were open."
         )
         self.buffered_bytes = Gauge(
             "cakemp_buffered_bytes", "Frame bytes master connections hold now, against --max-buffered-mib."
         )
-        self.kv_bytes = Gauge("cakemp_kv_cache_bytes", "KV cache bytes held, as last reported by each device.", ["device"])
         self.readiness = Gauge("cakemp_ready", "1 when every device process is ready and connections are accepted.")
-        self.request_seconds = Histogram(
-            "cakemp_device_request_duration_seconds", "Time from handing a request to a device to its reply.", ["device"]
-        )
-        self._all: tuple[Counter | Gauge | Histogram, ...] = (
+        self.build_info = Gauge("cakemp_build_info", "Always 1: the labels say what is running.", ["version", "python"])
+        self.build_info.set(1, version=cakemp.__version__, python=platform.python_version())
+        self._all: tuple[_Metric, ...] = (
             self.requests,
             self.errors,
+            self.request_seconds,
+            self.tokens,
+            self.layer_ops,
             self.bytes_received,
             self.bytes_sent,
-            self.device_restarts,
-            self.active_sessions,
+            self.connections,
+            self.sessions,
+            self.device_request_seconds,
+            self.requests_waiting,
             self.refused_connections,
             self.buffered_bytes,
             self.kv_bytes,
+            self.kv_budget_bytes,
+            self.device_memory,
+            self.device_restarts,
             self.readiness,
-            self.request_seconds,
+            self.build_info,
+            *process_metrics(),
         )
 
     @property
@@ -171,6 +286,19 @@ class Metrics:
 
     def set_ready(self, ready: bool) -> None:
         self.readiness.set(1 if ready else 0)
+
+    def served(self, tokens: int, first_position: int, layer_ops: int, seconds: float) -> None:
+        """A forward request of `tokens` positions from `first_position` on was answered with a tensor."""
+        kind = "decode" if tokens == 1 and first_position > 0 else "prefill"
+        self.request_seconds.observe(seconds, kind=kind)
+        self.tokens.inc(tokens, kind=kind)
+        self.layer_ops.inc(layer_ops)
+
+    def device_loaded(self, device: str, memory_bytes: int, kv_budget_bytes: int | None) -> None:
+        """`device` reported Ready holding `memory_bytes`; its KV budget, if it has one."""
+        self.device_memory.set(memory_bytes, device=device)
+        if kv_budget_bytes is not None:
+            self.kv_budget_bytes.set(kv_budget_bytes, device=device)
 
     def render(self) -> str:
         """The whole registry in the Prometheus text exposition format."""
@@ -182,19 +310,23 @@ REQUEST_TIMEOUT = 5.0  # seconds a client gets to send its request head
 MAX_REQUEST_HEAD = 8192  # bytes; the paths served here need a few dozen
 
 
-async def start_metrics_server(metrics: Metrics, host: str, port: int) -> asyncio.Server:
-    """Serves /metrics, /healthz and /readyz on (host, port) from the running loop.
+async def start_metrics_server(
+    metrics: Metrics, host: str, port: int, placement: Callable[[], Mapping[str, object]] | None = None
+) -> asyncio.Server:
+    """Serves /metrics, /healthz, /readyz and /layers on (host, port) from the running loop.
 
     /healthz answers 200 whenever the loop answers at all: a blocked front answers nothing,
     which is what a liveness probe should see. /readyz is 200 only while `metrics.is_ready`.
+    /layers is what `placement()` returns now, as JSON: which layers each device serves (404
+    without `placement`).
     Each response closes its connection; a scraper reconnects every interval anyway.
     """
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
-            status, body, content_type = _respond(metrics, head)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+            status, body, content_type = _respond(metrics, placement, head)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             status, body, content_type = "400 Bad Request", "bad request\n", "text/plain; charset=utf-8"
         try:
             writer.write(
@@ -211,11 +343,13 @@ async def start_metrics_server(metrics: Metrics, host: str, port: int) -> asynci
 
     server = await asyncio.start_server(handle, host, port, limit=MAX_REQUEST_HEAD)
     bound_host, bound_port = server.sockets[0].getsockname()[:2]  # the real port when asked for 0
-    log.info(f"metrics on http://{bound_host}:{bound_port}/metrics", port=bound_port)
+    log.info("metrics endpoint", url=f"http://{bound_host}:{bound_port}/metrics", port=bound_port)
     return server
 
 
-def _respond(metrics: Metrics, head: bytes) -> tuple[str, str, str]:
+def _respond(
+    metrics: Metrics, placement: Callable[[], Mapping[str, object]] | None, head: bytes
+) -> tuple[str, str, str]:
     """(status line, body, content type) for one request head."""
     text_plain = "text/plain; charset=utf-8"
     try:
@@ -229,6 +363,8 @@ def _respond(metrics: Metrics, head: bytes) -> tuple[str, str, str]:
     path = target.split("?", 1)[0]
     if path == "/metrics":
         return "200 OK", metrics.render(), CONTENT_TYPE
+    if path == "/layers" and placement is not None:
+        return "200 OK", json.dumps(placement()) + "\n", "application/json"
     if path == "/healthz":
         return "200 OK", "ok\n", text_plain
     if path == "/readyz":

@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import multiprocessing
 import os
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from cakemp import errors, log
 from cakemp.device import process as device_process
@@ -69,10 +69,13 @@ class DevicePool:
             self._devices.append(device)
             device.spawn(self._context)
         try:
-            return tuple(await asyncio.gather(*(device.ready for device in self._devices)))
+            readies = tuple(await asyncio.gather(*(device.ready for device in self._devices)))
         except BaseException:
             await self.stop()
             raise
+        for device, ready in zip(self._devices, readies):
+            self._metrics.device_loaded(device.spec.label, ready.memory_bytes, device.spec.kv_budget_bytes)
+        return readies
 
     async def forward(self, device: int, session: int, dtype: int, shape: tuple[int, ...],
                       ops: tuple[Op, ...], data) -> Activation:
@@ -81,8 +84,12 @@ class DevicePool:
         target.admit(session, ops)
         loop = asyncio.get_running_loop()
         start = loop.time()
-        reply = await target.request(Forward(session, next(self._request_ids), dtype, shape, ops, data))
-        self._metrics.request_seconds.observe(loop.time() - start, device=target.spec.label)
+        self._metrics.requests_waiting.inc(device=target.spec.label)
+        try:
+            reply = await target.request(Forward(session, next(self._request_ids), dtype, shape, ops, data))
+        finally:
+            self._metrics.requests_waiting.dec(device=target.spec.label)
+        self._metrics.device_request_seconds.observe(loop.time() - start, device=target.spec.label)
         return self._answer(target, reply)
 
     async def clear(self, device: int, session: int) -> Done:
@@ -133,7 +140,7 @@ class DevicePool:
             await asyncio.sleep(min(_BACKOFF_FIRST_S * 2**attempt, _BACKOFF_MAX_S))
             device.spawn(self._context)
             try:
-                await device.ready
+                ready = await device.ready
             except CakempError as e:
                 await device.reap()
                 self._log.error("device restart failed", device=device.spec.index, device_label=label,
@@ -143,6 +150,7 @@ class DevicePool:
                     self.failed.set()
                     return
                 continue
+            self._metrics.device_loaded(label, ready.memory_bytes, device.spec.kv_budget_bytes)
             self._status.restarted(device.spec.index)
             self._log.info("device restarted", device=device.spec.index, device_label=label, pid=device.process.pid)
             return
@@ -335,7 +343,7 @@ class _Device:
             self.process.terminate()
             try:
                 await asyncio.wait_for(self._gone.wait(), _STOP_GRACE_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.process.kill()
                 await self._gone.wait()
         self._channel.close()

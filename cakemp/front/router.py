@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from cakemp.errors import UnknownLayer
 from cakemp.ipc import Op

@@ -35,11 +35,12 @@ from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.front.router import Router
 from cakemp.front.setup import Setup
+from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import Ready
 from cakemp.model.config import ModelConfig
 from cakemp.rss import resident_bytes
-from cakemp.topology import place_layers
+from cakemp.topology import collapse_layers, place_layers
 from cakemp.units import human_bytes
 from cakemp.wire import LayerAssignment, WorkerInfo
 
@@ -103,13 +104,15 @@ class Front:
                 await server.start_serving()
                 host, port = server.sockets[0].getsockname()[:2]  # the real port when --address asked for 0
                 self._log.info(
-                    f"listening on {host}:{port} (mem:{human_bytes(resident_bytes())}) ...",
-                    port=port,
-                    devices=[f"{self.pool.label(i)}={human_bytes(r.memory_bytes)}" for i, r in enumerate(readies)],
-                    layers=len(self.config.layers),
+                    "listening", host=host, port=port, memory_bytes=resident_bytes(), layers=len(self.config.layers),
+                    device_memory_bytes={self.pool.label(i): r.memory_bytes for i, r in enumerate(readies)},
                 )
                 self.status.serving(f"{host}:{port}")
-                exit_status = await self._serve_until_done()
+                stats = asyncio.create_task(log_stats(self.metrics, self.config.stats_interval))
+                try:
+                    exit_status = await self._serve_until_done()
+                finally:
+                    stats.cancel()
                 server.close()
                 await self._drain()
                 return exit_status
@@ -162,7 +165,7 @@ class Front:
             return None
         host, port = self.config.metrics_address
         try:
-            return await start_metrics_server(self.metrics, host, port)
+            return await start_metrics_server(self.metrics, host, port, self._placement_document)
         except OSError as e:
             raise ConfigError(f"cannot serve metrics on {host}:{port}: {e.strerror}") from None
 
@@ -170,6 +173,9 @@ class Front:
         """Every device's Ready, or None when asked to stop while they load."""
         self._admit_from_model()
         specs = self._device_specs()
+        for spec in specs:
+            self._log.info("device layers", device=spec.index, device_label=spec.label,
+                           layers=list(collapse_layers(spec.layers)), count=len(spec.layers))
         self.status = NodeStatus(
             self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.layers) for spec in specs],
             progress_window=LOAD_SILENCE_S + _PROGRESS_SLACK_S,
@@ -202,8 +208,7 @@ class Front:
             announcement_for, self._setup.cluster_hash, self.config.name, port, self.config.devices)
         self._discovery, discovery_port = await DiscoveryResponder.start(
             announcement, setup.discovery_host, setup.discovery_port)
-        self._log.info(f"waiting for setup on port {port}, discovery on {discovery_port}/udp",
-                       port=port, discovery_port=discovery_port, cluster_hash=self._setup.cluster_hash,
+        self._log.info("waiting for setup", port=port, discovery_port=discovery_port, cluster_hash=self._setup.cluster_hash,
                        worker_name=self.config.name, gpus=[gpu.name for gpu in announcement.gpus])
         self._notifier.ready(f"waiting for a Cake master's setup on port {port}")
         while True:
@@ -299,12 +304,12 @@ class Front:
             cluster_key=self.config.cluster_key, worker_info=self._worker_info, served=self._served,
         )
         self._connections[connection] = asyncio.current_task()
-        self.metrics.active_sessions.inc()
+        self.metrics.connections.inc()
         try:
             await connection.serve()
         finally:
             del self._connections[connection]
-            self.metrics.active_sessions.dec()
+            self.metrics.connections.dec()
 
     def _worker_info(self, latency_ms: int) -> WorkerInfo:
         first_gpu = next((gpu for gpu in self.config.devices if gpu is not None), None)
@@ -317,6 +322,15 @@ class Front:
             device_idx=int(first_gpu) if first_gpu is not None and first_gpu.isdigit() else 0,
             latency=latency_ms,
         )
+
+    def _placement_document(self) -> dict:
+        """What /layers shows: this worker's name and, per device, the layers it serves (none in
+        zero-config mode until a setup has assigned them)."""
+        return {
+            "name": self.config.name,
+            "devices": [{"device": spec.label, "layers": list(collapse_layers(spec.layers)), "count": len(spec.layers)}
+                        for spec in self._device_specs()],
+        }
 
     def _device_specs(self) -> list[DeviceSpec]:
         cpu_processes = sum(1 for gpu in self.config.devices if gpu is None)

@@ -228,7 +228,7 @@ class _Frames:
         while (message := self._decoder.next_message()) is None:
             try:
                 data = await asyncio.wait_for(self._reader.read(_READ_SIZE), self._idle_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise SetupError(f"nothing received for {self._idle_timeout:g} s") from None
             if not data:
                 return None

@@ -1,35 +1,74 @@
-"""The seed's per-connection throughput line: ops/s and read/write bytes/s, every few requests."""
+"""The seed's throughput line, by time: what the whole node served since the previous line.
+
+The seed logs ops/s and read/write bytes/s every five requests of each connection, which at
+decode rates floods the journal. Here one line comes every `interval` seconds, and only when
+something was served in it; its figures are differences of the metrics' own counters, so the
+line and /metrics never disagree.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
-from cakemp.units import human_bytes
+from cakemp import log
+from cakemp.front.metrics import Metrics
 
-# As the seed: average over, and print once every, this many requests.
-REQUESTS_PER_LINE = 5
+DEFAULT_INTERVAL_S = 60.0
 
 
-@dataclass
-class Stats:
-    """Sums of per-request rates since the last line (one per connection)."""
+@dataclass(frozen=True)
+class _Totals:
+    at: float  # loop time of the reading
+    requests: float
+    layer_ops: float
+    tokens: float
+    received: float
+    sent: float
 
-    requests: int = 0
-    ops_per_s: float = 0.0
-    read_per_s: float = 0.0
-    write_per_s: float = 0.0
 
-    def add(self, ops: int, compute_s: float, read_bytes: int, read_s: float, write_bytes: int, write_s: float) -> str | None:
-        """Account one served request; every REQUESTS_PER_LINE requests return the line to log."""
-        tiny = 1e-9  # a zero duration (coarse clock) must not divide by zero
-        self.ops_per_s += ops / max(compute_s, tiny)
-        self.read_per_s += read_bytes / max(read_s, tiny)
-        self.write_per_s += write_bytes / max(write_s, tiny)
-        self.requests += 1
-        if self.requests < REQUESTS_PER_LINE:
+class StatsLine:
+    """Turns two readings of the metrics into the fields of one line."""
+
+    def __init__(self, metrics: Metrics, now: float) -> None:
+        self._metrics = metrics
+        self._last = self._read(now)
+
+    def take(self, now: float) -> dict[str, float] | None:
+        """The rates since the previous `take` (or since construction); None when no request was answered."""
+        last, current = self._last, self._read(now)
+        self._last = current
+        requests = current.requests - last.requests
+        seconds = current.at - last.at
+        if requests == 0 or seconds <= 0:
             return None
-        n = self.requests
-        line = (f"ops={self.ops_per_s / n:.0f}/s read={human_bytes(self.read_per_s / n)}/s "
-                f"write={human_bytes(self.write_per_s / n)}/s")
-        self.requests, self.ops_per_s, self.read_per_s, self.write_per_s = 0, 0.0, 0.0, 0.0
-        return line
+
+        def rate(field: str) -> float:
+            return round((getattr(current, field) - getattr(last, field)) / seconds, 3)
+
+        return {
+            "seconds": round(seconds, 3),
+            "requests": int(requests),
+            "requests_per_s": rate("requests"),
+            "ops_per_s": rate("layer_ops"),
+            "tokens_per_s": rate("tokens"),
+            "read_bytes_per_s": rate("received"),
+            "write_bytes_per_s": rate("sent"),
+        }
+
+    def _read(self, now: float) -> _Totals:
+        m = self._metrics
+        return _Totals(now, m.requests.total(), m.layer_ops.total(), m.tokens.total(), m.bytes_received.total(),
+                       m.bytes_sent.total())
+
+
+async def log_stats(metrics: Metrics, interval: float) -> None:
+    """Log a `stats` line every `interval` seconds in which a request was answered; runs until cancelled."""
+    logger = log.get_logger()
+    loop = asyncio.get_running_loop()
+    line = StatsLine(metrics, loop.time())
+    while True:
+        await asyncio.sleep(interval)
+        fields = line.take(loop.time())
+        if fields is not None:
+            logger.info("stats", **fields)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 from cakemp.errors import ProtocolError
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 class Kind(IntEnum):
@@ -129,7 +129,7 @@ class Done:
     kv_bytes: int
 
 
-Message = Union[Forward, Clear, End, Ready, Loaded, Activation, Failure, Done]
+Message = Forward | Clear | End | Ready | Loaded | Activation | Failure | Done
 
 
 def _fixed(kind: Kind, *, dtype: int = 0, shape: tuple[int, ...] = (), n_ops: int = 0, session: int = 0,

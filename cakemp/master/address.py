@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 from cakemp.address import parse_address
@@ -21,7 +20,7 @@ async def dial(
     host, port = parse_address(address, "worker address", default_host=None)
     try:
         return await WorkerClient.connect(host, port, cluster_key=cluster_key, revision=revision, timeout=timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise WorkerUnreachable(f"{address} did not accept a connection within {timeout:g} s") from None
     except OSError as exc:
         # asyncio's refused connect carries errno but a wordy strerror; getaddrinfo's errno is negative.

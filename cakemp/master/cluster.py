@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from cakemp.errors import ConfigError
 from cakemp.master.address import dial

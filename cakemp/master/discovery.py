@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from cakemp.errors import ProtocolError
 from cakemp.wire.discovery import DISCOVERY_PORT, Announcement, cluster_hash, decode_announcement, encode_probe
@@ -76,7 +76,7 @@ async def discover(cluster_key: str, targets: Sequence[str] = ("255.255.255.255"
                 transport.sendto(probe, (target, port))
             try:
                 await asyncio.wait_for(collector.enough.wait(), min(_PROBE_INTERVAL_S, deadline - loop.time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
     finally:
         transport.close()

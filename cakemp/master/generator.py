@@ -24,7 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from cakemp.compute.runner import BlockRunner
-from cakemp.compute.tensors import compute_dtype, to_bytes, to_tensor
+from cakemp.compute.tensors import compute_dtype, from_raw, to_raw
 from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.master.address import dial
 from cakemp.master.client import WorkerClient
@@ -32,7 +32,7 @@ from cakemp.master.sampler import Sampler, SamplingParams
 from cakemp.model.config import ModelConfig
 from cakemp.model.head import Head
 from cakemp.topology import Topology
-from cakemp.wire import DType, LayerOp, RawTensor, Revision
+from cakemp.wire import DType, LayerOp, Revision
 
 # The local runner's one session: generations run one after another on a Generator.
 _SESSION = 0
@@ -236,10 +236,8 @@ class Generator:
             if run.host is None:
                 x = self.runner.forward(_SESSION, x, ops)
                 continue
-            sent = RawTensor(to_bytes(x, self.wire_dtype), self.wire_dtype, tuple(x.shape))
-            reply = await self.clients[run.layers[0][1]].batch(sent, ops)
-            # The reply's bytes are read-only; a copy lets torch own a writable buffer.
-            y = to_tensor(bytearray(reply.data), reply.dtype, reply.shape).to(self.head.device, self.head.dtype)
+            reply = await self.clients[run.layers[0][1]].batch(to_raw(x, self.wire_dtype), ops)
+            y = from_raw(reply).to(self.head.device, self.head.dtype)
             if trace is not None:
                 trace.append(RemoteCall(run.host, ops, x, y))
             x = y

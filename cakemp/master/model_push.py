@@ -13,7 +13,7 @@ import hashlib
 import json
 import zlib
 from pathlib import Path
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import zstandard
 

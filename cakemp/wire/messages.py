@@ -15,7 +15,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 from cakemp.errors import MalformedTensor, ProtocolError
 
@@ -184,21 +184,21 @@ class WorkerError:
     message: str
 
 
-Message = Union[
-    Hello,
-    WorkerInfo,
-    SingleOp,
-    Batch,
-    TensorMessage,
-    Goodbye,
-    LayerAssignment,
-    LayerAssignmentAck,
-    ModelDataChunk,
-    ModelDataDone,
-    ModelDataResume,
-    WorkerReady,
-    WorkerError,
-]
+Message = (
+    Hello
+    | WorkerInfo
+    | SingleOp
+    | Batch
+    | TensorMessage
+    | Goodbye
+    | LayerAssignment
+    | LayerAssignmentAck
+    | ModelDataChunk
+    | ModelDataDone
+    | ModelDataResume
+    | WorkerReady
+    | WorkerError
+)
 
 # The Rust enum in declaration order: a variant's tag is its index (speedy's default tags).
 _VARIANTS: dict[Revision, tuple[type, ...]] = {

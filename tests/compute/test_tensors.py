@@ -53,3 +53,14 @@ def test_compute_dtype_names():
     assert [tensors.compute_dtype(n) for n in ("f16", "bf16", "f32")] == [torch.float16, torch.bfloat16, torch.float32]
     with pytest.raises(ConfigError):
         tensors.compute_dtype("f64")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_raw_tensors_round_trip_with_their_wire_tag(dtype):
+    """to_raw tags a tensor with its wire dtype and shape; from_raw reads the same values back."""
+    x = torch.randn(1, 2, 8).to(dtype)
+    raw = tensors.to_raw(x, tensors.wire_dtype(dtype))
+    assert (raw.dtype, raw.shape) == (tensors.wire_dtype(dtype), (1, 2, 8))
+    assert torch.equal(tensors.from_raw(raw), x)
+    with pytest.raises(BadTensor, match="float64"):
+        tensors.wire_dtype(torch.float64)

@@ -68,12 +68,14 @@ def load(tmp_path: Path):
 
 def test_supervisor_accepts_the_program_section(tmp_path):
     """supervisor's own config parser reads the program section and its multi-line environment, which
-    sets only variables `cakemp run` reads."""
+    sets only variables `cakemp run` reads, and CUDA's device order."""
     program = load(tmp_path)
     assert program.name == "cakemp"
     assert program.command == "/opt/cakemp/bin/cakemp run"
     assert program.environment["CAKE_CLUSTER_KEY"]
-    assert {"CAKEMP_MODEL", "CAKEMP_TOPOLOGY", "CAKEMP_DRAIN_TIMEOUT"} <= set(program.environment) <= run_variables()
+    assert {"CAKEMP_MODEL", "CAKEMP_TOPOLOGY", "CAKEMP_DRAIN_TIMEOUT"} <= set(program.environment) - {"CUDA_DEVICE_ORDER"}
+    assert set(program.environment) - {"CUDA_DEVICE_ORDER"} <= run_variables()
+    assert program.environment["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
 
 def test_stop_signals_the_front_and_kills_the_group_after_the_drain(tmp_path):

@@ -55,7 +55,19 @@ def test_unit_settings_the_node_relies_on():
     assert {key: unit.get(key) for key in expected} == expected
     assert "WatchdogSec" in unit
     assert "PrivateDevices" not in unit
-    assert "char-nvidia-frontend rw" in unit["DeviceAllow"]
+
+
+def test_unit_reaches_the_gpus_and_survives_a_device_oom():
+    """Device access is closed except the NVIDIA groups of current drivers (545 and later: nvidia,
+    nvidiactl) and older ones (nvidia-frontend), with unified memory and MIG capabilities; an OOM
+    kill leaves the node running; CUDA numbers GPUs in PCI bus order, as nvidia-smi does."""
+    unit = settings(UNIT.read_text())
+    assert unit["DevicePolicy"] == ["closed"]
+    assert set(unit["DeviceAllow"]) == {
+        "char-nvidia rw", "char-nvidiactl rw", "char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps r",
+    }
+    assert unit["OOMPolicy"] == ["continue"]
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in unit["Environment"]
 
 
 def test_stop_timeout_leaves_room_for_the_drain():

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from cakemp.compute.tensors import to_bytes, to_tensor
 from cakemp.device import process
 from cakemp.device.spec import DeviceSpec
 from cakemp.ipc import Activation, Failure, Forward, FrontChannel, Loaded, Op, Ready
@@ -49,9 +50,9 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
         assert progress == [Loaded(0, 1), Loaded(1, 1)]
         ready = await asyncio.wait_for(channel.receive(), 60)
         assert isinstance(ready, Ready) and (ready.device, ready.layers) == ("cpu", 1) and ready.memory_bytes > 0
-        await channel.send(Forward(1, 1, DType.F32, (1, 3, 64), (Op(5, 0, 1),), bytearray(x.numpy().tobytes())))
+        await channel.send(Forward(1, 1, DType.F32, (1, 3, 64), (Op(5, 0, 1),), bytearray(to_bytes(x, DType.F32))))
         refused = await asyncio.wait_for(channel.receive(), 10)
-        await channel.send(Forward(1, 2, DType.F32, (1, 3, 64), (Op(0, 0, 1),), bytearray(x.numpy().tobytes())))
+        await channel.send(Forward(1, 2, DType.F32, (1, 3, 64), (Op(0, 0, 1),), bytearray(to_bytes(x, DType.F32))))
         answered = await asyncio.wait_for(channel.receive(), 10)
         parent_pipe.close()
         exitcode = await join(child)
@@ -61,7 +62,7 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
     refused, answered, exitcode = asyncio.run(main())
     assert isinstance(refused, Failure) and refused.error == "UnknownLayer"
     assert isinstance(answered, Activation) and answered.request_id == 2 and answered.kv_bytes > 0
-    y = torch.frombuffer(bytearray(answered.data), dtype=torch.float32).view(1, 3, 64)
+    y = to_tensor(bytearray(answered.data), answered.dtype, answered.shape)
     torch.testing.assert_close(y, HFLayers(checkpoint, [1], torch.float32)(x, 0), atol=1e-4, rtol=0)
     assert exitcode == 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner
 from cakemp.device import fault
 from cakemp.device.service import DeviceService
@@ -22,8 +23,7 @@ def service(checkpoint):
 
 
 def forward(x: torch.Tensor, ops, session=1, request_id=1, wire=DType.F32, data=None) -> Forward:
-    raw = x.to({DType.F32: torch.float32, DType.F16: torch.float16}[wire]).reshape(-1).view(torch.uint8)
-    return Forward(session, request_id, wire, tuple(x.shape), tuple(ops), data or bytearray(raw.numpy().tobytes()))
+    return Forward(session, request_id, wire, tuple(x.shape), tuple(ops), data or bytearray(tensors.to_bytes(x, wire)))
 
 
 def test_forward_runs_the_addressed_layers_like_the_runner(service, checkpoint):
@@ -33,7 +33,7 @@ def test_forward_runs_the_addressed_layers_like_the_runner(service, checkpoint):
     runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
     expected = runner.forward(9, x, [("model.layers.2", 0, 2), ("model.layers.3", 0, 3)])
     assert isinstance(reply, Activation) and (reply.request_id, reply.dtype, reply.shape) == (5, DType.F32, (1, 4, 64))
-    torch.testing.assert_close(torch.frombuffer(bytearray(reply.data), dtype=torch.float32).view(1, 4, 64), expected)
+    torch.testing.assert_close(tensors.to_tensor(bytearray(reply.data), reply.dtype, reply.shape), expected)
 
 
 def test_an_f16_request_is_answered_in_f16(service):

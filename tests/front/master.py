@@ -7,25 +7,22 @@ this worker's layers is sent as one Batch on the run's first connection; Goodbye
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
+from cakemp.compute import tensors
 from cakemp.master.client import WorkerClient
-from cakemp.wire import DType, RawTensor, Revision
-
-WIRE_DTYPES = {torch.float16: DType.F16, torch.bfloat16: DType.BF16, torch.float32: DType.F32}
-
+from cakemp.wire import RawTensor, Revision
 
 def to_raw(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> RawTensor:
     """x [1, T, H] as a wire tensor of `dtype`."""
-    y = x.to(dtype).contiguous()
-    return RawTensor(y.reshape(-1).view(torch.uint8).numpy().tobytes(), WIRE_DTYPES[dtype], tuple(y.shape))
+    return tensors.to_raw(x, tensors.wire_dtype(dtype))
 
 
 def from_raw(raw: RawTensor) -> torch.Tensor:
-    dtype = {v: k for k, v in WIRE_DTYPES.items()}[DType(raw.dtype)]
-    return torch.frombuffer(bytearray(raw.data), dtype=dtype).view(raw.shape).float()
+    """A received wire tensor in float32, for comparisons."""
+    return tensors.from_raw(raw).float()
 
 
 class CakeMaster:
@@ -36,7 +33,7 @@ class CakeMaster:
 
     @classmethod
     async def connect(cls, port: int, layers: Sequence[int], *, cluster_key: str | None = None,
-                      revision: Revision = Revision.V2, prefix: str = "model.layers") -> "CakeMaster":
+                      revision: Revision = Revision.V2, prefix: str = "model.layers") -> CakeMaster:
         clients = []
         for _ in layers:  # sequentially, one per remote layer, as Cake does
             client = await WorkerClient.connect("127.0.0.1", port, cluster_key=cluster_key, revision=revision)

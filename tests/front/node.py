@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-LISTENING = "listening on "
+LISTENING = "listening"
 
 
 def children(pid: int) -> set[int]:
@@ -132,7 +132,7 @@ class RunningNode:
 
     def metrics_port(self) -> int:
         """The port of the metrics endpoint (started with --metrics-address)."""
-        return self.wait_for(lambda e: e.get("event", "").startswith("metrics on "))["port"]
+        return self.wait_for(lambda e: e.get("event") == "metrics endpoint")["port"]
 
     def stop(self) -> int:
         if self.process.poll() is None:

@@ -276,7 +276,7 @@ def test_connections_past_max_connections_are_closed_at_once(node):
     next is served."""
 
     def active() -> float:
-        return scrape(node.metrics_port())["cakemp_active_sessions", ()]
+        return scrape(node.metrics_port())["cakemp_connections", ()]
 
     async def main():
         before = scrape(node.metrics_port())["cakemp_refused_connections_total", ()]

@@ -1,10 +1,32 @@
 import asyncio
+import json
+import os
+import platform
+import time
+import urllib.request
 
 import pytest
+import torch
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+import cakemp
+from cakemp.cli import cli
+from cakemp.compute.kv_cache import MIN_CAPACITY
 from cakemp.front.metrics import Counter, Histogram, Metrics, start_metrics_server
-from tests.front.node import samples
+from cakemp.wire import Batch, LayerOp, Revision, TensorMessage, encode_frame
+from tests.checkpoints import TINY
+from tests.front.master import CakeMaster, to_raw
+from tests.front.node import RunningNode, samples, scrape, write_topology
+
+PROCESS_FAMILIES = {
+    "process_cpu_seconds": "counter",
+    "process_resident_memory_bytes": "gauge",
+    "process_virtual_memory_bytes": "gauge",
+    "process_start_time_seconds": "gauge",
+    "process_open_fds": "gauge",
+    "process_max_fds": "gauge",
+}
 
 
 def test_fresh_registry_parses_and_declares_every_family():
@@ -13,16 +35,53 @@ def test_fresh_registry_parses_and_declares_every_family():
     assert families == {
         "cakemp_requests": "counter",
         "cakemp_request_errors": "counter",
+        "cakemp_request_duration_seconds": "histogram",
+        "cakemp_tokens": "counter",
+        "cakemp_layer_ops": "counter",
         "cakemp_received_bytes": "counter",
         "cakemp_sent_bytes": "counter",
-        "cakemp_device_restarts": "counter",
-        "cakemp_active_sessions": "gauge",
+        "cakemp_connections": "gauge",
+        "cakemp_sessions": "gauge",
         "cakemp_refused_connections": "counter",
         "cakemp_buffered_bytes": "gauge",
-        "cakemp_kv_cache_bytes": "gauge",
-        "cakemp_ready": "gauge",
         "cakemp_device_request_duration_seconds": "histogram",
+        "cakemp_device_requests_waiting": "gauge",
+        "cakemp_kv_cache_bytes": "gauge",
+        "cakemp_kv_cache_budget_bytes": "gauge",
+        "cakemp_device_memory_bytes": "gauge",
+        "cakemp_device_restarts": "counter",
+        "cakemp_ready": "gauge",
+        "cakemp_build_info": "gauge",
+        **PROCESS_FAMILIES,
     }
+
+
+def test_build_info_and_process_metrics_describe_this_process():
+    """build_info carries the package version; the process_* figures are this process's own."""
+    seen = samples(Metrics().render())
+    assert seen["cakemp_build_info", (("python", platform.python_version()),
+                                      ("version", cakemp.__version__))] == 1
+    assert seen["process_open_fds", ()] == len(os.listdir("/proc/self/fd"))  # both count the fd listing it
+    assert 0 < seen["process_start_time_seconds", ()] <= time.time()
+    assert seen["process_resident_memory_bytes", ()] > 0
+    assert seen["process_virtual_memory_bytes", ()] >= seen["process_resident_memory_bytes", ()]
+    assert 0 < seen["process_cpu_seconds_total", ()] <= time.process_time() + 1
+
+
+def test_served_requests_are_split_by_kind():
+    """One token past position 0 is a decode; several tokens, or position 0, a prefill."""
+    metrics = Metrics()
+    metrics.served(tokens=7, first_position=0, layer_ops=4, seconds=0.2)
+    metrics.served(tokens=1, first_position=0, layer_ops=4, seconds=0.1)
+    metrics.served(tokens=1, first_position=7, layer_ops=4, seconds=0.01)
+    metrics.served(tokens=3, first_position=8, layer_ops=2, seconds=0.05)
+    seen = samples(metrics.render())
+    assert seen["cakemp_tokens_total", (("kind", "prefill"),)] == 11
+    assert seen["cakemp_tokens_total", (("kind", "decode"),)] == 1
+    assert seen["cakemp_request_duration_seconds_count", (("kind", "prefill"),)] == 3
+    assert seen["cakemp_request_duration_seconds_count", (("kind", "decode"),)] == 1
+    assert seen["cakemp_request_duration_seconds_sum", (("kind", "decode"),)] == pytest.approx(0.01)
+    assert seen["cakemp_layer_ops_total", ()] == 14
 
 
 def test_recorded_values_appear_in_the_exposition():
@@ -34,10 +93,12 @@ def test_recorded_values_appear_in_the_exposition():
     metrics.bytes_received.inc(1024)
     metrics.bytes_sent.inc(512)
     metrics.device_restarts.inc(device="1")
-    metrics.active_sessions.inc()
-    metrics.active_sessions.inc()
-    metrics.active_sessions.dec()
+    metrics.connections.inc()
+    metrics.connections.inc()
+    metrics.connections.dec()
     metrics.kv_bytes.set(4096, device="0")
+    metrics.device_loaded("0", 1 << 20, kv_budget_bytes=None)
+    metrics.device_loaded("1", 1 << 21, kv_budget_bytes=8192)
     metrics.set_ready(True)
     seen = samples(metrics.render())
     assert seen[("cakemp_requests_total", ())] == 2
@@ -45,8 +106,11 @@ def test_recorded_values_appear_in_the_exposition():
     assert seen[("cakemp_received_bytes_total", ())] == 1024
     assert seen[("cakemp_sent_bytes_total", ())] == 512
     assert seen[("cakemp_device_restarts_total", (("device", "1"),))] == 1
-    assert seen[("cakemp_active_sessions", ())] == 1
+    assert seen[("cakemp_connections", ())] == 1
     assert seen[("cakemp_kv_cache_bytes", (("device", "0"),))] == 4096
+    assert seen[("cakemp_device_memory_bytes", (("device", "1"),))] == 1 << 21
+    assert ("cakemp_kv_cache_budget_bytes", (("device", "0"),)) not in seen  # no budget: no series
+    assert seen[("cakemp_kv_cache_budget_bytes", (("device", "1"),))] == 8192
     assert seen[("cakemp_ready", ())] == 1
 
 
@@ -54,8 +118,8 @@ def test_histogram_buckets_are_cumulative_per_device():
     """Latency observations land in cumulative buckets with the right sum and count per device."""
     metrics = Metrics()
     for seconds in (0.0003, 0.004, 0.004, 3.0, 60.0):
-        metrics.request_seconds.observe(seconds, device="0")
-    metrics.request_seconds.observe(0.02, device="1")
+        metrics.device_request_seconds.observe(seconds, device="0")
+    metrics.device_request_seconds.observe(0.02, device="1")
     seen = samples(metrics.render())
     name = "cakemp_device_request_duration_seconds"
 
@@ -108,12 +172,12 @@ def get(path: str) -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode()
 
 
-def serve(scenario):
+def serve(scenario, placement=None):
     """Runs `scenario(metrics, port)` against a metrics server on an ephemeral port."""
 
     async def main():
         metrics = Metrics()
-        server = await start_metrics_server(metrics, "127.0.0.1", 0)
+        server = await start_metrics_server(metrics, "127.0.0.1", 0, placement)
         try:
             await scenario(metrics, server.sockets[0].getsockname()[1])
         finally:
@@ -168,3 +232,149 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving():
         assert (await http(port, get("/metrics?x=1")))[0] == 200
 
     serve(scenario)
+
+
+def test_layers_shows_the_placement_it_was_given_as_json():
+    """/layers answers the placement document as JSON, read at each request; without one it is 404."""
+    placement = {"name": "w", "devices": [{"device": "cpu:0", "layers": ["model.layers.0-1"], "count": 2}]}
+
+    async def scenario(metrics, port):
+        status, body = await http(port, get("/layers"))
+        assert (status, json.loads(body)) == (200, placement)
+
+    serve(scenario, lambda: placement)
+
+    async def without(metrics, port):
+        assert (await http(port, get("/layers")))[0] == 404
+
+    serve(without)
+
+
+# A live node: two CPU devices over the checkpoint's 4 layers, a KV budget, a short stats interval.
+LAYERS = [0, 1, 2, 3]
+HIDDEN = TINY["hidden_size"]
+BUDGET_MIB = 64
+
+
+@pytest.fixture(scope="module")
+def node(checkpoint, tmp_path_factory):
+    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
+    running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32", "--metrics-address",
+                          "127.0.0.1:0", "--kv-budget-mib", str(BUDGET_MIB), "--stats-interval", "0.2")
+    yield running
+    assert running.stop() == 0
+
+
+def frame_bytes(message) -> int:
+    return sum(memoryview(piece).nbytes for piece in encode_frame(message, Revision.V2))
+
+
+def test_a_known_load_moves_every_series_by_its_exact_amount(node):
+    """A prefill of 5 tokens and 3 decode steps through 4 layers on 2 devices move the request,
+    token, layer-op, byte, latency, connection, session, waiting and KV series by exactly what
+    they served; KV budget, device memory and build info describe the node."""
+    port = node.metrics_port()
+
+    async def main():
+        master = await CakeMaster.connect(node.port, LAYERS)
+        hello = await asyncio.to_thread(scrape, port)  # connections are open, nothing sent yet
+        sent = received = 0
+        for position, length in ((0, 5), (5, 1), (6, 1), (7, 1)):
+            x = torch.randn(1, length, HIDDEN)
+            raw = to_raw(x)
+            ops = tuple(LayerOp(f"model.layers.{i}", position, i) for i in LAYERS)
+            sent += frame_bytes(Batch(raw, ops))
+            reply = await master.clients[0].batch(raw, [(op.layer, op.index_pos, op.block_idx) for op in ops])
+            received += frame_bytes(TensorMessage(reply))
+        during = await asyncio.to_thread(scrape, port)
+        await master.close()
+        return hello, during, sent, received
+
+    before = scrape(port)
+    hello, during, sent, received = asyncio.run(asyncio.wait_for(main(), 60))
+
+    def moved(name, labels=(), since=hello):
+        return during.get((name, labels), 0) - since.get((name, labels), 0)
+
+    assert moved("cakemp_requests_total") == 4
+    assert moved("cakemp_tokens_total", (("kind", "prefill"),)) == 5
+    assert moved("cakemp_tokens_total", (("kind", "decode"),)) == 3
+    assert moved("cakemp_layer_ops_total") == 16
+    assert moved("cakemp_request_duration_seconds_count", (("kind", "prefill"),)) == 1
+    assert moved("cakemp_request_duration_seconds_count", (("kind", "decode"),)) == 3
+    assert moved("cakemp_received_bytes_total") == sent
+    assert moved("cakemp_sent_bytes_total") == received
+    assert moved("cakemp_connections", since=before) == len(LAYERS)
+    # Per device, f32: 2 layers x (K and V) x kv heads x the first capacity x head dim x 4 bytes.
+    kv_bytes = 2 * 2 * TINY["num_key_value_heads"] * MIN_CAPACITY * (HIDDEN // TINY["num_attention_heads"]) * 4
+    for device in ("cpu:0", "cpu:1"):
+        labels = (("device", device),)
+        assert moved("cakemp_sessions", labels, since=before) == 1  # only the run's first connection sends
+        assert moved("cakemp_device_request_duration_seconds_count", labels) == 4
+        assert during["cakemp_device_requests_waiting", labels] == 0
+        assert during["cakemp_kv_cache_bytes", labels] == kv_bytes
+        assert during["cakemp_kv_cache_budget_bytes", labels] == BUDGET_MIB << 20
+        assert during["cakemp_device_memory_bytes", labels] > 0
+    assert during["cakemp_build_info", (("python", platform.python_version()),
+                                        ("version", cakemp.__version__))] == 1
+
+    # Closing the connections gives back the connections, sessions and KV bytes, to the byte.
+    def settled(seen):
+        return (seen["cakemp_connections", ()] == before["cakemp_connections", ()]
+                and all(seen["cakemp_sessions", (("device", d),)] == before.get(("cakemp_sessions", (("device", d),)), 0)
+                        and seen["cakemp_kv_cache_bytes", (("device", d),)] == 0 for d in ("cpu:0", "cpu:1")))
+
+    deadline = time.monotonic() + 30
+    while not settled(scrape(port)):
+        assert time.monotonic() < deadline, "the closed connections are still counted"
+        time.sleep(0.05)
+
+
+def test_stats_lines_add_up_to_the_requests_served(node):
+    """The periodic stats lines, summed, count exactly the requests /metrics counts, each line with its rates."""
+    port = node.metrics_port()
+
+    async def main():
+        master = await CakeMaster.connect(node.port, [0])
+        for position in range(3):
+            await master.forward(torch.randn(1, 1, HIDDEN), position)
+        await master.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    served = scrape(port)["cakemp_requests_total", ()]
+    node.wait_for(lambda e: e.get("event") == "stats" and logged_requests(node) >= served)
+    assert logged_requests(node) == served
+    line = [e for e in node.events() if e.get("event") == "stats"][-1]
+    assert line["requests"] > 0 and line["requests_per_s"] > 0 and line["ops_per_s"] > 0 and line["seconds"] > 0
+    assert {"tokens_per_s", "read_bytes_per_s", "write_bytes_per_s"} <= set(line)
+
+
+def logged_requests(node) -> int:
+    return sum(e["requests"] for e in node.events() if e.get("event") == "stats")
+
+
+def test_layers_and_the_start_log_name_each_devices_layers(node):
+    """/layers beside /metrics and the start log both say which layers each device serves."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port()}/layers", timeout=10) as response:
+        placement = json.loads(response.read())
+    expected = [("cpu:0", ["model.layers.0-1"], 2), ("cpu:1", ["model.layers.2-3"], 2)]
+    assert placement["name"] == "worker"
+    assert [(d["device"], d["layers"], d["count"]) for d in placement["devices"]] == expected
+    logged = [(e["device_label"], e["layers"], e["count"]) for e in node.events() if e.get("event") == "device layers"]
+    assert logged == expected
+
+
+def test_probe_shows_the_placement_beside_the_worker_info(node):
+    """`cakemp probe --metrics-address … --json` adds the /layers document to the WorkerInfo; without
+    --json each device's layers follow the status line."""
+    metrics = f"127.0.0.1:{node.metrics_port()}"
+    as_json = CliRunner().invoke(cli, ["probe", f"127.0.0.1:{node.port}", "--metrics-address", metrics, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    answer = json.loads(as_json.stdout)
+    assert answer["device"] == "cpu" and answer["placement"]["name"] == "worker"
+    assert [d["layers"] for d in answer["placement"]["devices"]] == [["model.layers.0-1"], ["model.layers.2-3"]]
+    text = CliRunner().invoke(cli, ["probe", f"127.0.0.1:{node.port}", "--metrics-address", metrics])
+    assert text.exit_code == 0, text.output
+    assert text.stdout.splitlines()[1:] == ["  cpu:0 serves model.layers.0-1", "  cpu:1 serves model.layers.2-3"]
+    wrong = CliRunner().invoke(cli, ["probe", f"127.0.0.1:{node.port}", "--metrics-address", f"127.0.0.1:{node.port}"])
+    assert wrong.exit_code == 3, wrong.output  # the Cake port speaks no HTTP

@@ -104,20 +104,6 @@ def test_f16_on_the_wire_is_answered_in_f16(node, checkpoint):
     run(main())
 
 
-def test_every_fifth_request_logs_the_seeds_stats_line(node):
-    """After five served Batches on a connection the front logs the seed's ops/read/write line."""
-
-    async def main():
-        master = await CakeMaster.connect(node.port, [0])
-        for pos in range(5):
-            await master.forward(torch.randn(1, 1, HIDDEN), pos)
-        await master.close()
-
-    run(main())
-    line = node.wait_for(lambda e: e.get("event", "").startswith("ops="))["event"]
-    assert "/s read=" in line and "/s write=" in line
-
-
 def test_single_op_runs_one_layer(node, checkpoint):
     """A SingleOp on layer 3 is answered with HF's layer 3 output."""
     ref = hf(checkpoint, [3])

@@ -166,9 +166,9 @@ def test_metrics_parse_and_move_as_requests_are_served(node):
     for device in ("cpu:0", "cpu:1"):
         assert moved("cakemp_device_request_duration_seconds_count", (("device", device),)) == 3
         assert during["cakemp_kv_cache_bytes", (("device", device),)] > 0
-    assert during["cakemp_active_sessions", ()] == before["cakemp_active_sessions", ()] + len(LAYERS)
+    assert during["cakemp_connections", ()] == before["cakemp_connections", ()] + len(LAYERS)
     deadline = time.monotonic() + 10
-    while scrape(port)["cakemp_active_sessions", ()] != before["cakemp_active_sessions", ()]:
+    while scrape(port)["cakemp_connections", ()] != before["cakemp_connections", ()]:
         assert time.monotonic() < deadline, "the closed connections are still counted as sessions"
         time.sleep(0.05)
 

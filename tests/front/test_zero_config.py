@@ -10,7 +10,6 @@ on the revision-2 cache takes the same assignment without a push; SIGTERM exits 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import zlib
@@ -311,7 +310,7 @@ def served(node, checkpoints):
             return await client.assign_layers(LAYERS, model_hash(model), chunks)
 
     assert run(main()) is True
-    node.wait_for(lambda e: e.get("event", "").startswith("listening on "))
+    node.wait_for(lambda e: e.get("event") == "listening")
     return node, chunks
 
 
@@ -373,7 +372,7 @@ def test_a_restart_reuses_the_cache_without_a_push(served, checkpoints, tmp_path
                 return await client.assign_layers(LAYERS, model_hash(model), ())
 
         assert run(main()) is False
-        second.wait_for(lambda e: e.get("event", "").startswith("listening on "))
+        second.wait_for(lambda e: e.get("event") == "listening")
         ref = HFLayers(model, LAYER_INDICES, torch.float32)
 
         async def forward():
