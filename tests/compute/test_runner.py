@@ -157,11 +157,11 @@ def test_failed_compute_keeps_earlier_positions(checkpoint):
     runner = load(checkpoint)
     runner.forward(1, tokens(5, 0), ops(0))
     block = runner.blocks["model.layers.2"]
-    good = block.w_down
-    block.w_down = good[:, :7]  # the second layer's MLP now fails with a shape error
+    good = block.mlp.w_down
+    block.mlp.w_down = good[:, :7]  # the second layer's MLP now fails with a shape error
     with pytest.raises(RuntimeError):
         runner.forward(1, tokens(1, 1), ops(5))
-    block.w_down = good
+    block.mlp.w_down = good
     assert [runner.cache.length(1, i) for i in (1, 2)] == [5, 5]
     fresh = load(checkpoint)
     fresh.forward(1, tokens(5, 0), ops(0))
