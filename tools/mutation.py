@@ -80,7 +80,8 @@ MUTANTS = (
            "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:", AUTH),
     # The same bug as above, against the node-level tests alone (the issue: one unit test only).
     Mutant("worker-accepts-any-master-proof/node", "cakemp/auth.py",
-           "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:", ("tests/front/test_node.py", "-k", "key or proof")),
+           "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:",
+           ("tests/front/test_node.py", "-k", "key or proof")),
     Mutant("master-accepts-any-worker-proof", "cakemp/auth.py",
            "if not hmac.compare_digest(reply[:HMAC_SIZE], _mac(key, nonce_m)):", "if False:", AUTH),
     Mutant("worker-signs-its-own-nonce", "cakemp/auth.py",
