@@ -287,7 +287,7 @@ def check_fp8(device: torch.device, rehearse: bool) -> None:
                                     for name in ("w_qkv", "w_o", "w_gate_up", "w_down")})
         finding("fp8.weight_bytes_kept", sum(
             w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
-            for b in kept.blocks.values() for w in (b.w_qkv, b.w_o, b.w_gate_up, b.w_down)))
+            for b in kept.blocks.values() for w in (b.w_qkv, b.w_o, b.mlp.w_gate_up, b.mlp.w_down)))
         exact = BlockRunner.load(path, layers, "cpu", torch.float32)  # dequantized, f32
         generator = torch.Generator().manual_seed(0)
         worst = 0.0
@@ -320,7 +320,7 @@ def random_blocks(config, device, dtype, as_fp8: bool):
     blocks = {}
     for i in range(config.num_hidden_layers):
         weights = {}
-        for name, shape in DecoderBlock.weight_shapes(config).items():
+        for name, shape in DecoderBlock.weight_shapes(config, i, lambda name: True).items():
             if name in ("b_qkv", "b_o", "q_norm", "k_norm"):
                 continue
             w = torch.randn(shape, generator=generator, device=device) / math.sqrt(shape[-1])
@@ -330,7 +330,7 @@ def random_blocks(config, device, dtype, as_fp8: bool):
                 weights[name] = fp8.Fp8Weight.create(stored, scale)
             else:
                 weights[name] = w.to(dtype) if len(shape) == 2 else (1 + w / 10).to(dtype)
-        blocks[config.layer_name(i)] = DecoderBlock(config, None, weights)
+        blocks[config.layer_name(i)] = DecoderBlock(config, i, weights)
     return blocks
 
 
@@ -361,7 +361,7 @@ def check_decode(device: torch.device, rehearse: bool) -> None:
         per_layer = sorted(times)[len(times) // 2] / layers
         block = next(iter(blocks.values()))
         weight_bytes = sum(w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
-                           for w in (block.w_qkv, block.w_o, block.w_gate_up, block.w_down))
+                           for w in (block.w_qkv, block.w_o, block.mlp.w_gate_up, block.mlp.w_down))
         floor_ms = weight_bytes / rate * 1e3
         finding(f"decode.{name}", {
             "per_layer_ms_median": round(per_layer, 4), "weight_mib": round(weight_bytes / 2**20, 1),

@@ -101,6 +101,11 @@ class PositionGap(BadRequest):
     """A request's index_pos skips past the positions the session's KV cache holds for that layer."""
 
 
+class RecurrentRewind(PositionGap):
+    """A request's index_pos would rewind a linear-attention layer (Qwen3.5's Gated DeltaNet),
+    whose state is a recurrence that keeps no history: only continuing or restarting at 0 works."""
+
+
 class NodeFailed(CakempError):
     """A node started as a subprocess (demo, tests) exited early, never became ready, or did not stop cleanly."""
 

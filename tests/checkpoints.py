@@ -28,13 +28,26 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, "Qwen2ForCausalLM"),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, "Qwen3ForCausalLM"),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, "MistralForCausalLM"),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM"),
+    "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration,
+                "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration,
+                    "Qwen3_5MoeForConditionalGeneration"),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, "Gemma3ForCausalLM"),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, "Phi3ForCausalLM"),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, "Olmo2ForCausalLM"),
     "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM, "Exaone4ForCausalLM"),
 }
-# Families whose checkpoints store every RMSNorm weight as w for a (1 + w) scale.
-PLUS_ONE_NORMS = {"gemma3"}
+# Families whose checkpoints store every RMSNorm weight (but Qwen3.5's gated norm) as w for a (1 + w) scale.
+PLUS_ONE_NORMS = {"gemma3", "qwen3_5", "qwen3_5_moe"}
+# Families whose hub config.json nests the text model in `text_config` beside a vision tower's.
+WRAPPED = ("qwen3_5", "qwen3_5_moe")
+# The text sizes those add to TINY: 2 linear key heads serving 4 value heads; gated attention
+# heads of 16 (a quarter rotated); MoE with 8 experts, 2 per token.
+HYBRID = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
 
 # Small enough for a test to build and run in milliseconds, big enough for GQA (4 query heads
 # on 2 kv heads) and several layers.
@@ -57,9 +70,20 @@ OMIT = "<omitted>"
 
 def make_config(family: str, **overrides) -> transformers.PreTrainedConfig:
     config_class, _, architecture = FAMILIES[family]
-    config = config_class(**{**TINY, **overrides})
+    if family in WRAPPED:
+        extra = {**HYBRID, **(MOE if family == "qwen3_5_moe" else {})}
+        if family == "qwen3_5_moe":
+            extra["shared_expert_intermediate_size"] = 48
+        config = config_class(text_config={**TINY, **extra, **overrides}, vision_config=TINY_VISION)
+    else:
+        config = config_class(**{**TINY, **(MOE if family == "qwen3_moe" else {}), **overrides})
     config.architectures = [architecture]
     return config
+
+
+def text_config(config: transformers.PreTrainedConfig) -> transformers.PreTrainedConfig:
+    """The text model's config (the nested one for a wrapped family)."""
+    return config.text_config if config.model_type in WRAPPED else config
 
 
 def make_checkpoint(
@@ -81,11 +105,14 @@ def make_checkpoint(
     transformers 5 would rewrite on save: TINY, the overrides and these keys, exactly (keys whose
     value is OMIT left out).
     """
-    classic = TINY | config_overrides | (hub_config or {})
-    classic = {key: value for key, value in classic.items() if value != OMIT}
     config_class, _, architecture = FAMILIES[family]
-    config = config_class(**classic)
-    config.architectures = [architecture]
+    if hub_config is None:
+        config = make_config(family, **config_overrides)
+    else:
+        classic = TINY | config_overrides | hub_config
+        classic = {key: value for key, value in classic.items() if value != OMIT}
+        config = config_class(**classic)
+        config.architectures = [architecture]
     path = Path(tmp_path) / f"{family}-{seed}"
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
@@ -93,6 +120,7 @@ def make_checkpoint(
         classic = {"architectures": [architecture], "model_type": config.model_type} | classic
         (path / "config.json").write_text(json.dumps(classic, indent=2))
     tensors = {name: t.to(dtype) for name, t in _random_weights(family, config, seed).items()}
+    tensors = _as_on_the_hub(config, tensors, seed)
     if fp8_block is not None:
         tensors = _quantize_layers(tensors, fp8_block)
         raw = json.loads((path / "config.json").read_text())
@@ -103,8 +131,40 @@ def make_checkpoint(
             "weight_block_size": list(fp8_block),
         }
         (path / "config.json").write_text(json.dumps(raw, indent=2))
-    _write(path, tensors, config.num_hidden_layers, shards)
+    _write(path, tensors, text_config(config).num_hidden_layers, shards)
     return path
+
+
+def _as_on_the_hub(config, tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The tensors as hub checkpoints hold them, where that differs from transformers 5's state dict.
+
+    Qwen3-MoE hub files hold one set of tensors per expert (transformers 5 fuses them on load).
+    Qwen3.5 hub files also hold multi-token-prediction tensors (`mtp.*`, with an `mtp.layers.0.`
+    that a naive layer-prefix detector mistakes for the decoder's) that no worker may load.
+    """
+    if config.model_type == "qwen3_moe":
+        out = {}
+        for name, t in tensors.items():
+            layer, _, tail = name.partition(".mlp.experts.")
+            if tail == "gate_up_proj":
+                gate, up = t.chunk(2, dim=1)  # [E, I, H] each
+                for j in range(t.shape[0]):
+                    out[f"{layer}.mlp.experts.{j}.gate_proj.weight"] = gate[j]
+                    out[f"{layer}.mlp.experts.{j}.up_proj.weight"] = up[j]
+            elif tail == "down_proj":
+                for j in range(t.shape[0]):
+                    out[f"{layer}.mlp.experts.{j}.down_proj.weight"] = t[j]
+            else:
+                out[name] = t
+        return out
+    if config.model_type in WRAPPED:
+        generator = torch.Generator().manual_seed(seed + 1)
+        H = config.text_config.hidden_size
+        mtp = ["mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.input_layernorm.weight",
+               "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.gate_proj.weight"]
+        dtype = next(iter(tensors.values())).dtype
+        return tensors | {name: torch.randn(H, H, generator=generator).to(dtype) for name in mtp}
+    return tensors
 
 
 def _random_weights(family: str, config, seed: int) -> dict[str, torch.Tensor]:
@@ -116,14 +176,16 @@ def _random_weights(family: str, config, seed: int) -> dict[str, torch.Tensor]:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if "norm" in name:
-            center = 0 if family in PLUS_ONE_NORMS else 1
+            center = 0 if family in PLUS_ONE_NORMS and "linear_attn.norm" not in name else 1
             value = center + 0.2 * torch.randn(param.shape, generator=generator)
+        elif name.endswith("A_log"):  # decay rates A in [1, 15): g = -A softplus(a + dt_bias)
+            value = torch.rand(param.shape, generator=generator) * 2.7
         elif name.endswith("bias"):
             value = 0.2 * torch.randn(param.shape, generator=generator)
         elif "embed_tokens" in name:
             value = torch.randn(param.shape, generator=generator)
-        else:  # [out, in]: unit-variance outputs for unit-variance inputs, so attention is peaked
-            value = torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5
+        else:  # [..., out, in]: unit-variance outputs for unit-variance inputs, so attention is peaked
+            value = torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5
         tensors[name] = value
     return tensors
 
@@ -133,7 +195,7 @@ def _quantize_layers(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -
     bm, bn = block
     out = {}
     for name, w in tensors.items():
-        if ".layers." not in name or not name.endswith("proj.weight"):
+        if ".layers." not in name or "proj" not in name or not name.endswith(".weight") or w.dim() != 2:
             out[name] = w
             continue
         rows, cols = w.shape
@@ -180,12 +242,19 @@ class HFLayers:
     cache layer being run (`layer_idx`) since only some layers ever see tokens here.
     """
 
-    def __init__(self, path: Path, indices: list[int], dtype: torch.dtype):
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-        self.config = model.config
+    def __init__(self, path: Path, indices: list[int], dtype: torch.dtype, experts: str = "eager"):
+        """experts: HF's MoE expert path; "eager" (its reference loop, which also runs in f64) or
+        its default "grouped_mm"."""
+        config = transformers.AutoConfig.from_pretrained(path)
+        wrapped = config.model_type in WRAPPED
+        model_class = FAMILIES[config.model_type][1] if wrapped else transformers.AutoModelForCausalLM
+        model = model_class.from_pretrained(path, dtype=dtype, attn_implementation="eager", experts_implementation=experts)
+        self.config = text_config(model.config)
         self.layer_types = getattr(self.config, "layer_types", None)
-        self.model = model.model
+        # A wrapped family's decoder is the language model beside the vision tower.
+        self.model = model.model.language_model if wrapped else model.model
         self.indices = indices
+        self.dtype = dtype
         self.cache = DynamicCache(config=self.config)
 
     @torch.inference_mode()
@@ -196,6 +265,9 @@ class HFLayers:
             cos_sin = self.model.rotary_emb(x, position_ids=positions)
         for i in self.indices:
             layer = self.model.layers[i]
+            if getattr(layer, "block_type", None) == "linear_attention":  # Qwen3.5: no mask, no rotary
+                x = layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
+                continue
             if self.config.model_type == "gemma3_text":  # one rotary per layer type
                 cos_sin = self.model.rotary_emb(x, positions, self.layer_types[i])
             # Mistral's and Phi-3's attention read the window from the config, EXAONE 4's is

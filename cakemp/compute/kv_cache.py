@@ -18,6 +18,12 @@ Mistral, Qwen, Gemma 3, EXAONE 4, Phi-3), keeps all its positions; a local layer
 last `window` of them (model/block.py), so it costs as much memory as a global one. Keeping
 only the window would need a ring buffer whose rows no longer sit in position order.
 
+Linear-attention layers (Qwen3.5's Gated DeltaNet) keep no rows: per (session, block_idx) a
+`LinearSlot` holds the convolution's last inputs and the recurrent state, f32, of a fixed size
+allocated on the slot's first use. They share the byte budget with the KV buffers and are
+freed with the session. The slot's state tensors are replaced whole (`LinearSlot.install`) once
+a request has succeeded, never updated in place part-way.
+
 The budget counts allocated capacity, not used positions, since that is what the device
 actually holds. Growth falls back to the exact size needed when doubling would pass the
 budget, so a session is refused only when the positions it needs cannot fit.
@@ -25,6 +31,7 @@ budget, so a session is refused only when the positions it needs cannot fit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +55,19 @@ class KVSlot:
         return self.k.shape[2]
 
 
+@dataclass
+class LinearSlot:
+    """One linear-attention layer's state for one session, after `length` positions (f32)."""
+
+    conv: torch.Tensor  # [1, C, K-1]
+    recurrent: torch.Tensor  # [1, H_v, D_k, D_v]
+    length: int = 0
+
+    def install(self, conv: torch.Tensor, recurrent: torch.Tensor, length: int) -> None:
+        """Replace the state by one of the same shapes (what a successful request computed)."""
+        self.conv, self.recurrent, self.length = conv, recurrent, length
+
+
 class KVCache:
     def __init__(
         self,
@@ -57,7 +77,9 @@ class KVCache:
         device: torch.device,
         max_context: int,
         budget_bytes: int | None = None,
+        linear_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
     ):
+        """linear_shapes: the conv and recurrent state shapes of a linear-attention layer, if any."""
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
@@ -66,29 +88,39 @@ class KVCache:
         self.budget_bytes = budget_bytes
         # K and V rows of one position, together.
         self.bytes_per_position = 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.linear_shapes = linear_shapes
+        self.bytes_per_linear_slot = 0 if linear_shapes is None else 4 * sum(math.prod(s) for s in linear_shapes)
         self._sessions: dict[int, dict[int, KVSlot]] = {}
+        self._linear: dict[int, dict[int, LinearSlot]] = {}
         self._bytes = 0
 
     def nbytes(self) -> int:
         return self._bytes
 
     def session_count(self) -> int:
-        return len(self._sessions)
+        return len(self._sessions.keys() | self._linear.keys())
 
     def length(self, session: int, block_idx: int) -> int:
         """Positions cached for this layer of this session (0 when nothing is)."""
         slot = self._sessions.get(session, {}).get(block_idx)
         return 0 if slot is None else slot.length
 
-    def reserve(self, session: int, ends: dict[int, int]) -> dict[int, KVSlot]:
-        """Slots of `session` for each block_idx in `ends`, each with capacity >= its end.
+    def linear_length(self, session: int, block_idx: int) -> int:
+        """Positions a linear-attention slot of this session has consumed (0 when it has none)."""
+        slot = self._linear.get(session, {}).get(block_idx)
+        return 0 if slot is None else slot.length
+
+    def reserve(
+        self, session: int, ends: dict[int, int], linear_ends: dict[int, int] | None = None
+    ) -> dict[int, KVSlot]:
+        """Slots of `session` for each block_idx in `ends`, each with capacity >= its end; and
+        a linear-attention slot (`linear_slot`) for each block_idx in `linear_ends`, zeros when new.
 
         All or nothing: limits and the budget are checked for every slot before any buffer
         is allocated, so a refusal leaves every session's cache as it was.
         """
-        if not ends:
-            return {}
-        for block_idx, end in ends.items():
+        linear_ends = linear_ends or {}
+        for block_idx, end in [*ends.items(), *linear_ends.items()]:
             if end > self.max_context:
                 raise ContextLimitExceeded(
                     f"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions"
@@ -99,25 +131,41 @@ class KVCache:
             capacity = slots[block_idx].capacity if block_idx in slots else 0
             if end > capacity:
                 growth[block_idx] = (capacity, end, min(self.max_context, max(2 * capacity, MIN_CAPACITY, end)))
-        self._check_budget(session, growth)
-        slots = self._sessions.setdefault(session, slots)
+        linear = self._linear.get(session, {})
+        new_linear = [block_idx for block_idx in linear_ends if block_idx not in linear]
+        self._check_budget(session, growth, len(new_linear) * self.bytes_per_linear_slot)
+        if ends:
+            slots = self._sessions.setdefault(session, slots)
         for block_idx, (_, _, new_capacity) in growth.items():
             self._grow(slots, block_idx, new_capacity)
+        if linear_ends:
+            linear = self._linear.setdefault(session, linear)
+        for block_idx in new_linear:
+            conv, recurrent = (torch.zeros(shape, dtype=torch.float32, device=self.device) for shape in self.linear_shapes)
+            linear[block_idx] = LinearSlot(conv, recurrent)
+            self._bytes += self.bytes_per_linear_slot
         return {block_idx: slots[block_idx] for block_idx in ends}
 
-    def _check_budget(self, session: int, growth: dict[int, tuple[int, int, int]]) -> None:
-        """Shrink doubling to exact sizes if that is what fits; refuse if even those do not."""
-        if self.budget_bytes is None or not growth:
+    def linear_slot(self, session: int, block_idx: int) -> LinearSlot:
+        """A linear-attention slot `reserve` made for `session`."""
+        return self._linear[session][block_idx]
+
+    def _check_budget(self, session: int, growth: dict[int, tuple[int, int, int]], linear_bytes: int = 0) -> None:
+        """Shrink doubling to exact sizes if that is what fits; refuse if even those do not.
+
+        `linear_bytes`: new linear-attention state, a fixed size that must fit as well.
+        """
+        if self.budget_bytes is None or not (growth or linear_bytes):
             return
-        left = self.budget_bytes - self._bytes
+        left = self.budget_bytes - self._bytes - linear_bytes
         doubled = sum(new - old for old, _, new in growth.values()) * self.bytes_per_position
         if doubled <= left:
             return
         exact = sum(end - old for old, end, _ in growth.values()) * self.bytes_per_position
         if exact > left:
             raise CacheBudgetExceeded(
-                f"the KV cache would need {human_bytes(exact)} more but only {human_bytes(max(left, 0))} "
-                f"of this device's {human_bytes(self.budget_bytes)} budget is left"
+                f"the KV cache would need {human_bytes(exact + linear_bytes)} more but only "
+                f"{human_bytes(max(left + linear_bytes, 0))} of this device's {human_bytes(self.budget_bytes)} budget is left"
             )
         for block_idx, (old, end, _) in growth.items():
             growth[block_idx] = (old, end, end)
@@ -140,3 +188,4 @@ class KVCache:
         """Free every buffer of `session` (unknown sessions are a no-op)."""
         slots = self._sessions.pop(session, {})
         self._bytes -= sum(slot.capacity for slot in slots.values()) * self.bytes_per_position
+        self._bytes -= len(self._linear.pop(session, {})) * self.bytes_per_linear_slot

@@ -13,19 +13,29 @@ import torch
 
 from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache
-from cakemp.errors import BadTensor, CheckpointError, PositionGap, UnknownLayer
+from cakemp.errors import BadTensor, CheckpointError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model import attention, fp8
-from cakemp.model.block import DecoderBlock, plus_one
+from cakemp.model.block import NORMS, DecoderBlock
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
+from cakemp.model.deltanet import LinearState
+from cakemp.model.linear_block import LinearAttentionBlock
+from cakemp.model.moe import STACKED
 from cakemp.model.rotary import Rotary
+
+Block = DecoderBlock | LinearAttentionBlock
+
+
+def block_type(config: ModelConfig, index: int) -> type[Block]:
+    """The class of layer `index`: Qwen3.5's linear-attention layers, or an attention layer."""
+    return LinearAttentionBlock if index in config.linear_layers else DecoderBlock
 
 
 class BlockRunner:
     def __init__(
         self,
         config: ModelConfig,
-        blocks: dict[str, DecoderBlock],
+        blocks: dict[str, Block],
         device: torch.device,
         dtype: torch.dtype,
         kv_budget_bytes: int | None = None,
@@ -48,6 +58,7 @@ class BlockRunner:
             device,
             max_context=max_context or config.max_position_embeddings,
             budget_bytes=kv_budget_bytes,
+            linear_shapes=_linear_state_shapes(config),
         )
 
     @classmethod
@@ -71,27 +82,48 @@ class BlockRunner:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
         config = ModelConfig.from_dir(model_dir)
         checkpoint = Checkpoint(model_dir, config)
-        groups = DecoderBlock.weight_groups(config)
         for layer in layers:
             if config.layer_index(layer) is None:
                 raise CheckpointError(
                     f"layer {layer!r} is not one of {config.layer_name(0)}..{config.layer_name(config.num_hidden_layers - 1)}"
                 )
-        wanted = [{(layer, key): [f"{layer}.{name}" for name in members] for key, members in groups.items()}
-                  for layer in layers]
+        kinds, groups, shapes = {}, {}, {}
+        for layer in layers:
+            index = config.layer_index(layer)
+            kinds[layer] = kind = block_type(config, index)
+
+            def stored(name: str, layer: str = layer) -> bool:
+                return checkpoint.has(f"{layer}.{name}")
+
+            groups[layer] = kind.weight_groups(config, index, stored)
+            shapes[layer] = kind.weight_shapes(config, index, stored)
+        # Per layer, the groups that may stay FP8 and those that must be plain tensors (stacked
+        # experts, viewed as [E, rows, cols]).
+        wanted = [
+            tuple({(layer, key): [f"{layer}.{name}" for name in members]
+                   for key, members in groups[layer].items() if (key in STACKED) == stacked}
+                  for stacked in (False, True))
+            for layer in layers
+        ]
         keep_fp8 = config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
-        needed = sum(checkpoint.nbytes(layer_groups, dtype, keep_fp8) for layer_groups in wanted)
+        needed = sum(checkpoint.nbytes(kept, dtype, keep_fp8) + checkpoint.nbytes(plain, dtype)
+                     for kept, plain in wanted)
         free = None
         if device.type == "cuda":
             attention.use_fused_kernels()
             free = torch.cuda.mem_get_info(device)[0]
             memory.check_fits(needed, free, str(device))
+        # A (1 + w) family's norms get their 1 added at load, in f32 (Checkpoint.load).
+        plus_one = frozenset(
+            (layer, key) for layer in layers for key in groups[layer] if config.layout.norm_plus_one and key in NORMS
+        )
         weights = {}
         # One layer at a time, so progress can be reported; opening a shard again per layer
         # costs only its header (the file is memory-mapped).
         try:
-            for loaded, layer_groups in enumerate(wanted, 1):
-                weights.update(checkpoint.load(layer_groups, device, dtype, keep_fp8))
+            for loaded, (kept, plain) in enumerate(wanted, 1):
+                weights.update(checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys()))
+                weights.update(checkpoint.load(plain, device, dtype))
                 if on_layer is not None:
                     on_layer(loaded)
         except torch.OutOfMemoryError:
@@ -99,19 +131,14 @@ class BlockRunner:
                 raise
             # Past the estimate (another process took memory meanwhile, say): as much a configuration error.
             raise memory.too_big(needed, free, str(device), "ran out of memory while loading") from None
-        shapes = DecoderBlock.weight_shapes(config)
         for (layer, key), tensor in weights.items():
-            if tuple(tensor.shape) != shapes[key]:
+            if tuple(tensor.shape) != shapes[layer][key]:
                 raise CheckpointError(
-                    f"{layer}: {' + '.join(groups[key])} give shape {tuple(tensor.shape)}, "
-                    f"config.json implies {shapes[key]}"
+                    f"{layer}: {' + '.join(groups[layer][key])} give shape {tuple(tensor.shape)}, "
+                    f"config.json implies {shapes[layer][key]}"
                 )
-            if config.layout.norm_plus_one and key in DecoderBlock.NORMS:
-                weights[layer, key] = plus_one(tensor)
         blocks = {
-            layer: DecoderBlock(
-                config, config.layer_windows[config.layer_index(layer)], {key: weights[layer, key] for key in groups}
-            )
+            layer: kinds[layer](config, config.layer_index(layer), {key: weights[layer, key] for key in groups[layer]})
             for layer in layers
         }
         if device.type == "cuda" and kv_budget_bytes is None:
@@ -125,41 +152,82 @@ class BlockRunner:
         A request at index_pos p keeps the first p cached positions of each slot and replaces
         the rest, so a master that restarts a prompt at 0 without Goodbye gets a fresh context
         rather than Cake's silently appended one; a p beyond what is cached is refused.
+
+        A linear-attention layer's state is a recurrence: p must be what it has consumed
+        (continue) or 0 (start afresh); anything else is a RecurrentRewind. Everything is
+        checked before anything runs, and the new linear states are installed only once every
+        op has succeeded, so a failed request leaves them as they were (attention slots fall
+        back to their old length, or to index_pos if less).
         """
         self._check_input(x)
         T = x.shape[1]
-        ends = {}
+        ends, linear_ends = {}, {}
         for layer, index_pos, block_idx in ops:
             if layer not in self.blocks:
                 raise UnknownLayer(f"layer {layer!r} is not served here (this device has {', '.join(self.layers)})")
             if not 0 <= block_idx < self.config.num_hidden_layers:
                 raise UnknownLayer(f"block_idx {block_idx} is outside 0..{self.config.num_hidden_layers - 1}")
-            cached = self.cache.length(session, block_idx)
+            if self.blocks[layer].recurrent:
+                # An earlier op of this request on the same slot counts as consumed.
+                consumed = linear_ends.get(block_idx, self.cache.linear_length(session, block_idx))
+                if 0 < index_pos < consumed:
+                    raise RecurrentRewind(
+                        f"index_pos {index_pos} for block {block_idx} would rewind a linear-attention layer's "
+                        f"recurrent state, which cannot be rewound: it has consumed {consumed} positions in this "
+                        f"session; continue at {consumed} or start again at 0"
+                    )
+                cached = consumed
+            else:
+                cached = self.cache.length(session, block_idx)
             if index_pos < 0 or index_pos > cached:
                 raise PositionGap(
                     f"index_pos {index_pos} for block {block_idx} does not follow the {cached} positions cached in this session"
                 )
-            ends[block_idx] = max(ends.get(block_idx, 0), index_pos + T)
-        slots = self.cache.reserve(session, ends)
+            if self.blocks[layer].recurrent:
+                linear_ends[block_idx] = index_pos + T
+            else:
+                ends[block_idx] = max(ends.get(block_idx, 0), index_pos + T)
+        slots = self.cache.reserve(session, ends, linear_ends)
         previous = {block_idx: slot.length for block_idx, slot in slots.items()}
         rotations = {(None, index_pos): (None, None) for _, index_pos, _ in ops}
+        computed: dict[int, tuple[LinearState, int]] = {}  # block_idx -> (new state, positions consumed)
         try:
             with torch.inference_mode():
                 for layer, index_pos, block_idx in ops:
+                    block = self.blocks[layer]
+                    if block.recurrent:
+                        x, state = block.forward(x, self._linear_state(session, block_idx, index_pos, computed))
+                        computed[block_idx] = (state, index_pos + T)
+                        continue
                     rotary = self.rotaries[layer]
                     if (rotary, index_pos) not in rotations:
                         rotations[rotary, index_pos] = rotary.cos_sin(index_pos, T, self.dtype)
                     cos, sin = rotations[rotary, index_pos]
                     slot = slots[block_idx]
-                    x = self.blocks[layer].forward(x, cos, sin, slot.k, slot.v, index_pos)
+                    x = block.forward(x, cos, sin, slot.k, slot.v, index_pos)
                     slot.length = index_pos + T
         except BaseException:
             # Rows past a slot's previous length are unused; rows a rewind overwrote are lost,
             # so a failed request leaves each slot at its old length or at index_pos if less.
-            for (_, index_pos, block_idx) in ops:
-                slots[block_idx].length = min(previous[block_idx], index_pos)
+            for (layer, index_pos, block_idx) in ops:
+                if not self.blocks[layer].recurrent:
+                    slots[block_idx].length = min(previous[block_idx], index_pos)
             raise
+        for block_idx, (state, consumed) in computed.items():
+            self.cache.linear_slot(session, block_idx).install(state.conv, state.recurrent, consumed)
         return x
+
+    def _linear_state(
+        self, session: int, block_idx: int, index_pos: int, computed: dict[int, tuple[LinearState, int]]
+    ) -> LinearState | None:
+        """The state a linear-attention op starts from: none at position 0, else this request's
+        own latest for the slot, else the session's."""
+        if index_pos == 0:
+            return None
+        if block_idx in computed:
+            return computed[block_idx][0]
+        slot = self.cache.linear_slot(session, block_idx)
+        return LinearState(slot.conv, slot.recurrent)
 
     def _check_input(self, x: torch.Tensor) -> None:
         hidden = self.config.hidden_size
@@ -181,3 +249,11 @@ class BlockRunner:
 
     def session_count(self) -> int:
         return self.cache.session_count()
+
+
+def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """LinearState's conv and recurrent shapes for one session (batch 1), if the model has linear layers."""
+    la = config.linear_attention
+    if la is None:
+        return None
+    return (1, la.conv_channels, la.conv_kernel - 1), (1, la.value_heads, la.key_head_dim, la.value_head_dim)

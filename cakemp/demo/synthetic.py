@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 # Bump when the files written for the same spec change, so old cache entries are not reused.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 BOS = "<s>"
 EOS = "</s>"
@@ -169,8 +169,12 @@ def _unprintable(tokenizer: Tokenizer) -> list[int]:
 def _weights(spec: SyntheticSpec, vocab_size: int, quiet: list[int]) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint by name, drawn from one seeded generator, in bf16.
 
-    Linear weights are N(0, 0.02) as in HF's initialisation; norm weights are near 1 (not
-    exactly 1, so a missing or misplaced norm changes the output). An untied lm_head is drawn
+    Linear weights are N(0, 0.02) as in HF's initialisation, except the query and key
+    projections: N(0, 1/H) gives unit-variance q and k for a normalised input, so attention
+    logits spread over a few units and which key wins depends on the rotary positions (at
+    0.02 the logits are ~0.1, attention is nearly uniform, and a generation with the rotary
+    offset dropped gives the same tokens). Norm weights are near 1 (not exactly 1, so a
+    missing or misplaced norm changes the output). An untied lm_head is drawn
     wider, N(0, 0.15), so logits spread over a few units as a trained model's do, and its rows
     for the `quiet` tokens 20x narrower: sampling then rarely picks a token that cannot print
     alone, and the (random, meaningless) text reads as pieces of words rather than U+FFFD.
@@ -190,8 +194,8 @@ def _weights(spec: SyntheticSpec, vocab_size: int, quiet: list[int]) -> dict[str
     for n in range(spec.num_hidden_layers):
         p = f"model.layers.{n}."
         tensors[p + "input_layernorm.weight"] = norm()
-        tensors[p + "self_attn.q_proj.weight"] = linear(h, h)     # [nh*hd, H]
-        tensors[p + "self_attn.k_proj.weight"] = linear(kv, h)    # [nkv*hd, H]
+        tensors[p + "self_attn.q_proj.weight"] = linear(h, h, std=h**-0.5)   # [nh*hd, H]
+        tensors[p + "self_attn.k_proj.weight"] = linear(kv, h, std=h**-0.5)  # [nkv*hd, H]
         tensors[p + "self_attn.v_proj.weight"] = linear(kv, h)    # [nkv*hd, H]
         tensors[p + "self_attn.o_proj.weight"] = linear(h, h)     # [H, nh*hd]
         tensors[p + "post_attention_layernorm.weight"] = norm()

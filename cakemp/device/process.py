@@ -65,7 +65,8 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
         sys.exit(1)
     service.progress = _reporter(channel, progress_s)
     channel.send(Ready("cuda" if spec.gpu is not None else "cpu", service.memory_bytes(), len(spec.layers)))
-    logger.info("device ready", device_label=spec.label, layers=len(spec.layers), pid=os.getpid())
+    logger.info("device ready", device_label=spec.label, layers=len(spec.layers), pid=os.getpid(),
+                threads=service.threads())
     while True:
         try:
             request = channel.receive()

@@ -68,6 +68,10 @@ class DeviceService:
         )
         return cls(runner, spec.layers, spec.index, generation, spec.label, progress)
 
+    def threads(self) -> int:
+        """torch's intra-op threads in this process (--cpu-threads, or the CPU devices' share of the cores)."""
+        return torch.get_num_threads()
+
     def memory_bytes(self) -> int:
         """Bytes this device holds: GPU memory allocated, or the process's RSS on a CPU."""
         if torch.device(self.runner.device).type == "cuda":

@@ -79,6 +79,12 @@ class WorkerClient:
                 raise
         return cls(reader, writer, revision, f"{host}:{port}")
 
+    @property
+    def local_address(self) -> str:
+        """Our end of the connection as "host:port": how the worker's logs name this session (their `session` field)."""
+        host, port = self._writer.get_extra_info("sockname")[:2]
+        return f"{host}:{port}"
+
     async def __aenter__(self) -> WorkerClient:
         return self
 

@@ -1,9 +1,14 @@
-"""One decoder layer (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3, OLMo 2, EXAONE 4) run on T new
-tokens over a KV buffer; where each family puts its norms is in layout.py."""
+"""One attention decoder layer run on T new tokens over a KV buffer.
+
+Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3, OLMo 2, EXAONE 4 (where each family puts its
+norms is in layout.py); Qwen3-MoE (its MLP a SparseMoe on sparse layers); Qwen3.5's
+full-attention layers (q/k norm, partial rotary, a sigmoid output gate, (1 + w) norms).
+Qwen3.5's linear-attention layers are LinearAttentionBlock (linear_block.py).
+"""
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +16,13 @@ import torch.nn.functional as F
 from cakemp.model import attention
 from cakemp.model.config import ModelConfig
 from cakemp.model.fp8 import linear
+from cakemp.model.mlp import GatedMlp
+from cakemp.model.moe import SparseMoe
 from cakemp.model.rotary import rotate
+
+# Weight slots that are RMSNorm weights, of either block kind: a (1 + w) family
+# (`layout.norm_plus_one`: Gemma 3, Qwen3.5) stores them as w, and Checkpoint.load adds the 1.
+NORMS = frozenset({"input_norm", "attn_out_norm", "post_norm", "mlp_out_norm", "q_norm", "k_norm"})
 
 
 class DecoderBlock:
@@ -22,45 +33,42 @@ class DecoderBlock:
     (bench/blocks.py measures the gain).
     """
 
-    # Weight slots that are RMSNorm weights (a family with (1 + w) norms folds its +1 into all).
-    NORMS = ("input_norm", "attn_out_norm", "post_norm", "mlp_out_norm", "q_norm", "k_norm")
+    recurrent = False  # its session state is KV rows, which a rewind can cut back
 
-    def __init__(self, config: ModelConfig, window: int | None, weights: dict[str, torch.Tensor]):
-        """weights: the tensors named by `weight_groups(config)`, on the device, in the compute dtype
-        (matrices of an FP8 checkpoint may be `fp8.Fp8Weight`s, multiplied by `linear`)."""
+    def __init__(self, config: ModelConfig, index: int, weights: dict[str, torch.Tensor]):
+        """weights: the tensors named by `weight_groups(config, index, ...)`, on the device, in the compute
+        dtype (matrices of an FP8 checkpoint may be `fp8.Fp8Weight`s, multiplied by `linear`)."""
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
-        self.window = window
+        self.window = config.layer_windows[index]
         self.scale = config.attention_scale
         self.qk_norm = config.qk_norm
-        self.activation = F.silu if config.activation == "silu" else partial(F.gelu, approximate="tanh")
+        self.output_gate = config.attention_output_gate
         # Each norm [H] or None where the family's layout has none (layout.py).
         self.input_norm = weights.get("input_norm")
         self.attn_out_norm = weights.get("attn_out_norm")
         self.post_norm = weights.get("post_norm")  # before the MLP
         self.mlp_out_norm = weights.get("mlp_out_norm")
-        self.w_qkv = weights["w_qkv"]  # [(H_q + 2 H_kv) * D, H]
+        self.w_qkv = weights["w_qkv"]  # [(H_q (x2 with an output gate) + 2 H_kv) * D, H]
         self.b_qkv = weights.get("b_qkv")  # [(H_q + 2 H_kv) * D] or None
         self.w_o = weights["w_o"]  # [H, H_q * D]
         self.b_o = weights.get("b_o")  # [H] or None
         self.q_norm = weights.get("q_norm")  # [D] per head, [H_q * D] over the projection, or None
         self.k_norm = weights.get("k_norm")  # [D] per head, [H_kv * D] over the projection, or None
-        self.w_gate_up = weights["w_gate_up"]  # [2I, H]
-        self.w_down = weights["w_down"]  # [H, I]
+        self.mlp = feed_forward(config, index, weights)
 
     @staticmethod
-    def weight_groups(config: ModelConfig) -> dict[str, list[str]]:
+    def weight_groups(config: ModelConfig, index: int, stored: Callable[[str], bool]) -> dict[str, list[str]]:
         """Each weight of the block and the checkpoint tensors (relative to `model.layers.N.`)
-        stacked along dim 0 to make it."""
+        stacked along dim 0 to make it; `stored(name)` says whether the layer holds `name`."""
         layout = config.layout
         groups = {slot: [name] for slot, name in layout.norms}
         groups |= {
             "w_qkv": list(layout.qkv),
             "w_o": ["self_attn.o_proj.weight"],
-            "w_gate_up": list(layout.gate_up),
-            "w_down": ["mlp.down_proj.weight"],
+            **feed_forward_groups(config, index, stored),
         }
         if config.qkv_bias:
             groups["b_qkv"] = [f"self_attn.{p}_proj.bias" for p in "qkv"]
@@ -72,10 +80,11 @@ class DecoderBlock:
         return groups
 
     @staticmethod
-    def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    def weight_shapes(config: ModelConfig, index: int, stored: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
         """The shape each weight of `weight_groups` must have for this config."""
-        H, D, I = config.hidden_size, config.head_dim, config.intermediate_size
-        qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * D
+        H, D = config.hidden_size, config.head_dim
+        q_rows = config.num_attention_heads * D * (2 if config.attention_output_gate else 1)
+        qkv = q_rows + 2 * config.num_key_value_heads * D
         whole = config.qk_norm == "projection"
         return {
             "input_norm": (H,),
@@ -88,8 +97,7 @@ class DecoderBlock:
             "b_o": (H,),
             "q_norm": (config.num_attention_heads * D if whole else D,),
             "k_norm": (config.num_key_value_heads * D if whole else D,),
-            "w_gate_up": (2 * I, H),
-            "w_down": (H, I),
+            **feed_forward_shapes(config, stored),
         }
 
     def forward(
@@ -109,7 +117,7 @@ class DecoderBlock:
         """
         attended = self._attention(self._norm(x, self.input_norm), cos, sin, k_cache, v_cache, start)
         x = x + self._norm(attended, self.attn_out_norm)
-        return x + self._norm(self._mlp(self._norm(x, self.post_norm)), self.mlp_out_norm)
+        return x + self._norm(self.mlp(self._norm(x, self.post_norm)), self.mlp_out_norm)
 
     def _norm(self, x, weight):
         return x if weight is None else rms_norm(x, weight, self.eps)
@@ -117,12 +125,16 @@ class DecoderBlock:
     def _attention(self, h, cos, sin, k_cache, v_cache, start):
         B, T, _ = h.shape
         D, n_kv = self.head_dim, self.kv_heads
-        qkv = linear(h, self.w_qkv, self.b_qkv)  # [B, T, (H_q + 2 H_kv) * D]
-        q, k, v = qkv.split([self.heads * D, n_kv * D, n_kv * D], dim=-1)
+        q_width = self.heads * D * (2 if self.output_gate else 1)
+        qkv = linear(h, self.w_qkv, self.b_qkv)  # [B, T, q_width + 2 H_kv D]
+        q, k, v = qkv.split([q_width, n_kv * D, n_kv * D], dim=-1)
+        if self.output_gate:
+            # Qwen3.5: each head's rows are [q | gate].
+            q, gate = q.view(B, T, self.heads, 2 * D).chunk(2, dim=-1)  # [B, T, H_q, D] each
         if self.qk_norm == "projection":  # OLMo 2: over all heads at once, before the split
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
-        q = q.view(B, T, self.heads, D)
+        q = q.reshape(B, T, self.heads, D)
         k = k.view(B, T, n_kv, D)
         if self.qk_norm == "head":
             q = rms_norm(q, self.q_norm, self.eps)
@@ -142,25 +154,42 @@ class DecoderBlock:
         # accumulator in f32 for f16/bf16 inputs; tests/model/test_block.py checks it.
         out = attention.attend(q, k_cache, v_cache, start, self.window, self.scale)  # [B, H_q, T, D]
         out = out.reshape(B, self.heads, T, D).transpose(1, 2).reshape(B, T, self.heads * D)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate.reshape(B, T, self.heads * D))
         return linear(out, self.w_o, self.b_o)
 
-    def _mlp(self, h):
-        gate, up = linear(h, self.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
-        return linear(self.activation(gate) * up, self.w_down)
+
+def _sparse(config: ModelConfig, index: int) -> bool:
+    return config.moe is not None and config.moe.sparse_layers[index]
 
 
-def plus_one(weight: torch.Tensor) -> torch.Tensor:
-    """A (1 + w) norm's stored w -> the f32 weight rms_norm multiplies by (Gemma's checkpoints
-    store the offset from 1). Kept in f32 as transformers keeps it: rounded to bf16, 1 + w
-    would lose the low bits of w."""
-    return weight.float() + 1
+def feed_forward(config: ModelConfig, index: int, weights: dict[str, torch.Tensor]) -> GatedMlp | SparseMoe:
+    """Layer `index`'s MLP: a SparseMoe on a MoE family's sparse layers, else the dense GatedMlp."""
+    if _sparse(config, index):
+        return SparseMoe(config, weights)
+    return GatedMlp(weights["w_gate_up"], weights["w_down"], config.activation)
+
+
+def feed_forward_groups(config: ModelConfig, index: int, stored: Callable[[str], bool]) -> dict[str, list[str]]:
+    """The MLP's groups: the experts', or gate/up as the family's layout stores them (Phi: fused)."""
+    if _sparse(config, index):
+        return SparseMoe.weight_groups(config, stored)
+    return {"w_gate_up": list(config.layout.gate_up), "w_down": ["mlp.down_proj.weight"]}
+
+
+def feed_forward_shapes(config: ModelConfig, stored: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
+    H, I = config.hidden_size, config.intermediate_size
+    shapes = {"w_gate_up": (2 * I, H), "w_down": (H, I)}
+    if config.moe is not None:
+        shapes.update(SparseMoe.weight_shapes(config, stored))
+    return shapes
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalise the last dim (torch's rms_norm computes in f32 for f16/bf16 inputs).
 
-    An f32 weight on f16/bf16 x (a folded (1 + w)) scales in f32 and rounds once at the end,
-    as transformers' Gemma norm does.
+    An f32 weight on f16/bf16 x (a folded (1 + w): Gemma 3, Qwen3.5) scales in f32 and rounds
+    once at the end, as transformers' (1 + w) norms do.
     """
     if weight.dtype != x.dtype:
         return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)

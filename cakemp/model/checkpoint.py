@@ -35,6 +35,7 @@ class Checkpoint:
                 raise CheckpointError(f"{index} has no readable weight_map: {exc}") from None
         elif (self.dir / SINGLE).exists():
             self.weight_map = None
+            self._single_names: frozenset[str] | None = None
         else:
             raise CheckpointError(f"{self.dir} has neither {INDEX} nor {SINGLE}")
 
@@ -44,10 +45,33 @@ class Checkpoint:
             return SINGLE
         return self.weight_map.get(name, INDEX)
 
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds tensor `name` (to tell one storage layout from another)."""
+        if self.weight_map is not None:
+            return name in self.weight_map
+        if self._single_names is None:
+            try:
+                with safe_open(self.dir / SINGLE, framework="pt", device="cpu") as f:
+                    self._single_names = frozenset(f.keys())
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"cannot read {self.dir / SINGLE}: {exc}") from None
+        return name in self._single_names
+
     def load(
-        self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype, keep_fp8: bool = False
+        self,
+        groups: dict[K, list[str]],
+        device: torch.device,
+        dtype: torch.dtype,
+        keep_fp8: bool = False,
+        plus_one: frozenset[K] = frozenset(),
     ) -> dict[K, torch.Tensor | fp8.Fp8Weight]:
         """One `dtype` tensor on `device` per group: its tensors concatenated along dim 0.
+
+        Groups in `plus_one` are norm weights stored as w - 1 (Qwen3.5, Gemma 3): 1 is added
+        here, in f32, and they stay f32, so their norm is an ordinary RMSNorm with weight 1 + w,
+        as HF computes it (1 + w in f32 on every call). Rounded to bf16, 1 + w would scale each
+        channel by up to 2^-9 off, the same way at every position, and such systematic errors
+        add up over layers (Cake at the seed adds the 1 in f16).
 
         Each shard holding one of the names is opened once (memory-mapped); other shards are
         never opened. Every destination is allocated once and filled by one copy_ per source
@@ -71,9 +95,11 @@ class Checkpoint:
                     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(members, sources))
                     raise CheckpointError(f"tensors that should stack along dim 0 do not: {shapes}")
                 shape = (sum(t.shape[0] for t in sources), *sources[0].shape[1:])
-                out[key] = torch.empty(shape, dtype=dtype, device=device)
+                out[key] = torch.empty(shape, dtype=torch.float32 if key in plus_one else dtype, device=device)
                 row = 0
                 for t in sources:
+                    if key in plus_one:
+                        t = t.to(device=device, dtype=torch.float32) + 1
                     if t.device != device and t.dtype != dtype:
                         t = t.to(device)  # cast on the accelerator, not in torch's slow CPU cast
                     out[key][row : row + t.shape[0]].copy_(t)

@@ -12,9 +12,17 @@ These families share one decoder block and differ only in switches (norm placeme
 | phi3    | Phi3ForCausalLM     | no         | no                | every layer           | partial, longrope       |
 | olmo2   | Olmo2ForCausalLM    | attention_bias (o too) | whole projection | never      | rope_theta              |
 | exaone4 | Exaone4ForCausalLM  | no         | per head          | sliding layers        | sliding layers only (all when no window) |
+| qwen3_moe | Qwen3MoeForCausalLM | attention_bias (o too) | per head | per layer_types  | rope_theta              |
 
 Falcon 3 checkpoints declare LlamaForCausalLM (own rope_theta, explicit head_dim) and are Llama
 here. Phi-4 and Phi-4-mini checkpoints declare Phi3ForCausalLM.
+
+Qwen3.5 (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`) is a
+hybrid: its text model sits in `text_config` beside a vision tower's config, its layers
+under `model.language_model.layers`, and each layer is either Gated DeltaNet (linear
+attention, `cakemp/model/deltanet.py`) or gated full attention (partial rotary, (1 + w)
+norms); see `_parse_hybrid`. MoE families (Qwen3-MoE, Qwen3.5-MoE) carry a `MoeConfig`
+(`cakemp/model/moe.py`).
 
 Anything else is a CheckpointError: Cake silently runs unknown architectures as Llama and
 computes garbage; a worker should refuse instead.
@@ -27,12 +35,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from cakemp.errors import CheckpointError
-from cakemp.model.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, BlockLayout
+from cakemp.model.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, QWEN3_5, BlockLayout
 
 FAMILIES = {
     "LlamaForCausalLM": "llama",
@@ -43,8 +51,15 @@ FAMILIES = {
     "Phi3ForCausalLM": "phi3",
     "Olmo2ForCausalLM": "olmo2",
     "Exaone4ForCausalLM": "exaone4",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
-LAYOUTS = {"gemma3": GEMMA3, "phi3": PHI3, "olmo2": POST_NORM, "exaone4": POST_NORM}
+# Families whose config.json wraps the text model's keys in `text_config`.
+_WRAPPED = ("qwen3_5", "qwen3_5_moe")
+LAYOUTS = {
+    "gemma3": GEMMA3, "phi3": PHI3, "olmo2": POST_NORM, "exaone4": POST_NORM, "qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5,
+}
 # The MLP activations served, by their transformers name (Gemma calls the key hidden_activation).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -96,6 +111,35 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet (Qwen3.5's linear-attention layers): head counts and sizes, conv kernel."""
+
+    key_heads: int
+    key_head_dim: int
+    value_heads: int  # a multiple of key_heads: each key head serves value_heads // key_heads value heads
+    value_head_dim: int
+    conv_kernel: int  # the causal depthwise convolution's width K; K - 1 inputs are kept per session
+
+    @property
+    def conv_channels(self) -> int:
+        """q, k and v go through the convolution together: 2 * H_k * D_k + H_v * D_v channels."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MLP: a router over `experts`, `top_k` of them per token, optionally a shared expert."""
+
+    experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    renormalize: bool  # top-k weights divided by their sum (norm_topk_prob; Qwen3.5 always)
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    # Per layer: sparse (True) or the family's dense MLP (Qwen3-MoE's mlp_only_layers, decoder_sparse_step).
+    sparse_layers: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     architecture: str
@@ -126,6 +170,12 @@ class ModelConfig:
     # FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None when not quantized.
     fp8_block: tuple[int, int] | None
     layer_prefix: str = "model.layers"
+    # q_proj gives [q | gate] per head and the attention output is multiplied by sigmoid(gate) (Qwen3.5).
+    attention_output_gate: bool = False
+    # Indices of the linear-attention (Gated DeltaNet) layers, and their shape; every other layer attends.
+    linear_layers: frozenset[int] = frozenset()
+    linear_attention: LinearAttentionConfig | None = None
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -149,6 +199,8 @@ class ModelConfig:
                 f"{source}: architecture {architecture!r} is not supported by cakemp (supported: {supported})"
             )
         try:
+            if family in _WRAPPED:
+                return cls._parse_hybrid(d, family, architecture)
             return cls._parse(d, family, architecture)
         except KeyError as exc:
             raise CheckpointError(f"{source}: {architecture} config lacks {exc.args[0]!r}") from None
@@ -176,7 +228,7 @@ class ModelConfig:
             raise ValueError(f"{act_key} {activation!r} is not supported (only {', '.join(ACTIVATIONS)})")
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
-        attention_bias = family in ("llama", "qwen3", "gemma3", "olmo2") and bool(d.get("attention_bias", False))
+        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma3", "olmo2") and bool(d.get("attention_bias", False))
         rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))))
         main_rope = Rope(rope_theta, rotary_dim, _rope_scaling(rope, d, family, rotary_dim))
         types = _layer_types(d, family, layers)
@@ -205,6 +257,52 @@ class ModelConfig:
             # Gemma 3's hub configs leave the key out and mean True (transformers' default for it).
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3")),
             fp8_block=_fp8_block(d),
+            moe=_moe(d, family, layers),
+        )
+
+    @classmethod
+    def _parse_hybrid(cls, d: dict[str, Any], family: str, architecture: str) -> ModelConfig:
+        """Qwen3.5 / Qwen3.5-MoE: the text model's keys from `text_config` (a quantization_config
+        may sit at either level); rope settings from `rope_parameters` or the classic keys."""
+        text = dict(d["text_config"])
+        text.setdefault("quantization_config", d.get("quantization_config"))
+        text.setdefault("intermediate_size", 0)  # Qwen3.5-MoE has no dense MLP
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        # mrope_section only matters for image/video positions; text positions are equal on its axes.
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"rope type {kind!r} is not supported for {architecture} (only default)")
+        text["rope_parameters"] = {
+            "rope_theta": float(rope.get("rope_theta", text.get("rope_theta", _DEFAULT_ROPE_THETA))),
+            "partial_rotary_factor": float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+        }
+        if "tie_word_embeddings" in d:  # the outer config's word wins, as transformers reads it
+            text["tie_word_embeddings"] = d["tie_word_embeddings"]
+        base = cls._parse({**text, "use_sliding_window": False}, family, architecture)
+        layers = base.num_hidden_layers
+        types = text.get("layer_types") or [
+            "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else "linear_attention"
+            for i in range(layers)
+        ]
+        if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+            raise ValueError(f"layer_types must name linear_attention or full_attention for each of {layers} layers")
+        linear = LinearAttentionConfig(
+            key_heads=int(text["linear_num_key_heads"]),
+            key_head_dim=int(text["linear_key_head_dim"]),
+            value_heads=int(text["linear_num_value_heads"]),
+            value_head_dim=int(text["linear_value_head_dim"]),
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+        )
+        if linear.value_heads % linear.key_heads:
+            raise ValueError(f"{linear.value_heads} linear value heads are not a multiple of {linear.key_heads} key heads")
+        return replace(
+            base,
+            layer_prefix="model.language_model.layers",
+            attention_output_gate=True,
+            # Linear-attention layers rotate nothing.
+            layer_ropes=tuple(None if t == "linear_attention" else rope for t, rope in zip(types, base.layer_ropes)),
+            linear_layers=frozenset(i for i, t in enumerate(types) if t == "linear_attention"),
+            linear_attention=linear,
         )
 
     def layer_name(self, index: int) -> str:
@@ -218,7 +316,10 @@ class ModelConfig:
         return int(tail)
 
 
-_QK_NORM = {"qwen3": "head", "gemma3": "head", "exaone4": "head", "olmo2": "projection"}
+_QK_NORM = {
+    "qwen3": "head", "qwen3_moe": "head", "qwen3_5": "head", "qwen3_5_moe": "head",
+    "gemma3": "head", "exaone4": "head", "olmo2": "projection",
+}
 
 
 def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], family: str, rotary_dim: int) -> RopeScaling | None:
@@ -286,7 +387,7 @@ def _layer_windows(
         return (None,) * layers
     if family in ("mistral", "phi3"):
         return (int(window),) * layers
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"):
         # Qwen2/3: the window applies only when enabled, to the layers marked sliding.
         if not d.get("use_sliding_window", False):
             return (None,) * layers
@@ -317,6 +418,24 @@ def _layer_ropes(
         # With a sliding window configured, EXAONE 4's global layers use no rotary at all.
         return tuple(main if t == "sliding_attention" else None for t in types)
     return (main,) * len(windows)
+
+
+def _moe(d: dict[str, Any], family: str, layers: int) -> MoeConfig | None:
+    if family not in ("qwen3_moe", "qwen3_5_moe"):
+        return None
+    # Hub configs name the count num_experts; transformers 5 writes num_local_experts.
+    experts = int(d.get("num_experts") or d["num_local_experts"])
+    top_k = int(d["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok {top_k} is not in 1..{experts}")
+    if family == "qwen3_5_moe":
+        return MoeConfig(experts, top_k, int(d["moe_intermediate_size"]), True,
+                         int(d["shared_expert_intermediate_size"]), (True,) * layers)
+    dense = set(d.get("mlp_only_layers") or ())
+    step = int(d.get("decoder_sparse_step", 1))
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return MoeConfig(experts, top_k, int(d["moe_intermediate_size"]), bool(d.get("norm_topk_prob", False)),
+                     sparse_layers=sparse)
 
 
 def _fp8_block(d: dict[str, Any]) -> tuple[int, int] | None:

@@ -23,19 +23,20 @@ BLOCK = 128  # the only block size the scaled matmul takes (weights 128x128, act
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """weight: [M, N] float8_e4m3fn, scale_inv: [ceil(M/bm), ceil(N/bn)] -> [M, N] f32.
+    """weight: [..., M, N] float8_e4m3fn, scale_inv: [..., ceil(M/bm), ceil(N/bn)] -> [..., M, N] f32.
 
-    Element (i, j) is weight[i, j] * scale_inv[i // bm, j // bn], in f32. Sides that are not
+    Element (i, j) is weight[i, j] * scale_inv[i // bm, j // bn], in f32 (leading dims, such as
+    the expert axis of fused MoE weights, index matrices scaled on their own). Sides that are not
     multiples of the block size end in a partial block that uses its block's scale (Cake's
     reshape-based dequant refuses those matrices).
     """
-    rows, cols = weight.shape
+    *lead, rows, cols = weight.shape
     bm, bn = block
     scale = scale_inv.float()
-    if scale.shape != (-(-rows // bm), -(-cols // bn)):
+    if scale.shape != (*lead, -(-rows // bm), -(-cols // bn)):
         raise ValueError(f"scale_inv shape {tuple(scale.shape)} does not cover a {rows}x{cols} weight in {bm}x{bn} blocks")
     # Expand each scale over its block, then cut the partial last blocks to the weight's sides.
-    scale = scale.repeat_interleave(bm, dim=0)[:rows].repeat_interleave(bn, dim=1)[:, :cols]
+    scale = scale.repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)[..., :cols]
     return weight.float() * scale
 
 

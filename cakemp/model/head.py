@@ -3,8 +3,8 @@
 Cake never shards these (spec cake-model §5.1): the master embeds the tokens, sends the hidden
 states through the decoder layers, normalises the last position and projects it onto the
 vocabulary. A tied checkpoint reuses the embedding matrix as lm_head. Gemma 3 scales the
-embeddings by sqrt(H) (rounded to the dtype, as transformers does) and stores its final norm
-as (1 + w).
+embeddings by sqrt(H) (rounded to the dtype, as transformers does); Gemma 3 and Qwen3.5 store
+their final norm as (1 + w).
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cakemp.model.block import plus_one, rms_norm
+from cakemp.model.block import rms_norm
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 
-EMBED = "model.embed_tokens.weight"
-NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 
 
@@ -48,14 +46,21 @@ class Head:
     def load(
         cls, model_dir: str | Path, config: ModelConfig, device: torch.device | str, dtype: torch.dtype
     ) -> Head:
-        """Read the three tensors (two when tied) from the checkpoint, cast to `dtype`."""
+        """Read the three tensors (two when tied) from the checkpoint, cast to `dtype`.
+
+        They sit beside the decoder layers (`model.` or Qwen3.5's `model.language_model.`); a
+        (1 + w) family's final norm gets its 1 added as its layers' norms do.
+        """
         tied = config.tie_word_embeddings
-        names = [EMBED, NORM] if tied else [EMBED, NORM, LM_HEAD]
-        tensors = Checkpoint(model_dir, config).load({name: [name] for name in names}, torch.device(device), dtype)
-        lm_head = tensors[EMBED] if tied else tensors[LM_HEAD]
-        norm = plus_one(tensors[NORM]) if config.layout.norm_plus_one else tensors[NORM]
+        model = config.layer_prefix.rpartition(".")[0]  # "model.layers" -> "model"
+        embed, norm = f"{model}.embed_tokens.weight", f"{model}.norm.weight"
+        names = [embed, norm] if tied else [embed, norm, LM_HEAD]
+        plus_one = frozenset({norm}) if config.layout.norm_plus_one else frozenset()
+        tensors = Checkpoint(model_dir, config).load({name: [name] for name in names}, torch.device(device), dtype,
+                                                     plus_one=plus_one)
+        lm_head = tensors[embed] if tied else tensors[LM_HEAD]
         gemma = config.family == "gemma3"
-        return cls(tensors[EMBED], norm, lm_head, config.rms_norm_eps, config.hidden_size**0.5 if gemma else 1.0)
+        return cls(tensors[embed], tensors[norm], lm_head, config.rms_norm_eps, config.hidden_size**0.5 if gemma else 1.0)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Token ids [T] -> hidden states [1, T, H]."""

@@ -30,7 +30,8 @@ class BlockLayout:
     # Checkpoint tensors stacked into the fused q/k/v and gate/up weights, in that order.
     qkv: tuple[str, ...]
     gate_up: tuple[str, ...]
-    # Gemma stores every RMSNorm weight as w for a (1 + w) scale; the +1 is folded in at load.
+    # Gemma 3 and Qwen3.5 store every RMSNorm weight as w for a (1 + w) scale; Checkpoint.load
+    # adds the 1 in f32.
     norm_plus_one: bool = False
 
 
@@ -55,6 +56,8 @@ GEMMA3 = BlockLayout(
     gate_up=SEPARATE_GATE_UP,
     norm_plus_one=True,
 )
+# Qwen3.5 (dense and MoE): pre-norm, (1 + w) norms (its linear-attention layers' too).
+QWEN3_5 = BlockLayout(norms=PRE_NORM.norms, qkv=SEPARATE_QKV, gate_up=SEPARATE_GATE_UP, norm_plus_one=True)
 POST_NORM = BlockLayout(
     norms=(("attn_out_norm", "post_attention_layernorm.weight"), ("mlp_out_norm", "post_feedforward_layernorm.weight")),
     qkv=SEPARATE_QKV,

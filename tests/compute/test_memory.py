@@ -51,7 +51,7 @@ def test_load_size_estimate_is_what_loading_allocates(tmp_path, dtype):
     config = ModelConfig.from_dir(path)
     checkpoint = Checkpoint(path, config)
     groups = {key: [f"model.layers.1.{name}" for name in members]
-              for key, members in DecoderBlock.weight_groups(config).items()}
+              for key, members in DecoderBlock.weight_groups(config, 0, lambda name: True).items()}
     assert checkpoint.nbytes(groups, dtype) == loaded_bytes(checkpoint.load(groups, torch.device("cpu"), dtype))
 
 
@@ -62,7 +62,7 @@ def test_fp8_groups_in_128_blocks_stay_fp8_and_are_counted_at_a_byte(tmp_path):
     config = ModelConfig.from_dir(path)
     checkpoint = Checkpoint(path, config)
     groups = {key: [f"model.layers.0.{name}" for name in members]
-              for key, members in DecoderBlock.weight_groups(config).items()}
+              for key, members in DecoderBlock.weight_groups(config, 0, lambda name: True).items()}
     weights = checkpoint.load(groups, torch.device("cpu"), torch.bfloat16, keep_fp8=True)
     kept = {key for key, w in weights.items() if isinstance(w, fp8.Fp8Weight)}
     assert kept == {"w_o", "w_gate_up", "w_down"}

@@ -7,6 +7,7 @@ from cakemp.compute.kv_cache import MIN_CAPACITY
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import BadTensor, CacheBudgetExceeded, ContextLimitExceeded, PositionGap, UnknownLayer
 from tests.checkpoints import make_checkpoint
+from tests.tolerance import assert_close
 
 LAYERS = ["model.layers.1", "model.layers.2"]
 
@@ -34,7 +35,7 @@ def test_prefill_in_chunks_equals_prefill_at_once(checkpoint):
     x = tokens(12, 0)
     whole = runner.forward(1, x, ops(0))
     parts = [runner.forward(2, x[:, a:b], ops(a)) for a, b in ((0, 5), (5, 9), (9, 12))]
-    torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=0, atol=1e-5)
+    assert_close(torch.cat(parts, dim=1), whole)
 
 
 def test_interleaved_sessions_stay_independent(checkpoint):
@@ -156,11 +157,11 @@ def test_failed_compute_keeps_earlier_positions(checkpoint):
     runner = load(checkpoint)
     runner.forward(1, tokens(5, 0), ops(0))
     block = runner.blocks["model.layers.2"]
-    good = block.w_down
-    block.w_down = good[:, :7]  # the second layer's MLP now fails with a shape error
+    good = block.mlp.w_down
+    block.mlp.w_down = good[:, :7]  # the second layer's MLP now fails with a shape error
     with pytest.raises(RuntimeError):
         runner.forward(1, tokens(1, 1), ops(5))
-    block.w_down = good
+    block.mlp.w_down = good
     assert [runner.cache.length(1, i) for i in (1, 2)] == [5, 5]
     fresh = load(checkpoint)
     fresh.forward(1, tokens(5, 0), ops(0))

@@ -6,7 +6,7 @@ split over 2 shard files, so the served span crosses a shard boundary; in f32 al
 sent in 3-token chunks, then 8 decode steps. The later families (tests/families.py) have
 hub-keyed config.json files and both their layer kinds among layers 1-3.
 
-Tolerances, relative to the largest magnitude of the reference output:
+Tolerances, relative to the largest magnitude of the reference output (tests/tolerance.py):
 * f32: 2e-6 (observed up to ~6e-7 over all cases: the same arithmetic, differently fused;
   ~3x margin).
 * bf16 / f16: both implementations round every matmul output, norm and residual to the
@@ -23,12 +23,12 @@ import torch
 from cakemp.compute.runner import BlockRunner
 from tests.checkpoints import HFLayers, make_checkpoint
 from tests.families import HUB_FAMILIES
+from tests.tolerance import F32_REL, half_bound, rel_error as rel
 
 LAYERS = [1, 2, 3]
 NAMES = [f"model.layers.{i}" for i in LAYERS]
 CHUNKS = [7] + [1] * 8 + [5]
 THREE_TOKEN_CHUNKS = [3] * 4 + [1] * 8
-F32_BOUND = 2e-6
 
 CASES = {
     "llama-gqa": ("llama", {}),
@@ -51,9 +51,6 @@ CASES = {
     "qwen3-head-dim": ("qwen3", {"head_dim": 32}),  # hidden 64 / 4 heads would be 16
     "mistral-window": ("mistral", {"sliding_window": 5}),  # shorter than the first prefill
 } | HUB_FAMILIES
-
-EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-
 
 def checkpoint_of(tmp_path, case, dtype=torch.float32):
     family, overrides, *hub_config = CASES[case]
@@ -81,16 +78,12 @@ def run_both(path, dtype, reference_dtype, chunks=CHUNKS):
         yield runner.forward(7, x, ops).float(), theirs.float(), exact
 
 
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 @pytest.mark.parametrize("chunks", [CHUNKS, THREE_TOKEN_CHUNKS], ids=["prompt-decode-prompt", "3-token-chunks"])
 @pytest.mark.parametrize("case", CASES)
 def test_f32_matches_hf_within_2e_6(tmp_path, case, chunks):
     """In f32, every prefill, decode and later-prompt output matches HF's layers to 2e-6."""
     for ours, hf, _ in run_both(checkpoint_of(tmp_path, case), torch.float32, torch.float32, chunks):
-        assert rel(ours, hf) <= F32_BOUND
+        assert rel(ours, hf) <= F32_REL
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
@@ -101,7 +94,7 @@ def test_half_precision_matches_hf_and_is_as_accurate(tmp_path, case, dtype):
     path = checkpoint_of(tmp_path, case, dtype)
     worst_ours = worst_hf = 0.0
     for ours, hf, exact in run_both(path, dtype, torch.float32):
-        assert rel(ours, hf) <= 8 * EPS[dtype]
+        assert rel(ours, hf) <= half_bound(dtype)
         worst_ours = max(worst_ours, rel(ours, exact))
         worst_hf = max(worst_hf, rel(hf, exact))
     assert worst_ours <= 1.5 * worst_hf
@@ -117,4 +110,4 @@ def test_cuda_is_within_8_eps_of_exact(tmp_path, case, dtype):
     truth = HFLayers(path, LAYERS, torch.float32)
     for x, position, ops in requests(runner.config.hidden_size, dtype):
         ours = runner.forward(7, x.to(runner.device), ops).float().cpu()
-        assert rel(ours, truth(x.float(), position)) <= 8 * EPS[dtype]
+        assert rel(ours, truth(x.float(), position)) <= half_bound(dtype)

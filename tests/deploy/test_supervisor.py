@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from xmlrpc.client import ServerProxy
@@ -26,9 +25,13 @@ from cakemp.master.probe import probe
 from tests.checkpoints import HFLayers
 from tests.deploy.flags import run_variables
 from tests.front.master import from_raw, to_raw
-from tests.front.node import children, gone, wait_gone, write_topology
+from tests.front.node import children, gone, wait_gone, wait_until, write_topology
+from tests.tolerance import assert_close
 
 PROGRAM = Path(__file__).parents[2] / "deploy" / "supervisor" / "cakemp.conf"
+# supervisor's console script, installed beside the interpreter running the tests (a venv's
+# bin/ need not be on PATH).
+SUPERVISORD = str(Path(sys.executable).parent / "supervisord")
 
 
 def write_config(tmp_path: Path, command: str | None = None, environment: dict[str, str] | None = None) -> Path:
@@ -94,7 +97,7 @@ def test_restarts_on_crashes_but_not_after_a_clean_stop_or_config_error(tmp_path
 
 
 # supervisord itself running the node from the project's program section. One supervisord
-# serves the tests below, in order; the last one stops it.
+# serves the tests below; the one that stops supervisord starts its own.
 
 KEY = "change-me"  # the example key in the project's file, kept: the probes authenticate with it
 HIDDEN = 64
@@ -116,25 +119,21 @@ class Supervised:
         lines = self.log.read_text().splitlines() if self.log.exists() else []
         return [json.loads(line) for line in lines if line.startswith("{")]
 
-    def wait_for_event(self, match, timeout: float = 60.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = [e for e in self.events() if match(e)]
-            if found:
-                return found[0]
-            time.sleep(0.1)
-        raise AssertionError(f"the node never logged the awaited event; last lines: {self.events()[-20:]}")
+    def wait_for_event(self, match, after: int = 0, timeout: float = 60.0) -> dict:
+        """The first event from event number `after` on (`len(events())` earlier) for which match(event) holds."""
+        return wait_until(lambda: next((e for e in self.events()[after:] if match(e)), None), timeout,
+                          what=f"the node logging the awaited event (last lines: {self.events()[-5:]})")
 
-    def serve_one_batch(self, checkpoint: Path, timeout: float = 60.0) -> None:
+    def serve_one_batch(self, checkpoint: Path, timeout: float = 180.0) -> None:
         """Probe until the node answers (auth, Hello), then check one Batch through layers 0-3 against HF's."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def answers() -> bool:
             try:
                 asyncio.run(probe(self.address, cluster_key=KEY, timeout=5.0))
-                break
             except CakempError:
-                assert time.monotonic() < deadline, f"the node did not answer within {timeout:g} s"
-                time.sleep(0.2)
+                return False
+            return True
+
+        wait_until(answers, timeout, what="the node answering a keyed probe")
         x = torch.randn(1, 3, HIDDEN)
 
         async def batch():
@@ -144,12 +143,11 @@ class Supervised:
                 return from_raw(await client.batch(to_raw(x), [(f"model.layers.{i}", 0, i) for i in range(4)]))
 
         y = asyncio.run(asyncio.wait_for(batch(), 30))
-        torch.testing.assert_close(y, HFLayers(checkpoint, range(4), torch.float32)(x, 0), atol=1e-4, rtol=0)
+        assert_close(y, HFLayers(checkpoint, range(4), torch.float32)(x, 0))
 
 
-@pytest.fixture(scope="module")
-def supervised(tmp_path_factory, checkpoint):
-    tmp = tmp_path_factory.mktemp("supervisord")
+def start_supervised(tmp: Path, checkpoint: Path) -> Supervised:
+    """supervisord running the project's program section for a node over `checkpoint`, in `tmp`."""
     topology = write_topology(tmp / "topology.yml", ["model.layers.0-3"], name="worker0")
     address = f"127.0.0.1:{free_port()}"
     config = write_config(tmp, command=f"{sys.executable} -m cakemp run", environment={
@@ -160,13 +158,19 @@ def supervised(tmp_path_factory, checkpoint):
         "CAKEMP_GPUS": "cpu:2",
         "CAKEMP_METRICS_ADDRESS": f"127.0.0.1:{free_port()}",
     })
-    process = subprocess.Popen(["supervisord", "--nodaemon", "--configuration", str(config)], cwd=tmp,
+    process = subprocess.Popen([SUPERVISORD, "--nodaemon", "--configuration", str(config)], cwd=tmp,
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     rpc = ServerProxy("http://localhost", transport=SupervisorTransport(serverurl=f"unix://{tmp}/supervisor.sock"))
-    yield Supervised(process, rpc, address, tmp / "cakemp.log")
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    return Supervised(process, rpc, address, tmp / "cakemp.log")
+
+
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory, checkpoint):
+    running = start_supervised(tmp_path_factory.mktemp("supervisord"), checkpoint)
+    yield running
+    if running.process.poll() is None:
+        running.process.kill()
+        running.process.wait()
 
 
 def test_supervisord_brings_the_node_up(supervised, checkpoint):
@@ -176,35 +180,40 @@ def test_supervisord_brings_the_node_up(supervised, checkpoint):
 
 def test_a_killed_device_is_healed_in_place(supervised, checkpoint):
     """SIGKILL of a device process is healed by the same front: it logs the restart and serves again."""
+    supervised.serve_one_batch(checkpoint)  # up (again, if another test restarted it)
     front = supervised.front_pid()
     victim = next(e["pid"] for e in reversed(supervised.events()) if e.get("event") == "device ready")
+    mark = len(supervised.events())
     os.kill(victim, signal.SIGKILL)
-    restarted = supervised.wait_for_event(lambda e: e.get("event") == "device restarted")
+    restarted = supervised.wait_for_event(lambda e: e.get("event") == "device restarted", after=mark)
     assert restarted["pid"] != victim and gone(victim)
     supervised.serve_one_batch(checkpoint)
     assert supervised.front_pid() == front
 
 
 def test_a_killed_front_takes_its_devices_and_supervisord_restarts_it(supervised, checkpoint):
-    """SIGKILL of the front ends its device processes within two seconds, and supervisord starts a
-    new front that serves."""
+    """SIGKILL of the front ends its device processes, and supervisord starts a new front that serves."""
+    supervised.serve_one_batch(checkpoint)  # up (again, if another test restarted it)
     front = supervised.front_pid()
     spawned = children(front)
     os.kill(front, signal.SIGKILL)
-    assert wait_gone(spawned, timeout=2.0) == set()
-    deadline = time.monotonic() + 30
-    while supervised.front_pid() in (0, front):
-        assert time.monotonic() < deadline, "supervisord did not start the node again"
-        time.sleep(0.1)
+    assert wait_gone(spawned) == set()
+    wait_until(lambda: supervised.front_pid() not in (0, front), what="supervisord starting the node again")
     supervised.serve_one_batch(checkpoint)
 
 
-def test_stopping_supervisord_stops_the_node_cleanly(supervised):
+def test_stopping_supervisord_stops_the_node_cleanly(tmp_path, checkpoint):
     """supervisord's SIGTERM to the front drains it: the front exits 0 and no process of it remains."""
-    front = supervised.front_pid()
-    spawned = children(front) | {front}
-    supervised.process.send_signal(signal.SIGTERM)
-    assert supervised.process.wait(timeout=60) == 0
+    supervised = start_supervised(tmp_path, checkpoint)
+    try:
+        supervised.serve_one_batch(checkpoint)
+        front = supervised.front_pid()
+        spawned = children(front) | {front}
+        supervised.process.send_signal(signal.SIGTERM)
+        assert supervised.process.wait(timeout=60) == 0
+    finally:
+        if supervised.process.poll() is None:
+            supervised.process.kill()
     assert wait_gone(spawned) == set()
     log = (supervised.log.parent / "supervisord.log").read_text()
     assert "stopped: cakemp (exit status 0)" in log

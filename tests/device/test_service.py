@@ -143,9 +143,11 @@ def test_clear_and_end_report_the_sessions_left(service):
     """Done after Clear and End carries the device's session count and KV bytes."""
     for session in (1, 2):
         assert isinstance(service.handle(forward(torch.randn(1, 3, 64), [Op(0, 0, 2)], session=session)), Activation)
+    both = service.runner.kv_bytes()
     cleared = service.handle(Clear(1, 7))
-    assert isinstance(cleared, Done) and cleared.request_id == 7 and cleared.kv_bytes > 0
-    service.handle(End(1, 8))
+    assert isinstance(cleared, Done) and cleared.request_id == 7
+    assert (cleared.sessions, cleared.kv_bytes) == (1, both // 2)  # the sessions are the same size
+    assert service.handle(End(1, 8)).sessions == 1  # session 1 was gone already
     last = service.handle(End(2, 9))
     assert (last.sessions, last.kv_bytes) == (0, 0)
 

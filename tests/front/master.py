@@ -26,23 +26,24 @@ def from_raw(raw: RawTensor) -> torch.Tensor:
 
 
 class CakeMaster:
-    def __init__(self, clients: list[WorkerClient], layers: Sequence[int]):
+    def __init__(self, clients: list[WorkerClient], layers: Sequence[int], prefix: str = "model.layers"):
         self.clients = clients
         self.layers = list(layers)
+        self.prefix = prefix  # the family's layer prefix, as Cake's master names layers
 
     @classmethod
     async def connect(cls, port: int, layers: Sequence[int], *, cluster_key: str | None = None,
-                      revision: Revision = Revision.V2) -> CakeMaster:
+                      revision: Revision = Revision.V2, prefix: str = "model.layers") -> CakeMaster:
         clients = []
         for _ in layers:  # sequentially, one per remote layer, as Cake does
             client = await WorkerClient.connect("127.0.0.1", port, cluster_key=cluster_key, revision=revision)
             await client.hello()
             clients.append(client)
-        return cls(clients, layers)
+        return cls(clients, layers, prefix)
 
     async def forward(self, x: torch.Tensor, index_pos: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x [1, T, H] through every layer, at positions index_pos.. -> [1, T, H] float32."""
-        ops = [(f"model.layers.{i}", index_pos, i) for i in self.layers]
+        ops = [(f"{self.prefix}.{i}", index_pos, i) for i in self.layers]
         return from_raw(await self.clients[0].batch(to_raw(x, dtype), ops))
 
     async def goodbye(self) -> None:

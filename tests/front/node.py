@@ -32,6 +32,17 @@ def gone(pid: int) -> bool:
         return True
 
 
+def wait_until(condition, timeout: float = 30.0, what: str = "the awaited condition"):
+    """condition()'s first truthy value, asked again every 50 ms; fails after `timeout` seconds
+    (a limit for a test that would otherwise hang, not a claim about how fast anything is)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout:g} s")
+        time.sleep(0.05)
+    return value
+
+
 def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
     """The pids still running after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -51,6 +62,33 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of a node's /metrics, as `samples` reads them."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         return samples(response.read().decode())
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def kv_bytes(metrics: Samples, device: str) -> float:
+    """The KV bytes `device` (cpu:0, ...) reported last (0 before it has answered anything)."""
+    return metrics.get(("cakemp_kv_cache_bytes", (("device", device),)), 0.0)
+
+
+def answered(metrics: Samples, device: str) -> float:
+    """How many requests `device` has answered: its request-duration histogram's count."""
+    return metrics.get(("cakemp_device_request_duration_seconds_count", (("device", device),)), 0.0)
+
+
+def quiescent(port: int) -> Samples:
+    """/metrics once no master connection is open any more, so every earlier session has been
+    freed on every device (the front counts a connection until its devices answered its End)
+    and each device's KV gauge is what it holds now."""
+    return wait_until(lambda: (m := scrape(port))["cakemp_connections", ()] == 0 and m,
+                      what="closing every connection")
+
+
+def wait_answered(port: int, device: str, count: float) -> None:
+    """Wait until `device` has answered `count` requests: a request whose run goes on to the
+    next device is then waiting on that one (the front hands it on as the reply arrives)."""
+    wait_until(lambda: answered(scrape(port), device) >= count, what=f"{device} answering request #{count:g}")
 
 
 def http_status(port: int, path: str) -> int:

@@ -1,6 +1,6 @@
 """Device processes that die or hang under a running node are restarted in place while it keeps serving.
 
-One node serves the whole module; the last test breaks its checkpoint and ends it.
+One node serves the module's tests; the one that ends a node starts its own, on its own checkpoint.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from cakemp.errors import RemoteWorkerError
-from tests.checkpoints import HFLayers
+from tests.checkpoints import HFLayers, make_checkpoint
 from tests.front.master import CakeMaster
-from tests.front.node import RunningNode, children, gone, scrape, wait_gone, write_topology
+from tests.front.node import RunningNode, answered, children, gone, scrape, wait_answered, wait_gone, write_topology
+from tests.tolerance import assert_close
 
 HIDDEN = 64
 LAYERS = [0, 1, 2, 3]  # layers 0-1 on device 0 (cpu:0), 2-3 on device 1 (cpu:1)
 REQUEST_TIMEOUT_S = 3
 RESTART_ATTEMPTS = 2
-F32_ATOL = 1e-4
 
 
 def run(coro):
@@ -34,12 +34,16 @@ def runtime(tmp_path_factory):
     return tmp_path_factory.mktemp("run")
 
 
+def start_node(checkpoint, runtime, work) -> RunningNode:
+    topology = write_topology(work / "topology.yml", ["model.layers.0-3"])
+    return RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32",
+                       "--request-timeout", str(REQUEST_TIMEOUT_S), "--restart-attempts", str(RESTART_ATTEMPTS),
+                       "--metrics-address", "127.0.0.1:0", env={"RUNTIME_DIRECTORY": str(runtime)})
+
+
 @pytest.fixture(scope="module")
 def node(checkpoint, runtime, tmp_path_factory):
-    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
-    running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32",
-                          "--request-timeout", str(REQUEST_TIMEOUT_S), "--restart-attempts", str(RESTART_ATTEMPTS),
-                          "--metrics-address", "127.0.0.1:0", env={"RUNTIME_DIRECTORY": str(runtime)})
+    running = start_node(checkpoint, runtime, tmp_path_factory.mktemp("topo"))
     yield running
     if running.process.poll() is None:
         running.process.kill()
@@ -61,13 +65,17 @@ def test_a_killed_device_is_restarted_while_the_other_serves(node, checkpoint):
     start again from position 0."""
     victim = node.device_pid(1)
     mark = node.mark()
+    port = node.metrics_port()
+    restarts = scrape(port).get(("cakemp_device_restarts_total", (("device", "cpu:1"),)), 0)
 
     async def main():
         master = await CakeMaster.connect(node.port, LAYERS)
         await master.forward(torch.randn(1, 4, HIDDEN), 0)
         os.kill(victim, signal.SIGSTOP)  # hold the next request on device 1
+        before = answered(await asyncio.to_thread(scrape, port), "cpu:0")
         in_flight = asyncio.create_task(master.forward(torch.randn(1, 1, HIDDEN), 4))
-        await asyncio.sleep(0.5)
+        # cpu:0 answering its part means the request now waits on cpu:1.
+        await asyncio.to_thread(wait_answered, port, "cpu:0", before + 1)
         assert not in_flight.done()
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(RemoteWorkerError, match=r"device cpu:1 died \(exit code -9\)"):
@@ -77,19 +85,19 @@ def test_a_killed_device_is_restarted_while_the_other_serves(node, checkpoint):
             await master.forward(torch.randn(1, 1, HIDDEN), 4)
         other = await CakeMaster.connect(node.port, [0, 1])
         x = torch.randn(1, 3, HIDDEN)
-        torch.testing.assert_close(await other.forward(x, 0), hf(checkpoint, [0, 1])(x, 0), atol=F32_ATOL, rtol=0)
+        assert_close(await other.forward(x, 0), hf(checkpoint, [0, 1])(x, 0))
         await other.close()
         await asyncio.to_thread(restarted, node, 1, mark)
         with pytest.raises(RemoteWorkerError, match=r"device cpu:1 restarted; this session's KV state was lost"):
             await master.forward(torch.randn(1, 1, HIDDEN), 4)
         x = torch.randn(1, 5, HIDDEN)
-        torch.testing.assert_close(await master.forward(x, 0), hf(checkpoint)(x, 0), atol=F32_ATOL, rtol=0)
+        assert_close(await master.forward(x, 0), hf(checkpoint)(x, 0))
         await master.close()
 
     run(main())
     assert node.process.poll() is None
     assert node.device_pid(1) != victim and gone(victim)
-    assert scrape(node.metrics_port())["cakemp_device_restarts_total", (("device", "cpu:1"),)] == 1
+    assert scrape(port)["cakemp_device_restarts_total", (("device", "cpu:1"),)] == restarts + 1
 
 
 def test_a_hung_device_is_restarted_after_the_request_timeout(node, checkpoint):
@@ -106,7 +114,7 @@ def test_a_hung_device_is_restarted_after_the_request_timeout(node, checkpoint):
             await master.forward(torch.randn(1, 1, HIDDEN), 2)
         await asyncio.to_thread(restarted, node, 0, mark)
         x = torch.randn(1, 3, HIDDEN)
-        torch.testing.assert_close(await master.forward(x, 0), hf(checkpoint, [0, 1])(x, 0), atol=F32_ATOL, rtol=0)
+        assert_close(await master.forward(x, 0), hf(checkpoint, [0, 1])(x, 0))
         await master.close()
 
     run(main())
@@ -114,17 +122,21 @@ def test_a_hung_device_is_restarted_after_the_request_timeout(node, checkpoint):
     assert gone(victim)
 
 
-def test_a_device_that_keeps_failing_to_start_ends_the_node_with_exit_1(node, checkpoint, runtime):
+def test_a_device_that_keeps_failing_to_start_ends_the_node_with_exit_1(tmp_path):
     """With the checkpoint gone, a killed device fails --restart-attempts starts in a row; the front
     then exits 1, leaving no process and no ipc file behind."""
+    checkpoint = make_checkpoint(tmp_path, "llama")
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    node = start_node(checkpoint, runtime, tmp_path)
     spawned = children(node.process.pid)
-    weights = checkpoint / "model.safetensors"
-    weights.rename(weights.with_suffix(".moved"))
+    (checkpoint / "model.safetensors").unlink()
     try:
         os.kill(node.device_pid(1), signal.SIGKILL)
         assert node.process.wait(timeout=60) == 1
     finally:
-        weights.with_suffix(".moved").rename(weights)
+        if node.process.poll() is None:
+            node.process.kill()
     failures = [e for e in node.events() if e.get("event") == "device restart failed"]
     assert [e["attempt"] for e in failures] == list(range(1, RESTART_ATTEMPTS + 1))
     assert all("model.safetensors" in e["error"] for e in failures)

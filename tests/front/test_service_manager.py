@@ -1,7 +1,7 @@
 """`cakemp run` as a service manager sees it: sd_notify datagrams on a real socket, the metrics
 endpoint, and the stop on SIGTERM (drain) or on a second signal (at once).
 
-One node serves the module's tests up to the drain, which ends it.
+One node serves the module's tests; the two that stop a node start their own.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,11 @@ from cakemp.errors import ProtocolError, RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from tests.checkpoints import HFLayers
 from tests.front.master import CakeMaster, to_raw
-from tests.front.node import RunningNode, children, http_status, scrape, wait_gone, write_topology
+from tests.front.node import (
+    RunningNode, answered, children, http_status, kv_bytes, quiescent, scrape, wait_answered, wait_gone,
+    write_topology,
+)
+from tests.tolerance import assert_close
 
 HIDDEN = 64
 LAYERS = [0, 1, 2, 3]  # layers 0-1 on cpu:0, 2-3 on cpu:1
@@ -91,13 +94,16 @@ def manager(tmp_path_factory):
     sock.close()
 
 
+def managed_node(checkpoint, topology, runtime: Path, manager: NotifySocket) -> RunningNode:
+    """Two CPU devices, a watchdog, and metrics on a kernel-chosen port, under `manager`."""
+    return RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32", "--metrics-address", "127.0.0.1:0",
+                       env={"NOTIFY_SOCKET": manager.path, "WATCHDOG_USEC": str(WATCHDOG_USEC),
+                            "RUNTIME_DIRECTORY": str(runtime)})
+
+
 @pytest.fixture(scope="module")
 def node(checkpoint, topology, runtime, manager):
-    """Two CPU devices, a watchdog, and metrics on a kernel-chosen port."""
-    running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32",
-                          "--metrics-address", "127.0.0.1:0",
-                          env={"NOTIFY_SOCKET": manager.path, "WATCHDOG_USEC": str(WATCHDOG_USEC),
-                               "RUNTIME_DIRECTORY": str(runtime)})
+    running = managed_node(checkpoint, topology, runtime, manager)
     yield running
     if running.process.poll() is None:
         running.process.kill()
@@ -140,7 +146,7 @@ def test_metrics_parse_and_move_as_requests_are_served(node):
     error, byte, latency, session and KV series; /healthz and /readyz answer 200."""
     port = node.metrics_port()
     assert http_status(port, "/healthz") == 200 and http_status(port, "/readyz") == 200
-    before = scrape(port)
+    before = quiescent(port)
     assert before["cakemp_ready", ()] == 1
 
     async def main():
@@ -166,25 +172,25 @@ def test_metrics_parse_and_move_as_requests_are_served(node):
     for device in ("cpu:0", "cpu:1"):
         assert moved("cakemp_device_request_duration_seconds_count", (("device", device),)) == 3
         assert during["cakemp_kv_cache_bytes", (("device", device),)] > 0
-    assert during["cakemp_connections", ()] == before["cakemp_connections", ()] + len(LAYERS)
-    deadline = time.monotonic() + 10
-    while scrape(port)["cakemp_connections", ()] != before["cakemp_connections", ()]:
-        assert time.monotonic() < deadline, "the closed connections are still counted as sessions"
-        time.sleep(0.05)
+    assert during["cakemp_connections", ()] == len(LAYERS)
+    assert all(kv_bytes(quiescent(port), device) == kv_bytes(before, device) for device in ("cpu:0", "cpu:1"))
 
 
 def test_a_second_signal_exits_at_once(checkpoint, topology, tmp_path):
     """SIGTERM starts a drain that waits on a stalled device; a second SIGTERM ends the node at once
-    with exit 1, its device process and runtime directory gone."""
-    node = RunningNode(checkpoint, topology, "--gpus", "cpu", "--dtype", "f32", env={"RUNTIME_DIRECTORY": str(tmp_path)})
-    device = node.device_pid(0)
+    with exit 1, its device processes and runtime directory gone."""
+    node = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32", "--metrics-address", "127.0.0.1:0",
+                       env={"RUNTIME_DIRECTORY": str(tmp_path)})
+    devices = {node.device_pid(0), node.device_pid(1)}
+    port = node.metrics_port()
 
     async def main():
         async with await WorkerClient.connect("127.0.0.1", node.port) as client:
             await client.hello()
-            os.kill(device, signal.SIGSTOP)
-            in_flight = asyncio.create_task(client.batch(to_raw(torch.randn(1, 2, HIDDEN)), [("model.layers.0", 0, 0)]))
-            await asyncio.sleep(0.3)
+            os.kill(node.device_pid(1), signal.SIGSTOP)
+            in_flight = asyncio.create_task(
+                client.batch(to_raw(torch.randn(1, 2, HIDDEN)), [(f"model.layers.{i}", 0, i) for i in LAYERS]))
+            await asyncio.to_thread(wait_answered, port, "cpu:0", 1)  # now waiting on the stalled cpu:1
             node.process.send_signal(signal.SIGTERM)
             await asyncio.to_thread(node.wait_for, lambda e: e.get("event") == "draining")
             node.process.send_signal(signal.SIGTERM)
@@ -196,24 +202,30 @@ def test_a_second_signal_exits_at_once(checkpoint, topology, tmp_path):
         assert node.process.wait(timeout=10) == 1
     finally:
         node.process.kill()
-    assert wait_gone({device}) == set()
+    assert wait_gone(devices) == set()
     assert list(tmp_path.iterdir()) == []
 
 
-def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(node, checkpoint, manager, runtime):
+def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(checkpoint, topology, tmp_path):
     """After SIGTERM the manager hears STOPPING=1, /readyz turns 503 and new connections are refused,
     while the request held on a stalled device completes correctly; then the node exits 0 with no
     process and no ipc file left."""
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    manager = NotifySocket(tmp_path / "notify")
+    node = managed_node(checkpoint, topology, runtime, manager)
     spawned = children(node.process.pid)
-    device = node.device_pid(0)
+    device = node.device_pid(1)
+    port = node.metrics_port()
     x = torch.randn(1, 3, HIDDEN)
 
     async def main():
         master = await CakeMaster.connect(node.port, LAYERS)
         os.kill(device, signal.SIGSTOP)
         try:
+            before = answered(await asyncio.to_thread(scrape, port), "cpu:0")
             in_flight = asyncio.create_task(master.forward(x, 0))
-            await asyncio.sleep(0.3)
+            await asyncio.to_thread(wait_answered, port, "cpu:0", before + 1)  # now waiting on the stalled cpu:1
             node.process.send_signal(signal.SIGTERM)
             await asyncio.to_thread(manager.wait_until, lambda received: "STOPPING" in keys(received))
             assert await asyncio.to_thread(http_status, node.metrics_port(), "/readyz") == 503
@@ -226,11 +238,17 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(node, checkpoint
         await master.close()
         return y
 
-    y = run(main())
-    torch.testing.assert_close(y, HFLayers(checkpoint, LAYERS, torch.float32)(x, 0), atol=1e-4, rtol=0)
-    assert node.process.wait(timeout=30) == 0
+    try:
+        y = run(main())
+        assert node.process.wait(timeout=30) == 0
+        received = list(manager.received)  # everything the node sent, now that it has exited
+    finally:
+        manager.close()
+        if node.process.poll() is None:
+            node.process.kill()
+    assert_close(y, HFLayers(checkpoint, LAYERS, torch.float32)(x, 0))
     assert wait_gone(spawned) == set()
     assert list(runtime.iterdir()) == []
-    stopping = keys(manager.received).index("STOPPING")
-    assert manager.received[stopping] == ["STOPPING=1", "STATUS=draining 1 requests in flight"]
-    assert set(keys(manager.received[stopping + 1:])) <= {"WATCHDOG"}  # the loop still turns while it drains
+    stopping = keys(received).index("STOPPING")
+    assert received[stopping] == ["STOPPING=1", "STATUS=draining 1 requests in flight"]
+    assert set(keys(received[stopping + 1:])) <= {"WATCHDOG"}  # the loop still turns while it drains

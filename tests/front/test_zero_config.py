@@ -31,13 +31,13 @@ from cakemp.wire.discovery import cluster_hash, decode_announcement, encode_prob
 from tests.checkpoints import HFLayers, make_checkpoint
 from tests.front.master import CakeMaster
 from tests.front.node import ZeroConfigNode
+from tests.tolerance import assert_close
 
 KEY = ZeroConfigNode.KEY
 HIDDEN = 64
 LAYER_INDICES = [1, 2]
 LAYERS = tuple(f"model.layers.{i}" for i in LAYER_INDICES)
 CHUNK_BYTES = 16 << 10  # the checkpoint's shards are ~150 KiB: many chunks per file
-F32_ATOL = 1e-4
 
 
 def run(coro):
@@ -326,9 +326,9 @@ def test_a_full_push_in_many_chunks_then_the_layers_match_hf(served, checkpoints
     async def main():
         master = await CakeMaster.connect(node.port, LAYER_INDICES, cluster_key=KEY, revision=node.revision)
         x = torch.randn(1, 5, HIDDEN)
-        torch.testing.assert_close(await master.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
+        assert_close(await master.forward(x, 0), ref(x, 0))
         x = torch.randn(1, 1, HIDDEN)
-        torch.testing.assert_close(await master.forward(x, 5), ref(x, 5), atol=F32_ATOL, rtol=0)
+        assert_close(await master.forward(x, 5), ref(x, 5))
         await master.close()
 
     run(main())
@@ -378,7 +378,7 @@ def test_a_restart_reuses_the_cache_without_a_push(served, checkpoints, tmp_path
         async def forward():
             master = await CakeMaster.connect(second.port, LAYER_INDICES, cluster_key=KEY, revision=node.revision)
             x = torch.randn(1, 3, HIDDEN)
-            torch.testing.assert_close(await master.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
+            assert_close(await master.forward(x, 0), ref(x, 0))
             await master.close()
 
         run(forward())

@@ -33,7 +33,7 @@ def test_single_file_checkpoint_loads_tensors_as_stored(tmp_path):
     path = make_checkpoint(tmp_path, "qwen2")
     config = ModelConfig.from_dir(path)
     groups = {key: [f"model.layers.2.{name}" for name in members]
-              for key, members in DecoderBlock.weight_groups(config).items()}
+              for key, members in DecoderBlock.weight_groups(config, 2, lambda name: True).items()}
     loaded = Checkpoint(path, config).load(groups, torch.device("cpu"), torch.float32)
     with safe_open(path / "model.safetensors", "pt") as f:
         for key, members in groups.items():
@@ -45,7 +45,7 @@ def test_tensors_are_cast_to_the_compute_dtype(tmp_path):
     path = make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
     runner = BlockRunner.load(path, ["model.layers.0"], "cpu", torch.float16)
     block = runner.blocks["model.layers.0"]
-    assert block.w_qkv.dtype == block.w_down.dtype == block.input_norm.dtype == torch.float16
+    assert block.w_qkv.dtype == block.mlp.w_down.dtype == block.input_norm.dtype == torch.float16
 
 
 def test_tensor_missing_from_its_shard_names_tensor_and_file(tmp_path):
@@ -114,7 +114,7 @@ def test_fp8_checkpoint_with_ragged_blocks_is_dequantized_on_load(tmp_path):
     for i in range(rows):
         for j in range(cols):
             expected[i, j] = down[i, j].float() * scale[i // 48, j // 40]
-    assert torch.equal(block.w_down, expected)
+    assert torch.equal(block.mlp.w_down, expected)
     q = stored["model.layers.2.self_attn.q_proj.weight"]
     q_scale = stored["model.layers.2.self_attn.q_proj.weight_scale_inv"]
     assert torch.equal(block.w_qkv[: q.shape[0]], fp8.dequantize(q, q_scale, (48, 40)))
@@ -132,13 +132,34 @@ def test_weights_that_disagree_with_config_are_refused_at_load(tmp_path):
         BlockRunner.load(path, ["model.layers.0"], "cpu", torch.float32)
 
 
+def test_fp8_qwen3_5_moe_loads_dequantized_and_skips_vision_and_mtp(tmp_path):
+    """An FP8 Qwen3.5-MoE checkpoint's linear-attention projections load as e4m3 times block scale
+    (fused in one matrix), its (1 + w) norms with the 1 added; vision and mtp tensors are never read."""
+    path = make_checkpoint(tmp_path, "qwen3_5_moe", shards=2, fp8_block=(32, 48))
+    runner = BlockRunner.load(path, ["model.language_model.layers.1"], "cpu", torch.float32)
+    block = runner.blocks["model.language_model.layers.1"]
+    files = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    stored = {}
+    for file in files:
+        with safe_open(path / file, "pt") as f:
+            stored |= {k: f.get_tensor(k) for k in f.keys()}
+    prefix = "model.language_model.layers.1."
+    assert stored[prefix + "linear_attn.in_proj_qkv.weight"].dtype == torch.float8_e4m3fn
+    parts = [fp8.dequantize(stored[f"{prefix}linear_attn.in_proj_{p}.weight"],
+                            stored[f"{prefix}linear_attn.in_proj_{p}.weight_scale_inv"], (32, 48))
+             for p in ("qkv", "z", "b", "a")]
+    assert torch.equal(block.mixer.w_in, torch.cat(parts))
+    assert torch.equal(block.input_norm, stored[prefix + "input_layernorm.weight"] + 1)
+    assert any(k.startswith("mtp.layers.0.") for k in stored) and any(k.startswith("model.visual.") for k in stored)
+
+
 def test_fp8_fused_phi3_projections_dequantize_as_one_matrix(tmp_path):
     """Phi-3's pre-fused qkv_proj and gate_up_proj in FP8 load as their e4m3 times block scale."""
     family, overrides, hub_config = HUB_FAMILIES["phi3"]
     path = make_checkpoint(tmp_path, family, fp8_block=(48, 40), hub_config=hub_config, **overrides)
     block = BlockRunner.load(path, ["model.layers.1"], "cpu", torch.float32).blocks["model.layers.1"]
     with safe_open(path / "model.safetensors", "pt") as f:
-        for weight, name in ((block.w_qkv, "self_attn.qkv_proj"), (block.w_gate_up, "mlp.gate_up_proj")):
+        for weight, name in ((block.w_qkv, "self_attn.qkv_proj"), (block.mlp.w_gate_up, "mlp.gate_up_proj")):
             stored = f.get_tensor(f"model.layers.1.{name}.weight")
             assert stored.dtype == torch.float8_e4m3fn
             scale = f.get_tensor(f"model.layers.1.{name}.weight_scale_inv")

@@ -78,7 +78,7 @@ def test_transformers_5_rope_parameters_are_read():
     assert c.rope_theta == 1234.0 and c.rope_scaling.factor == 2.0
 
 
-@pytest.mark.parametrize("architectures", [["GPT2LMHeadModel"], ["Qwen3_5ForConditionalGeneration"]])
+@pytest.mark.parametrize("architectures", [["GPT2LMHeadModel"], ["Qwen3NextForCausalLM"]])
 def test_unsupported_architecture_is_named(architectures):
     """An architecture cakemp does not implement is refused by name, never run as Llama."""
     d = make_config("llama").to_dict() | {"architectures": architectures}
@@ -132,6 +132,40 @@ def test_unsupported_mlp_variants_are_refused(key, value):
     d = make_config("llama").to_dict() | {key: value}
     with pytest.raises(CheckpointError, match=key):
         ModelConfig.from_dict(d)
+
+
+def test_qwen3_5_reads_text_config_layer_kinds_and_partial_rotary():
+    """Qwen3.5's text_config gives the hybrid's switches, its layer prefix and the linear layers."""
+    c = parsed("qwen3_5")
+    assert c.layer_prefix == "model.language_model.layers" and c.layer_name(3) == "model.language_model.layers.3"
+    assert c.linear_layers == {0, 1, 2} and c.layout.norm_plus_one and c.attention_output_gate and c.qk_norm == "head"
+    assert c.layer_ropes[3].dim == 4 and c.moe is None  # head_dim 16 x 0.25
+    assert c.layer_ropes[:3] == (None,) * 3  # linear-attention layers rotate nothing
+    assert (c.linear_attention.key_heads, c.linear_attention.value_heads, c.linear_attention.conv_channels) == (2, 4, 96)
+
+
+def test_qwen3_5_layer_kinds_from_full_attention_interval_and_classic_rope_keys():
+    """Without layer_types every interval-th layer attends; rope_theta and partial_rotary_factor may be plain keys."""
+    d = make_config("qwen3_5", num_hidden_layers=6).to_dict()
+    text = d["text_config"]
+    del text["layer_types"], text["rope_parameters"]
+    text.update(full_attention_interval=3, rope_theta=5e6, partial_rotary_factor=0.5)
+    c = ModelConfig.from_dict(d)
+    assert c.linear_layers == {0, 1, 3, 4} and c.rope_theta == 5e6 and c.layer_ropes[2].dim == 8
+
+
+def test_qwen3_5_moe_always_renormalises_and_has_a_shared_expert():
+    c = parsed("qwen3_5_moe")
+    assert (c.moe.experts, c.moe.top_k, c.moe.renormalize, c.moe.shared_intermediate_size) == (8, 2, True, 48)
+    assert c.moe.sparse_layers == (True,) * 4
+
+
+def test_qwen3_moe_sparse_layers_follow_mlp_only_layers_and_step():
+    """Hub configs say num_experts (transformers 5: num_local_experts); dense layers from mlp_only_layers and the step."""
+    d = make_config("qwen3_moe", mlp_only_layers=[0], decoder_sparse_step=2, norm_topk_prob=True).to_dict()
+    d["num_experts"] = d.pop("num_local_experts")
+    c = ModelConfig.from_dict(d)
+    assert c.moe.sparse_layers == (False, True, False, True) and c.moe.renormalize and c.qk_norm == "head"
 
 
 def hub(family, **keys):

@@ -1,9 +1,11 @@
 import pytest
 import torch
+from safetensors import safe_open
 
 from cakemp.model.config import ModelConfig
 from cakemp.model.head import Head
 from tests.checkpoints import make_checkpoint
+from tests.tolerance import assert_close
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,7 +24,7 @@ def test_head_matches_transformers(tmp_path, family, tied):
         expected_embed = hf.model.embed_tokens(torch.tensor([tokens]))
         expected_logits = hf.lm_head(hf.model.norm(x))[0, -1]
     assert torch.equal(head.embed(tokens), expected_embed)
-    torch.testing.assert_close(head.logits(x), expected_logits, rtol=1e-5, atol=1e-5)
+    assert_close(head.logits(x), expected_logits)
     assert (head.lm_head_weight is head.embed_weight) is tied
 
 
@@ -33,3 +35,13 @@ def test_head_casts_to_the_compute_dtype(tmp_path):
     x = head.embed([1, 2])
     assert x.dtype == head.logits(x).dtype == torch.bfloat16
     assert x.shape == (1, 2, 64) and head.logits(x).shape == (128,)
+
+
+def test_qwen3_5_head_sits_beside_the_language_model_with_a_plus_one_norm(tmp_path):
+    """Qwen3.5's embeddings and final norm are under model.language_model, the norm weight 1 + w."""
+    path = make_checkpoint(tmp_path, "qwen3_5")
+    head = Head.load(path, ModelConfig.from_dir(path), "cpu", torch.float32)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        assert torch.equal(head.embed_weight, f.get_tensor("model.language_model.embed_tokens.weight"))
+        assert torch.equal(head.norm_weight, f.get_tensor("model.language_model.norm.weight") + 1)
+        assert torch.equal(head.lm_head_weight, f.get_tensor("lm_head.weight"))

@@ -1,0 +1,110 @@
+"""A sparse MoE feed-forward (Qwen3-MoE, Qwen3.5-MoE): a router picks top_k experts per token.
+
+    probs = softmax(router(h))                   # in f32
+    w, e  = top_k(probs)                         # renormalised to sum 1 when configured
+    out   = sum_k w_k * expert_{e_k}(h)          # each expert a GatedMlp
+          (+ sigmoid(shared_gate(h)) * shared_expert(h), Qwen3.5-MoE)
+
+Tokens are grouped by expert: the (token, slot) pairs are sorted by expert once, and each
+expert that was picked runs one GEMM pair over all its tokens; the Python loop is over the
+experts hit, never over tokens. A decode step therefore reads only its top_k experts' weights.
+
+Experts are held stacked ([E, 2I, H] and [E, H, I]); checkpoints store them either that way
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`: transformers 5 and the official
+Qwen3.5-MoE files) or one set per expert (`mlp.experts.{j}.{gate,up,down}_proj.weight`: the
+Qwen3-MoE hub files), which loading stacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from cakemp.model.config import ModelConfig
+from cakemp.model.fp8 import linear
+from cakemp.model.mlp import GatedMlp
+
+FUSED_GATE_UP = "mlp.experts.gate_up_proj"
+FUSED_DOWN = "mlp.experts.down_proj"
+# Weights viewed as [E, rows, cols]: loaded as plain tensors even where other FP8 matrices stay FP8.
+STACKED = frozenset({"experts_gate_up", "experts_down"})
+
+
+class SparseMoe:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        moe = config.moe
+        E, I, H = moe.experts, moe.intermediate_size, config.hidden_size
+        self.top_k = moe.top_k
+        self.activation = config.activation
+        self.renormalize = moe.renormalize
+        self.router = weights["router"]  # [E, H]
+        self.gate_up = weights["experts_gate_up"].view(E, 2 * I, H)
+        self.down = weights["experts_down"].view(E, H, I)
+        self.shared = None
+        if moe.shared_intermediate_size:
+            self.shared = GatedMlp(weights["shared_gate_up"], weights["shared_down"], self.activation)
+            self.shared_gate = weights["shared_gate"]  # [1, H]
+
+    @staticmethod
+    def weight_groups(config: ModelConfig, stored: Callable[[str], bool]) -> dict[str, list[str]]:
+        """`stored(name)`: whether the layer's checkpoint holds `name` (relative to the layer)."""
+        E = config.moe.experts
+        if stored(FUSED_GATE_UP):
+            groups = {"experts_gate_up": [FUSED_GATE_UP], "experts_down": [FUSED_DOWN]}
+        else:
+            groups = {
+                "experts_gate_up": [f"mlp.experts.{j}.{p}_proj.weight" for j in range(E) for p in ("gate", "up")],
+                "experts_down": [f"mlp.experts.{j}.down_proj.weight" for j in range(E)],
+            }
+        groups["router"] = ["mlp.gate.weight"]
+        if config.moe.shared_intermediate_size:
+            groups["shared_gate_up"] = ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"]
+            groups["shared_down"] = ["mlp.shared_expert.down_proj.weight"]
+            groups["shared_gate"] = ["mlp.shared_expert_gate.weight"]
+        return groups
+
+    @staticmethod
+    def weight_shapes(config: ModelConfig, stored: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
+        moe, H = config.moe, config.hidden_size
+        E, I, S = moe.experts, moe.intermediate_size, moe.shared_intermediate_size
+        fused = stored(FUSED_GATE_UP)
+        return {
+            "experts_gate_up": (E, 2 * I, H) if fused else (E * 2 * I, H),
+            "experts_down": (E, H, I) if fused else (E * H, I),
+            "router": (E, H),
+            "shared_gate_up": (2 * S, H),
+            "shared_down": (H, S),
+            "shared_gate": (1, H),
+        }
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [B, T, H] -> [B, T, H]."""
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])  # [N, H]
+        probs = F.softmax(linear(x, self.router), dim=-1, dtype=torch.float32)  # [N, E]
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k] each
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+
+        # Group the N * k (token, slot) pairs by expert: after a stable sort, expert e's pairs
+        # are one contiguous run of `counts[e]`.
+        flat = experts.reshape(-1)  # [N k]
+        order = flat.argsort(stable=True)
+        tokens = order // self.top_k  # the token of each sorted pair
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        routed = x[tokens]  # [N k, H]
+        outputs = []
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = routed[start : start + count]
+                outputs.append(GatedMlp(self.gate_up[expert], self.down[expert], self.activation)(rows))
+                start += count
+        mixed = torch.cat(outputs) * weights.reshape(-1)[order, None]  # [N k, H]
+        out = torch.zeros_like(x).index_add_(0, tokens, mixed)
+        if self.shared is not None:
+            out = out + torch.sigmoid(linear(x, self.shared_gate)) * self.shared(x)
+        return out.view(shape)

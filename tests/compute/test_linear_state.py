@@ -1,0 +1,100 @@
+"""A Qwen3.5 session's linear-attention state: continued, restarted, never rewound, budgeted, freed."""
+
+import pytest
+import torch
+
+from cakemp.compute.runner import BlockRunner
+from cakemp.errors import CacheBudgetExceeded, PositionGap, RecurrentRewind
+from tests.checkpoints import make_checkpoint
+
+PREFIX = "model.language_model.layers"
+LAYERS = [1, 2, 3]  # linear, linear, full attention
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen3_5", shards=2)
+
+
+def load(path, **kwargs):
+    return BlockRunner.load(path, [f"{PREFIX}.{i}" for i in LAYERS], "cpu", torch.float32, **kwargs)
+
+
+def ops(position):
+    return [(f"{PREFIX}.{i}", position, i) for i in LAYERS]
+
+
+def tokens(T, seed):
+    return torch.randn(1, T, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_prompt_in_chunks_equals_the_prompt_at_once(path):
+    """Nine tokens sent as 3 + 3 + 3 give the same hidden states as one chunk of 9."""
+    runner = load(path)
+    x = tokens(9, 0)
+    whole = runner.forward(1, x, ops(0))
+    parts = torch.cat([runner.forward(2, x[:, i : i + 3], ops(i)) for i in (0, 3, 6)], dim=1)
+    torch.testing.assert_close(parts, whole, rtol=0, atol=2e-6 * whole.abs().max().item())
+
+
+def test_rewind_to_a_middle_position_is_refused_by_name_and_changes_nothing(path):
+    """index_pos between 0 and the consumed length is a RecurrentRewind; the session continues unharmed."""
+    runner, fresh = load(path), load(path)
+    for r in (runner, fresh):
+        r.forward(1, tokens(5, 0), ops(0))
+    with pytest.raises(RecurrentRewind, match="cannot be rewound.*consumed 5 positions"):
+        runner.forward(1, tokens(1, 1), ops(3))
+    assert runner.cache.linear_length(1, 1) == 5
+    torch.testing.assert_close(runner.forward(1, tokens(1, 2), ops(5)), fresh.forward(1, tokens(1, 2), ops(5)),
+                               rtol=0, atol=0)
+
+
+def test_index_pos_past_the_consumed_length_is_a_gap(path):
+    runner = load(path)
+    runner.forward(1, tokens(2, 0), ops(0))
+    with pytest.raises(PositionGap, match="does not follow"):
+        runner.forward(1, tokens(1, 1), ops(3))
+
+
+def test_restart_at_zero_starts_afresh(path):
+    """A new prompt at index_pos 0 without Goodbye ignores the old state, as a new session would."""
+    runner, fresh = load(path), load(path)
+    runner.forward(1, tokens(6, 0), ops(0))
+    torch.testing.assert_close(runner.forward(1, tokens(4, 1), ops(0)), fresh.forward(9, tokens(4, 1), ops(0)),
+                               rtol=0, atol=0)
+
+
+def test_a_request_failing_part_way_leaves_the_linear_state_as_it_was(path):
+    """A failure in the last (attention) layer installs none of the linear layers' new states."""
+    runner, fresh = load(path), load(path)
+    for r in (runner, fresh):
+        r.forward(1, tokens(4, 0), ops(0))
+    block = runner.blocks[f"{PREFIX}.3"]
+    good = block.mlp.w_down
+    block.mlp.w_down = good[:, :7]  # the attention layer's MLP now fails with a shape error
+    with pytest.raises(RuntimeError):
+        runner.forward(1, tokens(1, 1), ops(4))
+    block.mlp.w_down = good
+    assert [runner.cache.linear_length(1, i) for i in (1, 2)] == [4, 4]
+    torch.testing.assert_close(runner.forward(1, tokens(1, 2), ops(4)), fresh.forward(1, tokens(1, 2), ops(4)),
+                               rtol=0, atol=0)
+
+
+def test_linear_state_is_counted_in_the_budget_and_freed_with_the_session(path):
+    """Two linear slots of f32 conv + recurrent state count in kv_bytes, refuse past the budget, and go on clear."""
+    runner = load(path)
+    la = runner.config.linear_attention
+    per_slot = 4 * (la.conv_channels * (la.conv_kernel - 1) + la.value_heads * la.key_head_dim * la.value_head_dim)
+    runner.forward(1, tokens(3, 0), ops(0)[:2])  # the two linear layers only
+    assert runner.kv_bytes() == 2 * per_slot
+    runner.clear_session(1)
+    assert runner.kv_bytes() == 0 and runner.session_count() == 0
+
+    tight = load(path, kv_budget_bytes=2 * per_slot)
+    tight.forward(1, tokens(3, 0), ops(0)[:2])
+    with pytest.raises(CacheBudgetExceeded):
+        tight.forward(2, tokens(3, 0), ops(0)[:1])
+    assert tight.kv_bytes() == 2 * per_slot and tight.session_count() == 1
+    tight.end_session(1)
+    tight.forward(2, tokens(3, 0), ops(0)[:1])
+    assert tight.kv_bytes() == per_slot

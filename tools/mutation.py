@@ -1,0 +1,268 @@
+"""A mutation check of the test suite: plausible one-line bugs, each planted in a copy of the tree.
+
+    python tools/mutation.py                      # every mutant against this working tree
+    python tools/mutation.py --rev bbf3f9a        # ... against a commit's tree (code and tests)
+    python tools/mutation.py --only goodbye-keeps-kv,rms-eps-10x
+
+Each mutant replaces one exact snippet of one file (the snippet must occur exactly once) in a
+fresh temporary copy of the tree, then runs only the tests that exercise that code; the mutant
+is killed when they fail. The working tree itself is never written. docs/mutation.md records
+the score and what each survivor means.
+
+Why hand-written mutants rather than mutmut or cosmic-ray: those generate thousands of
+operator swaps and run the suite (or its coverage-selected part) per mutant; with live nodes
+at ~5 s each and a machine shared by several agents, that is hours. A short list of the bugs
+a reviewer would worry about (a freed cache that is not freed, a tolerance that hides a wrong
+epsilon, a rotary offset dropped, a proof not checked), each with its own small test subset,
+runs in ~20 minutes and says exactly what each survivor is.
+
+This lives in tools/, not bench/ (it measures the tests, not the code's speed) and not in
+tests/ (it runs pytest itself, many times; it is not part of CI's run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MUTANT_TIMEOUT_S = 600  # a mutant that hangs its tests past this counts as killed (by timeout)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the tree's root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: test files, node ids, -k expressions
+
+
+# Test subsets, smallest that exercise each area. Paths missing from a tree (an older commit)
+# are dropped; a subset left with no test leaves the mutant alive. A -k applies to every path
+# of its subset, so subsets with one are not added to others.
+WIRE = ("tests/wire",)
+AUTH = ("tests/test_auth.py", "tests/front/test_node.py", "-k", "key or proof or auth")
+ROUTER = ("tests/front/test_node.py",)
+POOL = ("tests/front/test_node.py", "tests/front/test_node_flags.py")
+RUNNER = ("tests/compute", "tests/device/test_service.py")
+KV = ("tests/compute/test_kv_cache.py", "tests/compute/test_runner.py", "tests/device/test_service.py",
+      "tests/front/test_node_flags.py")
+BLOCK = ("tests/model/test_block.py", "tests/compute/test_runner_parity.py", "-k", "f32 or block")
+GENERATION = ("tests/master/test_generator.py", "-k", "greedy")
+
+MUTANTS = (
+    # --- wire codec
+    Mutant("frame-max-payload-off-by-one", "cakemp/wire/frames.py",
+           "if size > max_payload:", "if size >= max_payload:", WIRE),
+    Mutant("frame-magic-unchecked", "cakemp/wire/frames.py",
+           "if magic != MAGIC:", "if False:", WIRE),
+    Mutant("decoder-keeps-consumed-payload", "cakemp/wire/frames.py",
+           "            del self._buf[:size]\n", "", WIRE),
+    Mutant("u64-little-endian", "cakemp/wire/messages.py",
+           '_U64 = struct.Struct(">Q")', '_U64 = struct.Struct("<Q")', WIRE),
+    Mutant("count-bound-unchecked", "cakemp/wire/messages.py",
+           "if n * min_item_size > left:", "if False:", WIRE),
+    Mutant("tensor-byte-count-unchecked", "cakemp/wire/messages.py",
+           "if t.data.nbytes != expected:", "if False:", WIRE),
+    Mutant("v2-tag-table-is-v1", "cakemp/wire/messages.py",
+           "LayerAssignmentAck, ModelDataChunk, ModelDataDone, ModelDataResume, WorkerReady,",
+           "LayerAssignmentAck, ModelDataChunk, ModelDataDone, WorkerReady, ModelDataResume,", WIRE),
+    # --- auth
+    Mutant("worker-accepts-any-master-proof", "cakemp/auth.py",
+           "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:", AUTH),
+    # The same bug as above, against the node-level tests alone (the issue: one unit test only).
+    Mutant("worker-accepts-any-master-proof/node", "cakemp/auth.py",
+           "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:",
+           ("tests/front/test_node.py", "-k", "key or proof")),
+    Mutant("master-accepts-any-worker-proof", "cakemp/auth.py",
+           "if not hmac.compare_digest(reply[:HMAC_SIZE], _mac(key, nonce_m)):", "if False:", AUTH),
+    Mutant("worker-signs-its-own-nonce", "cakemp/auth.py",
+           "writer.write(_mac(key, nonce_m) + nonce_w)", "writer.write(_mac(key, nonce_w) + nonce_w)", AUTH),
+    # --- router
+    Mutant("router-one-leg-per-op", "cakemp/front/router.py",
+           "if not legs or legs[-1][0] != device:", "if True:", ROUTER),
+    Mutant("router-index-off-by-one", "cakemp/front/router.py",
+           "legs[-1][1].append(Op(index, op.index_pos, op.block_idx))",
+           "legs[-1][1].append(Op(min(index + 1, 1), op.index_pos, op.block_idx))", ROUTER),
+    # --- pool and connection (the session's lifetime on the devices)
+    Mutant("goodbye-keeps-kv", "cakemp/front/connection.py",
+           "results = await asyncio.gather(*(self._pool.clear(d, self.session) for d in sorted(self._devices)),",
+           "results = await asyncio.gather(*(self._pool.clear(d, -1) for d in sorted(self._devices)),", POOL),
+    Mutant("close-keeps-kv", "cakemp/front/pool.py",
+           "return await self._done(device, End(session, next(self._request_ids)))",
+           "return await self._done(device, End(-session, next(self._request_ids)))", POOL),
+    Mutant("kv-gauge-not-recorded", "cakemp/front/pool.py",
+           "self._metrics.kv_bytes.set(reply.kv_bytes, device=target.spec.label)", "pass", POOL),
+    Mutant("lost-session-not-told", "cakemp/front/pool.py",
+           "if any(op.index_pos > 0 for op in ops):", "if False:", ("tests/front/test_device_loss.py",)),
+    Mutant("drain-never-times-out", "cakemp/front/server.py",
+           "_, pending = await asyncio.wait(tasks, timeout=self.config.drain_timeout)",
+           "_, pending = await asyncio.wait(tasks)", ("tests/front/test_node_flags.py", "-k", "drain")),
+    Mutant("cpu-threads-ignored", "cakemp/front/server.py",
+           "cpu_threads = self.config.cpu_threads or", "cpu_threads = None or", ("tests/front/test_node_flags.py",)),
+    Mutant("kv-budget-not-passed", "cakemp/front/server.py",
+           "kv_budget_bytes=self.config.kv_budget_bytes,", "kv_budget_bytes=None,", ("tests/front/test_node_flags.py",)),
+    Mutant("default-dtype-f32", "cakemp/cli.py",
+           '@_flag("--dtype", type=click.Choice(["f16", "bf16", "f32"]), default="f16", help="Compute dtype of the layers.")',
+           '@_flag("--dtype", type=click.Choice(["f16", "bf16", "f32"]), default="f32", help="Compute dtype of the layers.")',
+           ("tests/front/test_node_flags.py", "tests/test_cli.py")),
+    # --- runner
+    Mutant("rotary-offset-dropped", "cakemp/compute/runner.py",
+           "rotations[rotary, index_pos] = rotary.cos_sin(index_pos, T, self.dtype)",
+           "rotations[rotary, index_pos] = rotary.cos_sin(0, T, self.dtype)", RUNNER),
+    # The same bug against the end-to-end generation oracle alone (the issue: it saw nothing).
+    Mutant("rotary-offset-dropped/generation", "cakemp/compute/runner.py",
+           "rotations[rotary, index_pos] = rotary.cos_sin(index_pos, T, self.dtype)",
+           "rotations[rotary, index_pos] = rotary.cos_sin(0, T, self.dtype)", GENERATION),
+    # The same bug against the f32 parity tests alone (the issue: 4 of 5 families let it through).
+    Mutant("rms-eps-10x/parity", "cakemp/model/block.py",
+           "self.eps = config.rms_norm_eps", "self.eps = config.rms_norm_eps * 10",
+           ("tests/compute/test_runner_parity.py", "-k", "f32")),
+    Mutant("position-gap-unchecked", "cakemp/compute/runner.py",
+           "if index_pos < 0 or index_pos > cached:", "if index_pos < 0:", RUNNER),
+    Mutant("failed-request-keeps-length", "cakemp/compute/runner.py",
+           "slots[block_idx].length = min(previous[block_idx], index_pos)", "pass", RUNNER),
+    Mutant("runner-end-keeps-kv", "cakemp/compute/runner.py",
+           '        """The connection closed: free everything the session holds."""\n        self.cache.clear(session)',
+           '        """The connection closed: free everything the session holds."""', RUNNER + POOL),
+    Mutant("runner-clear-keeps-kv", "cakemp/compute/runner.py",
+           '        """Goodbye: forget the session\'s positions and free its buffers (unknown session: no-op)."""\n'
+           "        self.cache.clear(session)",
+           '        """Goodbye: forget the session\'s positions and free its buffers (unknown session: no-op)."""',
+           RUNNER + POOL),
+    # --- KV cache
+    Mutant("kv-grow-loses-rows", "cakemp/compute/kv_cache.py",
+           "            k[:, :, :length] = old.k[:, :, :length]\n", "", KV),
+    Mutant("kv-clear-keeps-bytes", "cakemp/compute/kv_cache.py",
+           "        self._bytes -= sum(slot.capacity for slot in slots.values()) * self.bytes_per_position", "", KV),
+    Mutant("kv-budget-ignored", "cakemp/compute/kv_cache.py",
+           "if exact > left:", "if False:", KV),
+    Mutant("kv-context-limit-off-by-one", "cakemp/compute/kv_cache.py",
+           "if end > self.max_context:", "if end > self.max_context + 1:", KV),
+    Mutant("kv-no-doubling", "cakemp/compute/kv_cache.py",
+           "min(self.max_context, max(2 * capacity, MIN_CAPACITY, end))", "min(self.max_context, end)", KV),
+    # --- block math
+    Mutant("rms-eps-10x", "cakemp/model/block.py",
+           "self.eps = config.rms_norm_eps", "self.eps = config.rms_norm_eps * 10", BLOCK),
+    Mutant("rotate-half-sign", "cakemp/model/rotary.py",
+           "rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)",
+           "rotated_half = torch.cat((x[..., half:], -x[..., :half]), dim=-1)", BLOCK),
+    Mutant("window-off-by-one", "cakemp/model/attention.py",
+           "first = 0 if window is None else max(0, end - window)",
+           "first = 0 if window is None else max(0, end - window - 1)", BLOCK),
+    Mutant("softmax-scale-10-percent-off", "cakemp/model/block.py",
+           "self.scale = config.attention_scale", "self.scale = config.attention_scale * 1.1", BLOCK),
+    Mutant("qk-norm-skipped-on-k", "cakemp/model/block.py",
+           "            k = rms_norm(k, self.k_norm, self.eps)\n        q = q.transpose(1, 2)",
+           "        q = q.transpose(1, 2)", BLOCK),
+    Mutant("mlp-gate-up-swapped", "cakemp/model/block.py",
+           "return linear(self.activation(gate) * up, self.w_down)",
+           "return linear(self.activation(up) * gate, self.w_down)", BLOCK),
+    Mutant("llama3-ramp-reversed", "cakemp/model/rotary.py",
+           "ramp = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq",
+           "ramp = smooth * inv_freq / scaling.factor + (1 - smooth) * inv_freq", BLOCK),
+)
+
+
+def copy_tree(source: Path, rev: str | None, destination: Path) -> None:
+    """The tree to mutate: `rev`'s committed files, else the working tree's (without .git and caches)."""
+    if rev is not None:
+        archive = subprocess.run(["git", "-C", str(source), "archive", rev], check=True, capture_output=True).stdout
+        destination.mkdir()
+        subprocess.run(["tar", "-x", "-C", str(destination)], input=archive, check=True)
+        return
+    ignore = shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "*.egg-info", ".venv")
+    shutil.copytree(source, destination, ignore=ignore)
+
+
+def present(tree: Path, tests: tuple[str, ...]) -> list[str]:
+    """`tests` without the paths this tree lacks (options and their values are kept), or [] when
+    no path is left (an option alone would select from the whole suite)."""
+    kept, paths, value_next = [], 0, False
+    for arg in tests:
+        if value_next or arg.startswith("-"):
+            kept.append(arg)
+            value_next = arg in ("-k", "-m")
+        elif (tree / arg.split("::")[0]).exists():
+            kept.append(arg)
+            paths += 1
+    return kept if paths else []
+
+
+def run_tests(tree: Path, tests: list[str]) -> tuple[str, float]:
+    """("failed: <first failing test>" | "passed" | "no tests" | "timeout" | "error rc=N", seconds)
+    for `tests` in `tree`."""
+    if not tests:
+        return "no tests", 0.0
+    env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(tree / ".cache")}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", *tests]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
+                              timeout=MUTANT_TIMEOUT_S, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - start
+    seconds = time.monotonic() - start
+    if done.returncode == 1:
+        failed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("FAILED ")]
+        return f"failed: {failed[0] if failed else '?'}", seconds
+    return {0: "passed", 5: "no tests"}.get(done.returncode, f"error rc={done.returncode}"), seconds
+
+
+def mutate(tree: Path, mutant: Mutant) -> str | None:
+    """Apply `mutant` to the copy; the reason it cannot be applied, or None."""
+    path = tree / mutant.path
+    if not path.exists():
+        return f"{mutant.path} not in this tree"
+    text = path.read_text()
+    if text.count(mutant.old) != 1:
+        return f"snippet occurs {text.count(mutant.old)} times in {mutant.path}"
+    path.write_text(text.replace(mutant.old, mutant.new))
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rev", help="mutate this commit's tree instead of the working tree")
+    parser.add_argument("--only", help="comma-separated mutant names")
+    parser.add_argument("--no-baseline", action="store_true", help="skip checking that each subset passes unmutated")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="cakemp-mutation-") as scratch:
+        pristine = Path(scratch) / "pristine"
+        copy_tree(ROOT, args.rev, pristine)
+        if not args.no_baseline:
+            # A subset that fails without any mutant would "kill" every mutant: check each once.
+            for tests in dict.fromkeys(tuple(present(pristine, m.tests)) for m in chosen):
+                outcome, seconds = run_tests(pristine, list(tests))
+                print(f"baseline {' '.join(tests) or '(none)'}: {outcome} ({seconds:.0f} s)", flush=True)
+                if outcome not in ("passed", "no tests"):
+                    return 2
+        killed = 0
+        for i, mutant in enumerate(chosen):
+            tree = Path(scratch) / f"mutant-{i}"
+            shutil.copytree(pristine, tree)
+            problem = mutate(tree, mutant)
+            if problem is not None:
+                outcome, seconds = f"not applied: {problem}", 0.0
+            else:
+                outcome, seconds = run_tests(tree, present(tree, mutant.tests))
+            shutil.rmtree(tree, ignore_errors=True)
+            dead = outcome.startswith("failed") or outcome == "timeout"
+            killed += dead
+            print(f"{'KILLED  ' if dead else 'SURVIVED'} {mutant.name:36s} {outcome} ({seconds:.0f} s)", flush=True)
+    print(f"score: {killed}/{len(chosen)} killed in {(time.monotonic() - started) / 60:.1f} min", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
