@@ -25,7 +25,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 from cakemp.errors import CakempError, DeviceLost, RequestError
 
@@ -104,7 +103,7 @@ class GiveUp:
     reason: str
 
 
-Action = Union[Spawn, Kill, Ping, Complete, Started, StartFailed, Restarting, RestartFailed, Restarted, GiveUp]
+Action = Spawn | Kill | Ping | Complete | Started | StartFailed | Restarting | RestartFailed | Restarted | GiveUp
 
 
 @dataclass
@@ -254,8 +253,9 @@ class PoolState:
             d.state, d.respawn_at = DeviceState.STOPPED, None
         actions: list[Action] = []
         for request_id, request in list(self._requests.items()):
-            first = self._devices[request.devices[0]]
-            actions.append(Complete(request_id, DeviceLost(f"device {first.label} is stopping")))
+            labels = list(dict.fromkeys(self._devices[device].label for device in request.devices))
+            which = f"device {labels[0]} is" if len(labels) == 1 else f"devices {', '.join(labels)} are"
+            actions.append(Complete(request_id, DeviceLost(f"{which} stopping")))
         self._requests.clear()
         return actions
 

@@ -234,11 +234,11 @@ def test_a_session_ended_is_forgotten_everywhere():
 
 
 def test_stop_fails_every_request_and_ends_restarts():
-    """Stopping completes every owed request with 'is stopping'; a death afterwards restarts nothing."""
+    """Stopping completes every owed request naming its route's devices as stopping; a death afterwards restarts nothing."""
     state = serving()
     state.sent(1, 1, (0, 1), 0.0)
     [done] = state.stop()
-    assert isinstance(done, Complete) and str(done.error) == "device cpu:0 is stopping"
+    assert isinstance(done, Complete) and str(done.error) == "devices cpu:0, cpu:1 are stopping"
     assert state.exited(0, 1.0, 0) == [] and state.state(0) is DeviceState.STOPPED
     with pytest.raises(DeviceLost, match="is stopping"):
         state.admit(2, (0,), (False,))
