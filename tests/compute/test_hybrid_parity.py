@@ -38,6 +38,7 @@ import torch
 
 from cakemp.compute.runner import BlockRunner
 from tests.checkpoints import HFLayers, make_checkpoint
+from tests.tolerance import rel_error
 
 LAYERS = [1, 2, 3]
 CHUNKS = [3, 3, 3] + [1] * 8 + [70]
@@ -96,16 +97,12 @@ def runner_name(path, index):
     return f"{'model.language_model.layers' if wrapped else 'model.layers'}.{index}"
 
 
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_f32_matches_hf(tmp_path, case):
     """In f32 every 3-token chunk and decode step is within 2e-6 of HF's layers, the 70-token prefill within 1e-5."""
     path = checkpoint(tmp_path, case)
     for (ours, hf), T in zip(run_all(path, torch.float32, torch.float32), CHUNKS):
-        assert rel(ours, hf) <= (1e-5 if T > 3 else 2e-6)
+        assert rel_error(ours, hf) <= (1e-5 if T > 3 else 2e-6)
 
 
 @pytest.mark.parametrize("case", CASES)

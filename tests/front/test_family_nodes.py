@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.checkpoints import HFLayers, make_checkpoint
-from tests.compute.test_runner_parity import F32_BOUND, rel
+from tests.tolerance import F32_REL, rel_error
 from tests.families import HUB_FAMILIES
 from tests.front.master import CakeMaster
 from tests.front.node import RunningNode, write_topology
@@ -53,7 +53,7 @@ async def check_session(port: int, reference: HFLayers, chunks: list[int]) -> No
     for T in chunks:
         x = torch.randn(1, T, reference.config.hidden_size, generator=generator)
         ours, theirs = await master.forward(x, position), reference(x, position)
-        assert rel(ours, theirs) <= F32_BOUND, f"tokens {position}..{position + T - 1}"
+        assert rel_error(ours, theirs) <= F32_REL, f"tokens {position}..{position + T - 1}"
         position += T
     await master.goodbye()
     await master.close()

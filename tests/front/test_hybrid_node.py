@@ -21,13 +21,11 @@ from cakemp.wire import Revision
 from tests.checkpoints import HFLayers, make_checkpoint
 from tests.front.master import CakeMaster
 from tests.front.node import RunningNode, scrape, write_topology
+from tests.tolerance import F32_REL, rel_error
 
 PREFIX = "model.language_model.layers"
 LAYERS = [0, 1, 2, 3]
 HIDDEN = 64
-# As tests/compute/test_hybrid_parity.py measures for f32 (its chunks and decode steps stay
-# within 2e-6 of HF's layers); the wire carries f32 unchanged.
-F32_REL = 2e-6
 BUDGET_MIB = 1  # per device: a 5000-token prompt needs 1.2 MiB of K/V rows on device 1
 
 
@@ -59,10 +57,6 @@ def kv_bytes(node) -> list[float]:
     return [seen.get(("cakemp_kv_cache_bytes", (("device", f"cpu:{d}"),)), 0.0) for d in (0, 1)]
 
 
-def rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 def test_prompt_in_3_token_chunks_then_decode_match_hf_across_both_devices(node, checkpoint):
     """A 9-token prompt sent as three 3-token chunks, then 8 decode steps, match HF's layers 0-3;
     so does a 7-token prefill on a second session; Goodbye frees every session's state."""
@@ -74,11 +68,11 @@ def test_prompt_in_3_token_chunks_then_decode_match_hf_across_both_devices(node,
         position = 0
         for T in [3, 3, 3] + [1] * 8:
             x = torch.randn(1, T, HIDDEN, generator=generator)
-            assert rel(await chunked.forward(x, position), ref(x, position)) <= F32_REL
+            assert rel_error(await chunked.forward(x, position), ref(x, position)) <= F32_REL
             position += T
         x = torch.randn(1, 7, HIDDEN, generator=generator)
         ref.cache = DynamicCache(config=ref.config)  # HF's side of the second session
-        assert rel(await whole.forward(x, 0), ref(x, 0)) <= F32_REL
+        assert rel_error(await whole.forward(x, 0), ref(x, 0)) <= F32_REL
         assert all(held > 0 for held in kv_bytes(node))
         await chunked.goodbye()
         await whole.goodbye()
