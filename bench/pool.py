@@ -39,7 +39,7 @@ import torch
 import yaml
 
 from cakemp.compute import tensors
-from cakemp.ipc import Activation, DeviceChannel, Forward, FrontChannel, Op
+from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
 from tests.checkpoints import make_checkpoint
@@ -81,16 +81,16 @@ def start_cakemp(model: Path, workdir: Path, gpus: str, *extra: str) -> tuple[su
     return process, port
 
 
-def start_single(model: Path, threads: int) -> tuple[subprocess.Popen, int]:
+def start_single(model: Path, threads: int, layers: int = LAYERS) -> tuple[subprocess.Popen, int]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.single_worker", "--model", str(model), "--layers", f"model.layers.0-{LAYERS - 1}",
+        [sys.executable, "-m", "bench.single_worker", "--model", str(model), "--layers", f"model.layers.0-{layers - 1}",
          "--threads", str(threads)], stdout=subprocess.PIPE, text=True)
     port = int(process.stdout.readline().split()[1])
     return process, port
 
 
 def raw(x: torch.Tensor) -> RawTensor:
-    return tensors.to_raw(x, DType.F32)
+    return RawTensor(x.numpy().tobytes(), DType.F32, tuple(x.shape))
 
 
 class Session:
@@ -100,7 +100,7 @@ class Session:
         self.clients, self.hidden, self.position = clients, hidden, 0
 
     @classmethod
-    async def open(cls, port: int, hidden: int) -> Session:
+    async def open(cls, port: int, hidden: int) -> "Session":
         clients = []
         for _ in range(LAYERS):
             client = await WorkerClient.connect("127.0.0.1", port)
@@ -133,7 +133,7 @@ async def relay_tax(ports: dict[str, int], hidden: int, steps: int) -> dict[str,
     sessions = {name: await Session.open(port, hidden) for name, port in ports.items()}
     times = {name: {"decode": [], "empty": []} for name in ports}
     for kind, layers in (("decode", LAYERS), ("empty", 0)):
-        for _name, session in sessions.items():  # warm-up
+        for name, session in sessions.items():  # warm-up
             for _ in range(BLOCK):
                 await session.step(layers=layers)
         for _ in range(steps // BLOCK):
@@ -169,7 +169,7 @@ async def throughput(port: int, hidden: int, sessions: int, seconds: float) -> f
 
 
 def echo_device(endpoint: str, parent_pipe, busy_s: float) -> None:
-    """A device process that answers each Forward with its own bytes after `busy_s` of busy work."""
+    """A device process that answers each Hop with its own bytes after `busy_s` of busy work."""
     channel = DeviceChannel(endpoint, parent_pipe.fileno())
     while (request := channel.receive()) is not None:
         busy(busy_s)
@@ -199,12 +199,13 @@ def busy(seconds: float) -> None:
 
 
 async def ipc_hop(workdir: Path, steps: int, busy_s: float, hidden: int = 4096) -> dict[str, list[float]]:
-    """Round trips in µs, minus busy_s, of a decode-size Forward ([1, 1, hidden] f16) to an echoing
+    """Round trips in µs, minus busy_s, of a decode-size Hop ([1, 1, hidden] f16) to an echoing
     device process: over cakemp's ZeroMQ channels and over a plain Unix socket, blocks alternating."""
     context = multiprocessing.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
     endpoint = f"ipc://{workdir}/echo"
-    channel = FrontChannel(endpoint)
+    replies: asyncio.Queue = asyncio.Queue()
+    channel = FrontChannel(endpoint, replies.put_nowait, lambda error: None)
     zmq_child = context.Process(target=echo_device, args=(endpoint, reader, busy_s), daemon=True)
     zmq_child.start()
     body = memoryview(bytearray(hidden * 2))
@@ -215,8 +216,8 @@ async def ipc_hop(workdir: Path, steps: int, busy_s: float, hidden: int = 4096) 
     unix_reader, unix_writer = await accepted.get()
 
     async def over_zmq(i: int) -> None:
-        await channel.send(Forward(1, i, DType.F16, (1, 1, hidden), (Op(0, i, 0),), body))
-        await channel.receive()
+        await channel.send(Hop(1, i, DType.F16, (1, 1, hidden), (Stage(0, 1, (Op(0, i, 0),)),), body))
+        await replies.get()
 
     async def over_unix(i: int) -> None:
         unix_writer.write(body)

@@ -1,34 +1,60 @@
-"""What a device process does with each request: a plain class, runnable without a process.
+"""What a device process does with each message: a plain class, runnable without a process.
 
-`DeviceService.handle` turns one ipc request into one reply and never raises: a RequestError
-becomes a Failure carrying its message, any other exception a Failure naming its type, so that
-nothing a master sends can crash the process or touch another session's state.
+`DeviceService.handle` turns one ipc message into at most one message to send on, and never
+raises, so that nothing a master sends can crash the process or touch another session's
+state. A Hop runs this device's stage and becomes either the hand-off to the next stage's
+device (a Hop holding the rest of the route) or, from the last stage, the Activation for
+the front. A RequestError becomes a Failure with its code and message; any other exception is
+logged here and reaches the front as an INTERNAL failure that names no class, path or
+traceback.
+
+Every chunk of a request gets exactly one answer to the front (an Activation from the last
+stage, or a Failure from the device where it stopped): once a chunk fails here, the request's
+later chunks are answered with the same failure, unrun, so the front knows when nothing of
+the request is left on any device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from cakemp import log
 from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner
 from cakemp.device import fault
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import ConfigError, RequestError, UnknownLayer
-from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward
+from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, error_code
 from cakemp.rss import resident_bytes
+
+# Ops run per runner call when a request has many: between calls the device may report
+# progress, so a legitimate long request is not taken for a hang.
+_SLICE_OPS = 16
+
+
+def _no_progress(request_id: int) -> None:
+    pass
 
 
 @dataclass
 class DeviceService:
     runner: BlockRunner
     layers: tuple[str, ...]  # the front addresses layers by their index in this tuple
+    index: int = 0  # this device's place in the node, as routes name it
+    generation: int = 0  # which start of this device this process is; a route names the one it expects
+    label: str = "cpu:0"
+    # Called with the request id between slices of a long request's ops.
+    progress: Callable[[int], None] = _no_progress
     poisoned: str | None = None  # why this process must end after its last answer (a sticky CUDA error)
+    # request id -> the failure of one of its chunks, while later chunks may still come.
+    _failed: dict[int, Failure] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None) -> DeviceService:
+    def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None, generation: int = 0,
+             progress: Callable[[int], None] = _no_progress) -> DeviceService:
         """Load the spec's layers; `on_layer(n)` once n of them are on the device."""
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
@@ -40,7 +66,7 @@ class DeviceService:
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
         )
-        return cls(runner, spec.layers)
+        return cls(runner, spec.layers, spec.index, generation, spec.label, progress)
 
     def threads(self) -> int:
         """torch's intra-op threads in this process (--cpu-threads, or the CPU devices' share of the cores)."""
@@ -52,43 +78,76 @@ class DeviceService:
             return torch.cuda.memory_allocated()
         return resident_bytes()
 
-    def handle(self, request: Forward | Clear | End) -> Activation | Done | Failure:
+    def handle(self, request: Hop | Clear | End) -> Hop | Activation | Done | Failure | None:
+        """The message to send on (a Hop to hand off, else one for the front); None for a
+        Hop meant for another process of this device (a stale route), which is dropped."""
+        if isinstance(request, Hop):
+            if not request.stages or request.stages[0].device != self.index:
+                return None
+            if request.stages[0].generation != self.generation:
+                return None
+            return self._forward(request)
         try:
-            if isinstance(request, Forward):
-                return self._forward(request)
             if isinstance(request, Clear):
                 self.runner.clear_session(request.session)
             else:
                 self.runner.end_session(request.session)
-            return Done(request.request_id, self.runner.session_count(), self.runner.kv_bytes())
-        except RequestError as e:
-            return Failure(request.request_id, type(e).__name__, str(e))
-        except Exception as e:  # a bug or a device fault: report it, and keep serving if the device still can
-            return self._fault(request.request_id, e)
+        except Exception as e:
+            return self._failure(request.request_id, 0, e)
+        return Done(request.request_id, self.runner.session_count(), self.runner.kv_bytes())
 
-    def _fault(self, request_id: int, error: Exception) -> Failure:
-        """The Failure for an error that is no fault of the request. Out of memory fails that
-        request alone; an error that poisons the CUDA context sets `poisoned`, for the process to
-        end once this answer is sent (cakemp/device/fault.py says why)."""
-        summary = ". ".join(str(error).split(". ")[:2]).strip()  # torch's OOM text goes on for lines
-        if isinstance(error, torch.OutOfMemoryError):
-            torch.cuda.empty_cache()  # hand back what the failed request had cached
-            return Failure(request_id, "RequestError", f"out of memory on {self.runner.device}: {summary}")
-        if fault.poisons_context(error):
-            self.poisoned = f"{type(error).__name__}: {error}"
-            return Failure(request_id, "DeviceLost", f"device {self.runner.device} faulted ({summary}); it restarts, "
-                                                     "and its sessions lose their KV state")
-        return Failure(request_id, type(error).__name__, f"{type(error).__name__}: {error}")
+    def _forward(self, request: Hop) -> Hop | Activation | Failure:
+        last = request.chunk + 1 >= request.chunks
+        earlier = self._failed.pop(request.request_id, None) if last else self._failed.get(request.request_id)
+        if earlier is not None:
+            return Failure(request.request_id, earlier.code, earlier.message, request.chunk)
+        try:
+            y = self._run(request)
+        except Exception as e:
+            failure = self._failure(request.request_id, request.chunk, e)
+            if not last:
+                self._failed[request.request_id] = failure
+            return failure
+        data = tensors.to_bytes(y, request.dtype)
+        kv = request.kv + (self.runner.kv_bytes(),)
+        rest = request.stages[1:]
+        if rest:
+            return Hop(request.session, request.request_id, request.dtype, request.shape, rest, data,
+                           request.chunk, request.chunks, kv)
+        return Activation(request.request_id, request.dtype, request.shape, data, request.chunk, kv)
 
-    def _forward(self, request: Forward) -> Activation:
+    def _run(self, request: Hop) -> torch.Tensor:
         ops = []
-        for op in request.ops:
+        for op in request.stages[0].ops:
             if op.layer >= len(self.layers):
                 raise UnknownLayer(f"could not find layer #{op.layer} on this device")
             ops.append((self.layers[op.layer], op.index_pos, op.block_idx))
         x = tensors.to_tensor(request.data, request.dtype, request.shape)  # [1, T, H] wire dtype, CPU
         # No inference_mode here: runner.forward enters it, and the casts build no graph (x needs no grad).
         # Cast on the device: torch casts within a host copy on the CPU, single-threaded.
-        y = self.runner.forward(request.session, x.to(self.runner.device).to(self.runner.dtype), ops)
-        return Activation(request.request_id, request.dtype, request.shape, tensors.to_bytes(y, request.dtype),
-                          self.runner.kv_bytes())
+        x = x.to(self.runner.device).to(self.runner.dtype)
+        for start in range(0, len(ops), _SLICE_OPS):
+            if start:
+                self.progress(request.request_id)
+            x = self.runner.forward(request.session, x, ops[start:start + _SLICE_OPS])
+        return x
+
+    def _failure(self, request_id: int, chunk: int, error: Exception) -> Failure:
+        """The Failure for `error`. Out of memory fails that request alone; an error that poisons
+        the CUDA context sets `poisoned`, for the process to end once this answer is sent
+        (cakemp/device/fault.py says why); any other fault is logged here and named to the front
+        only as internal."""
+        code = error_code(error)
+        if isinstance(error, RequestError):
+            return Failure(request_id, code, str(error), chunk)
+        summary = ". ".join(str(error).split(". ")[:2]).strip()  # torch's OOM text goes on for lines
+        if isinstance(error, torch.OutOfMemoryError):
+            torch.cuda.empty_cache()  # hand back what the failed request had cached
+            return Failure(request_id, ErrorCode.REQUEST, f"out of memory on {self.runner.device}: {summary}", chunk)
+        if fault.poisons_context(error):
+            self.poisoned = f"{type(error).__name__}: {error}"
+            return Failure(request_id, ErrorCode.DEVICE_LOST, f"device {self.runner.device} faulted ({summary}); it "
+                           "restarts, and its sessions lose their KV state", chunk)
+        log.get_logger(device=self.index).error("request failed inside the device", device_label=self.label,
+                                                error=f"{type(error).__name__}: {error}", exc_info=error)
+        return Failure(request_id, ErrorCode.INTERNAL, f"internal error on device {self.label}", chunk)

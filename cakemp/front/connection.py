@@ -189,16 +189,16 @@ class Connection:
                 self.close()
 
     async def _run(self, x: RawTensor, ops: Sequence[LayerOp]) -> TensorMessage | WorkerError:
-        """Pass x through each device's leg in order; the bytes go on untouched (never a tensor here)."""
+        """Pass x down the devices of its route (device to device); the bytes go on untouched (never a tensor here)."""
         try:
             self._admission.check(x, ops)
             self._check_not_expired(ops)
-            data = x.data
-            for leg in self._router.plan(ops):
+            legs = self._router.plan(ops)
+            for leg in legs:
                 if leg.device not in self._devices:
                     self._devices.add(leg.device)
                     self._metrics.sessions.inc(device=self._pool.label(leg.device))
-                data = (await self._pool.forward(leg.device, self.session, x.dtype, x.shape, leg.ops, data)).data
+            data = await self._pool.run(self.session, x.dtype, x.shape, legs, x.data)
             return TensorMessage(RawTensor(data, x.dtype, x.shape))
         except RequestError as e:
             return self._refusal(e)

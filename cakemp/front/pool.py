@@ -1,16 +1,16 @@
-"""The device processes of this node: start, requests in flight, hangs, deaths, restarts, stop.
+"""The device processes of this node, as an asyncio layer over the pool's state machine.
 
-One spawned process per device, each behind its own ipc socket. A request is a future keyed by
-request id; the device answers its socket in order, so requests to different devices run in
-parallel and requests to one device queue there.
+One spawned process per device, each behind its own ipc socket, and one inbox per device for
+hand-offs from the others. `run` sends a request to the first device of its route; each
+device passes its result to the next, the last answers here. A prompt longer than
+`prefill_chunk` tokens whose route spans devices is cut into chunks that follow each other
+down the route, so that device 1 works on chunk k while device 0 works on chunk k + 1.
 
-A device fails when its process dies (seen at once through its sentinel fd), or stays silent
-while it owes the front a message (then the front kills it): a reply for `request_timeout`
-seconds, or its next loaded layer for LOAD_SILENCE_S while it starts. A device that failed
-after it had reported Ready is restarted in place, reloading its layers, while the others keep
-serving: its requests in flight fail with DeviceLost, so do requests to it until it is back,
-and a session that had KV state in the dead process gets one DeviceLost saying so when it next
-relies on that state. After `restart_attempts` failed starts in a row the pool gives up and
+All the bookkeeping (device states, requests owed, deadlines, restarts) is `PoolState`
+(pool_state.py), which has no I/O; this class feeds it events (messages, process exits, its
+timer) and carries out the actions it returns: spawn, kill, ping, resolve a request, and tell
+the status, the metrics and the log. A serving device that fails is restarted in place while
+the others keep serving; after `restart_attempts` failed starts in a row the pool gives up and
 sets `failed`, for the front to exit and leave the node to its service manager.
 """
 
@@ -19,17 +19,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
-from cakemp import errors, log
+from cakemp import log
 from cakemp.device import process as device_process
 from cakemp.device.spec import DeviceSpec
-from cakemp.errors import CakempError, ConfigError, DeviceLost, RequestError
+from cakemp.errors import DeviceLost, InternalError, ProtocolError, RequestError
+from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
+from cakemp.front.pool_state import PoolState
+from cakemp.front.router import PREFILL_CHUNK, Leg, chunk_bounds
 from cakemp.front.status import NodeStatus
-from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, FrontChannel, Loaded, Message, Op, Ready
+from cakemp.ipc import (
+    Activation,
+    Clear,
+    Done,
+    End,
+    Failure,
+    FrontChannel,
+    Hop,
+    Loaded,
+    Message,
+    Op,
+    Ping,
+    Progress,
+    Ready,
+    Stage,
+    StartFailure,
+    encode,
+    error_from,
+)
 
 # A starting device that reports no loaded layer for this long is hung. Not --request-timeout:
 # that one is sized for requests, and a device's first layer comes only after torch and its
@@ -37,316 +60,330 @@ from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, FrontChan
 LOAD_SILENCE_S = 300.0
 _STOP_GRACE_S = 3.0
 _REAP_S = 1.0
-# Delay before restart attempt n (0-based): doubling from the first, capped.
-_BACKOFF_FIRST_S = 0.5
-_BACKOFF_MAX_S = 30.0
+
+
+@dataclass
+class _Pending:
+    """A request's waiter and the answers of its chunks so far."""
+
+    future: asyncio.Future
+    devices: tuple[int, ...]  # the route, in order
+    outputs: list = field(default_factory=list)  # (chunk, bytes) of each answered chunk
+    reply: Done | None = None
 
 
 class DevicePool:
     def __init__(self, specs: Sequence[DeviceSpec], *, status: NodeStatus, metrics: Metrics,
-                 request_timeout: float = 60.0, restart_attempts: int = 5):
+                 request_timeout: float = 60.0, restart_attempts: int = 5, prefill_chunk: int = PREFILL_CHUNK):
         self.specs = tuple(specs)
         self.failed = asyncio.Event()  # set when a device could not be restarted; `failure` says why
         self.failure: str | None = None
         self._status, self._metrics = status, metrics
         self._request_timeout = request_timeout
-        self._restart_attempts = restart_attempts
+        self._prefill_chunk = prefill_chunk
+        self._state = PoolState([spec.label for spec in self.specs], request_timeout=request_timeout,
+                                load_silence=LOAD_SILENCE_S, restart_attempts=restart_attempts)
         self._context = multiprocessing.get_context("spawn")
-        self._devices: list[_Device] = []
-        self._restarts: set[asyncio.Task] = set()
-        self._request_ids = itertools.count(1)  # 0 is the start (Ready) exchange
+        self._loop = asyncio.get_running_loop()
+        self._channels: list[FrontChannel] = []
+        self._processes: list = [None] * len(self.specs)
+        self._parent_pipes: list = [None] * len(self.specs)
+        self._gone = [asyncio.Event() for _ in self.specs]  # the device's current process has exited
+        self._readies: list[Ready | None] = [None] * len(self.specs)
+        self._started: asyncio.Future = self._loop.create_future()
+        self._pending: dict[int, _Pending] = {}
+        self._request_ids = itertools.count(1)
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
         self._log = log.get_logger()
 
     async def start(self) -> tuple[Ready, ...]:
         """Spawn every device process and wait until all have loaded their layers.
 
         Raises ConfigError when a device rejects the configuration (its checkpoint, say), else
-        CakempError or DeviceLost; every process is stopped before it raises. Failures at this
-        first start are not retried: the configuration is the likely cause.
+        CakempError; every process is stopped before it raises. Failures at this first start
+        are not retried: the configuration is the likely cause.
         """
-        for spec in self.specs:
-            device = _Device(spec, self._request_timeout, self._status, self._on_failure)
-            self._devices.append(device)
-            device.spawn(self._context)
+        for index, spec in enumerate(self.specs):
+            self._channels.append(FrontChannel(spec.endpoint, lambda msg, i=index: self._on_message(i, msg),
+                                               lambda error, i=index: self._on_garbage(i, error)))
         try:
-            readies = tuple(await asyncio.gather(*(device.ready for device in self._devices)))
+            self._act(self._state.start(self._loop.time()))
+            await self._started
+            return tuple(self._readies)
         except BaseException:
             await self.stop()
             raise
-        for device, ready in zip(self._devices, readies):
-            self._metrics.device_loaded(device.spec.label, ready.memory_bytes, device.spec.kv_budget_bytes)
-        return readies
 
-    async def forward(self, device: int, session: int, dtype: int, shape: tuple[int, ...],
-                      ops: tuple[Op, ...], data) -> Activation:
-        """Run `ops` on `device` over activation bytes `data`; raises the device's RequestError or DeviceLost."""
-        target = self._devices[device]
-        target.admit(session, ops)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        self._metrics.requests_waiting.inc(device=target.spec.label)
+    async def run(self, session: int, dtype: int, shape: tuple[int, ...], legs: Sequence[Leg], data):
+        """Run `legs` in order over activation bytes `data` ([1, T, H] of wire `dtype`); returns the
+        result's bytes. Raises the failing device's RequestError, or DeviceLost."""
+        if not legs:  # no layers: nothing to compute
+            return data
+        devices = tuple(leg.device for leg in legs)
+        self._state.admit(session, devices, [any(op.index_pos > 0 for op in leg.ops) for leg in legs])
+        stages = tuple(Stage(leg.device, self._state.generation(leg.device), leg.ops) for leg in legs)
+        chunks = list(self._chunks(shape, data, len(legs) > 1))
+        request_id = next(self._request_ids)
+        messages = [Hop(session, request_id, dtype, chunk_shape, tuple(_shifted(stage, first) for stage in stages),
+                        chunk_data, i, len(chunks))
+                    for i, (first, chunk_shape, chunk_data) in enumerate(chunks)]
+        start = self._loop.time()
+        passed = tuple(dict.fromkeys(devices))  # every device of the route, once
+        for device in passed:
+            self._metrics.requests_waiting.inc(device=self.label(device))
         try:
-            reply = await target.request(Forward(session, next(self._request_ids), dtype, shape, ops, data))
+            outputs = await self._request(session, tuple((s.device, s.generation) for s in stages), messages)
         finally:
-            self._metrics.requests_waiting.dec(device=target.spec.label)
-        self._metrics.device_request_seconds.observe(loop.time() - start, device=target.spec.label)
-        return self._answer(target, reply)
+            for device in passed:
+                self._metrics.requests_waiting.dec(device=self.label(device))
+        elapsed = self._loop.time() - start
+        for device in passed:
+            self._metrics.device_request_seconds.observe(elapsed, device=self.label(device))
+        return outputs[0] if len(outputs) == 1 else b"".join(outputs)
 
     async def clear(self, device: int, session: int) -> Done:
         """Goodbye: drop the session's caches on `device` (a fresh start, so a lost state no longer matters)."""
-        self._devices[device].lost.discard(session)
-        return await self._done(device, Clear(session, next(self._request_ids)))
+        self._state.cleared(device, session)
+        return await self._control(device, session, Clear(session, next(self._request_ids)))
 
     async def end(self, device: int, session: int) -> Done:
         """The connection closed: free everything of the session on `device`."""
-        self._devices[device].sessions.discard(session)
-        self._devices[device].lost.discard(session)
-        return await self._done(device, End(session, next(self._request_ids)))
+        self._state.ended(device, session)
+        return await self._control(device, session, End(session, next(self._request_ids)))
 
     def label(self, device: int) -> str:
         return self.specs[device].label
 
+    def waiting(self, device: int) -> int:
+        """Requests owed by `device` now."""
+        return self._state.waiting(device)
+
     async def stop(self) -> None:
         """Stop restarting, fail requests in flight, stop every device process (SIGTERM, then
         SIGKILL after a grace period) and close the sockets. Safe to call again."""
-        for task in self._restarts:
-            task.cancel()
-        await asyncio.gather(*(device.stop() for device in self._devices))
-
-    async def _done(self, device: int, request: Clear | End) -> Done:
-        target = self._devices[device]
-        return self._answer(target, await target.request(request))
-
-    def _answer(self, target: _Device, reply: Message) -> Activation | Done:
-        """The reply to a request, its KV bytes recorded; the device's RequestError raised for a Failure."""
-        if isinstance(reply, Failure):
-            raise _request_error(reply)
-        self._metrics.kv_bytes.set(reply.kv_bytes, device=target.spec.label)
-        return reply
-
-    def _on_failure(self, device: _Device, reason: str) -> None:
-        """A serving device failed: restart it in the background."""
-        task = asyncio.get_running_loop().create_task(self._restart(device, reason), name=f"restart-{device.spec.label}")
-        self._restarts.add(task)
-        task.add_done_callback(self._restarts.discard)
-
-    async def _restart(self, device: _Device, reason: str) -> None:
-        label = device.spec.label
-        self._log.error("device failed; restarting it", device=device.spec.index, device_label=label, reason=reason)
-        self._metrics.device_restarts.inc(device=label)
-        self._metrics.kv_bytes.set(0, device=label)
-        self._status.restarting(device.spec.index, reason)
-        for attempt in itertools.count():
-            await asyncio.sleep(min(_BACKOFF_FIRST_S * 2**attempt, _BACKOFF_MAX_S))
-            device.spawn(self._context)
-            try:
-                ready = await device.ready
-            except CakempError as e:
-                await device.reap()
-                self._log.error("device restart failed", device=device.spec.index, device_label=label,
-                                attempt=attempt + 1, error=str(e))
-                if attempt + 1 >= self._restart_attempts:
-                    self.failure = f"device {label} failed to start {attempt + 1} times in a row (last: {e})"
-                    self.failed.set()
-                    return
-                continue
-            self._metrics.device_loaded(label, ready.memory_bytes, device.spec.kv_budget_bytes)
-            self._status.restarted(device.spec.index)
-            self._log.info("device restarted", device=device.spec.index, device_label=label, pid=device.process.pid)
-            return
-
-
-def _request_error(failure: Failure) -> RequestError:
-    """The device's exception as the same RequestError subclass here, else an InternalError."""
-    cls = getattr(errors, failure.error, None)
-    if not (isinstance(cls, type) and issubclass(cls, RequestError)):
-        cls = errors.InternalError
-    return cls(failure.message)
-
-
-def _start_error(failure: Failure) -> CakempError:
-    cls = getattr(errors, failure.error, None)
-    if isinstance(cls, type) and issubclass(cls, ConfigError):
-        return ConfigError(failure.message)
-    return CakempError(f"{failure.error}: {failure.message}")
-
-
-class _Device:
-    """One device: its socket (kept across restarts), its current process, the messages that
-    process owes, and the sessions that may hold KV state in it."""
-
-    def __init__(self, spec: DeviceSpec, request_timeout: float, status: NodeStatus, on_failure):
-        self.spec = spec
-        self.process = None
-        self.ready: asyncio.Future | None = None  # the current process's Ready
-        # Why requests cannot be served now ("is starting", "is restarting after it died …"),
-        # None while serving.
-        self.down: str | None = "is starting"
-        self.sessions: set[int] = set()  # sessions that sent requests to the current process
-        self.lost: set[int] = set()  # sessions whose KV state died with an earlier process
-        self._request_timeout = request_timeout
-        self._status = status
-        self._on_failure = on_failure
-        self._channel = FrontChannel(spec.endpoint)
-        # Requests sent and not yet answered, by request id, whether or not anyone still
-        # awaits them (the device owes the answer all the same); 0 is the Ready.
-        self._pending: dict[int, asyncio.Future] = {}
-        # Loop time of the process's last message, or of when it began to owe one; a timer
-        # looks at it while something is owed (lazily: the hot path only stores a time).
-        self._heard = 0.0
-        self._watch: asyncio.TimerHandle | None = None
-        self._hung: str | None = None  # set when we killed the process for its silence
-        self._gone = asyncio.Event()  # the current process has exited
-        self._parent_pipe = None
-        self._closed = False
-        self._log = log.get_logger(device=spec.index)
-        self._receiver = asyncio.get_running_loop().create_task(self._receive(), name=f"device-{spec.index}-receiver")
-
-    def spawn(self, context) -> None:
-        """Start a process for this device; `ready` resolves once it has loaded its layers."""
-        loop = asyncio.get_running_loop()
-        self.ready = loop.create_future()
-        self._owe(0, self.ready)
-        self._gone = asyncio.Event()
-        # Only we hold the write end; the child sees EOF on its read end when we are gone.
-        reader, self._parent_pipe = context.Pipe(duplex=False)
-        self.process = context.Process(
-            target=device_process.main, args=(self.spec, reader, os.getpid()),
-            name=f"cakemp-device-{self.spec.index}", daemon=True,
-        )
-        with _visible_gpu(self.spec.gpu):
-            self.process.start()
-        reader.close()
-        loop.add_reader(self.process.sentinel, self._exited)
-
-    def admit(self, session: int, ops: Sequence[Op]) -> None:
-        """Take note of the session's Forward, or raise DeviceLost: while the device is down, and
-        once for a session whose KV state died with an earlier process and that still relies on
-        it (a request past position 0; a fresh prefill just goes ahead)."""
-        if self.down is not None:
-            raise DeviceLost(f"device {self.spec.label} {self.down}")
-        if session in self.lost:
-            self.lost.discard(session)
-            if any(op.index_pos > 0 for op in ops):
-                raise DeviceLost(f"device {self.spec.label} restarted; this session's KV state was lost, "
-                                 "start again with a fresh prefill (index_pos 0)")
-        self.sessions.add(session)
-
-    async def request(self, msg: Message) -> Message:
-        if self.down is not None:
-            raise DeviceLost(f"device {self.spec.label} {self.down}")
-        future = asyncio.get_running_loop().create_future()
-        self._owe(msg.request_id, future)
-        await self._channel.send(msg)
-        return await future
-
-    def _owe(self, request_id: int, future: asyncio.Future) -> None:
-        """The process now owes the reply to `request_id`; its silence counts from now if it owed nothing."""
-        loop = asyncio.get_running_loop()
-        if not self._pending:
-            self._heard = loop.time()
-        self._pending[request_id] = future
-        deadline = self._heard + self._silence_limit()
-        if self._watch is None or self._watch.when() > deadline:
-            self._stop_watching()
-            self._watch = loop.call_at(deadline, self._check_silence)
-
-    def _silence_limit(self) -> float:
-        return LOAD_SILENCE_S if 0 in self._pending else self._request_timeout  # 0: its Ready, before any request
-
-    def _check_silence(self) -> None:
-        """Kill the process if it has owed a message too long without a word, else look again when it would have."""
-        self._watch = None
-        if not self._pending:
-            return
-        limit = self._silence_limit()
-        if asyncio.get_running_loop().time() < self._heard + limit:
-            self._watch = asyncio.get_running_loop().call_at(self._heard + limit, self._check_silence)
-            return
-        self._hung = f"loaded no layer within {limit:g} s" if 0 in self._pending else f"did not answer within {limit:g} s"
-        self.process.kill()  # its sentinel then reports the failure, with this reason
-
-    def _stop_watching(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
-
-    async def _receive(self) -> None:
-        while True:
-            try:
-                reply = await self._channel.receive()
-            except errors.ProtocolError as e:
-                self._log.error("bad ipc reply", error=str(e))
-                continue
-            self._heard = asyncio.get_running_loop().time()
-            if isinstance(reply, Loaded):
-                self._status.loaded(self.spec.index, reply.layers)
-                continue
-            request_id = 0 if isinstance(reply, Ready) else reply.request_id
-            future = self._pending.pop(request_id, None)
-            if future is None or future.done():  # a dead process's late reply, or its requester went away
-                continue
-            if request_id == 0 and isinstance(reply, Failure):
-                future.set_exception(_start_error(reply))
-                continue
-            if request_id == 0:
-                # Serving from its Ready on: a death from now on is a failure to restart from,
-                # even while other devices are still loading.
-                self.down = None
-            future.set_result(reply)
-
-    def _exited(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        # The sentinel closes as the process exits, a moment before it can be reaped.
-        self.process.join(_REAP_S)
-        self._parent_pipe.close()
-        self._gone.set()
-        self._stop_watching()
-        reason, self._hung = self._hung or f"died (exit code {self.process.exitcode})", None
-        if self._closed:
-            return
-        was_serving = self.down is None
-        self.down = f"is restarting after it {reason}"
-        error = DeviceLost(f"device {self.spec.label} {reason}")
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
-        self._pending.clear()
-        self.lost |= self.sessions
-        self.sessions = set()
-        if was_serving:
-            self._on_failure(self, reason)
-
-    async def reap(self) -> None:
-        """Kill the current process if it still runs (a start that failed) and wait until it is gone."""
-        if self.process.exitcode is None:
-            self.process.kill()
-        await self._gone.wait()
-
-    async def stop(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self.down = "is stopping"
-        error = DeviceLost(f"device {self.spec.label} is stopping")
-        for request_id, future in self._pending.items():
-            if future.done():
+        self._act(self._state.stop())
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self._started.done():
+            self._started.cancel()
+        for index, process in enumerate(self._processes):
+            if process is not None and not self._gone[index].is_set():
+                process.terminate()
+        for index, process in enumerate(self._processes):
+            if process is None:
                 continue
-            if request_id == 0:
-                future.cancel()  # a Ready nobody awaits any more
-            else:
-                future.set_exception(error)
-        self._pending.clear()
-        self._stop_watching()
-        self._receiver.cancel()
-        if self.process is not None and not self._gone.is_set():
-            self.process.terminate()
             try:
-                await asyncio.wait_for(self._gone.wait(), _STOP_GRACE_S)
+                await asyncio.wait_for(self._gone[index].wait(), _STOP_GRACE_S)
             except TimeoutError:
-                self.process.kill()
-                await self._gone.wait()
-        self._channel.close()
+                process.kill()
+                await self._gone[index].wait()
+        for channel in self._channels:
+            channel.close()
+
+    # -- requests
+
+    def _chunks(self, shape: tuple[int, ...], data, cut: bool) -> Iterator[tuple[int, tuple[int, ...], object]]:
+        """(first token, shape, bytes) of each chunk: the whole request unless `cut` and it is a
+        [1, T, H] activation longer than one chunk (anything else goes whole, for the device to judge)."""
+        view = memoryview(data).cast("B")
+        if not cut or len(shape) != 3 or shape[0] != 1 or shape[1] <= self._prefill_chunk or \
+                view.nbytes % max(1, math.prod(shape)) or not view.nbytes:
+            yield 0, shape, data
+            return
+        row = view.nbytes // shape[1]
+        for start, end in chunk_bounds(shape[1], self._prefill_chunk):
+            yield start, (1, end - start, shape[2]), view[start * row:end * row]
+
+    async def _control(self, device: int, session: int, msg: Clear | End) -> Done:
+        return await self._request(session, ((device, self._state.generation(device)),), [msg])
+
+    async def _request(self, session: int, route: tuple[tuple[int, int], ...], messages: list[Hop | Clear | End]):
+        """Send `messages` (a request's chunks, or one control message) to the first device of
+        `route` ((device, generation) pairs); the chunks' outputs once every one is answered (a
+        control message's Done)."""
+        devices = tuple(device for device, _ in route)
+        request_id = messages[0].request_id
+        # Encoded before anything is registered: a request that cannot be encoded leaves nothing behind.
+        frames = [encode(msg) for msg in messages]
+        pending = _Pending(self._loop.create_future(), devices)
+        sent = 0
+        try:
+            for chunk in frames:
+                await self._send(route, chunk)
+                # Registered in the same step as the send succeeded: owed exactly when sent.
+                self._state.sent(request_id, session, devices, self._loop.time())
+                self._pending[request_id] = pending
+                self._arm()
+                sent += 1
+        except BaseException:
+            # The chunks already sent stay owed until answered; nobody waits for them any more.
+            if sent:
+                self._act(self._state.sealed(request_id))
+            if pending.future.done() and not pending.future.cancelled():
+                pending.future.exception()  # retrieved: it was answered as the sending failed
+            pending.future.cancel()
+            raise
+        self._act(self._state.sealed(request_id))
+        return await pending.future
+
+    async def _send(self, route: tuple[tuple[int, int], ...], frames) -> None:
+        """Hand encoded frames to the socket of the route's first device; DeviceLost if a device
+        of the route goes down or changes process first (its new process would drop the hop)."""
+        channel = self._channels[route[0][0]]
+        while True:
+            for device, generation in route:
+                if (error := self._state.down(device)) is not None:
+                    raise error
+                if self._state.generation(device) != generation:
+                    raise DeviceLost(f"device {self.label(device)} restarted")
+            if channel.try_send(frames):
+                return
+            await channel.writable()
+
+    # -- events
+
+    def _on_message(self, device: int, msg: Message) -> None:
+        now = self._loop.time()
+        if isinstance(msg, Activation):
+            pending = self._pending.get(msg.request_id)
+            if pending is not None:
+                pending.outputs.append((msg.chunk, msg.data))
+                for stage_device, kv_bytes in zip(pending.devices, msg.kv):
+                    self._metrics.kv_bytes.set(kv_bytes, device=self.label(stage_device))
+            self._act(self._state.answered(device, msg.request_id, now))
+        elif isinstance(msg, Failure):
+            error = error_from(msg.code, msg.message)
+            if not isinstance(error, RequestError):  # a start code on a request: the device's own fault
+                error = InternalError(msg.message)
+            self._act(self._state.answered(device, msg.request_id, now, error))
+        elif isinstance(msg, Done):
+            pending = self._pending.get(msg.request_id)
+            if pending is not None:
+                pending.reply = msg
+                self._metrics.kv_bytes.set(msg.kv_bytes, device=self.label(device))
+            self._act(self._state.answered(device, msg.request_id, now))
+        elif isinstance(msg, Progress):
+            self._state.progressed(device, msg.request_id, now)
+        elif isinstance(msg, Loaded):
+            self._state.heard(device, now)
+            self._status.loaded(device, msg.layers)
+        elif isinstance(msg, Ready):
+            self._readies[device] = msg
+            self._metrics.device_loaded(self.label(device), msg.memory_bytes, self.specs[device].kv_budget_bytes)
+            self._act(self._state.ready(device, now))
+        elif isinstance(msg, StartFailure):
+            self._act(self._state.start_failed(device, now, error_from(msg.code, msg.message)))
+        else:  # Pong
+            self._state.heard(device, now)
+
+    def _on_garbage(self, device: int, error: ProtocolError) -> None:
+        self._log.error("bad ipc reply", device=device, error=str(error))
+
+    def _exited(self, device: int) -> None:
+        process = self._processes[device]
+        self._loop.remove_reader(process.sentinel)
+        # The sentinel closes as the process exits, a moment before it can be reaped.
+        process.join(_REAP_S)
+        self._parent_pipes[device].close()
+        self._gone[device].set()
+        self._channels[device].wake_writers()
+        self._act(self._state.exited(device, self._loop.time(), process.exitcode))
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._act(self._state.tick(self._loop.time()))
+
+    def _arm(self) -> None:
+        """Make sure the timer fires by the state machine's next deadline (a timer firing early just re-arms)."""
+        deadline = self._state.next_deadline()
+        if deadline is None or self._closed:
+            return
+        if self._timer is not None:
+            if self._timer.when() <= deadline:
+                return
+            self._timer.cancel()
+        self._timer = self._loop.call_at(deadline, self._tick)
+
+    # -- actions
+
+    def _act(self, actions: Sequence[ps.Action]) -> None:
+        for action in actions:
+            if isinstance(action, ps.Complete):
+                self._complete(action)
+            elif isinstance(action, ps.Spawn):
+                self._spawn(action.device, action.generation)
+            elif isinstance(action, ps.Kill):
+                process = self._processes[action.device]
+                if process is not None and process.exitcode is None:
+                    process.kill()  # its sentinel then reports the exit, with this reason
+            elif isinstance(action, ps.Ping):
+                self._channels[action.device].try_send(encode(Ping()))
+            elif isinstance(action, ps.Started):
+                if not self._started.done():
+                    self._started.set_result(None)
+            elif isinstance(action, ps.StartFailed):
+                if not self._started.done():
+                    self._started.set_exception(action.error)
+            elif isinstance(action, ps.Restarting):
+                label = self.label(action.device)
+                self._log.error("device failed; restarting it", device=action.device, device_label=label,
+                                reason=action.reason)
+                self._metrics.device_restarts.inc(device=label)
+                self._metrics.kv_bytes.set(0, device=label)
+                self._status.restarting(action.device, action.reason)
+            elif isinstance(action, ps.RestartFailed):
+                self._log.error("device restart failed", device=action.device, device_label=self.label(action.device),
+                                attempt=action.attempt, error=action.error)
+            elif isinstance(action, ps.Restarted):
+                self._status.restarted(action.device)
+                self._log.info("device restarted", device=action.device, device_label=self.label(action.device),
+                               pid=self._processes[action.device].pid)
+            elif isinstance(action, ps.GiveUp):
+                self.failure = action.reason
+                self.failed.set()
+        self._arm()
+
+    def _complete(self, action: ps.Complete) -> None:
+        pending = self._pending.pop(action.request_id, None)
+        if pending is None or pending.future.done():  # its requester went away
+            return
+        if action.error is not None:
+            pending.future.set_exception(action.error)
+        elif pending.reply is not None:
+            pending.future.set_result(pending.reply)
+        else:
+            pending.future.set_result([data for _, data in sorted(pending.outputs, key=lambda output: output[0])])
+
+    def _spawn(self, device: int, generation: int) -> None:
+        """Start a process for `device`; its Ready then comes over its socket."""
+        spec = self.specs[device]
+        self._gone[device] = asyncio.Event()
+        self._readies[device] = None
+        # Only we hold the write end; the child sees EOF on its read end when we are gone.
+        reader, self._parent_pipes[device] = self._context.Pipe(duplex=False)
+        process = self._context.Process(
+            target=device_process.main,
+            args=(spec, reader, os.getpid(), generation, tuple(s.endpoint for s in self.specs),
+                  self._request_timeout / 4),
+            name=f"cakemp-device-{spec.index}", daemon=True,
+        )
+        with _visible_gpu(spec.gpu):
+            process.start()
+        reader.close()
+        self._processes[device] = process
+        self._loop.add_reader(process.sentinel, self._exited, device)
+
+
+def _shifted(stage: Stage, start: int) -> Stage:
+    """The stage for a chunk whose first token is `start` tokens into the request."""
+    if not start:
+        return stage
+    return Stage(stage.device, stage.generation, tuple(Op(op.layer, op.index_pos + start, op.block_idx)
+                                                       for op in stage.ops))
 
 
 @contextlib.contextmanager

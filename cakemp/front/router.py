@@ -1,13 +1,17 @@
-"""Which device runs which part of a request's layer run (pure, no I/O)."""
+"""Which device runs which part of a request's layer run, and how a long prompt is cut (pure, no I/O)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cakemp.errors import UnknownLayer
 from cakemp.ipc import Op
 from cakemp.wire import LayerOp
+
+# Tokens per chunk of a prompt whose route spans devices (--prefill-chunk): docs/benchmarks.md,
+# "Route and pipelined prefill", says how it was chosen.
+PREFILL_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -35,3 +39,20 @@ class Router:
                 legs.append((device, []))
             legs[-1][1].append(Op(index, op.index_pos, op.block_idx))
         return tuple(Leg(device, tuple(leg_ops)) for device, leg_ops in legs)
+
+
+def chunk_bounds(tokens: int, chunk: int) -> tuple[tuple[int, int], ...]:
+    """[start, end) token ranges of at most `chunk` tokens covering `tokens`, as even as they can be.
+
+    A prompt that fits one chunk is not cut; one that does not is cut into the fewest chunks
+    of at most `chunk` tokens, of equal size within one token (so the pipeline's stages stay
+    balanced, and no tiny last chunk wastes a hop).
+    """
+    count = max(1, -(-tokens // chunk))
+    base, extra = divmod(tokens, count)
+    bounds, start = [], 0
+    for i in range(count):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return tuple(bounds)

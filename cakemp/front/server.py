@@ -182,7 +182,8 @@ class Front:
         )
         self.pool = DevicePool(specs, status=self.status, metrics=self.metrics,
                                request_timeout=self.config.request_timeout,
-                               restart_attempts=self.config.restart_attempts)
+                               restart_attempts=self.config.restart_attempts,
+                               prefill_chunk=self.config.prefill_chunk)
         self.status.starting()
         starting = asyncio.create_task(self.pool.start())
         stopping = asyncio.create_task(self._stopping.wait())

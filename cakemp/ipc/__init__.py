@@ -1,11 +1,53 @@
-"""Front ⇄ device process messaging over ZeroMQ: the only package that imports zmq."""
+"""Front ⇄ device and device ⇄ device messaging over ZeroMQ: the only package that imports zmq."""
 
-from cakemp.ipc.channel import DeviceChannel, FrontChannel
+from cakemp.ipc.channel import DeviceChannel, FrontChannel, inbox
 from cakemp.ipc.message import (
-    Activation, Clear, Done, End, Failure, Forward, Kind, Loaded, Message, Op, Ready, decode, encode,
+    Activation,
+    Clear,
+    Done,
+    End,
+    ErrorCode,
+    Failure,
+    Hop,
+    Kind,
+    Loaded,
+    Message,
+    Op,
+    Ping,
+    Pong,
+    Progress,
+    Ready,
+    Stage,
+    StartFailure,
+    decode,
+    encode,
+    error_code,
+    error_from,
 )
 
 __all__ = [
-    "Activation", "Clear", "DeviceChannel", "Done", "End", "Failure", "Forward", "FrontChannel", "Kind",
-    "Loaded", "Message", "Op", "Ready", "decode", "encode",
+    "Activation",
+    "Clear",
+    "DeviceChannel",
+    "Done",
+    "End",
+    "ErrorCode",
+    "Failure",
+    "FrontChannel",
+    "Hop",
+    "Kind",
+    "Loaded",
+    "Message",
+    "Op",
+    "Ping",
+    "Pong",
+    "Progress",
+    "Ready",
+    "Stage",
+    "StartFailure",
+    "decode",
+    "encode",
+    "error_code",
+    "error_from",
+    "inbox",
 ]

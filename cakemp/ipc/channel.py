@@ -1,119 +1,175 @@
-"""ZeroMQ sockets between the front and its device processes: one DEALER pair per device.
+"""ZeroMQ sockets between the front and its device processes, and between devices.
 
-The front binds `ipc://<runtime dir>/device-<i>` before starting the process, the device
-connects; messages queue until then. Each device serves its socket one request at a time, so
-the pair is a FIFO per device while different devices run in parallel.
+The front binds one DEALER per device on `ipc://<runtime dir>/device-<i>` before starting the
+process, the device connects; messages queue until then. Each device also binds an inbox
+(PULL) on `…/device-<i>-in`, and holds one PUSH connected to every other device's inbox: a
+request whose route spans devices goes front → first device → next device … → front, each
+device handing its result straight to the next. Each pipe is FIFO, so the chunks of one
+prompt reach every device of the route in order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable, Sequence
 
 import zmq
 
-from cakemp.ipc.message import Message, decode, encode
+from cakemp.errors import ProtocolError
+from cakemp.ipc.message import Buffer, Message, decode, encode
+
+
+def inbox(endpoint: str) -> str:
+    """The endpoint where the device behind `endpoint` receives hand-offs from other devices."""
+    return f"{endpoint}-in"
 
 
 class FrontChannel:
     """The front's end of one device's socket, driven by the asyncio loop that created it.
 
     A plain zmq socket with non-blocking send and receive, woken by `loop.add_reader` on its
-    ZMQ_FD, rather than zmq.asyncio, which wraps every call in futures and callbacks: side by
-    side this takes ~10 µs off a ~200 µs round trip to a device process (docs/benchmarks.md,
-    "Pool"). ZMQ_FD only says that the socket's events *may* have changed, and any send,
-    receive or ZMQ_EVENTS read resets it; so every wait first tries the operation itself, and
-    after each one the events are re-read for the other waiters (a send may have swallowed the
-    signal of a reply that had already arrived).
+    ZMQ_FD, rather than zmq.asyncio, which wraps every call in futures and callbacks. Every
+    message received is handed to `on_message` from the reader callback itself, so a reply
+    reaches its waiting request with no task in between. ZMQ_FD only says that the socket's
+    events *may* have changed, and any send, receive or ZMQ_EVENTS read resets it; so the
+    callback reads until ZMQ_EVENTS shows nothing left, and a send, which may have swallowed
+    the signal of a reply that had already arrived, schedules the callback again when so.
     """
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, on_message: Callable[[Message], None],
+                 on_garbage: Callable[[ProtocolError], None]):
         self._loop = asyncio.get_running_loop()
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(endpoint)
         self._fd = self._socket.getsockopt(zmq.FD)
-        self._waiters: list[tuple[int, asyncio.Future]] = []  # (zmq.POLLIN or zmq.POLLOUT, its waiter)
-        self._loop.add_reader(self._fd, self._wake)
+        self._on_message, self._on_garbage = on_message, on_garbage
+        self._writable: list[asyncio.Future] = []
+        self._closed = False
+        self._loop.add_reader(self._fd, self._ready)
+
+    def try_send(self, frames: Sequence[Buffer]) -> bool:
+        """Send encoded frames now if the socket takes them (False: no device connected yet, or its queue is full)."""
+        try:
+            # copy=False: a large activation body is handed to zmq as the same buffer, not
+            # copied (below zmq.COPY_THRESHOLD, 64 KiB, pyzmq copies it anyway, which is cheaper).
+            self._socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        if self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._ready)
+        return True
 
     async def send(self, msg: Message) -> None:
+        """Encode and send `msg`, waiting while the socket cannot take it."""
         frames = encode(msg)
-        while True:
-            try:
-                # copy=False: a large activation body is handed to zmq as the same buffer, not
-                # copied (below zmq.COPY_THRESHOLD, 64 KiB, pyzmq copies it anyway, which is cheaper).
-                self._socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                break
-            except zmq.Again:  # no device connected yet, or its queue is full
-                await self._wait(zmq.POLLOUT)
-        self._wake()
+        while not self.try_send(frames):
+            await self.writable()
 
-    async def receive(self) -> Message:
-        while True:
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                break
-            except zmq.Again:
-                await self._wait(zmq.POLLIN)
-        self._wake()
-        return decode([frame.buffer for frame in frames])
-
-    def close(self) -> None:
-        self._loop.remove_reader(self._fd)
-        self._socket.close(linger=0)
-        for _, waiter in self._waiters:
-            waiter.cancel()
-        self._waiters.clear()
-
-    async def _wait(self, event: int) -> None:
+    async def writable(self) -> None:
+        """Return once the socket may take a message."""
         waiter = self._loop.create_future()
-        self._waiters.append((event, waiter))
+        self._writable.append(waiter)
         await waiter
 
-    def _wake(self) -> None:
-        # Reading ZMQ_EVENTS also resets ZMQ_FD: without it the loop would call us again at once.
-        events = self._socket.getsockopt(zmq.EVENTS)
-        waiting = []
-        for event, waiter in self._waiters:
-            if waiter.done():  # its task was cancelled
-                continue
-            if events & event:
+    def wake_writers(self) -> None:
+        """Wake every task waiting in `writable`, to look again at why it waits (its device died, say)."""
+        waiters, self._writable = self._writable, []
+        for waiter in waiters:
+            if not waiter.done():
                 waiter.set_result(None)
-            else:
-                waiting.append((event, waiter))
-        self._waiters = waiting
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self._fd)
+        self._socket.close(linger=0)
+        for waiter in self._writable:
+            waiter.cancel()
+        self._writable.clear()
+
+    def _ready(self) -> None:
+        if self._closed:
+            return
+        # Reading ZMQ_EVENTS also resets ZMQ_FD: without it the loop would call us again at once.
+        while (events := self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            try:
+                msg = decode([frame.buffer for frame in frames])
+            except ProtocolError as e:
+                self._on_garbage(e)
+                continue
+            self._on_message(msg)
+            if self._closed:  # the message stopped the pool
+                return
+        if events & zmq.POLLOUT:
+            self.wake_writers()
 
 
 class DeviceChannel:
-    """A device process's end of its socket (blocking), watching the parent's liveness too.
+    """A device process's sockets (blocking): its front socket, its inbox, and its peers' inboxes.
 
     `parent_fd` is the read end of a pipe whose write end only the parent holds: it becomes
-    readable (EOF) exactly when the parent is gone, however it died.
+    readable (EOF) exactly when the parent is gone, however it died. `peers[i]` is device i's
+    front endpoint (its inbox is derived from it); this device's own entry is skipped.
     """
 
-    def __init__(self, endpoint: str, parent_fd: int):
+    def __init__(self, endpoint: str, parent_fd: int, peers: Sequence[str] = ()):
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(endpoint)
+        self._front = self._context.socket(zmq.DEALER)
+        self._front.setsockopt(zmq.LINGER, 0)
+        self._front.connect(endpoint)
+        self._inbox = self._context.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.bind(inbox(endpoint))
+        self._peers: dict[int, zmq.Socket] = {}
+        for index, peer in enumerate(peers):
+            if peer == endpoint:
+                continue
+            push = self._context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(inbox(peer))
+            self._peers[index] = push
         self._parent_fd = parent_fd
         self._poller = zmq.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._front, zmq.POLLIN)
+        self._poller.register(self._inbox, zmq.POLLIN)
         self._poller.register(parent_fd, zmq.POLLIN)
+        self.last_sent = time.monotonic()  # when the front last heard from us
 
     def receive(self) -> Message | None:
-        """The next message, or None once the parent is gone. Raises ProtocolError on garbage."""
+        """The next message from the front or a peer, or None once the parent is gone. Raises ProtocolError on garbage."""
         while True:
             ready = dict(self._poller.poll())
             if self._parent_fd in ready:
                 return None
-            if self._socket in ready:
-                frames = self._socket.recv_multipart(copy=False)
-                return decode([frame.buffer for frame in frames])
+            for socket in (self._inbox, self._front):  # hand-offs first: they finish requests already under way
+                if socket in ready:
+                    frames = socket.recv_multipart(copy=False)
+                    return decode([frame.buffer for frame in frames])
 
     def send(self, msg: Message) -> None:
-        self._socket.send_multipart(encode(msg), copy=False)
+        """To the front."""
+        self._front.send_multipart(encode(msg), copy=False)
+        self.last_sent = time.monotonic()
+
+    def hand_off(self, device: int, msg: Message) -> bool:
+        """To device `device`'s inbox; False if it cannot take it now (it is gone: the front fails the request)."""
+        push = self._peers.get(device)
+        if push is None:
+            return False
+        try:
+            push.send_multipart(encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
 
     def close(self, linger_ms: int = 0) -> None:
-        """Close; `linger_ms` lets a last message (a load Failure) reach the front first."""
-        self._socket.close(linger=linger_ms)
+        """Close; `linger_ms` lets last messages (a load failure, a hand-off) leave first."""
+        self._front.close(linger=linger_ms)
+        self._inbox.close(linger=0)
+        for push in self._peers.values():
+            push.close(linger=linger_ms)
         self._context.term()

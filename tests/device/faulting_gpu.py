@@ -4,7 +4,7 @@ so that the child imports nothing heavier than cakemp)."""
 from cakemp.device import process
 
 
-def main(spec, parent_pipe, parent_pid):
+def main(spec, parent_pipe, parent_pid, *rest):
     """process.main in a child whose every forward raises what torch raises after an illegal memory
     access (a stand-in: the real fault needs a GPU and a faulty kernel)."""
     from cakemp.compute.runner import BlockRunner
@@ -13,4 +13,4 @@ def main(spec, parent_pipe, parent_pid):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     BlockRunner.forward = illegal_access
-    process.main(spec, parent_pipe, parent_pid)
+    process.main(spec, parent_pipe, parent_pid, *rest)

@@ -1,39 +1,71 @@
-"""DeviceService, the device process's request handling, run in-process on a real runner."""
+"""DeviceService, the device process's message handling, run in-process on a real runner."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner
 from cakemp.device import fault
 from cakemp.device.service import DeviceService
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import ConfigError
-from cakemp.ipc import Activation, Clear, Done, End, Failure, Forward, Op
+from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, Op, Stage
 from cakemp.wire import DType
 
 LAYERS = ("model.layers.2", "model.layers.3")
+GENERATION = 4
 
 
 @pytest.fixture
 def service(checkpoint):
-    return DeviceService.load(DeviceSpec(0, None, LAYERS, str(checkpoint), "f32", "ipc://unused", max_context=32))
+    spec = DeviceSpec(1, None, LAYERS, str(checkpoint), "f32", "ipc://unused", max_context=32)
+    return DeviceService.load(spec, generation=GENERATION)
 
 
-def forward(x: torch.Tensor, ops, session=1, request_id=1, wire=DType.F32, data=None) -> Forward:
-    return Forward(session, request_id, wire, tuple(x.shape), tuple(ops), data or bytearray(tensors.to_bytes(x, wire)))
+def raw(x: torch.Tensor, wire=DType.F32) -> bytearray:
+    return bytearray(x.to({DType.F32: torch.float32, DType.F16: torch.float16}[wire]).reshape(-1)
+                     .view(torch.uint8).numpy().tobytes())
 
 
-def test_forward_runs_the_addressed_layers_like_the_runner(service, checkpoint):
-    """Ops naming layers by index give the runner's own output for those layers, as F32 bytes."""
+def forward(x: torch.Tensor, ops, session=1, request_id=1, wire=DType.F32, data=None, rest=(), chunk=0, chunks=1,
+            device=1, generation=GENERATION) -> Hop:
+    stages = (Stage(device, generation, tuple(ops)), *rest)
+    return Hop(session, request_id, wire, tuple(x.shape), stages, raw(x, wire) if data is None else data,
+                   chunk, chunks)
+
+
+def tensor(reply) -> torch.Tensor:
+    return torch.frombuffer(bytearray(reply.data), dtype=torch.float32).view(reply.shape)
+
+
+def test_the_last_stage_answers_the_front_like_the_runner(service, checkpoint):
+    """Ops naming layers by index give the runner's own output for those layers, as F32 bytes, with the KV bytes."""
     x = torch.randn(1, 4, 64)
     reply = service.handle(forward(x, [Op(0, 0, 2), Op(1, 0, 3)], request_id=5))
     runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
     expected = runner.forward(9, x, [("model.layers.2", 0, 2), ("model.layers.3", 0, 3)])
     assert isinstance(reply, Activation) and (reply.request_id, reply.dtype, reply.shape) == (5, DType.F32, (1, 4, 64))
-    torch.testing.assert_close(tensors.to_tensor(bytearray(reply.data), reply.dtype, reply.shape), expected)
+    assert reply.kv == (service.runner.kv_bytes(),) and reply.kv[0] > 0
+    torch.testing.assert_close(tensor(reply), expected)
+
+
+def test_a_stage_with_more_to_run_is_handed_on_with_the_rest_of_the_route(service):
+    """With a later stage on the route, the result becomes a Hop for that stage, its chunk and KV report kept."""
+    later = Stage(0, 2, (Op(0, 0, 4),))
+    x = torch.randn(1, 3, 64)
+    reply = service.handle(forward(x, [Op(0, 0, 2)], request_id=6, rest=(later,), chunk=1, chunks=3))
+    assert isinstance(reply, Hop)
+    assert (reply.session, reply.request_id, reply.stages, reply.chunk, reply.chunks) == (1, 6, (later,), 1, 3)
+    assert reply.kv == (service.runner.kv_bytes(),) and len(bytes(reply.data)) == 3 * 64 * 4
+
+
+def test_a_route_for_another_process_or_device_is_dropped(service):
+    """A hand-off naming an earlier generation of this device (its process died since), or another device, is dropped."""
+    x = torch.randn(1, 2, 64)
+    assert service.handle(forward(x, [Op(0, 0, 2)], generation=GENERATION - 1)) is None
+    assert service.handle(forward(x, [Op(0, 0, 2)], device=0)) is None
+    assert service.runner.session_count() == 0
 
 
 def test_an_f16_request_is_answered_in_f16(service):
@@ -42,18 +74,69 @@ def test_an_f16_request_is_answered_in_f16(service):
     assert reply.dtype == DType.F16 and len(bytes(reply.data)) == 2 * 64 * 2
 
 
-@pytest.mark.parametrize("make, error, words", [
-    (lambda x: forward(x, [Op(2, 0, 2)]), "UnknownLayer", "layer #2"),
-    (lambda x: forward(x, [Op(0, 0, 2)], data=bytearray(7)), "BadTensor", "7 bytes"),
-    (lambda x: Forward(1, 1, DType.F64, (1, 2, 64), (Op(0, 0, 2),), bytearray(2 * 64 * 8)), "BadTensor", "F64"),
-    (lambda x: forward(torch.randn(1, 2, 32), [Op(0, 0, 2)]), "BadTensor", "64"),
-    (lambda x: forward(x, [Op(0, 31, 2)]), "PositionGap", "31"),
-    (lambda x: forward(torch.randn(1, 33, 64), [Op(0, 0, 2)]), "ContextLimitExceeded", "32"),
+def test_chunks_in_order_equal_the_whole_prompt(service, checkpoint):
+    """A prompt sent as three chunks at their offsets gives the unchunked result within f32 tolerance."""
+    x = torch.randn(1, 10, 64)
+    runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
+    expected = runner.forward(9, x, [("model.layers.2", 0, 2), ("model.layers.3", 0, 3)])
+    parts = []
+    for chunk, (start, end) in enumerate(((0, 4), (4, 7), (7, 10))):
+        reply = service.handle(forward(x[:, start:end], [Op(0, start, 2), Op(1, start, 3)], chunk=chunk, chunks=3))
+        parts.append(tensor(reply))
+    torch.testing.assert_close(torch.cat(parts, dim=1), expected, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("make, code, words", [
+    (lambda x: forward(x, [Op(2, 0, 2)]), ErrorCode.UNKNOWN_LAYER, "layer #2"),
+    (lambda x: forward(x, [Op(0, 0, 2)], data=bytearray(7)), ErrorCode.BAD_TENSOR, "7 bytes"),
+    (lambda x: Hop(1, 1, DType.F64, (1, 2, 64), (Stage(1, GENERATION, (Op(0, 0, 2),)),), bytearray(2 * 64 * 8)),
+     ErrorCode.BAD_TENSOR, "F64"),
+    (lambda x: forward(torch.randn(1, 2, 32), [Op(0, 0, 2)]), ErrorCode.BAD_TENSOR, "64"),
+    (lambda x: forward(x, [Op(0, 31, 2)]), ErrorCode.POSITION_GAP, "31"),
+    (lambda x: forward(torch.randn(1, 33, 64), [Op(0, 0, 2)]), ErrorCode.CONTEXT_LIMIT, "32"),
 ])
-def test_requests_that_cannot_be_served_become_failures(service, make, error, words):
-    """Each bad request is answered with a Failure naming the error class and what was wrong."""
+def test_requests_that_cannot_be_served_become_failures(service, make, code, words):
+    """Each bad request is answered with a Failure carrying the error's code and what was wrong."""
     reply = service.handle(make(torch.randn(1, 2, 64)))
-    assert isinstance(reply, Failure) and reply.error == error and words in reply.message, reply
+    assert isinstance(reply, Failure) and reply.code == code and words in reply.message, reply
+
+
+def test_once_a_chunk_fails_the_later_chunks_get_the_same_failure_unrun(service):
+    """Chunk 0 of 3 fails (a position gap); chunks 1 and 2 are answered with that failure without running,
+    after which the request id is forgotten."""
+    x = torch.randn(1, 2, 64)
+    first = service.handle(forward(x, [Op(0, 5, 2)], request_id=8, chunks=3))
+    assert isinstance(first, Failure) and first.code == ErrorCode.POSITION_GAP
+    later = [service.handle(forward(x, [Op(0, 0, 2)], request_id=8, chunk=c, chunks=3)) for c in (1, 2)]
+    assert [(f.code, f.message, f.chunk) for f in later] == [(first.code, first.message, 1), (first.code, first.message, 2)]
+    assert service.runner.session_count() == 0  # chunk 1 at position 0 would have created the session
+    assert isinstance(service.handle(forward(x, [Op(0, 0, 2)], request_id=8)), Activation)
+
+
+def test_a_fault_that_is_not_a_request_error_names_no_class_or_detail(service, monkeypatch):
+    """An unexpected exception inside the runner becomes an INTERNAL failure naming only the device."""
+
+    def broken(*args):
+        raise RuntimeError("/secret/path/libtorch.so: boom at 0x7f00")
+
+    monkeypatch.setattr(service.runner, "forward", broken)
+    reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)]))
+    assert isinstance(reply, Failure) and reply.code == ErrorCode.INTERNAL
+    assert reply.message == "internal error on device cpu:1"
+
+
+def test_a_long_run_of_ops_reports_progress_between_slices(service):
+    """40 ops run in slices; between them the service reports the request as in progress (the watchdog's
+    sign of life), and the result equals the same ops without interruption."""
+    reported = []
+    service.progress = reported.append
+    x = torch.randn(1, 1, 64)
+    ops = [Op(i % 2, 0, 2 + i % 2) for i in range(40)]
+    reply = service.handle(forward(x, ops, request_id=11))
+    assert isinstance(reply, Activation)
+    assert reported and set(reported) == {11}
+    expected = service.runner.forward(2, x, [(LAYERS[op.layer], 0, op.block_idx) for op in ops])
+    torch.testing.assert_close(tensor(reply), expected, atol=2e-6, rtol=0)
 
 
 def test_clear_and_end_report_the_sessions_left(service):
@@ -108,21 +191,21 @@ def test_a_poisoning_error_fails_its_request_and_marks_the_process_to_end(failin
     """An illegal memory access is answered as DeviceLost (the device restarts) and sets `poisoned`."""
     service = failing(RuntimeError(ILLEGAL_ACCESS))
     reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=3))
-    assert isinstance(reply, Failure) and (reply.request_id, reply.error) == (3, "DeviceLost")
+    assert isinstance(reply, Failure) and (reply.request_id, reply.code) == (3, ErrorCode.DEVICE_LOST)
     assert "illegal memory access" in reply.message and "restarts" in reply.message
     assert service.poisoned is not None and "illegal memory access" in service.poisoned
 
 
-@pytest.mark.parametrize("error, kind, words", [
-    (torch.OutOfMemoryError(OUT_OF_MEMORY), "RequestError",
+@pytest.mark.parametrize("error, code, words", [
+    (torch.OutOfMemoryError(OUT_OF_MEMORY), ErrorCode.REQUEST,
      "out of memory on cpu: CUDA out of memory. Tried to allocate 2.00 GiB"),
-    (ValueError("a bug"), "ValueError", "ValueError: a bug"),
+    (ValueError("a bug"), ErrorCode.INTERNAL, "internal error on device cpu:1"),
 ])
-def test_other_faults_fail_their_request_and_the_device_serves_on(failing, error, kind, words):
+def test_other_faults_fail_their_request_and_the_device_serves_on(failing, error, code, words):
     """Out of memory (in two sentences, not torch's paragraph) and ordinary failures leave the process serving."""
     service = failing(error)
     reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)]))
-    assert isinstance(reply, Failure) and reply.error == kind and reply.message == words, reply
+    assert isinstance(reply, Failure) and reply.code == code and reply.message == words, reply
     assert service.poisoned is None
     assert isinstance(service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=2)), Activation)
 

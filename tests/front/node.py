@@ -85,10 +85,14 @@ def quiescent(port: int) -> Samples:
                       what="closing every connection")
 
 
-def wait_answered(port: int, device: str, count: float) -> None:
-    """Wait until `device` has answered `count` requests: a request whose run goes on to the
-    next device is then waiting on that one (the front hands it on as the reply arrives)."""
-    wait_until(lambda: answered(scrape(port), device) >= count, what=f"{device} answering request #{count:g}")
+def waiting(metrics: Samples, device: str) -> float:
+    """How many requests `device` owes the front now (sent down a route through it, not yet answered)."""
+    return metrics.get(("cakemp_device_requests_waiting", (("device", device),)), 0.0)
+
+
+def wait_waiting(port: int, device: str, count: float = 1) -> None:
+    """Wait until `device` owes `count` requests: the front has sent them down a route through it."""
+    wait_until(lambda: waiting(scrape(port), device) >= count, what=f"{device} owing {count:g} request(s)")
 
 
 def http_status(port: int, path: str) -> int:

@@ -15,7 +15,7 @@ import torch
 from cakemp.errors import RemoteWorkerError
 from tests.checkpoints import HFLayers, make_checkpoint
 from tests.front.master import CakeMaster
-from tests.front.node import RunningNode, answered, children, gone, scrape, wait_answered, wait_gone, write_topology
+from tests.front.node import RunningNode, children, gone, scrape, wait_gone, wait_waiting, write_topology
 from tests.tolerance import assert_close
 
 HIDDEN = 64
@@ -72,10 +72,9 @@ def test_a_killed_device_is_restarted_while_the_other_serves(node, checkpoint):
         master = await CakeMaster.connect(node.port, LAYERS)
         await master.forward(torch.randn(1, 4, HIDDEN), 0)
         os.kill(victim, signal.SIGSTOP)  # hold the next request on device 1
-        before = answered(await asyncio.to_thread(scrape, port), "cpu:0")
         in_flight = asyncio.create_task(master.forward(torch.randn(1, 1, HIDDEN), 4))
-        # cpu:0 answering its part means the request now waits on cpu:1.
-        await asyncio.to_thread(wait_answered, port, "cpu:0", before + 1)
+        # Owed by cpu:1 means sent down the route (cpu:0 hands it on; cpu:1 is stopped).
+        await asyncio.to_thread(wait_waiting, port, "cpu:1")
         assert not in_flight.done()
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(RemoteWorkerError, match=r"device cpu:1 died \(exit code -9\)"):

@@ -20,7 +20,7 @@ from cakemp.master.client import WorkerClient
 from tests.checkpoints import HFLayers
 from tests.front.master import CakeMaster, from_raw, to_raw
 from tests.front.node import (
-    RunningNode, kv_bytes, quiescent, scrape, wait_answered, wait_gone, wait_until, write_topology,
+    RunningNode, kv_bytes, quiescent, scrape, wait_gone, wait_until, wait_waiting, write_topology,
 )
 from tests.tolerance import assert_close, half_bound
 
@@ -125,9 +125,9 @@ def test_a_drain_that_times_out_fails_the_stalled_request_and_exits_0(checkpoint
         master = await CakeMaster.connect(node.port, LAYERS)
         os.kill(node.device_pid(1), signal.SIGSTOP)
         in_flight = asyncio.create_task(master.forward(torch.randn(1, 2, HIDDEN), 0))
-        await asyncio.to_thread(wait_answered, port, "cpu:0", 1)  # now waiting on the stalled cpu:1
+        await asyncio.to_thread(wait_waiting, port, "cpu:1")  # sent down the route to the stalled cpu:1
         node.process.send_signal(signal.SIGTERM)
-        with pytest.raises(RemoteWorkerError, match="device cpu:1 is stopping"):
+        with pytest.raises(RemoteWorkerError, match="devices cpu:0, cpu:1 are stopping"):
             await in_flight
         await master.close()
 

@@ -21,7 +21,7 @@ from cakemp.master.client import WorkerClient
 from tests.checkpoints import HFLayers
 from tests.front.master import CakeMaster, to_raw
 from tests.front.node import (
-    RunningNode, answered, children, http_status, kv_bytes, quiescent, scrape, wait_answered, wait_gone,
+    RunningNode, children, http_status, kv_bytes, quiescent, scrape, wait_gone, wait_waiting,
     write_topology,
 )
 from tests.tolerance import assert_close
@@ -190,7 +190,7 @@ def test_a_second_signal_exits_at_once(checkpoint, topology, tmp_path):
             os.kill(node.device_pid(1), signal.SIGSTOP)
             in_flight = asyncio.create_task(
                 client.batch(to_raw(torch.randn(1, 2, HIDDEN)), [(f"model.layers.{i}", 0, i) for i in LAYERS]))
-            await asyncio.to_thread(wait_answered, port, "cpu:0", 1)  # now waiting on the stalled cpu:1
+            await asyncio.to_thread(wait_waiting, port, "cpu:1")  # sent down the route to the stalled cpu:1
             node.process.send_signal(signal.SIGTERM)
             await asyncio.to_thread(node.wait_for, lambda e: e.get("event") == "draining")
             node.process.send_signal(signal.SIGTERM)
@@ -223,9 +223,8 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(checkpoint, topo
         master = await CakeMaster.connect(node.port, LAYERS)
         os.kill(device, signal.SIGSTOP)
         try:
-            before = answered(await asyncio.to_thread(scrape, port), "cpu:0")
             in_flight = asyncio.create_task(master.forward(x, 0))
-            await asyncio.to_thread(wait_answered, port, "cpu:0", before + 1)  # now waiting on the stalled cpu:1
+            await asyncio.to_thread(wait_waiting, port, "cpu:1")  # sent down the route to the stalled cpu:1
             node.process.send_signal(signal.SIGTERM)
             await asyncio.to_thread(manager.wait_until, lambda received: "STOPPING" in keys(received))
             assert await asyncio.to_thread(http_status, node.metrics_port(), "/readyz") == 503

@@ -1,4 +1,4 @@
-"""The front's and a device's sockets over a real ipc:// endpoint."""
+"""The front's and the devices' sockets over real ipc:// endpoints."""
 
 from __future__ import annotations
 
@@ -6,34 +6,56 @@ import asyncio
 import os
 import threading
 
-from cakemp.ipc import Activation, DeviceChannel, Forward, FrontChannel, Op
+from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 
 
-def test_a_request_and_its_reply_cross_the_socket_intact(tmp_path):
-    """A 4 MiB Forward reaches the device and its Activation comes back with the same bytes."""
-    endpoint = f"ipc://{tmp_path}/device-0"
+def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
+    """A 4 MiB Hop routed over two devices reaches the first, goes to the second's inbox
+    straight from it, and the second's Activation reaches the front with the same bytes."""
+    endpoints = [f"ipc://{tmp_path}/device-{i}" for i in range(2)]
     body = os.urandom(4 << 20)
     parent_read, parent_write = os.pipe()
 
-    def device():
-        channel = DeviceChannel(endpoint, parent_read)
+    def device(index: int):
+        channel = DeviceChannel(endpoints[index], parent_read, endpoints)
         request = channel.receive()
-        channel.send(Activation(request.request_id, request.dtype, request.shape, request.data))
-        channel.close(linger_ms=10_000)  # let the reply leave before the socket goes
+        rest = request.stages[1:]
+        if rest:
+            assert channel.hand_off(rest[0].device, Hop(request.session, request.request_id, request.dtype,
+                                                            request.shape, rest, request.data))
+        else:
+            channel.send(Activation(request.request_id, request.dtype, request.shape, request.data))
+        channel.close(linger_ms=10_000)  # let the message leave before the socket goes
 
     async def front():
-        channel = FrontChannel(endpoint)
-        thread = threading.Thread(target=device)
-        thread.start()
-        await channel.send(Forward(3, 9, 5, (1, 1024, 1024), (Op(0, 0, 0),), memoryview(body)))
-        reply = await asyncio.wait_for(channel.receive(), 10)
-        thread.join()
-        channel.close()
+        replies: asyncio.Queue = asyncio.Queue()
+        channels = [FrontChannel(endpoint, replies.put_nowait, lambda error: None) for endpoint in endpoints]
+        threads = [threading.Thread(target=device, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        route = (Stage(0, 1, (Op(0, 0, 0),)), Stage(1, 1, (Op(0, 0, 1),)))
+        await channels[0].send(Hop(3, 9, 5, (1, 1024, 1024), route, memoryview(body)))
+        reply = await asyncio.wait_for(replies.get(), 10)
+        for thread in threads:
+            thread.join()
+        for channel in channels:
+            channel.close()
         return reply
 
     reply = asyncio.run(front())
     assert (reply.request_id, reply.shape) == (9, (1, 1024, 1024))
     assert bytes(reply.data) == body
+    os.close(parent_read)
+    os.close(parent_write)
+
+
+def test_a_hand_off_to_a_device_that_is_not_a_peer_is_refused(tmp_path):
+    """hand_off to an index outside the node's devices returns False rather than raising."""
+    parent_read, parent_write = os.pipe()
+    endpoint = f"ipc://{tmp_path}/device-0"
+    channel = DeviceChannel(endpoint, parent_read, [endpoint])
+    assert channel.hand_off(1, Activation(1, 5, (1, 1, 1), b"ab")) is False
+    channel.close()
     os.close(parent_read)
     os.close(parent_write)
 

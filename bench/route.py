@@ -1,0 +1,258 @@
+"""Route benchmark: a Batch whose layers span two device processes, against one process.
+
+    python -m bench.route [--base DIR] [--chunks 32,64,128] [--steps 200] [--prefills 3]
+
+Writes a random 8-layer Llama checkpoint (hidden 1024, f32) and starts, side by side in one
+run: bench/single_worker.py (the same layers in one process, one torch thread: Cake's
+design), `cakemp run --gpus cpu:2 --cpu-threads 1` from this tree once per --prefill-chunk
+value, and, with --base, the same command from another checkout (a git worktree of the
+commit before the change) for "today's" figures. A Cake-style master then measures, the
+workers alternating:
+
+1. decode: round trip of a [1, 1, 1024] Batch through all 8 layers (4 per device), p50 and
+   p99 over --steps steps each, in blocks of 25; each worker's p50 extra over the single
+   process; and the CPU time its processes spent per step (user + system, from /proc: what
+   the machine's load does not inflate much, unlike wall time);
+2. prefill: a 512-token Batch at position 0 through all 8 layers, --prefills times each,
+   median; and its ratio to the single process;
+3. the hops alone: two echoing device processes (no torch) that each busy-wait `--busy-us`
+   per request, a [1, 1, 1024] f32 activation sent through both as a route (front → 0 → 1 →
+   front, three one-way hops) and as two requests one after the other (front → 0 → front → 1
+   → front, four, as before the change); p50 and p99 above the busy time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from bench.pool import busy, free_port, pct, raw, start_single, wait_listening
+from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
+from cakemp.master.client import WorkerClient
+from tests.checkpoints import make_checkpoint
+
+LAYERS = 8
+HIDDEN = 1024
+BLOCK = 25
+PROMPT = 512
+MAX_POSITIONS = 4096
+
+
+def start_node(model: Path, workdir: Path, source: Path, *extra: str) -> tuple[subprocess.Popen, int]:
+    """`cakemp run --gpus cpu:2 --cpu-threads 1` over all layers, run from the checkout at `source`."""
+    topology = workdir / "topology.yml"
+    topology.write_text(yaml.safe_dump({"w": {"host": "x:1", "layers": [f"model.layers.0-{LAYERS - 1}"]}}))
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cakemp", "run", "--name", "w", "--model", str(model), "--topology", str(topology),
+         "--address", f"127.0.0.1:{port}", "--gpus", "cpu:2", "--cpu-threads", "1", "--dtype", "f32",
+         "--log-level", "warning", *extra],
+        stdout=subprocess.DEVNULL, cwd=source, env={**os.environ, "PYTHONPATH": str(source)})
+    wait_listening(port, process, timeout=600)
+    return process, port
+
+
+class Master:
+    """One session: decode steps and prompts through every layer as one Batch."""
+
+    def __init__(self, client: WorkerClient):
+        self.client, self.position = client, 0
+
+    @classmethod
+    async def open(cls, port: int) -> Master:
+        client = await WorkerClient.connect("127.0.0.1", port)
+        await client.hello()
+        return cls(client)
+
+    async def batch(self, tokens: int) -> float:
+        """Seconds for one Batch of `tokens` at the session's next position."""
+        if self.position + tokens > MAX_POSITIONS:
+            await self.client.goodbye()
+            self.position = 0
+        ops = [(f"model.layers.{i}", self.position, i) for i in range(LAYERS)]
+        x = raw(torch.randn(1, tokens, HIDDEN))
+        start = time.perf_counter()
+        await self.client.batch(x, ops)
+        elapsed = time.perf_counter() - start
+        self.position += tokens
+        return elapsed
+
+    async def prompt(self) -> float:
+        await self.client.goodbye()
+        self.position = 0
+        return await self.batch(PROMPT)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its children (a node's front and device processes)."""
+    pids = [pid] + [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    ticks = 0
+    for one in pids:
+        fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(ports: dict[str, int], pids: dict[str, int], steps: int, prefills: int) -> tuple[dict, dict, dict]:
+    masters = {name: await Master.open(port) for name, port in ports.items()}
+    for master in masters.values():  # warm-up: first prompt, a few decode steps
+        await master.prompt()
+        for _ in range(5):
+            await master.batch(1)
+    # One list per round (a block of decode steps, or one prompt, from every worker in turn), so
+    # that each worker can also be compared with the single process within the same round.
+    decode = {name: [] for name in ports}
+    cpu = {name: 0.0 for name in ports}  # CPU seconds the worker's processes spent on the decode steps
+    for _ in range(steps // BLOCK):
+        for name, master in masters.items():
+            before = cpu_seconds(pids[name])
+            decode[name].append([await master.batch(1) * 1e3 for _ in range(BLOCK)])
+            cpu[name] += cpu_seconds(pids[name]) - before
+    prefill = {name: [] for name in ports}
+    for _ in range(prefills):
+        for name, master in masters.items():
+            prefill[name].append(await master.prompt() * 1e3)
+    for master in masters.values():
+        await master.client.close()
+    return decode, prefill, cpu
+
+
+def echo_device(endpoint: str, peers: tuple[str, ...], parent_pipe, busy_s: float) -> None:
+    """A device process that busy-waits `busy_s` per Hop, then hands it on or answers the front."""
+    channel = DeviceChannel(endpoint, parent_pipe.fileno(), peers)
+    while (hop := channel.receive()) is not None:
+        busy(busy_s)
+        rest = hop.stages[1:]
+        if rest:
+            channel.hand_off(rest[0].device, Hop(hop.session, hop.request_id, hop.dtype, hop.shape, rest, hop.data))
+        else:
+            channel.send(Activation(hop.request_id, hop.dtype, hop.shape, hop.data))
+
+
+async def hops(workdir: Path, steps: int, busy_s: float) -> dict[str, list[float]]:
+    """µs above 2 x busy_s of one activation through two echoing devices, routed and relayed, blocks alternating."""
+    context = multiprocessing.get_context("spawn")
+    endpoints = tuple(f"ipc://{workdir}/echo-{i}" for i in range(2))
+    replies: asyncio.Queue = asyncio.Queue()
+    channels = [FrontChannel(endpoint, replies.put_nowait, lambda error: None) for endpoint in endpoints]
+    children, pipes = [], []
+    for endpoint in endpoints:
+        reader, writer = context.Pipe(duplex=False)
+        child = context.Process(target=echo_device, args=(endpoint, endpoints, reader, busy_s), daemon=True)
+        child.start()
+        children.append(child)
+        pipes.append(writer)
+    body = memoryview(bytearray(HIDDEN * 4))
+    stage = [Stage(i, 1, (Op(0, 0, 0),)) for i in range(2)]
+
+    async def routed(i: int) -> None:
+        await channels[0].send(Hop(1, i, 0, (1, 1, HIDDEN), (stage[0], stage[1]), body))
+        await replies.get()
+
+    async def relayed(i: int) -> None:
+        data = body
+        for device in range(2):
+            await channels[device].send(Hop(1, i, 0, (1, 1, HIDDEN), (stage[device],), data))
+            data = (await replies.get()).data
+
+    times: dict[str, list[float]] = {"routed: front → 0 → 1 → front": [], "relayed: front → 0 → front → 1 → front": []}
+    ways = dict(zip(times, (routed, relayed)))
+    for block in range(steps // BLOCK + 1):  # the first block warms up
+        for name, way in ways.items():
+            for i in range(BLOCK):
+                start = time.perf_counter()
+                await way(block * BLOCK + i)
+                if block:
+                    times[name].append((time.perf_counter() - start - 2 * busy_s) * 1e6)
+    for child in children:
+        child.terminate()
+        child.join()
+    for channel, pipe in zip(channels, pipes):
+        channel.close()
+        pipe.close()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", type=Path, help="checkout of the commit to compare with (e.g. a git worktree)")
+    parser.add_argument("--chunks", default="32,64,128", help="--prefill-chunk values to run this tree with")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--prefills", type=int, default=3)
+    parser.add_argument("--busy-us", type=float, default=12000.0, help="each echo device's busy time (part 3)")
+    parser.add_argument("--hops-only", action="store_true", help="part 3 only")
+    args = parser.parse_args()
+    here = Path(__file__).resolve().parent.parent
+    print(f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
+    processes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if args.hops_only:
+            print_hops(asyncio.run(hops(work, args.steps, args.busy_us / 1e6)), args)
+            return
+        model = make_checkpoint(work, "llama", num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=2816,
+                                num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=MAX_POSITIONS)
+        try:
+            single, single_port = start_single(model, threads=1, layers=LAYERS)
+            processes.append(single)
+            ports = {"single process, 1 thread": single_port}
+            pids = {"single process, 1 thread": single.pid}
+            if args.base is not None:
+                name = f"cakemp {args.base.name} cpu:2"
+                process, ports[name] = start_node(model, work, args.base.resolve())
+                processes.append(process)
+                pids[name] = process.pid
+            for chunk in args.chunks.split(","):
+                name = f"cakemp cpu:2, chunk {chunk}"
+                process, ports[name] = start_node(model, work, here, "--prefill-chunk", chunk)
+                processes.append(process)
+                pids[name] = process.pid
+            decode, prefill, cpu = asyncio.run(measure(ports, pids, args.steps, args.prefills))
+        finally:
+            for process in processes:
+                process.terminate()
+                process.wait()
+    single_name = next(iter(ports))
+    single_blocks, single_prompts = decode[single_name], prefill[single_name]
+    print(f"\n{LAYERS} layers, hidden {HIDDEN}, f32; cakemp: 4 layers on each of 2 device processes, 1 torch thread "
+          f"each; decode {args.steps} steps each in blocks of {BLOCK}, prefill {PROMPT} tokens x {args.prefills} "
+          f"each, workers alternating")
+    print("decode extra: median over rounds of (block p50 - the single process's block p50 in the same round); "
+          "prefill ratio: median over rounds of (prompt time / the single process's in the same round)")
+    print("| worker | decode p50 ms | p99 ms | decode extra over one process, ms | CPU ms per decode step | "
+          "prefill 512 ms (median) | prefill vs one process |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in ports:
+        steps_ms = [t for block in decode[name] for t in block]
+        extra = statistics.median(pct(mine, 50) - pct(theirs, 50) for mine, theirs in zip(decode[name], single_blocks))
+        ratio = statistics.median(mine / theirs for mine, theirs in zip(prefill[name], single_prompts))
+        print(f"| {name} | {pct(steps_ms, 50):.2f} | {pct(steps_ms, 99):.2f} | {extra:+.2f} | "
+              f"{cpu[name] / len(steps_ms) * 1e3:.1f} | {statistics.median(prefill[name]):.0f} | {ratio:.2f}x |")
+    with tempfile.TemporaryDirectory() as tmp:
+        print_hops(asyncio.run(hops(Path(tmp), args.steps, args.busy_us / 1e6)), args)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+def print_hops(times: dict[str, list[float]], args) -> None:
+    print(f"\nthe hops alone: [1, 1, {HIDDEN}] f32 through 2 echoing device processes busy {args.busy_us:.0f} µs each; "
+          f"{args.steps} round trips each, blocks of {BLOCK} alternating; µs above the busy time")
+    print("| way | p50 µs | p99 µs |\n|---|---:|---:|")
+    for name, values in times.items():
+        print(f"| {name} | {pct(values, 50):.0f} | {pct(values, 99):.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""The pool's state machine, driven by events and an injected clock: no process, no socket, no loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from cakemp.errors import CakempError, ConfigError, DeviceLost, PositionGap
+from cakemp.front.pool_state import (
+    BACKOFF_FIRST_S,
+    Complete,
+    DeviceState,
+    GiveUp,
+    Kill,
+    Ping,
+    PoolState,
+    Restarted,
+    RestartFailed,
+    Restarting,
+    Spawn,
+    Started,
+    StartFailed,
+)
+
+TIMEOUT = 10.0
+LOAD_SILENCE = 100.0
+ATTEMPTS = 3
+
+
+def fresh(devices: int = 2) -> PoolState:
+    return PoolState([f"cpu:{i}" for i in range(devices)], request_timeout=TIMEOUT, load_silence=LOAD_SILENCE,
+                     restart_attempts=ATTEMPTS)
+
+
+def serving(devices: int = 2) -> PoolState:
+    """A pool whose devices all started at t=0 and are ready."""
+    state = fresh(devices)
+    state.start(0.0)
+    for device in range(devices):
+        state.ready(device, 0.0)
+    return state
+
+
+def test_start_spawns_every_device_and_reports_started_once_all_are_ready():
+    """Each device is spawned as generation 1; Started comes with the last Ready, not before."""
+    state = fresh(3)
+    assert state.start(0.0) == [Spawn(0, 1), Spawn(1, 1), Spawn(2, 1)]
+    assert [state.state(d) for d in range(3)] == [DeviceState.STARTING] * 3
+    assert state.ready(0, 1.0) == [] and state.ready(2, 1.0) == []
+    assert state.ready(1, 2.0) == [Started()]
+    assert [state.state(d) for d in range(3)] == [DeviceState.READY] * 3
+    assert state.next_deadline() is None
+
+
+def test_a_first_start_that_fails_fails_the_node():
+    """A StartFailure during the first start is StartFailed with the device's own error; so is a death while loading."""
+    state = fresh()
+    state.start(0.0)
+    error = ConfigError("no such checkpoint")
+    assert state.start_failed(0, 1.0, error) == [StartFailed(0, error)]
+    assert state.state(0) is DeviceState.FAILED
+    [failed] = state.exited(1, 2.0, -9)
+    assert isinstance(failed, StartFailed) and str(failed.error) == "device cpu:1 died (exit code -9)"
+
+
+def test_a_device_silent_while_loading_is_killed_and_its_exit_says_why():
+    """No Loaded for LOAD_SILENCE seconds: Kill; a Loaded before then moves the deadline."""
+    state = fresh(1)
+    state.start(0.0)
+    assert state.next_deadline() == LOAD_SILENCE
+    state.heard(0, 50.0)  # a layer loaded
+    assert state.tick(LOAD_SILENCE) == []
+    assert state.tick(50.0 + LOAD_SILENCE) == [Kill(0, f"loaded no layer within {LOAD_SILENCE:g} s")]
+    assert state.tick(60.0 + LOAD_SILENCE) == []  # killed once
+    [failed] = state.exited(0, 200.0, -9)
+    assert str(failed.error) == f"device cpu:0 loaded no layer within {LOAD_SILENCE:g} s"
+
+
+def test_a_request_is_complete_once_every_chunk_sent_is_answered():
+    """Three chunks: answers before the last send do not complete it; the last answer after sealing does."""
+    state = serving()
+    state.admit(1, (0, 1), (False, False))
+    state.sent(7, 1, (0, 1), 0.0)
+    state.sent(7, 1, (0, 1), 0.0)
+    assert state.answered(1, 7, 1.0) == []
+    state.sent(7, 1, (0, 1), 1.0)
+    assert state.sealed(7) == []
+    assert state.waiting(0) == state.waiting(1) == 1
+    assert state.answered(1, 7, 2.0) == []
+    assert state.answered(1, 7, 3.0) == [Complete(7, None)]
+    assert not state.owed(7) and state.waiting(0) == 0
+    assert state.answered(1, 7, 4.0) == []  # a late answer is ignored
+
+
+def test_a_failed_chunk_fails_the_request_once_all_chunks_are_answered():
+    """The first failure is the request's error; it is reported when the last chunk has its answer."""
+    state = serving()
+    state.sent(3, 1, (0, 1), 0.0)
+    state.sent(3, 1, (0, 1), 0.0)
+    state.sealed(3)
+    first, second = PositionGap("chunk 0"), PositionGap("chunk 1")
+    assert state.answered(1, 3, 1.0, first) == []
+    assert state.answered(1, 3, 1.0, second) == [Complete(3, first)]
+
+
+def test_a_request_never_sent_is_never_owed():
+    """Admission alone registers nothing: no deadline, no device owes it (a send that failed leaves nothing)."""
+    state = serving()
+    state.admit(1, (0, 1), (False, False))
+    assert state.next_deadline() is None and state.waiting(0) == 0
+    assert state.sealed(99) == [] and state.tick(1e9) == []
+
+
+def test_a_silent_request_pings_its_route_then_kills_only_the_silent_device():
+    """After TIMEOUT without a word the route's devices are pinged; the one that answers (Pong) lives,
+    the one still silent another TIMEOUT later is killed, and its exit fails the request."""
+    state = serving()
+    state.sent(5, 1, (0, 1), 0.0)
+    state.sealed(5)
+    assert state.next_deadline() == TIMEOUT
+    assert state.tick(TIMEOUT - 1) == []
+    assert state.tick(TIMEOUT) == [Ping(0), Ping(1)]
+    state.heard(0, TIMEOUT + 0.1)  # device 0's Pong
+    assert state.tick(2 * TIMEOUT) == [Kill(1, f"did not answer within {TIMEOUT:g} s")]
+    actions = state.exited(1, 2 * TIMEOUT + 1, -9)
+    assert isinstance(actions[0], Complete) and actions[0].request_id == 5
+    assert isinstance(actions[0].error, DeviceLost)
+    assert str(actions[0].error) == f"device cpu:1 did not answer within {TIMEOUT:g} s"
+    assert actions[1] == Restarting(1, f"did not answer within {TIMEOUT:g} s")
+
+
+def test_a_request_waiting_behind_a_long_one_on_a_live_device_is_not_a_hang():
+    """Progress on another request (or a Pong) keeps the device alive: the silent request is re-armed, not killed."""
+    state = serving(1)
+    state.sent(1, 1, (0,), 0.0)  # a long prefill
+    state.sent(2, 2, (0,), 0.0)  # queued behind it
+    state.sealed(1)
+    state.sealed(2)
+    state.progressed(0, 1, TIMEOUT - 1)
+    assert state.tick(TIMEOUT) == [Ping(0)]  # request 2 went silent
+    state.progressed(0, 1, TIMEOUT + 5)
+    assert state.tick(2 * TIMEOUT) == []  # device 0 is alive: no kill
+    assert state.owed(1) and state.owed(2) and state.state(0) is DeviceState.READY
+
+
+def test_progress_on_a_request_moves_its_deadline():
+    """A device computing a long request reports progress; that request is never pinged while it does."""
+    state = serving(1)
+    state.sent(1, 1, (0,), 0.0)
+    state.sealed(1)
+    for t in range(5, 100, 5):
+        state.progressed(0, 1, float(t))
+        assert state.tick(float(t)) == []
+    assert state.next_deadline() == 95.0 + TIMEOUT
+
+
+def test_a_death_fails_only_the_requests_through_that_device_and_restarts_it():
+    """Requests routed through the dead device fail with DeviceLost; others stay owed; the device restarts
+    after the first backoff as the next generation and is Restarted on its Ready."""
+    state = serving()
+    state.sent(1, 1, (0, 1), 0.0)
+    state.sent(2, 2, (0,), 0.0)
+    actions = state.exited(1, 5.0, -9)
+    assert [(type(a), getattr(a, "request_id", None)) for a in actions] == [(Complete, 1), (Restarting, None)]
+    assert str(actions[0].error) == "device cpu:1 died (exit code -9)" and isinstance(actions[0].error, DeviceLost)
+    assert state.owed(2) and state.state(1) is DeviceState.RESTARTING
+    with pytest.raises(DeviceLost, match="device cpu:1 is restarting after it died"):
+        state.admit(3, (1,), (False,))
+    assert state.next_deadline() == 5.0 + BACKOFF_FIRST_S
+    assert state.tick(5.0 + BACKOFF_FIRST_S) == [Spawn(1, 2)]
+    assert state.generation(1) == 2
+    assert state.ready(1, 7.0) == [Restarted(1)]
+    assert state.state(1) is DeviceState.READY
+
+
+def test_restart_attempts_back_off_and_the_pool_gives_up_after_the_last():
+    """Each failed restart (its StartFailure, then its exit) is counted with its error; the backoff doubles;
+    after ATTEMPTS in a row the device is FAILED and the pool gives up."""
+    state = serving(1)
+    state.exited(0, 0.0, -9)
+    now = BACKOFF_FIRST_S
+    for attempt in range(1, ATTEMPTS + 1):
+        assert state.tick(now) == [Spawn(0, attempt + 1)]
+        assert state.start_failed(0, now + 1, CakempError("model.safetensors is gone")) == [
+            Kill(0, "model.safetensors is gone")]
+        actions = state.exited(0, now + 2, 1)
+        assert actions[0] == RestartFailed(0, attempt, "model.safetensors is gone")
+        if attempt < ATTEMPTS:
+            assert len(actions) == 1
+            assert state.next_deadline() == now + 2 + BACKOFF_FIRST_S * 2**attempt
+            now = state.next_deadline()
+    assert actions[1] == GiveUp(f"device cpu:0 failed to start {ATTEMPTS} times in a row (last: model.safetensors is gone)")
+    assert state.state(0) is DeviceState.FAILED and state.next_deadline() is None
+
+
+def test_a_successful_restart_resets_the_attempt_count():
+    """Ready after a failed attempt puts the count back to zero: the next failure starts from the first backoff."""
+    state = serving(1)
+    state.exited(0, 0.0, -9)
+    state.tick(BACKOFF_FIRST_S)
+    state.exited(0, 1.0, 1)  # attempt 1 died while loading
+    state.tick(10.0)
+    assert state.ready(0, 11.0) == [Restarted(0)]
+    assert state.exited(0, 20.0, -9)[-1] == Restarting(0, "died (exit code -9)")
+    assert state.next_deadline() == 20.0 + BACKOFF_FIRST_S
+
+
+def test_a_session_that_lost_its_state_is_told_once_and_only_when_it_relies_on_it():
+    """After a restart a session's request past position 0 on that device gets DeviceLost once; the next
+    goes ahead; a fresh prefill (position 0) is never refused; Goodbye forgets the loss."""
+    state = serving()
+    for session in (1, 2, 3):
+        state.admit(session, (0, 1), (False, False))
+    state.exited(1, 0.0, -9)
+    state.tick(BACKOFF_FIRST_S)
+    state.ready(1, 1.0)
+    with pytest.raises(DeviceLost, match="device cpu:1 restarted; this session's KV state was lost"):
+        state.admit(1, (0, 1), (True, True))
+    state.admit(1, (0, 1), (True, True))  # told once
+    state.admit(2, (0, 1), (True, False))  # relies on device 0 only: goes ahead, and the loss is forgotten
+    state.admit(2, (1,), (True,))
+    state.cleared(1, 3)
+    state.admit(3, (1,), (True,))
+
+
+def test_a_session_ended_is_forgotten_everywhere():
+    """After End a session's loss is no longer remembered, and a new death does not count it."""
+    state = serving(1)
+    state.admit(1, (0,), (False,))
+    state.ended(0, 1)
+    state.exited(0, 0.0, -9)
+    state.tick(BACKOFF_FIRST_S)
+    state.ready(0, 1.0)
+    state.admit(1, (0,), (True,))
+
+
+def test_stop_fails_every_request_and_ends_restarts():
+    """Stopping completes every owed request naming its route's devices as stopping; a death afterwards restarts nothing."""
+    state = serving()
+    state.sent(1, 1, (0, 1), 0.0)
+    [done] = state.stop()
+    assert isinstance(done, Complete) and str(done.error) == "devices cpu:0, cpu:1 are stopping"
+    assert state.exited(0, 1.0, 0) == [] and state.state(0) is DeviceState.STOPPED
+    with pytest.raises(DeviceLost, match="is stopping"):
+        state.admit(2, (0,), (False,))
+    assert state.next_deadline() is None
+
+
+def test_a_late_ready_of_a_process_already_gone_changes_nothing():
+    """A Ready arriving after the device's exit (RESTARTING, not loading) neither marks it ready nor restarts it."""
+    state = serving(1)
+    state.exited(0, 0.0, -9)
+    assert state.ready(0, 0.1) == [] and state.state(0) is DeviceState.RESTARTING
