@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 import yaml
 
-from cakemp.compute import tensors
 from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
@@ -100,7 +99,7 @@ class Session:
         self.clients, self.hidden, self.position = clients, hidden, 0
 
     @classmethod
-    async def open(cls, port: int, hidden: int) -> "Session":
+    async def open(cls, port: int, hidden: int) -> Session:
         clients = []
         for _ in range(LAYERS):
             client = await WorkerClient.connect("127.0.0.1", port)
