@@ -132,7 +132,7 @@ async def relay_tax(ports: dict[str, int], hidden: int, steps: int) -> dict[str,
     sessions = {name: await Session.open(port, hidden) for name, port in ports.items()}
     times = {name: {"decode": [], "empty": []} for name in ports}
     for kind, layers in (("decode", LAYERS), ("empty", 0)):
-        for name, session in sessions.items():  # warm-up
+        for session in sessions.values():  # warm-up
             for _ in range(BLOCK):
                 await session.step(layers=layers)
         for _ in range(steps // BLOCK):

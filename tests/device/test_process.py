@@ -75,7 +75,10 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
         assert isinstance(ready, Ready) and (ready.device, ready.layers) == ("cpu", 1) and ready.memory_bytes > 0
         await front.channel.send(Ping())
         assert await front.receive(10) == Pong()
-        stage = lambda layer: (Stage(0, 1, (Op(layer, 0, 1),)),)
+
+        def stage(layer):
+            return (Stage(0, 1, (Op(layer, 0, 1),)),)
+
         await front.channel.send(Hop(1, 1, DType.F32, (1, 3, 64), stage(5), bytearray(x.numpy().tobytes())))
         refused = await front.receive(10)
         await front.channel.send(Hop(1, 2, DType.F32, (1, 3, 64), stage(0), bytearray(x.numpy().tobytes())))
