@@ -116,6 +116,15 @@ def compare(path: Path, dtype: torch.dtype, device: torch.device, steps: int) ->
     runner = BlockRunner.load(path, [f"model.layers.{i}" for i in range(layers)], device, dtype)
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     hf = {name: HFLayers(model, name) for name in ("eager", "sdpa")}
+    return measure(runner, hf, layers, SHAPE["hidden_size"], dtype, device, steps, CONTEXT, PREFILL)
+
+
+def measure(runner: BlockRunner, hf: dict, layers: int, hidden: int, dtype: torch.dtype, device: torch.device,
+            steps: int, context: int, prefill: int) -> dict[str, dict[str, float]]:
+    """Best ms per layer of `runner` and each of `hf` (name -> HFLayers-like: `prepare(x, pos)`
+    returns the timed call, `reset()` empties its cache), steps alternating between them:
+    decode one token at context `context` (then + 1, ...), and prefill `prefill` tokens into
+    an empty cache."""
 
     def ops(index_pos: int) -> list[tuple[str, int, int]]:
         return [(f"model.layers.{i}", index_pos, i) for i in range(layers)]
@@ -123,17 +132,18 @@ def compare(path: Path, dtype: torch.dtype, device: torch.device, steps: int) ->
     generator = torch.Generator().manual_seed(1)
 
     def tokens(T: int) -> torch.Tensor:
-        return torch.randn(1, T, SHAPE["hidden_size"], generator=generator).to(device, dtype)
+        return torch.randn(1, T, hidden, generator=generator).to(device, dtype)
 
-    results = {"decode": {}, "prefill": {}}
+    results = {}
+    names = ["cakemp", *hf]
     with torch.inference_mode():
-        context = tokens(CONTEXT)
-        runner.forward(0, context, ops(0))
+        first = tokens(context)
+        runner.forward(0, first, ops(0))
         for layer in hf.values():
-            layer.prepare(context, 0)()
-        samples = {"cakemp": [], "eager": [], "sdpa": []}
+            layer.prepare(first, 0)()
+        samples = {name: [] for name in names}
         for step in range(steps + 2):  # two warm-up steps
-            x, position = tokens(1), CONTEXT + step
+            x, position = tokens(1), context + step
             t = {"cakemp": timed(lambda: runner.forward(0, x, ops(position)), device)}
             for name, layer in hf.items():
                 t[name] = timed(layer.prepare(x, position), device)
@@ -142,9 +152,9 @@ def compare(path: Path, dtype: torch.dtype, device: torch.device, steps: int) ->
                     samples[name].append(t[name])
         results["decode"] = {name: min(v) * 1e3 / layers for name, v in samples.items()}
 
-        samples = {"cakemp": [], "eager": [], "sdpa": []}
+        samples = {name: [] for name in names}
         for step in range(max(3, steps // 2) + 1):
-            x = tokens(PREFILL)
+            x = tokens(prefill)
             runner.clear_session(0)
             t = {"cakemp": timed(lambda: runner.forward(0, x, ops(0)), device)}
             for name, layer in hf.items():

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from blocks import timed
+from blocks import measure
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -104,45 +104,7 @@ def compare(path: Path, dtype: torch.dtype, steps: int) -> dict[str, dict[str, f
     model = transformers.Gemma3ForCausalLM.from_pretrained(path, dtype=dtype)
     hf = {name: HFLayers(model, name) for name in ("eager", "sdpa")}
 
-    def ops(index_pos: int) -> list[tuple[str, int, int]]:
-        return [(f"model.layers.{i}", index_pos, i) for i in range(layers)]
-
-    generator = torch.Generator().manual_seed(1)
-
-    def tokens(T: int) -> torch.Tensor:
-        return torch.randn(1, T, SHAPE["hidden_size"], generator=generator).to(dtype)
-
-    device = torch.device("cpu")
-    results = {}
-    with torch.inference_mode():
-        context = tokens(CONTEXT)
-        runner.forward(0, context, ops(0))
-        for layer in hf.values():
-            layer.prepare(context, 0)()
-        samples = {"cakemp": [], "eager": [], "sdpa": []}
-        for step in range(steps + 2):  # two warm-up steps
-            x, position = tokens(1), CONTEXT + step
-            t = {"cakemp": timed(lambda: runner.forward(0, x, ops(position)), device)}
-            for name, layer in hf.items():
-                t[name] = timed(layer.prepare(x, position), device)
-            if step >= 2:
-                for name in samples:
-                    samples[name].append(t[name])
-        results["decode"] = {name: min(v) * 1e3 / layers for name, v in samples.items()}
-
-        samples = {"cakemp": [], "eager": [], "sdpa": []}
-        for step in range(max(3, steps // 2) + 1):
-            x = tokens(PREFILL)
-            runner.clear_session(0)
-            t = {"cakemp": timed(lambda: runner.forward(0, x, ops(0)), device)}
-            for name, layer in hf.items():
-                layer.reset()
-                t[name] = timed(layer.prepare(x, 0), device)
-            if step >= 1:
-                for name in samples:
-                    samples[name].append(t[name])
-        results["prefill"] = {name: min(v) * 1e3 / layers for name, v in samples.items()}
-    return results
+    return measure(runner, hf, layers, SHAPE["hidden_size"], dtype, torch.device("cpu"), steps, CONTEXT, PREFILL)
 
 
 def main() -> None:
