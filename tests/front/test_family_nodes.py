@@ -5,15 +5,16 @@ serving layers 1-3 of a hub-keyed checkpoint (tests/families.py), layers 1-2 on 
 layer 3 on device 1:
 * Gemma 3: global, local, global; local layers rotate with their own base, (1 + w) norms
   folded in the device processes, tied embeddings;
-* EXAONE 4: local, local, global; device 1 serves only a layer without rotary.
+* EXAONE 4: local, local, global; device 1 serves only a layer without rotary;
+* Phi-3/4: fused qkv_proj and gate_up_proj, partial rotary, longrope past its original
+  context (16 positions, so both factor sets are used), a window;
+* OLMo 2: norms after attention and after the MLP, q/k norm over the whole projection;
+* Falcon 3: Llama with its own rope_theta and head_dim;
+* Qwen3-MoE: sparse, dense, sparse (`mlp_only_layers`), 8 experts with 2 per token, so a
+  7-token prompt routes to several experts on each device.
 Through a Cake-style master, a prompt, 8 decode steps and then a prompt sent in 3-token
 chunks (a second session) match HF's own decoder layers in f32 to the runner parity bound
 (the wire carries f32 exactly, so the node adds no error to the block's ~7e-7).
-
-Phi-3/4, OLMo 2 and Falcon 3 differ from these only inside the block (fused weights, longrope,
-q/k norm placement, Llama with its own head_dim), which tests/compute/test_runner_parity.py
-checks on the same checkpoints; a node per family costs 25-35 s of start-up on this loaded
-machine, so they get none here.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from tests.front.master import CakeMaster
 from tests.front.node import RunningNode, write_topology
 
 LAYERS = [1, 2, 3]
-FAMILIES = ["gemma3", "exaone4"]
+# name -> (family, config overrides, hub config keys) as tests/families.py gives them
+NODE_FAMILIES = {**HUB_FAMILIES, "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": True, "mlp_only_layers": [2]}, None)}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=["gemma3", "exaone4", "phi3", "olmo2", "falcon3", "qwen3_moe"])
 def served(request, tmp_path_factory):
     """(node, its checkpoint) for one family; pytest starts the next family's after this one's tests."""
-    family, overrides, hub_config = HUB_FAMILIES[request.param]
+    family, overrides, hub_config = NODE_FAMILIES[request.param]
     path = make_checkpoint(tmp_path_factory.mktemp(request.param), family, shards=2, hub_config=hub_config,
                            **overrides)
     topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.1-3"])
