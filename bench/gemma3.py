@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 import transformers
+import blocks
 from blocks import measure
-from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from cakemp.compute.runner import BlockRunner
@@ -65,17 +65,8 @@ def write_checkpoint(directory: Path) -> None:
     model.to(torch.bfloat16).save_pretrained(directory, max_shard_size="200MB")
 
 
-class HFLayers:
+class HFLayers(blocks.HFLayers):
     """HF's Gemma 3 decoder layers with their own DynamicCache, called as Gemma3TextModel calls them."""
-
-    def __init__(self, model, attention: str):
-        self.model = model.model
-        self.config = model.config
-        self.attention = attention
-        self.cache = DynamicCache(config=self.config)
-
-    def reset(self) -> None:
-        self.cache = DynamicCache(config=self.config)
 
     def prepare(self, x: torch.Tensor, index_pos: int) -> Callable[[], torch.Tensor]:
         """The timed call, with the masks and cos/sin of both layer types prepared outside it."""

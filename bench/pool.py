@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -222,15 +223,7 @@ async def ipc_hop(workdir: Path, steps: int, busy_s: float, hidden: int = 4096) 
         unix_writer.write(body)
         await unix_reader.readexactly(len(body))
 
-    times: dict[str, list[float]] = {"ZeroMQ (cakemp's channels)": [], "plain Unix socket": []}
-    hops = dict(zip(times, (over_zmq, over_unix)))
-    for block in range(steps // BLOCK + 1):  # the first block warms up
-        for name, hop in hops.items():
-            for i in range(BLOCK):
-                start = time.perf_counter()
-                await hop(block * BLOCK + i)
-                if block:
-                    times[name].append((time.perf_counter() - start - busy_s) * 1e6)
+    times = await alternate({"ZeroMQ (cakemp's channels)": over_zmq, "plain Unix socket": over_unix}, steps, busy_s)
     for child in (zmq_child, unix_child):
         child.terminate()
         child.join()
@@ -238,6 +231,22 @@ async def ipc_hop(workdir: Path, steps: int, busy_s: float, hidden: int = 4096) 
     unix_writer.close()
     server.close()
     channel.close()
+    return times
+
+
+async def alternate(ways: dict[str, Callable[[int], Awaitable[None]]], steps: int, busy_s: float,
+                    block_size: int = BLOCK) -> dict[str, list[float]]:
+    """Round trips of each way, in blocks of `block_size` taking turns (so the machine's drift hits
+    them alike), the first block a warm-up: µs per call above `busy_s`, by way name. Each call
+    gets its own request number."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for block in range(steps // block_size + 1):
+        for name, way in ways.items():
+            for i in range(block_size):
+                start = time.perf_counter()
+                await way(block * block_size + i)
+                if block:
+                    times[name].append((time.perf_counter() - start - busy_s) * 1e6)
     return times
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from bench.pool import busy, free_port, pct, raw, start_single, wait_listening
+from bench.pool import alternate, busy, free_port, pct, raw, start_single, wait_listening
 from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 from cakemp.master.client import WorkerClient
 from tests.checkpoints import make_checkpoint
@@ -167,15 +167,8 @@ async def hops(workdir: Path, steps: int, busy_s: float) -> dict[str, list[float
             await channels[device].send(Hop(1, i, 0, (1, 1, HIDDEN), (stage[device],), data))
             data = (await replies.get()).data
 
-    times: dict[str, list[float]] = {"routed: front → 0 → 1 → front": [], "relayed: front → 0 → front → 1 → front": []}
-    ways = dict(zip(times, (routed, relayed)))
-    for block in range(steps // BLOCK + 1):  # the first block warms up
-        for name, way in ways.items():
-            for i in range(BLOCK):
-                start = time.perf_counter()
-                await way(block * BLOCK + i)
-                if block:
-                    times[name].append((time.perf_counter() - start - 2 * busy_s) * 1e6)
+    times = await alternate({"routed: front → 0 → 1 → front": routed, "relayed: front → 0 → front → 1 → front": relayed},
+                            steps, 2 * busy_s, BLOCK)
     for child in children:
         child.terminate()
         child.join()
