@@ -69,14 +69,18 @@ def wait_listening(port: int, process: subprocess.Popen, timeout: float = 120.0)
     raise RuntimeError("worker never listened")
 
 
-def start_cakemp(model: Path, workdir: Path, gpus: str, *extra: str) -> tuple[subprocess.Popen, int]:
+def start_cakemp(model: Path, workdir: Path, gpus: str, *extra: str,
+                 source: Path | None = None) -> tuple[subprocess.Popen, int]:
+    """`cakemp run` over all layers, f32; from the checkout at `source` (e.g. a git worktree of an
+    older commit) when given, else from this interpreter's path."""
     topology = workdir / f"topology-{model.name}.yml"
     topology.write_text(yaml.safe_dump({"w": {"host": "x:1", "layers": [f"model.layers.0-{LAYERS - 1}"]}}))
     port = free_port()
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
     process = subprocess.Popen(
         [sys.executable, "-m", "cakemp", "run", "--name", "w", "--model", str(model), "--topology", str(topology),
          "--address", f"127.0.0.1:{port}", "--gpus", gpus, "--dtype", "f32", "--log-level", "warning", *extra],
-        stdout=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, cwd=source, env=env)
     wait_listening(port, process)
     return process, port
 
@@ -110,10 +114,11 @@ class Session:
         await session.restart()
         return session
 
-    async def restart(self) -> None:
+    async def restart(self, prompt: int = PREFILL) -> None:
+        """A new prompt of `prompt` tokens from position 0 (Goodbye clears the session's cache)."""
         await self.clients[0].goodbye()
         self.position = 0
-        await self.step(PREFILL)
+        await self.step(prompt)
 
     async def step(self, tokens: int = 1, layers: int = LAYERS) -> None:
         if self.position + tokens > MAX_POSITIONS:
@@ -148,10 +153,10 @@ async def relay_tax(ports: dict[str, int], hidden: int, steps: int) -> dict[str,
 
 
 async def throughput(port: int, hidden: int, sessions: int, seconds: float) -> float:
-    """Aggregate decode steps/s of `sessions` masters decoding concurrently for `seconds`."""
+    """Aggregate decode steps/s of `sessions` masters decoding concurrently for `seconds`, after
+    one warm-up step each, all at once."""
     opened = [await Session.open(port, hidden) for _ in range(sessions)]
-    for session in opened:
-        await session.step()
+    await asyncio.gather(*(session.step() for session in opened))
     counts = [0] * sessions
     deadline = time.perf_counter() + seconds
 

@@ -1,0 +1,192 @@
+"""Batching benchmark: aggregate decode rate of several sessions sharing one device.
+
+    python -m bench.batching [--seconds 4] [--counts 1,2,4,8,16] [--threads 1]
+                             [--before DIR] [--steps 200] [--prefills 3]
+
+Writes a random Llama checkpoint with TinyLlama-1.1B's layer shape (hidden 2048, intermediate
+5632, 32 query heads on 4 kv heads of 64; 4 layers, f32, ~0.7 GB) and starts, side by side in
+one run, each with the same --threads torch threads:
+
+* the single-process worker (bench/single_worker.py: Cake's design, each connection's step
+  computed on its own, inline);
+* `cakemp run --gpus cpu:1 --max-batch 1` (cakemp computing each request alone);
+* `cakemp run --gpus cpu:1` (batching: every waiting decode step in one step of the device).
+
+For each count of sessions (--counts), each worker in turn serves that many Cake-style
+masters (bench.pool.Session: a connection per layer, an 8-token prompt, then one Batch through
+all 4 layers per token), all decoding at once: one warm-up step each, all together, then
+tokens/s over a --seconds wall window (every step finished, over the time until the last one
+finished). Printed per count: each worker's aggregate tokens/s, the batched node's mean
+requests per device step (from its /metrics), and the ratios: batched / its own 1-session
+rate (the target is >= 4x at 8 sessions), batched / --max-batch 1, batched / single process.
+
+With --before DIR (a git worktree of the commit before batching, e.g. `git worktree add
+--detach /work/before-15 92002a9`), `cakemp run --gpus cpu:1` from DIR (PYTHONPATH=DIR, no
+--max-batch: it has none) and this tree's node each serve one session, alternating in blocks
+of 20 decode steps (--steps each), then in turns --prefills prompts of 512 tokens each, each
+node's first block a warm-up; ratios are medians over rounds (a block of each node, back to
+back). A session alone must be no slower than before (5% allowed).
+
+One torch thread by default: on a small shared VM, torch's intra-op threads stall whenever
+another job takes a core (docs/benchmarks.md, Pool), which would drown the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from bench.pool import LAYERS, MAX_POSITIONS, Session, alternate, free_port, start_cakemp, start_single, throughput
+from tests.checkpoints import make_checkpoint
+
+HIDDEN = 2048
+SHAPE = dict(hidden_size=HIDDEN, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, head_dim=64,
+             num_hidden_layers=LAYERS, max_position_embeddings=MAX_POSITIONS)
+BLOCK = 20  # decode steps per block when the before-node and this tree's alternate
+PROMPT = 512
+SINGLE, ALONE, BATCHED = "single process", "cakemp --max-batch 1", "cakemp batched"
+
+
+def batch_size_totals(metrics_port: int) -> tuple[float, float] | None:
+    """(requests run, steps run) summed over the node's devices, from cakemp_device_batch_size;
+    None where the node has no such metric (a tree before batching)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        for suffix in totals:
+            if name.startswith(f"cakemp_device_batch_size{suffix}{{"):
+                totals[suffix] += float(value)
+    return (totals["_sum"], totals["_count"]) if totals["_count"] else None
+
+
+def has_flag(flag: str) -> bool:
+    """Whether this tree's `cakemp run` takes `flag`."""
+    usage = subprocess.run([sys.executable, "-m", "cakemp", "run", "--help"], capture_output=True, text=True).stdout
+    return flag in usage
+
+
+def sweep(ports: dict[str, int], metrics_port: int, counts: list[int], seconds: float) -> tuple[dict, dict]:
+    """{count: {worker: tokens/s}} and {count: mean requests per step of the batched node (None: unknown)}."""
+    rates, batch = {}, {}
+    for count in counts:
+        rates[count] = {}
+        for name, port in ports.items():
+            before = batch_size_totals(metrics_port) if name == BATCHED else None
+            rates[count][name] = asyncio.run(throughput(port, HIDDEN, count, seconds))
+            if before is not None and (after := batch_size_totals(metrics_port)) is not None:
+                batch[count] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+            print(f"  {count} session(s), {name}: {rates[count][name]:.1f} tokens/s", flush=True)
+    return rates, batch
+
+
+def in_ms(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    return {name: [t / 1e3 for t in values] for name, values in times.items()}
+
+
+async def alone(ports: dict[str, int], steps: int, prefills: int) -> tuple[dict, dict]:
+    """One session per node, alternating: decode step times and 512-token prompt times, in ms."""
+    sessions = {name: await Session.open(port, HIDDEN) for name, port in ports.items()}
+    decode = await alternate({name: lambda i, s=session: s.step() for name, session in sessions.items()},
+                             steps, 0.0, BLOCK)
+    prefill = await alternate({name: lambda i, s=session: s.restart(PROMPT) for name, session in sessions.items()},
+                              prefills, 0.0, 1)
+    for session in sessions.values():
+        await session.close()
+    return in_ms(decode), in_ms(prefill)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=4.0, help="wall window per (count, worker)")
+    parser.add_argument("--counts", default="1,2,4,8,16", help="concurrent sessions to measure")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every worker's compute")
+    parser.add_argument("--before", type=Path, help="checkout of the commit before batching (a git worktree)")
+    parser.add_argument("--steps", type=int, default=200, help="decode steps of each node alone (with --before)")
+    parser.add_argument("--prefills", type=int, default=3, help="512-token prompts of each node alone (with --before)")
+    args = parser.parse_args()
+    counts = [int(c) for c in args.counts.split(",")]
+    print(f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
+    threads = ("--cpu-threads", str(args.threads))
+    processes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = make_checkpoint(work, "llama", **SHAPE)
+        try:
+            single, single_port = start_single(model, threads=args.threads)
+            metrics_port = free_port()
+            batched, batched_port = start_cakemp(model, work, "cpu:1", *threads,
+                                                 "--metrics-address", f"127.0.0.1:{metrics_port}")
+            processes += [single, batched]
+            ports = {SINGLE: single_port}
+            if has_flag("--max-batch"):
+                unbatched, ports[ALONE] = start_cakemp(model, work, "cpu:1", *threads, "--max-batch", "1")
+                processes.append(unbatched)
+            else:
+                print("this tree's `cakemp run` has no --max-batch: no unbatched cakemp column")
+            ports[BATCHED] = batched_port
+            print(f"\n{LAYERS} layers, TinyLlama shape (hidden {HIDDEN}), f32, {args.threads} torch thread(s) each; "
+                  f"{args.seconds:g} s per cell, sessions started together after an 8-token prompt and a warm-up step")
+            rates, batch = sweep(ports, metrics_port, counts, args.seconds)
+            if args.before is not None:
+                before, before_port = start_cakemp(model, work, "cpu:1", *threads, source=args.before.resolve())
+                processes.append(before)
+                decode, prefill = asyncio.run(alone({f"before ({args.before.name})": before_port,
+                                                     "this tree": batched_port}, args.steps, args.prefills))
+        finally:
+            for process in processes:
+                process.terminate()
+                process.wait()
+    print_sweep(rates, batch, counts)
+    if args.before is not None:
+        print_alone(decode, prefill, args)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+def print_sweep(rates: dict, batch: dict, counts: list[int]) -> None:
+    names = list(rates[counts[0]])
+    first = rates[counts[0]][BATCHED]
+    print(f"\naggregate decode tokens/s; ratios of the batched node (its own rate at {counts[0]} session(s) first)")
+    print(f"| sessions | {' | '.join(names)} | requests per step | batched / own {counts[0]}-session | "
+          + (f"batched / {ALONE} | " if ALONE in names else "") + "batched / single |")
+    print("|---:|" + "---:|" * (len(names) + 3 + (ALONE in names)))
+    for count in counts:
+        row = rates[count]
+        cells = " | ".join(f"{row[name]:.1f}" for name in names)
+        per_step = f"{batch[count]:.2f}" if count in batch else "-"
+        vs_alone = f"{row[BATCHED] / row[ALONE]:.2f}x | " if ALONE in names else ""
+        print(f"| {count} | {cells} | {per_step} | {row[BATCHED] / first:.2f}x | {vs_alone}"
+              f"{row[BATCHED] / row[SINGLE]:.2f}x |")
+
+
+def print_alone(decode: dict, prefill: dict, args) -> None:
+    print(f"\none session alone, the two nodes alternating: {args.steps} decode steps each in blocks of {BLOCK}, "
+          f"{args.prefills} prompts of {PROMPT} tokens each (after one warm-up block of each)")
+    print("| node | decode p50 ms | decode tokens/s | prefill 512 median ms |\n|---|---:|---:|---:|")
+    for name in decode:
+        print(f"| {name} | {statistics.median(decode[name]):.1f} | {len(decode[name]) / sum(decode[name]) * 1e3:.2f} "
+              f"| {statistics.median(prefill[name]):.0f} |")
+    old, new = decode
+    # Per round (a block of each node, back to back), so that drift of the machine cancels out.
+    blocks = [(sum(decode[old][i:i + BLOCK]), sum(decode[new][i:i + BLOCK])) for i in range(0, len(decode[new]), BLOCK)]
+    print(f"decode tokens/s, this tree / before: {statistics.median(o / n for o, n in blocks):.3f}x "
+          f"(median over {len(blocks)} rounds; the target: >= 0.95x)")
+    print(f"prefill time, this tree / before: "
+          f"{statistics.median(n / o for o, n in zip(prefill[old], prefill[new])):.3f}x "
+          f"(median over {len(prefill[new])} rounds; the target: <= 1.05x)")
+
+
+if __name__ == "__main__":
+    main()
