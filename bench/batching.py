@@ -1,6 +1,6 @@
 """Batching benchmark: aggregate decode rate of several sessions sharing one device.
 
-    python -m bench.batching [--seconds 4] [--counts 1,2,4,8,16] [--threads 1]
+    python -m bench.batching [--seconds 4] [--rounds 1] [--counts 1,2,4,8,16] [--threads 1]
                              [--before DIR] [--steps 200] [--prefills 3]
 
 Writes a random Llama checkpoint with TinyLlama-1.1B's layer shape (hidden 2048, intermediate
@@ -16,8 +16,9 @@ For each count of sessions (--counts), each worker in turn serves that many Cake
 masters (bench.pool.Session: a connection per layer, an 8-token prompt, then one Batch through
 all 4 layers per token), all decoding at once: one warm-up step each, all together, then
 tokens/s over a --seconds wall window (every step finished, over the time until the last one
-finished). Printed per count: each worker's aggregate tokens/s, the batched node's mean
-requests per device step (from its /metrics), and the ratios: batched / its own 1-session
+finished); with --rounds R, R passes through every count, each cell the median of its R
+rates. Printed per count: each worker's aggregate tokens/s, the batched node's mean
+requests per device step (from its /metrics, over all rounds), and the ratios: batched / its own 1-session
 rate (the target is >= 4x at 8 sessions), batched / --max-batch 1, batched / single process.
 
 With --before DIR (a git worktree of the commit before batching, e.g. `git worktree add
@@ -77,18 +78,22 @@ def has_flag(flag: str) -> bool:
     return flag in usage
 
 
-def sweep(ports: dict[str, int], metrics_port: int, counts: list[int], seconds: float) -> tuple[dict, dict]:
-    """{count: {worker: tokens/s}} and {count: mean requests per step of the batched node (None: unknown)}."""
-    rates, batch = {}, {}
-    for count in counts:
-        rates[count] = {}
-        for name, port in ports.items():
-            before = batch_size_totals(metrics_port) if name == BATCHED else None
-            rates[count][name] = asyncio.run(throughput(port, HIDDEN, count, seconds))
-            if before is not None and (after := batch_size_totals(metrics_port)) is not None:
-                batch[count] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
-            print(f"  {count} session(s), {name}: {rates[count][name]:.1f} tokens/s", flush=True)
-    return rates, batch
+def sweep(ports: dict[str, int], metrics_port: int, counts: list[int], seconds: float, rounds: int) -> tuple[dict, dict]:
+    """{count: {worker: median tokens/s}} and {count: mean requests per step of the batched node}
+    (absent where its node has no batch metrics), over `rounds` passes through every count."""
+    rates = {count: {name: [] for name in ports} for count in counts}
+    requests, steps = dict.fromkeys(counts, 0.0), dict.fromkeys(counts, 0.0)
+    for _ in range(rounds):
+        for count in counts:
+            for name, port in ports.items():
+                before = batch_size_totals(metrics_port) if name == BATCHED else None
+                rates[count][name].append(asyncio.run(throughput(port, HIDDEN, count, seconds)))
+                if before is not None and (after := batch_size_totals(metrics_port)) is not None:
+                    requests[count] += after[0] - before[0]
+                    steps[count] += after[1] - before[1]
+                print(f"  {count} session(s), {name}: {rates[count][name][-1]:.1f} tokens/s", flush=True)
+    medians = {count: {name: statistics.median(values) for name, values in row.items()} for count, row in rates.items()}
+    return medians, {count: requests[count] / steps[count] for count in counts if steps[count]}
 
 
 def in_ms(times: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -110,6 +115,7 @@ async def alone(ports: dict[str, int], steps: int, prefills: int) -> tuple[dict,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="wall window per (count, worker)")
+    parser.add_argument("--rounds", type=int, default=1, help="passes through every count; cells are medians")
     parser.add_argument("--counts", default="1,2,4,8,16", help="concurrent sessions to measure")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every worker's compute")
     parser.add_argument("--before", type=Path, help="checkout of the commit before batching (a git worktree)")
@@ -138,8 +144,9 @@ def main() -> None:
                 print("this tree's `cakemp run` has no --max-batch: no unbatched cakemp column")
             ports[BATCHED] = batched_port
             print(f"\n{LAYERS} layers, TinyLlama shape (hidden {HIDDEN}), f32, {args.threads} torch thread(s) each; "
-                  f"{args.seconds:g} s per cell, sessions started together after an 8-token prompt and a warm-up step")
-            rates, batch = sweep(ports, metrics_port, counts, args.seconds)
+                  f"{args.seconds:g} s per cell, median of {args.rounds} round(s); each cell's sessions started together "
+                  "after an 8-token prompt and a warm-up step")
+            rates, batch = sweep(ports, metrics_port, counts, args.seconds, args.rounds)
             if args.before is not None:
                 before, before_port = start_cakemp(model, work, "cpu:1", *threads, source=args.before.resolve())
                 processes.append(before)
