@@ -17,9 +17,10 @@ masters (bench.pool.Session: a connection per layer, an 8-token prompt, then one
 all 4 layers per token), all decoding at once: one warm-up step each, all together, then
 tokens/s over a --seconds wall window (every step finished, over the time until the last one
 finished); with --rounds R, R passes through every count, each cell the median of its R
-rates. Printed per count: each worker's aggregate tokens/s, the batched node's mean
-requests per device step (from its /metrics, over all rounds), and the ratios: batched / its own 1-session
-rate (the target is >= 4x at 8 sessions), batched / --max-batch 1, batched / single process.
+rates. Printed per count: each worker's aggregate tokens/s, the batched node's mean requests
+per device step in its windows (from its /metrics), and the ratios: batched / its own
+1-session rate (the target is >= 4x at 8 sessions), batched / --max-batch 1, batched / single
+process.
 
 With --before DIR (a git worktree of the commit before batching, e.g. `git worktree add
 --detach /work/before-15 92002a9`), `cakemp run --gpus cpu:1` from DIR (PYTHONPATH=DIR, no
@@ -58,9 +59,9 @@ PROMPT = 512
 SINGLE, ALONE, BATCHED = "single process", "cakemp --max-batch 1", "cakemp batched"
 
 
-def batch_size_totals(metrics_port: int) -> tuple[float, float] | None:
-    """(requests run, steps run) summed over the node's devices, from cakemp_device_batch_size;
-    None where the node has no such metric (a tree before batching)."""
+def batch_size_totals(metrics_port: int) -> tuple[float, float]:
+    """(requests run, steps run) summed over the node's devices, from cakemp_device_batch_size
+    (0, 0 where the node has no such metric: a tree before batching, or no step run yet)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
         text = response.read().decode()
     totals = {"_sum": 0.0, "_count": 0.0}
@@ -69,7 +70,7 @@ def batch_size_totals(metrics_port: int) -> tuple[float, float] | None:
         for suffix in totals:
             if name.startswith(f"cakemp_device_batch_size{suffix}{{"):
                 totals[suffix] += float(value)
-    return (totals["_sum"], totals["_count"]) if totals["_count"] else None
+    return totals["_sum"], totals["_count"]
 
 
 def has_flag(flag: str) -> bool:
@@ -79,21 +80,23 @@ def has_flag(flag: str) -> bool:
 
 
 def sweep(ports: dict[str, int], metrics_port: int, counts: list[int], seconds: float, rounds: int) -> tuple[dict, dict]:
-    """{count: {worker: median tokens/s}} and {count: mean requests per step of the batched node}
-    (absent where its node has no batch metrics), over `rounds` passes through every count."""
+    """{count: {worker: median tokens/s}} over `rounds` passes through every count, and {count:
+    mean requests per step of the batched node in its windows} (absent where it has no batch metrics)."""
     rates = {count: {name: [] for name in ports} for count in counts}
-    requests, steps = dict.fromkeys(counts, 0.0), dict.fromkeys(counts, 0.0)
+    readings = {count: [] for count in counts}  # the batched node's (requests, steps) as each window opens and closes
     for _ in range(rounds):
         for count in counts:
             for name, port in ports.items():
-                before = batch_size_totals(metrics_port) if name == BATCHED else None
-                rates[count][name].append(asyncio.run(throughput(port, HIDDEN, count, seconds)))
-                if before is not None and (after := batch_size_totals(metrics_port)) is not None:
-                    requests[count] += after[0] - before[0]
-                    steps[count] += after[1] - before[1]
+                mark = (lambda: readings[count].append(batch_size_totals(metrics_port))) if name == BATCHED else None
+                rates[count][name].append(asyncio.run(throughput(port, HIDDEN, count, seconds, mark or (lambda: None))))
                 print(f"  {count} session(s), {name}: {rates[count][name][-1]:.1f} tokens/s", flush=True)
     medians = {count: {name: statistics.median(values) for name, values in row.items()} for count, row in rates.items()}
-    return medians, {count: requests[count] / steps[count] for count in counts if steps[count]}
+    per_step = {}
+    for count, marks in readings.items():
+        requests, steps = (sum(close[i] - open_[i] for open_, close in zip(marks[::2], marks[1::2])) for i in (0, 1))
+        if steps:
+            per_step[count] = requests / steps
+    return medians, per_step
 
 
 def in_ms(times: dict[str, list[float]]) -> dict[str, list[float]]:

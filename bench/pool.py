@@ -152,9 +152,11 @@ async def relay_tax(ports: dict[str, int], hidden: int, steps: int) -> dict[str,
     return times
 
 
-async def throughput(port: int, hidden: int, sessions: int, seconds: float) -> float:
+async def throughput(port: int, hidden: int, sessions: int, seconds: float,
+                     mark: Callable[[], object] = lambda: None) -> float:
     """Aggregate decode steps/s of `sessions` masters decoding concurrently for `seconds`, after
-    one warm-up step each, all at once."""
+    one warm-up step each, all at once. `mark` is called as the window opens and once every step
+    in it has finished (e.g. to read the node's counters)."""
     opened = [await Session.open(port, hidden) for _ in range(sessions)]
     await asyncio.gather(*(session.step() for session in opened))
     counts = [0] * sessions
@@ -165,9 +167,11 @@ async def throughput(port: int, hidden: int, sessions: int, seconds: float) -> f
             await opened[i].step()
             counts[i] += 1
 
+    mark()
     start = time.perf_counter()
     await asyncio.gather(*(loop(i) for i in range(sessions)))
     elapsed = time.perf_counter() - start
+    mark()
     for session in opened:
         await session.close()
     return sum(counts) / elapsed
