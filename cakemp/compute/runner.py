@@ -16,8 +16,8 @@ import torch
 from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.errors import BadTensor, CheckpointError, PositionGap, RecurrentRewind, UnknownLayer
-from cakemp.model import attention, fp8
-from cakemp.model.block import NORMS, DecoderBlock, Span
+from cakemp.model import attention, fp8, packed
+from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 from cakemp.model.deltanet import LinearState
@@ -116,8 +116,12 @@ class BlockRunner:
         kv_budget_bytes: int | None = None,
         max_context: int | None = None,
         on_layer: Callable[[int], None] | None = None,
+        pack_weights: bool = True,
     ) -> BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
+
+        `pack_weights`: on the CPU, keep f32 matrices packed for MKL's GEMM (model/packed.py): a
+        batch of decode steps then costs far less, a lone one a little more.
 
         `on_layer(n)` is called once `n` of them are on the device (the device process reports
         it, so that a load of minutes shows progress).
@@ -182,6 +186,10 @@ class BlockRunner:
                     f"{layer}: {' + '.join(groups[layer][key])} give shape {tuple(tensor.shape)}, "
                     f"config.json implies {shapes[layer][key]}"
                 )
+        # On the CPU, f32 matrices are packed for MKL's GEMM once, here (model/packed.py says why).
+        for (layer, key), tensor in weights.items():
+            if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
+                weights[layer, key] = packed.PackedWeight.create(tensor)
         blocks = {
             layer: kinds[layer](config, config.layer_index(layer), {key: weights[layer, key] for key in groups[layer]})
             for layer in layers

@@ -43,6 +43,11 @@ from cakemp.ipc import (
 )
 
 _PR_SET_PDEATHSIG = 1
+# After a step of several sessions, the device waits for their next requests at most this
+# fraction of the step's time, and never more than GATHER_MAX_S: enough for a master's round
+# trip on a local network, little against the step a straggler would otherwise wait for.
+GATHER_FRACTION = 0.25
+GATHER_MAX_S = 0.005
 
 
 def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation: int = 0,
@@ -73,7 +78,12 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
     logger.info("device ready", device_label=spec.label, layers=len(spec.layers), pid=os.getpid(),
                 threads=service.threads(), max_batch=spec.max_batch, step_tokens=spec.step_tokens)
     scheduler = Scheduler(spec.max_batch, spec.step_tokens)
-    while (messages := channel.receive(wait=not scheduler)) is not None:
+
+    def take(timeout_s: float | None) -> bool:
+        """Queue what arrives within `timeout_s`, answering Pings at once; False once the parent is gone."""
+        messages = channel.receive(timeout_s)
+        if messages is None:
+            return False
         for message in messages:
             if isinstance(message, Ping):
                 channel.send(Pong())
@@ -81,12 +91,29 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
                 scheduler.add(message)
             else:
                 logger.error("unexpected ipc message", kind=type(message).__name__)
+        return True
+
+    # The sessions of the last step, and how long to wait for their next requests.
+    expected: set[int] = set()
+    gather_s = 0.0
+    alive = take(None)
+    while alive:
+        # A batch's sessions come back a round trip after their answers, one after another: a
+        # step started at the first arrival would leave the others waiting a whole step (the
+        # batch splits into cohorts taking turns). So wait for them a little.
+        deadline = time.monotonic() + gather_s
+        while alive and expected - scheduler.sessions() and (left := deadline - time.monotonic()) > 0:
+            alive = take(left)
         step = scheduler.next_step()
         for control in step.controls:
             channel.send(service.handle(control))
         if step.hops:
             channel.send(StepReport(len(step.hops), step.tokens, len(scheduler)))
-            for reply in service.run_step(step.hops):
+            started = time.monotonic()
+            replies = service.run_step(step.hops)
+            gather_s = min(GATHER_FRACTION * (time.monotonic() - started), GATHER_MAX_S)
+            expected = {hop.session for hop in step.hops}
+            for reply in replies:
                 if isinstance(reply, Hop):
                     if not channel.hand_off(reply.stages[0].device, reply):
                         # Every chunk gets its answer: this one's is that it went no further.
@@ -101,6 +128,7 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
                          error=service.poisoned)
             channel.close(linger_ms=5000)
             sys.exit(1)
+        alive = alive and take(0 if scheduler else None)
     channel.close()
 
 

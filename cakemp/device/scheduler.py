@@ -54,6 +54,10 @@ class Scheduler:
     def add(self, message: Hop | Clear | End) -> None:
         self._waiting.append(message)
 
+    def sessions(self) -> set[int]:
+        """The sessions with a message waiting."""
+        return {message.session for message in self._waiting}
+
     def next_step(self) -> Step:
         """Take the next step's messages out of the queue (an empty step when none waits)."""
         controls, hops, left = [], [], deque()

@@ -11,6 +11,7 @@ prompt reach every device of the route in order.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -141,11 +142,12 @@ class DeviceChannel:
         self._poller.register(parent_fd, zmq.POLLIN)
         self.last_sent = time.monotonic()  # when the front last heard from us
 
-    def receive(self, wait: bool = True) -> list[Message] | None:
-        """Every message waiting now, from the front and from peers (waiting for one first if
-        `wait`); None once the parent is gone. A message that cannot be decoded goes to
-        `on_garbage` (only the front writes here, so it is a bug worth a log line, not an end)."""
-        ready = dict(self._poller.poll(None if wait else 0))
+    def receive(self, timeout_s: float | None = None) -> list[Message] | None:
+        """Every message waiting, from the front and from peers, once one is there or `timeout_s`
+        has passed (None: no limit; 0: at once); None once the parent is gone. A message that
+        cannot be decoded goes to `on_garbage` (only the front writes here: a bug worth a log
+        line, not an end)."""
+        ready = dict(self._poller.poll(None if timeout_s is None else math.ceil(timeout_s * 1000)))
         if self._parent_fd in ready:
             return None
         messages = []

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from cakemp.model import attention
 from cakemp.model.config import ModelConfig
-from cakemp.model.fp8 import linear
+from cakemp.model.linear import linear
 from cakemp.model.mlp import GatedMlp
 from cakemp.model.moe import SparseMoe
 from cakemp.model.rotary import rotate
@@ -24,6 +24,8 @@ from cakemp.model.rotary import rotate
 # Weight slots that are RMSNorm weights, of either block kind: a (1 + w) family
 # (`layout.norm_plus_one`: Gemma 3, Qwen3.5) stores them as w, and Checkpoint.load adds the 1.
 NORMS = frozenset({"input_norm", "attn_out_norm", "post_norm", "mlp_out_norm", "q_norm", "k_norm"})
+# Weight slots, of either block kind, that are only ever multiplied through `linear` (so may be packed).
+MATRICES = frozenset({"w_qkv", "w_o", "w_gate_up", "w_down", "w_in", "w_out", "shared_gate_up", "shared_down"})
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.model.config import ModelConfig
-from cakemp.model.fp8 import linear
+from cakemp.model.linear import linear
 
 CHUNK = 64  # tokens per chunk of the parallel prefill form (flash-linear-attention's and HF's choice)
 L2_EPS = 1e-6  # inside the square root of q and k's L2 norm, as HF and flash-linear-attention
