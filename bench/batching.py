@@ -1,7 +1,7 @@
 """Batching benchmark: aggregate decode rate of several sessions sharing one device.
 
     python -m bench.batching [--seconds 4] [--rounds 1] [--counts 1,2,4,8,16] [--threads 1]
-                             [--before DIR] [--steps 200] [--prefills 3]
+                             [--before DIR] [--steps 200] [--prefills 3] [--packing]
 
 Writes a random Llama checkpoint with TinyLlama-1.1B's layer shape (hidden 2048, intermediate
 5632, 32 query heads on 4 kv heads of 64; 4 layers, f32, ~0.7 GB) and starts, side by side in
@@ -29,6 +29,12 @@ of 20 decode steps (--steps each), then in turns --prefills prompts of 512 token
 node's first block a warm-up; ratios are medians over rounds (a block of each node, back to
 back). A session alone must be no slower than before (5% allowed).
 
+With --packing, the same layers are also loaded into this process twice, the f32 weights
+plain (as `--max-batch 1` keeps them) and packed for MKL's GEMM (as a batching node does,
+cakemp/model/packed.py), and one session's decode steps (--steps) and 128-token prompt chunks
+(--prefills; the piece of a prompt a device runs per step) through BlockRunner.forward are
+timed, the two alternating: what packing costs a session alone, without the node around it.
+
 One torch thread by default: on a small shared VM, torch's intra-op threads stall whenever
 another job takes a core (docs/benchmarks.md, Pool), which would drown the comparison.
 """
@@ -40,15 +46,15 @@ import asyncio
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
 
 from bench.pool import LAYERS, MAX_POSITIONS, Session, alternate, free_port, start_cakemp, start_single, throughput
+from cakemp.compute.runner import BlockRunner
 from tests.checkpoints import make_checkpoint
 
 HIDDEN = 2048
@@ -56,6 +62,7 @@ SHAPE = dict(hidden_size=HIDDEN, intermediate_size=5632, num_attention_heads=32,
              num_hidden_layers=LAYERS, max_position_embeddings=MAX_POSITIONS)
 BLOCK = 20  # decode steps per block when the before-node and this tree's alternate
 PROMPT = 512
+CHUNK = 128  # cakemp run's default --prefill-chunk: the piece of a prompt a device runs per step
 SINGLE, ALONE, BATCHED = "single process", "cakemp --max-batch 1", "cakemp batched"
 
 
@@ -71,12 +78,6 @@ def batch_size_totals(metrics_port: int) -> tuple[float, float]:
             if name.startswith(f"cakemp_device_batch_size{suffix}{{"):
                 totals[suffix] += float(value)
     return totals["_sum"], totals["_count"]
-
-
-def has_flag(flag: str) -> bool:
-    """Whether this tree's `cakemp run` takes `flag`."""
-    usage = subprocess.run([sys.executable, "-m", "cakemp", "run", "--help"], capture_output=True, text=True).stdout
-    return flag in usage
 
 
 def sweep(ports: dict[str, int], metrics_port: int, counts: list[int], seconds: float, rounds: int) -> tuple[dict, dict]:
@@ -115,6 +116,30 @@ async def alone(ports: dict[str, int], steps: int, prefills: int) -> tuple[dict,
     return in_ms(decode), in_ms(prefill)
 
 
+async def packing(model: Path, threads: int, steps: int, chunks: int) -> tuple[dict, dict]:
+    """In this process, one session through BlockRunner.forward with the f32 weights plain (as
+    --max-batch 1 loads them) and packed for MKL's GEMM (as a batching node does): decode step
+    and 128-token prompt chunk times in ms, the two alternating."""
+    torch.set_num_threads(threads)
+    layers = [f"model.layers.{i}" for i in range(LAYERS)]
+    runners = {f"weights {'packed' if pack else 'plain'}": BlockRunner.load(model, layers, "cpu", torch.float32,
+                                                                            pack_weights=pack) for pack in (False, True)}
+
+    def way(runner: BlockRunner, tokens: int) -> Callable[[int], Awaitable[None]]:
+        """Call i: a decode step at position i (tokens 1), or a chunk at position 0 of a cleared session."""
+        async def run(i: int) -> None:
+            if tokens > 1 or i == 0:
+                runner.clear_session(1)
+            position = i if tokens == 1 else 0
+            with torch.inference_mode():
+                runner.forward(1, torch.randn(1, tokens, HIDDEN), [(layer, position, n) for n, layer in enumerate(layers)])
+        return run
+
+    decode = await alternate({name: way(runner, 1) for name, runner in runners.items()}, steps, 0.0, BLOCK)
+    chunk = await alternate({name: way(runner, CHUNK) for name, runner in runners.items()}, chunks, 0.0, 1)
+    return in_ms(decode), in_ms(chunk)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="wall window per (count, worker)")
@@ -124,6 +149,8 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="checkout of the commit before batching (a git worktree)")
     parser.add_argument("--steps", type=int, default=200, help="decode steps of each node alone (with --before)")
     parser.add_argument("--prefills", type=int, default=3, help="512-token prompts of each node alone (with --before)")
+    parser.add_argument("--packing", action="store_true",
+                        help="also time one session in this process with the weights plain and packed (--steps, --prefills)")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     print(f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
@@ -138,14 +165,9 @@ def main() -> None:
             metrics_port = free_port()
             batched, batched_port = start_cakemp(model, work, "cpu:1", *threads,
                                                  "--metrics-address", f"127.0.0.1:{metrics_port}")
-            processes += [single, batched]
-            ports = {SINGLE: single_port}
-            if has_flag("--max-batch"):
-                unbatched, ports[ALONE] = start_cakemp(model, work, "cpu:1", *threads, "--max-batch", "1")
-                processes.append(unbatched)
-            else:
-                print("this tree's `cakemp run` has no --max-batch: no unbatched cakemp column")
-            ports[BATCHED] = batched_port
+            unbatched, unbatched_port = start_cakemp(model, work, "cpu:1", *threads, "--max-batch", "1")
+            processes += [single, batched, unbatched]
+            ports = {SINGLE: single_port, ALONE: unbatched_port, BATCHED: batched_port}
             print(f"\n{LAYERS} layers, TinyLlama shape (hidden {HIDDEN}), f32, {args.threads} torch thread(s) each; "
                   f"{args.seconds:g} s per cell, median of {args.rounds} round(s); each cell's sessions started together "
                   "after an 8-token prompt and a warm-up step")
@@ -159,26 +181,27 @@ def main() -> None:
             for process in processes:
                 process.terminate()
                 process.wait()
+        if args.packing:
+            packed_decode, packed_chunk = asyncio.run(packing(model, args.threads, args.steps, args.prefills))
     print_sweep(rates, batch, counts)
     if args.before is not None:
         print_alone(decode, prefill, args)
+    if args.packing:
+        print_packing(packed_decode, packed_chunk, args)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
 def print_sweep(rates: dict, batch: dict, counts: list[int]) -> None:
-    names = list(rates[counts[0]])
     first = rates[counts[0]][BATCHED]
     print(f"\naggregate decode tokens/s; ratios of the batched node (its own rate at {counts[0]} session(s) first)")
-    print(f"| sessions | {' | '.join(names)} | requests per step | batched / own {counts[0]}-session | "
-          + (f"batched / {ALONE} | " if ALONE in names else "") + "batched / single |")
-    print("|---:|" + "---:|" * (len(names) + 3 + (ALONE in names)))
+    print(f"| sessions | {SINGLE} | {ALONE} | {BATCHED} | requests per step | batched / own {counts[0]}-session | "
+          f"batched / {ALONE} | batched / single |")
+    print("|---:|" + "---:|" * 7)
     for count in counts:
         row = rates[count]
-        cells = " | ".join(f"{row[name]:.1f}" for name in names)
         per_step = f"{batch[count]:.2f}" if count in batch else "-"
-        vs_alone = f"{row[BATCHED] / row[ALONE]:.2f}x | " if ALONE in names else ""
-        print(f"| {count} | {cells} | {per_step} | {row[BATCHED] / first:.2f}x | {vs_alone}"
-              f"{row[BATCHED] / row[SINGLE]:.2f}x |")
+        print(f"| {count} | {row[SINGLE]:.1f} | {row[ALONE]:.1f} | {row[BATCHED]:.1f} | {per_step} | "
+              f"{row[BATCHED] / first:.2f}x | {row[BATCHED] / row[ALONE]:.2f}x | {row[BATCHED] / row[SINGLE]:.2f}x |")
 
 
 def print_alone(decode: dict, prefill: dict, args) -> None:
@@ -196,6 +219,18 @@ def print_alone(decode: dict, prefill: dict, args) -> None:
     print(f"prefill time, this tree / before: "
           f"{statistics.median(n / o for o, n in zip(prefill[old], prefill[new])):.3f}x "
           f"(median over {len(prefill[new])} rounds; the target: <= 1.05x)")
+
+
+def print_packing(decode: dict, chunk: dict, args) -> None:
+    print(f"\none session in this process (BlockRunner.forward, {args.threads} torch thread(s)), weights plain and "
+          f"packed alternating: {args.steps} decode steps each in blocks of {BLOCK}, {args.prefills} chunks of "
+          f"{CHUNK} tokens each (after one warm-up block of each)")
+    print(f"| weights | decode p50 ms | {CHUNK}-token chunk median ms |\n|---|---:|---:|")
+    for name in decode:
+        print(f"| {name} | {statistics.median(decode[name]):.1f} | {statistics.median(chunk[name]):.0f} |")
+    plain, packed = decode
+    print(f"packed / plain: decode {statistics.median(decode[packed]) / statistics.median(decode[plain]):.3f}x, "
+          f"{CHUNK}-token chunk {statistics.median(chunk[packed]) / statistics.median(chunk[plain]):.3f}x (time)")
 
 
 if __name__ == "__main__":

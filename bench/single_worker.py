@@ -83,7 +83,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    runner = BlockRunner.load(args.model, expand_layers([args.layers]), "cpu", tensors.compute_dtype(args.dtype))
+    # Weights plain, as a device with --max-batch 1 keeps them: packing pays only for batches.
+    runner = BlockRunner.load(args.model, expand_layers([args.layers]), "cpu", tensors.compute_dtype(args.dtype),
+                              pack_weights=False)
     asyncio.run(serve(runner, args.port))
 
 
