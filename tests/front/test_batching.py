@@ -1,0 +1,270 @@
+"""Several Cake masters decoding at once through `cakemp run --gpus cpu:1`: the device batches
+their steps, and each session still gets what it would get alone.
+
+"Alone" is an in-process BlockRunner on the same checkpoint, fed each session's requests one
+at a time; a batched step may round differently from unbatched ones, so results are compared
+within tests/tolerance.py's f32 bound, never bit for bit.
+
+To put requests into one step without depending on timing, `together` stops the device
+process (SIGSTOP) while the front hands it every request of the round, and continues it once
+the front counts them all as sent (`cakemp_device_requests_waiting`): the device then finds
+them all waiting at once. Tests share the module's node and each opens its own connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from cakemp.compute.runner import BlockRunner
+from cakemp.errors import RemoteWorkerError
+from cakemp.master.client import WorkerClient
+from tests.front.master import from_raw, to_raw
+from tests.front.node import RunningNode, scrape, wait_waiting, write_topology
+from tests.tolerance import assert_close
+
+HIDDEN = 64
+LAYERS = [0, 1, 2, 3]
+DEVICE = "cpu:0"
+PREFILL_CHUNK = 16  # --prefill-chunk: tokens per prompt chunk and prefill tokens per step
+MAX_CONTEXT = 128
+FULL_RUN = tuple((layer, layer) for layer in LAYERS)  # (layer, block_idx) as Cake's master sends them
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+@pytest.fixture(scope="module")
+def node(checkpoint, tmp_path_factory):
+    """The f32 Llama node serving layers 0-3 on one CPU device process."""
+    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
+    running = RunningNode(checkpoint, topology, "--gpus", "cpu:1", "--dtype", "f32",
+                          "--prefill-chunk", str(PREFILL_CHUNK), "--max-context", str(MAX_CONTEXT),
+                          "--metrics-address", "127.0.0.1:0")
+    yield running
+    assert running.stop() == 0
+
+
+@pytest.fixture
+def reference(checkpoint) -> BlockRunner:
+    """The same layers in this process: each session's requests computed alone, one at a time."""
+    return BlockRunner.load(checkpoint, [f"model.layers.{i}" for i in LAYERS], "cpu", torch.float32,
+                            max_context=MAX_CONTEXT)
+
+
+@dataclass
+class Session:
+    """One master's connection, the layer run it sends ((layer, block_idx) pairs in order), its
+    next position, and its session number on the reference runner."""
+
+    client: WorkerClient
+    layer_run: tuple[tuple[int, int], ...]
+    number: int
+    position: int = 0
+
+    def ops(self, index_pos: int) -> list[tuple[str, int, int]]:
+        return [(f"model.layers.{layer}", index_pos, block_idx) for layer, block_idx in self.layer_run]
+
+    async def send(self, x: torch.Tensor, index_pos: int | None = None) -> torch.Tensor:
+        """x [1, T, H] through the node at `index_pos` (default: the session's next position) -> [1, T, H]."""
+        at = self.position if index_pos is None else index_pos
+        return from_raw(await self.client.batch(to_raw(x), self.ops(at)))
+
+    def alone(self, reference: BlockRunner, x: torch.Tensor) -> torch.Tensor:
+        """x computed by the reference runner at the session's next position, which then moves on."""
+        y = reference.forward(self.number, x, self.ops(self.position))
+        self.position += x.shape[1]
+        return y
+
+
+async def connect(node: RunningNode, runs: Sequence[tuple[tuple[int, int], ...]]) -> list[Session]:
+    sessions = []
+    for number, layer_run in enumerate(runs):
+        client = await WorkerClient.connect("127.0.0.1", node.port)
+        await client.hello()
+        sessions.append(Session(client, layer_run, number))
+    return sessions
+
+
+async def close(sessions: Sequence[Session]) -> None:
+    await asyncio.gather(*(s.client.close() for s in sessions))
+
+
+async def together(node: RunningNode, calls: Sequence[Awaitable], reaching: int | None = None) -> list:
+    """Start `calls` while the device process is stopped, and continue it once the front has sent
+    it the first request of `reaching` of them (default: all); each call's result or exception."""
+    pid, port = node.device_pid(0), node.metrics_port()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        tasks = [asyncio.ensure_future(call) for call in calls]
+        await asyncio.to_thread(wait_waiting, port, DEVICE, len(tasks) if reaching is None else reaching)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def lockstep(node: RunningNode, reference: BlockRunner, sessions: Sequence[Session],
+                   xs: Sequence[torch.Tensor]) -> None:
+    """One request per session (x [1, T, H] each) in one step of the device; each answer equals
+    that session's request computed alone."""
+    answers = await together(node, [s.send(x) for s, x in zip(sessions, xs)])
+    for session, x, answer in zip(sessions, xs, answers):
+        if isinstance(answer, BaseException):
+            raise answer
+        assert_close(answer, session.alone(reference, x))
+
+
+def tokens(generator: torch.Generator, count: int) -> torch.Tensor:
+    return torch.randn(1, count, HIDDEN, generator=generator)
+
+
+def test_concurrent_decodes_match_each_session_alone(node, reference):
+    """Four sessions with the same run prefill together, then decode six steps together: every
+    answer equals that session's request computed alone."""
+    generator = torch.Generator().manual_seed(1)
+
+    async def main():
+        sessions = await connect(node, [FULL_RUN] * 4)
+        await lockstep(node, reference, sessions, [tokens(generator, 2 + i) for i in range(4)])
+        for _ in range(6):
+            await lockstep(node, reference, sessions, [tokens(generator, 1) for _ in sessions])
+        await close(sessions)
+
+    run(main())
+
+
+def test_sessions_at_different_positions_share_steps(node, reference):
+    """Sessions at positions 3 and 40 (a prompt of several chunks), and a third sending 4-token
+    chunks, take steps together: each is answered as alone, its positions its own."""
+    generator = torch.Generator().manual_seed(2)
+
+    async def main():
+        short, long, chunked = await connect(node, [FULL_RUN] * 3)
+        await lockstep(node, reference, [short, long], [tokens(generator, 3), tokens(generator, 40)])
+        assert (short.position, long.position) == (3, 40)
+        for _ in range(4):
+            await lockstep(node, reference, [short, long, chunked],
+                           [tokens(generator, 1), tokens(generator, 1), tokens(generator, 4)])
+        await close([short, long, chunked])
+
+    run(main())
+
+
+def test_different_layer_runs_in_the_same_steps(node, reference):
+    """Runs over different layers, in different orders and with KV slots other than the layer
+    index, two of them alike, step together; each matches its own run computed alone."""
+    runs = [
+        FULL_RUN,
+        FULL_RUN,
+        ((1, 1), (2, 2)),  # the middle of the node's layers
+        ((0, 3), (1, 2), (2, 1), (3, 0)),  # block_idx reversed
+        ((3, 0), (2, 1)),  # layers in reverse order
+        ((2, 2),),  # one layer
+    ]
+    generator = torch.Generator().manual_seed(3)
+
+    async def main():
+        sessions = await connect(node, runs)
+        await lockstep(node, reference, sessions, [tokens(generator, 1 + i) for i in range(len(sessions))])
+        for _ in range(4):
+            await lockstep(node, reference, sessions, [tokens(generator, 1) for _ in sessions])
+        await close(sessions)
+
+    run(main())
+
+
+def test_a_long_prompt_arriving_among_decodes(node, reference):
+    """A 50-token prompt (several --prefill-chunk chunks) sent in the same step as three sessions'
+    decodes, which go on decoding while it is computed: all answers match, and the prompt's
+    session then decodes from position 50."""
+    generator = torch.Generator().manual_seed(4)
+
+    async def main():
+        *decoding, prompted = await connect(node, [FULL_RUN] * 4)
+        await lockstep(node, reference, decoding, [tokens(generator, 5) for _ in decoding])
+        # Drawn before anything runs, so what each session sends does not depend on the interleaving.
+        steps = {s.number: [tokens(generator, 1) for _ in range(6)] for s in decoding}
+        prompt = tokens(generator, 50)
+
+        async def decode(session: Session) -> None:
+            for x in steps[session.number]:
+                answer = await session.send(x)
+                assert_close(answer, session.alone(reference, x))
+
+        answers = await together(node, [*(decode(s) for s in decoding), prompted.send(prompt)])
+        for answer in answers[:-1]:
+            if answer is not None:
+                raise answer
+        assert_close(answers[-1], prompted.alone(reference, prompt))
+        assert [s.position for s in decoding] == [11, 11, 11]
+        await lockstep(node, reference, [*decoding, prompted], [tokens(generator, 1) for _ in range(4)])
+        assert prompted.position == 51
+        await close([*decoding, prompted])
+
+    run(main())
+
+
+def test_a_bad_request_in_a_step_fails_alone(node, reference):
+    """In one step, a session skipping positions gets WorkerError while two good sessions are
+    answered (and a request the front refuses, naming a layer not served here, does not hold the
+    step up); the failed sessions then continue correctly in the next step."""
+    generator = torch.Generator().manual_seed(5)
+
+    async def main():
+        good, other, skipping, stranger = await connect(node, [FULL_RUN, FULL_RUN, FULL_RUN, ((9, 1),)])
+        await lockstep(node, reference, [good, other, skipping], [tokens(generator, 3) for _ in range(3)])
+        xs = [tokens(generator, 1) for _ in range(4)]
+        answers = await together(node, [good.send(xs[0]), other.send(xs[1]), skipping.send(xs[2], index_pos=5),
+                                        stranger.send(xs[3])], reaching=3)
+        assert isinstance(answers[2], RemoteWorkerError) and "does not follow the 3 positions" in str(answers[2])
+        assert isinstance(answers[3], RemoteWorkerError) and "model.layers.9" in str(answers[3])
+        for session, x, answer in zip((good, other), xs, answers):
+            assert_close(answer, session.alone(reference, x))
+        stranger.layer_run = ((1, 1),)
+        await lockstep(node, reference, [good, other, skipping, stranger], [tokens(generator, 1) for _ in range(4)])
+        assert [s.position for s in (good, other, skipping, stranger)] == [5, 5, 4, 1]
+        await close([good, other, skipping, stranger])
+
+    run(main())
+
+
+def device_stat(metrics, name: str) -> float:
+    return metrics.get((name, (("device", DEVICE),)), 0.0)
+
+
+def test_steps_ran_several_requests_and_are_counted(node, reference):
+    """Eight rounds of six sessions' decodes sent together: the device's batch-size histogram
+    counts every request once and fewer steps than requests (so some step ran more than one; with
+    --max-batch 1 it would count as many), its tokens-per-step histogram every token, and the
+    current-batch gauge is exported."""
+    generator = torch.Generator().manual_seed(6)
+    port = node.metrics_port()
+    rounds = 8
+
+    async def main():
+        sessions = await connect(node, [FULL_RUN] * 6)
+        await lockstep(node, reference, sessions, [tokens(generator, 2) for _ in sessions])
+        before = await asyncio.to_thread(scrape, port)
+        for _ in range(rounds):
+            await lockstep(node, reference, sessions, [tokens(generator, 1) for _ in sessions])
+        after = await asyncio.to_thread(scrape, port)
+        await close(sessions)
+        return before, after
+
+    before, after = run(main())
+    ran = {name: device_stat(after, name) - device_stat(before, name)
+           for name in ("cakemp_device_batch_size_sum", "cakemp_device_batch_size_count",
+                        "cakemp_device_step_tokens_sum", "cakemp_device_step_tokens_count")}
+    requests = rounds * 6
+    assert ran["cakemp_device_batch_size_sum"] == requests
+    assert ran["cakemp_device_step_tokens_sum"] == requests  # one token each
+    assert ran["cakemp_device_batch_size_count"] == ran["cakemp_device_step_tokens_count"]
+    assert ran["cakemp_device_batch_size_sum"] > ran["cakemp_device_batch_size_count"]
+    assert ("cakemp_device_batch_requests", (("device", DEVICE),)) in after
