@@ -25,8 +25,9 @@ import torch
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import RemoteWorkerError
 from cakemp.master.client import WorkerClient
+from tests.checkpoints import make_checkpoint
 from tests.front.master import from_raw, to_raw
-from tests.front.node import RunningNode, scrape, wait_waiting, write_topology
+from tests.front.node import RunningNode, quiescent, scrape, wait_waiting, write_topology
 from tests.tolerance import assert_close
 
 HIDDEN = 64
@@ -34,6 +35,8 @@ LAYERS = [0, 1, 2, 3]
 DEVICE = "cpu:0"
 PREFILL_CHUNK = 16  # --prefill-chunk: tokens per prompt chunk and prefill tokens per step
 MAX_CONTEXT = 128
+LLAMA_PREFIX = "model.layers"
+HYBRID_PREFIX = "model.language_model.layers"  # Qwen3.5's text layers, beside its vision tower
 FULL_RUN = tuple((layer, layer) for layer in LAYERS)  # (layer, block_idx) as Cake's master sends them
 
 
@@ -41,22 +44,55 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
+def start_node(checkpoint, tmp_path_factory, prefix: str) -> RunningNode:
+    """An f32 node serving layers 0-3 of `checkpoint` on one CPU device process."""
+    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", [f"{prefix}.0-3"])
+    return RunningNode(checkpoint, topology, "--gpus", "cpu:1", "--dtype", "f32", "--cpu-threads", "1",
+                       "--prefill-chunk", str(PREFILL_CHUNK), "--max-context", str(MAX_CONTEXT),
+                       "--metrics-address", "127.0.0.1:0")
+
+
+def alone_runner(checkpoint, prefix: str) -> BlockRunner:
+    """The same layers in this process: each session's requests computed alone, one at a time."""
+    return BlockRunner.load(checkpoint, [f"{prefix}.{i}" for i in LAYERS], "cpu", torch.float32,
+                            max_context=MAX_CONTEXT)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The reference runner on one torch thread, as the node's device process (--cpu-threads 1):
+    on a busy machine two threads over these tiny matrices mostly wait for each other (a decode
+    step of the tiny model takes ~90 ms on two threads here, ~1 ms on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def node(checkpoint, tmp_path_factory):
-    """The f32 Llama node serving layers 0-3 on one CPU device process."""
-    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
-    running = RunningNode(checkpoint, topology, "--gpus", "cpu:1", "--dtype", "f32",
-                          "--prefill-chunk", str(PREFILL_CHUNK), "--max-context", str(MAX_CONTEXT),
-                          "--metrics-address", "127.0.0.1:0")
+    """The Llama node."""
+    running = start_node(checkpoint, tmp_path_factory, LLAMA_PREFIX)
     yield running
     assert running.stop() == 0
 
 
 @pytest.fixture
 def reference(checkpoint) -> BlockRunner:
-    """The same layers in this process: each session's requests computed alone, one at a time."""
-    return BlockRunner.load(checkpoint, [f"model.layers.{i}" for i in LAYERS], "cpu", torch.float32,
-                            max_context=MAX_CONTEXT)
+    return alone_runner(checkpoint, LLAMA_PREFIX)
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoint(tmp_path_factory):
+    """A tiny Qwen3.5 checkpoint: layers 0-2 linear attention (Gated DeltaNet), layer 3 full attention."""
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def hybrid_node(hybrid_checkpoint, tmp_path_factory):
+    running = start_node(hybrid_checkpoint, tmp_path_factory, HYBRID_PREFIX)
+    yield running
+    assert running.stop() == 0
 
 
 @dataclass
@@ -67,10 +103,11 @@ class Session:
     client: WorkerClient
     layer_run: tuple[tuple[int, int], ...]
     number: int
+    prefix: str = LLAMA_PREFIX  # the family's layer prefix
     position: int = 0
 
     def ops(self, index_pos: int) -> list[tuple[str, int, int]]:
-        return [(f"model.layers.{layer}", index_pos, block_idx) for layer, block_idx in self.layer_run]
+        return [(f"{self.prefix}.{layer}", index_pos, block_idx) for layer, block_idx in self.layer_run]
 
     async def send(self, x: torch.Tensor, index_pos: int | None = None) -> torch.Tensor:
         """x [1, T, H] through the node at `index_pos` (default: the session's next position) -> [1, T, H]."""
@@ -84,12 +121,13 @@ class Session:
         return y
 
 
-async def connect(node: RunningNode, runs: Sequence[tuple[tuple[int, int], ...]]) -> list[Session]:
+async def connect(node: RunningNode, runs: Sequence[tuple[tuple[int, int], ...]],
+                  prefix: str = LLAMA_PREFIX) -> list[Session]:
     sessions = []
     for number, layer_run in enumerate(runs):
         client = await WorkerClient.connect("127.0.0.1", node.port)
         await client.hello()
-        sessions.append(Session(client, layer_run, number))
+        sessions.append(Session(client, layer_run, number, prefix))
     return sessions
 
 
@@ -235,6 +273,35 @@ def test_a_bad_request_in_a_step_fails_alone(node, reference):
     run(main())
 
 
+def test_linear_attention_layers_step_together(hybrid_node, hybrid_checkpoint):
+    """Qwen3.5 sessions, whose linear-attention layers carry a recurrent state per session, step
+    together: a 20-token prompt (two chunks) among shorter ones, then decodes, over runs of all
+    four layers, of linear layers only, and of a linear layer on another slot with the attention
+    layer; each matches its session alone. A request that would rewind one session's recurrent
+    state fails alone in its step, and that session goes on from where it was."""
+    reference = alone_runner(hybrid_checkpoint, HYBRID_PREFIX)
+    runs = [FULL_RUN, FULL_RUN, ((0, 0), (1, 1)), ((1, 2), (3, 3))]
+    generator = torch.Generator().manual_seed(7)
+
+    async def main():
+        sessions = await connect(hybrid_node, runs, HYBRID_PREFIX)
+        rewinding, *others = sessions
+        await lockstep(hybrid_node, reference, sessions, [tokens(generator, n) for n in (20, 3, 5, 7)])
+        for _ in range(3):
+            await lockstep(hybrid_node, reference, sessions, [tokens(generator, 1) for _ in sessions])
+        xs = [tokens(generator, 1) for _ in sessions]
+        answers = await together(hybrid_node, [rewinding.send(xs[0], index_pos=10),
+                                               *(s.send(x) for s, x in zip(others, xs[1:]))])
+        assert isinstance(answers[0], RemoteWorkerError) and "cannot be rewound" in str(answers[0])
+        for session, x, answer in zip(others, xs[1:], answers[1:]):
+            assert_close(answer, session.alone(reference, x))
+        await lockstep(hybrid_node, reference, sessions, [tokens(generator, 1) for _ in sessions])
+        assert [s.position for s in sessions] == [24, 8, 10, 12]
+        await close(sessions)
+
+    run(main())
+
+
 def device_stat(metrics, name: str) -> float:
     return metrics.get((name, (("device", DEVICE),)), 0.0)
 
@@ -247,6 +314,7 @@ def test_steps_ran_several_requests_and_are_counted(node, reference):
     generator = torch.Generator().manual_seed(6)
     port = node.metrics_port()
     rounds = 8
+    quiescent(port)  # earlier tests' connections ended on the device: only these requests run in between
 
     async def main():
         sessions = await connect(node, [FULL_RUN] * 6)
