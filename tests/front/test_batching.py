@@ -8,7 +8,8 @@ within tests/tolerance.py's f32 bound, never bit for bit.
 To put requests into one step without depending on timing, `together` stops the device
 process (SIGSTOP) while the front hands it every request of the round, and continues it once
 the front counts them all as sent (`cakemp_device_requests_waiting`): the device then finds
-them all waiting at once. Tests share the module's node and each opens its own connections.
+them all waiting at once. Tests share the module's two nodes (a Llama one, and a Qwen3.5 one for
+the linear-attention layers) and each opens its own connections.
 """
 
 from __future__ import annotations
