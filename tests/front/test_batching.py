@@ -29,7 +29,7 @@ from cakemp.front.router import chunk_bounds
 from cakemp.master.client import WorkerClient
 from tests.checkpoints import make_checkpoint
 from tests.front.master import from_raw, to_raw
-from tests.front.node import RunningNode, quiescent, scrape, wait_waiting, write_topology
+from tests.front.node import RunningNode, Samples, quiescent, scrape, wait_waiting, write_topology
 from tests.tolerance import assert_close
 
 HIDDEN = 64
@@ -168,6 +168,16 @@ async def lockstep(node: RunningNode, reference: BlockRunner, sessions: Sequence
         assert_close(answer, session.alone(reference, x))
 
 
+def device_stat(metrics: Samples, name: str, le: float | None = None) -> float:
+    """The device's sample `name` (0 before it has one); of a histogram bucket, the one up to `le`."""
+    for (sample, labels), value in metrics.items():
+        labels = dict(labels)
+        if sample == name and labels.pop("device", None) == DEVICE and \
+                (labels == {} if le is None else float(labels.get("le", "nan")) == le):
+            return value
+    return 0.0
+
+
 def tokens(generator: torch.Generator, count: int) -> torch.Tensor:
     return torch.randn(1, count, HIDDEN, generator=generator)
 
@@ -228,10 +238,12 @@ def test_different_layer_runs_in_the_same_steps(node, reference):
 
 
 def test_a_long_prompt_arriving_among_decodes(node, reference):
-    """A 50-token prompt (several --prefill-chunk chunks) sent in the same step as three sessions'
-    decodes, which go on decoding while it is computed: all answers match, and the prompt's
-    session then decodes from position 50."""
+    """A 50-token prompt sent in the same step as three sessions' decodes, which go on decoding
+    while it is computed: all answers match, and the prompt's session then decodes from position
+    50. The prompt is not computed in one step: cut into four chunks of 12-13 tokens, and with
+    --prefill-chunk 16 prefill tokens per step it takes four steps, none of more than 16 + 3 tokens."""
     generator = torch.Generator().manual_seed(4)
+    port = node.metrics_port()
 
     async def main():
         *decoding, prompted = await connect(node, [FULL_RUN] * 4)
@@ -245,7 +257,9 @@ def test_a_long_prompt_arriving_among_decodes(node, reference):
                 answer = await session.send(x)
                 assert_close(answer, session.alone(reference, x))
 
+        before = await asyncio.to_thread(scrape, port)
         answers = await together(node, [*(decode(s) for s in decoding), prompted.send(prompt)])
+        after = await asyncio.to_thread(scrape, port)
         for answer in answers[:-1]:
             if answer is not None:
                 raise answer
@@ -254,8 +268,15 @@ def test_a_long_prompt_arriving_among_decodes(node, reference):
         await lockstep(node, reference, [*decoding, prompted], [tokens(generator, 1) for _ in range(4)])
         assert prompted.position == 51
         await close([*decoding, prompted])
+        return before, after
 
-    run(main())
+    before, after = run(main())
+    ran = {name: device_stat(after, name, le) - device_stat(before, name, le)
+           for name, le in (("cakemp_device_step_tokens_sum", None), ("cakemp_device_step_tokens_count", None),
+                            ("cakemp_device_step_tokens_bucket", 32))}
+    assert ran["cakemp_device_step_tokens_sum"] == 3 * 6 + 50
+    assert ran["cakemp_device_step_tokens_count"] >= 4
+    assert ran["cakemp_device_step_tokens_bucket"] == ran["cakemp_device_step_tokens_count"]  # every step <= 32 tokens
 
 
 def test_a_bad_request_in_a_step_fails_alone(node, reference):
@@ -309,10 +330,6 @@ def test_linear_attention_layers_step_together(hybrid_node, hybrid_checkpoint):
         await close(sessions)
 
     run(main())
-
-
-def device_stat(metrics, name: str) -> float:
-    return metrics.get((name, (("device", DEVICE),)), 0.0)
 
 
 def test_steps_ran_several_requests_and_are_counted(node, reference):
