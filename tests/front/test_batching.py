@@ -335,8 +335,8 @@ def test_linear_attention_layers_step_together(hybrid_node, hybrid_checkpoint):
 def test_steps_ran_several_requests_and_are_counted(node, reference):
     """Eight rounds of six sessions' decodes sent together: the device's batch-size histogram
     counts every request once and fewer steps than requests (so some step ran more than one; with
-    --max-batch 1 it would count as many), its tokens-per-step histogram every token, and the
-    current-batch gauge is exported."""
+    --max-batch 1 it counts as many), its tokens-per-step histogram every token, and the
+    current-batch gauge says idle once all are answered."""
     generator = torch.Generator().manual_seed(6)
     port = node.metrics_port()
     rounds = 8
@@ -362,3 +362,4 @@ def test_steps_ran_several_requests_and_are_counted(node, reference):
     assert ran["cakemp_device_batch_size_count"] == ran["cakemp_device_step_tokens_count"]
     assert ran["cakemp_device_batch_size_sum"] > ran["cakemp_device_batch_size_count"]
     assert ("cakemp_device_batch_requests", (("device", DEVICE),)) in after
+    assert device_stat(after, "cakemp_device_batch_requests") == 0  # every request answered: idle
