@@ -27,7 +27,7 @@ from cakemp.compute.runner import BlockRunner
 from cakemp.errors import RemoteWorkerError
 from cakemp.front.router import chunk_bounds
 from cakemp.master.client import WorkerClient
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import HFLayers, make_checkpoint
 from tests.front.master import from_raw, to_raw
 from tests.front.node import RunningNode, Samples, quiescent, scrape, wait_waiting, write_topology
 from tests.tolerance import assert_close
@@ -158,14 +158,15 @@ async def together(node: RunningNode, calls: Sequence[Awaitable], reaching: int 
 
 
 async def lockstep(node: RunningNode, reference: BlockRunner, sessions: Sequence[Session],
-                   xs: Sequence[torch.Tensor]) -> None:
+                   xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """One request per session (x [1, T, H] each) in one step of the device; each answer equals
-    that session's request computed alone."""
+    that session's request computed alone. The answers."""
     answers = await together(node, [s.send(x) for s, x in zip(sessions, xs)])
     for session, x, answer in zip(sessions, xs, answers):
         if isinstance(answer, BaseException):
             raise answer
         assert_close(answer, session.alone(reference, x))
+    return answers
 
 
 def device_stat(metrics: Samples, name: str, le: float | None = None) -> float:
@@ -182,16 +183,20 @@ def tokens(generator: torch.Generator, count: int) -> torch.Tensor:
     return torch.randn(1, count, HIDDEN, generator=generator)
 
 
-def test_concurrent_decodes_match_each_session_alone(node, reference):
+def test_concurrent_decodes_match_each_session_alone(node, reference, checkpoint):
     """Four sessions with the same run prefill together, then decode six steps together: every
-    answer equals that session's request computed alone."""
+    answer equals that session's request computed alone, and the first session's also HF's
+    layers (an oracle that shares no code with the node)."""
     generator = torch.Generator().manual_seed(1)
+    hf = HFLayers(checkpoint, LAYERS, torch.float32)
 
     async def main():
         sessions = await connect(node, [FULL_RUN] * 4)
-        await lockstep(node, reference, sessions, [tokens(generator, 2 + i) for i in range(4)])
-        for _ in range(6):
-            await lockstep(node, reference, sessions, [tokens(generator, 1) for _ in sessions])
+        for lengths in [(2, 3, 4, 5)] + [(1, 1, 1, 1)] * 6:  # prompts, then six decode steps
+            xs = [tokens(generator, length) for length in lengths]
+            position = sessions[0].position
+            answers = await lockstep(node, reference, sessions, xs)
+            assert_close(answers[0], hf(xs[0], position))
         await close(sessions)
 
     run(main())
@@ -307,8 +312,9 @@ def test_linear_attention_layers_step_together(hybrid_node, hybrid_checkpoint):
     """Qwen3.5 sessions, whose linear-attention layers carry a recurrent state per session, step
     together: a 20-token prompt (two chunks) among shorter ones, then decodes, over runs of all
     four layers, of linear layers only, and of a linear layer on another slot with the attention
-    layer; each matches its session alone. A request that would rewind one session's recurrent
-    state fails alone in its step, and that session goes on from where it was."""
+    layer; each matches its session alone, also when one session starts a new prompt at position
+    0 in a step of the others' decodes. A request that would rewind one session's recurrent state
+    fails alone in its step, and that session goes on from where it was."""
     reference = alone_runner(hybrid_checkpoint, HYBRID_PREFIX)
     runs = [FULL_RUN, FULL_RUN, ((0, 0), (1, 1)), ((1, 2), (3, 3))]
     generator = torch.Generator().manual_seed(7)
@@ -317,8 +323,10 @@ def test_linear_attention_layers_step_together(hybrid_node, hybrid_checkpoint):
         sessions = await connect(hybrid_node, runs, HYBRID_PREFIX)
         rewinding, *others = sessions
         await lockstep(hybrid_node, reference, sessions, [tokens(generator, n) for n in (20, 3, 5, 7)])
-        for _ in range(3):
+        for _ in range(2):
             await lockstep(hybrid_node, reference, sessions, [tokens(generator, 1) for _ in sessions])
+        sessions[1].position = 0  # a new prompt without Goodbye: its state starts afresh beside continuing ones
+        await lockstep(hybrid_node, reference, sessions, [tokens(generator, 4 if s is sessions[1] else 1) for s in sessions])
         xs = [tokens(generator, 1) for _ in sessions]
         answers = await together(hybrid_node, [rewinding.send(xs[0], index_pos=10),
                                                *(s.send(x) for s, x in zip(others, xs[1:]))])
@@ -326,7 +334,7 @@ def test_linear_attention_layers_step_together(hybrid_node, hybrid_checkpoint):
         for session, x, answer in zip(others, xs[1:], answers[1:]):
             assert_close(answer, session.alone(reference, x))
         await lockstep(hybrid_node, reference, sessions, [tokens(generator, 1) for _ in sessions])
-        assert [s.position for s in sessions] == [24, 8, 10, 12]
+        assert [s.position for s in sessions] == [24, 6, 10, 12]
         await close(sessions)
 
     run(main())
