@@ -171,9 +171,10 @@ async def throughput(port: int, hidden: int, sessions: int, seconds: float) -> f
 def echo_device(endpoint: str, parent_pipe, busy_s: float) -> None:
     """A device process that answers each Hop with its own bytes after `busy_s` of busy work."""
     channel = DeviceChannel(endpoint, parent_pipe.fileno())
-    while (request := channel.receive()) is not None:
-        busy(busy_s)
-        channel.send(Activation(request.request_id, request.dtype, request.shape, request.data))
+    while (requests := channel.receive()) is not None:
+        for request in requests:
+            busy(busy_s)
+            channel.send(Activation(request.request_id, request.dtype, request.shape, request.data))
 
 
 def echo_unix(path: str, busy_s: float, nbytes: int) -> None:

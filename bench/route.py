@@ -132,13 +132,14 @@ async def measure(ports: dict[str, int], pids: dict[str, int], steps: int, prefi
 def echo_device(endpoint: str, peers: tuple[str, ...], parent_pipe, busy_s: float) -> None:
     """A device process that busy-waits `busy_s` per Hop, then hands it on or answers the front."""
     channel = DeviceChannel(endpoint, parent_pipe.fileno(), peers)
-    while (hop := channel.receive()) is not None:
-        busy(busy_s)
-        rest = hop.stages[1:]
-        if rest:
-            channel.hand_off(rest[0].device, Hop(hop.session, hop.request_id, hop.dtype, hop.shape, rest, hop.data))
-        else:
-            channel.send(Activation(hop.request_id, hop.dtype, hop.shape, hop.data))
+    while (hops := channel.receive()) is not None:
+        for hop in hops:
+            busy(busy_s)
+            rest = hop.stages[1:]
+            if rest:
+                channel.hand_off(rest[0].device, Hop(hop.session, hop.request_id, hop.dtype, hop.shape, rest, hop.data))
+            else:
+                channel.send(Activation(hop.request_id, hop.dtype, hop.shape, hop.data))
 
 
 async def hops(workdir: Path, steps: int, busy_s: float) -> dict[str, list[float]]:

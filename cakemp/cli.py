@@ -21,7 +21,7 @@ from cakemp.front.config import device_environment, discover_gpus, parse_gpus
 from cakemp.front.model_cache import cache_root
 from cakemp.front.setup import SetupConfig
 from cakemp.front.notify import Notifier
-from cakemp.front.router import PREFILL_CHUNK
+from cakemp.device.scheduler import MAX_BATCH, PREFILL_CHUNK
 from cakemp.topology import Topology
 from cakemp.wire import Revision
 from cakemp.wire.discovery import DISCOVERY_PORT
@@ -70,8 +70,12 @@ def cli() -> None:
 @_flag("--restart-attempts", type=click.IntRange(min=1), default=5,
        help="Failed starts in a row of one device process after which the node exits 1.")
 @_flag("--prefill-chunk", type=click.IntRange(min=1), default=PREFILL_CHUNK,
-       help="Tokens per chunk when a prompt's layers span several devices: the chunks flow down the devices "
-            "one after another, so they work at once.")
+       help="Tokens per chunk of a prompt, and the prompt tokens a device runs per step beside its decodes: "
+            "a long prompt neither stalls other sessions' decodes nor waits behind them, and across several "
+            "devices its chunks flow down the route one after another, so the devices work at once.")
+@_flag("--max-batch", type=click.IntRange(min=1), default=MAX_BATCH,
+       help="Requests a device runs together in one step at most: decode steps of concurrent sessions share "
+            "one pass over the weights (1: each request alone, as Cake's worker).")
 @_flag("--metrics-address", help="host:port serving /metrics, /healthz and /readyz (default: off).")
 @_flag("--max-connections", type=click.IntRange(min=1), default=4096,
        help="Master connections served at once; more are closed at once (a master opens one per remote layer).")
@@ -92,7 +96,7 @@ def cli() -> None:
 @_flag("--stats-interval", type=click.FloatRange(min=0, min_open=True), default=60.0,
        help="Seconds between throughput log lines (none while nothing is served).")
 def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_budget_mib, max_context,
-        cpu_threads, drain_timeout, request_timeout, restart_attempts, prefill_chunk, metrics_address, max_connections,
+        cpu_threads, drain_timeout, request_timeout, restart_attempts, prefill_chunk, max_batch, metrics_address, max_connections,
         max_buffered_mib, frame_timeout, session_idle_timeout, discovery_port, discovery_bind, max_model_gib,
         log_format, log_level, stats_interval) -> None:
     """Serve this worker's layers: its entry's in a Cake topology, or (with --cluster-key and no
@@ -135,7 +139,7 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         cluster_key=cluster_key or None, dtype=dtype, revision=Revision(int(protocol)),
         kv_budget_bytes=kv_budget_mib * (1 << 20) if kv_budget_mib else None, max_context=max_context,
         cpu_threads=cpu_threads, drain_timeout=drain_timeout, request_timeout=request_timeout,
-        restart_attempts=restart_attempts, prefill_chunk=prefill_chunk,
+        restart_attempts=restart_attempts, prefill_chunk=prefill_chunk, max_batch=max_batch,
         metrics_address=parse_address(metrics_address, "--metrics-address") if metrics_address else None,
         max_connections=max_connections, max_buffered_bytes=max_buffered_mib * (1 << 20), frame_timeout=frame_timeout,
         session_idle_timeout=session_idle_timeout, log_format=log_format, log_level=log_level, setup=setup,

@@ -7,15 +7,17 @@ process wraps it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from cakemp.compute import memory
-from cakemp.compute.kv_cache import KVCache
+from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.errors import BadTensor, CheckpointError, PositionGap, RecurrentRewind, UnknownLayer
-from cakemp.model import attention, fp8
-from cakemp.model.block import NORMS, DecoderBlock
+from cakemp.model import attention, fp8, packed
+from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
 from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.config import ModelConfig
 from cakemp.model.deltanet import LinearState
@@ -24,6 +26,49 @@ from cakemp.model.moe import STACKED
 from cakemp.model.rotary import Rotary
 
 Block = DecoderBlock | LinearAttentionBlock
+Op = tuple[str, int, int]  # (layer name, index_pos, block_idx)
+
+# Ops between two calls of forward_batch's `between_ops` (the device's progress reports).
+_OPS_BETWEEN_CALLS = 16
+
+
+class Request(NamedTuple):
+    """One request of a batch: its session, its activation x: [1, T, H], and its ops in order."""
+
+    session: int
+    x: torch.Tensor
+    ops: Sequence[Op]
+
+
+@dataclass
+class _Planned:
+    """A request checked and given its slots, and what it changes as it runs."""
+
+    session: int
+    x: torch.Tensor  # [1, T, H]
+    ops: tuple[Op, ...]
+    slots: dict[int, KVSlot]  # block_idx -> its attention slot
+    restore: list[tuple[KVSlot, int]]  # each slot it writes, and the length a failure leaves it at
+    computed: dict[int, tuple[LinearState, int]] = field(default_factory=dict)  # block_idx -> (new state, consumed)
+
+    def linear_state(self, cache: KVCache, block_idx: int, index_pos: int) -> LinearState | None:
+        """The state a linear-attention op starts from: none at position 0, else this request's
+        own latest for the slot, else the session's."""
+        if index_pos == 0:
+            return None
+        if block_idx in self.computed:
+            return self.computed[block_idx][0]
+        slot = cache.linear_slot(self.session, block_idx)
+        return LinearState(slot.conv, slot.recurrent)
+
+    def roll_back(self) -> None:
+        # Rows past a slot's previous length are unused; rows a rewind overwrote are lost.
+        for slot, length in self.restore:
+            slot.length = length
+
+    def install(self, cache: KVCache) -> None:
+        for block_idx, (state, consumed) in self.computed.items():
+            cache.linear_slot(self.session, block_idx).install(state.conv, state.recurrent, consumed)
 
 
 def block_type(config: ModelConfig, index: int) -> type[Block]:
@@ -71,8 +116,12 @@ class BlockRunner:
         kv_budget_bytes: int | None = None,
         max_context: int | None = None,
         on_layer: Callable[[int], None] | None = None,
+        pack_weights: bool = True,
     ) -> BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
+
+        `pack_weights`: on the CPU, keep f32 matrices packed for MKL's GEMM (model/packed.py): a
+        batch of decode steps then costs far less, a lone one a little more.
 
         `on_layer(n)` is called once `n` of them are on the device (the device process reports
         it, so that a load of minutes shows progress).
@@ -137,6 +186,10 @@ class BlockRunner:
                     f"{layer}: {' + '.join(groups[layer][key])} give shape {tuple(tensor.shape)}, "
                     f"config.json implies {shapes[layer][key]}"
                 )
+        # On the CPU, f32 matrices are packed for MKL's GEMM once, here (model/packed.py says why).
+        for (layer, key), tensor in weights.items():
+            if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
+                weights[layer, key] = packed.PackedWeight.create(tensor)
         blocks = {
             layer: kinds[layer](config, config.layer_index(layer), {key: weights[layer, key] for key in groups[layer]})
             for layer in layers
@@ -145,20 +198,73 @@ class BlockRunner:
             kv_budget_bytes = memory.default_kv_budget(*torch.cuda.mem_get_info(device), str(device))
         return cls(config, blocks, device, dtype, kv_budget_bytes, max_context)
 
-    def forward(self, session: int, x: torch.Tensor, ops: Sequence[tuple[str, int, int]]) -> torch.Tensor:
-        """Run ops = [(layer_name, index_pos, block_idx), ...] in order on x: [1, T, H].
+    def forward(self, session: int, x: torch.Tensor, ops: Sequence[Op]) -> torch.Tensor:
+        """Run ops = [(layer_name, index_pos, block_idx), ...] in order on x: [1, T, H] (one
+        request alone: `forward_batch` of one)."""
+        (result,) = self.forward_batch([Request(session, x, ops)])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-        index_pos is the absolute position of x's first token; block_idx picks the KV slot.
-        A request at index_pos p keeps the first p cached positions of each slot and replaces
-        the rest, so a master that restarts a prompt at 0 without Goodbye gets a fresh context
-        rather than Cake's silently appended one; a p beyond what is cached is refused.
+    def forward_batch(
+        self, requests: Sequence[Request], between_ops: Callable[[], None] | None = None
+    ) -> list[torch.Tensor | Exception]:
+        """Each request's output [1, T, H], or the exception that failed it (and it alone).
+
+        Requests of distinct sessions, each run as `forward` would run it alone. Those with the
+        same run (the same layers in the same order) are computed together, layer by layer: the
+        GEMMs over all their tokens at once, attention per request over its own KV slots (a
+        decode step reads the weights once, not once per session). Runs that differ form
+        separate groups, one after another: the runs a master sends are its topology entry's
+        layers, so sessions either share a run or share nothing that a merge could exploit.
+
+        index_pos is the absolute position of a request's first token; block_idx picks the KV
+        slot. A request at index_pos p keeps the first p cached positions of each slot and
+        replaces the rest, so a master that restarts a prompt at 0 without Goodbye gets a fresh
+        context rather than Cake's silently appended one; a p beyond what is cached is refused.
 
         A linear-attention layer's state is a recurrence: p must be what it has consumed
-        (continue) or 0 (start afresh); anything else is a RecurrentRewind. Everything is
-        checked before anything runs, and the new linear states are installed only once every
-        op has succeeded, so a failed request leaves them as they were (attention slots fall
-        back to their old length, or to index_pos if less).
+        (continue) or 0 (start afresh); anything else is a RecurrentRewind. Each request is
+        checked before anything runs, and new linear states are installed only once the
+        request's every op has succeeded, so a failed request leaves them as they were
+        (attention slots fall back to their old length, or to index_pos if less). An error
+        while a group computes fails that group's requests; the other groups are untouched.
+
+        `between_ops` is called every few ops of a long run (the device reports progress there).
         """
+        sessions = [request.session for request in requests]
+        if len(set(sessions)) != len(sessions):
+            raise ValueError(f"a batch holds one request per session, got sessions {sessions}")
+        results: list[torch.Tensor | Exception | None] = [None] * len(requests)
+        groups: dict[tuple[str, ...], list[tuple[int, _Planned]]] = {}
+        for i, request in enumerate(requests):
+            try:
+                planned = self._plan(request)
+            except Exception as e:
+                results[i] = e
+                continue
+            groups.setdefault(tuple(layer for layer, _, _ in request.ops), []).append((i, planned))
+        for group in groups.values():
+            members = [planned for _, planned in group]
+            try:
+                with torch.inference_mode():
+                    outputs = self._run(members, between_ops)
+            except BaseException as e:
+                for planned in members:
+                    planned.roll_back()
+                if not isinstance(e, Exception):
+                    raise
+                outputs = [e] * len(members)
+            else:
+                for planned in members:
+                    planned.install(self.cache)
+            for (i, _), output in zip(group, outputs, strict=True):
+                results[i] = output
+        return results
+
+    def _plan(self, request: Request) -> _Planned:
+        """Check `request` against the session's state and reserve its slots (RequestError if it cannot run)."""
+        session, x, ops = request
         self._check_input(x)
         T = x.shape[1]
         ends, linear_ends = {}, {}
@@ -188,46 +294,48 @@ class BlockRunner:
             else:
                 ends[block_idx] = max(ends.get(block_idx, 0), index_pos + T)
         slots = self.cache.reserve(session, ends, linear_ends)
-        previous = {block_idx: slot.length for block_idx, slot in slots.items()}
-        rotations = {(None, index_pos): (None, None) for _, index_pos, _ in ops}
-        computed: dict[int, tuple[LinearState, int]] = {}  # block_idx -> (new state, positions consumed)
-        try:
-            with torch.inference_mode():
-                for layer, index_pos, block_idx in ops:
-                    block = self.blocks[layer]
-                    if block.recurrent:
-                        x, state = block.forward(x, self._linear_state(session, block_idx, index_pos, computed))
-                        computed[block_idx] = (state, index_pos + T)
-                        continue
-                    rotary = self.rotaries[layer]
-                    if (rotary, index_pos) not in rotations:
-                        rotations[rotary, index_pos] = rotary.cos_sin(index_pos, T, self.dtype)
-                    cos, sin = rotations[rotary, index_pos]
-                    slot = slots[block_idx]
-                    x = block.forward(x, cos, sin, slot.k, slot.v, index_pos)
-                    slot.length = index_pos + T
-        except BaseException:
-            # Rows past a slot's previous length are unused; rows a rewind overwrote are lost,
-            # so a failed request leaves each slot at its old length or at index_pos if less.
-            for (layer, index_pos, block_idx) in ops:
-                if not self.blocks[layer].recurrent:
-                    slots[block_idx].length = min(previous[block_idx], index_pos)
-            raise
-        for block_idx, (state, consumed) in computed.items():
-            self.cache.linear_slot(session, block_idx).install(state.conv, state.recurrent, consumed)
-        return x
+        restore = [(slots[block_idx], min(slots[block_idx].length, index_pos))
+                   for layer, index_pos, block_idx in ops if not self.blocks[layer].recurrent]
+        return _Planned(session, x, tuple(ops), slots, restore)
 
-    def _linear_state(
-        self, session: int, block_idx: int, index_pos: int, computed: dict[int, tuple[LinearState, int]]
-    ) -> LinearState | None:
-        """The state a linear-attention op starts from: none at position 0, else this request's
-        own latest for the slot, else the session's."""
-        if index_pos == 0:
-            return None
-        if block_idx in computed:
-            return computed[block_idx][0]
-        slot = self.cache.linear_slot(session, block_idx)
-        return LinearState(slot.conv, slot.recurrent)
+    def _run(self, group: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
+        """The outputs of `group`'s requests, which share one run, computed together."""
+        lengths = [planned.x.shape[1] for planned in group]
+        x = group[0].x if len(group) == 1 else torch.cat([planned.x for planned in group], dim=1)  # [1, N, H]
+        rotations = {}  # (rotary, each request's index_pos) -> cos, sin: [N, R]
+        for j, (layer, _, _) in enumerate(group[0].ops):
+            if j and j % _OPS_BETWEEN_CALLS == 0 and between_ops is not None:
+                between_ops()
+            block = self.blocks[layer]
+            where = [planned.ops[j][1:] for planned in group]  # each request's (index_pos, block_idx)
+            if block.recurrent:
+                segments = [(T, planned.linear_state(self.cache, block_idx, index_pos))
+                            for planned, T, (index_pos, block_idx) in zip(group, lengths, where, strict=True)]
+                x, states = block.forward(x, segments)
+                for planned, T, (index_pos, block_idx), state in zip(group, lengths, where, states, strict=True):
+                    planned.computed[block_idx] = (state, index_pos + T)
+                continue
+            rotary = self.rotaries[layer]
+            key = (rotary, tuple(index_pos for index_pos, _ in where))
+            if key not in rotations:
+                rotations[key] = self._rotation(rotary, [index_pos for index_pos, _ in where], lengths)
+            cos, sin = rotations[key]
+            spans = [Span(planned.slots[block_idx].k, planned.slots[block_idx].v, index_pos, T)
+                     for planned, T, (index_pos, block_idx) in zip(group, lengths, where, strict=True)]
+            x = block.forward(x, cos, sin, spans)
+            for planned, T, (index_pos, block_idx) in zip(group, lengths, where, strict=True):
+                planned.slots[block_idx].length = index_pos + T
+        return [x] if len(group) == 1 else list(x.split(lengths, dim=1))
+
+    def _rotation(self, rotary: Rotary | None, starts: list[int], lengths: list[int]):
+        """cos, sin: [N, R] for tokens at starts[i]..starts[i] + lengths[i] - 1, request after
+        request (each request's own table: longrope picks its factors per request); None, None without a rotary."""
+        if rotary is None:
+            return None, None
+        tables = [rotary.cos_sin(start, T, self.dtype) for start, T in zip(starts, lengths, strict=True)]
+        if len(tables) == 1:
+            return tables[0]
+        return torch.cat([cos for cos, _ in tables]), torch.cat([sin for _, sin in tables])
 
     def _check_input(self, x: torch.Tensor) -> None:
         hidden = self.config.hidden_size

@@ -1,6 +1,7 @@
 """What a device process does with each message: a plain class, runnable without a process.
 
-`DeviceService.handle` turns one ipc message into at most one message to send on, and never
+`DeviceService.handle` turns one ipc message, and `run_step` a step's hops (several
+sessions' requests computed as one batch), into at most one message each to send on; neither
 raises, so that nothing a master sends can crash the process or touch another session's
 state. A Hop runs this device's stage and becomes either the hand-off to the next stage's
 device (a Hop holding the rest of the route) or, from the last stage, the Activation for
@@ -16,24 +17,19 @@ the request is left on any device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from cakemp import log
 from cakemp.compute import tensors
-from cakemp.compute.runner import BlockRunner
+from cakemp.compute.runner import BlockRunner, Op, Request
 from cakemp.device import fault
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import ConfigError, RequestError, UnknownLayer
-from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, error_code
+from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, Stage, error_code
 from cakemp.rss import resident_bytes
-
-# Ops run per runner call when a request has many: between calls the device may report
-# progress, so a legitimate long request is not taken for a hang.
-_SLICE_OPS = 16
-
 
 def _no_progress(request_id: int) -> None:
     pass
@@ -65,6 +61,7 @@ class DeviceService:
         runner = BlockRunner.load(
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
+            pack_weights=spec.max_batch > 1,  # packing pays only where steps batch several requests
         )
         return cls(runner, spec.layers, spec.index, generation, spec.label, progress)
 
@@ -82,11 +79,7 @@ class DeviceService:
         """The message to send on (a Hop to hand off, else one for the front); None for a
         Hop meant for another process of this device (a stale route), which is dropped."""
         if isinstance(request, Hop):
-            if not request.stages or request.stages[0].device != self.index:
-                return None
-            if request.stages[0].generation != self.generation:
-                return None
-            return self._forward(request)
+            return self.run_step([request])[0]
         try:
             if isinstance(request, Clear):
                 self.runner.clear_session(request.session)
@@ -96,41 +89,66 @@ class DeviceService:
             return self._failure(request.request_id, 0, e)
         return Done(request.request_id, self.runner.session_count(), self.runner.kv_bytes())
 
-    def _forward(self, request: Hop) -> Hop | Activation | Failure:
-        last = request.chunk + 1 >= request.chunks
-        earlier = self._failed.pop(request.request_id, None) if last else self._failed.get(request.request_id)
-        if earlier is not None:
-            return Failure(request.request_id, earlier.code, earlier.message, request.chunk)
-        try:
-            y = self._run(request)
-        except Exception as e:
-            failure = self._failure(request.request_id, request.chunk, e)
-            if not last:
-                self._failed[request.request_id] = failure
-            return failure
-        data = tensors.to_bytes(y, request.dtype)
-        kv = request.kv + (self.runner.kv_bytes(),)
-        rest = request.stages[1:]
-        if rest:
-            return Hop(request.session, request.request_id, request.dtype, request.shape, rest, data,
-                           request.chunk, request.chunks, kv)
-        return Activation(request.request_id, request.dtype, request.shape, data, request.chunk, kv)
+    def run_step(self, hops: Sequence[Hop]) -> list[Hop | Activation | Failure | None]:
+        """Run this device's stage of each hop (of distinct sessions) as one batch
+        (BlockRunner.forward_batch); the message each becomes, in order, as `handle` says."""
+        replies: list[Hop | Activation | Failure | None] = [None] * len(hops)
+        batch: list[tuple[int, Request]] = []
+        for i, hop in enumerate(hops):
+            stage = hop.stages[0] if hop.stages else None
+            if stage is None or stage.device != self.index or stage.generation != self.generation:
+                continue
+            earlier = self._failed.get(hop.request_id)
+            if earlier is not None:
+                replies[i] = self._failed_chunk(hop, earlier)
+                continue
+            try:
+                batch.append((i, Request(hop.session, self._input(hop), self._ops(stage))))
+            except Exception as e:
+                replies[i] = self._failed_chunk(hop, self._failure(hop.request_id, hop.chunk, e))
+        if not batch:
+            return replies
+        first = hops[batch[0][0]].request_id
+        results = self.runner.forward_batch([request for _, request in batch], lambda: self.progress(first))
+        for (i, _), result in zip(batch, results, strict=True):
+            hop = hops[i]
+            if isinstance(result, Exception):
+                replies[i] = self._failed_chunk(hop, self._failure(hop.request_id, hop.chunk, result))
+            else:
+                replies[i] = self._onward(hop, result)
+        return replies
 
-    def _run(self, request: Hop) -> torch.Tensor:
+    def _failed_chunk(self, hop: Hop, failure: Failure) -> Failure:
+        """The answer to a chunk of a failed request: the request's failure, remembered until its last chunk."""
+        if hop.chunk + 1 >= hop.chunks:
+            self._failed.pop(hop.request_id, None)
+        else:
+            self._failed[hop.request_id] = failure
+        return Failure(hop.request_id, failure.code, failure.message, hop.chunk)
+
+    def _onward(self, hop: Hop, y: torch.Tensor) -> Hop | Activation:
+        """The hand-off of `y` to the route's next stage, or from the last, the answer to the front."""
+        data = tensors.to_bytes(y, hop.dtype)
+        kv = hop.kv + (self.runner.kv_bytes(),)
+        rest = hop.stages[1:]
+        if rest:
+            return Hop(hop.session, hop.request_id, hop.dtype, hop.shape, rest, data, hop.chunk, hop.chunks, kv)
+        return Activation(hop.request_id, hop.dtype, hop.shape, data, hop.chunk, kv)
+
+    def _ops(self, stage: Stage) -> list[Op]:
+        """The stage's ops with this device's layer names (UnknownLayer for an index it does not have)."""
         ops = []
-        for op in request.stages[0].ops:
+        for op in stage.ops:
             if op.layer >= len(self.layers):
                 raise UnknownLayer(f"could not find layer #{op.layer} on this device")
             ops.append((self.layers[op.layer], op.index_pos, op.block_idx))
-        x = tensors.to_tensor(request.data, request.dtype, request.shape)  # [1, T, H] wire dtype, CPU
-        # No inference_mode here: runner.forward enters it, and the casts build no graph (x needs no grad).
+        return ops
+
+    def _input(self, hop: Hop) -> torch.Tensor:
+        """The hop's activation [1, T, H] on this device, in its compute dtype."""
+        x = tensors.to_tensor(hop.data, hop.dtype, hop.shape)  # wire dtype, CPU
         # Cast on the device: torch casts within a host copy on the CPU, single-threaded.
-        x = x.to(self.runner.device).to(self.runner.dtype)
-        for start in range(0, len(ops), _SLICE_OPS):
-            if start:
-                self.progress(request.request_id)
-            x = self.runner.forward(request.session, x, ops[start:start + _SLICE_OPS])
-        return x
+        return x.to(self.runner.device).to(self.runner.dtype)
 
     def _failure(self, request_id: int, chunk: int, error: Exception) -> Failure:
         """The Failure for `error`. Out of memory fails that request alone; an error that poisons

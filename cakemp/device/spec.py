@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cakemp.device.scheduler import MAX_BATCH, PREFILL_CHUNK
+
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -21,6 +23,8 @@ class DeviceSpec:
     endpoint: str
     kv_budget_bytes: int | None = None
     max_context: int | None = None
+    max_batch: int = MAX_BATCH  # requests run together in one step at most
+    step_tokens: int = PREFILL_CHUNK  # prefill tokens per step (beyond the first chunk); the front's chunk size
     threads: int | None = None  # torch intra-op threads (None: torch's default, one per core)
     log_format: str = "auto"
     log_level: str = "info"

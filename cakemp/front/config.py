@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cakemp.errors import ConfigError
-from cakemp.front.router import PREFILL_CHUNK
+from cakemp.device.scheduler import MAX_BATCH, PREFILL_CHUNK
 from cakemp.front.setup import SetupConfig
 from cakemp.wire import Revision
 
@@ -36,7 +36,9 @@ class NodeConfig:
     drain_timeout: float = 30.0  # seconds requests in flight get to finish after SIGTERM/SIGINT
     request_timeout: float = 60.0  # seconds a device may take to answer before it counts as hung and is restarted
     restart_attempts: int = 5  # failed starts in a row of one device before the node exits 1
-    prefill_chunk: int = PREFILL_CHUNK  # tokens per chunk of a prompt whose route spans devices (pipelined prefill)
+    # Tokens per chunk of a prompt, and prefill tokens a device runs per step beside its decodes.
+    prefill_chunk: int = PREFILL_CHUNK
+    max_batch: int = MAX_BATCH  # requests a device runs together in one step at most
     metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics, /healthz, /readyz; None: off
     max_connections: int = 4096  # master connections at once (Cake opens one per remote layer)
     max_buffered_bytes: int = 1 << 30  # frame bytes all connections together may hold

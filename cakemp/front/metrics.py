@@ -31,6 +31,8 @@ log = structlog.get_logger(__name__)
 # Request latencies run from well under a millisecond (one decode step on a small layer run)
 # to seconds (a long prefill, a device restart), so the buckets span 0.5 ms .. 10 s.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 LabelValues = tuple[str, ...]
 
@@ -235,6 +237,17 @@ class Metrics:
             "Forward requests handed to each device and not answered yet (queued there or running).",
             ["device"],
         )
+        self.batch_requests = Gauge(
+            "cakemp_device_batch_requests", "Requests in the step each device is running now (0: idle).", ["device"]
+        )
+        self.batch_size = Histogram(
+            "cakemp_device_batch_size", "Requests each device ran together per step (--max-batch at most).", ["device"],
+            buckets=BATCH_BUCKETS,
+        )
+        self.step_tokens = Histogram(
+            "cakemp_device_step_tokens", "Tokens each device ran per step (decodes one each, prompt chunks theirs).",
+            ["device"], buckets=TOKEN_BUCKETS,
+        )
         self.kv_bytes = Gauge("cakemp_kv_cache_bytes", "KV cache bytes held, as last reported by each device.", ["device"])
         self.kv_budget_bytes = Gauge(
             "cakemp_kv_cache_budget_bytes", "KV cache byte budget of each device (--kv-budget-mib; absent: none).",
@@ -269,6 +282,9 @@ class Metrics:
             self.sessions,
             self.device_request_seconds,
             self.requests_waiting,
+            self.batch_requests,
+            self.batch_size,
+            self.step_tokens,
             self.refused_connections,
             self.buffered_bytes,
             self.kv_bytes,

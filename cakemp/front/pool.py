@@ -3,8 +3,10 @@
 One spawned process per device, each behind its own ipc socket, and one inbox per device for
 hand-offs from the others. `run` sends a request to the first device of its route; each
 device passes its result to the next, the last answers here. A prompt longer than
-`prefill_chunk` tokens whose route spans devices is cut into chunks that follow each other
-down the route, so that device 1 works on chunk k while device 0 works on chunk k + 1.
+`prefill_chunk` tokens is cut into chunks: a device runs at most about one chunk per step
+beside its decodes (device/scheduler.py), so a long prompt does not stall other sessions, and
+across devices the chunks follow each other down the route, so that device 1 works on chunk k
+while device 0 works on chunk k + 1.
 
 All the bookkeeping (device states, requests owed, deadlines, restarts) is `PoolState`
 (pool_state.py), which has no I/O; this class feeds it events (messages, process exits, its
@@ -27,12 +29,13 @@ from dataclasses import dataclass, field
 
 from cakemp import log
 from cakemp.device import process as device_process
+from cakemp.device.scheduler import PREFILL_CHUNK
 from cakemp.device.spec import DeviceSpec
 from cakemp.errors import DeviceLost, InternalError, ProtocolError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
-from cakemp.front.router import PREFILL_CHUNK, Leg, chunk_bounds
+from cakemp.front.router import Leg, chunk_bounds
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import (
     Activation,
@@ -50,6 +53,7 @@ from cakemp.ipc import (
     Ready,
     Stage,
     StartFailure,
+    StepReport,
     encode,
     error_from,
 )
@@ -123,7 +127,7 @@ class DevicePool:
         devices = tuple(leg.device for leg in legs)
         self._state.admit(session, devices, [any(op.index_pos > 0 for op in leg.ops) for leg in legs])
         stages = tuple(Stage(leg.device, self._state.generation(leg.device), leg.ops) for leg in legs)
-        chunks = list(self._chunks(shape, data, len(legs) > 1))
+        chunks = list(self._chunks(shape, data))
         request_id = next(self._request_ids)
         messages = [Hop(session, request_id, dtype, chunk_shape, tuple(_shifted(stage, first) for stage in stages),
                         chunk_data, i, len(chunks))
@@ -186,11 +190,11 @@ class DevicePool:
 
     # -- requests
 
-    def _chunks(self, shape: tuple[int, ...], data, cut: bool) -> Iterator[tuple[int, tuple[int, ...], object]]:
-        """(first token, shape, bytes) of each chunk: the whole request unless `cut` and it is a
-        [1, T, H] activation longer than one chunk (anything else goes whole, for the device to judge)."""
+    def _chunks(self, shape: tuple[int, ...], data) -> Iterator[tuple[int, tuple[int, ...], object]]:
+        """(first token, shape, bytes) of each chunk: the whole request unless it is a [1, T, H]
+        activation longer than one chunk (anything else goes whole, for the device to judge)."""
         view = memoryview(data).cast("B")
-        if not cut or len(shape) != 3 or shape[0] != 1 or shape[1] <= self._prefill_chunk or \
+        if len(shape) != 3 or shape[0] != 1 or shape[1] <= self._prefill_chunk or \
                 view.nbytes % max(1, math.prod(shape)) or not view.nbytes:
             yield 0, shape, data
             return
@@ -268,6 +272,12 @@ class DevicePool:
             self._act(self._state.answered(device, msg.request_id, now))
         elif isinstance(msg, Progress):
             self._state.progressed(device, msg.request_id, now)
+        elif isinstance(msg, StepReport):
+            self._state.heard(device, now)
+            label = self.label(device)
+            self._metrics.batch_requests.set(msg.requests, device=label)
+            self._metrics.batch_size.observe(msg.requests, device=label)
+            self._metrics.step_tokens.observe(msg.tokens, device=label)
         elif isinstance(msg, Loaded):
             self._state.heard(device, now)
             self._status.loaded(device, msg.layers)
@@ -349,7 +359,12 @@ class DevicePool:
 
     def _complete(self, action: ps.Complete) -> None:
         pending = self._pending.pop(action.request_id, None)
-        if pending is None or pending.future.done():  # its requester went away
+        if pending is None:
+            return
+        for device in pending.devices:
+            if not self._state.waiting(device):  # its last request: the device is idle
+                self._metrics.batch_requests.set(0, device=self.label(device))
+        if pending.future.done():  # its requester went away
             return
         if action.error is not None:
             pending.future.set_exception(action.error)

@@ -9,10 +9,6 @@ from cakemp.errors import UnknownLayer
 from cakemp.ipc import Op
 from cakemp.wire import LayerOp
 
-# Tokens per chunk of a prompt whose route spans devices (--prefill-chunk): docs/benchmarks.md,
-# "Route and pipelined prefill", says how it was chosen.
-PREFILL_CHUNK = 128
-
 
 @dataclass(frozen=True)
 class Leg:

@@ -347,6 +347,8 @@ class Front:
                 endpoint=f"ipc://{self._runtime_dir}/device-{i}",
                 kv_budget_bytes=self.config.kv_budget_bytes,
                 max_context=self.config.max_context,
+                max_batch=self.config.max_batch,
+                step_tokens=self.config.prefill_chunk,
                 threads=cpu_threads if gpu is None else GPU_DEVICE_THREADS,
                 log_format=self.config.log_format,
                 log_level=self.config.log_level,

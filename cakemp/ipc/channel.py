@@ -11,6 +11,7 @@ prompt reach every device of the route in order.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -116,7 +117,9 @@ class DeviceChannel:
     front endpoint (its inbox is derived from it); this device's own entry is skipped.
     """
 
-    def __init__(self, endpoint: str, parent_fd: int, peers: Sequence[str] = ()):
+    def __init__(self, endpoint: str, parent_fd: int, peers: Sequence[str] = (),
+                 on_garbage: Callable[[ProtocolError], None] = lambda error: None):
+        self.on_garbage = on_garbage
         self._context = zmq.Context()
         self._front = self._context.socket(zmq.DEALER)
         self._front.setsockopt(zmq.LINGER, 0)
@@ -139,16 +142,26 @@ class DeviceChannel:
         self._poller.register(parent_fd, zmq.POLLIN)
         self.last_sent = time.monotonic()  # when the front last heard from us
 
-    def receive(self) -> Message | None:
-        """The next message from the front or a peer, or None once the parent is gone. Raises ProtocolError on garbage."""
-        while True:
-            ready = dict(self._poller.poll())
-            if self._parent_fd in ready:
-                return None
-            for socket in (self._inbox, self._front):  # hand-offs first: they finish requests already under way
-                if socket in ready:
-                    frames = socket.recv_multipart(copy=False)
-                    return decode([frame.buffer for frame in frames])
+    def receive(self, timeout_s: float | None = None) -> list[Message] | None:
+        """Every message waiting, from the front and from peers, once one is there or `timeout_s`
+        has passed (None: no limit; 0: at once); None once the parent is gone. A message that
+        cannot be decoded goes to `on_garbage` (only the front writes here: a bug worth a log
+        line, not an end)."""
+        ready = dict(self._poller.poll(None if timeout_s is None else math.ceil(timeout_s * 1000)))
+        if self._parent_fd in ready:
+            return None
+        messages = []
+        for socket in (self._inbox, self._front):  # hand-offs first: they finish requests already under way
+            while True:
+                try:
+                    frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    messages.append(decode([frame.buffer for frame in frames]))
+                except ProtocolError as e:
+                    self.on_garbage(e)
+        return messages
 
     def send(self, msg: Message) -> None:
         """To the front."""

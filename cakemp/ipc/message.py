@@ -44,6 +44,7 @@ class Kind(IntEnum):
     START_FAILURE = 21
     PROGRESS = 22  # still computing a request: not hung
     PONG = 23
+    STEP_REPORT = 24  # a step began: its size, for the metrics
 
 
 class ErrorCode(IntEnum):
@@ -107,6 +108,8 @@ _OP = struct.Struct("<IQQ")
 _COUNTS = struct.Struct("<QQ")
 # Activation: chunk u32 | kv entries u32 ; Failure: chunk u32 | code u32
 _PAIR = struct.Struct("<II")
+# StepReport: requests u64 | tokens u64 | waiting u64
+_STEP = struct.Struct("<QQQ")
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
@@ -230,6 +233,15 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """The device began a step of `requests` requests and `tokens` tokens; `waiting` messages stay queued behind it."""
+
+    requests: int
+    tokens: int
+    waiting: int
+
+
+@dataclass(frozen=True)
 class Done:
     """The reply to Clear and End, with the device's live session count and KV bytes after it."""
 
@@ -238,7 +250,8 @@ class Done:
     kv_bytes: int
 
 
-Message = Hop | Clear | End | Ping | Pong | Ready | Loaded | StartFailure | Activation | Failure | Progress | Done
+Message = (Hop | Clear | End | Ping | Pong | Ready | Loaded | StartFailure | Activation | Failure | Progress | Done
+           | StepReport)
 
 
 def _head(kind: Kind, *, dtype: int = 0, shape: tuple[int, ...] = (), session: int = 0,
@@ -287,6 +300,8 @@ def _encode(msg: Message) -> list[Buffer]:
         return [_head(Kind.PONG)]
     if isinstance(msg, Progress):
         return [_head(Kind.PROGRESS, request_id=msg.request_id)]
+    if isinstance(msg, StepReport):
+        return [_head(Kind.STEP_REPORT) + _STEP.pack(msg.requests, msg.tokens, msg.waiting)]
     if isinstance(msg, Done):
         return [_head(Kind.DONE, request_id=msg.request_id) + _COUNTS.pack(msg.sessions, msg.kv_bytes)]
     if isinstance(msg, Ready):
@@ -364,6 +379,8 @@ class _Reader:
             return Pong()
         if kind is Kind.PROGRESS:
             return Progress(request_id)
+        if kind is Kind.STEP_REPORT:
+            return StepReport(*self.take(_STEP))
         if kind is Kind.DONE:
             return Done(request_id, *self.take(_COUNTS))
         if kind is Kind.READY:

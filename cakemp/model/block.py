@@ -8,14 +8,15 @@ Qwen3.5's linear-attention layers are LinearAttentionBlock (linear_block.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from cakemp.model import attention
 from cakemp.model.config import ModelConfig
-from cakemp.model.fp8 import linear
+from cakemp.model.linear import linear
 from cakemp.model.mlp import GatedMlp
 from cakemp.model.moe import SparseMoe
 from cakemp.model.rotary import rotate
@@ -23,6 +24,19 @@ from cakemp.model.rotary import rotate
 # Weight slots that are RMSNorm weights, of either block kind: a (1 + w) family
 # (`layout.norm_plus_one`: Gemma 3, Qwen3.5) stores them as w, and Checkpoint.load adds the 1.
 NORMS = frozenset({"input_norm", "attn_out_norm", "post_norm", "mlp_out_norm", "q_norm", "k_norm"})
+# Weight slots, of either block kind, that are only ever multiplied through `linear` (so may be packed).
+MATRICES = frozenset({"w_qkv", "w_o", "w_gate_up", "w_down", "w_in", "w_out", "shared_gate_up", "shared_down"})
+
+
+@dataclass(frozen=True)
+class Span:
+    """One request's tokens in a forward over several: the next `length` rows of x, at positions
+    start..start+length-1 of the request's own KV buffers of this layer."""
+
+    k: torch.Tensor  # [1, H_kv, capacity, D]; rows [0, start) hold earlier positions
+    v: torch.Tensor  # [1, H_kv, capacity, D]
+    start: int
+    length: int
 
 
 class DecoderBlock:
@@ -100,51 +114,44 @@ class DecoderBlock:
             **feed_forward_shapes(config, stored),
         }
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor | None,
-        sin: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        start: int,
-    ) -> torch.Tensor:
-        """x: [B, T, H] at positions start..start+T-1 -> [B, T, H].
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                spans: Sequence[Span]) -> torch.Tensor:
+        """x: [1, N, H], the tokens of len(spans) requests one after another -> [1, N, H].
 
-        cos, sin: [T, R] of this layer's rotary (R < D: partial), or None for a layer without one.
-        k_cache, v_cache: [B, H_kv, capacity, D], rows [0, start) already hold this layer's
-        keys/values for earlier positions; this writes rows [start, start+T).
+        Every projection and the MLP run once over all N tokens (one pass over each weight,
+        whatever the number of requests); attention runs per span, over that request's own KV
+        buffers, where this writes rows [start, start + length).
+        cos, sin: [N, R], each token's rotation (R < D: partial), or None for a layer without one.
         """
-        attended = self._attention(self._norm(x, self.input_norm), cos, sin, k_cache, v_cache, start)
+        attended = self._attention(self._norm(x, self.input_norm), cos, sin, spans)
         x = x + self._norm(attended, self.attn_out_norm)
         return x + self._norm(self.mlp(self._norm(x, self.post_norm)), self.mlp_out_norm)
 
     def _norm(self, x, weight):
         return x if weight is None else rms_norm(x, weight, self.eps)
 
-    def _attention(self, h, cos, sin, k_cache, v_cache, start):
-        B, T, _ = h.shape
+    def _attention(self, h, cos, sin, spans):
+        B, N, _ = h.shape
         D, n_kv = self.head_dim, self.kv_heads
         q_width = self.heads * D * (2 if self.output_gate else 1)
-        qkv = linear(h, self.w_qkv, self.b_qkv)  # [B, T, q_width + 2 H_kv D]
+        qkv = linear(h, self.w_qkv, self.b_qkv)  # [1, N, q_width + 2 H_kv D]
         q, k, v = qkv.split([q_width, n_kv * D, n_kv * D], dim=-1)
         if self.output_gate:
             # Qwen3.5: each head's rows are [q | gate].
-            q, gate = q.view(B, T, self.heads, 2 * D).chunk(2, dim=-1)  # [B, T, H_q, D] each
+            q, gate = q.view(B, N, self.heads, 2 * D).chunk(2, dim=-1)  # [1, N, H_q, D] each
         if self.qk_norm == "projection":  # OLMo 2: over all heads at once, before the split
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
-        q = q.reshape(B, T, self.heads, D)
-        k = k.view(B, T, n_kv, D)
+        q = q.reshape(B, N, self.heads, D)
+        k = k.view(B, N, n_kv, D)
         if self.qk_norm == "head":
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
-        q = q.transpose(1, 2)  # [B, H_q, T, D]
-        k = k.transpose(1, 2)  # [B, H_kv, T, D]
+        q = q.transpose(1, 2)  # [1, H_q, N, D]
+        k = k.transpose(1, 2)  # [1, H_kv, N, D]
+        v = v.view(B, N, n_kv, D).transpose(1, 2)  # [1, H_kv, N, D]
         if cos is not None:
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        k_cache[:, :, start : start + T] = k
-        v_cache[:, :, start : start + T] = v.view(B, T, n_kv, D).transpose(1, 2)
 
         # A sliding window only narrows what is read: the cache keeps every position of every
         # layer, local (Gemma 3, EXAONE 4, Mistral, Phi-3) or global (as Cake's full-attention
@@ -152,10 +159,17 @@ class DecoderBlock:
         # the window. SDPA's kernels (CPU flash, CUDA flash / memory-efficient; math only unless
         # allow_fp16_bf16_reduction_math_sdp is switched on) keep the softmax max, sum and P@V
         # accumulator in f32 for f16/bf16 inputs; tests/model/test_block.py checks it.
-        out = attention.attend(q, k_cache, v_cache, start, self.window, self.scale)  # [B, H_q, T, D]
-        out = out.reshape(B, self.heads, T, D).transpose(1, 2).reshape(B, T, self.heads * D)
+        outs, first = [], 0
+        for span in spans:
+            rows = slice(first, first + span.length)
+            span.k[:, :, span.start : span.start + span.length] = k[:, :, rows]
+            span.v[:, :, span.start : span.start + span.length] = v[:, :, rows]
+            outs.append(attention.attend(q[:, :, rows], span.k, span.v, span.start, self.window, self.scale))
+            first += span.length
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H_q, N, D]
+        out = out.transpose(1, 2).reshape(B, N, self.heads * D)
         if self.output_gate:
-            out = out * torch.sigmoid(gate.reshape(B, T, self.heads * D))
+            out = out * torch.sigmoid(gate.reshape(B, N, self.heads * D))
         return linear(out, self.w_o, self.b_o)
 
 

@@ -21,13 +21,14 @@ seed zero-pads there), and S.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from cakemp.model.config import ModelConfig
-from cakemp.model.fp8 import linear
+from cakemp.model.linear import linear
 
 CHUNK = 64  # tokens per chunk of the parallel prefill form (flash-linear-attention's and HF's choice)
 L2_EPS = 1e-6  # inside the square root of q and k's L2 norm, as HF and flash-linear-attention
@@ -87,16 +88,46 @@ class GatedDeltaNet:
             "w_out": (H, V),
         }
 
-    def __call__(self, h: torch.Tensor, state: LinearState | None) -> tuple[torch.Tensor, LinearState]:
-        """h: [B, T, H] (normed) -> ([B, T, H], the state after these T tokens).
+    def __call__(
+        self, h: torch.Tensor, segments: Sequence[tuple[int, LinearState | None]]
+    ) -> tuple[torch.Tensor, list[LinearState]]:
+        """h: [1, N, H] (normed), the tokens of len(segments) requests one after another;
+        segments[i] = (its token count, the state it continues, None: from zeros).
+        Returns ([1, N, H], each request's state after its tokens).
 
-        `state` None starts from zeros. The given state is only read: the caller decides when the
-        new one replaces it (a request that fails part-way must not leave a half-advanced state).
+        The input and output projections run once over all N tokens. Requests that each
+        continue with one token (decode steps) run their convolution and recurrent step as one
+        batch, each its own row; any other request runs its own. The given states are only
+        read: the caller decides when the new ones replace them (a request that fails part-way
+        must not leave a half-advanced state).
         """
-        B, T, _ = h.shape
+        projected = linear(h, self.w_in)  # [1, N, C + V + 2 H_v]
+        if len(segments) > 1 and all(T == 1 and state is not None for T, state in segments):
+            # Row i of the batch is request i: [N, 1, P] against the states stacked along dim 0.
+            stacked = LinearState(torch.cat([state.conv for _, state in segments]),
+                                  torch.cat([state.recurrent for _, state in segments]))
+            out, state = self._mix(projected.transpose(0, 1), stacked)  # out: [N, 1, V]
+            # Cloned apart: a view would pin the whole batch's state for as long as any one session keeps its row.
+            states = [LinearState(conv.clone(), recurrent.clone())
+                      for conv, recurrent in zip(state.conv.split(1), state.recurrent.split(1), strict=True)]
+            out = out.transpose(0, 1)  # [1, N, V]
+        else:
+            outs, states, first = [], [], 0
+            for T, state in segments:
+                out, state = self._mix(projected[:, first : first + T], state)
+                outs.append(out)
+                states.append(state)
+                first += T
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [1, N, V]
+        return linear(out.to(h.dtype), self.w_out), states
+
+    def _mix(self, projected: torch.Tensor, state: LinearState | None) -> tuple[torch.Tensor, LinearState]:
+        """projected: [B, T, C + V + 2 H_v], B requests of T tokens each continuing its row of
+        `state` (None: zeros) -> (the gated, normed output [B, T, V] in f32, the state after)."""
+        B, T, _ = projected.shape
         H_v, D_k, D_v = self.value_heads, self.key_dim, self.value_dim
         V = H_v * D_v
-        mixed, z, b, a = linear(h, self.w_in).split([self.channels, V, H_v, H_v], dim=-1)
+        mixed, z, b, a = projected.split([self.channels, V, H_v, H_v], dim=-1)
 
         # Causal depthwise convolution over [the last K-1 inputs | these T], in f32.
         conv_in = mixed.transpose(1, 2).float()  # [B, C, T]
@@ -130,11 +161,10 @@ class GatedDeltaNet:
         else:
             out, recurrent = chunked_delta_rule(q, k, v, g, beta, initial)
 
-        # Gated RMSNorm per value head (plain weight), in f32, then one rounding to the dtype.
+        # Gated RMSNorm per value head (plain weight), in f32.
         out = out.transpose(1, 2)  # [B, T, H_v, D_v] f32
         out = F.rms_norm(out, (D_v,), self.norm, self.eps) * F.silu(z.float().view(B, T, H_v, D_v))
-        out = linear(out.reshape(B, T, V).to(h.dtype), self.w_out)
-        return out, LinearState(new_conv, recurrent)
+        return out.reshape(B, T, V), LinearState(new_conv, recurrent)
 
 
 def _l2_normalized(x: torch.Tensor) -> torch.Tensor:

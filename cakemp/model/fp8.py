@@ -79,14 +79,6 @@ class Fp8Weight:
         return out.view(*x.shape[:-1], self.weight.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the block-scaled FP8 matmul for a weight kept as FP8."""
-    if isinstance(weight, Fp8Weight):
-        out = weight.matmul(x)
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
-
-
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] (K a multiple of 128) -> (x_q [M, K] e4m3, scale [M, K/128] f32), x ~ x_q * scale
     per 128-column group: each group's largest magnitude maps to 448."""

@@ -8,7 +8,7 @@ Its session state is a LinearState (conv inputs and the recurrence), not KV rows
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,11 +46,14 @@ class LinearAttentionBlock:
             **feed_forward_shapes(config, stored),
         }
 
-    def forward(self, x: torch.Tensor, state: LinearState | None) -> tuple[torch.Tensor, LinearState]:
-        """x: [B, T, H] continuing `state` (None: a fresh start) -> ([B, T, H], the new state).
+    def forward(
+        self, x: torch.Tensor, segments: Sequence[tuple[int, LinearState | None]]
+    ) -> tuple[torch.Tensor, list[LinearState]]:
+        """x: [1, N, H], the tokens of len(segments) requests one after another, each
+        (token count, the state it continues; None: a fresh start) -> ([1, N, H], their new states).
 
-        `state` is not modified; the caller installs the returned one once the request succeeds.
+        The states given are not modified; the caller installs the returned ones once the requests succeed.
         """
-        mixed, new_state = self.mixer(rms_norm(x, self.input_norm, self.eps), state)
+        mixed, states = self.mixer(rms_norm(x, self.input_norm, self.eps), segments)
         x = x + mixed
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps)), new_state
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps)), states

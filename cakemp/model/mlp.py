@@ -8,7 +8,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from cakemp.model.fp8 import linear
+from cakemp.model.linear import linear
 
 # ModelConfig.activation -> the function.
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}

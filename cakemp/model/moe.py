@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.model.config import ModelConfig
-from cakemp.model.fp8 import linear
+from cakemp.model.linear import linear
 from cakemp.model.mlp import GatedMlp
 
 FUSED_GATE_UP = "mlp.experts.gate_up_proj"

@@ -6,11 +6,11 @@ from cakemp.device import process
 
 def main(spec, parent_pipe, parent_pid, *rest):
     """process.main in a child whose every forward raises what torch raises after an illegal memory
-    access (a stand-in: the real fault needs a GPU and a faulty kernel)."""
+    access while computing (a stand-in: the real fault needs a GPU and a faulty kernel)."""
     from cakemp.compute.runner import BlockRunner
 
     def illegal_access(*args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    BlockRunner.forward = illegal_access
+    BlockRunner._run = illegal_access
     process.main(spec, parent_pipe, parent_pid, *rest)

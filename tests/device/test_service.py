@@ -119,7 +119,7 @@ def test_a_fault_that_is_not_a_request_error_names_no_class_or_detail(service, m
     def broken(*args):
         raise RuntimeError("/secret/path/libtorch.so: boom at 0x7f00")
 
-    monkeypatch.setattr(service.runner, "forward", broken)
+    monkeypatch.setattr(service.runner, "_run", broken)
     reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)]))
     assert isinstance(reply, Failure) and reply.code == ErrorCode.INTERNAL
     assert reply.message == "internal error on device cpu:1"
@@ -175,14 +175,14 @@ def test_sticky_cuda_errors_poison_the_context(error, poisons):
 
 @pytest.fixture
 def failing(service, monkeypatch):
-    """The service whose runner raises the given stand-in error on its next forward only."""
-    forward = service.runner.forward
+    """The service whose runner raises the given stand-in error while computing its next request only."""
+    compute = service.runner._run
 
     def fail_once(error):
         def raising(*args):
-            monkeypatch.setattr(service.runner, "forward", forward)
+            monkeypatch.setattr(service.runner, "_run", compute)
             raise error
-        monkeypatch.setattr(service.runner, "forward", raising)
+        monkeypatch.setattr(service.runner, "_run", raising)
         return service
     return fail_once
 

@@ -18,7 +18,7 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
 
     def device(index: int):
         channel = DeviceChannel(endpoints[index], parent_read, endpoints)
-        request = channel.receive()
+        (request,) = channel.receive()
         rest = request.stages[1:]
         if rest:
             assert channel.hand_off(rest[0].device, Hop(request.session, request.request_id, request.dtype,

@@ -99,7 +99,7 @@ def test_directory_without_weights_is_refused(tmp_path):
 def test_fp8_checkpoint_with_ragged_blocks_is_dequantized_on_load(tmp_path):
     """FP8 projections (sides not multiples of the 48x40 block) load as stored e4m3 times block scale."""
     path = make_checkpoint(tmp_path, "llama", shards=2, fp8_block=(48, 40))
-    runner = BlockRunner.load(path, ["model.layers.2"], "cpu", torch.float32)
+    runner = BlockRunner.load(path, ["model.layers.2"], "cpu", torch.float32, pack_weights=False)  # as loaded
     block = runner.blocks["model.layers.2"]
     files = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
     stored = {}
@@ -136,7 +136,7 @@ def test_fp8_qwen3_5_moe_loads_dequantized_and_skips_vision_and_mtp(tmp_path):
     """An FP8 Qwen3.5-MoE checkpoint's linear-attention projections load as e4m3 times block scale
     (fused in one matrix), its (1 + w) norms with the 1 added; vision and mtp tensors are never read."""
     path = make_checkpoint(tmp_path, "qwen3_5_moe", shards=2, fp8_block=(32, 48))
-    runner = BlockRunner.load(path, ["model.language_model.layers.1"], "cpu", torch.float32)
+    runner = BlockRunner.load(path, ["model.language_model.layers.1"], "cpu", torch.float32, pack_weights=False)  # as loaded
     block = runner.blocks["model.language_model.layers.1"]
     files = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
     stored = {}
@@ -157,7 +157,8 @@ def test_fp8_fused_phi3_projections_dequantize_as_one_matrix(tmp_path):
     """Phi-3's pre-fused qkv_proj and gate_up_proj in FP8 load as their e4m3 times block scale."""
     family, overrides, hub_config = HUB_FAMILIES["phi3"]
     path = make_checkpoint(tmp_path, family, fp8_block=(48, 40), hub_config=hub_config, **overrides)
-    block = BlockRunner.load(path, ["model.layers.1"], "cpu", torch.float32).blocks["model.layers.1"]
+    runner = BlockRunner.load(path, ["model.layers.1"], "cpu", torch.float32, pack_weights=False)  # as loaded
+    block = runner.blocks["model.layers.1"]
     with safe_open(path / "model.safetensors", "pt") as f:
         for weight, name in ((block.w_qkv, "self_attn.qkv_proj"), (block.mlp.w_gate_up, "mlp.gate_up_proj")):
             stored = f.get_tensor(f"model.layers.1.{name}.weight")

@@ -1,0 +1,93 @@
+"""Which of the messages waiting at a device run in its next step (pure: no torch, no sockets).
+
+A device drains every message waiting on its sockets into a `Scheduler`, then runs one step
+at a time. A step takes, in arrival order: every decode hop (one token) up to `max_batch`
+requests in all, and prefill chunks (several tokens) while their tokens stay within
+`step_tokens`, but always the first chunk that waits, so a prompt is never starved; the
+front cuts prompts into chunks of at most that many tokens (`--prefill-chunk`), so a step
+holding a prompt costs about one chunk more than a step of decodes alone. Decodes are never
+starved either: each step takes every one waiting, up to the batch limit, oldest first.
+
+A session's messages keep their order: a step takes at most one hop per session (its next
+chunk depends on this one's KV rows), and once one of a session's messages stays behind, so
+do all its later ones. Clear and End run before the step's hops, so they are taken only when
+none of their session's hops is in the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from cakemp.ipc import Clear, End, Hop
+
+# Tokens per chunk of a prompt, and prefill tokens per step (--prefill-chunk): docs/benchmarks.md,
+# "Route and pipelined prefill", says how it was chosen.
+PREFILL_CHUNK = 128
+# Requests a device runs in one step at most (--max-batch): past a few dozen a decode step is
+# no longer bound by reading the weights, so a larger batch only makes each step slower.
+MAX_BATCH = 32
+
+
+@dataclass(frozen=True)
+class Step:
+    controls: tuple[Clear | End, ...]  # to run first, in order
+    hops: tuple[Hop, ...]  # to run together
+    tokens: int  # the hops' tokens
+
+
+def tokens(hop: Hop) -> int:
+    """Tokens the hop carries: T of its [1, T, H] (a malformed shape counts all but its last dim)."""
+    return math.prod(hop.shape[:-1]) if len(hop.shape) > 1 else 1
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, step_tokens: int):
+        self.max_batch = max_batch
+        self.step_tokens = step_tokens
+        self._waiting: deque[Hop | Clear | End] = deque()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, message: Hop | Clear | End) -> None:
+        self._waiting.append(message)
+
+    def sessions(self) -> set[int]:
+        """The sessions with a message waiting."""
+        return {message.session for message in self._waiting}
+
+    def next_step(self) -> Step:
+        """Take the next step's messages out of the queue (an empty step when none waits)."""
+        controls, hops, left = [], [], deque()
+        stepped, held = set(), set()  # sessions with a hop in this step; sessions with a message left behind
+        prefill = 0
+        for message in self._waiting:
+            session = message.session
+            if session in held:
+                left.append(message)
+                continue
+            if not isinstance(message, Hop):
+                if session in stepped:
+                    held.add(session)
+                    left.append(message)
+                else:
+                    controls.append(message)
+                continue
+            count = tokens(message)
+            if session in stepped or len(hops) >= self.max_batch:
+                fits = False
+            elif count == 1:
+                fits = True
+            else:
+                fits = not prefill or prefill + count <= self.step_tokens
+                prefill += count if fits else 0
+            if fits:
+                hops.append(message)
+                stepped.add(session)
+            else:
+                held.add(session)
+                left.append(message)
+        self._waiting = left
+        return Step(tuple(controls), tuple(hops), sum(tokens(hop) for hop in hops))
