@@ -55,9 +55,15 @@ def start_node(checkpoint, tmp_path_factory, prefix: str) -> RunningNode:
 
 
 def alone_runner(checkpoint, prefix: str) -> BlockRunner:
-    """The same layers in this process: each session's requests computed alone, one at a time."""
+    """The same layers in this process: each session's requests computed alone, one at a time.
+
+    Its f32 matrices are packed for MKL's GEMM as the node's are (with --max-batch above 1):
+    packed and plain products round differently for a lone request as much as for a batch, by
+    up to 3.6e-6 after a few Qwen3.5 steps (past F32_REL), and what is compared here is the
+    node's batched steps with the same computation alone.
+    """
     return BlockRunner.load(checkpoint, [f"{prefix}.{i}" for i in LAYERS], "cpu", torch.float32,
-                            max_context=MAX_CONTEXT)
+                            max_context=MAX_CONTEXT, pack_weights=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
