@@ -165,8 +165,9 @@ async def together(node: RunningNode, calls: Sequence[Awaitable], reaching: int 
 
 async def lockstep(node: RunningNode, reference: BlockRunner, sessions: Sequence[Session],
                    xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """One request per session (x [1, T, H] each) in one step of the device; each answer equals
-    that session's request computed alone. The answers."""
+    """One request per session (x [1, T, H] each), sent `together` so that the device takes them
+    in one step (or as few as its token budget allows); each answer equals that session's
+    request computed alone. The answers."""
     answers = await together(node, [s.send(x) for s, x in zip(sessions, xs)])
     for session, x, answer in zip(sessions, xs, answers):
         if isinstance(answer, BaseException):
