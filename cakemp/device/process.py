@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from cakemp import log
-from cakemp.device.scheduler import Scheduler
+from cakemp.device.scheduler import Gathering, Scheduler
 from cakemp.device.spec import DeviceSpec
 from cakemp.ipc import (
     Clear,
@@ -43,11 +43,6 @@ from cakemp.ipc import (
 )
 
 _PR_SET_PDEATHSIG = 1
-# After a step of several sessions, the device waits for their next requests at most this
-# fraction of the step's time, and never more than GATHER_MAX_S: enough for a master's round
-# trip on a local network, little against the step a straggler would otherwise wait for.
-GATHER_FRACTION = 0.25
-GATHER_MAX_S = 0.005
 
 
 def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation: int = 0,
@@ -79,40 +74,38 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
                 threads=service.threads(), max_batch=spec.max_batch, step_tokens=spec.step_tokens)
     scheduler = Scheduler(spec.max_batch, spec.step_tokens)
 
+    gathering = Gathering()
+
     def take(timeout_s: float | None) -> bool:
         """Queue what arrives within `timeout_s`, answering Pings at once; False once the parent is gone."""
         messages = channel.receive(timeout_s)
         if messages is None:
             return False
+        now = time.monotonic()
         for message in messages:
             if isinstance(message, Ping):
                 channel.send(Pong())
             elif isinstance(message, Hop | Clear | End):
+                gathering.arrived(message.session, now)
                 scheduler.add(message)
             else:
                 logger.error("unexpected ipc message", kind=type(message).__name__)
         return True
 
-    # The sessions of the last step, and how long to wait for their next requests.
-    expected: set[int] = set()
-    gather_s = 0.0
     alive = take(None)
     while alive:
-        # A batch's sessions come back a round trip after their answers, one after another: a
-        # step started at the first arrival would leave the others waiting a whole step (the
-        # batch splits into cohorts taking turns). So wait for them a little.
-        deadline = time.monotonic() + gather_s
-        while alive and expected - scheduler.sessions() and (left := deadline - time.monotonic()) > 0:
+        deadline = time.monotonic() + gathering.window_s
+        while alive and gathering.awaited() - scheduler.sessions() and (left := deadline - time.monotonic()) > 0:
             alive = take(left)
         step = scheduler.next_step()
         for control in step.controls:
+            if isinstance(control, End):
+                gathering.ended(control.session)
             channel.send(service.handle(control))
         if step.hops:
             channel.send(StepReport(len(step.hops), step.tokens, len(scheduler)))
             started = time.monotonic()
             replies = service.run_step(step.hops)
-            gather_s = min(GATHER_FRACTION * (time.monotonic() - started), GATHER_MAX_S)
-            expected = {hop.session for hop in step.hops}
             for reply in replies:
                 if isinstance(reply, Hop):
                     if not channel.hand_off(reply.stages[0].device, reply):
@@ -122,6 +115,8 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
                                              f"#{reply.stages[0].device} (its queue is full or it is gone)", reply.chunk))
                 elif reply is not None:
                     channel.send(reply)
+            now = time.monotonic()
+            gathering.stepped({hop.session for hop in step.hops}, now - started, now)
         if service.poisoned is not None:
             # The CUDA context fails every call from now on: end, for the front to start afresh.
             logger.error("device fault; exiting so that the front restarts this device", device_label=spec.label,

@@ -1,0 +1,76 @@
+"""Scheduler: which waiting messages a device step takes, and in what order."""
+
+import pytest
+
+from cakemp.device.scheduler import GATHER_FRACTION, GATHER_MAX_S, Gathering, Scheduler
+from cakemp.ipc import Clear, End, Hop, Op, Stage
+
+STAGE = (Stage(0, 1, (Op(0, 0, 0),)),)
+
+
+def hop(session, tokens=1, request_id=None):
+    return Hop(session, request_id or session, 5, (1, tokens, 64), STAGE, b"")
+
+
+def taken(step):
+    return [(type(m).__name__, m.session) for m in (*step.controls, *step.hops)]
+
+
+def queue(*messages, max_batch=32, step_tokens=128):
+    scheduler = Scheduler(max_batch, step_tokens)
+    for message in messages:
+        scheduler.add(message)
+    return scheduler
+
+
+def test_every_waiting_decode_runs_in_one_step_up_to_the_batch_limit():
+    scheduler = queue(*(hop(s) for s in range(5)), max_batch=3)
+    first = scheduler.next_step()
+    assert [h.session for h in first.hops] == [0, 1, 2] and first.tokens == 3
+    assert [h.session for h in scheduler.next_step().hops] == [3, 4]
+    assert not scheduler and not scheduler.next_step().hops
+
+
+def test_prefill_chunks_share_a_step_within_the_token_budget_and_the_first_always_runs():
+    """Chunks of 100 and 28 tokens fill a prefill budget of 128 (decodes come on top); a third (50)
+    waits. A chunk larger than the budget still runs when it is the step's first."""
+    scheduler = queue(hop(1), hop(2, 100), hop(3), hop(4, 28), hop(5, 50), step_tokens=128)
+    step = scheduler.next_step()
+    assert [h.session for h in step.hops] == [1, 2, 3, 4] and step.tokens == 130
+    assert [h.session for h in scheduler.next_step().hops] == [5]
+    huge = queue(hop(1, 500), hop(2), step_tokens=128).next_step()
+    assert [h.session for h in huge.hops] == [1, 2]
+
+
+def test_a_session_runs_one_hop_per_step_and_keeps_its_order():
+    """Two chunks of one prompt run in successive steps; a Clear behind a session's hop waits for it,
+    and the session's later hop waits behind the Clear; another session's End runs at once."""
+    scheduler = queue(hop(1, 4, 10), hop(1, 4, 10), Clear(1, 11), hop(1, 1, 12), End(2, 13), hop(3))
+    assert taken(scheduler.next_step()) == [("End", 2), ("Hop", 1), ("Hop", 3)]
+    assert taken(scheduler.next_step()) == [("Hop", 1)]
+    assert taken(scheduler.next_step()) == [("Clear", 1), ("Hop", 1)]
+    assert not scheduler
+
+
+def test_the_waiting_sessions_are_known():
+    scheduler = queue(hop(1), hop(2), Clear(4, 9))
+    assert scheduler.sessions() == {1, 2, 4} and len(scheduler) == 3
+
+
+def test_a_step_awaits_its_sessions_only_while_they_come_back_within_the_window():
+    """After a 20 ms step the window is 5 ms: sessions not back are awaited until they show they take
+    longer than that (a master busy with other workers), and a session that skipped a step is dropped."""
+    gathering = Gathering()
+    assert gathering.awaited() == set() and gathering.window_s == 0.0
+    gathering.stepped({1, 2, 3}, step_s=0.020, now=10.0)
+    assert gathering.window_s == pytest.approx(GATHER_FRACTION * 0.020)
+    assert gathering.awaited() == {1, 2, 3}  # never seen leaving before: assumed quick
+    gathering.arrived(1, now=10.001)  # back in 1 ms
+    gathering.arrived(2, now=10.050)  # back in 50 ms: slower than the window
+    assert gathering.awaited() == {3}
+    gathering.stepped({1, 2}, step_s=0.020, now=11.0)  # 3 did not come back: no longer awaited
+    assert gathering.awaited() == {1}
+    gathering.stepped({1, 2}, step_s=1.0, now=12.0)  # a long step: the window is capped
+    assert gathering.window_s == GATHER_MAX_S
+    gathering.ended(1)  # its connection closed
+    assert gathering.awaited() == set()  # 2 took 50 ms last time, past even the capped window
