@@ -8,8 +8,8 @@ sessions' hops as one batch (DeviceService.run_step), each result going to the n
 of its route or, from the last, to the front; a Ping is answered at once. Each step is
 reported to the front (StepReport) for its metrics. While a step runs long, the device tells
 the front every `progress_s` seconds (between slices of its ops), so that the front's
-watchdog never takes a busy device for a hung one. This module is imported by the front to name the spawn target, so torch (via
-DeviceService) is imported only inside `main`, in the child.
+watchdog never takes a busy device for a hung one. This module is imported by the front to
+name the spawn target, so torch (via DeviceService) is imported only inside `main`, in the child.
 """
 
 from __future__ import annotations
@@ -72,8 +72,12 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
     channel.send(Ready("cuda" if spec.gpu is not None else "cpu", service.memory_bytes(), len(spec.layers)))
     logger.info("device ready", device_label=spec.label, layers=len(spec.layers), pid=os.getpid(),
                 threads=service.threads(), max_batch=spec.max_batch, step_tokens=spec.step_tokens)
-    scheduler = Scheduler(spec.max_batch, spec.step_tokens)
+    _serve(spec, channel, service, logger)
 
+
+def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
+    """Run steps until the parent is gone (or the device faults: then exit 1)."""
+    scheduler = Scheduler(spec.max_batch, spec.step_tokens)
     gathering = Gathering()
 
     def take(timeout_s: float | None) -> bool:
@@ -105,16 +109,8 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
         if step.hops:
             channel.send(StepReport(len(step.hops), step.tokens, len(scheduler)))
             started = time.monotonic()
-            replies = service.run_step(step.hops)
-            for reply in replies:
-                if isinstance(reply, Hop):
-                    if not channel.hand_off(reply.stages[0].device, reply):
-                        # Every chunk gets its answer: this one's is that it went no further.
-                        channel.send(Failure(reply.request_id, ErrorCode.DEVICE_LOST,
-                                             f"device {spec.label} could not pass the activation on to device "
-                                             f"#{reply.stages[0].device} (its queue is full or it is gone)", reply.chunk))
-                elif reply is not None:
-                    channel.send(reply)
+            for reply in service.run_step(step.hops):
+                _send_on(spec, channel, reply)
             now = time.monotonic()
             gathering.stepped({hop.session for hop in step.hops}, now - started, now)
         if service.poisoned is not None:
@@ -125,6 +121,18 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
             sys.exit(1)
         alive = alive and take(0 if scheduler else None)
     channel.close()
+
+
+def _send_on(spec: DeviceSpec, channel: DeviceChannel, reply) -> None:
+    """A hop's result: handed to the next device of its route, or sent to the front (None: nothing)."""
+    if isinstance(reply, Hop):
+        if not channel.hand_off(reply.stages[0].device, reply):
+            # Every chunk gets its answer: this one's is that it went no further.
+            channel.send(Failure(reply.request_id, ErrorCode.DEVICE_LOST,
+                                 f"device {spec.label} could not pass the activation on to device "
+                                 f"#{reply.stages[0].device} (its queue is full or it is gone)", reply.chunk))
+    elif reply is not None:
+        channel.send(reply)
 
 
 def _reporter(channel: DeviceChannel, every_s: float):
