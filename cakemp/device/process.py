@@ -8,8 +8,8 @@ sessions' hops as one batch (DeviceService.run_step), each result going to the n
 of its route or, from the last, to the front; a Ping is answered at once. Each step is
 reported to the front (StepReport) for its metrics. While a step runs long, the device tells
 the front every `progress_s` seconds (between slices of its ops), so that the front's
-watchdog never takes a busy device for a hung one. This module is imported by the front to name the spawn target, so torch (via
-DeviceService) is imported only inside `main`, in the child.
+watchdog never takes a busy device for a hung one. This module is imported by the front to
+name the spawn target, so torch (via DeviceService) is imported only inside `main`, in the child.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from cakemp import log
-from cakemp.device.scheduler import Scheduler
+from cakemp.device.scheduler import Gathering, Scheduler
 from cakemp.device.spec import DeviceSpec
 from cakemp.ipc import (
     Clear,
@@ -43,11 +43,6 @@ from cakemp.ipc import (
 )
 
 _PR_SET_PDEATHSIG = 1
-# After a step of several sessions, the device waits for their next requests at most this
-# fraction of the step's time, and never more than GATHER_MAX_S: enough for a master's round
-# trip on a local network, little against the step a straggler would otherwise wait for.
-GATHER_FRACTION = 0.25
-GATHER_MAX_S = 0.005
 
 
 def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation: int = 0,
@@ -77,51 +72,47 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
     channel.send(Ready("cuda" if spec.gpu is not None else "cpu", service.memory_bytes(), len(spec.layers)))
     logger.info("device ready", device_label=spec.label, layers=len(spec.layers), pid=os.getpid(),
                 threads=service.threads(), max_batch=spec.max_batch, step_tokens=spec.step_tokens)
+    _serve(spec, channel, service, logger)
+
+
+def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
+    """Run steps until the parent is gone (or the device faults: then exit 1)."""
     scheduler = Scheduler(spec.max_batch, spec.step_tokens)
+    gathering = Gathering()
 
     def take(timeout_s: float | None) -> bool:
         """Queue what arrives within `timeout_s`, answering Pings at once; False once the parent is gone."""
         messages = channel.receive(timeout_s)
         if messages is None:
             return False
+        now = time.monotonic()
         for message in messages:
             if isinstance(message, Ping):
                 channel.send(Pong())
             elif isinstance(message, Hop | Clear | End):
+                gathering.arrived(message.session, now)
                 scheduler.add(message)
             else:
                 logger.error("unexpected ipc message", kind=type(message).__name__)
         return True
 
-    # The sessions of the last step, and how long to wait for their next requests.
-    expected: set[int] = set()
-    gather_s = 0.0
     alive = take(None)
     while alive:
-        # A batch's sessions come back a round trip after their answers, one after another: a
-        # step started at the first arrival would leave the others waiting a whole step (the
-        # batch splits into cohorts taking turns). So wait for them a little.
-        deadline = time.monotonic() + gather_s
-        while alive and expected - scheduler.sessions() and (left := deadline - time.monotonic()) > 0:
+        deadline = time.monotonic() + gathering.window_s
+        while alive and gathering.awaited() - scheduler.sessions() and (left := deadline - time.monotonic()) > 0:
             alive = take(left)
         step = scheduler.next_step()
         for control in step.controls:
+            if isinstance(control, End):
+                gathering.ended(control.session)
             channel.send(service.handle(control))
         if step.hops:
             channel.send(StepReport(len(step.hops), step.tokens, len(scheduler)))
             started = time.monotonic()
-            replies = service.run_step(step.hops)
-            gather_s = min(GATHER_FRACTION * (time.monotonic() - started), GATHER_MAX_S)
-            expected = {hop.session for hop in step.hops}
-            for reply in replies:
-                if isinstance(reply, Hop):
-                    if not channel.hand_off(reply.stages[0].device, reply):
-                        # Every chunk gets its answer: this one's is that it went no further.
-                        channel.send(Failure(reply.request_id, ErrorCode.DEVICE_LOST,
-                                             f"device {spec.label} could not pass the activation on to device "
-                                             f"#{reply.stages[0].device} (its queue is full or it is gone)", reply.chunk))
-                elif reply is not None:
-                    channel.send(reply)
+            for reply in service.run_step(step.hops):
+                _send_on(spec, channel, reply)
+            now = time.monotonic()
+            gathering.stepped({hop.session for hop in step.hops}, now - started, now)
         if service.poisoned is not None:
             # The CUDA context fails every call from now on: end, for the front to start afresh.
             logger.error("device fault; exiting so that the front restarts this device", device_label=spec.label,
@@ -130,6 +121,18 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
             sys.exit(1)
         alive = alive and take(0 if scheduler else None)
     channel.close()
+
+
+def _send_on(spec: DeviceSpec, channel: DeviceChannel, reply) -> None:
+    """A hop's result: handed to the next device of its route, or sent to the front (None: nothing)."""
+    if isinstance(reply, Hop):
+        if not channel.hand_off(reply.stages[0].device, reply):
+            # Every chunk gets its answer: this one's is that it went no further.
+            channel.send(Failure(reply.request_id, ErrorCode.DEVICE_LOST,
+                                 f"device {spec.label} could not pass the activation on to device "
+                                 f"#{reply.stages[0].device} (its queue is full or it is gone)", reply.chunk))
+    elif reply is not None:
+        channel.send(reply)
 
 
 def _reporter(channel: DeviceChannel, every_s: float):

@@ -12,6 +12,9 @@ A session's messages keep their order: a step takes at most one hop per session 
 chunk depends on this one's KV rows), and once one of a session's messages stays behind, so
 do all its later ones. Clear and End run before the step's hops, so they are taken only when
 none of their session's hops is in the step.
+
+`Gathering` decides how long a device waits, before a step, for sessions of its last step to
+come back (see there).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from cakemp.ipc import Clear, End, Hop
 # Tokens per chunk of a prompt, and prefill tokens per step (--prefill-chunk): docs/benchmarks.md,
 # "Route and pipelined prefill", says how it was chosen.
 PREFILL_CHUNK = 128
+# After a step, the device waits for its sessions' next requests at most this fraction of the
+# step's time, and never more than GATHER_MAX_S.
+GATHER_FRACTION = 0.25
+GATHER_MAX_S = 0.005
 # Requests a device runs in one step at most (--max-batch): past a few dozen a decode step is
 # no longer bound by reading the weights, so a larger batch only makes each step slower.
 MAX_BATCH = 32
@@ -91,3 +98,40 @@ class Scheduler:
                 left.append(message)
         self._waiting = left
         return Step(tuple(controls), tuple(hops), sum(tokens(hop) for hop in hops))
+
+
+class Gathering:
+    """Which sessions of the last step a device waits for before the next, and until when.
+
+    A batch's sessions come back a round trip after their answers, one after another; a step
+    started at the first arrival would leave the others waiting a whole step, and the batch
+    would split into cohorts taking turns. So the device waits for them, but only briefly
+    (GATHER_FRACTION of the last step's time, at most GATHER_MAX_S: a master's round trip on a
+    local network), and only for sessions that came back that fast last time: a Cake master
+    whose other layers run on other workers returns long after, and waiting for it would only
+    delay the others. A session that does not come back within a step is no longer awaited.
+    """
+
+    def __init__(self) -> None:
+        self.window_s = 0.0  # how long to wait after the last step
+        self._answered: dict[int, float] = {}  # session of the last step -> when its answer left
+        self._return_s: dict[int, float] = {}  # session -> how long it took to come back last time
+
+    def arrived(self, session: int, now: float) -> None:
+        """A request of `session` arrived."""
+        answered = self._answered.pop(session, None)
+        if answered is not None:
+            self._return_s[session] = now - answered
+
+    def stepped(self, sessions: set[int], step_s: float, now: float) -> None:
+        """A step of `sessions` took `step_s` and was answered at `now`."""
+        self.window_s = min(GATHER_FRACTION * step_s, GATHER_MAX_S)
+        self._answered = dict.fromkeys(sessions, now)
+
+    def ended(self, session: int) -> None:
+        self._answered.pop(session, None)
+        self._return_s.pop(session, None)
+
+    def awaited(self) -> set[int]:
+        """Sessions of the last step not back yet that came back within the window last time (or never left before)."""
+        return {session for session in self._answered if self._return_s.get(session, 0.0) <= self.window_s}

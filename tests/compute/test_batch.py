@@ -19,6 +19,7 @@ FAMILIES = {
     "llama": ("model.layers", [1, 2]),
     "gemma3": ("model.layers", [0, 1, 2, 3]),  # sliding and global layers, each with its own rotary
     "qwen3_5": ("model.language_model.layers", [1, 2, 3]),  # linear, linear, full attention
+    "qwen3_moe": ("model.layers", [1, 2]),  # experts routed per token of the whole batch
 }
 
 

@@ -1,6 +1,8 @@
 """Scheduler: which waiting messages a device step takes, and in what order."""
 
-from cakemp.device.scheduler import Scheduler
+import pytest
+
+from cakemp.device.scheduler import GATHER_FRACTION, GATHER_MAX_S, Gathering, Scheduler
 from cakemp.ipc import Clear, End, Hop, Op, Stage
 
 STAGE = (Stage(0, 1, (Op(0, 0, 0),)),)
@@ -53,3 +55,22 @@ def test_a_session_runs_one_hop_per_step_and_keeps_its_order():
 def test_the_waiting_sessions_are_known():
     scheduler = queue(hop(1), hop(2), Clear(4, 9))
     assert scheduler.sessions() == {1, 2, 4} and len(scheduler) == 3
+
+
+def test_a_step_awaits_its_sessions_only_while_they_come_back_within_the_window():
+    """After a 20 ms step the window is 5 ms: sessions not back are awaited until they show they take
+    longer than that (a master busy with other workers), and a session that skipped a step is dropped."""
+    gathering = Gathering()
+    assert gathering.awaited() == set() and gathering.window_s == 0.0
+    gathering.stepped({1, 2, 3}, step_s=0.020, now=10.0)
+    assert gathering.window_s == pytest.approx(GATHER_FRACTION * 0.020)
+    assert gathering.awaited() == {1, 2, 3}  # never seen leaving before: assumed quick
+    gathering.arrived(1, now=10.001)  # back in 1 ms
+    gathering.arrived(2, now=10.050)  # back in 50 ms: slower than the window
+    assert gathering.awaited() == {3}
+    gathering.stepped({1, 2}, step_s=0.020, now=11.0)  # 3 did not come back: no longer awaited
+    assert gathering.awaited() == {1}
+    gathering.stepped({1, 2}, step_s=1.0, now=12.0)  # a long step: the window is capped
+    assert gathering.window_s == GATHER_MAX_S
+    gathering.ended(1)  # its connection closed
+    assert gathering.awaited() == set()  # 2 took 50 ms last time, past even the capped window
