@@ -8,9 +8,10 @@ Writes a random Llama checkpoint with TinyLlama-1.1B's layer shape (hidden 2048,
 one run, each with the same --threads torch threads:
 
 * the single-process worker (bench/single_worker.py: Cake's design, each connection's step
-  computed on its own, inline);
-* `cakemp run --gpus cpu:1 --max-batch 1` (cakemp computing each request alone);
-* `cakemp run --gpus cpu:1` (batching: every waiting decode step in one step of the device).
+  computed on its own, inline; weights plain);
+* `cakemp run --gpus cpu:1 --max-batch 1` (cakemp computing each request alone; weights plain);
+* `cakemp run --gpus cpu:1` (batching: every waiting decode step in one step of the device;
+  f32 weights packed for MKL's GEMM).
 
 For each count of sessions (--counts), each worker in turn serves that many Cake-style
 masters (bench.pool.Session: a connection per layer, an 8-token prompt, then one Batch through
