@@ -160,7 +160,6 @@ async def throughput(port: int, hidden: int, sessions: int, seconds: float,
     opened = [await Session.open(port, hidden) for _ in range(sessions)]
     await asyncio.gather(*(session.step() for session in opened))
     counts = [0] * sessions
-    deadline = time.perf_counter() + seconds
 
     async def loop(i: int) -> None:
         while time.perf_counter() < deadline:
@@ -169,6 +168,7 @@ async def throughput(port: int, hidden: int, sessions: int, seconds: float,
 
     mark()
     start = time.perf_counter()
+    deadline = start + seconds
     await asyncio.gather(*(loop(i) for i in range(sessions)))
     elapsed = time.perf_counter() - start
     mark()
