@@ -120,8 +120,9 @@ class BlockRunner:
     ) -> BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
 
-        `pack_weights`: on the CPU, keep f32 matrices packed for MKL's GEMM (model/packed.py): a
-        batch of decode steps then costs far less, a lone one a little more.
+        `pack_weights`: on the CPU, keep f32 matrices packed for MKL's GEMM beside their plain
+        copy (model/packed.py): batched decode steps and prompt chunks then cost far less, at
+        twice the weights' memory.
 
         `on_layer(n)` is called once `n` of them are on the device (the device process reports
         it, so that a load of minutes shows progress).
@@ -186,7 +187,7 @@ class BlockRunner:
                     f"{layer}: {' + '.join(groups[layer][key])} give shape {tuple(tensor.shape)}, "
                     f"config.json implies {shapes[layer][key]}"
                 )
-        # On the CPU, f32 matrices are packed for MKL's GEMM once, here (model/packed.py says why).
+        # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/packed.py says why).
         for (layer, key), tensor in weights.items():
             if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
                 weights[layer, key] = packed.PackedWeight.create(tensor)

@@ -61,7 +61,7 @@ class DeviceService:
         runner = BlockRunner.load(
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
-            pack_weights=spec.max_batch > 1,  # packing pays only where steps batch several requests
+            pack_weights=spec.max_batch > 1,  # twice the weight memory, worth it only where steps batch
         )
         return cls(runner, spec.layers, spec.index, generation, spec.label, progress)
 
