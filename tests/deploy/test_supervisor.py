@@ -169,8 +169,14 @@ def supervised(tmp_path_factory, checkpoint):
     running = start_supervised(tmp_path_factory.mktemp("supervisord"), checkpoint)
     yield running
     if running.process.poll() is None:
-        running.process.kill()
-        running.process.wait()
+        # SIGTERM: supervisord stops the node before it exits. SIGKILL would orphan the front, which
+        # would go on listening (its devices die with it, the front has no parent to die with).
+        running.process.terminate()
+        try:
+            running.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            running.process.kill()
+            running.process.wait()
 
 
 def test_supervisord_brings_the_node_up(supervised, checkpoint):
