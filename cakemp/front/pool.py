@@ -78,7 +78,9 @@ class _Pending:
 
 class DevicePool:
     def __init__(self, specs: Sequence[DeviceSpec], *, status: NodeStatus, metrics: Metrics,
-                 request_timeout: float = 60.0, restart_attempts: int = 5, prefill_chunk: int = PREFILL_CHUNK):
+                 request_timeout: float = 60.0, restart_attempts: int = 5, prefill_chunk: int = PREFILL_CHUNK,
+                 recurrent: Sequence[bool] = ()):
+        """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind."""
         self.specs = tuple(specs)
         self.failed = asyncio.Event()  # set when a device could not be restarted; `failure` says why
         self.failure: str | None = None
@@ -86,7 +88,7 @@ class DevicePool:
         self._request_timeout = request_timeout
         self._prefill_chunk = prefill_chunk
         self._state = PoolState([spec.label for spec in self.specs], request_timeout=request_timeout,
-                                load_silence=LOAD_SILENCE_S, restart_attempts=restart_attempts)
+                                load_silence=LOAD_SILENCE_S, restart_attempts=restart_attempts, recurrent=recurrent)
         self._context = multiprocessing.get_context("spawn")
         self._loop = asyncio.get_running_loop()
         self._channels: list[FrontChannel] = []
@@ -263,7 +265,7 @@ class DevicePool:
             error = error_from(msg.code, msg.message)
             if not isinstance(error, RequestError):  # a start code on a request: the device's own fault
                 error = InternalError(msg.message)
-            self._act(self._state.answered(device, msg.request_id, now, error))
+            self._act(self._state.answered(device, msg.request_id, now, error, msg.chunk))
         elif isinstance(msg, Done):
             pending = self._pending.get(msg.request_id)
             if pending is not None:
@@ -332,6 +334,10 @@ class DevicePool:
                     process.kill()  # its sentinel then reports the exit, with this reason
             elif isinstance(action, ps.Ping):
                 self._channels[action.device].try_send(encode(Ping()))
+            elif isinstance(action, ps.Forget):
+                # Its Done is answered to no one. Should the socket not take it, the session is
+                # still told once that its state is lost; the device keeps the state meanwhile.
+                self._channels[action.device].try_send(encode(Clear(action.session, next(self._request_ids))))
             elif isinstance(action, ps.Started):
                 if not self._started.done():
                     self._started.set_result(None)

@@ -60,6 +60,15 @@ class Ping:
 
 
 @dataclass(frozen=True)
+class Forget:
+    """Drop the session's state on `device`: a request failed after part of it had run there, and
+    that state cannot be rewound (a linear-attention layer's recurrence)."""
+
+    device: int
+    session: int
+
+
+@dataclass(frozen=True)
 class Complete:
     """Every chunk of the request is answered (or can no longer be): resolve it, with `error` if one failed."""
 
@@ -103,7 +112,7 @@ class GiveUp:
     reason: str
 
 
-Action = Spawn | Kill | Ping | Complete | Started | StartFailed | Restarting | RestartFailed | Restarted | GiveUp
+Action = Spawn | Kill | Ping | Forget | Complete | Started | StartFailed | Restarting | RestartFailed | Restarted | GiveUp
 
 
 @dataclass
@@ -119,7 +128,9 @@ class _Device:
     killing: str | None = None  # why the front is killing its current process, once it decided to
     start_error: str | None = None  # what the loading process reported before exiting
     sessions: set[int] = field(default_factory=set)  # sessions that sent requests to the current process
-    lost: set[int] = field(default_factory=set)  # sessions whose state died with an earlier process
+    # session -> why its state here is gone (it died with an earlier process, or a failed request
+    # left it half-applied), for the session's next request that relies on it
+    lost: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,12 +142,16 @@ class _Request:
     answered: int = 0
     sealed: bool = False  # every chunk that will be sent has been
     error: RequestError | None = None
+    partial: bool = False  # the error came after part of the request had run (on an earlier device or chunk)
     pinged_at: float | None = None
 
 
 class PoolState:
-    def __init__(self, labels: Sequence[str], *, request_timeout: float, load_silence: float, restart_attempts: int):
+    def __init__(self, labels: Sequence[str], *, request_timeout: float, load_silence: float, restart_attempts: int,
+                 recurrent: Sequence[bool] = ()):
+        """`recurrent[i]`: device i serves layers whose state cannot be rewound (linear attention)."""
         self._devices = [_Device(label) for label in labels]
+        self._recurrent = tuple(recurrent) or (False,) * len(labels)
         self._requests: dict[int, _Request] = {}
         self._request_timeout = request_timeout
         self._load_silence = load_silence
@@ -227,7 +242,7 @@ class PoolState:
         if d.state in (DeviceState.STOPPED, DeviceState.FAILED):
             return self._fail_requests(device, DeviceLost(f"device {d.label} {reason}"))
         actions += self._fail_requests(device, DeviceLost(f"device {d.label} {reason}"))
-        d.lost |= d.sessions
+        d.lost.update(dict.fromkeys(d.sessions, f"device {d.label} restarted; this session's KV state was lost"))
         d.sessions = set()
         if d.state is DeviceState.STARTING:
             d.state = DeviceState.FAILED
@@ -268,15 +283,13 @@ class PoolState:
         for device in devices:
             if (error := self.down(device)) is not None:
                 raise error
-        lost = [device for device in devices if session in self._devices[device].lost]
-        for device in lost:
-            self._devices[device].lost.discard(session)
+        lost = {device: self._devices[device].lost.pop(session) for device in devices
+                 if session in self._devices[device].lost}
         for device in devices:
             self._devices[device].sessions.add(session)
-        relied = [self._devices[device].label for device, rely in zip(devices, relies) if rely and device in lost]
+        relied = [why for device, rely in zip(devices, relies) if rely and (why := lost.get(device)) is not None]
         if relied:
-            raise DeviceLost(f"device {', '.join(relied)} restarted; this session's KV state was lost, "
-                             "start again with a fresh prefill (index_pos 0)")
+            raise DeviceLost(f"{'; '.join(dict.fromkeys(relied))}; start again with a fresh prefill (index_pos 0)")
 
     def sent(self, request_id: int, session: int, devices: Sequence[int], now: float) -> None:
         """A chunk of the request went to the first device of its route (the first chunk registers it)."""
@@ -294,8 +307,9 @@ class PoolState:
         request.sealed = True
         return self._settle(request_id, request)
 
-    def answered(self, device: int, request_id: int, now: float, error: RequestError | None = None) -> list[Action]:
-        """A chunk's answer came from `device` (its Activation or Done, or a Failure with `error`)."""
+    def answered(self, device: int, request_id: int, now: float, error: RequestError | None = None,
+                 chunk: int = 0) -> list[Action]:
+        """Chunk `chunk`'s answer came from `device` (its Activation or Done, or a Failure with `error`)."""
         self._devices[device].heard = now
         request = self._requests.get(request_id)
         if request is None:  # already failed (a death, the stop) or a dead process's late reply
@@ -303,6 +317,8 @@ class PoolState:
         request.answered += 1
         if error is not None and request.error is None:
             request.error = error
+            # Only a failure of the first chunk on the route's first device comes before anything ran.
+            request.partial = (device, chunk) != (request.devices[0], 0)
         request.deadline, request.pinged_at = now + self._request_timeout, None
         return self._settle(request_id, request)
 
@@ -315,12 +331,12 @@ class PoolState:
 
     def cleared(self, device: int, session: int) -> None:
         """Goodbye: the session starts afresh, so state lost earlier no longer matters."""
-        self._devices[device].lost.discard(session)
+        self._devices[device].lost.pop(session, None)
 
     def ended(self, device: int, session: int) -> None:
         d = self._devices[device]
         d.sessions.discard(session)
-        d.lost.discard(session)
+        d.lost.pop(session, None)
 
     # -- time
 
@@ -364,14 +380,31 @@ class PoolState:
     def _settle(self, request_id: int, request: _Request) -> list[Action]:
         if request.sealed and request.answered >= request.sent:
             del self._requests[request_id]
-            return [Complete(request_id, request.error)]
+            forget = self._half_applied(request) if request.error is not None and request.partial else []
+            return [*forget, Complete(request_id, request.error)]
         return []
 
     def _fail_requests(self, device: int, error: DeviceLost) -> list[Action]:
-        failed = [request_id for request_id, request in self._requests.items() if device in request.devices]
-        for request_id in failed:
+        failed = {request_id: request for request_id, request in self._requests.items() if device in request.devices}
+        actions: list[Action] = []
+        for request_id, request in failed.items():
             del self._requests[request_id]
-        return [Complete(request_id, error) for request_id in failed]
+            actions += [*self._half_applied(request, dead=device), Complete(request_id, error)]
+        return actions
+
+    def _half_applied(self, request: _Request, dead: int | None = None) -> list[Action]:
+        """The request failed after part of it ran: on each other device of its route whose state
+        cannot be rewound, mark the session lost and forget its state there, so that it never
+        continues from a half-applied request (attention layers keep their rollback)."""
+        actions: list[Action] = []
+        for device in dict.fromkeys(request.devices):
+            if device == dead or not self._recurrent[device]:
+                continue
+            d = self._devices[device]
+            d.lost[request.session] = (f"a request of this session failed part-way, and device {d.label}'s "
+                                       "linear-attention state cannot be rewound: its state there was dropped")
+            actions.append(Forget(device, request.session))
+        return actions
 
 
 def _backoff(attempt: int) -> float:

@@ -141,8 +141,8 @@ class Front:
         sys.stdout.flush()
         os._exit(EXIT_ABORTED)
 
-    def _admit_from_model(self) -> None:
-        """What the front checks of requests, from the model's config.json (read here, no torch)."""
+    def _admit_from_model(self) -> ModelConfig:
+        """What the front checks of requests, from the model's config.json (read here, no torch); the config."""
         model = ModelConfig.from_dir(self.config.model_dir)
         self._admission = Admission.for_model(model, self.config.layers, self.config.max_context)
         max_payload = self._admission.max_payload()
@@ -150,6 +150,7 @@ class Front:
             raise ConfigError(f"--max-buffered-mib {self.config.max_buffered_bytes / 2**20:g} is less than one "
                               f"frame of this model can need ({human_bytes(max_payload)})")
         self._limits = ConnectionLimits(max_payload, self.config.frame_timeout, self.config.session_idle_timeout)
+        return model
 
     async def _bind(self) -> asyncio.Server:
         # Bound before loading, so that a taken port fails before minutes of loading; it
@@ -171,7 +172,7 @@ class Front:
 
     async def _start_pool(self) -> tuple[Ready, ...] | None:
         """Every device's Ready, or None when asked to stop while they load."""
-        self._admit_from_model()
+        model = self._admit_from_model()
         specs = self._device_specs()
         for spec in specs:
             self._log.info("device layers", device=spec.index, device_label=spec.label,
@@ -183,7 +184,9 @@ class Front:
         self.pool = DevicePool(specs, status=self.status, metrics=self.metrics,
                                request_timeout=self.config.request_timeout,
                                restart_attempts=self.config.restart_attempts,
-                               prefill_chunk=self.config.prefill_chunk)
+                               prefill_chunk=self.config.prefill_chunk,
+                               recurrent=[any(model.layer_index(layer) in model.linear_layers for layer in spec.layers)
+                                          for spec in specs])
         self.status.starting()
         starting = asyncio.create_task(self.pool.start())
         stopping = asyncio.create_task(self._stopping.wait())

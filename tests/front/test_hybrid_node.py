@@ -113,3 +113,23 @@ def test_budget_error_is_a_worker_error_and_a_closed_connection_frees_the_state(
     while kv_bytes(node) != [0, 0] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert kv_bytes(node) == [0, 0]
+
+
+def test_a_prompt_failing_part_way_leaves_no_half_applied_state(node):
+    """A 5000-token prompt goes in chunks and passes the budget on device 1 well after its first chunks ran
+    both devices' linear layers: the session is told once that its state there was dropped, nothing then
+    continues from a half-applied recurrence, and a fresh prompt is served."""
+
+    async def main():
+        master = await connect(node)
+        with pytest.raises(RemoteWorkerError, match="budget"):
+            await master.forward(torch.randn(1, 5000, HIDDEN), 0)
+        with pytest.raises(RemoteWorkerError, match="failed part-way.*cannot be rewound.*fresh prefill"):
+            await master.forward(torch.randn(1, 1, HIDDEN), 128)
+        with pytest.raises(RemoteWorkerError, match="does not follow the 0 positions"):  # dropped, not kept
+            await master.forward(torch.randn(1, 1, HIDDEN), 128)
+        await master.forward(torch.randn(1, 4, HIDDEN), 0)
+        await master.forward(torch.randn(1, 1, HIDDEN), 4)
+        await master.close()
+
+    run(main())

@@ -9,6 +9,7 @@ from cakemp.front.pool_state import (
     BACKOFF_FIRST_S,
     Complete,
     DeviceState,
+    Forget,
     GiveUp,
     Kill,
     Ping,
@@ -250,3 +251,54 @@ def test_a_late_ready_of_a_process_already_gone_changes_nothing():
     state = serving(1)
     state.exited(0, 0.0, -9)
     assert state.ready(0, 0.1) == [] and state.state(0) is DeviceState.RESTARTING
+
+
+def recurrent_pool() -> PoolState:
+    """Three ready devices; 0 and 2 serve linear-attention layers, 1 only attention layers."""
+    state = PoolState(["cpu:0", "cpu:1", "cpu:2"], request_timeout=TIMEOUT, load_silence=LOAD_SILENCE,
+                      restart_attempts=ATTEMPTS, recurrent=(True, False, True))
+    state.start(0.0)
+    for device in range(3):
+        state.ready(device, 0.0)
+    return state
+
+
+def test_a_request_failing_after_part_of_it_ran_drops_the_state_that_cannot_be_rewound():
+    """A prompt whose second chunk fails on the last device: the linear-attention devices of its route forget
+    the session (Forget, before the request completes) and its next request relying on them is told once;
+    the attention-only device keeps its rollback."""
+    state = recurrent_pool()
+    state.admit(1, (0, 1, 2), (False, False, False))
+    for _ in range(2):
+        state.sent(5, 1, (0, 1, 2), 0.0)
+    state.sealed(5)
+    assert state.answered(2, 5, 1.0) == []  # chunk 0 went through every device
+    failure = PositionGap("over the budget")
+    assert state.answered(2, 5, 2.0, failure, chunk=1) == [Forget(0, 1), Forget(2, 1), Complete(5, failure)]
+    with pytest.raises(DeviceLost, match="failed part-way, and device cpu:0's linear-attention state cannot be "
+                                         "rewound.*start again with a fresh prefill"):
+        state.admit(1, (0, 1, 2), (True, True, True))
+    state.admit(1, (0, 1, 2), (True, True, True))  # told once
+
+
+def test_a_request_refused_before_anything_ran_leaves_the_state_alone():
+    """The first chunk failing on the route's first device ran nowhere: no Forget, nothing lost."""
+    state = recurrent_pool()
+    state.sent(6, 1, (0, 2), 0.0)
+    state.sent(6, 1, (0, 2), 0.0)
+    state.sealed(6)
+    failure = PositionGap("index_pos 9")
+    assert state.answered(0, 6, 1.0, failure, chunk=0) == []
+    assert state.answered(0, 6, 1.0, failure, chunk=1) == [Complete(6, failure)]
+    state.admit(1, (0, 2), (True, True))
+
+
+def test_a_death_on_the_route_drops_the_state_the_other_devices_advanced():
+    """Device 2 dies under a request that device 0 already ran: device 0 forgets the session too."""
+    state = recurrent_pool()
+    state.admit(1, (0, 2), (False, False))
+    state.sent(8, 1, (0, 2), 0.0)
+    actions = state.exited(2, 1.0, -9)
+    assert actions[:2] == [Forget(0, 1), Complete(8, actions[1].error)] and isinstance(actions[1].error, DeviceLost)
+    with pytest.raises(DeviceLost, match="cpu:0's linear-attention state"):
+        state.admit(1, (0,), (True,))
