@@ -18,6 +18,12 @@ send, an answered chunk, a progress report). When it has been silent for `reques
 the devices on its route are pinged: a device that answers, or reports progress on any
 request, is alive (it may be busy on a long request queued ahead); a device that stays silent
 for another `request_timeout` is hung and killed, and its death fails the request.
+
+A session whose state on a device is gone is told once, by its next request that relies on it
+(past position 0 there): after the device's process died, or after one of its requests failed
+once part of it had run (a later chunk, a later device of the route) on a device whose state
+cannot be rewound (linear attention): that state is then dropped (Forget), never continued
+from half-applied. Attention-only devices keep their rollback instead.
 """
 
 from __future__ import annotations
