@@ -31,7 +31,7 @@ PREFILL_CHUNK = 128
 # After a step, the device waits for its sessions' next requests at most this fraction of the
 # step's time, and never more than GATHER_MAX_S.
 GATHER_FRACTION = 0.25
-GATHER_MAX_S = 0.005
+GATHER_MAX_S = 0.02
 # Requests a device runs in one step at most (--max-batch): past a few dozen a decode step is
 # no longer bound by reading the weights, so a larger batch only makes each step slower.
 MAX_BATCH = 32
@@ -106,8 +106,9 @@ class Gathering:
     A batch's sessions come back a round trip after their answers, one after another; a step
     started at the first arrival would leave the others waiting a whole step, and the batch
     would split into cohorts taking turns. So the device waits for them, but only briefly
-    (GATHER_FRACTION of the last step's time, at most GATHER_MAX_S: a master's round trip on a
-    local network), and only for sessions that came back that fast last time: a Cake master
+    (GATHER_FRACTION of the last step's time, at most GATHER_MAX_S: 16 sessions' requests took
+    more than 5 ms to come back through the front and a master on 2 vCPUs, and half of them then
+    missed each step), and only for sessions that came back that fast last time: a Cake master
     whose other layers run on other workers returns long after, and waiting for it would only
     delay the others. A session that does not come back within a step is no longer awaited.
     """
