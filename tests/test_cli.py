@@ -54,6 +54,8 @@ def assert_config_error(result: subprocess.CompletedProcess, words: str) -> None
     (["--name", "w1", "--topology", "{topology}"], {"CAKEMP_PROTOCOL": "3"}, "3"),
     (["--name", "w1", "--topology", "{topology}", "--metrics-address", "nowhere"], {}, "--metrics-address"),
     (["--name", "w1", "--topology", "{topology}", "--request-timeout", "0"], {}, "--request-timeout"),
+    (["--name", "w1", "--topology", "{topology}", "--max-batch", "0"], {}, "--max-batch"),
+    (["--name", "w1", "--topology", "{topology}"], {"CAKEMP_PREFILL_CHUNK": "0"}, "prefill"),
     (["--name", "w1", "--topology", "{topology}"], {"WATCHDOG_USEC": "soon"}, "WATCHDOG_USEC"),
     (["--name", "w1", "--topology", "{topology}"], {"NOTIFY_SOCKET": "relative/notify"}, "NOTIFY_SOCKET"),
 ])
@@ -100,7 +102,7 @@ def test_help_lists_every_flag_with_its_environment_variable():
     result = subprocess.run([sys.executable, "-m", "cakemp", "run", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     for flag in ("name", "model", "topology", "address", "dtype", "gpus", "protocol", "drain-timeout",
-                 "request-timeout", "restart-attempts", "metrics-address", "log-format"):
+                 "request-timeout", "restart-attempts", "metrics-address", "log-format", "max-batch", "prefill-chunk"):
         assert f"CAKEMP_{flag.upper().replace('-', '_')}" in result.stdout
     assert "CAKE_CLUSTER_KEY" in result.stdout
 

@@ -36,6 +36,7 @@ HIDDEN = 64
 LAYERS = [0, 1, 2, 3]
 DEVICE = "cpu:0"
 PREFILL_CHUNK = 16  # --prefill-chunk: tokens per prompt chunk and prefill tokens per step
+MAX_BATCH = 4  # --max-batch: fewer than some tests' sessions, so that steps are cut at it
 MAX_CONTEXT = 128
 LLAMA_PREFIX = "model.layers"
 HYBRID_PREFIX = "model.language_model.layers"  # Qwen3.5's text layers, beside its vision tower
@@ -50,7 +51,8 @@ def start_node(checkpoint, tmp_path_factory, prefix: str) -> RunningNode:
     """An f32 node serving layers 0-3 of `checkpoint` on one CPU device process."""
     topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", [f"{prefix}.0-3"])
     return RunningNode(checkpoint, topology, "--gpus", "cpu:1", "--dtype", "f32", "--cpu-threads", "1",
-                       "--prefill-chunk", str(PREFILL_CHUNK), "--max-context", str(MAX_CONTEXT),
+                       "--prefill-chunk", str(PREFILL_CHUNK), "--max-batch", str(MAX_BATCH),
+                       "--max-context", str(MAX_CONTEXT),
                        "--metrics-address", "127.0.0.1:0")
 
 
@@ -349,9 +351,9 @@ def test_linear_attention_layers_step_together(hybrid_node, hybrid_checkpoint):
 
 def test_steps_ran_several_requests_and_are_counted(node, reference):
     """Eight rounds of six sessions' decodes sent together: the device's batch-size histogram
-    counts every request once and fewer steps than requests (so some step ran more than one; with
-    --max-batch 1 it counts as many), its tokens-per-step histogram every token, and the
-    current-batch gauge says idle once all are answered."""
+    counts every request once, in fewer steps than requests (some ran several) but never more than
+    four a step (--max-batch 4), so at least two steps a round; its tokens-per-step histogram
+    counts every token, and the current-batch gauge says idle once all are answered."""
     generator = torch.Generator().manual_seed(6)
     port = node.metrics_port()
     rounds = 8
@@ -374,7 +376,11 @@ def test_steps_ran_several_requests_and_are_counted(node, reference):
     requests = rounds * 6
     assert ran["cakemp_device_batch_size_sum"] == requests
     assert ran["cakemp_device_step_tokens_sum"] == requests  # one token each
-    assert ran["cakemp_device_batch_size_count"] == ran["cakemp_device_step_tokens_count"]
-    assert ran["cakemp_device_batch_size_sum"] > ran["cakemp_device_batch_size_count"]
+    steps = ran["cakemp_device_batch_size_count"]
+    assert steps == ran["cakemp_device_step_tokens_count"]
+    assert 2 * rounds <= steps < requests
+    up_to_max = device_stat(after, "cakemp_device_batch_size_bucket", MAX_BATCH) - \
+        device_stat(before, "cakemp_device_batch_size_bucket", MAX_BATCH)
+    assert up_to_max == steps  # no step ran more than --max-batch
     assert ("cakemp_device_batch_requests", (("device", DEVICE),)) in after
     assert device_stat(after, "cakemp_device_batch_requests") == 0  # every request answered: idle
