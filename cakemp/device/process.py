@@ -107,7 +107,7 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
                 gathering.ended(control.session)
             channel.send(service.handle(control))
         if step.hops:
-            channel.send(StepReport(len(step.hops), step.tokens, len(scheduler)))
+            channel.send(StepReport(len(step.hops), step.tokens))
             started = time.monotonic()
             for reply in service.run_step(step.hops):
                 _send_on(spec, channel, reply)

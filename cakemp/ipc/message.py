@@ -104,12 +104,11 @@ _ROUTE = struct.Struct("<IIII")
 _STAGE = struct.Struct("<III")
 # one op: layer (index into the device's layer list) u32 | index_pos u64 | block_idx u64
 _OP = struct.Struct("<IQQ")
-# Done: sessions u64 | kv bytes u64 ; Ready: memory bytes u64 | layers u64 ; Loaded: layers u64 | total u64
+# Done: sessions u64 | kv bytes u64 ; Ready: memory bytes u64 | layers u64 ; Loaded: layers u64 | total u64 ;
+# StepReport: requests u64 | tokens u64
 _COUNTS = struct.Struct("<QQ")
 # Activation: chunk u32 | kv entries u32 ; Failure: chunk u32 | code u32
 _PAIR = struct.Struct("<II")
-# StepReport: requests u64 | tokens u64 | waiting u64
-_STEP = struct.Struct("<QQQ")
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
@@ -234,11 +233,10 @@ class Progress:
 
 @dataclass(frozen=True)
 class StepReport:
-    """The device began a step of `requests` requests and `tokens` tokens; `waiting` messages stay queued behind it."""
+    """The device began a step of `requests` requests and `tokens` tokens (for the front's metrics)."""
 
     requests: int
     tokens: int
-    waiting: int
 
 
 @dataclass(frozen=True)
@@ -301,7 +299,7 @@ def _encode(msg: Message) -> list[Buffer]:
     if isinstance(msg, Progress):
         return [_head(Kind.PROGRESS, request_id=msg.request_id)]
     if isinstance(msg, StepReport):
-        return [_head(Kind.STEP_REPORT) + _STEP.pack(msg.requests, msg.tokens, msg.waiting)]
+        return [_head(Kind.STEP_REPORT) + _COUNTS.pack(msg.requests, msg.tokens)]
     if isinstance(msg, Done):
         return [_head(Kind.DONE, request_id=msg.request_id) + _COUNTS.pack(msg.sessions, msg.kv_bytes)]
     if isinstance(msg, Ready):
@@ -380,7 +378,7 @@ class _Reader:
         if kind is Kind.PROGRESS:
             return Progress(request_id)
         if kind is Kind.STEP_REPORT:
-            return StepReport(*self.take(_STEP))
+            return StepReport(*self.take(_COUNTS))
         if kind is Kind.DONE:
             return Done(request_id, *self.take(_COUNTS))
         if kind is Kind.READY:

@@ -81,10 +81,10 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
             return (Stage(0, 1, (Op(layer, 0, 1),)),)
 
         await front.channel.send(Hop(1, 1, DType.F32, (1, 3, 64), stage(5), bytearray(x.numpy().tobytes())))
-        assert await front.receive(10) == StepReport(1, 3, 0)  # each step is reported before it runs
+        assert await front.receive(10) == StepReport(1, 3)  # each step is reported before it runs
         refused = await front.receive(10)
         await front.channel.send(Hop(1, 2, DType.F32, (1, 3, 64), stage(0), bytearray(x.numpy().tobytes())))
-        assert await front.receive(10) == StepReport(1, 3, 0)
+        assert await front.receive(10) == StepReport(1, 3)
         answered = await front.receive(10)
         parent_pipe.close()
         exitcode = await join(child)
@@ -133,7 +133,7 @@ def test_a_poisoned_context_fails_its_request_then_the_process_exits(tmp_path, c
             pass
         await front.channel.send(Hop(1, 4, DType.F32, (1, 3, 64), (Stage(0, 1, (Op(0, 0, 1),)),),
                                      bytearray(x.numpy().tobytes())))
-        assert await front.receive(10) == StepReport(1, 3, 0)
+        assert await front.receive(10) == StepReport(1, 3)
         failure = await front.receive(10)
         exitcode = await join(child)
         front.channel.close()

@@ -42,7 +42,7 @@ MESSAGES = [
     Pong(),
     Progress(45),
     Done(44, 3, 123456789),
-    StepReport(16, 2**33, 7),
+    StepReport(16, 2**33),
     Ready("cuda", 16 * 2**30, 16),
     Loaded(3, 16),
     Failure(45, ErrorCode.CONTEXT_LIMIT, "position 70 is past the context limit of 64 positions", 3),
