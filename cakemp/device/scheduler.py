@@ -69,7 +69,7 @@ class Scheduler:
         """Take the next step's messages out of the queue (an empty step when none waits)."""
         controls, hops, left = [], [], deque()
         stepped, held = set(), set()  # sessions with a hop in this step; sessions with a message left behind
-        prefill = 0
+        prefill = total = 0  # the step's prompt tokens; all its tokens
         for message in self._waiting:
             session = message.session
             if session in held:
@@ -89,15 +89,16 @@ class Scheduler:
                 fits = True
             else:
                 fits = not prefill or prefill + count <= self.step_tokens
-                prefill += count if fits else 0
             if fits:
                 hops.append(message)
                 stepped.add(session)
+                total += count
+                prefill += count if count > 1 else 0
             else:
                 held.add(session)
                 left.append(message)
         self._waiting = left
-        return Step(tuple(controls), tuple(hops), sum(tokens(hop) for hop in hops))
+        return Step(tuple(controls), tuple(hops), total)
 
 
 class Gathering:
