@@ -100,14 +100,31 @@ class HFLayers:
         return run
 
 
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+def print_comparison(name: str, r: dict[str, dict[str, float]], context: int, prefill: int) -> None:
+    """`measure`'s result for dtype `name` as a table: ms per layer call and cakemp / HF."""
+    print(f"\n{name}: ms per layer call (best of the interleaved samples), ratio = cakemp / HF")
+    print("| phase | cakemp | HF eager | HF sdpa | vs eager | vs sdpa |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for phase, label in (("decode", f"decode T=1 @ctx {context}"), ("prefill", f"prefill T={prefill}")):
+        m = r[phase]
+        print(
+            f"| {label} | {m['cakemp']:.2f} | {m['eager']:.2f} | {m['sdpa']:.2f} "
+            f"| {m['cakemp'] / m['eager']:.2f} | {m['cakemp'] / m['sdpa']:.2f} |"
+        )
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int = 1) -> float:
+    """Best of `repeats` wall times of fn(), in seconds, synchronised on a GPU."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def compare(path: Path, dtype: torch.dtype, device: torch.device, steps: int) -> dict[str, dict[str, float]]:
@@ -184,9 +201,9 @@ def read_bandwidth(device: torch.device) -> float:
     y = torch.empty_like(x)
     matrix, vector = x.view(-1, 4096), torch.ones(4096, device=device)
     rates = [
-        x.numel() * 4 / min(timed(lambda: x.sum(), device) for _ in range(5)),
-        2 * x.numel() * 4 / min(timed(lambda: y.copy_(x), device) for _ in range(5)),
-        x.numel() * 4 / min(timed(lambda: torch.mv(matrix, vector), device) for _ in range(5)),
+        x.numel() * 4 / timed(lambda: x.sum(), device, repeats=5),
+        2 * x.numel() * 4 / timed(lambda: y.copy_(x), device, repeats=5),
+        x.numel() * 4 / timed(lambda: torch.mv(matrix, vector), device, repeats=5),
     ]
     return max(rates)
 
@@ -303,15 +320,7 @@ def main() -> None:
             dtype = DTYPES[name]
             r = compare(path, dtype, device, args.steps)
             floor = layer_weight_bytes(dtype) / bandwidth * 1e3
-            print(f"\n{name}: ms per layer call (best of the interleaved samples), ratio = cakemp / HF")
-            print("| phase | cakemp | HF eager | HF sdpa | vs eager | vs sdpa |")
-            print("|---|---:|---:|---:|---:|---:|")
-            for phase, label in (("decode", f"decode T=1 @ctx {CONTEXT}"), ("prefill", f"prefill T={PREFILL}")):
-                m = r[phase]
-                print(
-                    f"| {label} | {m['cakemp']:.2f} | {m['eager']:.2f} | {m['sdpa']:.2f} "
-                    f"| {m['cakemp'] / m['eager']:.2f} | {m['cakemp'] / m['sdpa']:.2f} |"
-                )
+            print_comparison(name, r, CONTEXT, PREFILL)
             print(f"decode floor (weight bytes / bandwidth): {floor:.2f} ms; cakemp at {r['decode']['cakemp'] / floor:.2f}x")
             print("fusion: ms separate -> fused: " + ", ".join(
                 f"{k} {a:.2f} -> {b:.2f}" for k, (a, b) in fusion(dtype, device, args.steps).items()

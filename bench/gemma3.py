@@ -115,15 +115,7 @@ def main() -> None:
         write_checkpoint(path)
         for name in args.dtypes.split(","):
             r = compare(path, DTYPES[name], args.steps)
-            print(f"\n{name}: ms per layer call (best of the interleaved samples), ratio = cakemp / HF")
-            print("| phase | cakemp | HF eager | HF sdpa | vs eager | vs sdpa |")
-            print("|---|---:|---:|---:|---:|---:|")
-            for phase, label in (("decode", f"decode T=1 @ctx {CONTEXT}"), ("prefill", f"prefill T={PREFILL}")):
-                m = r[phase]
-                print(
-                    f"| {label} | {m['cakemp']:.2f} | {m['eager']:.2f} | {m['sdpa']:.2f} "
-                    f"| {m['cakemp'] / m['eager']:.2f} | {m['cakemp'] / m['sdpa']:.2f} |"
-                )
+            blocks.print_comparison(name, r, CONTEXT, PREFILL)
 
 
 if __name__ == "__main__":

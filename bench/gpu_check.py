@@ -57,6 +57,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from blocks import timed  # noqa: E402  (bench/, this script's folder)
+
 from cakemp.model import attention, fp8  # noqa: E402
 
 FINDINGS: dict[str, object] = {}
@@ -97,20 +99,6 @@ def unit_device_groups() -> dict[str, bool]:
     unit = (ROOT / "deploy" / "systemd" / "cakemp@.service").read_text()
     names = re.findall(r"^DeviceAllow=char-(\S+)", unit, re.MULTILINE)
     return {name: any(fnmatch.fnmatchcase(group, name) for group in groups) for name in names}
-
-
-def timed_ms(fn, device: torch.device, repeats: int = 1) -> float:
-    """Best of `repeats` wall times of fn(), in ms, synchronised on a GPU."""
-    best = math.inf
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) * 1e3)
-    return best
 
 
 def main() -> None:
@@ -230,8 +218,8 @@ def check_attention(device: torch.device, rehearse: bool) -> None:
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
                         before = torch.cuda.memory_allocated()
-                    first = timed_ms(lambda: attention.attend(q, k, v, start, win, scale), device)
-                    steady = timed_ms(lambda: attention.attend(q, k, v, start, win, scale), device, repeats=5)
+                    first = 1e3 * timed(lambda: attention.attend(q, k, v, start, win, scale), device)
+                    steady = 1e3 * timed(lambda: attention.attend(q, k, v, start, win, scale), device, repeats=5)
                     out = attention.attend(q, k, v, start, win, scale)
                 peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
                 # What the math kernel held before: f32 scores over every key the call reads.
@@ -260,7 +248,7 @@ def cudnn_decode_recompiles(device: torch.device, length: int) -> None:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             for n in (length, length + 1, length + 2):
                 call = lambda: F.scaled_dot_product_attention(q, k[:, :, :n], k[:, :, :n])  # noqa: E731
-                times[n] = (round(timed_ms(call, device), 3), round(timed_ms(call, device, repeats=5), 3))
+                times[n] = (round(1e3 * timed(call, device), 3), round(1e3 * timed(call, device, repeats=5), 3))
         finding("attention.cudnn_decode_first_vs_steady_ms", times)
     except Exception as e:
         finding("attention.cudnn_decode_first_vs_steady_ms", f"{type(e).__name__}: {str(e).splitlines()[0]}")
@@ -338,7 +326,7 @@ def bandwidth(device: torch.device) -> float:
     """Bytes/s of a device-to-device copy of 2 GiB, counting bytes read and written (best of 5)."""
     x = torch.empty(2**31 // 4 if device.type == "cuda" else 2**27 // 4, device=device)
     y = torch.empty_like(x)
-    return 2 * x.numel() * 4 / (timed_ms(lambda: y.copy_(x), device, repeats=5) / 1e3)
+    return 2 * x.numel() * 4 / timed(lambda: y.copy_(x), device, repeats=5)
 
 
 def check_decode(device: torch.device, rehearse: bool) -> None:
@@ -357,7 +345,7 @@ def check_decode(device: torch.device, rehearse: bool) -> None:
         x = torch.randn(1, 1, config.hidden_size, device=device, dtype=torch.bfloat16)
         times = []
         for step in range(30):
-            times.append(timed_ms(lambda: runner.forward(1, x, ops(context + step)), device))
+            times.append(1e3 * timed(lambda: runner.forward(1, x, ops(context + step)), device))
         per_layer = sorted(times)[len(times) // 2] / layers
         block = next(iter(blocks.values()))
         weight_bytes = sum(w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes

@@ -31,15 +31,18 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from blocks import timed  # bench/, this script's folder
+
 from cakemp.compute.runner import BlockRunner
 from tests.checkpoints import HFLayers, make_checkpoint
+
+CPU = torch.device("cpu")
 
 CONTEXT = 512
 PREFILL = 512
@@ -57,12 +60,6 @@ KINDS = {
                               moe_intermediate_size=384, norm_topk_prob=True), 0),
 }
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def compare(path: Path, family: str, index: int, dtype: torch.dtype, steps: int) -> dict[str, tuple[float, float]]:
@@ -88,8 +85,8 @@ def compare(path: Path, family: str, index: int, dtype: torch.dtype, steps: int)
         ours, theirs = [], []
         for step in range(steps + 2):  # two warm-up steps
             x, position = tokens(1), CONTEXT + step
-            t_ours = timed(lambda x=x, position=position: runner.forward(0, x, ops(position)))
-            t_hf = timed(lambda x=x, position=position: hf(x, position))
+            t_ours = timed(lambda x=x, position=position: runner.forward(0, x, ops(position)), CPU)
+            t_hf = timed(lambda x=x, position=position: hf(x, position), CPU)
             if step >= 2:
                 ours.append(t_ours)
                 theirs.append(t_hf)
@@ -99,9 +96,9 @@ def compare(path: Path, family: str, index: int, dtype: torch.dtype, steps: int)
         for step in range(max(3, steps // 4) + 1):
             x = tokens(PREFILL)
             runner.clear_session(0)
-            t_ours = timed(lambda x=x: runner.forward(0, x, ops(0)))
+            t_ours = timed(lambda x=x: runner.forward(0, x, ops(0)), CPU)
             hf.cache = type(hf.cache)(config=hf.config)
-            t_hf = timed(lambda x=x: hf(x, 0))
+            t_hf = timed(lambda x=x: hf(x, 0), CPU)
             if step >= 1:
                 ours.append(t_ours)
                 theirs.append(t_hf)
