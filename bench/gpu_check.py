@@ -270,12 +270,11 @@ def check_fp8(device: torch.device, rehearse: bool) -> None:
         path = make_checkpoint(Path(tmp), "llama", fp8_block=(128, 128), hidden_size=1024, intermediate_size=2816,
                                num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2)
         kept = BlockRunner.load(path, layers, device, torch.bfloat16)
-        block = kept.blocks[layers[0]]
-        finding("fp8.kept_as_fp8", {name: isinstance(getattr(block, name), fp8.Fp8Weight)
-                                    for name in ("w_qkv", "w_o", "w_gate_up", "w_down")})
-        finding("fp8.weight_bytes_kept", sum(
-            w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
-            for b in kept.blocks.values() for w in (b.w_qkv, b.w_o, b.mlp.w_gate_up, b.mlp.w_down)))
+        matrices = [{"w_qkv": b.w_qkv, "w_o": b.w_o, "w_gate_up": b.mlp.w_gate_up, "w_down": b.mlp.w_down}
+                    for b in kept.blocks.values()]
+        finding("fp8.kept_as_fp8", {name: isinstance(w, fp8.Fp8Weight) for name, w in matrices[0].items()})
+        finding("fp8.weight_bytes_kept", sum(w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
+                                             for block in matrices for w in block.values()))
         exact = BlockRunner.load(path, layers, "cpu", torch.float32)  # dequantized, f32
         generator = torch.Generator().manual_seed(0)
         worst = 0.0
