@@ -181,6 +181,13 @@ class RunningNode:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=30)
 
+    def kill(self) -> None:
+        """SIGKILL the front if it still runs, and reap it: a teardown that does not judge how it ends
+        (its device processes die with it)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
 
 class ZeroConfigNode(RunningNode):
     """`cakemp run` in zero-config mode (cluster key, no topology) on one f32 CPU device, waiting for

@@ -45,9 +45,7 @@ def start_node(checkpoint, runtime, work) -> RunningNode:
 def node(checkpoint, runtime, tmp_path_factory):
     running = start_node(checkpoint, runtime, tmp_path_factory.mktemp("topo"))
     yield running
-    if running.process.poll() is None:
-        running.process.kill()
-        running.process.wait()
+    running.kill()
 
 
 def hf(checkpoint, layers=LAYERS) -> HFLayers:
@@ -134,8 +132,7 @@ def test_a_device_that_keeps_failing_to_start_ends_the_node_with_exit_1(tmp_path
         os.kill(node.device_pid(1), signal.SIGKILL)
         assert node.process.wait(timeout=60) == 1
     finally:
-        if node.process.poll() is None:
-            node.process.kill()
+        node.kill()
     failures = [e for e in node.events() if e.get("event") == "device restart failed"]
     assert [e["attempt"] for e in failures] == list(range(1, RESTART_ATTEMPTS + 1))
     assert all("model.safetensors" in e["error"] for e in failures)

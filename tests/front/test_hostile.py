@@ -59,9 +59,7 @@ def node(checkpoint, runtime, tmp_path_factory):
                           str(FRAME_TIMEOUT_S), "--session-idle-timeout", str(IDLE_TIMEOUT_S),
                           "--max-connections", str(MAX_CONNECTIONS), env={"RUNTIME_DIRECTORY": str(runtime)})
     yield running
-    if running.process.poll() is None:
-        running.process.kill()
-        running.process.wait()
+    running.kill()
 
 
 @pytest.fixture(scope="module")

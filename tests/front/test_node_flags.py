@@ -135,8 +135,7 @@ def test_a_drain_that_times_out_fails_the_stalled_request_and_exits_0(checkpoint
         run(main())
         assert node.process.wait(timeout=30) == 0
     finally:
-        if node.process.poll() is None:
-            node.process.kill()
+        node.kill()
     timed_out = node.wait_for(lambda e: e.get("event", "").startswith("drain timeout"))
     assert timed_out["in_flight"] == 1
     assert wait_gone(devices) == set()

@@ -36,9 +36,7 @@ def node(checkpoint, tmp_path_factory):
     running = RunningNode(checkpoint, topology, "--gpus", "cpu:3", "--dtype", "f32", "--cpu-threads", "1",
                           "--prefill-chunk", str(CHUNK), timeout=180)
     yield running
-    if running.process.poll() is None:
-        running.process.kill()
-        running.process.wait()
+    running.kill()
 
 
 def hf(checkpoint, layers=LAYERS) -> HFLayers:

@@ -105,9 +105,7 @@ def managed_node(checkpoint, topology, runtime: Path, manager: NotifySocket) -> 
 def node(checkpoint, topology, runtime, manager):
     running = managed_node(checkpoint, topology, runtime, manager)
     yield running
-    if running.process.poll() is None:
-        running.process.kill()
-        running.process.wait()
+    running.kill()
 
 
 def test_status_while_loading_then_ready_then_watchdog_pings(node, manager):
@@ -201,7 +199,7 @@ def test_a_second_signal_exits_at_once(checkpoint, topology, tmp_path):
         run(main())
         assert node.process.wait(timeout=10) == 1
     finally:
-        node.process.kill()
+        node.kill()
     assert wait_gone(devices) == set()
     assert list(tmp_path.iterdir()) == []
 
@@ -243,8 +241,7 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(checkpoint, topo
         received = list(manager.received)  # everything the node sent, now that it has exited
     finally:
         manager.close()
-        if node.process.poll() is None:
-            node.process.kill()
+        node.kill()
     assert_close(y, HFLayers(checkpoint, LAYERS, torch.float32)(x, 0))
     assert wait_gone(spawned) == set()
     assert list(runtime.iterdir()) == []
