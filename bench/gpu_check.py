@@ -290,7 +290,7 @@ def check_fp8(device: torch.device, rehearse: bool) -> None:
 # --- 5. decode against the bandwidth floor -------------------------------------------------
 
 def llama8b_config(layers: int, rehearse: bool):
-    from cakemp.model.config import ModelConfig
+    from cakemp.checkpoint.config import ModelConfig
 
     hidden, inter, heads, kv = (512, 1792, 4, 1) if rehearse else (4096, 14336, 32, 8)
     return ModelConfig.from_dict({

@@ -15,13 +15,14 @@ import click
 
 from cakemp import __version__, log
 from cakemp.errors import CakempError, ConfigError
+from cakemp.device import process as device_process
 from cakemp.front import Front, NodeConfig
 from cakemp.address import parse_address
 from cakemp.front.config import device_environment, discover_gpus, parse_gpus
-from cakemp.front.model_cache import cache_root
-from cakemp.front.setup import SetupConfig
+from cakemp.setup.cache import cache_root
+from cakemp.setup.exchange import SetupConfig
 from cakemp.front.notify import Notifier
-from cakemp.device.scheduler import MAX_BATCH, PREFILL_CHUNK
+from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK
 from cakemp.topology import Topology
 from cakemp.wire import Revision
 from cakemp.wire.discovery import DISCOVERY_PORT
@@ -146,7 +147,7 @@ def run(name, model, topology, address, cluster_key, dtype, gpus, protocol, kv_b
         stats_interval=stats_interval,
     )
     # The front's exit status; a CakempError (a device that died while loading, say) exits 1.
-    sys.exit(_run_or_exit(Front(config, notifier).run()))
+    sys.exit(_run_or_exit(Front(config, device_process.main, notifier).run()))
 
 
 @cli.command()
@@ -209,10 +210,10 @@ def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, rep
 
 async def _discover_cluster(model, cluster_key, targets, port, timeout, min_workers, revision, device) -> Topology:
     """Discover the workers, give them layers as Cake does, push them the files; the resulting topology."""
-    from cakemp.front.discovery import local_devices
+    from cakemp.setup.discovery import local_devices
     from cakemp.master.cluster import assign_layers, layer_bytes, set_up
     from cakemp.master.discovery import discover
-    from cakemp.model.config import ModelConfig
+    from cakemp.checkpoint.config import ModelConfig
 
     workers = await discover(cluster_key, targets, port=port, timeout=timeout, min_workers=min_workers)
     if not workers:

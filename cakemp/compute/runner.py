@@ -19,7 +19,7 @@ from cakemp.errors import BadTensor, CheckpointError, PositionGap, RecurrentRewi
 from cakemp.model import attention, fp8, packed
 from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
 from cakemp.model.checkpoint import Checkpoint
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.deltanet import LinearState
 from cakemp.model.linear_block import LinearAttentionBlock
 from cakemp.model.moe import STACKED

@@ -26,7 +26,7 @@ from cakemp.errors import HiddenStateMismatch, NodeFailed
 from cakemp.demo.local_node import LocalNode, free_port
 from cakemp.master.generator import Generator, RemoteCall
 from cakemp.master.sampler import SamplingParams
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.demo.synthetic import SyntheticSpec, demo_checkpoint, demo_dir
 from cakemp.topology import Topology
 

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 
 from cakemp import log
 from cakemp.device.scheduler import Gathering, Scheduler
-from cakemp.device.spec import DeviceSpec
+from cakemp.ipc.spec import DeviceSpec
 from cakemp.ipc import (
     Clear,
     DeviceChannel,
@@ -46,7 +46,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation: int = 0,
-         peers: Sequence[str] = (), progress_s: float = 15.0) -> None:
+         peers: Sequence[str] = ()) -> None:
     """Entry point of the spawned process (CUDA_VISIBLE_DEVICES was set by the parent).
 
     `generation`: which start of this device this is; `peers[i]`: device i's endpoint.
@@ -68,16 +68,16 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
         channel.send(StartFailure(error_code(e), str(e)))
         channel.close(linger_ms=5000)
         sys.exit(1)
-    service.progress = _reporter(channel, progress_s)
+    service.progress = _reporter(channel, spec.progress_s)
     channel.send(Ready("cuda" if spec.gpu is not None else "cpu", service.memory_bytes(), len(spec.layers)))
     logger.info("device ready", device_label=spec.label, layers=len(spec.layers), pid=os.getpid(),
-                threads=service.threads(), max_batch=spec.max_batch, step_tokens=spec.step_tokens)
+                threads=service.threads(), max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk)
     _serve(spec, channel, service, logger)
 
 
 def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
     """Run steps until the parent is gone (or the device faults: then exit 1)."""
-    scheduler = Scheduler(spec.max_batch, spec.step_tokens)
+    scheduler = Scheduler(spec.max_batch, spec.prefill_chunk)
     gathering = Gathering()
 
     def take(timeout_s: float | None) -> bool:

@@ -3,7 +3,7 @@
 A device drains every message waiting on its sockets into a `Scheduler`, then runs one step
 at a time. A step takes, in arrival order: every decode hop (one token) up to `max_batch`
 requests in all, and prefill chunks (several tokens) while their tokens stay within
-`step_tokens`, but always the first chunk that waits, so a prompt is never starved; the
+`prefill_chunk`, but always the first chunk that waits, so a prompt is never starved; the
 front cuts prompts into chunks of at most that many tokens (`--prefill-chunk`), so a step
 holding a prompt costs about one chunk more than a step of decodes alone. Decodes are never
 starved either: each step takes every one waiting, up to the batch limit, oldest first.
@@ -25,16 +25,10 @@ from dataclasses import dataclass
 
 from cakemp.ipc import Clear, End, Hop
 
-# Tokens per chunk of a prompt, and prefill tokens per step (--prefill-chunk): docs/benchmarks.md,
-# "Route and pipelined prefill", says how it was chosen.
-PREFILL_CHUNK = 128
 # After a step, the device waits for its sessions' next requests at most this fraction of the
 # step's time, and never more than GATHER_MAX_S.
 GATHER_FRACTION = 0.25
 GATHER_MAX_S = 0.02
-# Requests a device runs in one step at most (--max-batch): past a few dozen a decode step is
-# no longer bound by reading the weights, so a larger batch only makes each step slower.
-MAX_BATCH = 32
 
 
 @dataclass(frozen=True)
@@ -50,9 +44,9 @@ def tokens(hop: Hop) -> int:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, step_tokens: int):
+    def __init__(self, max_batch: int, prefill_chunk: int):
         self.max_batch = max_batch
-        self.step_tokens = step_tokens
+        self.prefill_chunk = prefill_chunk
         self._waiting: deque[Hop | Clear | End] = deque()
 
     def __len__(self) -> int:
@@ -88,7 +82,7 @@ class Scheduler:
             elif count == 1:
                 fits = True
             else:
-                fits = not prefill or prefill + count <= self.step_tokens
+                fits = not prefill or prefill + count <= self.prefill_chunk
             if fits:
                 hops.append(message)
                 stepped.add(session)

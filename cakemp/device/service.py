@@ -26,7 +26,7 @@ from cakemp import log
 from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner, Op, Request
 from cakemp.device import fault
-from cakemp.device.spec import DeviceSpec
+from cakemp.ipc.spec import DeviceSpec
 from cakemp.errors import ConfigError, RequestError, UnknownLayer
 from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, Stage, error_code
 from cakemp.rss import resident_bytes

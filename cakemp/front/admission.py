@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 
 from cakemp.errors import BadOps, BadTensor, ContextLimitExceeded, UnknownLayer
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.wire import MAX_PAYLOAD, DType, LayerOp, RawTensor
 
 # The wire dtypes a hidden state can have; any of them is served whatever --dtype computes in.

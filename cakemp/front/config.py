@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cakemp.errors import ConfigError
-from cakemp.device.scheduler import MAX_BATCH, PREFILL_CHUNK
-from cakemp.front.setup import SetupConfig
+from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK
+from cakemp.setup.exchange import SetupConfig
 from cakemp.wire import Revision
 
 # Cake's WorkerInfo.dtype spelling (candle's Debug names) for each --dtype value.

@@ -28,9 +28,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cakemp import log
-from cakemp.device import process as device_process
-from cakemp.device.scheduler import PREFILL_CHUNK
-from cakemp.device.spec import DeviceSpec
+from cakemp.ipc.spec import PREFILL_CHUNK
+from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.errors import DeviceLost, InternalError, ProtocolError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
@@ -77,11 +76,12 @@ class _Pending:
 
 
 class DevicePool:
-    def __init__(self, specs: Sequence[DeviceSpec], *, status: NodeStatus, metrics: Metrics,
+    def __init__(self, specs: Sequence[DeviceSpec], device_main: DeviceMain, *, status: NodeStatus, metrics: Metrics,
                  request_timeout: float = 60.0, restart_attempts: int = 5, prefill_chunk: int = PREFILL_CHUNK,
                  recurrent: Sequence[bool] = ()):
         """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind."""
         self.specs = tuple(specs)
+        self._device_main = device_main  # the spawn target: the front never imports the device package
         self.failed = asyncio.Event()  # set when a device could not be restarted; `failure` says why
         self.failure: str | None = None
         self._status, self._metrics = status, metrics
@@ -387,9 +387,8 @@ class DevicePool:
         # Only we hold the write end; the child sees EOF on its read end when we are gone.
         reader, self._parent_pipes[device] = self._context.Pipe(duplex=False)
         process = self._context.Process(
-            target=device_process.main,
-            args=(spec, reader, os.getpid(), generation, tuple(s.endpoint for s in self.specs),
-                  self._request_timeout / 4),
+            target=self._device_main,
+            args=(spec, reader, os.getpid(), generation, tuple(s.endpoint for s in self.specs)),
             name=f"cakemp-device-{spec.index}", daemon=True,
         )
         with _visible_gpu(spec.gpu):

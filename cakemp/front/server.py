@@ -23,22 +23,22 @@ import tempfile
 
 import cakemp
 from cakemp import log
-from cakemp.device.spec import DeviceSpec
+from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
-from cakemp.front.discovery import DiscoveryResponder, announcement_for
+from cakemp.setup.discovery import DiscoveryResponder, announcement_for
 from cakemp.front.metrics import Metrics, start_metrics_server
 from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.front.router import Router
-from cakemp.front.setup import Setup
+from cakemp.setup.exchange import Setup
 from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import Ready
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.rss import resident_bytes
 from cakemp.topology import collapse_layers, place_layers
 from cakemp.units import human_bytes
@@ -59,8 +59,10 @@ GPU_DEVICE_THREADS = 2
 
 
 class Front:
-    def __init__(self, config: NodeConfig, notifier: Notifier | None = None):
+    def __init__(self, config: NodeConfig, device_main: DeviceMain, notifier: Notifier | None = None):
+        """`device_main`: what each device process runs (cakemp.device.process.main), named by the caller."""
         self.config = config
+        self._device_main = device_main
         self.placement = place_layers(config.layers, len(config.devices))
         self.metrics = Metrics()
         self._notifier = notifier or Notifier(None)
@@ -181,7 +183,7 @@ class Front:
             self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.layers) for spec in specs],
             progress_window=LOAD_SILENCE_S + _PROGRESS_SLACK_S,
         )
-        self.pool = DevicePool(specs, status=self.status, metrics=self.metrics,
+        self.pool = DevicePool(specs, self._device_main, status=self.status, metrics=self.metrics,
                                request_timeout=self.config.request_timeout,
                                restart_attempts=self.config.restart_attempts,
                                prefill_chunk=self.config.prefill_chunk,
@@ -351,8 +353,10 @@ class Front:
                 kv_budget_bytes=self.config.kv_budget_bytes,
                 max_context=self.config.max_context,
                 max_batch=self.config.max_batch,
-                step_tokens=self.config.prefill_chunk,
+                prefill_chunk=self.config.prefill_chunk,
                 threads=cpu_threads if gpu is None else GPU_DEVICE_THREADS,
+                # Well inside the request timeout, which counts a device silent that long as hung.
+                progress_s=self.config.request_timeout / 4,
                 log_format=self.config.log_format,
                 log_level=self.config.log_level,
             )

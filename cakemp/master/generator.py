@@ -29,7 +29,7 @@ from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.master.address import dial
 from cakemp.master.client import WorkerClient
 from cakemp.master.sampler import Sampler, SamplingParams
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.head import Head
 from cakemp.topology import Topology
 from cakemp.wire import DType, LayerOp, Revision

@@ -17,43 +17,43 @@ from collections.abc import Iterator, Sequence
 
 import zstandard
 
+from cakemp.checkpoint.files import CONFIG, INDEX, PUSH_CHUNK_BYTES, SINGLE, TOKENIZER, in_layer
 from cakemp.errors import ConfigError
 from cakemp.wire import ModelDataChunk, Revision
 
-CHUNK_BYTES = 128 << 20  # Cake's MODEL_DATA_CHUNK_SIZE
 
 
 def model_hash(model_dir: str | Path) -> str:
     """Cake's model hash: the first 4 bytes of SHA-256 of config.json's text, in hex."""
-    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).digest()[:4].hex()
+    return hashlib.sha256((Path(model_dir) / CONFIG).read_bytes()).digest()[:4].hex()
 
 
 def push_files(model_dir: str | Path, layers: Sequence[str]) -> list[tuple[str, bytes | Path]]:
     """(file name, contents or path) in push order for a worker serving `layers`."""
     model_dir = Path(model_dir)
     files: list[tuple[str, bytes | Path]] = []
-    for name in ("config.json", "tokenizer.json"):
+    for name in (CONFIG, TOKENIZER):
         if not (model_dir / name).is_file():
             raise ConfigError(f"{model_dir} has no {name}, which a zero-config push needs")
         files.append((name, model_dir / name))
-    index_path = model_dir / "model.safetensors.index.json"
+    index_path = model_dir / INDEX
     if index_path.is_file():
         index = json.loads(index_path.read_text())
         weight_map = {tensor: shard for tensor, shard in index["weight_map"].items()
-                      if any(tensor.startswith(layer + ".") for layer in layers)}
+                      if any(in_layer(tensor, layer) for layer in layers)}
         index["weight_map"] = weight_map
         rewritten = json.dumps(index, indent=2, sort_keys=True, ensure_ascii=False).encode("utf-8")
         files.append((index_path.name, rewritten))
         files.extend((shard, model_dir / shard) for shard in sorted(set(weight_map.values())))
-    elif (model_dir / "model.safetensors").is_file():
-        files.append(("model.safetensors", model_dir / "model.safetensors"))
+    elif (model_dir / SINGLE).is_file():
+        files.append((SINGLE, model_dir / SINGLE))
     else:
-        raise ConfigError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+        raise ConfigError(f"{model_dir} has neither {SINGLE} nor {INDEX}")
     return files
 
 
 def model_chunks(model_dir: str | Path, layers: Sequence[str], revision: Revision,
-                 chunk_bytes: int = CHUNK_BYTES) -> Iterator[ModelDataChunk]:
+                 chunk_bytes: int = PUSH_CHUNK_BYTES) -> Iterator[ModelDataChunk]:
     """Every chunk of the push for `layers`, read from disk one chunk at a time."""
     compressor = zstandard.ZstdCompressor(level=1, write_content_size=False)
     for name, source in push_files(model_dir, layers):

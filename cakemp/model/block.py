@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.model import attention
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.linear import linear
 from cakemp.model.mlp import GatedMlp
 from cakemp.model.moe import SparseMoe

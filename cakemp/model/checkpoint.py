@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from contextlib import ExitStack
 from pathlib import Path
@@ -11,12 +10,11 @@ from typing import TypeVar
 import torch
 from safetensors import SafetensorError, safe_open
 
+from cakemp.checkpoint.files import INDEX, SINGLE, read_weight_map
 from cakemp.errors import CheckpointError
 from cakemp.model import fp8
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 K = TypeVar("K")
 
@@ -29,10 +27,7 @@ class Checkpoint:
         self.config = config
         index = self.dir / INDEX
         if index.exists():
-            try:
-                self.weight_map: dict[str, str] | None = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as exc:
-                raise CheckpointError(f"{index} has no readable weight_map: {exc}") from None
+            self.weight_map: dict[str, str] | None = read_weight_map(index)
         elif (self.dir / SINGLE).exists():
             self.weight_map = None
             self._single_names: frozenset[str] | None = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.linear import linear
 
 CHUNK = 64  # tokens per chunk of the parallel prefill form (flash-linear-attention's and HF's choice)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from cakemp.model.block import rms_norm
 from cakemp.model.checkpoint import Checkpoint
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 
 LM_HEAD = "lm_head.weight"
 

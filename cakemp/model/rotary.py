@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from cakemp.model.config import LinearRopeScaling, Llama3RopeScaling, LongRopeScaling, Rope
+from cakemp.checkpoint.config import LinearRopeScaling, Llama3RopeScaling, LongRopeScaling, Rope
 
 
 class Rotary:

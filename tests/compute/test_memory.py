@@ -12,7 +12,7 @@ from cakemp.errors import ConfigError
 from cakemp.model import fp8
 from cakemp.model.block import DecoderBlock
 from cakemp.model.checkpoint import Checkpoint
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from tests.checkpoints import make_checkpoint
 
 LAYERS = ["model.layers.1", "model.layers.2"]

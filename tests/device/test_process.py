@@ -9,7 +9,7 @@ import os
 import torch
 
 from cakemp.device import process
-from cakemp.device.spec import DeviceSpec
+from cakemp.ipc.spec import DeviceSpec
 from cakemp.ipc import (
     Activation,
     ErrorCode,

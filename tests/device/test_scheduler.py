@@ -16,8 +16,8 @@ def taken(step):
     return [(type(m).__name__, m.session) for m in (*step.controls, *step.hops)]
 
 
-def queue(*messages, max_batch=32, step_tokens=128):
-    scheduler = Scheduler(max_batch, step_tokens)
+def queue(*messages, max_batch=32, prefill_chunk=128):
+    scheduler = Scheduler(max_batch, prefill_chunk)
     for message in messages:
         scheduler.add(message)
     return scheduler
@@ -34,11 +34,11 @@ def test_every_waiting_decode_runs_in_one_step_up_to_the_batch_limit():
 def test_prefill_chunks_share_a_step_within_the_token_budget_and_the_first_always_runs():
     """Chunks of 100 and 28 tokens fill a prefill budget of 128 (decodes come on top); a third (50)
     waits. A chunk larger than the budget still runs when it is the step's first."""
-    scheduler = queue(hop(1), hop(2, 100), hop(3), hop(4, 28), hop(5, 50), step_tokens=128)
+    scheduler = queue(hop(1), hop(2, 100), hop(3), hop(4, 28), hop(5, 50), prefill_chunk=128)
     step = scheduler.next_step()
     assert [h.session for h in step.hops] == [1, 2, 3, 4] and step.tokens == 130
     assert [h.session for h in scheduler.next_step().hops] == [5]
-    huge = queue(hop(1, 500), hop(2), step_tokens=128).next_step()
+    huge = queue(hop(1, 500), hop(2), prefill_chunk=128).next_step()
     assert [h.session for h in huge.hops] == [1, 2]
 
 

@@ -8,7 +8,7 @@ import torch
 from cakemp.compute.runner import BlockRunner
 from cakemp.device import fault
 from cakemp.device.service import DeviceService
-from cakemp.device.spec import DeviceSpec
+from cakemp.ipc.spec import DeviceSpec
 from cakemp.errors import ConfigError
 from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, Op, Stage
 from cakemp.wire import DType

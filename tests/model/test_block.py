@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.rotary import Rotary
 from tests.checkpoints import make_config
 

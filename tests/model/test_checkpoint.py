@@ -12,7 +12,7 @@ from cakemp.errors import CheckpointError
 from cakemp.model import fp8
 from cakemp.model.block import DecoderBlock
 from cakemp.model.checkpoint import Checkpoint
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from tests.checkpoints import make_checkpoint
 from tests.families import HUB_FAMILIES
 

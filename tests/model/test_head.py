@@ -2,7 +2,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cakemp.model.config import ModelConfig
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.head import Head
 from tests.checkpoints import make_checkpoint
 from tests.tolerance import assert_close

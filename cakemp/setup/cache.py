@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,20 +35,16 @@ from collections.abc import Sequence
 
 import zstandard
 
-from cakemp.errors import SetupError
+from cakemp.checkpoint.files import (
+    CONFIG, INDEX, PUSH_CHUNK_BYTES, SINGLE, TOKENIZER, in_layer, read_weight_map, safetensors_names, safetensors_whole,
+)
+from cakemp.errors import CheckpointError, SetupError
 from cakemp.wire import ModelDataChunk
 
-CONFIG = "config.json"
-TOKENIZER = "tokenizer.json"
-SINGLE_FILE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 MARKER = ".cakemp-complete"
 _PARTIAL = ".{}.partial"
-# Cake's chunks are at most 128 MiB before compression, so no chunk decompresses to more.
-MAX_CHUNK_BYTES = 128 << 20
 _MODEL_HASH = re.compile(r"[0-9a-f]{8}")
 _MAX_INDEX_BYTES = 64 << 20  # a rewritten index is a few MiB even for the largest models
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 
 
 def cache_root() -> Path:
@@ -98,7 +93,7 @@ class ModelCache:
                        for name, size in sizes.items()):
                 return False
             return _holds_layers(self.directory, set(sizes), layers)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, SetupError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError, SetupError):
             return False
 
     def _adopt(self, layers: Sequence[str]) -> bool:
@@ -111,12 +106,12 @@ class ModelCache:
                 return False
             needed = {CONFIG} | _weight_files(self.directory, present, layers)
             json.loads((self.directory / CONFIG).read_bytes())
-            if not all(_safetensors_whole(self.directory / name) for name in needed - {CONFIG, INDEX}):
+            if not all(safetensors_whole(self.directory / name) for name in needed - {CONFIG, INDEX}):
                 return False
             sizes = {name: os.lstat(self.directory / name).st_size for name in needed}
             _write_atomically(self.directory / MARKER, json.dumps({"files": sizes}).encode())
             return True
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, SetupError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError, SetupError):
             return False
 
     def begin_push(self, layers: Sequence[str], max_total_bytes: int, verify_crc: bool) -> ModelPush:
@@ -152,7 +147,7 @@ class ModelPush:
         self._verify_crc = verify_crc
         self._layers = layers
         self._max_total = max_total_bytes
-        self._allowed = {CONFIG, TOKENIZER, SINGLE_FILE, INDEX}  # shards join once the index names them
+        self._allowed = {CONFIG, TOKENIZER, SINGLE, INDEX}  # shards join once the index names them
         self._done: dict[str, int] = {}  # whole files moved into place -> size
         self._current: _File | None = None
         self._announced = 0  # sum of the sizes of the files begun
@@ -181,7 +176,7 @@ class ModelPush:
         if CONFIG not in self._done:
             raise SetupError(f"the push has no {CONFIG}")
         if INDEX in self._done:
-            missing = sorted(self._allowed - self._done.keys() - {CONFIG, TOKENIZER, SINGLE_FILE, INDEX})
+            missing = sorted(self._allowed - self._done.keys() - {CONFIG, TOKENIZER, SINGLE, INDEX})
             if missing:
                 raise SetupError(f"the push lacks shards its index names: {', '.join(missing[:3])}")
         if not _holds_layers(self._directory, set(self._done), self._layers):
@@ -209,8 +204,8 @@ class ModelPush:
             raise SetupError(f"{name} is not a file of this push")
         if name in self._done:
             raise SetupError(f"{name} was pushed twice")
-        if SINGLE_FILE in self._done.keys() | {name} and INDEX in self._done.keys() | {name}:
-            raise SetupError(f"a push holds either {SINGLE_FILE} or {INDEX}, not both")
+        if SINGLE in self._done.keys() | {name} and INDEX in self._done.keys() | {name}:
+            raise SetupError(f"a push holds either {SINGLE} or {INDEX}, not both")
         if size > self._max_total - self._announced:
             raise SetupError(f"{name} of {size} bytes would take the push past the limit of {self._max_total} bytes")
         self._announced += size
@@ -225,7 +220,7 @@ class ModelPush:
             if len(data) > room:
                 raise SetupError(f"{chunk.filename}: chunk at {chunk.offset} runs past total_size")
             return data
-        bound = min(room, MAX_CHUNK_BYTES)
+        bound = min(room, PUSH_CHUNK_BYTES)
         try:
             declared = zstandard.frame_content_size(data)
             if declared > bound:
@@ -304,26 +299,21 @@ def _shards_of(index: Path) -> set[str]:
 
 
 def _weight_map(index: Path) -> dict[str, str]:
-    if index.stat().st_size > _MAX_INDEX_BYTES:
-        raise SetupError(f"{INDEX} is over {_MAX_INDEX_BYTES} bytes")
     try:
-        weight_map = json.loads(index.read_bytes())["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise SetupError(f"{INDEX} is not a safetensors index: {e}") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise SetupError(f"{INDEX}: weight_map must map tensor names to file names")
-    return weight_map
+        return read_weight_map(index, _MAX_INDEX_BYTES)
+    except CheckpointError as e:
+        raise SetupError(str(e)) from None
 
 
 def _holds_layers(directory: Path, files: set[str], layers: Sequence[str]) -> bool:
     """Whether the whole files `files` hold a tensor of every layer (Cake's rule: a `<layer>.` prefix)."""
     if INDEX in files:
         weight_map = _weight_map(directory / INDEX)
-        return all(any(name.startswith(layer + ".") and shard in files for name, shard in weight_map.items())
+        return all(any(in_layer(name, layer) and shard in files for name, shard in weight_map.items())
                    for layer in layers)
-    if SINGLE_FILE in files:
-        names = _safetensors_names(directory / SINGLE_FILE)
-        return all(any(name.startswith(layer + ".") for name in names) for layer in layers)
+    if SINGLE in files:
+        names = safetensors_names(directory / SINGLE)
+        return all(any(in_layer(name, layer) for name in names) for layer in layers)
     return False
 
 
@@ -332,32 +322,5 @@ def _weight_files(directory: Path, files: set[str], layers: Sequence[str]) -> se
     if INDEX in files:
         weight_map = _weight_map(directory / INDEX)
         return {INDEX} | {shard for name, shard in weight_map.items()
-                          if any(name.startswith(layer + ".") for layer in layers)}
-    return {SINGLE_FILE}
-
-
-def _safetensors_header(path: Path) -> tuple[int, dict]:
-    """A safetensors file's header (u64 LE length, then JSON) and that length."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
-        if length > _MAX_HEADER_BYTES:
-            raise SetupError(f"{path.name}: safetensors header of {length} bytes")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as e:
-            raise SetupError(f"{path.name}: bad safetensors header: {e}") from None
-    if not isinstance(header, dict):
-        raise SetupError(f"{path.name}: bad safetensors header")
-    return length, header
-
-
-def _safetensors_names(path: Path) -> set[str]:
-    """The tensor names in a safetensors file."""
-    return set(_safetensors_header(path)[1]) - {"__metadata__"}
-
-
-def _safetensors_whole(path: Path) -> bool:
-    """Whether the file is exactly as long as its header says: 8 + header + the last tensor's end."""
-    length, header = _safetensors_header(path)
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
-    return os.lstat(path).st_size == 8 + length + max(ends, default=0)
+                          if any(in_layer(name, layer) for layer in layers)}
+    return {SINGLE}

@@ -39,8 +39,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cakemp.checkpoint.files import CONFIG, split_layer
 from cakemp.errors import CheckpointError
-from cakemp.model.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, QWEN3_5, BlockLayout
+from cakemp.checkpoint.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, QWEN3_5, BlockLayout
 
 FAMILIES = {
     "LlamaForCausalLM": "llama",
@@ -179,7 +180,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
+        path = Path(model_dir) / CONFIG
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
@@ -310,10 +311,10 @@ class ModelConfig:
 
     def layer_index(self, name: str) -> int | None:
         """`model.layers.7` -> 7; None when the name is not one of this model's layers."""
-        head, _, tail = name.rpartition(".")
-        if head != self.layer_prefix or not tail.isdigit() or int(tail) >= self.num_hidden_layers:
+        split = split_layer(name)
+        if split is None or split[0] != self.layer_prefix or split[1] >= self.num_hidden_layers:
             return None
-        return int(tail)
+        return split[1]
 
 
 _QK_NORM = {

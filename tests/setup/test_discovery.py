@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cakemp.front.discovery import nvidia_smi_line
+from cakemp.setup.discovery import nvidia_smi_line
 from cakemp.wire.discovery import GpuInfo
 
 

@@ -22,14 +22,14 @@ load.
 from __future__ import annotations
 
 import asyncio
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cakemp import log
 from cakemp.auth import authenticate_master
+from cakemp.checkpoint.files import split_layer
 from cakemp.errors import AuthError, ProtocolError, SetupError
-from cakemp.front.model_cache import ModelCache
+from cakemp.setup.cache import ModelCache
 from cakemp.wire import (
     FrameDecoder, LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
     WorkerError, WorkerReady, encode_frame,
@@ -40,7 +40,6 @@ _READ_SIZE = 1 << 20
 # After a refusal, how long what the master still sends is read and dropped, so that closing
 # with unread bytes does not reset the connection before the master has read why.
 _LINGER_S = 5.0
-_LAYER_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*\.[0-9]+")
 _MAX_LAYERS = 4096
 
 
@@ -243,7 +242,7 @@ def _check_layers(layers: tuple[str, ...]) -> tuple[str, ...]:
     if len(layers) > _MAX_LAYERS or len(set(layers)) != len(layers):
         raise SetupError("the assignment must name distinct layers")
     for layer in layers:
-        if not _LAYER_NAME.fullmatch(layer):
+        if split_layer(layer) is None:
             raise SetupError(f"invalid layer name {layer[:64]!r}")
     return layers
 

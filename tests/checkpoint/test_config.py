@@ -6,7 +6,7 @@ import math
 import pytest
 
 from cakemp.errors import CheckpointError
-from cakemp.model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, Rope
+from cakemp.checkpoint.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, Rope
 from tests.checkpoints import make_config
 
 

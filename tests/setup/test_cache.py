@@ -12,7 +12,7 @@ import zstandard
 from safetensors.torch import save_file
 
 from cakemp.errors import SetupError
-from cakemp.front.model_cache import ModelCache, cache_root, check_file_name, check_model_hash
+from cakemp.setup.cache import ModelCache, cache_root, check_file_name, check_model_hash
 from cakemp.master.model_push import model_chunks
 from cakemp.wire import ModelDataChunk, Revision
 

@@ -1,0 +1,78 @@
+"""A Hugging Face checkpoint directory's files, named once: which files there are, which tensors
+belong to a layer, what a layer is called, and a safetensors file's header (read without torch).
+
+The front (setup, admission), the master (pushes, assignment) and the torch loader
+(`model/checkpoint.py`) all ask these questions; this is the one place each is answered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+from cakemp.errors import CheckpointError
+
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Cake pushes files in chunks of at most this many bytes before compression (MODEL_DATA_CHUNK_SIZE).
+PUSH_CHUNK_BYTES = 128 << 20
+
+# A layer's name: dotted identifiers, then the layer's number ("model.layers.7").
+_LAYER_NAME = re.compile(r"(?P<prefix>[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*)\.(?P<index>[0-9]+)")
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+
+
+def split_layer(name: str) -> tuple[str, int] | None:
+    """"model.layers.7" -> ("model.layers", 7); None when `name` is not a layer's name."""
+    match = _LAYER_NAME.fullmatch(name)
+    return (match["prefix"], int(match["index"])) if match else None
+
+
+def in_layer(tensor: str, layer: str) -> bool:
+    """Whether `tensor` is one of `layer`'s weights (Cake's rule: its name starts with "<layer>.")."""
+    return tensor.startswith(layer + ".")
+
+
+def read_weight_map(index: Path, max_bytes: int | None = None) -> dict[str, str]:
+    """An index's `weight_map` (tensor name -> shard file name), checked to be one; CheckpointError if not."""
+    if max_bytes is not None and index.stat().st_size > max_bytes:
+        raise CheckpointError(f"{index.name} is over {max_bytes} bytes")
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index.name} is not a safetensors index: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index.name}: weight_map must map tensor names to file names")
+    return weight_map
+
+
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's header (u64 LE length, then JSON) and that length; CheckpointError if bad."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
+        if length > _MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path.name}: safetensors header of {length} bytes")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:
+            raise CheckpointError(f"{path.name}: bad safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path.name}: bad safetensors header")
+    return length, header
+
+
+def safetensors_names(path: Path) -> set[str]:
+    """The tensor names in a safetensors file."""
+    return set(safetensors_header(path)[1]) - {"__metadata__"}
+
+
+def safetensors_whole(path: Path) -> bool:
+    """Whether the file is exactly as long as its header says: 8 + header + the last tensor's end."""
+    length, header = safetensors_header(path)
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    return os.lstat(path).st_size == 8 + length + max(ends, default=0)

@@ -1,0 +1,50 @@
+"""The front ⇄ device contract at start: what a device process is told (pickled by the front, which never
+imports torch), and the batching defaults both sides share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+
+# Tokens per chunk of a prompt, and prefill tokens per step (--prefill-chunk): docs/benchmarks.md,
+# "Route and pipelined prefill", says how it was chosen.
+PREFILL_CHUNK = 128
+# Requests a device runs in one step at most (--max-batch): past a few dozen a decode step is
+# no longer bound by reading the weights, so a larger batch only makes each step slower.
+MAX_BATCH = 32
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device process: which layers it loads, how, and where it listens for the front.
+
+    `gpu` is the CUDA_VISIBLE_DEVICES value the parent sets before start (None: a CPU process,
+    which is then started with no GPU visible); inside the process that GPU is always cuda:0.
+    """
+
+    index: int
+    gpu: str | None
+    layers: tuple[str, ...]
+    model_dir: str
+    dtype: str  # f16 | bf16 | f32
+    endpoint: str
+    kv_budget_bytes: int | None = None
+    max_context: int | None = None
+    max_batch: int = MAX_BATCH  # requests run together in one step at most
+    prefill_chunk: int = PREFILL_CHUNK  # prefill tokens per step (beyond the first chunk); the front's chunk size
+    threads: int | None = None  # torch intra-op threads (None: torch's default, one per core)
+    progress_s: float = 15.0  # a device busy this long on one step says so (Progress), so the front can tell busy from hung
+    log_format: str = "auto"
+    log_level: str = "info"
+
+    @property
+    def label(self) -> str:
+        """How logs and errors name this device: "cuda:2" (the physical GPU) or "cpu:1"."""
+        return f"cuda:{self.gpu}" if self.gpu is not None else f"cpu:{self.index}"
+
+
+# A device process's entry point, which the composition root (cli.py) hands the front:
+# (spec, the read end of the parent's death pipe, the parent's pid, generation, every device's endpoint).
+DeviceMain = Callable[[DeviceSpec, Connection, int, int, Sequence[str]], None]
