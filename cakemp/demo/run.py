@@ -22,8 +22,8 @@ import yaml
 
 from cakemp.compute.runner import BlockRunner
 from cakemp.compute.tensors import compute_dtype
-from cakemp.errors import HiddenStateMismatch, NodeFailed
-from cakemp.demo.local_node import LocalNode, free_port
+from cakemp.demo.local_node import LocalNode, NodeFailed, free_port
+from cakemp.errors import NodeFault
 from cakemp.master.generator import Generator, RemoteCall
 from cakemp.master.sampler import SamplingParams
 from cakemp.checkpoint.config import ModelConfig
@@ -114,6 +114,10 @@ async def run_demo(out: TextIO = sys.stdout) -> None:
         if status != 0:
             raise NodeFailed(f"the node exited with status {status} on SIGTERM{node.log_tail()}")
         say("shutdown    Goodbye sent on every connection, node stopped cleanly (exit status 0)")
+
+
+class HiddenStateMismatch(NodeFault):
+    """The node's hidden states differ from a single-process run of the same layers (the demo's check)."""
 
 
 def _check(model_dir: Path, layers: list[str], trace: list[RemoteCall], device: str, dtype: str) -> float:

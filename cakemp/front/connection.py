@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from cakemp import log
 from cakemp.auth import authenticate_master
 from cakemp.errors import (
-    AuthError, CakempError, InternalError, MalformedTensor, PeerFault, ProtocolError, RequestError, SessionExpired,
+    AuthError, BadTensor, CakempError, InternalError, PeerFault, ProtocolError, RequestError, SessionExpired,
 )
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
@@ -107,7 +107,7 @@ class Connection:
             await self._serve()
         except AuthError as e:
             self._log.warning("authentication failed", error=str(e), fault="peer")
-        except ProtocolError as e:
+        except (ProtocolError, BadTensor) as e:  # BadTensor: a sound frame with an unusable tensor, before Hello
             self._log.warning("closing connection", error=str(e), fault="peer")
         except (ConnectionError, asyncio.IncompleteReadError):
             self._log.debug("connection lost")
@@ -150,7 +150,7 @@ class Connection:
         while True:
             try:
                 received = await self._read()
-            except MalformedTensor as e:  # the frame was sound, only its tensor is not: answer, go on
+            except BadTensor as e:  # the frame was sound, only its tensor is not: answer, go on
                 self._metrics.requests.inc()
                 await self._send(self._refusal(e))
                 continue
@@ -216,7 +216,7 @@ class Connection:
                 f"this session was idle for more than {self._limits.session_idle_timeout:g} s and its KV state "
                 "was freed; start again with a fresh prefill (index_pos 0)")
 
-    def _refusal(self, error: RequestError | MalformedTensor) -> WorkerError:
+    def _refusal(self, error: RequestError) -> WorkerError:
         """The WorkerError answering a request that cannot be served, logged and counted. The
         master reads what it did wrong, or that the node failed; a node's own error stays in the log."""
         self._metrics.errors.inc(error=type(error).__name__)
@@ -243,7 +243,7 @@ class Connection:
         """The next message with the bytes read and seconds spent for it, and the payload size it
         holds of the budget (the caller gives it back once done with the message); None at EOF.
 
-        Raises ProtocolError when the frame is not Cake protocol, MalformedTensor for a sound
+        Raises ProtocolError when the frame is not Cake protocol, BadTensor for a sound
         frame with a bad tensor (its budget then already given back).
         """
         header = await self._next_header()

@@ -28,7 +28,7 @@ from pathlib import Path
 from cakemp import log
 from cakemp.auth import authenticate_master
 from cakemp.checkpoint.files import split_layer
-from cakemp.errors import AuthError, ProtocolError, SetupError
+from cakemp.errors import AuthError, BadTensor, ProtocolError, SetupError
 from cakemp.setup.cache import ModelCache
 from cakemp.wire import (
     FrameDecoder, LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
@@ -132,7 +132,7 @@ class Setup:
             logger.warning("setup refused", error=str(e))
             await _send_quietly(writer, WorkerError(str(e)), self.revision)
             await _linger(reader, writer)
-        except ProtocolError as e:
+        except (ProtocolError, BadTensor) as e:
             logger.warning("setup connection closed: not Cake protocol", error=str(e))
         except (ConnectionError, asyncio.IncompleteReadError):
             logger.warning("setup connection lost")
