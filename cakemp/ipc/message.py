@@ -208,4 +208,4 @@ class Done:
 
 Message = Union[tuple(MESSAGES.values())]  # noqa: UP007 (built from the declarations)
 
-__all__ = ["Kind", "Op", "Stage", "Message", "Buffer", *(cls.__name__ for cls in MESSAGES.values())]
+__all__ = ["Kind", "Op", "Stage", "Message", *(cls.__name__ for cls in MESSAGES.values())]
