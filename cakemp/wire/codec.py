@@ -255,22 +255,24 @@ class _Struct(_Field):
             if layout.absent and any(getattr(value, name) != default for name, default in layout.absent):
                 raise EncodeError(f"{self.cls.__name__} has no {'/'.join(name for name, _ in layout.absent)} "
                                   f"fields at protocol revision {w.revision.value}")
-            for field, item in zip(layout.fields, layout.values(value)):
-                field.write(w, item)
+            for write, item in zip(layout.writes, layout.values(value)):
+                write(w, item)
 
     def read_all(self, r: _Reader, n: int) -> tuple:
         layout = self.layouts[r.revision]
-        return tuple(layout.build(*[field.read(r) for field in layout.fields]) for _ in range(n))
+        return tuple(layout.build(*[read(r) for read in layout.reads]) for _ in range(n))
 
 
 class _Layout(NamedTuple):
-    """A struct's wire form at one revision: its fields there, how to get their values from an
-    instance, how to build one from them, and the fields absent there with their defaults."""
+    """A struct's wire form at one revision: to write one, its fields' writers there, how to get
+    their values from an instance, and the fields absent there with their defaults; to read one,
+    its fields' readers there and how to build an instance from their values."""
 
-    fields: tuple[_Field, ...]
+    writes: tuple[Callable[[_Writer, object], None], ...]
     values: Callable[[object], tuple]
-    build: Callable[..., object]
     absent: tuple[tuple[str, object], ...]
+    reads: tuple[Callable[[_Reader], object], ...]
+    build: Callable[..., object]
 
     @classmethod
     def of(cls, struct_cls: type, init_order: tuple[str, ...], fields: list, revision: Revision) -> _Layout:
@@ -283,7 +285,8 @@ class _Layout(NamedTuple):
             lambda *items: struct_cls(**dict(zip(names, items))))
         defaults = {f.name: f.default for f in dataclass_fields(struct_cls)} if is_dataclass(struct_cls) else {}
         absent = tuple((name, defaults.get(name, MISSING)) for name, _, since in fields if since > revision)
-        return cls(tuple(field for _, field, since in fields if since <= revision), values, build, absent)
+        present = [field for _, field, since in fields if since <= revision]
+        return cls(tuple(field.write for field in present), values, absent, tuple(field.read for field in present), build)
 
 
 class _Tensor(_Struct):
