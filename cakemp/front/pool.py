@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from cakemp import log
 from cakemp.ipc.spec import PREFILL_CHUNK
 from cakemp.ipc.spec import DeviceMain, DeviceSpec
-from cakemp.errors import DeviceLost, InternalError, ProtocolError, RequestError
+from cakemp.errors import InternalError, ProtocolError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
@@ -242,10 +242,8 @@ class DevicePool:
         channel = self._channels[route[0][0]]
         while True:
             for device, generation in route:
-                if (error := self._state.down(device)) is not None:
+                if (error := self._state.unusable(device, generation)) is not None:
                     raise error
-                if self._state.generation(device) != generation:
-                    raise DeviceLost(f"device {self.label(device)} restarted")
             if channel.try_send(frames):
                 return
             await channel.writable()
