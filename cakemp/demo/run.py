@@ -121,7 +121,7 @@ def _check(model_dir: Path, layers: list[str], trace: list[RemoteCall], device: 
     runner = BlockRunner.load(model_dir, layers, device, compute_dtype(dtype))
     worst = 0.0
     for call in trace:
-        expected = runner.forward(0, call.x.to(runner.device, runner.dtype), call.ops)
+        expected = runner.run(0, call.x.to(runner.device, runner.dtype), runner.ops(call.ops))
         worst = max(worst, float((expected.float() - call.y.float()).abs().max()))
     if worst > TOLERANCE[dtype]:
         raise HiddenStateMismatch(
