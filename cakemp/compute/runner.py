@@ -66,6 +66,7 @@ class _Planned:
         # Rows past a slot's previous length are unused; rows a rewind overwrote are lost.
         for slot, length in self.restore:
             slot.length = length
+        self.computed.clear()  # the new linear states were never installed
 
     def install(self, cache: KVCache) -> None:
         for block_idx, (state, consumed) in self.computed.items():
@@ -207,22 +208,29 @@ class BlockRunner:
                 continue
             groups.setdefault(tuple(op.layer for op in request.ops), []).append((i, planned))
         for group in groups.values():
-            members = [planned for _, planned in group]
-            try:
-                with torch.inference_mode():
-                    outputs = self._run(members, between_ops)
-            except BaseException as e:
-                for planned in members:
-                    planned.roll_back()
-                if not isinstance(e, Exception):
-                    raise
-                outputs = [e] * len(members)
-            else:
-                for planned in members:
-                    planned.install(self.cache)
+            outputs = self._run_group([planned for _, planned in group], between_ops)
             for (i, _), output in zip(group, outputs, strict=True):
                 results[i] = output
         return results
+
+    def _run_group(self, members: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor | Exception]:
+        """Each member's output, computed together; on an error every member is rolled back and
+        fails with it, except out of memory: one member's tokens (a long prompt chunk) may be
+        what did not fit, so the members then run one by one and only those that fail alone fail."""
+        try:
+            with torch.inference_mode():
+                outputs = self._run(members, between_ops)
+        except BaseException as e:
+            for planned in members:
+                planned.roll_back()
+            if not isinstance(e, Exception):
+                raise
+            if isinstance(e, torch.OutOfMemoryError) and len(members) > 1:
+                return [self._run_group([planned], between_ops)[0] for planned in members]
+            return [e] * len(members)
+        for planned in members:
+            planned.install(self.cache)
+        return outputs
 
     def _plan(self, request: Request) -> _Planned:
         """Check `request` against the session's state and reserve its slots (RequestError if it cannot run)."""

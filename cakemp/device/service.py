@@ -110,10 +110,13 @@ class DeviceService:
         results = self.runner.run_batch([request for _, request in batch], lambda: self.progress(first))
         for (i, _), result in zip(batch, results, strict=True):
             hop = hops[i]
-            if isinstance(result, Exception):
-                replies[i] = self._failed_chunk(hop, self._failure(hop.request_id, hop.chunk, result))
-            else:
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                # The copy to the host is where an asynchronous CUDA error or a cast's OOM surfaces.
                 replies[i] = self._onward(hop, result)
+            except Exception as e:
+                replies[i] = self._failed_chunk(hop, self._failure(hop.request_id, hop.chunk, e))
         return replies
 
     def _failed_chunk(self, hop: Hop, failure: Failure) -> Failure:

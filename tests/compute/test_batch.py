@@ -139,6 +139,35 @@ def test_a_fault_while_computing_fails_the_group_and_leaves_every_session_as_it_
         assert_close(result, alone.run(request.session, request.x, request.ops))
 
 
+def test_out_of_memory_in_a_batch_fails_only_the_request_that_does_not_fit_alone(family, monkeypatch):
+    """A step whose activations do not fit (a GPU's OOM, raised here by the last block for more than 4
+    tokens) is run again request by request: the two decodes batched with a 6-token chunk get their
+    results, equal to each alone, and only the chunk fails, its session left as it was (security
+    review L8: one session's long chunk once failed every decode of its step)."""
+    batched, alone = load(family), load(family)
+    hidden = batched.config.hidden_size
+    for runner in (batched, alone):
+        for session in (1, 2, 3):
+            runner.run(session, tokens(3, session, hidden), ops(family, 0))
+    requests = [Request(1, tokens(1, 31, hidden), ops(family, 3)), Request(2, tokens(6, 32, hidden), ops(family, 3)),
+                Request(3, tokens(1, 33, hidden), ops(family, 3))]
+    last = batched.blocks[-1]
+    forward = last.forward
+
+    def tight(x, *args):
+        if x.shape[1] > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(x, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(last, "forward", tight)
+        results = batched.run_batch(requests)
+    assert isinstance(results[1], torch.OutOfMemoryError)
+    for i in (0, 2):
+        assert_close(results[i], alone.run(requests[i].session, requests[i].x, requests[i].ops))
+    assert_close(batched.run(2, requests[1].x, requests[1].ops), alone.run(2, requests[1].x, requests[1].ops))
+
+
 def test_a_linear_layer_refuses_a_rewind_inside_a_batch(tmp_path):
     """A Qwen3.5 session asking to rewind its recurrent state fails alone; its batch-mates decode on."""
     family = ("qwen3_5", make_checkpoint(tmp_path, "qwen3_5"))

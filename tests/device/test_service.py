@@ -226,3 +226,23 @@ def test_a_gpu_this_process_cannot_use_is_a_configuration_error(checkpoint):
     """A GPU device whose GPU CUDA cannot find (or a torch without CUDA) fails its load with ConfigError (exit 78)."""
     with pytest.raises(ConfigError, match="cuda:7: cannot use GPU 7"):
         DeviceService.load(DeviceSpec(0, "7", LAYERS, str(checkpoint), "f32", "ipc://unused"))
+
+
+def test_a_failure_copying_one_result_to_the_host_fails_that_hop_alone(service, monkeypatch):
+    """The copy of a result to the host is where an asynchronous CUDA error surfaces: raised there for
+    session 1's result, it becomes session 1's INTERNAL failure, session 2's hop of the same step is
+    answered, and run_step does not raise (security review L8: it once ended the process)."""
+    from cakemp.compute import tensors
+
+    to_bytes = tensors.to_bytes
+
+    def failing(y, dtype):
+        if y.shape[1] == 3:  # session 1's hop carries 3 tokens, session 2's 2
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return to_bytes(y, dtype)
+
+    monkeypatch.setattr(tensors, "to_bytes", failing)
+    replies = service.run_step([forward(torch.randn(1, 3, 64), [Op(0, 0, 2)], session=1, request_id=1),
+                                forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], session=2, request_id=2)])
+    assert isinstance(replies[0], Failure) and replies[0].request_id == 1
+    assert isinstance(replies[1], Activation) and replies[1].request_id == 2
