@@ -225,8 +225,8 @@ def describe(devices: Sequence[str | None]) -> tuple[GpuInfo, ...]:
         return (cpu_device(),)
     details: dict[str, Details] = {}
     for line in (_nvidia_smi(_QUERY, "--format=csv,noheader,nounits") or "").splitlines():
-        ids, found = parse_query_line(line)
-        details.update(dict.fromkeys(ids, found) if found else {})
+        ids, found = parse_query_line(line)  # no ids where the line is no GPU
+        details.update(dict.fromkeys(ids, found))
     described = [info for device in cuda if (info := _device_info(device, inventory, details)) is not None]
     return tuple(described) or (cpu_device(),)
 

@@ -195,7 +195,8 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
         # Cake's rule for zero-config: a key and no topology (--model has a default, so it cannot count).
         if model_given:
             logger.warning("--model is ignored in zero-config mode: the master pushes the model")
-        served, layers, knobs["model_dir"] = values["name"] or socket.gethostname(), (), ""
+        served, layers = values["name"] or socket.gethostname(), ()
+        knobs["model_dir"] = ""  # until a master's setup names the cache directory it pushed into
         setup = SetupConfig(cluster_key=values["cluster_key"], cache_root=cache_root(),
                             max_model_bytes=int(values["max_model_gib"] * (1 << 30)),
                             discovery_host=values["discovery_bind"], discovery_port=values["discovery_port"])
