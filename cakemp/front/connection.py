@@ -33,7 +33,6 @@ from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
-from cakemp.front.router import Router
 from cakemp.wire import (
     HEADER_SIZE, Batch, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, Message, RawTensor,
     Revision, SingleOp, TensorMessage, WorkerError, WorkerInfo, WorkerReady, decode_payload, encode_frame,
@@ -69,14 +68,14 @@ def keep_alive(sock: socket.socket) -> None:
 
 class Connection:
     def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 pool: DevicePool, router: Router, admission: Admission, limits: ConnectionLimits,
+                 pool: DevicePool, admission: Admission, limits: ConnectionLimits,
                  budget: BufferBudget, metrics: Metrics, revision: Revision, cluster_key: str | None,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None):
         self.session = session  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
         self._reader, self._writer = reader, writer
-        self._pool, self._router, self._admission, self._metrics = pool, router, admission, metrics
+        self._pool, self._admission, self._metrics = pool, admission, metrics
         self._limits, self._budget = limits, budget
         self._revision, self._cluster_key = revision, cluster_key
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
@@ -193,13 +192,12 @@ class Connection:
         try:
             self._admission.check(x, ops)
             self._check_not_expired(ops)
-            legs = self._router.plan(ops)
-            for leg in legs:
-                if leg.device not in self._devices:
-                    self._devices.add(leg.device)
-                    self._metrics.sessions.inc(device=self._pool.label(leg.device))
-            data = await self._pool.run(self.session, x.dtype, x.shape, legs, x.data)
-            return TensorMessage(RawTensor(data, x.dtype, x.shape))
+            route = self._pool.route(ops)
+            for device in route.devices:
+                if device not in self._devices:
+                    self._devices.add(device)
+                    self._metrics.sessions.inc(device=self._pool.label(device))
+            return TensorMessage(await self._pool.run(self.session, x, route))
         except RequestError as e:
             return self._refusal(e)
         except Exception as e:  # a bug on this request's path fails this request alone

@@ -33,7 +33,6 @@ from cakemp.setup.discovery import DiscoveryResponder, announcement_for
 from cakemp.front.metrics import Metrics, start_metrics_server
 from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
-from cakemp.front.router import Router
 from cakemp.setup.exchange import Setup
 from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
@@ -63,7 +62,6 @@ class Front:
         self.placement = place_layers(config.layers, len(config.devices))
         self.metrics = Metrics()
         self._notifier = notifier or Notifier(None)
-        self._router = Router(self.placement)
         self._admission: Admission | None = None
         self._limits: ConnectionLimits | None = None
         self._budget = BufferBudget(config.max_buffered_bytes, on_change=self.metrics.buffered_bytes.set)
@@ -241,7 +239,6 @@ class Front:
         devices = self.config.devices[: len(layers)]
         self.config = dataclasses.replace(self.config, layers=layers, model_dir=model_dir, devices=devices)
         self.placement = place_layers(layers, len(devices))
-        self._router = Router(self.placement)
 
     async def _unless_stopped(self, awaitable):
         """The result of `awaitable`, or None if the node is asked to stop first."""
@@ -302,7 +299,7 @@ class Front:
             return
         keep_alive(writer.get_extra_info("socket"))
         connection = Connection(
-            next(self._sessions), reader, writer, pool=self.pool, router=self._router, admission=self._admission,
+            next(self._sessions), reader, writer, pool=self.pool, admission=self._admission,
             limits=self._limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
             cluster_key=self.config.cluster_key, worker_info=self._worker_info, served=self._served,
         )
