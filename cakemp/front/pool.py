@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cakemp import log
-from cakemp.ipc.spec import PREFILL_CHUNK, DeviceMain, DeviceSpec
+from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.errors import DeviceLost, InternalError, ProtocolError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
@@ -75,7 +75,7 @@ class _Pending:
 
 class DevicePool:
     def __init__(self, specs: Sequence[DeviceSpec], device_main: DeviceMain, *, status: NodeStatus, metrics: Metrics,
-                 request_timeout: float = 60.0, restart_attempts: int = 5, prefill_chunk: int = PREFILL_CHUNK,
+                 request_timeout: float, restart_attempts: int, prefill_chunk: int,
                  recurrent: Sequence[bool] = ()):
         """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind."""
         self.specs = tuple(specs)

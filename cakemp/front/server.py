@@ -23,11 +23,11 @@ import tempfile
 
 import cakemp
 from cakemp import log
-from cakemp.ipc.spec import DeviceMain, DeviceSpec
+from cakemp.ipc.spec import DeviceMain
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
-from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
+from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
 from cakemp.setup.discovery import DiscoveryResponder, announcement_for
 from cakemp.front.metrics import Metrics, start_metrics_server
@@ -52,9 +52,6 @@ _CLOSE_GRACE_S = 5.0  # for connections to wind up once the pool has failed what
 _PROGRESS_SLACK_S = 30.0
 # SIGHUP too: a node started from a terminal that closes stops as cleanly as under its manager.
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
-# per core in each of several such processes only contends for the cores.
-GPU_DEVICE_THREADS = 2
 
 
 class Front:
@@ -173,7 +170,7 @@ class Front:
     async def _start_pool(self) -> tuple[Ready, ...] | None:
         """Every device's Ready, or None when asked to stop while they load."""
         model = self._admit_from_model()
-        specs = self._device_specs()
+        specs = device_specs(self.config, self.placement, self._runtime_dir)
         for spec in specs:
             self._log.info("device layers", device=spec.index, device_label=spec.label,
                            layers=list(collapse_layers(spec.layers)), count=len(spec.layers))
@@ -332,30 +329,5 @@ class Front:
         return {
             "name": self.config.name,
             "devices": [{"device": spec.label, "layers": list(collapse_layers(spec.layers)), "count": len(spec.layers)}
-                        for spec in self._device_specs()],
+                        for spec in device_specs(self.config, self.placement, self._runtime_dir)],
         }
-
-    def _device_specs(self) -> list[DeviceSpec]:
-        cpu_processes = sum(1 for gpu in self.config.devices if gpu is None)
-        # CPU processes share the cores rather than oversubscribe them.
-        cpu_threads = self.config.cpu_threads or max(1, len(os.sched_getaffinity(0)) // max(1, cpu_processes))
-        return [
-            DeviceSpec(
-                index=i,
-                gpu=gpu,
-                layers=layers,
-                model_dir=self.config.model_dir,
-                dtype=self.config.dtype,
-                endpoint=f"ipc://{self._runtime_dir}/device-{i}",
-                kv_budget_bytes=self.config.kv_budget_bytes,
-                max_context=self.config.max_context,
-                max_batch=self.config.max_batch,
-                prefill_chunk=self.config.prefill_chunk,
-                threads=cpu_threads if gpu is None else GPU_DEVICE_THREADS,
-                # Well inside the request timeout, which counts a device silent that long as hung.
-                progress_s=self.config.request_timeout / 4,
-                log_format=self.config.log_format,
-                log_level=self.config.log_level,
-            )
-            for i, (gpu, layers) in enumerate(zip(self.config.devices, self.placement))
-        ]

@@ -50,8 +50,8 @@ class SetupConfig:
     cluster_key: str
     cache_root: Path
     max_model_bytes: int  # the most a push may announce, all files together
-    discovery_host: str = "0.0.0.0"
-    discovery_port: int = 10127
+    discovery_host: str  # the UDP discovery responder's bind address and port (--discovery-bind, --discovery-port)
+    discovery_port: int
     handshake_timeout: float = 10.0  # seconds for the cluster-key handshake
     idle_timeout: float = 60.0  # seconds a setup connection may send nothing while one is owed
 
