@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+from cakemp import log
+
 SCRIPT = """
 import logging, warnings
 from cakemp import log
@@ -37,30 +39,39 @@ def test_stdlib_records_and_warnings_come_out_as_json_lines():
     assert len(events) == 4
 
 
-def test_a_repeated_warning_is_logged_once_then_summarised_per_interval():
-    """Of each event the first is logged in full, the repeats within the interval only counted and then
-    summarised in one line; an interval without repeats writes nothing, and the next one is logged again."""
-    from structlog.testing import capture_logs
+FLOOD = """
+import logging
+from cakemp import log
+log.configure("json", "info")
+logger = log.get_logger()
+for i in range(5000):
+    logger.warning("a new setup replaces the one in progress", i=i)
+    logging.getLogger("asyncio").error("socket.accept() out of system resource")
+logger.info("shape refused", shape=[2**62] * 100_000, error="x" * 1_000_000)
+"""
 
-    from cakemp.log import Repeats, get_logger
 
-    timers = []  # (delay, callback) in the order set; a test fires them by hand
-    repeats = Repeats(get_logger(), interval=10.0, call_later=lambda delay, callback: timers.append((delay, callback)))
-    with capture_logs() as logs:
-        for i in range(1000):
-            repeats.warning(get_logger(conn=i), "setup refused", error=f"reason {i}")
-        repeats.warning(get_logger(), "setup connection lost")
-        assert [delay for delay, _ in timers] == [10.0, 10.0]
-        timers.pop(0)[1]()  # the refusals' interval ends: one summary, and the next interval opens
-        timers.pop(0)[1]()  # the lost connection's ends with no repeat: nothing
-        repeats.warning(get_logger(conn=1000), "setup refused", error="counted")
-        timers.pop(0)[1]()
-        timers.pop(0)[1]()  # an interval with no repeat ends
-        repeats.warning(get_logger(conn=7), "setup refused", error="again")
-    assert logs == [
-        {"event": "setup refused", "conn": 0, "error": "reason 0", "log_level": "warning"},
-        {"event": "setup connection lost", "log_level": "warning"},
-        {"event": "setup refused", "repeated": 999, "interval_s": 10.0, "log_level": "warning"},
-        {"event": "setup refused", "repeated": 1, "interval_s": 10.0, "log_level": "warning"},
-        {"event": "setup refused", "conn": 7, "error": "again", "log_level": "warning"},
-    ]
+def test_a_flood_of_one_warning_is_a_burst_and_every_field_is_clipped():
+    """5,000 copies of one warning and of one stdlib error come out as BURST lines each, and an event
+    carrying a peer's 100,000-dimension shape and a megabyte of text is one short line saying how long
+    each was."""
+    done = subprocess.run([sys.executable, "-c", FLOOD], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert sum(e["event"] == "a new setup replaces the one in progress" for e in events) == log.BURST
+    assert sum(e["event"].startswith("socket.accept()") for e in events) == log.BURST
+    last = events[-1]
+    assert last["event"] == "shape refused" and len(done.stdout.splitlines()[-1]) < 2000
+    assert last["error"].endswith("… (1000000 chars)") and len(last["error"]) < log.MAX_FIELD_CHARS + 32
+    assert len(last["shape"]) == log.MAX_FIELD_ITEMS + 1 and last["shape"][-1] == "… (100000 items)"
+
+
+def test_the_rate_limit_lets_a_kind_through_again_each_window_and_counts_what_it_dropped():
+    """Past the burst an event is dropped; in the next window the first one passes carrying the count,
+    and other kinds were never affected."""
+    now = [0.0]
+    limit = log.RateLimit(burst=3, window_s=10.0, clock=lambda: now[0])
+    assert [limit.admit("a") for _ in range(5)] == [0, 0, 0, None, None]
+    assert limit.admit("b") == 0
+    now[0] = 10.0
+    assert limit.admit("a") == 2 and limit.admit("a") == 0

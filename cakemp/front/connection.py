@@ -31,7 +31,6 @@ from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
-from cakemp.front.router import Router
 from cakemp.front.session import Action, Clear, Close, Greet, Note, Refuse, Reply, Run, Session, SessionState
 from cakemp.wire import (
     HEADER_SIZE, LayerAssignment, LayerOp, Message, RawTensor, Revision, TensorMessage, WorkerError, WorkerInfo,
@@ -70,14 +69,14 @@ class Connection:
     what its `Session` (session.py), which holds the session's rules, calls for."""
 
     def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 pool: DevicePool, router: Router, admission: Admission, limits: ConnectionLimits,
+                 pool: DevicePool, admission: Admission, limits: ConnectionLimits,
                  budget: BufferBudget, metrics: Metrics, revision: Revision, cluster_key: str | None,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None):
         self.session_id = session  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
         self._reader, self._writer = reader, writer
-        self._pool, self._router, self._metrics = pool, router, metrics
+        self._pool, self._metrics = pool, metrics
         self._limits, self._budget = limits, budget
         self._revision, self._cluster_key = revision, cluster_key
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
@@ -172,12 +171,11 @@ class Connection:
     async def _run(self, x: RawTensor, ops: Sequence[LayerOp]) -> TensorMessage | WorkerError:
         """Pass x down the devices of its route (device to device); the bytes go on untouched (never a tensor here)."""
         try:
-            legs = self._router.plan(ops)
-            for leg in legs:
-                if self._session.joined(leg.device):
-                    self._metrics.sessions.inc(device=self._pool.label(leg.device))
-            data = await self._pool.run(self.session_id, x.dtype, x.shape, legs, x.data)
-            return TensorMessage(RawTensor(data, x.dtype, x.shape))
+            route = self._pool.route(ops)
+            for device in route.devices:
+                if self._session.joined(device):
+                    self._metrics.sessions.inc(device=self._pool.label(device))
+            return TensorMessage(await self._pool.run(self.session_id, x, route))
         except RequestError as e:
             return self._refusal(e)
         except Exception as e:  # a bug on this request's path fails this request alone

@@ -28,13 +28,12 @@ from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
-from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
+from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
 from cakemp.setup.discovery import DiscoveryResponder, announcement_for
 from cakemp.front.metrics import Metrics, start_metrics_server
 from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
-from cakemp.front.router import Router
 from cakemp.setup.exchange import Setup
 from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
@@ -54,9 +53,6 @@ _CLOSE_GRACE_S = 5.0  # for connections to wind up once the pool has failed what
 _PROGRESS_SLACK_S = 30.0
 # SIGHUP too: a node started from a terminal that closes stops as cleanly as under its manager.
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
-# per core in each of several such processes only contends for the cores.
-GPU_DEVICE_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -65,7 +61,6 @@ class Serving:
     zero-config mode from a setup's assignment (then rebuilt for the next, should they not load)."""
 
     config: NodeConfig  # the node's configuration, naming the layers served, their checkpoint and devices
-    router: Router
     admission: Admission
     limits: ConnectionLimits
     status: NodeStatus
@@ -177,7 +172,7 @@ class Front:
                           prefill_chunk=config.prefill_chunk,
                           recurrent=[any(model.layer_index(layer) in model.linear_layers for layer in spec.layers)
                                      for spec in specs])
-        return Serving(config, Router([spec.layers for spec in specs]), admission, limits, status, pool, served)
+        return Serving(config, admission, limits, status, pool, served)
 
     async def _bind(self) -> asyncio.Server:
         # Bound before loading, so that a taken port fails before minutes of loading; it
@@ -315,10 +310,9 @@ class Front:
         keep_alive(writer.get_extra_info("socket"))
         serving = self._serving
         connection = Connection(
-            next(self._sessions), reader, writer, pool=serving.pool, router=serving.router,
-            admission=serving.admission, limits=serving.limits, budget=self._budget, metrics=self.metrics,
-            revision=self.config.revision, cluster_key=self.config.cluster_key, worker_info=self._worker_info,
-            served=serving.served,
+            next(self._sessions), reader, writer, pool=serving.pool, admission=serving.admission,
+            limits=serving.limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
+            cluster_key=self.config.cluster_key, worker_info=self._worker_info, served=serving.served,
         )
         self._connections[connection] = asyncio.current_task()
         self.metrics.connections.inc()
@@ -350,30 +344,6 @@ class Front:
                         for spec in self._device_specs(config)],
         }
 
-    def _device_specs(self, config: NodeConfig | None = None) -> list[DeviceSpec]:
-        """What each device process of `config` (by default the node's own) is told."""
-        config = config or self.config
-        cpu_processes = sum(1 for gpu in config.devices if gpu is None)
-        # CPU processes share the cores rather than oversubscribe them.
-        cpu_threads = config.cpu_threads or max(1, len(os.sched_getaffinity(0)) // max(1, cpu_processes))
-        placement = place_layers(config.layers, len(config.devices))
-        return [
-            DeviceSpec(
-                index=i,
-                gpu=gpu,
-                layers=layers,
-                model_dir=config.model_dir,
-                dtype=config.dtype,
-                endpoint=f"ipc://{self._runtime_dir}/device-{i}",
-                kv_budget_bytes=config.kv_budget_bytes,
-                max_context=config.max_context,
-                max_batch=config.max_batch,
-                prefill_chunk=config.prefill_chunk,
-                threads=cpu_threads if gpu is None else GPU_DEVICE_THREADS,
-                # Well inside the request timeout, which counts a device silent that long as hung.
-                progress_s=config.request_timeout / 4,
-                log_format=config.log_format,
-                log_level=config.log_level,
-            )
-            for i, (gpu, layers) in enumerate(zip(config.devices, placement))
-        ]
+    def _device_specs(self, config: NodeConfig) -> list[DeviceSpec]:
+        """What each device process serving `config`'s layers is told."""
+        return device_specs(config, place_layers(config.layers, len(config.devices)), self._runtime_dir)

@@ -43,8 +43,6 @@ _READ_SIZE = 1 << 20
 # with unread bytes does not reset the connection before the master has read why.
 _LINGER_S = 5.0
 _MAX_LAYERS = 4096
-# Of each warning a flood of connections repeats, one line in full and then a count per interval.
-_WARNING_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -54,8 +52,8 @@ class SetupConfig:
     cluster_key: str
     cache_root: Path
     max_model_bytes: int  # the most a push may announce, all files together
-    discovery_host: str = "0.0.0.0"
-    discovery_port: int = 10127
+    discovery_host: str  # the UDP discovery responder's bind address and port (--discovery-bind, --discovery-port)
+    discovery_port: int
     handshake_timeout: float = 10.0  # seconds for the cluster-key handshake
     idle_timeout: float = 60.0  # seconds a setup connection may send nothing while one is owed
 
@@ -170,8 +168,6 @@ class Setup:
         self._accepted: asyncio.Queue[Assignment] = asyncio.Queue()
         self._state = SetupState()
         self._change = asyncio.Event()  # set (and replaced) whenever _state changes, for those waiting their turn
-        self._log = log.get_logger()
-        self._warnings = log.Repeats(self._log, _WARNING_INTERVAL_S)
 
     @property
     def serves(self) -> bool:
@@ -201,15 +197,15 @@ class Setup:
             self._accepted.put_nowait(assignment)
             await assignment.answered.wait()
         except AuthError as e:
-            self._warn(connection, "setup connection: authentication failed", error=str(e))
+            connection.logger.warning("setup connection: authentication failed", error=str(e))
         except SetupError as e:
-            self._warn(connection, "setup refused", error=str(e))
+            connection.logger.warning("setup refused", error=str(e))
             await connection.send_quietly(WorkerError(str(e)))
             await _linger(reader, writer)
         except ProtocolError as e:
-            self._warn(connection, "setup connection closed: not Cake protocol", error=str(e))
+            connection.logger.warning("setup connection closed: not Cake protocol", error=str(e))
         except (ConnectionError, asyncio.IncompleteReadError):
-            self._warn(connection, "setup connection lost")
+            connection.logger.warning("setup connection lost")
         finally:
             self._state.closed(connection)
             self._changed()
@@ -221,7 +217,7 @@ class Setup:
         replaced = self._state.assigned(connection)
         self._changed()
         if replaced is not None:
-            self._warn(connection, "a new setup replaces the one in progress")
+            connection.logger.warning("a new setup replaces the one in progress")
             replaced.replace()
         while not self._state.may_exchange(connection):
             if not self._state.holds(connection):
@@ -240,9 +236,6 @@ class Setup:
     def _changed(self) -> None:
         self._change.set()
         self._change = asyncio.Event()
-
-    def _warn(self, connection: _SetupConnection, event: str, **fields: object) -> None:
-        self._warnings.warning(connection.logger, event, **fields)
 
 
 class _SetupConnection:
