@@ -14,7 +14,7 @@ from cakemp.wire import (
 
 LAYERS = ("model.layers.0", "model.layers.1")
 HIDDEN = 4
-ADMISSION = Admission(frozenset(LAYERS), hidden_size=HIDDEN, max_context=16, num_blocks=2)
+ADMISSION = Admission(frozenset(LAYERS), hidden_size=HIDDEN, max_context=16, blocks=frozenset({0, 1}))
 SERVED = LayerAssignment(LAYERS, "0123abcd")
 IDLE = 30.0
 
