@@ -80,7 +80,6 @@ class Connection:
         self._limits, self._budget = limits, budget
         self._revision, self._cluster_key = revision, cluster_key
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
-        # served: zero-config, the assignment this node was set up with.
         self._session = Session(admission, served=served, idle_timeout=limits.session_idle_timeout)
         self._frame_started: float | None = None  # loop time a frame's payload (or Hello) became due; None: idle
         self._frame_watch: asyncio.TimerHandle | None = None

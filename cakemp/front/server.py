@@ -151,7 +151,7 @@ class Front:
 
     def _build(self, config: NodeConfig, served: LayerAssignment | None) -> Serving:
         """What serves `config`'s layers: what the front admits, from the model's config.json (read
-        here, no torch), their placement, the status, and the pool, not started yet."""
+        here, no torch), the connections' limits, the status, and the pool, not started yet."""
         model = ModelConfig.from_dir(config.model_dir)
         admission = Admission.for_model(model, config.layers, config.max_context)
         max_payload = admission.max_payload()
