@@ -68,13 +68,13 @@ class _Layout:
 
     def __init__(self, cls: type) -> None:
         hints = get_type_hints(cls, include_extras=True)  # in the order of the class's fields
-        marks = {name: get_args(hint)[1] for name, hint in hints.items() if get_origin(hint) is Annotated}
+        marks = {name: _mark(hint) for name, hint in hints.items() if _mark(hint) is not None}
         integers = [name for name, mark in marks.items() if mark not in _FRAMES]
         self.fixed = struct.Struct("<" + "".join(marks[name] for name in integers))
         self.integers = _getter(integers)
         # Integer fields typed by an IntEnum (an ErrorCode) are read as its members.
         self.enums = [(index, get_args(hints[name])[0]) for index, name in enumerate(integers)
-                      if issubclass(get_args(hints[name])[0], IntEnum)]
+                      if get_args(hints[name]) and issubclass(get_args(hints[name])[0], IntEnum)]
         self.tuples = [(name, _item(hint)) for name, hint in hints.items() if get_origin(hint) is tuple]
         self.frames = [(name, mark) for name, mark in marks.items() if mark in _FRAMES]
         self.min_size = self.fixed.size + _COUNT.size * len(self.tuples)
@@ -119,10 +119,18 @@ class _Layout:
         return tuple(self.build(*values) for values in self.fixed.iter_unpack(items))
 
 
+def _mark(hint: object) -> str | None:
+    """How a field annotated `hint` travels: its mark, "Q" for a plain int; None for a tuple."""
+    if get_origin(hint) is Annotated:
+        return get_args(hint)[1]
+    return "Q" if hint is int else None
+
+
 def _item(hint: object) -> _Integers | _Layout:
     """The items of a `tuple[T, ...]` field: integers, or a declared class."""
     item, _ = get_args(hint)
-    return _Integers(get_args(item)[1]) if get_origin(item) is Annotated else _Layout(item)
+    mark = _mark(item)
+    return _Integers(mark) if mark is not None else _Layout(item)
 
 
 def _getter(names: list[str]) -> Callable[[object], tuple]:

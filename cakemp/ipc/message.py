@@ -2,9 +2,9 @@
 
 A message class names its `Kind` in `@message(Kind.X)` and declares its fields; each field's
 annotation says how it travels, and `cakemp.ipc.codec` walks these declarations:
-`U8`/`U32`/`U64` are integers, packed together into the header frame after the kind; a
-`tuple[T, ...]` is a count and its items, after them; `Body` and `Text` travel as frames of
-their own after the header.
+`U8`/`U32`/`U64` are integers (a plain `int`, as in `cakemp.op.Op`, which is declared outside
+ipc, is a U64), packed together into the header frame after the kind; a `tuple[T, ...]` is a
+count and its items, after them; `Body` and `Text` travel as frames of their own after the header.
 
 A Hop names its whole route: the stages still to run, each a device, the generation of
 that device's process the front expects, and the ops for it. The device that runs stage 0
@@ -25,6 +25,7 @@ from enum import IntEnum
 from typing import Annotated, Union, dataclass_transform
 
 from cakemp.errors import ErrorCode
+from cakemp.op import Op
 
 Buffer = bytes | bytearray | memoryview
 
@@ -69,15 +70,6 @@ def message(kind: Kind) -> Callable[[type], type]:
         return MESSAGES[kind]
 
     return declare
-
-
-@dataclass(frozen=True)
-class Op:
-    """One entry of a layer run: the device's `layer` at RoPE offset `index_pos`, KV slot `block_idx`."""
-
-    layer: U32  # an index into the device's layer list
-    index_pos: U64
-    block_idx: U64
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,8 @@ def values(hint: object) -> st.SearchStrategy:
         return st.sampled_from(base) if base is ErrorCode else MARKS[mark]
     if get_origin(hint) is tuple:
         return st.lists(values(get_args(hint)[0]), max_size=4).map(tuple)
+    if hint is int:  # a plain int travels as a u64
+        return MARKS["Q"]
     return instances(hint)
 
 
@@ -121,12 +123,12 @@ def test_each_message_is_spelled_once_in_the_ipc_package():
 
 def test_the_header_is_the_kind_then_the_integers_then_the_tuples():
     """The layout the codec derives, spelled out for one Hop: kind, integers in declaration order,
-    each tuple as a count and its items, the body as a frame of its own."""
+    each tuple as a count and its items (an Op's plain ints as u64s), the body as a frame of its own."""
     data = memoryview(bytearray(16))
     frames = encode(Hop(7, 42, 4, (1, 8), ROUTE, data, 2, 5, (123,)))
     expected = (struct.pack("<BQQBII", Kind.HOP, 7, 42, 4, 2, 5) + struct.pack("<I2Q", 2, 1, 8)
-                + struct.pack("<I", 2) + struct.pack("<III", 0, 3, 2) + struct.pack("<IQQ", 0, 5, 12)
-                + struct.pack("<IQQ", 1, 5, 13) + struct.pack("<III", 2, 1, 1) + struct.pack("<IQQ", 0, 5, 14)
+                + struct.pack("<I", 2) + struct.pack("<III", 0, 3, 2) + struct.pack("<QQQ", 0, 5, 12)
+                + struct.pack("<QQQ", 1, 5, 13) + struct.pack("<III", 2, 1, 1) + struct.pack("<QQQ", 0, 5, 14)
                 + struct.pack("<IQ", 1, 123))
     assert bytes(frames[0]) == expected
     assert frames[1:] == [data]
