@@ -248,6 +248,21 @@ def test_a_cache_directory_of_another_user_is_refused(waiting, checkpoint, tmp_p
     assert_waits_and_asks_for(waiting, checkpoint)
 
 
+# --------------------------------------------------------------------------- loads that fail
+
+
+def test_a_pushed_model_whose_weights_do_not_match_its_config_is_refused_and_removed(
+        waiting, checkpoint, tmp_path, home):
+    """A config.json that parses but does not fit the weights fails on the devices: the master
+    gets WorkerError, the files this push wrote are removed (their fault), and the node waits again."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    model = variant(checkpoint, tmp_path / "misfit", json.dumps(config | {"intermediate_size": 96}))
+    with pytest.raises(RemoteWorkerError, match="cannot load the assigned layers: .*give shape"):
+        run(push(waiting, model))
+    assert sorted(p.name for p in cache_of(home, model).iterdir()) == [OWNER]
+    assert_waits_and_asks_for(waiting, model)
+
+
 # --------------------------------------------------------------------------- an interrupted load
 
 
