@@ -45,6 +45,7 @@ from collections.abc import Sequence
 
 import zstandard
 
+from cakemp import log
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.files import (
     CONFIG, INDEX, PUSH_CHUNK_BYTES, SINGLE, TOKENIZER, in_layer, read_weight_map, safetensors_names, safetensors_whole,
@@ -141,8 +142,9 @@ class ModelCache:
         self._check_directory()  # again: mkdir accepts a link to a directory that appeared meanwhile
         names = os.listdir(self.directory)
         if names and MARKER not in names and OWNER not in names:
-            raise SetupError(f"the model cache directory holds files cakemp did not write ({_listed(names)}) and no "
-                             f"{MARKER}: refused, nothing removed; move them away for the node to take the push")
+            raise self._refusal(f"the model cache directory holds {len(names)} files cakemp did not write and no "
+                                f"{MARKER}: refused, nothing removed; move them away for the node to take the push",
+                                files=_listed(names))
         _write_atomically(self.directory / OWNER, b"")
         self.invalidate()
         return ModelPush(self.directory, tuple(layers), max_total_bytes, verify_crc)
@@ -172,13 +174,18 @@ class ModelCache:
         except FileNotFoundError:
             return
         if stat.S_ISLNK(st.st_mode):
-            raise SetupError("the model cache directory is a symbolic link: refused, nothing written or removed "
-                             "(the node writes only into a directory of its own)")
+            raise self._refusal("the model cache directory is a symbolic link: refused, nothing written or removed "
+                                "(the node writes only into a directory of its own)")
         if not stat.S_ISDIR(st.st_mode):
-            raise SetupError("the model cache path is not a directory: refused")
+            raise self._refusal("the model cache path is not a directory: refused")
         if st.st_uid != os.geteuid():
-            raise SetupError(f"the model cache directory belongs to uid {st.st_uid}, not to this node's user "
-                             f"(uid {os.geteuid()}): refused, nothing written or removed")
+            raise self._refusal(f"the model cache directory belongs to uid {st.st_uid}, not to this node's user "
+                                f"(uid {os.geteuid()}): refused, nothing written or removed")
+
+    def _refusal(self, reason: str, **detail: str) -> SetupError:
+        """The SetupError for the master, which never learns the path; the log names the directory."""
+        log.get_logger().warning("model cache directory refused", cache=str(self.directory), reason=reason, **detail)
+        return SetupError(reason)
 
 
 class ModelPush:

@@ -204,10 +204,14 @@ def test_a_complete_cache_whose_config_is_no_model_is_not_reused(waiting, checkp
 # --------------------------------------------------------------------------- cache directories
 
 
-async def refusal(node: ZeroConfigNode, model: Path) -> str:
-    """The WorkerError a keyed setup of `model` is refused with (before any push)."""
-    reply = await assign(node, model)
+def refusal(node: ZeroConfigNode, model: Path, cache: Path) -> str:
+    """The WorkerError a keyed setup of `model` is refused with (before any push): it names no
+    path, while the node's log names the directory."""
+    mark = node.mark()
+    reply = run(assign(node, model))
     assert isinstance(reply, WorkerError), reply
+    assert str(cache.parent) not in reply.message
+    node.wait_for(lambda e: e.get("event") == "model cache directory refused" and e.get("cache") == str(cache), after=mark)
     return reply.message
 
 
@@ -218,8 +222,9 @@ def test_a_symlinked_cache_directory_is_refused_and_its_target_untouched(waiting
     victim.mkdir()
     for name in ("id_rsa", "important.txt"):
         (victim / name).write_text("keep")
-    cache_of(home, model).symlink_to(victim)
-    assert "symbolic link" in run(refusal(waiting, model))
+    cache = cache_of(home, model)
+    cache.symlink_to(victim)
+    assert "symbolic link" in refusal(waiting, model, cache)
     assert sorted(p.name for p in victim.iterdir()) == ["id_rsa", "important.txt"]
     assert_waits_and_asks_for(waiting, checkpoint)
 
@@ -231,7 +236,7 @@ def test_a_cache_directory_of_files_the_node_did_not_write_is_refused_and_left(w
     cache.mkdir()
     (cache / "notes.txt").write_text("keep")
     (cache / "config.json").write_text('{"num_hidden')  # what an interrupted Cake push may leave
-    assert "did not write" in run(refusal(waiting, model))
+    assert "did not write" in refusal(waiting, model, cache)
     assert sorted(p.name for p in cache.iterdir()) == ["config.json", "notes.txt"]
     assert_waits_and_asks_for(waiting, checkpoint)
 
@@ -243,7 +248,7 @@ def test_a_cache_directory_of_another_user_is_refused(waiting, checkpoint, tmp_p
     cache = cache_of(home, model)
     cache.mkdir()
     os.chown(cache, 65534, 65534)
-    assert "belongs to uid 65534" in run(refusal(waiting, model))
+    assert "belongs to uid 65534" in refusal(waiting, model, cache)
     assert list(cache.iterdir()) == []
     assert_waits_and_asks_for(waiting, checkpoint)
 
