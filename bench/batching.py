@@ -33,7 +33,7 @@ back). A session alone must be no slower than before (5% allowed).
 With --packing, the same layers are also loaded into this process twice, the f32 weights
 plain (as `--max-batch 1` keeps them) and packed for MKL's GEMM (as a batching node does,
 cakemp/model/packed.py), and one session's decode steps (--steps) and 128-token prompt chunks
-(--prefills; the piece of a prompt a device runs per step) through BlockRunner.forward are
+(--prefills; the piece of a prompt a device runs per step) through BlockRunner.run are
 timed, the two alternating: what packing costs a session alone, without the node around it.
 
 One torch thread by default: on a small shared VM, torch's intra-op threads stall whenever
@@ -118,7 +118,7 @@ async def alone(ports: dict[str, int], steps: int, prefills: int) -> tuple[dict,
 
 
 async def packing(model: Path, threads: int, steps: int, chunks: int) -> tuple[dict, dict]:
-    """In this process, one session through BlockRunner.forward with the f32 weights plain (as
+    """In this process, one session through BlockRunner.run with the f32 weights plain (as
     --max-batch 1 loads them) and packed for MKL's GEMM (as a batching node does): decode step
     and 128-token prompt chunk times in ms, the two alternating."""
     torch.set_num_threads(threads)
@@ -130,10 +130,10 @@ async def packing(model: Path, threads: int, steps: int, chunks: int) -> tuple[d
         """Call i: a decode step at position i (tokens 1), or a chunk at position 0 of a cleared session."""
         async def run(i: int) -> None:
             if tokens > 1 or i == 0:
-                runner.clear_session(1)
+                runner.free_session(1)
             position = i if tokens == 1 else 0
             with torch.inference_mode():
-                runner.forward(1, torch.randn(1, tokens, HIDDEN), [(layer, position, n) for n, layer in enumerate(layers)])
+                runner.run(1, torch.randn(1, tokens, HIDDEN), runner.ops([(layer, position, n) for n, layer in enumerate(layers)]))
         return run
 
     decode = await alternate({name: way(runner, 1) for name, runner in runners.items()}, steps, 0.0, BLOCK)
@@ -223,7 +223,7 @@ def print_alone(decode: dict, prefill: dict, args) -> None:
 
 
 def print_packing(decode: dict, chunk: dict, args) -> None:
-    print(f"\none session in this process (BlockRunner.forward, {args.threads} torch thread(s)), weights plain and "
+    print(f"\none session in this process (BlockRunner.run, {args.threads} torch thread(s)), weights plain and "
           f"packed alternating: {args.steps} decode steps each in blocks of {BLOCK}, {args.prefills} chunks of "
           f"{CHUNK} tokens each (after one warm-up block of each)")
     print(f"| weights | decode p50 ms | {CHUNK}-token chunk median ms |\n|---|---:|---:|")

@@ -7,7 +7,7 @@ TinyLlama-1.1B's layer shape; 8 layers, bf16, 4 shards) to a temp dir, then in o
 with the same thread count for both:
 
 * decode: one new token at context 512 (then 513, ...) through all 8 layers, cakemp's
-  BlockRunner.forward against HF's LlamaDecoderLayers called with HF's DynamicCache, eager
+  BlockRunner.run against HF's LlamaDecoderLayers called with HF's DynamicCache, eager
   attention (HF's reference path) and sdpa (HF's default), reported per layer; 8 layers
   (0.7-1.4 GB) so the weights stream from memory rather than sit in a large L3 as one
   layer would; steps alternate between the implementations and the best (minimum) of each
@@ -155,13 +155,13 @@ def measure(runner: BlockRunner, hf: dict, layers: int, hidden: int, dtype: torc
     names = ["cakemp", *hf]
     with torch.inference_mode():
         first = tokens(context)
-        runner.forward(0, first, ops(0))
+        runner.run(0, first, runner.ops(ops(0)))
         for layer in hf.values():
             layer.prepare(first, 0)()
         samples = {name: [] for name in names}
         for step in range(steps + 2):  # two warm-up steps
             x, position = tokens(1), context + step
-            t = {"cakemp": timed(lambda: runner.forward(0, x, ops(position)), device)}
+            t = {"cakemp": timed(lambda: runner.run(0, x, runner.ops(ops(position))), device)}
             for name, layer in hf.items():
                 t[name] = timed(layer.prepare(x, position), device)
             if step >= 2:
@@ -172,8 +172,8 @@ def measure(runner: BlockRunner, hf: dict, layers: int, hidden: int, dtype: torc
         samples = {name: [] for name in names}
         for step in range(max(3, steps // 2) + 1):
             x = tokens(prefill)
-            runner.clear_session(0)
-            t = {"cakemp": timed(lambda: runner.forward(0, x, ops(0)), device)}
+            runner.free_session(0)
+            t = {"cakemp": timed(lambda: runner.run(0, x, runner.ops(ops(0))), device)}
             for name, layer in hf.items():
                 layer.reset()
                 t[name] = timed(layer.prepare(x, 0), device)

@@ -281,8 +281,8 @@ def check_fp8(device: torch.device, rehearse: bool) -> None:
         for position, T in ((0, 64), (64, 1), (65, 1)):
             x = torch.randn(1, T, 1024, generator=generator)
             ops = [(layer, position, i) for i, layer in enumerate(layers)]
-            ours = kept.forward(1, x.to(device, torch.bfloat16), ops).float().cpu()
-            truth = exact.forward(1, x, ops)
+            ours = kept.run(1, x.to(device, torch.bfloat16), kept.ops(ops)).float().cpu()
+            truth = exact.run(1, x, exact.ops(ops))
             worst = max(worst, ((ours - truth).norm() / truth.norm()).item())
         finding("fp8.relative_error_vs_dequantized_f32", worst)
 
@@ -340,11 +340,11 @@ def check_decode(device: torch.device, rehearse: bool) -> None:
         blocks = random_blocks(config, device, torch.bfloat16, as_fp8)
         runner = BlockRunner(config, blocks, device, torch.bfloat16, kv_budget_bytes=None, max_context=8192)
         ops = lambda position: [(layer, position, i) for i, layer in enumerate(blocks)]  # noqa: E731
-        runner.forward(1, torch.randn(1, context, config.hidden_size, device=device, dtype=torch.bfloat16), ops(0))
+        runner.run(1, torch.randn(1, context, config.hidden_size, device=device, dtype=torch.bfloat16), runner.ops(ops(0)))
         x = torch.randn(1, 1, config.hidden_size, device=device, dtype=torch.bfloat16)
         times = []
         for step in range(30):
-            times.append(1e3 * timed(lambda: runner.forward(1, x, ops(context + step)), device))
+            times.append(1e3 * timed(lambda: runner.run(1, x, runner.ops(ops(context + step))), device))
         per_layer = sorted(times)[len(times) // 2] / layers
         block = next(iter(blocks.values()))
         weight_bytes = sum(w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
@@ -411,7 +411,7 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
                 x = torch.randn(1, T, hidden, generator=generator).to(torch.bfloat16)
                 ops = [(layer, position, i) for i, layer in enumerate(layers)]
                 remote = unwire(await client.batch(wire(x), ops)).float()
-                local = runner.forward(session, x.to(device), ops).float().cpu()
+                local = runner.run(session, x.to(device), runner.ops(ops)).float().cpu()
                 return (remote - local).abs().max().item()
 
             port = int(node.address.rsplit(":", 1)[1])

@@ -80,12 +80,12 @@ def compare(path: Path, family: str, index: int, dtype: torch.dtype, steps: int)
     results = {}
     with torch.inference_mode():
         context = tokens(CONTEXT)
-        runner.forward(0, context, ops(0))
+        runner.run(0, context, runner.ops(ops(0)))
         hf(context, 0)
         ours, theirs = [], []
         for step in range(steps + 2):  # two warm-up steps
             x, position = tokens(1), CONTEXT + step
-            t_ours = timed(lambda x=x, position=position: runner.forward(0, x, ops(position)), CPU)
+            t_ours = timed(lambda x=x, position=position: runner.run(0, x, runner.ops(ops(position))), CPU)
             t_hf = timed(lambda x=x, position=position: hf(x, position), CPU)
             if step >= 2:
                 ours.append(t_ours)
@@ -95,8 +95,8 @@ def compare(path: Path, family: str, index: int, dtype: torch.dtype, steps: int)
         ours, theirs = [], []
         for step in range(max(3, steps // 4) + 1):
             x = tokens(PREFILL)
-            runner.clear_session(0)
-            t_ours = timed(lambda x=x: runner.forward(0, x, ops(0)), CPU)
+            runner.free_session(0)
+            t_ours = timed(lambda x=x: runner.run(0, x, runner.ops(ops(0))), CPU)
             hf.cache = type(hf.cache)(config=hf.config)
             t_hf = timed(lambda x=x: hf(x, 0), CPU)
             if step >= 1:

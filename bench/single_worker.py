@@ -33,7 +33,7 @@ def serve_request(runner: BlockRunner, session: int, x: RawTensor, ops) -> Tenso
     try:
         t = tensors.to_tensor(x.data, x.dtype, x.shape).to(runner.device, runner.dtype)
         with torch.inference_mode():
-            y = runner.forward(session, t, [tuple(op) for op in ops])
+            y = runner.run(session, t, runner.ops([tuple(op) for op in ops]))
         return TensorMessage(RawTensor(tensors.to_bytes(y, x.dtype), x.dtype, x.shape))
     except RequestError as e:
         return WorkerError(str(e))
@@ -52,7 +52,7 @@ async def serve(runner: BlockRunner, port: int) -> None:
                         return
                     decoder.feed(data)
                 if isinstance(msg, (Hello, Goodbye)):
-                    runner.clear_session(session)
+                    runner.free_session(session)
                     reply = INFO
                 elif isinstance(msg, Batch):
                     reply = serve_request(runner, session, msg.x, msg.batch)
@@ -65,7 +65,7 @@ async def serve(runner: BlockRunner, port: int) -> None:
         except (ProtocolError, ConnectionError):
             return
         finally:
-            runner.end_session(session)
+            runner.free_session(session)
             writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", port)

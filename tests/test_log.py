@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+from cakemp import log
+
 SCRIPT = """
 import logging, warnings
 from cakemp import log
@@ -35,3 +37,41 @@ def test_stdlib_records_and_warnings_come_out_as_json_lines():
     assert events[2]["logger"] == "zmq" and "ValueError: bad" in events[2]["exception"]
     assert events[3]["logger"] == "py.warnings" and "deprecated thing" in events[3]["event"]
     assert len(events) == 4
+
+
+FLOOD = """
+import logging
+from cakemp import log
+log.configure("json", "info")
+logger = log.get_logger()
+for i in range(5000):
+    logger.warning("a new setup replaces the one in progress", i=i)
+    logging.getLogger("asyncio").error("socket.accept() out of system resource")
+logger.info("shape refused", shape=[2**62] * 100_000, error="x" * 1_000_000)
+"""
+
+
+def test_a_flood_of_one_warning_is_a_burst_and_every_field_is_clipped():
+    """5,000 copies of one warning and of one stdlib error come out as BURST lines each, and an event
+    carrying a peer's 100,000-dimension shape and a megabyte of text is one short line saying how long
+    each was."""
+    done = subprocess.run([sys.executable, "-c", FLOOD], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert sum(e["event"] == "a new setup replaces the one in progress" for e in events) == log.BURST
+    assert sum(e["event"].startswith("socket.accept()") for e in events) == log.BURST
+    last = events[-1]
+    assert last["event"] == "shape refused" and len(done.stdout.splitlines()[-1]) < 2000
+    assert last["error"].endswith("… (1000000 chars)") and len(last["error"]) < log.MAX_FIELD_CHARS + 32
+    assert len(last["shape"]) == log.MAX_FIELD_ITEMS + 1 and last["shape"][-1] == "… (100000 items)"
+
+
+def test_the_rate_limit_lets_a_kind_through_again_each_window_and_counts_what_it_dropped():
+    """Past the burst an event is dropped; in the next window the first one passes carrying the count,
+    and other kinds were never affected."""
+    now = [0.0]
+    limit = log.RateLimit(burst=3, window_s=10.0, clock=lambda: now[0])
+    assert [limit.admit("a") for _ in range(5)] == [0, 0, 0, None, None]
+    assert limit.admit("b") == 0
+    now[0] = 10.0
+    assert limit.admit("a") == 2 and limit.admit("a") == 0

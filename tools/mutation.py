@@ -88,10 +88,10 @@ MUTANTS = (
            "writer.write(_mac(key, nonce_m) + nonce_w)", "writer.write(_mac(key, nonce_w) + nonce_w)", AUTH),
     # --- router
     Mutant("router-one-leg-per-op", "cakemp/front/router.py",
-           "if not legs or legs[-1][0] != device:", "if True:", ROUTER),
+           "if not stages or stages[-1][0] != device:", "if True:", ROUTER),
     Mutant("router-index-off-by-one", "cakemp/front/router.py",
-           "legs[-1][1].append(Op(index, op.index_pos, op.block_idx))",
-           "legs[-1][1].append(Op(min(index + 1, 1), op.index_pos, op.block_idx))", ROUTER),
+           "stages[-1][1].append(Op(index, op.index_pos, op.block_idx))",
+           "stages[-1][1].append(Op(min(index + 1, 1), op.index_pos, op.block_idx))", ROUTER),
     # --- pool and connection (the session's lifetime on the devices)
     Mutant("goodbye-keeps-kv", "cakemp/front/connection.py",
            "results = await asyncio.gather(*(self._pool.clear(d, self.session) for d in sorted(self._devices)),",
@@ -130,14 +130,9 @@ MUTANTS = (
            "if index_pos < 0 or index_pos > cached:", "if index_pos < 0:", RUNNER),
     Mutant("failed-request-keeps-length", "cakemp/compute/runner.py",
            "slots[block_idx].length = min(previous[block_idx], index_pos)", "pass", RUNNER),
-    Mutant("runner-end-keeps-kv", "cakemp/compute/runner.py",
-           '        """The connection closed: free everything the session holds."""\n        self.cache.clear(session)',
-           '        """The connection closed: free everything the session holds."""', RUNNER + POOL),
-    Mutant("runner-clear-keeps-kv", "cakemp/compute/runner.py",
-           '        """Goodbye: forget the session\'s positions and free its buffers (unknown session: no-op)."""\n'
-           "        self.cache.clear(session)",
-           '        """Goodbye: forget the session\'s positions and free its buffers (unknown session: no-op)."""',
-           RUNNER + POOL),
+    Mutant("runner-free-keeps-kv", "cakemp/compute/runner.py",
+           "        (unknown session: no-op).\"\"\"\n        self.cache.clear(session)",
+           "        (unknown session: no-op).\"\"\"", RUNNER + POOL),
     # --- KV cache
     Mutant("kv-grow-loses-rows", "cakemp/compute/kv_cache.py",
            "            k[:, :, :length] = old.k[:, :, :length]\n", "", KV),

@@ -87,9 +87,10 @@ class KVCache:
         self.max_context = max_context
         self.budget_bytes = budget_bytes
         # K and V rows of one position, together.
-        self.bytes_per_position = 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        self.linear_shapes = linear_shapes
-        self.bytes_per_linear_slot = 0 if linear_shapes is None else 4 * sum(math.prod(s) for s in linear_shapes)
+        self.bytes_per_position = 2 * kv_heads * head_dim * dtype.itemsize
+        self.linear_shapes = linear_shapes  # held in f32 whatever the compute dtype
+        self.bytes_per_linear_slot = 0 if linear_shapes is None else \
+            torch.float32.itemsize * sum(math.prod(s) for s in linear_shapes)
         self._sessions: dict[int, dict[int, KVSlot]] = {}
         self._linear: dict[int, dict[int, LinearSlot]] = {}
         self._bytes = 0
@@ -133,7 +134,7 @@ class KVCache:
                 growth[block_idx] = (capacity, end, min(self.max_context, max(2 * capacity, MIN_CAPACITY, end)))
         linear = self._linear.get(session, {})
         new_linear = [block_idx for block_idx in linear_ends if block_idx not in linear]
-        self._check_budget(session, growth, len(new_linear) * self.bytes_per_linear_slot)
+        growth = self._fitted(growth, len(new_linear) * self.bytes_per_linear_slot)
         if ends:
             slots = self._sessions.setdefault(session, slots)
         for block_idx, (_, _, new_capacity) in growth.items():
@@ -150,25 +151,25 @@ class KVCache:
         """A linear-attention slot `reserve` made for `session`."""
         return self._linear[session][block_idx]
 
-    def _check_budget(self, session: int, growth: dict[int, tuple[int, int, int]], linear_bytes: int = 0) -> None:
-        """Shrink doubling to exact sizes if that is what fits; refuse if even those do not.
+    def _fitted(self, growth: dict[int, tuple[int, int, int]], linear_bytes: int = 0) -> dict[int, tuple[int, int, int]]:
+        """`growth` (block_idx -> old capacity, end, doubled capacity) as it fits the budget: doubled,
+        else exact (capacity = end); CacheBudgetExceeded if even that does not fit.
 
         `linear_bytes`: new linear-attention state, a fixed size that must fit as well.
         """
         if self.budget_bytes is None or not (growth or linear_bytes):
-            return
+            return growth
         left = self.budget_bytes - self._bytes - linear_bytes
         doubled = sum(new - old for old, _, new in growth.values()) * self.bytes_per_position
         if doubled <= left:
-            return
+            return growth
         exact = sum(end - old for old, end, _ in growth.values()) * self.bytes_per_position
         if exact > left:
             raise CacheBudgetExceeded(
                 f"the KV cache would need {human_bytes(exact + linear_bytes)} more but only "
                 f"{human_bytes(max(left + linear_bytes, 0))} of this device's {human_bytes(self.budget_bytes)} budget is left"
             )
-        for block_idx, (old, end, _) in growth.items():
-            growth[block_idx] = (old, end, end)
+        return {block_idx: (old, end, end) for block_idx, (old, end, _) in growth.items()}
 
     def _grow(self, slots: dict[int, KVSlot], block_idx: int, capacity: int) -> None:
         shape = (1, self.kv_heads, capacity, self.head_dim)

@@ -15,7 +15,7 @@ import torch
 
 from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
-from cakemp.errors import BadTensor, CheckpointError, PositionGap, RecurrentRewind, UnknownLayer
+from cakemp.errors import CheckpointError, InternalError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model import attention, fp8, packed
 from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
 from cakemp.model.checkpoint import Checkpoint
@@ -24,16 +24,17 @@ from cakemp.model.deltanet import LinearState
 from cakemp.model.linear_block import LinearAttentionBlock
 from cakemp.model.moe import STACKED
 from cakemp.model.rotary import Rotary
+from cakemp.op import Op
 
 Block = DecoderBlock | LinearAttentionBlock
-Op = tuple[str, int, int]  # (layer name, index_pos, block_idx)
 
-# Ops between two calls of forward_batch's `between_ops` (the device's progress reports).
+# Ops between two calls of run_batch's `between_ops` (the device's progress reports).
 _OPS_BETWEEN_CALLS = 16
 
 
 class Request(NamedTuple):
-    """One request of a batch: its session, its activation x: [1, T, H], and its ops in order."""
+    """One request of a batch: its session, its activation x: [1, T, H], and its ops in order
+    (`Op.layer` indexes the runner's `layers`)."""
 
     session: int
     x: torch.Tensor
@@ -65,6 +66,7 @@ class _Planned:
         # Rows past a slot's previous length are unused; rows a rewind overwrote are lost.
         for slot, length in self.restore:
             slot.length = length
+        self.computed.clear()  # the new linear states were never installed
 
     def install(self, cache: KVCache) -> None:
         for block_idx, (state, consumed) in self.computed.items():
@@ -77,6 +79,8 @@ def block_type(config: ModelConfig, index: int) -> type[Block]:
 
 
 class BlockRunner:
+    """A device's layers (`layers`, in the order ops index them) and its sessions' KV caches."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -87,15 +91,13 @@ class BlockRunner:
         max_context: int | None = None,
     ):
         self.config = config
-        self.blocks = blocks
-        self.layers = tuple(blocks)
+        self.layers = tuple(blocks)  # Op.layer indexes these
+        self.blocks = tuple(blocks.values())
         self.device = device
         self.dtype = dtype
         # Each layer's rotary (None: the layer has none); layers sharing one share its tables.
         rotaries = {rope: Rotary(rope, device) for rope in set(config.layer_ropes) if rope is not None}
-        self.rotaries = {
-            layer: rotaries.get(config.layer_ropes[config.layer_index(layer)]) for layer in self.layers
-        }
+        self.rotaries = tuple(rotaries.get(config.layer_ropes[config.layer_index(layer)]) for layer in self.layers)
         self.cache = KVCache(
             config.num_key_value_heads,
             config.head_dim,
@@ -132,87 +134,44 @@ class BlockRunner:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
         config = ModelConfig.from_dir(model_dir)
         checkpoint = Checkpoint(model_dir, config)
-        for layer in layers:
-            if config.layer_index(layer) is None:
-                raise CheckpointError(
-                    f"layer {layer!r} is not one of {config.layer_name(0)}..{config.layer_name(config.num_hidden_layers - 1)}"
-                )
-        kinds, groups, shapes = {}, {}, {}
-        for layer in layers:
-            index = config.layer_index(layer)
-            kinds[layer] = kind = block_type(config, index)
-
-            def stored(name: str, layer: str = layer) -> bool:
-                return checkpoint.has(f"{layer}.{name}")
-
-            groups[layer] = kind.weight_groups(config, index, stored)
-            shapes[layer] = kind.weight_shapes(config, index, stored)
-        # Per layer, the groups that may stay FP8 and those that must be plain tensors (stacked
-        # experts, viewed as [E, rows, cols]).
-        wanted = [
-            tuple({(layer, key): [f"{layer}.{name}" for name in members]
-                   for key, members in groups[layer].items() if (key in STACKED) == stacked}
-                  for stacked in (False, True))
-            for layer in layers
-        ]
-        keep_fp8 = config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
-        needed = sum(checkpoint.nbytes(kept, dtype, keep_fp8) + checkpoint.nbytes(plain, dtype)
-                     for kept, plain in wanted)
-        free = None
-        if device.type == "cuda":
-            attention.use_fused_kernels()
-            free = torch.cuda.mem_get_info(device)[0]
-            memory.check_fits(needed, free, str(device))
-        # A (1 + w) family's norms get their 1 added at load, in f32 (Checkpoint.load).
-        plus_one = frozenset(
-            (layer, key) for layer in layers for key in groups[layer] if config.layout.norm_plus_one and key in NORMS
-        )
-        weights = {}
-        # One layer at a time, so progress can be reported; opening a shard again per layer
-        # costs only its header (the file is memory-mapped).
-        try:
-            for loaded, (kept, plain) in enumerate(wanted, 1):
-                weights.update(checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys()))
-                weights.update(checkpoint.load(plain, device, dtype))
-                if on_layer is not None:
-                    on_layer(loaded)
-        except torch.OutOfMemoryError:
-            if free is None:
-                raise
-            # Past the estimate (another process took memory meanwhile, say): as much a configuration error.
-            raise memory.too_big(needed, free, str(device), "ran out of memory while loading") from None
-        for (layer, key), tensor in weights.items():
-            if tuple(tensor.shape) != shapes[layer][key]:
-                raise CheckpointError(
-                    f"{layer}: {' + '.join(groups[layer][key])} give shape {tuple(tensor.shape)}, "
-                    f"config.json implies {shapes[layer][key]}"
-                )
+        plan = _LoadPlan.of(config, checkpoint, layers)
+        weights = plan.read(checkpoint, device, dtype, on_layer)
         # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/packed.py says why).
         for (layer, key), tensor in weights.items():
             if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
                 weights[layer, key] = packed.PackedWeight.create(tensor)
         blocks = {
-            layer: kinds[layer](config, config.layer_index(layer), {key: weights[layer, key] for key in groups[layer]})
+            layer: plan.kinds[layer](config, config.layer_index(layer),
+                                     {key: weights[layer, key] for key in plan.groups[layer]})
             for layer in layers
         }
         if device.type == "cuda" and kv_budget_bytes is None:
             kv_budget_bytes = memory.default_kv_budget(*torch.cuda.mem_get_info(device), str(device))
         return cls(config, blocks, device, dtype, kv_budget_bytes, max_context)
 
-    def forward(self, session: int, x: torch.Tensor, ops: Sequence[Op]) -> torch.Tensor:
-        """Run ops = [(layer_name, index_pos, block_idx), ...] in order on x: [1, T, H] (one
-        request alone: `forward_batch` of one)."""
-        (result,) = self.forward_batch([Request(session, x, ops)])
+    def ops(self, named: Sequence[tuple[str, int, int]]) -> tuple[Op, ...]:
+        """(layer name, index_pos, block_idx), ... as this runner's ops, for in-process callers (the
+        master's local layers, the demo, benchmarks): names are translated once, here, as the
+        front's router translates them for a device. UnknownLayer for a layer not loaded here."""
+        index = {layer: i for i, layer in enumerate(self.layers)}
+        try:
+            return tuple(Op(index[layer], index_pos, block_idx) for layer, index_pos, block_idx in named)
+        except KeyError as e:
+            raise UnknownLayer(f"layer {e.args[0]!r} is not loaded here (this runner has {', '.join(self.layers)})") from None
+
+    def run(self, session: int, x: torch.Tensor, ops: Sequence[Op]) -> torch.Tensor:
+        """Run `ops` in order on x: [1, T, H] (one request alone: `run_batch` of one)."""
+        (result,) = self.run_batch([Request(session, x, ops)])
         if isinstance(result, Exception):
             raise result
         return result
 
-    def forward_batch(
+    def run_batch(
         self, requests: Sequence[Request], between_ops: Callable[[], None] | None = None
     ) -> list[torch.Tensor | Exception]:
         """Each request's output [1, T, H], or the exception that failed it (and it alone).
 
-        Requests of distinct sessions, each run as `forward` would run it alone. Those with the
+        Requests of distinct sessions, each run as `run` would run it alone. Those with the
         same run (the same layers in the same order) are computed together, layer by layer: the
         GEMMs over all their tokens at once, attention per request over its own KV slots (a
         decode step reads the weights once, not once per session). Runs that differ form
@@ -232,6 +191,9 @@ class BlockRunner:
         while a group computes fails that group's requests; the other groups are untouched.
 
         `between_ops` is called every few ops of a long run (the device reports progress there).
+
+        What a request may ask for (its shape, its layers, its KV slots) the front's admission
+        has judged; a request that breaks that contract fails with InternalError, a bug here.
         """
         sessions = [request.session for request in requests]
         if len(set(sessions)) != len(sessions):
@@ -244,24 +206,31 @@ class BlockRunner:
             except Exception as e:
                 results[i] = e
                 continue
-            groups.setdefault(tuple(layer for layer, _, _ in request.ops), []).append((i, planned))
+            groups.setdefault(tuple(op.layer for op in request.ops), []).append((i, planned))
         for group in groups.values():
-            members = [planned for _, planned in group]
-            try:
-                with torch.inference_mode():
-                    outputs = self._run(members, between_ops)
-            except BaseException as e:
-                for planned in members:
-                    planned.roll_back()
-                if not isinstance(e, Exception):
-                    raise
-                outputs = [e] * len(members)
-            else:
-                for planned in members:
-                    planned.install(self.cache)
+            outputs = self._run_group([planned for _, planned in group], between_ops)
             for (i, _), output in zip(group, outputs, strict=True):
                 results[i] = output
         return results
+
+    def _run_group(self, members: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor | Exception]:
+        """Each member's output, computed together; on an error every member is rolled back and
+        fails with it, except out of memory: one member's tokens (a long prompt chunk) may be
+        what did not fit, so the members then run one by one and only those that fail alone fail."""
+        try:
+            with torch.inference_mode():
+                outputs = self._run(members, between_ops)
+        except BaseException as e:
+            for planned in members:
+                planned.roll_back()
+            if not isinstance(e, Exception):
+                raise
+            if isinstance(e, torch.OutOfMemoryError) and len(members) > 1:
+                return [self._run_group([planned], between_ops)[0] for planned in members]
+            return [e] * len(members)
+        for planned in members:
+            planned.install(self.cache)
+        return outputs
 
     def _plan(self, request: Request) -> _Planned:
         """Check `request` against the session's state and reserve its slots (RequestError if it cannot run)."""
@@ -269,11 +238,10 @@ class BlockRunner:
         self._check_input(x)
         T = x.shape[1]
         ends, linear_ends = {}, {}
-        for layer, index_pos, block_idx in ops:
-            if layer not in self.blocks:
-                raise UnknownLayer(f"layer {layer!r} is not served here (this device has {', '.join(self.layers)})")
-            if not 0 <= block_idx < self.config.num_hidden_layers:
-                raise UnknownLayer(f"block_idx {block_idx} is outside 0..{self.config.num_hidden_layers - 1}")
+        for layer, index_pos, block_idx in ((op.layer, op.index_pos, op.block_idx) for op in ops):
+            if not (0 <= layer < len(self.blocks) and 0 <= block_idx < self.config.num_hidden_layers):
+                raise InternalError(f"op {layer}, {index_pos}, {block_idx} breaks the contract: this runner has "
+                                    f"{len(self.blocks)} layers and {self.config.num_hidden_layers} KV slots")
             if self.blocks[layer].recurrent:
                 # An earlier op of this request on the same slot counts as consumed.
                 consumed = linear_ends.get(block_idx, self.cache.linear_length(session, block_idx))
@@ -295,8 +263,8 @@ class BlockRunner:
             else:
                 ends[block_idx] = max(ends.get(block_idx, 0), index_pos + T)
         slots = self.cache.reserve(session, ends, linear_ends)
-        restore = [(slots[block_idx], min(slots[block_idx].length, index_pos))
-                   for layer, index_pos, block_idx in ops if not self.blocks[layer].recurrent]
+        restore = [(slots[op.block_idx], min(slots[op.block_idx].length, op.index_pos))
+                   for op in ops if not self.blocks[op.layer].recurrent]
         return _Planned(session, x, tuple(ops), slots, restore)
 
     def _run(self, group: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
@@ -304,11 +272,11 @@ class BlockRunner:
         lengths = [planned.x.shape[1] for planned in group]
         x = group[0].x if len(group) == 1 else torch.cat([planned.x for planned in group], dim=1)  # [1, N, H]
         rotations = {}  # (rotary, each request's index_pos) -> cos, sin: [N, R]
-        for j, (layer, _, _) in enumerate(group[0].ops):
+        for j, op in enumerate(group[0].ops):
             if j and j % _OPS_BETWEEN_CALLS == 0 and between_ops is not None:
                 between_ops()
-            block = self.blocks[layer]
-            where = [planned.ops[j][1:] for planned in group]  # each request's (index_pos, block_idx)
+            block = self.blocks[op.layer]
+            where = [(planned.ops[j].index_pos, planned.ops[j].block_idx) for planned in group]
             if block.recurrent:
                 segments = [(T, planned.linear_state(self.cache, block_idx, index_pos))
                             for planned, T, (index_pos, block_idx) in zip(group, lengths, where, strict=True)]
@@ -316,7 +284,7 @@ class BlockRunner:
                 for planned, T, (index_pos, block_idx), state in zip(group, lengths, where, states, strict=True):
                     planned.computed[block_idx] = (state, index_pos + T)
                 continue
-            rotary = self.rotaries[layer]
+            rotary = self.rotaries[op.layer]
             key = (rotary, tuple(index_pos for index_pos, _ in where))
             if key not in rotations:
                 rotations[key] = self._rotation(rotary, [index_pos for index_pos, _ in where], lengths)
@@ -340,17 +308,14 @@ class BlockRunner:
 
     def _check_input(self, x: torch.Tensor) -> None:
         hidden = self.config.hidden_size
-        if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] < 1 or x.shape[2] != hidden:
-            raise BadTensor(f"activation has shape {tuple(x.shape)}, expected [1, T, {hidden}] with T >= 1")
-        if x.dtype != self.dtype or x.device != self.device:
-            raise BadTensor(f"activation is {x.dtype} on {x.device}, this device computes {self.dtype} on {self.device}")
+        if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] < 1 or x.shape[2] != hidden or \
+                x.dtype != self.dtype or x.device != self.device:
+            raise InternalError(f"activation {x.dtype} {tuple(x.shape)} on {x.device} breaks the contract: this "
+                                f"runner computes [1, T, {hidden}] with T >= 1, {self.dtype} on {self.device}")
 
-    def clear_session(self, session: int) -> None:
-        """Goodbye: forget the session's positions and free its buffers (unknown session: no-op)."""
-        self.cache.clear(session)
-
-    def end_session(self, session: int) -> None:
-        """The connection closed: free everything the session holds."""
+    def free_session(self, session: int) -> None:
+        """Goodbye or a closed connection: forget the session's positions and free its buffers
+        (unknown session: no-op)."""
         self.cache.clear(session)
 
     def kv_bytes(self) -> int:
@@ -358,6 +323,79 @@ class BlockRunner:
 
     def session_count(self) -> int:
         return self.cache.session_count()
+
+
+@dataclass(frozen=True)
+class _LoadPlan:
+    """What loading some layers reads: each layer's block class, its weight groups (key -> the
+    checkpoint names stored for it) and the shape config.json implies for each group."""
+
+    config: ModelConfig
+    layers: tuple[str, ...]
+    kinds: dict[str, type[Block]]
+    groups: dict[str, dict[str, list[str]]]
+    shapes: dict[str, dict[str, tuple[int, ...]]]
+
+    @classmethod
+    def of(cls, config: ModelConfig, checkpoint: Checkpoint, layers: Sequence[str]) -> _LoadPlan:
+        kinds, groups, shapes = {}, {}, {}
+        for layer in layers:
+            index = config.layer_index(layer)
+            if index is None:
+                raise CheckpointError(f"layer {layer!r} is not one of "
+                                      f"{config.layer_name(0)}..{config.layer_name(config.num_hidden_layers - 1)}")
+            kinds[layer] = kind = block_type(config, index)
+
+            def stored(name: str, layer: str = layer) -> bool:
+                return checkpoint.has(f"{layer}.{name}")
+
+            groups[layer] = kind.weight_groups(config, index, stored)
+            shapes[layer] = kind.weight_shapes(config, index, stored)
+        return cls(config, tuple(layers), kinds, groups, shapes)
+
+    def read(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+             on_layer: Callable[[int], None] | None) -> dict[tuple[str, str], torch.Tensor]:
+        """(layer, key) -> its tensor on `device`, one layer at a time (`on_layer(n)` after n),
+        after checking on a GPU that they fit; each checked against the shape config.json implies."""
+        wanted = [self._wanted(layer) for layer in self.layers]
+        keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
+        needed = sum(checkpoint.nbytes(kept, dtype, keep_fp8) + checkpoint.nbytes(plain, dtype)
+                     for kept, plain in wanted)
+        free = None
+        if device.type == "cuda":
+            attention.use_fused_kernels()
+            free = torch.cuda.mem_get_info(device)[0]
+            memory.check_fits(needed, free, str(device))
+        # A (1 + w) family's norms get their 1 added at load, in f32 (Checkpoint.load).
+        plus_one = frozenset((layer, key) for layer in self.layers for key in self.groups[layer]
+                             if self.config.layout.norm_plus_one and key in NORMS)
+        weights = {}
+        # Opening a shard again per layer costs only its header (the file is memory-mapped).
+        try:
+            for loaded, (kept, plain) in enumerate(wanted, 1):
+                weights.update(checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys()))
+                weights.update(checkpoint.load(plain, device, dtype))
+                if on_layer is not None:
+                    on_layer(loaded)
+        except torch.OutOfMemoryError:
+            if free is None:
+                raise
+            # Past the estimate (another process took memory meanwhile, say): as much a configuration error.
+            raise memory.too_big(needed, free, str(device), "ran out of memory while loading") from None
+        for (layer, key), tensor in weights.items():
+            if tuple(tensor.shape) != self.shapes[layer][key]:
+                raise CheckpointError(
+                    f"{layer}: {' + '.join(self.groups[layer][key])} give shape {tuple(tensor.shape)}, "
+                    f"config.json implies {self.shapes[layer][key]}"
+                )
+        return weights
+
+    def _wanted(self, layer: str) -> tuple[dict, dict]:
+        """The layer's groups that may stay FP8, and those that must be plain tensors (stacked
+        experts, viewed as [E, rows, cols]): (layer, key) -> checkpoint names, each."""
+        named = {(layer, key): [f"{layer}.{name}" for name in members] for key, members in self.groups[layer].items()}
+        return ({k: v for k, v in named.items() if k[1] not in STACKED},
+                {k: v for k, v in named.items() if k[1] in STACKED})
 
 
 def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

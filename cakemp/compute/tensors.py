@@ -11,12 +11,13 @@ import math
 
 import torch
 
+from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import BadTensor, ConfigError
 from cakemp.wire import DType, RawTensor
 
 _WIRE_TO_TORCH = {DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.F32: torch.float32}
 _TORCH_TO_WIRE = {torch_dtype: wire for wire, torch_dtype in _WIRE_TO_TORCH.items()}
-_NAME_TO_TORCH = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+_NAME_TO_TORCH = {name: _WIRE_TO_TORCH[tag] for name, tag in COMPUTE_DTYPES.items()}
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -24,7 +25,7 @@ def compute_dtype(name: str) -> torch.dtype:
     try:
         return _NAME_TO_TORCH[name]
     except KeyError:
-        raise ConfigError(f"unsupported dtype {name!r}: expected one of f16, bf16, f32") from None
+        raise ConfigError(f"unsupported dtype {name!r}: expected one of {', '.join(COMPUTE_DTYPES)}") from None
 
 
 def to_tensor(data: bytes | bytearray | memoryview, dtype: int, shape: tuple[int, ...]) -> torch.Tensor:

@@ -39,30 +39,11 @@ TOLERANCE = {"f32": 1e-4, "f16": 1e-2}
 
 async def run_demo(out: TextIO = sys.stdout) -> None:
     """Run the demo, writing its story to `out`; raises a CakempError when a step fails."""
-
-    def say(line: str = "") -> None:
-        out.write(line + "\n")
-        out.flush()
-
-    def stream(text: str) -> None:
-        out.write(text)
-        out.flush()
-
+    story = _Story(out)
     gpus, dtype, device = ("all", "f16", "cuda") if torch.cuda.is_available() else ("cpu:2", "f32", "cpu")
-    say("cakemp demo: the model's weights are synthetic (seeded random numbers), so its text is gibberish.")
-
-    spec = SyntheticSpec()
-    cached = demo_dir(spec).is_dir()
-    start = time.perf_counter()
-    model_dir = demo_checkpoint(spec)
-    built = "reused" if cached else f"built in {time.perf_counter() - start:.1f} s"
-    config = ModelConfig.from_dir(model_dir)
+    story.say("cakemp demo: the model's weights are synthetic (seeded random numbers), so its text is gibberish.")
+    model_dir, config = _checkpoint(story)
     n = config.num_hidden_layers
-    say(
-        f"checkpoint  {model_dir} ({built}): Llama, {n} layers, hidden {config.hidden_size}, "
-        f"{config.num_attention_heads} heads on {config.num_key_value_heads} KV heads"
-    )
-
     # The node serves every layer but the second to last, which the master keeps.
     kept = n - 2
     node_entries = [f"{config.layer_prefix}.0-{kept - 1}", config.layer_name(n - 1)]
@@ -83,29 +64,15 @@ async def run_demo(out: TextIO = sys.stdout) -> None:
         node.start()
         try:
             info = await node.wait_ready()
-            say(
+            story.say(
                 f"node        cakemp run --gpus {gpus} --dtype {dtype} on {node.address} (cluster key set): "
                 f"ready in {time.perf_counter() - start:.1f} s, serving {', '.join(node_entries)}"
             )
-            say(f"            it answers Hello with version {info.version}, {info.device}, {info.dtype}")
-            trace: list[RemoteCall] = []
-            topology = Topology.load(topology_path)
-            async with await Generator.open(model_dir, topology, dtype=dtype, device=device, cluster_key=key) as gen:
-                batches = sum(run.host is not None for run in gen.runs)
-                say(
-                    f"master      embeddings, final norm, lm_head and {config.layer_name(kept)} here; "
-                    f"{len(gen.clients)} connections, {batches} Batch round trips per token"
-                )
-                say(f"generating  {MAX_TOKENS} tokens, temperature 1.0, seeded:")
-                say()
-                stream(PROMPT)
-                generation = await gen.generate(PROMPT, MAX_TOKENS, SamplingParams(), on_text=stream, trace=trace)
-                say()
-                say()
-                for line in generation.summary().splitlines():
-                    say(f"figures     {line}")
+            story.say(f"            it answers Hello with version {info.version}, {info.device}, {info.dtype}")
+            generator = Generator.open(model_dir, Topology.load(topology_path), dtype=dtype, device=device, cluster_key=key)
+            trace = await _generate(story, await generator, config.layer_name(kept))
             difference = _check(model_dir, node_layers, trace, device, dtype)
-            say(
+            story.say(
                 f"check       {len(trace)} hidden states from the node equal one in-process BlockRunner "
                 f"over the same layers (max |difference| {difference:.1e}, allowed {TOLERANCE[dtype]:.0e})"
             )
@@ -113,7 +80,57 @@ async def run_demo(out: TextIO = sys.stdout) -> None:
             status = node.stop()
         if status != 0:
             raise NodeFailed(f"the node exited with status {status} on SIGTERM{node.log_tail()}")
-        say("shutdown    Goodbye sent on every connection, node stopped cleanly (exit status 0)")
+        story.say("shutdown    Goodbye sent on every connection, node stopped cleanly (exit status 0)")
+
+
+class _Story:
+    """The demo's output: whole lines, and generated text as it streams."""
+
+    def __init__(self, out: TextIO):
+        self._out = out
+
+    def say(self, line: str = "") -> None:
+        self._out.write(line + "\n")
+        self._out.flush()
+
+    def stream(self, text: str) -> None:
+        self._out.write(text)
+        self._out.flush()
+
+
+def _checkpoint(story: _Story) -> tuple[Path, ModelConfig]:
+    """The synthetic checkpoint (built once, then reused) and its config."""
+    spec = SyntheticSpec()
+    cached = demo_dir(spec).is_dir()
+    start = time.perf_counter()
+    model_dir = demo_checkpoint(spec)
+    built = "reused" if cached else f"built in {time.perf_counter() - start:.1f} s"
+    config = ModelConfig.from_dir(model_dir)
+    story.say(
+        f"checkpoint  {model_dir} ({built}): Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_attention_heads} heads on {config.num_key_value_heads} KV heads"
+    )
+    return model_dir, config
+
+
+async def _generate(story: _Story, generator: Generator, kept_layer: str) -> list[RemoteCall]:
+    """Generate MAX_TOKENS through the node, telling the story; every Batch the node answered."""
+    trace: list[RemoteCall] = []
+    async with generator as gen:
+        batches = sum(run.host is not None for run in gen.runs)
+        story.say(
+            f"master      embeddings, final norm, lm_head and {kept_layer} here; "
+            f"{len(gen.clients)} connections, {batches} Batch round trips per token"
+        )
+        story.say(f"generating  {MAX_TOKENS} tokens, temperature 1.0, seeded:")
+        story.say()
+        story.stream(PROMPT)
+        generation = await gen.generate(PROMPT, MAX_TOKENS, SamplingParams(), on_text=story.stream, trace=trace)
+        story.say()
+        story.say()
+        for line in generation.summary().splitlines():
+            story.say(f"figures     {line}")
+    return trace
 
 
 def _check(model_dir: Path, layers: list[str], trace: list[RemoteCall], device: str, dtype: str) -> float:
@@ -121,7 +138,7 @@ def _check(model_dir: Path, layers: list[str], trace: list[RemoteCall], device: 
     runner = BlockRunner.load(model_dir, layers, device, compute_dtype(dtype))
     worst = 0.0
     for call in trace:
-        expected = runner.forward(0, call.x.to(runner.device, runner.dtype), call.ops)
+        expected = runner.run(0, call.x.to(runner.device, runner.dtype), runner.ops(call.ops))
         worst = max(worst, float((expected.float() - call.y.float()).abs().max()))
     if worst > TOLERANCE[dtype]:
         raise HiddenStateMismatch(

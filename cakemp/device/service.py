@@ -24,11 +24,11 @@ import torch
 
 from cakemp import log
 from cakemp.compute import tensors
-from cakemp.compute.runner import BlockRunner, Op, Request
+from cakemp.compute.runner import BlockRunner, Request
 from cakemp.device import fault
 from cakemp.ipc.spec import DeviceSpec
-from cakemp.errors import ConfigError, RequestError, UnknownLayer
-from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, Stage, error_code
+from cakemp.errors import BadTensor, ConfigError, InternalError, RequestError
+from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, error_code
 from cakemp.rss import resident_bytes
 
 def _no_progress(request_id: int) -> None:
@@ -37,8 +37,9 @@ def _no_progress(request_id: int) -> None:
 
 @dataclass
 class DeviceService:
-    runner: BlockRunner
-    layers: tuple[str, ...]  # the front addresses layers by their index in this tuple
+    """One device's runner behind the ipc contract: messages in, at most one message out each."""
+
+    runner: BlockRunner  # the front's ops index its `layers`
     index: int = 0  # this device's place in the node, as routes name it
     generation: int = 0  # which start of this device this process is; a route names the one it expects
     label: str = "cpu:0"
@@ -46,7 +47,7 @@ class DeviceService:
     progress: Callable[[int], None] = _no_progress
     poisoned: str | None = None  # why this process must end after its last answer (a sticky CUDA error)
     # request id -> the failure of one of its chunks, while later chunks may still come.
-    _failed: dict[int, Failure] = field(default_factory=dict)
+    _failed: dict[int, Failure] = field(default_factory=dict, init=False)
 
     @classmethod
     def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None, generation: int = 0,
@@ -63,7 +64,7 @@ class DeviceService:
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
             pack_weights=spec.max_batch > 1,  # twice the weight memory, worth it only where steps batch
         )
-        return cls(runner, spec.layers, spec.index, generation, spec.label, progress)
+        return cls(runner, spec.index, generation, spec.label, progress)
 
     def threads(self) -> int:
         """torch's intra-op threads in this process (--cpu-threads, or the CPU devices' share of the cores)."""
@@ -81,17 +82,14 @@ class DeviceService:
         if isinstance(request, Hop):
             return self.run_step([request])[0]
         try:
-            if isinstance(request, Clear):
-                self.runner.clear_session(request.session)
-            else:
-                self.runner.end_session(request.session)
+            self.runner.free_session(request.session)  # Clear and End differ only at the front
         except Exception as e:
             return self._failure(request.request_id, 0, e)
         return Done(request.request_id, self.runner.session_count(), self.runner.kv_bytes())
 
     def run_step(self, hops: Sequence[Hop]) -> list[Hop | Activation | Failure | None]:
         """Run this device's stage of each hop (of distinct sessions) as one batch
-        (BlockRunner.forward_batch); the message each becomes, in order, as `handle` says."""
+        (BlockRunner.run_batch); the message each becomes, in order, as `handle` says."""
         replies: list[Hop | Activation | Failure | None] = [None] * len(hops)
         batch: list[tuple[int, Request]] = []
         for i, hop in enumerate(hops):
@@ -103,19 +101,22 @@ class DeviceService:
                 replies[i] = self._failed_chunk(hop, earlier)
                 continue
             try:
-                batch.append((i, Request(hop.session, self._input(hop), self._ops(stage))))
+                batch.append((i, Request(hop.session, self._input(hop), stage.ops)))
             except Exception as e:
                 replies[i] = self._failed_chunk(hop, self._failure(hop.request_id, hop.chunk, e))
         if not batch:
             return replies
         first = hops[batch[0][0]].request_id
-        results = self.runner.forward_batch([request for _, request in batch], lambda: self.progress(first))
+        results = self.runner.run_batch([request for _, request in batch], lambda: self.progress(first))
         for (i, _), result in zip(batch, results, strict=True):
             hop = hops[i]
-            if isinstance(result, Exception):
-                replies[i] = self._failed_chunk(hop, self._failure(hop.request_id, hop.chunk, result))
-            else:
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                # The copy to the host is where an asynchronous CUDA error or a cast's OOM surfaces.
                 replies[i] = self._onward(hop, result)
+            except Exception as e:
+                replies[i] = self._failed_chunk(hop, self._failure(hop.request_id, hop.chunk, e))
         return replies
 
     def _failed_chunk(self, hop: Hop, failure: Failure) -> Failure:
@@ -135,18 +136,12 @@ class DeviceService:
             return Hop(hop.session, hop.request_id, hop.dtype, hop.shape, rest, data, hop.chunk, hop.chunks, kv)
         return Activation(hop.request_id, hop.dtype, hop.shape, data, hop.chunk, kv)
 
-    def _ops(self, stage: Stage) -> list[Op]:
-        """The stage's ops with this device's layer names (UnknownLayer for an index it does not have)."""
-        ops = []
-        for op in stage.ops:
-            if op.layer >= len(self.layers):
-                raise UnknownLayer(f"could not find layer #{op.layer} on this device")
-            ops.append((self.layers[op.layer], op.index_pos, op.block_idx))
-        return ops
-
     def _input(self, hop: Hop) -> torch.Tensor:
         """The hop's activation [1, T, H] on this device, in its compute dtype."""
-        x = tensors.to_tensor(hop.data, hop.dtype, hop.shape)  # wire dtype, CPU
+        try:
+            x = tensors.to_tensor(hop.data, hop.dtype, hop.shape)  # wire dtype, CPU
+        except BadTensor as e:  # admission at the front passed it: the contract is broken
+            raise InternalError(f"the hop's activation breaks the contract: {e}") from None
         # Cast on the device: torch casts within a host copy on the CPU, single-threaded.
         return x.to(self.runner.device).to(self.runner.dtype)
 
@@ -156,7 +151,7 @@ class DeviceService:
         (cakemp/device/fault.py says why); any other fault is logged here and named to the front
         only as internal."""
         code = error_code(error)
-        if isinstance(error, RequestError):
+        if isinstance(error, RequestError) and not isinstance(error, InternalError):  # InternalError: a bug here
             return Failure(request_id, code, str(error), chunk)
         summary = ". ".join(str(error).split(". ")[:2]).strip()  # torch's OOM text goes on for lines
         if isinstance(error, torch.OutOfMemoryError):

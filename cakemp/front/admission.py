@@ -34,15 +34,19 @@ _SHOWN_CHARS = 64
 
 @dataclass(frozen=True)
 class Admission:
+    """What this node's devices can serve, and the one judge of whether a peer's request fits it."""
+
     layers: frozenset[str]  # every layer this node serves
     hidden_size: int
     max_context: int  # positions per session
-    num_blocks: int  # block_idx (a KV slot) is in [0, num_blocks)
+    # The KV slots a request may name: the served layers' numbers, which is what Cake's masters send
+    # as block_idx. So one session holds at most one slot per served layer (not one per layer of the model).
+    blocks: frozenset[int]
 
     @classmethod
     def for_model(cls, model: ModelConfig, layers: Sequence[str], max_context: int | None) -> Admission:
         return cls(frozenset(layers), model.hidden_size, max_context or model.max_position_embeddings,
-                   model.num_hidden_layers)
+                   frozenset(model.layer_index(layer) for layer in layers))
 
     def max_payload(self) -> int:
         """The largest frame payload a master can need: the longest f32 activation and a layer run
@@ -83,8 +87,9 @@ class Admission:
                 raise UnknownLayer(f"could not find layer {shown(layer)}")
             if layer in layers:
                 raise BadOps(f"layer {layer} appears twice in one request")
-            if not 0 <= block_idx < self.num_blocks:
-                raise BadOps(f"block_idx {block_idx} of layer {layer} is outside 0..{self.num_blocks - 1}")
+            if block_idx not in self.blocks:
+                raise BadOps(f"block_idx {block_idx} of layer {layer} is not a KV slot of this worker: a master "
+                             f"names the served layers' own numbers ({_numbers_text(self.blocks)})")
             if block_idx in blocks:
                 raise BadOps(f"block_idx {block_idx} (a KV slot) appears twice in one request")
             if index_pos + tokens > self.max_context:
@@ -99,6 +104,17 @@ def shown(text: str) -> str:
     """A peer's text as an error may repeat it: printable, and at most _SHOWN_CHARS of it."""
     clipped = text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + f"… ({len(text)} chars)"
     return clipped if clipped.isprintable() else repr(clipped)
+
+
+def _numbers_text(numbers: frozenset[int]) -> str:
+    """Sorted numbers with consecutive runs collapsed: "0-3, 7"."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and runs[-1][1] + 1 == n:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:

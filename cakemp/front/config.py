@@ -1,201 +1,267 @@
-"""The node's configuration, as `cakemp run` builds it and the front consumes it."""
+"""The node's configuration: every `cakemp run` flag written once, the NodeConfig they make, and
+the DeviceSpec each device process is told.
+
+A flag that sets one NodeConfig field is declared on that field (`knob`): its name, default,
+click type and help. cli.py makes the click options of `RUN_FLAGS` (each also reads
+CAKEMP_<FLAG>), and `node_config` fills the fields from their values. The flags that together
+say what the node serves (--name, --topology, --gpus, and zero-config's) are `Flag`s of their
+own, read by `node_config`. Adding a knob touches its field here and the code that uses it.
+"""
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-from collections.abc import Mapping
+import dataclasses
+import os
+import socket
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import click
+
+from cakemp import gpus, log
+from cakemp.address import parse_address
+from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
-from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK
+from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, DeviceSpec
+from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
+from cakemp.topology import Topology
 from cakemp.wire import Revision
+from cakemp.wire.discovery import DISCOVERY_PORT
 
 # Cake's WorkerInfo.dtype spelling (candle's Debug names) for each --dtype value.
-WIRE_DTYPE_NAMES = {"f16": "F16", "bf16": "BF16", "f32": "F32"}
+WIRE_DTYPE_NAMES = {name: tag.name for name, tag in COMPUTE_DTYPES.items()}
+# torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
+# per core in each of several such processes only contends for the cores.
+GPU_DEVICE_THREADS = 2
 
 
 @dataclass(frozen=True)
+class Flag:
+    """One command-line flag: its name, help, default and click type (None: a string); `envvar`
+    names variables read before CAKEMP_<FLAG> (Cake's own)."""
+
+    name: str  # "--request-timeout"
+    help: str | None = None
+    default: Any = None
+    type: click.ParamType | None = None
+    envvar: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The keyword its value is passed as: request_timeout."""
+        return self.name.removeprefix("--").replace("-", "_")
+
+
+def knob(name: str, default: Any, type: click.ParamType | None, help: str | None, *,
+         convert: Callable[[Any], Any] | None = None, envvar: tuple[str, ...] = ()) -> Any:
+    """A NodeConfig field set by the flag `name`. `convert` turns the flag's value into the field's
+    (MiB into bytes, say); the field's default is the flag's, converted."""
+    flag = Flag(name, help, default, type, envvar)
+    value = default if convert is None or default is None else convert(default)
+    return dataclasses.field(default=value, metadata={"flag": flag, "convert": convert})
+
+
+def _mib(count: int) -> int:
+    return count * (1 << 20)
+
+
+def _revision(protocol: str) -> Revision:
+    return Revision(int(protocol))
+
+
+@dataclass(frozen=True, kw_only=True)
 class NodeConfig:
     """Everything the front needs; `devices` holds one CUDA_VISIBLE_DEVICES value per GPU, or None per CPU slot."""
 
     name: str
-    model_dir: str
     layers: tuple[str, ...]
     devices: tuple[str | None, ...]
-    host: str = "0.0.0.0"
-    port: int = 10128
-    cluster_key: str | None = None
-    dtype: str = "f16"
-    revision: Revision = Revision.V2
-    kv_budget_bytes: int | None = None
-    max_context: int | None = None
-    cpu_threads: int | None = None  # torch threads per CPU device process (None: its share of the cores)
-    drain_timeout: float = 30.0  # seconds requests in flight get to finish after SIGTERM/SIGINT
-    request_timeout: float = 60.0  # seconds a device may take to answer before it counts as hung and is restarted
-    restart_attempts: int = 5  # failed starts in a row of one device before the node exits 1
-    # Tokens per chunk of a prompt, and prefill tokens a device runs per step beside its decodes.
-    prefill_chunk: int = PREFILL_CHUNK
-    max_batch: int = MAX_BATCH  # requests a device runs together in one step at most
-    metrics_address: tuple[str, int] | None = None  # (host, port) of /metrics, /healthz, /readyz; None: off
-    max_connections: int = 4096  # master connections at once (Cake opens one per remote layer)
-    max_buffered_bytes: int = 1 << 30  # frame bytes all connections together may hold
-    frame_timeout: float = 60.0  # seconds a frame may take to arrive once it has started
-    session_idle_timeout: float | None = None  # seconds idle before a session's KV is freed; None: never
-    log_format: str = "auto"
-    log_level: str = "info"
-    stats_interval: float = 60.0  # seconds between throughput lines (none while idle)
     # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
     setup: SetupConfig | None = None
+    model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None, "Model directory.")
+    address: tuple[str, int] = knob("--address", "0.0.0.0:10128", None, "host:port to listen on.",
+                                    convert=parse_address)
+    cluster_key: str | None = knob("--cluster-key", None, None, "Shared key; turns on auth.",
+                                   envvar=("CAKE_CLUSTER_KEY",))
+    dtype: str = knob("--dtype", "f16", click.Choice(list(COMPUTE_DTYPES)), "Compute dtype of the layers.")
+    revision: Revision = knob("--protocol", "2", click.Choice([str(int(revision)) for revision in Revision]),
+                              "Cake revision: 1 = fa7d08a (WorkerError tag 11), 2 = after 2026-03-21 (tag 12).",
+                              convert=_revision)
+    kv_budget_bytes: int | None = knob(
+        "--kv-budget-mib", None, click.IntRange(min=1),
+        "KV cache budget per device process, in MiB (default: none on a CPU; on a GPU what is free after loading, "
+        "less max(2 GiB, a tenth of the GPU)).", convert=_mib)
+    max_context: int | None = knob("--max-context", None, click.IntRange(min=1),
+                                   "Maximum positions per session (default: the model's).")
+    cpu_threads: int | None = knob("--cpu-threads", None, click.IntRange(min=1),
+                                   "torch threads per CPU device process (default: the cores divided among them).")
+    drain_timeout: float = knob(
+        "--drain-timeout", 30.0, click.FloatRange(min=0),
+        "Seconds requests in flight get to finish after SIGTERM or SIGINT (a second signal exits at once).")
+    request_timeout: float = knob(
+        "--request-timeout", 60.0, click.FloatRange(min=0, min_open=True),
+        "Seconds a device process may take to answer the front before it counts as hung and is restarted.")
+    restart_attempts: int = knob("--restart-attempts", 5, click.IntRange(min=1),
+                                 "Failed starts in a row of one device process after which the node exits 1.")
+    prefill_chunk: int = knob(
+        "--prefill-chunk", PREFILL_CHUNK, click.IntRange(min=1),
+        "Tokens per chunk of a prompt, and the prompt tokens a device runs per step beside its decodes: a long "
+        "prompt neither stalls other sessions' decodes nor waits behind them, and across several devices its "
+        "chunks flow down the route one after another, so the devices work at once.")
+    max_batch: int = knob(
+        "--max-batch", MAX_BATCH, click.IntRange(min=1),
+        "Requests a device runs together in one step at most: decode steps of concurrent sessions share one "
+        "pass over the weights (1: each request alone, as Cake's worker).")
+    metrics_address: tuple[str, int] | None = knob(
+        "--metrics-address", None, None, "host:port serving /metrics, /healthz and /readyz (default: off).",
+        convert=lambda text: parse_address(text, "--metrics-address"))
+    max_connections: int = knob(
+        "--max-connections", 4096, click.IntRange(min=1),
+        "Master connections served at once; more are closed at once (a master opens one per remote layer).")
+    max_buffered_bytes: int = knob(
+        "--max-buffered-mib", 1024, click.IntRange(min=1),
+        "MiB of frames all connections together may hold; past it connections wait, unread (backpressure).",
+        convert=_mib)
+    frame_timeout: float = knob(
+        "--frame-timeout", 60.0, click.FloatRange(min=0, min_open=True),
+        "Seconds a frame may take to arrive once its header has (Hello: once connected); then it is closed.")
+    session_idle_timeout: float | None = knob(
+        "--session-idle-timeout", None, click.FloatRange(min=0, min_open=True),
+        "Seconds a session may sit idle before its KV cache is freed (default: never, as Cake).")
+    log_format: str = knob("--log-format", "auto", click.Choice(list(log.FORMATS)),
+                           "auto = console on a terminal, JSON lines otherwise.")
+    log_level: str = knob("--log-level", "info", click.Choice(list(log.LEVELS)), None)
+    stats_interval: float = knob("--stats-interval", 60.0, click.FloatRange(min=0, min_open=True),
+                                 "Seconds between throughput log lines (none while nothing is served).")
+
+    @property
+    def host(self) -> str:
+        return self.address[0]
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+
+def _knobs(values: Mapping[str, Any]) -> dict[str, Any]:
+    """NodeConfig's knob fields from their flags' values; an optional one left empty stays None."""
+    fields = {}
+    for field in dataclasses.fields(NodeConfig):
+        if (flag := field.metadata.get("flag")) is None:
+            continue
+        value, convert = values[flag.key], field.metadata["convert"]
+        if flag.default is None and value in (None, ""):
+            fields[field.name] = None
+        else:
+            fields[field.name] = value if convert is None else convert(value)
+    return fields
+
+
+# The flags that say what the node serves: read together, not one field each.
+NAME = Flag("--name", "This worker's entry in the topology; in zero-config mode its discovery name (default: the "
+            "host name).")
+TOPOLOGY = Flag("--topology", "Cake topology YAML; without it and with --cluster-key, zero-config mode (the master "
+                "discovers the node and pushes the model).")
+GPUS = Flag("--gpus", "all | cpu | cpu:N | GPU indices (of the visible GPUs, PCI bus order) or GPU/MIG UUIDs, like 0,2.",
+            "all")
+DISCOVERY_PORT_FLAG = Flag("--discovery-port", "Zero-config: UDP port answering the master's discovery.",
+                           DISCOVERY_PORT, click.IntRange(0, 65535))
+DISCOVERY_BIND = Flag("--discovery-bind", "Zero-config: address the discovery responder binds.", "0.0.0.0")
+MAX_MODEL_GIB = Flag("--max-model-gib", "Zero-config: most GiB a master may push, all files together.", 1024.0,
+                     click.FloatRange(0, min_open=True))
+
+# Every `cakemp run` flag, in --help order.
+RUN_FLAGS: tuple[Flag, ...] = (
+    NAME, TOPOLOGY, GPUS,
+    *(field.metadata["flag"] for field in dataclasses.fields(NodeConfig) if "flag" in field.metadata),
+    DISCOVERY_PORT_FLAG, DISCOVERY_BIND, MAX_MODEL_GIB,
+)
+
+
+def run_flag(name: str) -> Flag:
+    """The `cakemp run` flag `name`, for another command taking the same value (its default and type)."""
+    return next(flag for flag in RUN_FLAGS if flag.name == name)
+
+
+def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
+    """The node `cakemp run` was asked for by `values` (each RUN_FLAGS flag's, by key): the layers
+    of its topology entry or, in zero-config mode, those a master will assign; on which devices;
+    every knob. `model_given`: --model was set, not left at its default. Raises ConfigError."""
+    logger = log.get_logger()
+    knobs = _knobs(values)
+    if values["cluster_key"] and not values["topology"]:
+        # Cake's rule for zero-config: a key and no topology (--model has a default, so it cannot count).
+        if model_given:
+            logger.warning("--model is ignored in zero-config mode: the master pushes the model")
+        served, layers = values["name"] or socket.gethostname(), ()
+        knobs["model_dir"] = ""  # until a master's setup names the cache directory it pushed into
+        setup = SetupConfig(cluster_key=values["cluster_key"], cache_root=cache_root(),
+                            max_model_bytes=int(values["max_model_gib"] * (1 << 30)),
+                            discovery_host=values["discovery_bind"], discovery_port=values["discovery_port"])
+    else:
+        served, layers = _topology_entry(values["name"], values["topology"])
+        setup = None
+    devices = gpus.select_devices(values["gpus"])
+    if values["gpus"].strip() == "all" and devices == (None,):
+        logger.warning("no CUDA device found; serving on one CPU device")
+    if setup is None and len(devices) > len(layers):
+        logger.warning("more devices than layers, using one per layer", devices=len(devices), layers=len(layers))
+        devices = devices[: len(layers)]
+    return NodeConfig(name=served, layers=layers, devices=devices, setup=setup, **knobs)
+
+
+def _topology_entry(name: str | None, topology: str | None) -> tuple[str, tuple[str, ...]]:
+    """The entry of `topology` this worker serves (its name and layers)."""
+    if not name:
+        raise ConfigError("no --name provided for worker")
+    if not topology:
+        raise ConfigError("no --topology given (and no --cluster-key for zero-config setup)")
+    served, node = Topology.load(topology).worker(name)
+    if served != name:
+        log.get_logger().warning("worker name not in topology, serving its only entry", name=name, entry=served)
+    if not node.layers:
+        raise ConfigError(f"topology entry '{served}' lists no layers")
+    return served, node.layers
+
+
+def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runtime_dir: str) -> list[DeviceSpec]:
+    """What each device process is told: device i serves `placement[i]` on `config.devices[i]`,
+    listening for the front in `runtime_dir`."""
+    cpu_processes = sum(1 for gpu in config.devices if gpu is None)
+    # CPU processes share the cores rather than oversubscribe them.
+    cpu_threads = config.cpu_threads or max(1, len(os.sched_getaffinity(0)) // max(1, cpu_processes))
+    return [
+        DeviceSpec(
+            index=i,
+            gpu=gpu,
+            layers=layers,
+            model_dir=config.model_dir,
+            dtype=config.dtype,
+            endpoint=f"ipc://{runtime_dir}/device-{i}",
+            kv_budget_bytes=config.kv_budget_bytes,
+            max_context=config.max_context,
+            max_batch=config.max_batch,
+            prefill_chunk=config.prefill_chunk,
+            threads=cpu_threads if gpu is None else GPU_DEVICE_THREADS,
+            # Well inside the request timeout, which counts a device silent that long as hung.
+            progress_s=config.request_timeout / 4,
+            log_format=config.log_format,
+            log_level=config.log_level,
+        )
+        for i, (gpu, layers) in enumerate(zip(config.devices, placement))
+    ]
 
 
 def device_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """Variables the front sets for the device processes it spawns (they inherit its environment).
 
-    CUDA_DEVICE_ORDER=PCI_BUS_ID: GPUs numbered as nvidia-smi lists them, as `parse_gpus` counts
-    them. Unless the operator configured torch's allocator: expandable segments, so that KV
+    CUDA_DEVICE_ORDER=PCI_BUS_ID: GPUs numbered as nvidia-smi lists them, as `gpus.parse_gpus`
+    counts them. Unless the operator configured torch's allocator: expandable segments, so that KV
     caches growing by doubling and requests of every size strand less memory between segments.
     """
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return env
-
-
-@dataclass(frozen=True)
-class Gpu:
-    """One GPU as `nvidia-smi -L` lists it: its index in PCI bus order, its UUID, and the UUIDs
-    of its MIG instances (empty when MIG is off)."""
-
-    index: int
-    uuid: str
-    migs: tuple[str, ...] = ()
-
-
-_GPU_LINE = re.compile(r"^GPU (\d+): .*\(UUID: (GPU-[^)\s]+)\)")
-_MIG_LINE = re.compile(r"^\s+MIG .*\(UUID: (MIG-[^)\s]+)\)")
-
-
-def parse_gpu_list(text: str) -> tuple[Gpu, ...]:
-    """The GPUs in `nvidia-smi -L` output, each with the MIG instances listed under it."""
-    gpus: list[Gpu] = []
-    for line in text.splitlines():
-        if match := _GPU_LINE.match(line):
-            gpus.append(Gpu(int(match[1]), match[2]))
-        elif (match := _MIG_LINE.match(line)) and gpus:
-            gpus[-1] = Gpu(gpus[-1].index, gpus[-1].uuid, (*gpus[-1].migs, match[1]))
-    return tuple(gpus)
-
-
-def discover_gpus() -> tuple[Gpu, ...] | None:
-    """The machine's GPUs from `nvidia-smi -L` (asked of nvidia-smi so that the front never imports
-    torch); None when nvidia-smi is not installed. Raises ConfigError when it is but fails: a GPU
-    machine with a broken driver must not quietly serve on its CPU."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ConfigError(f"cannot list GPUs: nvidia-smi -L failed: {exc}") from None
-    if done.returncode != 0:
-        why = (done.stderr.strip() or done.stdout.strip()).splitlines()
-        raise ConfigError(f"cannot list GPUs: nvidia-smi -L exited {done.returncode}"
-                          + (f": {why[0]}" if why else ""))
-    return parse_gpu_list(done.stdout)
-
-
-def parse_gpus(text: str, visible_env: str | None, inventory: tuple[Gpu, ...] | None) -> tuple[str | None, ...]:
-    """--gpus -> one CUDA_VISIBLE_DEVICES value per device process (None: a CPU process).
-
-    text: all | cpu | cpu:N | a comma list of GPU indices, GPU UUIDs (or unique prefixes) and
-    MIG UUIDs. visible_env: this process's CUDA_VISIBLE_DEVICES (None: unset). inventory: the
-    machine's GPUs (`discover_gpus`; None: unknown, no nvidia-smi).
-
-    Indices count the GPUs visible under `visible_env`, as CUDA numbers them inside this process,
-    so `--gpus 0,1` under CUDA_VISIBLE_DEVICES=2,3 is physical GPUs 2 and 3. Device order is PCI
-    bus order (nvidia-smi's; the front sets CUDA_DEVICE_ORDER=PCI_BUS_ID for its devices). A GPU
-    split into MIG instances gives one device process per instance. A whole GPU is passed on as
-    its PCI-order index ("3", which labels it as nvidia-smi does), a MIG instance as its UUID.
-    `all` with no GPU visible gives one CPU process (the caller warns).
-    """
-    text = text.strip()
-    if text == "cpu":
-        return (None,)
-    if text.startswith("cpu:"):
-        count = text[4:]
-        if not count.isdigit() or int(count) < 1:
-            raise ConfigError(f"invalid --gpus {text!r}: cpu:N needs N >= 1")
-        return (None,) * int(count)
-    visible = _visible(visible_env, inventory)
-    if text == "all":
-        return tuple(dict.fromkeys(device for gpu in visible for device in gpu.devices)) or (None,)
-    entries = [part.strip() for part in text.split(",")]
-    if not all(entries):
-        raise ConfigError(f"invalid --gpus {text!r}: expected all, cpu, cpu:N or GPU indices / UUIDs like 0,2")
-    devices = [device for entry in entries for device in _select(entry, visible, text)]
-    if len(set(devices)) != len(devices):
-        raise ConfigError(f"invalid --gpus {text!r}: a GPU is named twice")
-    return tuple(devices)
-
-
-@dataclass(frozen=True)
-class _Visible:
-    """A GPU (or one MIG instance) CUDA enumerates: its UUID or the raw id it was named by, and
-    the CUDA_VISIBLE_DEVICES value of each device process it gives."""
-
-    name: str
-    devices: tuple[str, ...]
-
-
-def _visible(visible_env: str | None, inventory: tuple[Gpu, ...] | None) -> list[_Visible]:
-    """The GPUs visible under `visible_env`, in CUDA's numbering."""
-    if visible_env is None:
-        return [_whole(gpu) for gpu in inventory or ()]
-    visible = []
-    # CUDA stops at the first entry it cannot resolve (such as -1, or an index past the last GPU).
-    for entry in (part.strip() for part in visible_env.split(",")):
-        if inventory is None:  # nothing to resolve against: pass the operator's ids on as they are
-            if not entry or entry.startswith("-"):
-                break
-            visible.append(_Visible(entry, (entry,)))
-            continue
-        found = _resolve(entry, inventory)
-        if found is None:
-            break
-        visible.append(found)
-    return visible
-
-
-def _whole(gpu: Gpu) -> _Visible:
-    return _Visible(gpu.uuid, gpu.migs or (str(gpu.index),))
-
-
-def _resolve(entry: str, inventory: tuple[Gpu, ...]) -> _Visible | None:
-    """A CUDA_VISIBLE_DEVICES entry (PCI-order index, GPU UUID or its prefix, MIG UUID), or None."""
-    if entry.isdigit():
-        return next((_whole(gpu) for gpu in inventory if gpu.index == int(entry)), None)
-    if entry.startswith("MIG-"):
-        return next((_Visible(mig, (mig,)) for gpu in inventory for mig in gpu.migs if mig.startswith(entry)), None)
-    matches = [gpu for gpu in inventory if entry.startswith("GPU-") and gpu.uuid.startswith(entry)]
-    return _whole(matches[0]) if len(matches) == 1 else None
-
-
-def _select(entry: str, visible: list[_Visible], text: str) -> tuple[str, ...]:
-    """The device values one --gpus entry names among the visible GPUs."""
-    if entry.isdigit():
-        if int(entry) < len(visible):
-            return visible[int(entry)].devices
-        seen = f"only {len(visible)} visible" if visible else "none is visible"
-        raise ConfigError(f"--gpus {text}: there is no GPU {entry} ({seen})")
-    if not entry.startswith(("GPU-", "MIG-")):
-        raise ConfigError(f"invalid --gpus {text!r}: {entry!r} is neither a GPU index nor a GPU or MIG UUID")
-    # A GPU UUID (or prefix, as CUDA accepts) names a visible GPU; a MIG UUID one of its instances.
-    gpus = [v.devices for v in visible if v.name.startswith(entry)]
-    migs = [(d,) for v in visible for d in v.devices if d.startswith(entry) and d.startswith("MIG-") and d != v.name]
-    found = gpus + migs
-    if len(found) != 1:
-        why = "matches several" if found else "is not among the visible GPUs"
-        raise ConfigError(f"--gpus {text}: {entry} {why}")
-    return found[0]

@@ -20,13 +20,11 @@ import os
 import platform
 import resource
 from collections.abc import Callable, Mapping, Sequence
-
-import structlog
+from typing import TypeVar
 
 import cakemp
+from cakemp import log
 from cakemp.rss import resident_bytes
-
-log = structlog.get_logger(__name__)
 
 # Request latencies run from well under a millisecond (one decode step on a small layer run)
 # to seconds (a long prefill, a device restart), so the buckets span 0.5 ms .. 10 s.
@@ -60,6 +58,9 @@ class _Metric:
             return f"{name} {_number(value)}"
         labels = ",".join(f'{label}="{_escape(text)}"' for label, text in pairs)
         return f"{name}{{{labels}}} {_number(value)}"
+
+
+_M = TypeVar("_M", bound=_Metric)
 
 
 class _Valued(_Metric):
@@ -203,98 +204,76 @@ def _open_fds() -> float | None:
 
 
 class Metrics:
-    """The front's registry: what it serves, how fast, and whether it is ready."""
+    """The front's registry: what it serves, how fast, and whether it is ready. Each metric is
+    declared once, as an attribute; creating it registers it, and /metrics lists them in that order."""
 
     def __init__(self) -> None:
+        self._all: list[_Metric] = []
         # What masters ask, and how long they wait for it.
-        self.requests = Counter("cakemp_requests_total", "Forward requests (Batch, SingleOp) answered.")
-        self.errors = Counter(
-            "cakemp_request_errors_total", "Requests answered with WorkerError, by error class.", ["error"]
-        )
-        self.request_seconds = Histogram(
+        self.requests = self._counter("cakemp_requests_total", "Forward requests (Batch, SingleOp) answered.")
+        self.errors = self._counter("cakemp_request_errors_total", "Requests answered with WorkerError, by error class.",
+                                    "error")
+        self.request_seconds = self._histogram(
             "cakemp_request_duration_seconds",
             "Forward requests answered with a tensor, from the request read in full to the reply written, by kind "
-            "(decode: one token past position 0; prefill: the rest).",
-            ["kind"],
-        )
-        self.tokens = Counter(
-            "cakemp_tokens_total", "Token positions of the requests answered with a tensor, by kind.", ["kind"]
-        )
-        self.layer_ops = Counter("cakemp_layer_ops_total", "Layer forward passes of the requests answered with a tensor.")
-        self.bytes_received = Counter("cakemp_received_bytes_total", "Bytes read from master connections.")
-        self.bytes_sent = Counter("cakemp_sent_bytes_total", "Bytes written to master connections.")
+            "(decode: one token past position 0; prefill: the rest).", "kind")
+        self.tokens = self._counter("cakemp_tokens_total", "Token positions of the requests answered with a tensor, by kind.",
+                                    "kind")
+        self.layer_ops = self._counter("cakemp_layer_ops_total",
+                                       "Layer forward passes of the requests answered with a tensor.")
+        self.bytes_received = self._counter("cakemp_received_bytes_total", "Bytes read from master connections.")
+        self.bytes_sent = self._counter("cakemp_sent_bytes_total", "Bytes written to master connections.")
         # Who is connected. A session is one master connection; it belongs to a device once it sends it a request.
-        self.connections = Gauge("cakemp_connections", "Master connections open now.")
-        self.sessions = Gauge(
-            "cakemp_sessions", "Open master connections that have sent requests to each device.", ["device"]
-        )
+        self.connections = self._gauge("cakemp_connections", "Master connections open now.")
+        self.sessions = self._gauge("cakemp_sessions", "Open master connections that have sent requests to each device.",
+                                    "device")
+        self.refused_connections = self._counter(
+            "cakemp_refused_connections_total", "Master connections closed on accept: --max-connections were open.")
+        self.buffered_bytes = self._gauge("cakemp_buffered_bytes",
+                                          "Frame bytes master connections hold now, against --max-buffered-mib.")
         # The devices.
-        self.device_request_seconds = Histogram(
-            "cakemp_device_request_duration_seconds", "Time from handing a request to a device to its reply.", ["device"]
-        )
-        self.requests_waiting = Gauge(
+        self.device_request_seconds = self._histogram(
+            "cakemp_device_request_duration_seconds", "Time from handing a request to a device to its reply.", "device")
+        self.requests_waiting = self._gauge(
             "cakemp_device_requests_waiting",
-            "Forward requests handed to each device and not answered yet (queued there or running).",
-            ["device"],
-        )
-        self.batch_requests = Gauge(
-            "cakemp_device_batch_requests", "Requests in the step each device is running now (0: idle).", ["device"]
-        )
-        self.batch_size = Histogram(
-            "cakemp_device_batch_size", "Requests each device ran together per step (--max-batch at most).", ["device"],
-            buckets=BATCH_BUCKETS,
-        )
-        self.step_tokens = Histogram(
+            "Forward requests handed to each device and not answered yet (queued there or running).", "device")
+        self.batch_requests = self._gauge("cakemp_device_batch_requests",
+                                          "Requests in the step each device is running now (0: idle).", "device")
+        self.batch_size = self._histogram(
+            "cakemp_device_batch_size", "Requests each device ran together per step (--max-batch at most).", "device",
+            buckets=BATCH_BUCKETS)
+        self.step_tokens = self._histogram(
             "cakemp_device_step_tokens", "Tokens each device ran per step (decodes one each, prompt chunks theirs).",
-            ["device"], buckets=TOKEN_BUCKETS,
-        )
-        self.kv_bytes = Gauge("cakemp_kv_cache_bytes", "KV cache bytes held, as last reported by each device.", ["device"])
-        self.kv_budget_bytes = Gauge(
-            "cakemp_kv_cache_budget_bytes", "KV cache byte budget of each device (--kv-budget-mib; absent: none).",
-            ["device"],
-        )
-        self.device_memory = Gauge(
+            "device", buckets=TOKEN_BUCKETS)
+        self.kv_bytes = self._gauge("cakemp_kv_cache_bytes", "KV cache bytes held, as last reported by each device.",
+                                    "device")
+        self.kv_budget_bytes = self._gauge(
+            "cakemp_kv_cache_budget_bytes", "KV cache byte budget of each device (--kv-budget-mib; absent: none).", "device")
+        self.device_memory = self._gauge(
             "cakemp_device_memory_bytes",
             "Memory each device process held once its layers were loaded: GPU memory allocated, or its RSS on a CPU.",
-            ["device"],
-        )
-        self.device_restarts = Counter(
-            "cakemp_device_restarts_total", "Device processes restarted after dying or hanging.", ["device"]
-        )
-        self.refused_connections = Counter(
-            "cakemp_refused_connections_total", "Master connections closed on accept: --max-connections were open."
-        )
-        self.buffered_bytes = Gauge(
-            "cakemp_buffered_bytes", "Frame bytes master connections hold now, against --max-buffered-mib."
-        )
-        self.readiness = Gauge("cakemp_ready", "1 when every device process is ready and connections are accepted.")
-        self.build_info = Gauge("cakemp_build_info", "Always 1: the labels say what is running.", ["version", "python"])
+            "device")
+        self.device_restarts = self._counter("cakemp_device_restarts_total",
+                                             "Device processes restarted after dying or hanging.", "device")
+        # The node.
+        self.readiness = self._gauge("cakemp_ready", "1 when every device process is ready and connections are accepted.")
+        self.build_info = self._gauge("cakemp_build_info", "Always 1: the labels say what is running.", "version", "python")
         self.build_info.set(1, version=cakemp.__version__, python=platform.python_version())
-        self._all: tuple[_Metric, ...] = (
-            self.requests,
-            self.errors,
-            self.request_seconds,
-            self.tokens,
-            self.layer_ops,
-            self.bytes_received,
-            self.bytes_sent,
-            self.connections,
-            self.sessions,
-            self.device_request_seconds,
-            self.requests_waiting,
-            self.batch_requests,
-            self.batch_size,
-            self.step_tokens,
-            self.refused_connections,
-            self.buffered_bytes,
-            self.kv_bytes,
-            self.kv_budget_bytes,
-            self.device_memory,
-            self.device_restarts,
-            self.readiness,
-            self.build_info,
-            *process_metrics(),
-        )
+        self._all.extend(process_metrics())
+
+    def _counter(self, name: str, documentation: str, *labels: str) -> Counter:
+        return self._registered(Counter(name, documentation, labels))
+
+    def _gauge(self, name: str, documentation: str, *labels: str) -> Gauge:
+        return self._registered(Gauge(name, documentation, labels))
+
+    def _histogram(self, name: str, documentation: str, *labels: str,
+                   buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
+        return self._registered(Histogram(name, documentation, labels, buckets))
+
+    def _registered(self, metric: _M) -> _M:
+        self._all.append(metric)
+        return metric
 
     @property
     def is_ready(self) -> bool:
@@ -359,7 +338,7 @@ async def start_metrics_server(
 
     server = await asyncio.start_server(handle, host, port, limit=MAX_REQUEST_HEAD)
     bound_host, bound_port = server.sockets[0].getsockname()[:2]  # the real port when asked for 0
-    log.info("metrics endpoint", url=f"http://{bound_host}:{bound_port}/metrics", port=bound_port)
+    log.get_logger().info("metrics endpoint", url=f"http://{bound_host}:{bound_port}/metrics", port=bound_port)
     return server
 
 

@@ -17,11 +17,8 @@ import os
 import socket
 from collections.abc import Mapping, MutableMapping
 
-import structlog
-
+from cakemp import log
 from cakemp.errors import ConfigError
-
-log = structlog.get_logger(__name__)
 
 # The variables systemd sets for the main process only; children must not see them.
 MANAGER_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -94,7 +91,7 @@ class Notifier:
                     socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
             self._socket.sendto("\n".join(assignments).encode(), target)
         except OSError as error:
-            log.warning("notify_failed", socket=self.address, error=str(error))
+            log.get_logger().warning("notify failed", socket=self.address, error=str(error))
             return False
         return True
 

@@ -21,20 +21,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
 import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cakemp import log
-from cakemp.ipc.spec import PREFILL_CHUNK
 from cakemp.ipc.spec import DeviceMain, DeviceSpec
-from cakemp.errors import DeviceLost, InternalError, ProtocolError, RequestError
+from cakemp.errors import InternalError, ProtocolError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
-from cakemp.front.router import Leg, chunk_bounds
+from cakemp.front.router import Route, Router, chunk_bounds
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import (
     Activation,
@@ -46,7 +44,6 @@ from cakemp.ipc import (
     Hop,
     Loaded,
     Message,
-    Op,
     Ping,
     Progress,
     Ready,
@@ -56,6 +53,7 @@ from cakemp.ipc import (
     encode,
     error_from,
 )
+from cakemp.wire import LayerOp, RawTensor
 
 # A starting device that reports no loaded layer for this long is hung. Not --request-timeout:
 # that one is sized for requests, and a device's first layer comes only after torch and its
@@ -77,10 +75,11 @@ class _Pending:
 
 class DevicePool:
     def __init__(self, specs: Sequence[DeviceSpec], device_main: DeviceMain, *, status: NodeStatus, metrics: Metrics,
-                 request_timeout: float = 60.0, restart_attempts: int = 5, prefill_chunk: int = PREFILL_CHUNK,
+                 request_timeout: float, restart_attempts: int, prefill_chunk: int,
                  recurrent: Sequence[bool] = ()):
         """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind."""
         self.specs = tuple(specs)
+        self._router = Router([spec.layers for spec in self.specs])
         self._device_main = device_main  # the spawn target: the front never imports the device package
         self.failed = asyncio.Event()  # set when a device could not be restarted; `failure` says why
         self.failure: str | None = None
@@ -121,32 +120,34 @@ class DevicePool:
             await self.stop()
             raise
 
-    async def run(self, session: int, dtype: int, shape: tuple[int, ...], legs: Sequence[Leg], data):
-        """Run `legs` in order over activation bytes `data` ([1, T, H] of wire `dtype`); returns the
-        result's bytes. Raises the failing device's RequestError, or DeviceLost."""
-        if not legs:  # no layers: nothing to compute
-            return data
-        devices = tuple(leg.device for leg in legs)
-        self._state.admit(session, devices, [any(op.index_pos > 0 for op in leg.ops) for leg in legs])
-        stages = tuple(Stage(leg.device, self._state.generation(leg.device), leg.ops) for leg in legs)
-        chunks = list(self._chunks(shape, data))
+    def route(self, ops: Sequence[LayerOp]) -> Route:
+        """Where `ops` (admitted: every layer served here) run, expecting each device's current process."""
+        return self._router.plan(ops, self._state.generation)
+
+    async def run(self, session: int, x: RawTensor, route: Route) -> RawTensor:
+        """Run `route` over the admitted activation x ([1, T, H]); the result, as bytes of x's dtype
+        and shape (never a tensor here). Raises the failing device's RequestError, or DeviceLost."""
+        if not route.stages:  # no layers: nothing to compute
+            return x
+        devices = route.devices
+        self._state.admit(session, devices, [any(op.index_pos > 0 for op in stage.ops) for stage in route.stages])
+        chunks = list(self._chunks(x))
         request_id = next(self._request_ids)
-        messages = [Hop(session, request_id, dtype, chunk_shape, tuple(_shifted(stage, first) for stage in stages),
-                        chunk_data, i, len(chunks))
+        messages = [Hop(session, request_id, x.dtype, chunk_shape, route.shifted(first), chunk_data, i, len(chunks))
                     for i, (first, chunk_shape, chunk_data) in enumerate(chunks)]
         start = self._loop.time()
         passed = tuple(dict.fromkeys(devices))  # every device of the route, once
         for device in passed:
             self._metrics.requests_waiting.inc(device=self.label(device))
         try:
-            outputs = await self._request(session, tuple((s.device, s.generation) for s in stages), messages)
+            outputs = await self._request(session, route, messages)
         finally:
             for device in passed:
                 self._metrics.requests_waiting.dec(device=self.label(device))
         elapsed = self._loop.time() - start
         for device in passed:
             self._metrics.device_request_seconds.observe(elapsed, device=self.label(device))
-        return outputs[0] if len(outputs) == 1 else b"".join(outputs)
+        return RawTensor(outputs[0] if len(outputs) == 1 else b"".join(outputs), x.dtype, x.shape)
 
     async def clear(self, device: int, session: int) -> Done:
         """Goodbye: drop the session's caches on `device` (a fresh start, so a lost state no longer matters)."""
@@ -192,26 +193,25 @@ class DevicePool:
 
     # -- requests
 
-    def _chunks(self, shape: tuple[int, ...], data) -> Iterator[tuple[int, tuple[int, ...], object]]:
-        """(first token, shape, bytes) of each chunk: the whole request unless it is a [1, T, H]
-        activation longer than one chunk (anything else goes whole, for the device to judge)."""
-        view = memoryview(data).cast("B")
-        if len(shape) != 3 or shape[0] != 1 or shape[1] <= self._prefill_chunk or \
-                view.nbytes % max(1, math.prod(shape)) or not view.nbytes:
-            yield 0, shape, data
+    def _chunks(self, x: RawTensor) -> Iterator[tuple[int, tuple[int, ...], object]]:
+        """(first token, shape, bytes) of each chunk of x ([1, T, H], admitted): the whole request
+        unless it is longer than one chunk."""
+        shape = x.shape
+        if shape[1] <= self._prefill_chunk:
+            yield 0, shape, x.data
             return
+        view = memoryview(x.data).cast("B")
         row = view.nbytes // shape[1]
         for start, end in chunk_bounds(shape[1], self._prefill_chunk):
             yield start, (1, end - start, shape[2]), view[start * row:end * row]
 
     async def _control(self, device: int, session: int, msg: Clear | End) -> Done:
-        return await self._request(session, ((device, self._state.generation(device)),), [msg])
+        return await self._request(session, Route((Stage(device, self._state.generation(device), ()),)), [msg])
 
-    async def _request(self, session: int, route: tuple[tuple[int, int], ...], messages: list[Hop | Clear | End]):
+    async def _request(self, session: int, route: Route, messages: list[Hop | Clear | End]):
         """Send `messages` (a request's chunks, or one control message) to the first device of
-        `route` ((device, generation) pairs); the chunks' outputs once every one is answered (a
-        control message's Done)."""
-        devices = tuple(device for device, _ in route)
+        `route`; the chunks' outputs once every one is answered (a control message's Done)."""
+        devices = route.devices
         request_id = messages[0].request_id
         # Encoded before anything is registered: a request that cannot be encoded leaves nothing behind.
         frames = [encode(msg) for msg in messages]
@@ -236,16 +236,14 @@ class DevicePool:
         self._act(self._state.sealed(request_id))
         return await pending.future
 
-    async def _send(self, route: tuple[tuple[int, int], ...], frames) -> None:
+    async def _send(self, route: Route, frames) -> None:
         """Hand encoded frames to the socket of the route's first device; DeviceLost if a device
         of the route goes down or changes process first (its new process would drop the hop)."""
-        channel = self._channels[route[0][0]]
+        channel = self._channels[route.stages[0].device]
         while True:
-            for device, generation in route:
-                if (error := self._state.down(device)) is not None:
+            for stage in route.stages:
+                if (error := self._state.unusable(stage.device, stage.generation)) is not None:
                     raise error
-                if self._state.generation(device) != generation:
-                    raise DeviceLost(f"device {self.label(device)} restarted")
             if channel.try_send(frames):
                 return
             await channel.writable()
@@ -396,14 +394,6 @@ class DevicePool:
         reader.close()
         self._processes[device] = process
         self._loop.add_reader(process.sentinel, self._exited, device)
-
-
-def _shifted(stage: Stage, start: int) -> Stage:
-    """The stage for a chunk whose first token is `start` tokens into the request."""
-    if not start:
-        return stage
-    return Stage(stage.device, stage.generation, tuple(Op(op.layer, op.index_pos + start, op.block_idx)
-                                                       for op in stage.ops))
 
 
 @contextlib.contextmanager

@@ -2,39 +2,49 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
-from cakemp.errors import UnknownLayer
-from cakemp.ipc import Op
+from cakemp.ipc import Op, Stage
 from cakemp.wire import LayerOp
 
 
 @dataclass(frozen=True)
-class Leg:
-    """A maximal stretch of consecutive ops on one device; `Op.layer` indexes that device's layers."""
+class Route:
+    """Where a request runs: its stages in order, each the maximal stretch of consecutive ops on one
+    device (`Op.layer` indexing that device's layers), for the process generation it expects."""
 
-    device: int
-    ops: tuple[Op, ...]
+    stages: tuple[Stage, ...]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(stage.device for stage in self.stages)
+
+    def shifted(self, start: int) -> tuple[Stage, ...]:
+        """The stages for a chunk whose first token is `start` tokens into the request."""
+        if not start:
+            return self.stages
+        return tuple(replace(stage, ops=tuple(replace(op, index_pos=op.index_pos + start) for op in stage.ops))
+                     for stage in self.stages)
 
 
 class Router:
+    """Layer names to (device, index there), translated once per request: the only place names are read."""
+
     def __init__(self, placement: Sequence[Sequence[str]]):
         # placement[d] = the layers device d serves, in order.
         self._where = {layer: (device, i) for device, layers in enumerate(placement) for i, layer in enumerate(layers)}
 
-    def plan(self, ops: Sequence[LayerOp]) -> tuple[Leg, ...]:
-        """The legs that run `ops` in order; a run spanning devices passes through each in turn."""
-        legs: list[tuple[int, list[Op]]] = []
+    def plan(self, ops: Sequence[LayerOp], generation: Callable[[int], int]) -> Route:
+        """The route that runs `ops` in order, through each device in turn, expecting each device's
+        `generation(device)`. Every layer must be served here: admission has checked it."""
+        stages: list[tuple[int, list[Op]]] = []
         for op in ops:
-            where = self._where.get(op.layer)
-            if where is None:
-                raise UnknownLayer(f"could not find layer {op.layer}")
-            device, index = where
-            if not legs or legs[-1][0] != device:
-                legs.append((device, []))
-            legs[-1][1].append(Op(index, op.index_pos, op.block_idx))
-        return tuple(Leg(device, tuple(leg_ops)) for device, leg_ops in legs)
+            device, index = self._where[op.layer]
+            if not stages or stages[-1][0] != device:
+                stages.append((device, []))
+            stages[-1][1].append(Op(index, op.index_pos, op.block_idx))
+        return Route(tuple(Stage(device, generation(device), tuple(run)) for device, run in stages))
 
 
 def chunk_bounds(tokens: int, chunk: int) -> tuple[tuple[int, int], ...]:

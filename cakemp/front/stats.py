@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from cakemp import log
 from cakemp.front.metrics import Metrics
 
-DEFAULT_INTERVAL_S = 60.0
-
 
 @dataclass(frozen=True)
 class _Totals:

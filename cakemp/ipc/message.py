@@ -25,6 +25,7 @@ from enum import IntEnum
 
 from cakemp import errors
 from cakemp.errors import BadTensor, ProtocolError
+from cakemp.op import Op
 
 Buffer = bytes | bytearray | memoryview
 
@@ -111,15 +112,6 @@ _COUNTS = struct.Struct("<QQ")
 _PAIR = struct.Struct("<II")
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
-
-
-@dataclass(frozen=True)
-class Op:
-    """One entry of a layer run: the device's `layer` at RoPE offset `index_pos`, KV slot `block_idx`."""
-
-    layer: int
-    index_pos: int
-    block_idx: int
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
 workers, fastest first, get contiguous runs from layer 0 in proportion to their TFLOPS, the
 master's own TFLOPS counted in the total, each capped by what its devices' memory holds (less
 a reserve); the master keeps the rest. `set_up` runs the setup exchange with every worker at
-once, pushing the files it asks for, and returns the topology the generator then uses.
+once, pushing the files it asks for, and returns the topology the generator then uses;
+`discover_cluster` is the three steps together, as `cakemp generate --discover` runs them.
 (Cake also hands layers the master cannot fit back to the workers; cakemp's master computes
 whatever is left, so that step is not reproduced.)
 """
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from collections.abc import Sequence
 
-from cakemp.errors import ConfigError
+from cakemp import gpus
+from cakemp.checkpoint.config import ModelConfig
+from cakemp.errors import CakempError, ConfigError
 from cakemp.master.address import dial
-from cakemp.master.discovery import DiscoveredWorker
+from cakemp.master.discovery import DiscoveredWorker, discover
 from cakemp.master.model_push import model_chunks, model_hash
 from cakemp.topology import Node, Topology
 from cakemp.wire import Revision
@@ -28,11 +31,29 @@ _CUDA_RESERVE = (0.05, 768 << 20)  # fraction, floor in bytes: what a CUDA devic
 _CPU_RESERVE = 0.20
 
 
+async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Sequence[str], *, port: int,
+                           timeout: float, min_workers: int, revision: Revision, on_gpu: bool,
+                           report: Callable[[str], None]) -> Topology:
+    """Discover the cluster's workers at `targets`, give them layers as Cake does, push them the files;
+    the topology they then serve. The master's own share is weighed by its devices: its GPUs when
+    `on_gpu`, else its CPU. `report` is told each worker's layers, one line per worker."""
+    workers = await discover(cluster_key, targets, port=port, timeout=timeout, min_workers=min_workers)
+    if not workers:
+        raise CakempError(f"no worker of this cluster answered at {', '.join(targets)} within {timeout:g} s")
+    config = ModelConfig.from_dir(model_dir)
+    master_tflops = sum(device.tflops for device in gpus.describe(gpus.select_devices("all") if on_gpu else (None,)))
+    assignments = assign_layers(workers, config.num_hidden_layers, master_tflops,
+                                layer_bytes(model_dir, config.num_hidden_layers), config.layer_prefix)
+    for worker, layers in assignments:
+        report(f"{worker.name} at {worker.address}: {layers[0]}..{layers[-1]} ({len(layers)} layers)")
+    return await set_up(model_dir, assignments, cluster_key=cluster_key, revision=revision)
+
+
 def max_layers(gpus: Sequence[GpuInfo], layer_bytes: int) -> int:
     """How many layers of `layer_bytes` the devices hold, each keeping Cake's reserve."""
     total = 0
     for gpu in gpus:
-        if gpu.name.lower().startswith("cpu"):
+        if gpu.is_cpu:
             usable = gpu.vram_bytes * (1 - _CPU_RESERVE)
         else:
             fraction, floor = _CUDA_RESERVE

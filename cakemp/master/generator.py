@@ -31,6 +31,7 @@ from cakemp.master.client import WorkerClient
 from cakemp.master.sampler import Sampler, SamplingParams
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.head import Head
+from cakemp.op import Op
 from cakemp.topology import Topology
 from cakemp.wire import DType, LayerOp, Revision
 
@@ -127,6 +128,9 @@ class Generator:
         self.tokenizer = tokenizer
         self.runner = runner
         self.runs = runs
+        # Each local run's layers as (index in the runner's layers, block_idx): names translated once.
+        self._local = {run: [(runner.layers.index(name), index) for name, index in run.layers]
+                       for run in runs if run.host is None} if runner is not None else {}
         self.clients = clients  # block index → its connection, one per remote layer
         self.eos_ids = eos_ids
         self.wire_dtype = wire_dtype
@@ -232,10 +236,10 @@ class Generator:
     async def _forward(self, x: torch.Tensor, index_pos: int, trace: list[RemoteCall] | None) -> torch.Tensor:
         """x [1, T, H] at positions index_pos.. through every layer -> [1, T, H]."""
         for run in self.runs:
-            ops = tuple(LayerOp(name, index_pos, index) for name, index in run.layers)
             if run.host is None:
-                x = self.runner.forward(_SESSION, x, ops)
+                x = self.runner.run(_SESSION, x, [Op(local, index_pos, index) for local, index in self._local[run]])
                 continue
+            ops = tuple(LayerOp(name, index_pos, index) for name, index in run.layers)
             reply = await self.clients[run.layers[0][1]].batch(to_raw(x, self.wire_dtype), ops)
             y = from_raw(reply).to(self.head.device, self.head.dtype)
             if trace is not None:
@@ -259,7 +263,7 @@ class Generator:
     async def _goodbye(self) -> None:
         """End the request as Cake does: Goodbye on every remote layer's connection, in layer order."""
         if self.runner is not None:
-            self.runner.clear_session(_SESSION)
+            self.runner.free_session(_SESSION)
         for index in sorted(self.clients):
             await self.clients[index].goodbye()
 

@@ -6,26 +6,19 @@ other datagram, malformed or for another cluster, is dropped with a debug line; 
 error never ends the responder (it ends Cake's). It keeps answering while the node serves,
 so that a restarted master can run setup again.
 
-Devices are found without torch: the front never imports it. GPUs come from nvidia-smi,
-with Cake's TFLOPS estimate (VRAM GB × max clock GHz × 1.5); without one the node advertises
-one CPU entry with the system's memory and 2 TFLOPS, as Cake does.
+The devices are described by cakemp/gpus.py, from nvidia-smi (the front never imports torch).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import platform
-import shutil
 import socket
-import subprocess
 from collections.abc import Sequence
 
-from cakemp import log
+from cakemp import gpus, log
 from cakemp.errors import ConfigError, ProtocolError
-from cakemp.wire.discovery import Announcement, GpuInfo, decode_probe, encode_announcement
-
-_CPU_TFLOPS = 2.0
+from cakemp.wire.discovery import Announcement, decode_probe, encode_announcement
 
 
 class DiscoveryResponder(asyncio.DatagramProtocol):
@@ -68,56 +61,11 @@ class DiscoveryResponder(asyncio.DatagramProtocol):
         self._log.debug("discovery: socket error", error=str(exc))
 
 
-def announcement_for(cluster_hash: str, name: str, port: int, gpus: Sequence[str | None]) -> Announcement:
+def announcement_for(cluster_hash: str, name: str, port: int, devices: Sequence[str | None]) -> Announcement:
     """What this node advertises: its name, the bound TCP `port`, the devices it will use (`--gpus`)."""
-    devices = local_devices(gpus)
+    described = gpus.describe(devices)
     return Announcement(
-        cluster_hash=cluster_hash, worker_name=name, port=port, gpus=devices,
-        backend="CPU" if devices[0].name.startswith("CPU (") else "CUDA", hostname=socket.gethostname(),
+        cluster_hash=cluster_hash, worker_name=name, port=port, gpus=described,
+        backend="CPU" if all(device.is_cpu for device in described) else "CUDA", hostname=socket.gethostname(),
         os=platform.system().lower(),
     )
-
-
-def local_devices(gpus: Sequence[str | None]) -> tuple[GpuInfo, ...]:
-    """The devices among `gpus` (CUDA_VISIBLE_DEVICES ids, None for a CPU slot) as discovery
-    describes them; one CPU entry when none of them is a GPU nvidia-smi lists."""
-    cuda = [gpu for gpu in gpus if gpu is not None]
-    found = _nvidia_gpus(cuda) if cuda else ()
-    return found or (GpuInfo(f"CPU ({platform.machine()})", _system_memory(), _CPU_TFLOPS),)
-
-
-def _nvidia_gpus(ids: Sequence[str]) -> tuple[GpuInfo, ...]:
-    """The GPUs among nvidia-smi's list whose index or UUID is in `ids`; () when nvidia-smi is missing or fails."""
-    if shutil.which("nvidia-smi") is None:
-        return ()
-    query = ["nvidia-smi", "--query-gpu=index,uuid,memory.total,clocks.max.graphics,name",
-             "--format=csv,noheader,nounits"]
-    try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ()
-    found = []
-    for line in out.splitlines():
-        keys, gpu = nvidia_smi_line(line)
-        if gpu is not None and keys & set(ids):
-            found.append(gpu)
-    return tuple(found)
-
-
-def nvidia_smi_line(line: str) -> tuple[set[str], GpuInfo | None]:
-    """One line of the query: its index and UUID, and the GPU with Cake's TFLOPS estimate."""
-    # The name goes last: it is the one field that may hold a comma.
-    parts = [part.strip() for part in line.split(",", 4)]
-    if len(parts) < 5 or not parts[2].isdigit():
-        return set(), None
-    index, uuid, vram_mib, clock, name = parts[0], parts[1], int(parts[2]), parts[3], parts[4]
-    try:
-        clock_ghz = float(clock) / 1000
-    except ValueError:
-        clock_ghz = 1.5  # Cake's default when the clock is not reported ("[N/A]")
-    vram_gib = vram_mib / 1024
-    return {index, uuid}, GpuInfo(name, vram_mib << 20, round(vram_gib * clock_ghz * 1.5, 2))
-
-
-def _system_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

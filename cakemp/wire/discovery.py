@@ -33,6 +33,12 @@ class GpuInfo:
     vram_bytes: int
     tflops: float
 
+    @property
+    def is_cpu(self) -> bool:
+        """A CPU rather than a GPU. The reply says so only by the name, "CPU (<arch>)" from Cake's
+        and cakemp's workers alike; Cake's master tests that it starts with "cpu" (spec §7.4)."""
+        return self.name.lower().startswith("cpu")
+
 
 @dataclass(frozen=True)
 class Announcement:

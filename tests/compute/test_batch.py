@@ -1,8 +1,8 @@
-"""BlockRunner.forward_batch: several sessions' requests computed as one batch give what each
+"""BlockRunner.run_batch: several sessions' requests computed as one batch give what each
 gives alone, and one request's error fails that request alone.
 
 "Alone" is a second runner on the same checkpoint serving the same requests one at a time
-(`forward`). Batched GEMMs may round differently from one-row ones, so the two are compared
+(`run`). Batched GEMMs may round differently from one-row ones, so the two are compared
 within tests/tolerance.py's f32 bound, not bit for bit.
 """
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cakemp.compute.runner import BlockRunner, Request
-from cakemp.errors import CacheBudgetExceeded, PositionGap, RecurrentRewind, UnknownLayer
+from cakemp.errors import CacheBudgetExceeded, InternalError, PositionGap, RecurrentRewind
+from cakemp.op import Op
 from tests.checkpoints import make_checkpoint
 from tests.tolerance import assert_close
 
@@ -37,8 +38,9 @@ def load(family, **kwargs) -> BlockRunner:
 
 
 def ops(family, position, layers=None):
-    prefix, served = FAMILIES[family[0]]
-    return [(f"{prefix}.{i}", position, i) for i in (layers or served)]
+    """The ops running `layers` (default: every served one) at `position`, each in its own KV slot."""
+    _, served = FAMILIES[family[0]]
+    return [Op(served.index(i), position, i) for i in (layers or served)]
 
 
 def tokens(T, seed, hidden):
@@ -54,15 +56,15 @@ def test_sessions_batched_at_different_positions_match_each_alone(family):
     lengths = {1: 1, 2: 3, 3: 7, 4: 12}
     for session, T in lengths.items():
         x = tokens(T, session, hidden)
-        assert_close(batched.forward(session, x, ops(family, 0)), alone.forward(session, x, ops(family, 0)))
+        assert_close(batched.run(session, x, ops(family, 0)), alone.run(session, x, ops(family, 0)))
     for step in range(5):
         requests = [Request(s, tokens(1, 100 * step + s, hidden), ops(family, lengths[s] + step)) for s in lengths]
         if step == 2:  # a prompt chunk arrives among the decodes: 6 tokens of session 5 at position 0
             requests.insert(1, Request(5, tokens(6, 99, hidden), ops(family, 0)))
-        results = batched.forward_batch(requests)
+        results = batched.run_batch(requests)
         for request, result in zip(requests, results, strict=True):
             assert isinstance(result, torch.Tensor), result
-            assert_close(result, alone.forward(request.session, request.x, request.ops))
+            assert_close(result, alone.run(request.session, request.x, request.ops))
     assert batched.kv_bytes() == alone.kv_bytes()
 
 
@@ -74,14 +76,15 @@ def test_requests_with_different_layer_runs_are_each_computed_on_their_own_run(f
     runs = {1: served, 2: served[:1], 3: served[-1:], 4: served}
     for position, T in ((0, 4), (4, 1), (5, 1)):
         requests = [Request(s, tokens(T, 10 * position + s, hidden), ops(family, position, run)) for s, run in runs.items()]
-        for request, result in zip(requests, batched.forward_batch(requests), strict=True):
-            assert_close(result, alone.forward(request.session, request.x, request.ops))
+        for request, result in zip(requests, batched.run_batch(requests), strict=True):
+            assert_close(result, alone.run(request.session, request.x, request.ops))
 
 
 @pytest.mark.parametrize("bad, error", [
     (lambda family, hidden: Request(2, tokens(1, 7, hidden), ops(family, 9)), PositionGap),
-    (lambda family, hidden: Request(2, tokens(1, 7, hidden), [("model.layers.77", 3, 1)]), UnknownLayer),
-    (lambda family, hidden: Request(2, tokens(1, 7, hidden), [(ops(family, 3)[0][0], 3, 99)]), UnknownLayer),
+    # Past the contract admission enforces: a layer this runner lacks, a KV slot past the model's.
+    (lambda family, hidden: Request(2, tokens(1, 7, hidden), [Op(77, 3, 1)]), InternalError),
+    (lambda family, hidden: Request(2, tokens(1, 7, hidden), [Op(0, 3, 99)]), InternalError),
 ])
 def test_one_bad_request_in_a_batch_fails_alone(family, bad, error):
     """A request that cannot run gets its error; the others of the batch their results, and the bad
@@ -90,27 +93,27 @@ def test_one_bad_request_in_a_batch_fails_alone(family, bad, error):
     hidden = batched.config.hidden_size
     for runner in (batched, alone):
         for session in (1, 2, 3):
-            runner.forward(session, tokens(3, session, hidden), ops(family, 0))
+            runner.run(session, tokens(3, session, hidden), ops(family, 0))
     requests = [Request(1, tokens(1, 11, hidden), ops(family, 3)), bad(family, hidden),
                 Request(3, tokens(1, 13, hidden), ops(family, 3))]
-    results = batched.forward_batch(requests)
+    results = batched.run_batch(requests)
     assert isinstance(results[1], error)
     for i in (0, 2):
-        assert_close(results[i], alone.forward(requests[i].session, requests[i].x, requests[i].ops))
+        assert_close(results[i], alone.run(requests[i].session, requests[i].x, requests[i].ops))
     x = tokens(1, 12, hidden)
-    assert_close(batched.forward(2, x, ops(family, 3)), alone.forward(2, x, ops(family, 3)))
+    assert_close(batched.run(2, x, ops(family, 3)), alone.run(2, x, ops(family, 3)))
 
 
 def test_a_request_over_the_cache_budget_fails_alone(family):
     """With room for one more session only, the second new session of a batch is refused; the first and
     a continuing session run."""
     probe = load(family)
-    probe.forward(1, tokens(2, 1, probe.config.hidden_size), ops(family, 0))
+    probe.run(1, tokens(2, 1, probe.config.hidden_size), ops(family, 0))
     per_session = probe.kv_bytes()
     runner = load(family, kv_budget_bytes=2 * per_session)
     hidden = runner.config.hidden_size
-    runner.forward(1, tokens(2, 1, hidden), ops(family, 0))
-    results = runner.forward_batch([Request(1, tokens(1, 2, hidden), ops(family, 2)),
+    runner.run(1, tokens(2, 1, hidden), ops(family, 0))
+    results = runner.run_batch([Request(1, tokens(1, 2, hidden), ops(family, 2)),
                                     Request(2, tokens(2, 3, hidden), ops(family, 0)),
                                     Request(3, tokens(2, 4, hidden), ops(family, 0))])
     assert isinstance(results[0], torch.Tensor) and isinstance(results[1], torch.Tensor)
@@ -125,15 +128,44 @@ def test_a_fault_while_computing_fails_the_group_and_leaves_every_session_as_it_
     hidden = batched.config.hidden_size
     for runner in (batched, alone):
         for session in (1, 2):
-            runner.forward(session, tokens(3, session, hidden), ops(family, 0))
+            runner.run(session, tokens(3, session, hidden), ops(family, 0))
     requests = [Request(s, tokens(1, 20 + s, hidden), ops(family, 3)) for s in (1, 2)]
-    last = batched.blocks[ops(family, 0)[-1][0]]
+    last = batched.blocks[-1]
     with monkeypatch.context() as patch:
         patch.setattr(last, "forward", lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
-        results = batched.forward_batch(requests)
+        results = batched.run_batch(requests)
     assert all(isinstance(result, RuntimeError) for result in results)
-    for request, result in zip(requests, batched.forward_batch(requests), strict=True):
-        assert_close(result, alone.forward(request.session, request.x, request.ops))
+    for request, result in zip(requests, batched.run_batch(requests), strict=True):
+        assert_close(result, alone.run(request.session, request.x, request.ops))
+
+
+def test_out_of_memory_in_a_batch_fails_only_the_request_that_does_not_fit_alone(family, monkeypatch):
+    """A step whose activations do not fit (a GPU's OOM, raised here by the last block for more than 4
+    tokens) is run again request by request: the two decodes batched with a 6-token chunk get their
+    results, equal to each alone, and only the chunk fails, its session left as it was (security
+    review L8: one session's long chunk once failed every decode of its step)."""
+    batched, alone = load(family), load(family)
+    hidden = batched.config.hidden_size
+    for runner in (batched, alone):
+        for session in (1, 2, 3):
+            runner.run(session, tokens(3, session, hidden), ops(family, 0))
+    requests = [Request(1, tokens(1, 31, hidden), ops(family, 3)), Request(2, tokens(6, 32, hidden), ops(family, 3)),
+                Request(3, tokens(1, 33, hidden), ops(family, 3))]
+    last = batched.blocks[-1]
+    forward = last.forward
+
+    def tight(x, *args):
+        if x.shape[1] > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(x, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(last, "forward", tight)
+        results = batched.run_batch(requests)
+    assert isinstance(results[1], torch.OutOfMemoryError)
+    for i in (0, 2):
+        assert_close(results[i], alone.run(requests[i].session, requests[i].x, requests[i].ops))
+    assert_close(batched.run(2, requests[1].x, requests[1].ops), alone.run(2, requests[1].x, requests[1].ops))
 
 
 def test_a_linear_layer_refuses_a_rewind_inside_a_batch(tmp_path):
@@ -141,8 +173,8 @@ def test_a_linear_layer_refuses_a_rewind_inside_a_batch(tmp_path):
     family = ("qwen3_5", make_checkpoint(tmp_path, "qwen3_5"))
     runner = load(family)
     for session in (1, 2):
-        runner.forward(session, tokens(4, session, 64), ops(family, 0))
-    results = runner.forward_batch([Request(1, tokens(1, 5, 64), ops(family, 4)),
+        runner.run(session, tokens(4, session, 64), ops(family, 0))
+    results = runner.run_batch([Request(1, tokens(1, 5, 64), ops(family, 4)),
                                     Request(2, tokens(1, 6, 64), ops(family, 2))])
     assert isinstance(results[0], torch.Tensor) and isinstance(results[1], RecurrentRewind)
 
@@ -151,4 +183,4 @@ def test_a_batch_holds_one_request_per_session(family):
     runner = load(family)
     x = tokens(1, 0, runner.config.hidden_size)
     with pytest.raises(ValueError, match="one request per session"):
-        runner.forward_batch([Request(1, x, ops(family, 0)), Request(1, x, ops(family, 0))])
+        runner.run_batch([Request(1, x, ops(family, 0)), Request(1, x, ops(family, 0))])

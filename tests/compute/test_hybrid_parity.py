@@ -87,7 +87,7 @@ def run_all(path, dtype, *references):
     for T in CHUNKS:
         x = torch.randn(1, T, runner.config.hidden_size, generator=generator).to(dtype)
         ops = [(runner_name(path, i), position, i) for i in LAYERS]
-        ours = runner.forward(7, x, ops).double()
+        ours = runner.run(7, x, runner.ops(ops)).double()
         yield ours, *[ref(x.to(ref.dtype), position).double() for ref in refs]
         position += T
 

@@ -32,8 +32,8 @@ def test_a_prompt_in_chunks_equals_the_prompt_at_once(path):
     """Nine tokens sent as 3 + 3 + 3 give the same hidden states as one chunk of 9."""
     runner = load(path)
     x = tokens(9, 0)
-    whole = runner.forward(1, x, ops(0))
-    parts = torch.cat([runner.forward(2, x[:, i : i + 3], ops(i)) for i in (0, 3, 6)], dim=1)
+    whole = runner.run(1, x, runner.ops(ops(0)))
+    parts = torch.cat([runner.run(2, x[:, i : i + 3], runner.ops(ops(i))) for i in (0, 3, 6)], dim=1)
     torch.testing.assert_close(parts, whole, rtol=0, atol=2e-6 * whole.abs().max().item())
 
 
@@ -41,26 +41,26 @@ def test_rewind_to_a_middle_position_is_refused_by_name_and_changes_nothing(path
     """index_pos between 0 and the consumed length is a RecurrentRewind; the session continues unharmed."""
     runner, fresh = load(path), load(path)
     for r in (runner, fresh):
-        r.forward(1, tokens(5, 0), ops(0))
+        r.run(1, tokens(5, 0), r.ops(ops(0)))
     with pytest.raises(RecurrentRewind, match="cannot be rewound.*consumed 5 positions"):
-        runner.forward(1, tokens(1, 1), ops(3))
+        runner.run(1, tokens(1, 1), runner.ops(ops(3)))
     assert runner.cache.linear_length(1, 1) == 5
-    torch.testing.assert_close(runner.forward(1, tokens(1, 2), ops(5)), fresh.forward(1, tokens(1, 2), ops(5)),
+    torch.testing.assert_close(runner.run(1, tokens(1, 2), runner.ops(ops(5))), fresh.run(1, tokens(1, 2), fresh.ops(ops(5))),
                                rtol=0, atol=0)
 
 
 def test_index_pos_past_the_consumed_length_is_a_gap(path):
     runner = load(path)
-    runner.forward(1, tokens(2, 0), ops(0))
+    runner.run(1, tokens(2, 0), runner.ops(ops(0)))
     with pytest.raises(PositionGap, match="does not follow"):
-        runner.forward(1, tokens(1, 1), ops(3))
+        runner.run(1, tokens(1, 1), runner.ops(ops(3)))
 
 
 def test_restart_at_zero_starts_afresh(path):
     """A new prompt at index_pos 0 without Goodbye ignores the old state, as a new session would."""
     runner, fresh = load(path), load(path)
-    runner.forward(1, tokens(6, 0), ops(0))
-    torch.testing.assert_close(runner.forward(1, tokens(4, 1), ops(0)), fresh.forward(9, tokens(4, 1), ops(0)),
+    runner.run(1, tokens(6, 0), runner.ops(ops(0)))
+    torch.testing.assert_close(runner.run(1, tokens(4, 1), runner.ops(ops(0))), fresh.run(9, tokens(4, 1), fresh.ops(ops(0))),
                                rtol=0, atol=0)
 
 
@@ -68,15 +68,15 @@ def test_a_request_failing_part_way_leaves_the_linear_state_as_it_was(path):
     """A failure in the last (attention) layer installs none of the linear layers' new states."""
     runner, fresh = load(path), load(path)
     for r in (runner, fresh):
-        r.forward(1, tokens(4, 0), ops(0))
-    block = runner.blocks[f"{PREFIX}.3"]
+        r.run(1, tokens(4, 0), r.ops(ops(0)))
+    block = runner.blocks[runner.layers.index(f"{PREFIX}.3")]
     good = block.mlp.w_down
     block.mlp.w_down = torch.zeros(3, 7)  # the attention layer's MLP now fails with a shape error
     with pytest.raises(RuntimeError):
-        runner.forward(1, tokens(1, 1), ops(4))
+        runner.run(1, tokens(1, 1), runner.ops(ops(4)))
     block.mlp.w_down = good
     assert [runner.cache.linear_length(1, i) for i in (1, 2)] == [4, 4]
-    torch.testing.assert_close(runner.forward(1, tokens(1, 2), ops(4)), fresh.forward(1, tokens(1, 2), ops(4)),
+    torch.testing.assert_close(runner.run(1, tokens(1, 2), runner.ops(ops(4))), fresh.run(1, tokens(1, 2), fresh.ops(ops(4))),
                                rtol=0, atol=0)
 
 
@@ -85,16 +85,16 @@ def test_linear_state_is_counted_in_the_budget_and_freed_with_the_session(path):
     runner = load(path)
     la = runner.config.linear_attention
     per_slot = 4 * (la.conv_channels * (la.conv_kernel - 1) + la.value_heads * la.key_head_dim * la.value_head_dim)
-    runner.forward(1, tokens(3, 0), ops(0)[:2])  # the two linear layers only
+    runner.run(1, tokens(3, 0), runner.ops(ops(0)[:2]))  # the two linear layers only
     assert runner.kv_bytes() == 2 * per_slot
-    runner.clear_session(1)
+    runner.free_session(1)
     assert runner.kv_bytes() == 0 and runner.session_count() == 0
 
     tight = load(path, kv_budget_bytes=2 * per_slot)
-    tight.forward(1, tokens(3, 0), ops(0)[:2])
+    tight.run(1, tokens(3, 0), tight.ops(ops(0)[:2]))
     with pytest.raises(CacheBudgetExceeded):
-        tight.forward(2, tokens(3, 0), ops(0)[:1])
+        tight.run(2, tokens(3, 0), tight.ops(ops(0)[:1]))
     assert tight.kv_bytes() == 2 * per_slot and tight.session_count() == 1
-    tight.end_session(1)
-    tight.forward(2, tokens(3, 0), ops(0)[:1])
+    tight.free_session(1)
+    tight.run(2, tokens(3, 0), tight.ops(ops(0)[:1]))
     assert tight.kv_bytes() == per_slot

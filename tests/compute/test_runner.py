@@ -5,7 +5,7 @@ import torch
 
 from cakemp.compute.kv_cache import MIN_CAPACITY
 from cakemp.compute.runner import BlockRunner
-from cakemp.errors import BadTensor, CacheBudgetExceeded, ContextLimitExceeded, PositionGap, UnknownLayer
+from cakemp.errors import CacheBudgetExceeded, InternalError, ContextLimitExceeded, PositionGap, UnknownLayer
 from tests.checkpoints import make_checkpoint
 from tests.tolerance import assert_close
 
@@ -33,8 +33,8 @@ def test_prefill_in_chunks_equals_prefill_at_once(checkpoint):
     """12 tokens sent as chunks of 5, 4 and 3 give the same hidden states as one prefill of 12."""
     runner = load(checkpoint)
     x = tokens(12, 0)
-    whole = runner.forward(1, x, ops(0))
-    parts = [runner.forward(2, x[:, a:b], ops(a)) for a, b in ((0, 5), (5, 9), (9, 12))]
+    whole = runner.run(1, x, runner.ops(ops(0)))
+    parts = [runner.run(2, x[:, a:b], runner.ops(ops(a))) for a, b in ((0, 5), (5, 9), (9, 12))]
     assert_close(torch.cat(parts, dim=1), whole)
 
 
@@ -45,7 +45,7 @@ def test_interleaved_sessions_stay_independent(checkpoint):
     def alone(session):
         runner, pos, out = load(checkpoint), 0, []
         for x in inputs[session]:
-            out.append(runner.forward(session, x, ops(pos)))
+            out.append(runner.run(session, x, runner.ops(ops(pos))))
             pos += x.shape[1]
         return out
 
@@ -54,7 +54,7 @@ def test_interleaved_sessions_stay_independent(checkpoint):
     for step in range(5):
         for s in (2, 1):
             x = inputs[s][step]
-            assert torch.equal(runner.forward(s, x, ops(pos[s])), expected[s][step])
+            assert torch.equal(runner.run(s, x, runner.ops(ops(pos[s]))), expected[s][step])
             pos[s] += x.shape[1]
     assert runner.session_count() == 2
 
@@ -62,23 +62,23 @@ def test_interleaved_sessions_stay_independent(checkpoint):
 def test_restart_at_zero_without_goodbye_is_a_fresh_prompt(checkpoint):
     """A prefill at index_pos 0 into a used session equals the same prefill in a new session."""
     runner = load(checkpoint)
-    runner.forward(1, tokens(9, 0), ops(0))
-    runner.forward(1, tokens(1, 1), ops(9))
+    runner.run(1, tokens(9, 0), runner.ops(ops(0)))
+    runner.run(1, tokens(1, 1), runner.ops(ops(9)))
     x = tokens(4, 2)
-    assert torch.equal(runner.forward(1, x, ops(0)), runner.forward(2, x, ops(0)))
+    assert torch.equal(runner.run(1, x, runner.ops(ops(0))), runner.run(2, x, runner.ops(ops(0))))
 
 
 def test_clear_and_end_session_free_the_cache(checkpoint):
     """Goodbye and a closed connection both release the session's KV bytes; unknown ids are no-ops."""
     runner = load(checkpoint)
-    runner.forward(1, tokens(3, 0), ops(0))
-    runner.forward(2, tokens(3, 0), ops(0))
+    runner.run(1, tokens(3, 0), runner.ops(ops(0)))
+    runner.run(2, tokens(3, 0), runner.ops(ops(0)))
     one_session = runner.kv_bytes() // 2
-    runner.clear_session(1)
+    runner.free_session(1)
     assert runner.kv_bytes() == one_session and runner.session_count() == 1
-    runner.end_session(2)
-    runner.end_session(99)
-    runner.clear_session(99)
+    runner.free_session(2)
+    runner.free_session(99)
+    runner.free_session(99)
     assert runner.kv_bytes() == 0 and runner.session_count() == 0
 
 
@@ -87,16 +87,17 @@ def test_clear_and_end_session_free_the_cache(checkpoint):
     [
         ([("model.layers.0", 0, 0)], UnknownLayer, "model.layers.0"),
         ([("model.layers.1", 0, 1), ("model.layers.7", 0, 7)], UnknownLayer, "model.layers.7"),
-        ([("model.layers.1", 0, 4)], UnknownLayer, "block_idx 4"),
+        ([("model.layers.1", 0, 4)], InternalError, "4 KV slots"),  # admission refuses it first
         ([("model.layers.1", 3, 1)], PositionGap, "index_pos 3"),
     ],
     ids=["unserved-layer", "unserved-second-layer", "block-idx-out-of-range", "position-gap"],
 )
 def test_bad_ops_are_refused_without_touching_the_cache(checkpoint, bad_ops, error, message):
-    """A request naming an unknown layer, slot or position fails as a whole, leaving no KV behind."""
+    """A request naming an unknown layer, slot or position fails as a whole, leaving no KV behind
+    (an unknown layer already when named, a slot past the model's as a broken contract)."""
     runner = load(checkpoint)
     with pytest.raises(error, match=message):
-        runner.forward(1, tokens(2, 0), bad_ops)
+        runner.run(1, tokens(2, 0), runner.ops(bad_ops))
     assert runner.kv_bytes() == 0 and runner.session_count() == 0
 
 
@@ -112,21 +113,22 @@ def test_bad_ops_are_refused_without_touching_the_cache(checkpoint, bad_ops, err
     ids=["hidden-size", "batch", "rank", "empty", "dtype"],
 )
 def test_bad_activations_are_refused(checkpoint, x, message):
-    """Wrong hidden size, batch, rank, length or dtype is BadTensor saying what was received."""
-    with pytest.raises(BadTensor, match=message):
-        load(checkpoint).forward(1, x, ops(0))
+    """Wrong hidden size, batch, rank, length or dtype breaks the contract admission enforces at the
+    front: InternalError saying what was received."""
+    with pytest.raises(InternalError, match=message):
+        load(checkpoint).run(1, x, load(checkpoint).ops(ops(0)))
 
 
 def test_context_limit_is_enforced_and_leaves_the_session_usable(checkpoint):
     """Passing max_context is ContextLimitExceeded; the session then continues where it was."""
     runner, fresh = load(checkpoint, max_context=16), load(checkpoint, max_context=16)
     prefix = tokens(10, 0)
-    runner.forward(1, prefix, ops(0))
+    runner.run(1, prefix, runner.ops(ops(0)))
     with pytest.raises(ContextLimitExceeded, match="context limit of 16"):
-        runner.forward(1, tokens(7, 1), ops(10))
-    fresh.forward(1, prefix, ops(0))
+        runner.run(1, tokens(7, 1), runner.ops(ops(10)))
+    fresh.run(1, prefix, fresh.ops(ops(0)))
     x = tokens(6, 2)  # exactly reaches the limit
-    assert torch.equal(runner.forward(1, x, ops(10)), fresh.forward(1, x, ops(10)))
+    assert torch.equal(runner.run(1, x, runner.ops(ops(10))), fresh.run(1, x, fresh.ops(ops(10))))
 
 
 def test_budget_refuses_a_second_session_until_the_first_ends(checkpoint):
@@ -134,12 +136,12 @@ def test_budget_refuses_a_second_session_until_the_first_ends(checkpoint):
     # 2 layers x first capacity x (K+V) x 2 kv heads x 16 dims x 4 bytes = one session's first buffers.
     one_session = 2 * MIN_CAPACITY * 2 * 2 * 16 * 4
     runner = load(checkpoint, kv_budget_bytes=one_session)
-    first = runner.forward(1, tokens(4, 0), ops(0))
+    first = runner.run(1, tokens(4, 0), runner.ops(ops(0)))
     with pytest.raises(CacheBudgetExceeded, match=r"would need 2\.0 KiB more but only 0 B of this device's 128\.0 KiB"):
-        runner.forward(2, tokens(4, 0), ops(0))
+        runner.run(2, tokens(4, 0), runner.ops(ops(0)))
     assert runner.kv_bytes() == one_session and runner.session_count() == 1
-    runner.end_session(1)
-    assert torch.equal(runner.forward(2, tokens(4, 0), ops(0)), first)
+    runner.free_session(1)
+    assert torch.equal(runner.run(2, tokens(4, 0), runner.ops(ops(0))), first)
 
 
 def test_budget_refusal_mid_span_allocates_nothing(checkpoint):
@@ -147,30 +149,30 @@ def test_budget_refusal_mid_span_allocates_nothing(checkpoint):
     exact_one_layer = 3 * 2 * 2 * 16 * 4  # 3 positions, one layer
     runner = load(checkpoint, kv_budget_bytes=exact_one_layer)
     with pytest.raises(CacheBudgetExceeded):
-        runner.forward(1, tokens(3, 0), ops(0))
+        runner.run(1, tokens(3, 0), runner.ops(ops(0)))
     assert runner.kv_bytes() == 0
-    assert runner.forward(1, tokens(3, 0), ops(0)[:1]).shape == (1, 3, 64)
+    assert runner.run(1, tokens(3, 0), runner.ops(ops(0)[:1])).shape == (1, 3, 64)
 
 
 def test_failed_compute_keeps_earlier_positions(checkpoint):
     """A request that fails inside a block leaves every slot at its previous length."""
     runner = load(checkpoint)
-    runner.forward(1, tokens(5, 0), ops(0))
-    block = runner.blocks["model.layers.2"]
+    runner.run(1, tokens(5, 0), runner.ops(ops(0)))
+    block = runner.blocks[runner.layers.index("model.layers.2")]
     good = block.mlp.w_down
     block.mlp.w_down = torch.zeros(3, 7)  # the second layer's MLP now fails with a shape error
     with pytest.raises(RuntimeError):
-        runner.forward(1, tokens(1, 1), ops(5))
+        runner.run(1, tokens(1, 1), runner.ops(ops(5)))
     block.mlp.w_down = good
     assert [runner.cache.length(1, i) for i in (1, 2)] == [5, 5]
     fresh = load(checkpoint)
-    fresh.forward(1, tokens(5, 0), ops(0))
-    assert torch.equal(runner.forward(1, tokens(1, 2), ops(5)), fresh.forward(1, tokens(1, 2), ops(5)))
+    fresh.run(1, tokens(5, 0), fresh.ops(ops(0)))
+    assert torch.equal(runner.run(1, tokens(1, 2), runner.ops(ops(5))), fresh.run(1, tokens(1, 2), fresh.ops(ops(5))))
 
 
 def test_empty_op_list_returns_the_input_and_creates_no_session(checkpoint):
     """A Batch with no layers hands x back unchanged and allocates nothing."""
     runner = load(checkpoint)
     x = tokens(3, 0)
-    assert runner.forward(1, x, []) is x
+    assert runner.run(1, x, runner.ops([])) is x
     assert runner.session_count() == 0 and runner.kv_bytes() == 0

@@ -75,7 +75,7 @@ def run_both(path, dtype, reference_dtype, chunks=CHUNKS):
     for x, position, ops in requests(runner.config.hidden_size, dtype, chunks):
         theirs = hf(x, position)
         exact = theirs if truth is None else truth(x.to(reference_dtype), position)
-        yield runner.forward(7, x, ops).float(), theirs.float(), exact
+        yield runner.run(7, x, runner.ops(ops)).float(), theirs.float(), exact
 
 
 @pytest.mark.parametrize("chunks", [CHUNKS, THREE_TOKEN_CHUNKS], ids=["prompt-decode-prompt", "3-token-chunks"])
@@ -109,5 +109,5 @@ def test_cuda_is_within_8_eps_of_exact(tmp_path, case, dtype):
     runner = BlockRunner.load(path, NAMES, "cuda", dtype)
     truth = HFLayers(path, LAYERS, torch.float32)
     for x, position, ops in requests(runner.config.hidden_size, dtype):
-        ours = runner.forward(7, x.to(runner.device), ops).float().cpu()
+        ours = runner.run(7, x.to(runner.device), runner.ops(ops)).float().cpu()
         assert rel(ours, truth(x.float(), position)) <= half_bound(dtype)

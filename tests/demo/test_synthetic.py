@@ -115,7 +115,7 @@ def test_attention_depends_on_position(tmp_path):
     step = torch.randn(1, 1, runner.config.hidden_size, generator=generator)
     outputs = []
     for session, order in enumerate((torch.arange(12), torch.randperm(12, generator=generator))):
-        runner.forward(session, prefix[:, order], [("model.layers.0", 0, 0)])
-        outputs.append(runner.forward(session, step, [("model.layers.0", 12, 0)]))
+        runner.run(session, prefix[:, order], runner.ops([("model.layers.0", 0, 0)]))
+        outputs.append(runner.run(session, step, runner.ops([("model.layers.0", 12, 0)])))
     update = (outputs[0] - step).abs().max()  # what the layer adds to the residual stream
     assert (outputs[0] - outputs[1]).abs().max() > 0.2 * update

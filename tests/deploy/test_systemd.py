@@ -57,6 +57,17 @@ def test_unit_settings_the_node_relies_on():
     assert "PrivateDevices" not in unit
 
 
+def test_unit_bounds_the_node_memory_and_system_calls():
+    """The node cannot take the host's memory (MemoryHigh below MemoryMax, both below all of it), makes
+    only ordinary services' system calls (others fail with EPERM rather than killing a device), and
+    sees no other users' processes."""
+    unit = settings(UNIT.read_text())
+    high, most = (int(unit[key][0].rstrip("%")) for key in ("MemoryHigh", "MemoryMax"))
+    assert high < most < 100
+    assert unit["SystemCallFilter"] == ["@system-service"] and unit["SystemCallErrorNumber"] == ["EPERM"]
+    assert unit["ProtectProc"] == ["invisible"]
+
+
 def test_unit_reaches_the_gpus_and_survives_a_device_oom():
     """Device access is closed except the NVIDIA groups of current drivers (545 and later: nvidia,
     nvidiactl) and older ones (nvidia-frontend), with unified memory and MIG capabilities; an OOM

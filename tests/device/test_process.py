@@ -62,7 +62,8 @@ async def join(child, timeout: float = 20.0) -> int:
 
 def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, checkpoint):
     """The process reports its load progress and Ready with its layers, answers a Ping, answers a Hop
-    like HF's layer (with its KV bytes), survives a bad request, and exits 0 once the parent's end of the
+    like HF's layer (with its KV bytes), survives a request that breaks the contract (answered INTERNAL,
+    naming no detail), and exits 0 once the parent's end of the
     pipe closes."""
     spec = DeviceSpec(0, None, ("model.layers.1",), str(checkpoint), "f32", f"ipc://{tmp_path}/device-0",
                       threads=1, log_format="json")
@@ -92,7 +93,8 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
         return refused, answered, exitcode
 
     refused, answered, exitcode = asyncio.run(main())
-    assert isinstance(refused, Failure) and refused.code == ErrorCode.UNKNOWN_LAYER
+    assert isinstance(refused, Failure) and refused.code == ErrorCode.INTERNAL
+    assert refused.message == "internal error on device cpu:0"
     assert isinstance(answered, Activation) and answered.request_id == 2 and answered.kv[0] > 0
     y = torch.frombuffer(bytearray(answered.data), dtype=torch.float32).view(1, 3, 64)
     assert_close(y, HFLayers(checkpoint, [1], torch.float32)(x, 0))

@@ -44,7 +44,7 @@ def test_the_last_stage_answers_the_front_like_the_runner(service, checkpoint):
     x = torch.randn(1, 4, 64)
     reply = service.handle(forward(x, [Op(0, 0, 2), Op(1, 0, 3)], request_id=5))
     runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
-    expected = runner.forward(9, x, [("model.layers.2", 0, 2), ("model.layers.3", 0, 3)])
+    expected = runner.run(9, x, runner.ops([("model.layers.2", 0, 2), ("model.layers.3", 0, 3)]))
     assert isinstance(reply, Activation) and (reply.request_id, reply.dtype, reply.shape) == (5, DType.F32, (1, 4, 64))
     assert reply.kv == (service.runner.kv_bytes(),) and reply.kv[0] > 0
     torch.testing.assert_close(tensor(reply), expected)
@@ -78,7 +78,7 @@ def test_chunks_in_order_equal_the_whole_prompt(service, checkpoint):
     """A prompt sent as three chunks at their offsets gives the unchunked result within f32 tolerance."""
     x = torch.randn(1, 10, 64)
     runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
-    expected = runner.forward(9, x, [("model.layers.2", 0, 2), ("model.layers.3", 0, 3)])
+    expected = runner.run(9, x, runner.ops([("model.layers.2", 0, 2), ("model.layers.3", 0, 3)]))
     parts = []
     for chunk, (start, end) in enumerate(((0, 4), (4, 7), (7, 10))):
         reply = service.handle(forward(x[:, start:end], [Op(0, start, 2), Op(1, start, 3)], chunk=chunk, chunks=3))
@@ -87,18 +87,29 @@ def test_chunks_in_order_equal_the_whole_prompt(service, checkpoint):
 
 
 @pytest.mark.parametrize("make, code, words", [
-    (lambda x: forward(x, [Op(2, 0, 2)]), ErrorCode.UNKNOWN_LAYER, "layer #2"),
-    (lambda x: forward(x, [Op(0, 0, 2)], data=bytearray(7)), ErrorCode.BAD_TENSOR, "7 bytes"),
-    (lambda x: Hop(1, 1, DType.F64, (1, 2, 64), (Stage(1, GENERATION, (Op(0, 0, 2),)),), bytearray(2 * 64 * 8)),
-     ErrorCode.BAD_TENSOR, "F64"),
-    (lambda x: forward(torch.randn(1, 2, 32), [Op(0, 0, 2)]), ErrorCode.BAD_TENSOR, "64"),
     (lambda x: forward(x, [Op(0, 31, 2)]), ErrorCode.POSITION_GAP, "31"),
     (lambda x: forward(torch.randn(1, 33, 64), [Op(0, 0, 2)]), ErrorCode.CONTEXT_LIMIT, "32"),
 ])
 def test_requests_that_cannot_be_served_become_failures(service, make, code, words):
-    """Each bad request is answered with a Failure carrying the error's code and what was wrong."""
+    """A request this session's state cannot serve is answered with a Failure carrying the error's code
+    and what was wrong."""
     reply = service.handle(make(torch.randn(1, 2, 64)))
     assert isinstance(reply, Failure) and reply.code == code and words in reply.message, reply
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: forward(x, [Op(2, 0, 2)]),  # a layer index this device does not have
+    lambda x: forward(x, [Op(0, 0, 2)], data=bytearray(7)),
+    lambda x: Hop(1, 1, DType.F64, (1, 2, 64), (Stage(1, GENERATION, (Op(0, 0, 2),)),), bytearray(2 * 64 * 8)),
+    lambda x: forward(torch.randn(1, 2, 32), [Op(0, 0, 2)]),
+], ids=["layer-index", "byte-count", "dtype", "hidden-size"])
+def test_requests_that_break_the_contract_are_internal_failures(service, make):
+    """What the front's admission refuses (a layer index, byte count, dtype or shape no master may send)
+    reaching a device is the node's bug: an INTERNAL failure naming no detail, and the service serves on."""
+    reply = service.handle(make(torch.randn(1, 2, 64)))
+    assert isinstance(reply, Failure) and reply.code == ErrorCode.INTERNAL, reply
+    assert reply.message == "internal error on device cpu:1"
+    assert isinstance(service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=9)), Activation)
 
 
 def test_once_a_chunk_fails_the_later_chunks_get_the_same_failure_unrun(service):
@@ -135,7 +146,7 @@ def test_a_long_run_of_ops_reports_progress_between_slices(service):
     reply = service.handle(forward(x, ops, request_id=11))
     assert isinstance(reply, Activation)
     assert reported and set(reported) == {11}
-    expected = service.runner.forward(2, x, [(LAYERS[op.layer], 0, op.block_idx) for op in ops])
+    expected = service.runner.run(2, x, service.runner.ops([(LAYERS[op.layer], 0, op.block_idx) for op in ops]))
     torch.testing.assert_close(tensor(reply), expected, atol=2e-6, rtol=0)
 
 
@@ -215,3 +226,23 @@ def test_a_gpu_this_process_cannot_use_is_a_configuration_error(checkpoint):
     """A GPU device whose GPU CUDA cannot find (or a torch without CUDA) fails its load with ConfigError (exit 78)."""
     with pytest.raises(ConfigError, match="cuda:7: cannot use GPU 7"):
         DeviceService.load(DeviceSpec(0, "7", LAYERS, str(checkpoint), "f32", "ipc://unused"))
+
+
+def test_a_failure_copying_one_result_to_the_host_fails_that_hop_alone(service, monkeypatch):
+    """The copy of a result to the host is where an asynchronous CUDA error surfaces: raised there for
+    session 1's result, it becomes session 1's INTERNAL failure, session 2's hop of the same step is
+    answered, and run_step does not raise (security review L8: it once ended the process)."""
+    from cakemp.compute import tensors
+
+    to_bytes = tensors.to_bytes
+
+    def failing(y, dtype):
+        if y.shape[1] == 3:  # session 1's hop carries 3 tokens, session 2's 2
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return to_bytes(y, dtype)
+
+    monkeypatch.setattr(tensors, "to_bytes", failing)
+    replies = service.run_step([forward(torch.randn(1, 3, 64), [Op(0, 0, 2)], session=1, request_id=1),
+                                forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], session=2, request_id=2)])
+    assert isinstance(replies[0], Failure) and replies[0].request_id == 1
+    assert isinstance(replies[1], Activation) and replies[1].request_id == 2

@@ -132,7 +132,7 @@ class Session:
         as 10 + 10 tokens ends 2.4e-6 from it whole, past F32_REL), and the comparison is with
         what the node computes for the request alone, not with another cut.
         """
-        parts = [reference.forward(self.number, x[:, start:end], self.ops(self.position + start))
+        parts = [reference.run(self.number, x[:, start:end], reference.ops(self.ops(self.position + start)))
                  for start, end in chunk_bounds(x.shape[1], PREFILL_CHUNK)]
         self.position += x.shape[1]
         return torch.cat(parts, dim=1)

@@ -1,91 +1,87 @@
-"""--gpus and --address parsing, and GPU discovery from nvidia-smi's listing (no torch)."""
+"""The node's configuration from `cakemp run`'s flags: each flag's default and conversion,
+zero-config mode, --address parsing and the device processes' environment (no torch)."""
 
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
 
 from cakemp.errors import ConfigError
 from cakemp.address import parse_address
-from cakemp.front.config import device_environment, parse_gpu_list, parse_gpus
+from cakemp.front.config import RUN_FLAGS, NodeConfig, device_environment, node_config
+from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK
+from cakemp.wire import Revision
+from cakemp.wire.discovery import DISCOVERY_PORT
+from tests.front.node import write_topology
 
 
-# What `nvidia-smi -L` prints on a machine with two whole GPUs and a third split into two MIG instances.
-NVIDIA_SMI_L = """\
-GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0a1b2c3d-0000-1111-2222-333344445555)
-GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-0a1bffff-6666-7777-8888-999900001111)
-GPU 2: NVIDIA A100-SXM4-40GB (UUID: GPU-77e0c1d2-aaaa-bbbb-cccc-ddddeeeeffff)
-  MIG 3g.20gb     Device  0: (UUID: MIG-5c4b3a29-1111-2222-3333-444455556666)
-  MIG 3g.20gb     Device  1: (UUID: MIG-9d8e7f60-7777-8888-9999-000011112222)
-"""
-INVENTORY = parse_gpu_list(NVIDIA_SMI_L)
-MIG_0, MIG_1 = INVENTORY[2].migs
+def flag_values(**changes) -> dict:
+    """Every `cakemp run` flag's value as click passes it when none is given, with `changes`."""
+    values = {flag.key: flag.default for flag in RUN_FLAGS}
+    assert changes.keys() <= values.keys()
+    return values | changes
 
 
-def test_nvidia_smi_listing_gives_gpus_in_order_with_their_mig_instances():
-    """Each GPU line is a GPU; the MIG lines under it are its instances."""
-    assert [(g.index, g.uuid[:12], len(g.migs)) for g in INVENTORY] == [
-        (0, "GPU-0a1b2c3d", 0), (1, "GPU-0a1bffff", 0), (2, "GPU-77e0c1d2", 2)]
-    assert MIG_0.startswith("MIG-5c4b3a29") and MIG_1.startswith("MIG-9d8e7f60")
+@pytest.fixture
+def topology(tmp_path):
+    return str(write_topology(tmp_path / "topology.yml", ["model.layers.0-3"], name="w1"))
 
 
-@pytest.mark.parametrize("text, env, expected", [
-    ("cpu", None, (None,)),
-    ("cpu:3", None, (None, None, None)),
-    ("all", None, ("0", "1", MIG_0, MIG_1)),
-    ("0,1", None, ("0", "1")),
-    (" 1 ", None, ("1",)),
-    # Indices count the visible GPUs, as CUDA numbers them under the operator's CUDA_VISIBLE_DEVICES.
-    ("0,1", "2,1", (MIG_0, MIG_1, "1")),
-    ("1", "1,0", ("0",)),
-    ("all", "1", ("1",)),
-    ("all", "", (None,)),
-    ("all", "1,-1,0", ("1",)),
-    ("all", "1,7,0", ("1",)),
-    # UUIDs (whole or a unique prefix, as CUDA takes them) and MIG instances.
-    ("GPU-0a1bffff", None, ("1",)),
-    ("GPU-0a1b2c3d-0000-1111-2222-333344445555,0a", None, None),
-    (f"{MIG_1},0", None, (MIG_1, "0")),
-    ("all", f"GPU-77e0c1d2,{MIG_0}", (MIG_0, MIG_1)),
-    ("all", f"{MIG_1}", (MIG_1,)),
-    ("0", "GPU-0a1bffff", ("1",)),
+def test_every_flag_is_declared_once_with_help():
+    """No two flags share a name, and each but --log-level explains itself."""
+    names = [flag.name for flag in RUN_FLAGS]
+    assert len(names) == len(set(names)) == 27
+    assert [flag.name for flag in RUN_FLAGS if not flag.help] == ["--log-level"]
+
+
+def test_the_flags_defaults_are_the_configs_defaults(topology):
+    """A node given only its name and topology is NodeConfig's defaults: the flags' defaults, converted."""
+    config = node_config(flag_values(name="w1", topology=topology, gpus="cpu"), model_given=False)
+    layers = tuple(f"model.layers.{i}" for i in range(4))
+    assert config == NodeConfig(name="w1", layers=layers, devices=(None,))
+    assert (config.host, config.port, config.model_dir, config.dtype, config.revision) == (
+        "0.0.0.0", 10128, "./cake-data/Meta-Llama-3-8B/", "f16", Revision.V2)
+    assert (config.request_timeout, config.restart_attempts, config.drain_timeout, config.stats_interval) == (
+        60.0, 5, 30.0, 60.0)
+    assert (config.max_batch, config.prefill_chunk, config.max_buffered_bytes) == (MAX_BATCH, PREFILL_CHUNK, 1 << 30)
+    assert config.kv_budget_bytes is config.metrics_address is config.cluster_key is config.setup is None
+
+
+def test_flag_values_are_converted_to_the_configs_units(topology):
+    """MiB become bytes, --protocol a Revision, addresses (host, port); an empty optional flag is off."""
+    config = node_config(flag_values(name="w1", topology=topology, gpus="cpu:2", kv_budget_mib=3, max_buffered_mib=2,
+                                     protocol="1", address="127.0.0.1:7", metrics_address="", cluster_key=""),
+                         model_given=False)
+    assert (config.kv_budget_bytes, config.max_buffered_bytes) == (3 << 20, 2 << 20)
+    assert (config.revision, config.address, config.devices) == (Revision.V1, ("127.0.0.1", 7), (None, None))
+    assert config.metrics_address is config.cluster_key is None
+    served = node_config(flag_values(name="w1", topology=topology, gpus="cpu", metrics_address=":9100"),
+                         model_given=False)
+    assert served.metrics_address == ("0.0.0.0", 9100)
+
+
+def test_a_key_without_a_topology_is_zero_config_on_cakes_discovery_port():
+    """--cluster-key and no --topology: no layers or model yet, the host's name, the setup's flags."""
+    config = node_config(flag_values(cluster_key="k", gpus="cpu", max_model_gib=0.5), model_given=True)
+    assert (config.name, config.layers, config.model_dir) == (socket.gethostname(), (), "")
+    setup = config.setup
+    assert (setup.cluster_key, setup.max_model_bytes, setup.discovery_host, setup.discovery_port) == (
+        "k", 1 << 29, "0.0.0.0", DISCOVERY_PORT)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"topology": "{topology}"}, "no --name"),
+    ({"name": "w1"}, "no --topology given (and no --cluster-key"),
+    ({"name": "w1", "topology": "{topology}", "metrics_address": "nowhere"}, "invalid --metrics-address 'nowhere'"),
+    ({"name": "w1", "topology": "{topology}", "address": "nowhere"}, "invalid --address 'nowhere'"),
 ])
-def test_gpus_map_to_one_visible_device_per_process(text, env, expected):
-    """Each device process gets the CUDA_VISIBLE_DEVICES value of one GPU or MIG instance, or None for a CPU."""
-    if expected is None:
-        with pytest.raises(ConfigError):
-            parse_gpus(text, env, INVENTORY)
-    else:
-        assert parse_gpus(text, env, INVENTORY) == expected
-
-
-@pytest.mark.parametrize("text, env, words", [
-    ("7", None, "there is no GPU 7 (only 3 visible)"),
-    ("2", "1,0", "there is no GPU 2 (only 2 visible)"),
-    ("0", "", "there is no GPU 0 (none is visible)"),
-    ("GPU-0a1b", None, "GPU-0a1b matches several"),
-    ("GPU-0a1bffff", "0", "GPU-0a1bffff is not among the visible GPUs"),
-    ("0,0", None, "named twice"),
-    ("1,GPU-0a1bffff", None, "named twice"),
-    ("cpu:0", None, "cpu:N"), ("cpu:x", None, "cpu:N"),
-    ("tpu", None, "'tpu'"), ("0,-1", None, "'-1'"), ("", None, "expected all"), ("0,", None, "expected all"),
-])
-def test_bad_gpus_are_config_errors_that_say_why(text, env, words):
-    """Missing, ambiguous, repeated or malformed GPU selections are refused by name."""
+def test_missing_or_malformed_flags_are_config_errors(topology, changes, words):
+    """Each names the flag that is wrong."""
+    changes = {key: value.format(topology=topology) for key, value in changes.items()}
     with pytest.raises(ConfigError, match=re.escape(words)):
-        parse_gpus(text, env, INVENTORY)
-
-
-@pytest.mark.parametrize("text, env, expected", [
-    ("all", None, (None,)),
-    ("all", "3,1,-1,2", ("3", "1")),
-    ("1", "3,GPU-x", ("GPU-x",)),
-    ("GPU-x", "3,GPU-x", ("GPU-x",)),
-])
-def test_without_nvidia_smi_the_visible_ids_pass_through(text, env, expected):
-    """With no inventory, CUDA_VISIBLE_DEVICES's own ids are what indices and UUIDs select."""
-    assert parse_gpus(text, env, None) == expected
+        node_config(flag_values(gpus="cpu", **changes), model_given=False)
 
 
 @pytest.mark.parametrize("text, expected", [

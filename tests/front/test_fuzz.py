@@ -52,7 +52,7 @@ F32_ATOL = 1e-4
 # at most MAX_PAYLOAD bytes; the rest is allocator slack and log buffers).
 RSS_GROWTH_BOUND = 64 << 20
 BUFFER_BUDGET = 1 << 20
-MAX_PAYLOAD = Admission(frozenset(NAMES), HIDDEN, MAX_CONTEXT, len(LAYERS)).max_payload()
+MAX_PAYLOAD = Admission(frozenset(NAMES), HIDDEN, MAX_CONTEXT, frozenset(LAYERS)).max_payload()
 U64 = 2**64 - 1
 
 

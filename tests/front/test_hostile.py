@@ -25,7 +25,7 @@ from cakemp.wire import (
     HEADER_SIZE, MAGIC, Batch, DType, Hello, LayerOp, RawTensor, Revision, WorkerInfo, decode_payload,
     encode_frame, read_header,
 )
-from tests.checkpoints import HFLayers
+from tests.checkpoints import HFLayers, make_checkpoint
 from tests.front.master import CakeMaster, to_raw
 from tests.front.node import RunningNode, scrape, write_topology
 
@@ -44,6 +44,12 @@ F32_ATOL = 1e-4
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 90))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """8 layers, of which the node serves 0-3: the KV slots of the other four are not its to give."""
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", num_hidden_layers=8)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +145,10 @@ GOOD = to_raw(torch.randn(1, 2, HIDDEN))
     (GOOD, OPS * 250, "has 1000 ops; this worker serves 4 layers"),
     (GOOD, OPS[:2] + OPS[:1], "layer model.layers.0 appears twice"),
     (GOOD, [("model.layers.0", 0, 3), ("model.layers.1", 0, 3)], "block_idx 3 .* appears twice"),
-    (GOOD, [("model.layers.0", 0, 2**64 - 1)], "block_idx 18446744073709551615 of layer model.layers.0 is outside"),
+    (GOOD, [("model.layers.0", 0, 2**64 - 1)], "block_idx 18446744073709551615 of layer model.layers.0 is not a KV slot"),
+    # A layer of the model this node does not serve, as a KV slot: once admitted, so one session could
+    # hold a slot for each of the model's 8 layers on a node serving 4 (security review M5).
+    (GOOD, [("model.layers.0", 0, 5)], r"block_idx 5 of layer model.layers.0 is not a KV slot .*\(0-3\)"),
     (GOOD, [("model.layers.4", 0, 4)], "^could not find layer model.layers.4$"),
     (GOOD, [("\x1b[2J" + "é" * 1000, 0, 0)], r"could not find layer '\\x1b\[2Jé+… \(1004 chars\)'"),
     # A sound frame whose bytes do not match its shape: the decoder's MalformedTensor, answered.

@@ -4,32 +4,37 @@ from __future__ import annotations
 
 import pytest
 
-from cakemp.errors import UnknownLayer
-from cakemp.front.router import Leg, Router, chunk_bounds
-from cakemp.ipc import Op
+from cakemp.front.router import Route, Router, chunk_bounds
+from cakemp.ipc import Op, Stage
 from cakemp.wire import LayerOp
 
 PLACEMENT = [("model.layers.0", "model.layers.1"), ("model.layers.2",), ("model.layers.3",)]
+GENERATIONS = {0: 4, 1: 1, 2: 7}  # each device's current process
 
 
 def op(layer: int, pos: int = 0) -> LayerOp:
     return LayerOp(f"model.layers.{layer}", pos, layer)
 
 
-def test_a_run_over_three_devices_is_one_leg_per_device_in_order():
-    """Consecutive ops on one device form one leg; each op names the layer by its index on that device."""
-    legs = Router(PLACEMENT).plan([op(0, 5), op(1, 5), op(2, 5), op(3, 5)])
-    assert legs == (Leg(0, (Op(0, 5, 0), Op(1, 5, 1))), Leg(1, (Op(0, 5, 2),)), Leg(2, (Op(0, 5, 3),)))
+def test_a_run_over_three_devices_is_one_stage_per_device_in_order():
+    """Consecutive ops on one device form one stage, expecting that device's current generation; each
+    op names the layer by its index on that device."""
+    route = Router(PLACEMENT).plan([op(0, 5), op(1, 5), op(2, 5), op(3, 5)], GENERATIONS.get)
+    assert route == Route((Stage(0, 4, (Op(0, 5, 0), Op(1, 5, 1))), Stage(1, 1, (Op(0, 5, 2),)),
+                           Stage(2, 7, (Op(0, 5, 3),))))
+    assert route.devices == (0, 1, 2)
 
 
-def test_a_run_that_comes_back_to_a_device_gets_a_leg_for_each_visit():
-    """Layers 3, 0, 2 visit devices 2, 0, 1: three legs in the Batch's order."""
-    assert [leg.device for leg in Router(PLACEMENT).plan([op(3), op(0), op(2)])] == [2, 0, 1]
+def test_a_run_that_comes_back_to_a_device_gets_a_stage_for_each_visit():
+    """Layers 3, 0, 2 visit devices 2, 0, 1: three stages in the Batch's order."""
+    assert Router(PLACEMENT).plan([op(3), op(0), op(2)], GENERATIONS.get).devices == (2, 0, 1)
 
 
-def test_an_unknown_layer_is_refused_by_name():
-    with pytest.raises(UnknownLayer, match="could not find layer model.layers.9"):
-        Router(PLACEMENT).plan([op(0), op(9)])
+def test_a_chunk_later_in_the_prompt_runs_every_op_shifted_by_its_start():
+    """The chunk starting 16 tokens in runs each stage's ops 16 positions later, in the same slots."""
+    route = Router(PLACEMENT).plan([op(1, 3), op(2, 3)], GENERATIONS.get)
+    assert route.shifted(16) == (Stage(0, 4, (Op(1, 19, 1),)), Stage(1, 1, (Op(0, 19, 2),)))
+    assert route.shifted(0) == route.stages
 
 
 @pytest.mark.parametrize("tokens, chunk, bounds", [

@@ -1,0 +1,20 @@
+"""One op of a layer run, as a device runs it: which of its layers, at which position, in which KV slot.
+
+The master names layers ("model.layers.7", `wire.LayerOp`); the front's router translates each
+name once into its device and the layer's index there, and from then on an op is this: the
+ipc messages carry it and the runner indexes its blocks with it. Torch-free, so both sides share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Op:
+    """Run the device's layer number `layer` (its index in the device's layer list) at RoPE
+    offset `index_pos` (the absolute position of the first token), in KV slot `block_idx`."""
+
+    layer: int
+    index_pos: int
+    block_idx: int
