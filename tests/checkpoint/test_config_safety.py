@@ -212,15 +212,15 @@ def run_blocks(config: ModelConfig) -> None:
         weights = {key: torch.randn(shape, generator=generator) * 0.1 for key, shape in shapes[index].items()}
         layers[config.layer_name(index)] = block_type(config, index)(config, index, weights)
     runner = BlockRunner(config, layers, torch.device("cpu"), torch.float32, max_context=16)
-    ops = [(config.layer_name(index), 0, index) for index in indices]
+    prompt = runner.ops([(config.layer_name(index), 0, index) for index in indices])
     x = torch.randn(1, 7, config.hidden_size, generator=generator)
-    assert runner.forward(1, x, ops).shape == x.shape
-    step = [(name, 7, block) for name, _, block in ops]
-    assert runner.forward(1, x[:, :1], step).shape == (1, 1, config.hidden_size)
-    assert runner.forward(1, x[:, :3], ops).shape == (1, 3, config.hidden_size)
+    assert runner.run(1, x, prompt).shape == x.shape
+    step = runner.ops([(config.layer_name(index), 7, index) for index in indices])
+    assert runner.run(1, x[:, :1], step).shape == (1, 1, config.hidden_size)
+    assert runner.run(1, x[:, :3], prompt).shape == (1, 3, config.hidden_size)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(hostile_configs())
 def test_any_config_the_parser_accepts_builds_and_runs_blocks(config):
     """Any JSON in the keys the parser reads is a CheckpointError or a config whose blocks build
