@@ -82,9 +82,12 @@ class Assignment:
         await _send_quietly(self._writer, WorkerReady(), self._revision)
         self.answered.set()
 
-    async def refuse(self, reason: str) -> None:
-        """The layers could not be loaded: the cache no longer counts, the master is told why."""
-        self.cache.invalidate()
+    async def refuse(self, reason: str, *, files_at_fault: bool = True) -> None:
+        """The layers could not be loaded: the master is told why. Only when the files are at
+        fault does the cache stop counting (and the files this setup pushed go with it); a node
+        that stops or lacks memory keeps a cache that may have taken hours to push."""
+        if files_at_fault:
+            self.cache.invalidate(remove_files=self.needed_data)
         await _send_quietly(self._writer, WorkerError(reason), self._revision)
         self.answered.set()
 
