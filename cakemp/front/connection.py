@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from cakemp import log
 from cakemp.auth import authenticate_master
-from cakemp.errors import AuthError, BadTensor, CakempError, InternalError, PeerFault, ProtocolError, RequestError
+from cakemp.errors import AuthError, BadRequest, CakempError, InternalError, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
@@ -81,6 +81,7 @@ class Connection:
         self._revision, self._cluster_key = revision, cluster_key
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
         self._session = Session(admission, served=served, idle_timeout=limits.session_idle_timeout)
+        self._decode_limits = admission.decode_limits()
         self._frame_started: float | None = None  # loop time a frame's payload (or Hello) became due; None: idle
         self._frame_watch: asyncio.TimerHandle | None = None
         peer = writer.get_extra_info("peername")
@@ -104,7 +105,7 @@ class Connection:
             await self._serve()
         except AuthError as e:
             self._log.warning("authentication failed", error=str(e), fault="peer")
-        except (ProtocolError, BadTensor) as e:  # BadTensor: a sound frame with an unusable tensor, before Hello
+        except (ProtocolError, BadRequest) as e:  # BadRequest: a sound frame with an unusable tensor or run, before Hello
             self._log.warning("closing connection", error=str(e), fault="peer")
         except (ConnectionError, asyncio.IncompleteReadError):
             self._log.debug("connection lost")
@@ -120,7 +121,7 @@ class Connection:
         while self._session.state is not SessionState.CLOSED:
             try:
                 received = await self._read()
-            except BadTensor as e:  # the frame was sound, only its tensor is not: answer, go on
+            except BadRequest as e:  # the frame was sound, only its tensor or layer run is not: answer, go on
                 if self._session.state is SessionState.AWAITING_HELLO:
                     raise  # not a session yet: the connection closes
                 self._metrics.requests.inc()
@@ -201,7 +202,7 @@ class Connection:
         """The next message with the bytes read and seconds spent for it, and the payload size it
         holds of the budget (the caller gives it back once done with the message); None at EOF.
 
-        Raises ProtocolError when the frame is not Cake protocol, BadTensor for a sound
+        Raises ProtocolError when the frame is not Cake protocol, BadTensor or BadOps for a sound
         frame with a bad tensor (its budget then already given back).
         """
         header = await self._next_header()
@@ -214,7 +215,7 @@ class Connection:
         self._frame_started = asyncio.get_running_loop().time()
         try:
             payload = await self._read_payload(size)
-            message = decode_payload(payload, self._revision)
+            message = decode_payload(payload, self._revision, self._decode_limits)
         except BaseException:
             self._budget.give(size)
             raise
