@@ -5,6 +5,7 @@ import getpass
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -99,7 +100,7 @@ def test_restarts_on_crashes_but_not_after_a_clean_stop_or_config_error(tmp_path
 # supervisord itself running the node from the project's program section. One supervisord
 # serves the tests below; the one that stops supervisord starts its own.
 
-KEY = "change-me"  # the example key in the project's file, kept: the probes authenticate with it
+KEY = secrets.token_hex(32)  # as `openssl rand -hex 32` makes one: the node refuses the file's placeholder
 HIDDEN = 64
 
 
@@ -157,6 +158,7 @@ def start_supervised(tmp: Path, checkpoint: Path) -> Supervised:
         "CAKEMP_DTYPE": "f32",
         "CAKEMP_GPUS": "cpu:2",
         "CAKEMP_METRICS_ADDRESS": f"127.0.0.1:{free_port()}",
+        "CAKE_CLUSTER_KEY": KEY,
     })
     process = subprocess.Popen([SUPERVISORD, "--nodaemon", "--configuration", str(config)], cwd=tmp,
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
