@@ -97,6 +97,16 @@ def test_unknown_name_falls_back_to_the_only_entry_with_a_warning_and_a_bad_mode
     assert_config_error(result, "no-model")
 
 
+def test_a_node_open_beyond_loopback_without_key_or_allow_list_warns_at_start(tmp_path, topology):
+    """0.0.0.0 with neither --cluster-key nor --allow-from: a warning comes first (here the missing
+    model then exits 78, before the port listens)."""
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", "cpu",
+                        "--model", str(tmp_path / "no-model"), "--address", "0.0.0.0:0")
+    warning = next(json.loads(line) for line in result.stdout.splitlines() if "any peer that reaches" in line)
+    assert (warning["level"], warning["address"]) == ("warning", "0.0.0.0:0")
+    assert_config_error(result, "no-model")
+
+
 def test_unknown_name_in_a_topology_of_several_entries_exits_78(tmp_path):
     """An unknown --name among several entries is refused, naming the entries (Cake would serve the
     first one's layers on every misnamed machine)."""

@@ -19,7 +19,8 @@ from supervisor.datatypes import RestartWhenExitUnexpected
 from supervisor.options import ServerOptions
 from supervisor.xmlrpc import SupervisorTransport
 
-from cakemp.errors import CakempError
+from cakemp.errors import CakempError, ConfigError
+from cakemp.front.config import check_cluster_key
 from cakemp.demo.local_node import free_port
 from cakemp.master.client import WorkerClient
 from cakemp.master.probe import probe
@@ -80,6 +81,14 @@ def test_supervisor_accepts_the_program_section(tmp_path):
     assert {"CAKEMP_MODEL", "CAKEMP_TOPOLOGY", "CAKEMP_DRAIN_TIMEOUT"} <= set(program.environment) - {"CUDA_DEVICE_ORDER"}
     assert set(program.environment) - {"CUDA_DEVICE_ORDER"} <= run_variables()
     assert program.environment["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_the_example_key_is_a_placeholder_the_node_refuses_as_it_is(tmp_path):
+    """The program's key says how to make one, and a node given it unchanged exits 78 saying so."""
+    key = load(tmp_path).environment["CAKE_CLUSTER_KEY"]
+    assert "openssl-rand-hex-32" in key and "`openssl rand -hex 32`" in PROGRAM.read_text()
+    with pytest.raises(ConfigError, match="openssl rand -hex 32"):
+        check_cluster_key(key)
 
 
 def test_stop_signals_the_front_and_kills_the_group_after_the_drain(tmp_path):
