@@ -26,17 +26,15 @@ from dataclasses import dataclass
 
 from cakemp import log
 from cakemp.auth import authenticate_master
-from cakemp.errors import (
-    AuthError, CakempError, InternalError, MalformedTensor, PeerFault, ProtocolError, RequestError, SessionExpired,
-)
+from cakemp.errors import AuthError, CakempError, InternalError, MalformedTensor, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
+from cakemp.front.session import Action, Clear, Close, Greet, Note, Refuse, Reply, Run, Session, SessionState
 from cakemp.wire import (
-    HEADER_SIZE, Batch, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, Message, RawTensor,
-    Revision, SingleOp, TensorMessage, WorkerError, WorkerInfo, WorkerReady, decode_payload, encode_frame,
-    read_header,
+    HEADER_SIZE, LayerAssignment, LayerOp, Message, RawTensor, Revision, TensorMessage, WorkerError, WorkerInfo,
+    decode_payload, encode_frame, read_header,
 )
 
 _READ_SIZE = 1 << 20
@@ -67,23 +65,23 @@ def keep_alive(sock: socket.socket) -> None:
 
 
 class Connection:
+    """One master connection: reads its frames within the budget and the timeouts, and carries out
+    what its `Session` (session.py), which holds the session's rules, calls for."""
+
     def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
                  pool: DevicePool, admission: Admission, limits: ConnectionLimits,
                  budget: BufferBudget, metrics: Metrics, revision: Revision, cluster_key: str | None,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None):
-        self.session = session  # the id devices know the session by; logs name it by its peer address
+        self.session_id = session  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
         self._reader, self._writer = reader, writer
-        self._pool, self._admission, self._metrics = pool, admission, metrics
+        self._pool, self._metrics = pool, metrics
         self._limits, self._budget = limits, budget
         self._revision, self._cluster_key = revision, cluster_key
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
-        self._served = served  # zero-config: the assignment this node was set up with
-        self._devices: set[int] = set()  # devices that may hold state of this session
-        self._expired = False  # its KV state was freed for idleness and it has not been told yet
+        self._session = Session(admission, served=served, idle_timeout=limits.session_idle_timeout)
         self._frame_started: float | None = None  # loop time a frame's payload (or Hello) became due; None: idle
-        self._awaiting_hello = False
         self._frame_watch: asyncio.TimerHandle | None = None
         peer = writer.get_extra_info("peername")
         self._log = log.get_logger(session=f"{peer[0]}:{peer[1]}" if peer else "?")
@@ -118,38 +116,13 @@ class Connection:
     async def _serve(self) -> None:
         # Hello is due within the frame timeout of the connection's start (after the key handshake).
         self._frame_started = asyncio.get_running_loop().time()
-        self._awaiting_hello = True
         self._watch_frames()
-        first = await self._read()
-        self._awaiting_hello = False
-        if first is None:
-            return
-        message, _, read_s, size = first
-        self._budget.give(size)
-        if isinstance(message, LayerAssignment):
-            # The master restarted and re-runs setup: we already hold the layers (seed behaviour).
-            # A zero-config node knows what it was set up with and refuses another model or
-            # layer set, rather than answer WorkerReady and fail every request that follows.
-            if self._served is not None and message != self._served:
-                self._log.warning("master re-setup with another assignment: refused", layers=len(message.layers),
-                                  model_hash=message.model_hash)
-                await self._send(WorkerError(
-                    f"this node serves {_span(self._served.layers)} of model {self._served.model_hash or '(no hash)'}; "
-                    f"restart it to take {_span(message.layers)} of model {message.model_hash or '(no hash)'}"))
-                return
-            self._log.info("master re-setup: accepting layer assignment", layers=len(message.layers))
-            await self._send(LayerAssignmentAck(needs_data=False))
-            await self._send(WorkerReady())
-            return
-        if not isinstance(message, Hello):
-            self._log.warning("unexpected first message (expected Hello)", message=type(message).__name__,
-                              fault="peer")
-            return
-        await self._send(self._worker_info(int(read_s * 1000)))
-        while True:
+        while self._session.state is not SessionState.CLOSED:
             try:
                 received = await self._read()
             except MalformedTensor as e:  # the frame was sound, only its tensor is not: answer, go on
+                if self._session.state is SessionState.AWAITING_HELLO:
+                    raise  # not a session yet: the connection closes
                 self._metrics.requests.inc()
                 await self._send(self._refusal(e))
                 continue
@@ -157,29 +130,36 @@ class Connection:
                 return
             message, _, read_s, size = received
             try:
-                if isinstance(message, Goodbye):
-                    await self._goodbye()
-                    self._expired = False  # a fresh start: nothing to be told
-                    await self._send(self._worker_info(int(read_s * 1000)))
-                elif isinstance(message, Batch):
-                    await self._serve_request(message.x, message.batch)
-                elif isinstance(message, SingleOp):
-                    op = LayerOp(message.layer_name, message.index_pos, message.block_idx)
-                    await self._serve_request(message.x, (op,))
-                else:
-                    self._log.warning("unexpected message, closing", message=type(message).__name__, fault="peer")
-                    return
+                await self._carry_out(self._session.received(message), read_s)
             finally:
-                self._budget.give(size)  # the request is answered: its bytes are no longer held
+                self._budget.give(size)  # the message is answered: its bytes are no longer held
 
-    async def _serve_request(self, x: RawTensor, ops: Sequence[LayerOp]) -> None:
+    async def _carry_out(self, actions: Sequence[Action], read_s: float = 0.0) -> None:
+        """Do what the session asked, in order; `read_s`: how long the frame it answers took to read."""
+        for action in actions:
+            match action:
+                case Greet():
+                    await self._send(self._worker_info(int(read_s * 1000)))
+                case Reply(message):
+                    await self._send(message)
+                case Run() | Refuse():
+                    await self._serve_request(action)
+                case Clear(devices):
+                    await self._clear(devices)
+                case Note(level, event, fields):
+                    getattr(self._log, level)(event, **fields)
+                case Close():
+                    return
+
+    async def _serve_request(self, request: Run | Refuse) -> None:
         self.busy = True
         try:
             start = time.perf_counter()
-            reply = await self._run(x, ops)
+            reply = await self._run(request.x, request.ops) if isinstance(request, Run) else self._refusal(request.error)
             await self._send(reply)
             self._metrics.requests.inc()
             if isinstance(reply, TensorMessage):  # x: [B, T, H]
+                x, ops = request.x, request.ops
                 self._metrics.served(math.prod(x.shape[:-1]), ops[0].index_pos if ops else 0, len(ops),
                                      time.perf_counter() - start)
         finally:
@@ -190,29 +170,15 @@ class Connection:
     async def _run(self, x: RawTensor, ops: Sequence[LayerOp]) -> TensorMessage | WorkerError:
         """Pass x down the devices of its route (device to device); the bytes go on untouched (never a tensor here)."""
         try:
-            self._admission.check(x, ops)
-            self._check_not_expired(ops)
             route = self._pool.route(ops)
             for device in route.devices:
-                if device not in self._devices:
-                    self._devices.add(device)
+                if self._session.joined(device):
                     self._metrics.sessions.inc(device=self._pool.label(device))
-            return TensorMessage(await self._pool.run(self.session, x, route))
+            return TensorMessage(await self._pool.run(self.session_id, x, route))
         except RequestError as e:
             return self._refusal(e)
         except Exception as e:  # a bug on this request's path fails this request alone
             return self._refusal(InternalError(f"unexpected error in the front: {type(e).__name__}: {e}"))
-
-    def _check_not_expired(self, ops: Sequence[LayerOp]) -> None:
-        """Raise SessionExpired once after the idle timeout freed the session's KV state, if the
-        request relies on it (past position 0); a fresh prefill just goes ahead."""
-        if not self._expired:
-            return
-        self._expired = False
-        if any(op.index_pos > 0 for op in ops):
-            raise SessionExpired(
-                f"this session was idle for more than {self._limits.session_idle_timeout:g} s and its KV state "
-                "was freed; start again with a fresh prefill (index_pos 0)")
 
     def _refusal(self, error: RequestError | MalformedTensor) -> WorkerError:
         """The WorkerError answering a request that cannot be served, logged and counted. The
@@ -225,15 +191,9 @@ class Connection:
         text = str(error)
         return WorkerError(text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "…")
 
-    async def _expire(self) -> None:
-        """The session sat idle past --session-idle-timeout: free its KV state on every device."""
-        await self._goodbye()
-        self._expired = True
-        self._log.info("session idle: freed its KV state", idle_timeout=self._limits.session_idle_timeout)
-
-    async def _goodbye(self) -> None:
-        results = await asyncio.gather(*(self._pool.clear(d, self.session) for d in sorted(self._devices)),
-                                       return_exceptions=True)
+    async def _clear(self, devices: Sequence[int]) -> None:
+        """Goodbye, or the session idle: drop its state on `devices`."""
+        results = await asyncio.gather(*(self._pool.clear(d, self.session_id) for d in devices), return_exceptions=True)
         for error in (r for r in results if isinstance(r, BaseException)):
             self._log.warning("goodbye: could not clear caches", error=str(error))
 
@@ -266,13 +226,13 @@ class Connection:
     async def _next_header(self) -> bytes:
         """The next frame header (b"" at EOF between frames), however long the master stays idle
         before it; past the session idle timeout the session's KV state is freed meanwhile."""
-        idle = self._limits.session_idle_timeout
-        if idle is not None and not self._expired and self._devices:
+        idle = self._session.idle_after()
+        if idle is not None:
             try:
                 async with asyncio.timeout(idle):
                     return await self._header()
             except TimeoutError:
-                await self._expire()
+                await self._carry_out(self._session.idle())
         return await self._header()
 
     async def _header(self) -> bytes:
@@ -294,7 +254,7 @@ class Connection:
             self._frame_watch = loop.call_at((loop.time() if started is None else started) + timeout,
                                              self._watch_frames)
             return
-        error = (f"no Hello within {timeout:g} s of connecting" if self._awaiting_hello
+        error = (f"no Hello within {timeout:g} s of connecting" if self._session.state is SessionState.AWAITING_HELLO
                  else f"a frame did not arrive within {timeout:g} s of its header")
         self._log.warning("closing connection", error=error, fault="peer")
         self._writer.transport.abort()  # the read waiting on it ends at once, as a lost connection
@@ -324,19 +284,13 @@ class Connection:
         """The connection is gone: free the session on every device that saw it, then close."""
         if self._frame_watch is not None:
             self._frame_watch.cancel()
-        for device in sorted(self._devices):
+        for device in self._session.devices:
             self._metrics.sessions.dec(device=self._pool.label(device))
             try:
-                done = await self._pool.end(device, self.session)
+                done = await self._pool.end(device, self.session_id)
             except CakempError as e:
                 self._log.debug("could not free session", device=device, error=str(e))
                 continue
             self._log.info("session freed", device=device, device_sessions=done.sessions, kv_bytes=done.kv_bytes)
         self._writer.close()
 
-
-def _span(layers: Sequence[str]) -> str:
-    """How a message names a layer list: "model.layers.0..model.layers.15 (16 layers)"."""
-    if not layers:
-        return "no layers"
-    return f"{layers[0]}..{layers[-1]} ({len(layers)} layers)" if len(layers) > 1 else layers[0]

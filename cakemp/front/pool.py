@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from cakemp import log
 from cakemp.ipc.spec import DeviceMain, DeviceSpec
-from cakemp.errors import DeviceLost, InternalError, ProtocolError, RequestError
+from cakemp.errors import InternalError, ProtocolError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
@@ -242,10 +242,8 @@ class DevicePool:
         channel = self._channels[route.stages[0].device]
         while True:
             for stage in route.stages:
-                if (error := self._state.down(stage.device)) is not None:
+                if (error := self._state.unusable(stage.device, stage.generation)) is not None:
                     raise error
-                if self._state.generation(stage.device) != stage.generation:
-                    raise DeviceLost(f"device {self.label(stage.device)} restarted")
             if channel.try_send(frames):
                 return
             await channel.writable()

@@ -6,10 +6,26 @@ kill, ping, complete a request, and what to tell the operator), and `next_deadli
 when `tick` must be called next. `DevicePool` (pool.py) is the thin asyncio layer that owns
 the processes and sockets and carries the actions out; these tests need neither.
 
-A device is STARTING (first start), READY, RESTARTING (failed after it had been ready: waiting
-out a backoff, or loading again), FAILED (given up after `restart_attempts` failed starts in a
-row) or STOPPED. Each spawn is a new generation of the device; a route names the generation it
-expects, so a hand-off meant for a dead process is dropped by its successor.
+A device is in one phase at a time, a small frozen record carrying what that phase needs;
+`state()` is its coarse DeviceState (STARTING, READY, RESTARTING, FAILED, STOPPED). What each
+event does in each phase:
+
+    phase        Ready                 StartFailure            exit                          tick
+    Starting     Serving (Started      Failed (StartFailed)    Failed (StartFailed)          Killing, if silent
+                 once all are)                                                               for load_silence
+    Serving      -                     -                       Backoff (Restarting)          Killing, if hung
+    Backoff      -                     -                       -                             Reloading (Spawn),
+                                                                                             at respawn_at
+    Reloading    Serving (Restarted)   Killing (its error)     Backoff (RestartFailed), or   Killing, if silent
+                                                               Failed (GiveUp) after the
+                                                               restart_attempts-th in a row
+    Killing      -                     as the phase it was     as the phase it was, with     -
+                                       killed in               the kill's reason
+    Failed       -                     -                       -                             -
+    Stopped      -                     -                       -                             -
+
+Each spawn is a new generation of the device; a route names the generation it expects, so a
+hand-off meant for a dead process is dropped by its successor. `stop` makes every device Stopped.
 
 A request is owed by every device on its route from the moment its first chunk is sent (never
 before: nothing is registered for a request that could not be sent) until each chunk sent has
@@ -31,6 +47,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from cakemp.errors import CakempError, DeviceLost, RequestError
 
@@ -40,11 +57,72 @@ BACKOFF_MAX_S = 30.0
 
 
 class DeviceState(enum.Enum):
+    """What a device is, as the pool's users see it; its `Phase` says the rest."""
+
     STARTING = "starting"
     READY = "ready"
     RESTARTING = "restarting"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+# A device's phase: what it is doing, and what that phase carries.
+@dataclass(frozen=True)
+class Starting:
+    """Its first process loads its layers."""
+
+    state: ClassVar[DeviceState] = DeviceState.STARTING
+
+
+@dataclass(frozen=True)
+class Serving:
+    state: ClassVar[DeviceState] = DeviceState.READY
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Down since it `failure`, with `attempts` failed restarts in a row since; the next process starts at `respawn_at`."""
+
+    failure: str
+    attempts: int
+    respawn_at: float
+    state: ClassVar[DeviceState] = DeviceState.RESTARTING
+
+
+@dataclass(frozen=True)
+class Reloading:
+    """A new process loads its layers, after the device `failure` and `attempts` failed restarts in a row."""
+
+    failure: str
+    attempts: int
+    state: ClassVar[DeviceState] = DeviceState.RESTARTING
+
+
+@dataclass(frozen=True)
+class Killing:
+    """The front kills the current process, which was in phase `of`; its exit is reported as `reason`."""
+
+    reason: str
+    of: Starting | Serving | Reloading
+
+    @property
+    def state(self) -> DeviceState:
+        return self.of.state
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Its first start failed, or it failed `restart_attempts` restarts in a row: given up."""
+
+    state: ClassVar[DeviceState] = DeviceState.FAILED
+
+
+@dataclass(frozen=True)
+class Stopped:
+    state: ClassVar[DeviceState] = DeviceState.STOPPED
+
+
+Phase = Starting | Serving | Backoff | Reloading | Killing | Failed | Stopped
 
 
 # Actions, for the asyncio layer to carry out.
@@ -121,22 +199,21 @@ class GiveUp:
 Action = Spawn | Kill | Ping | Forget | Complete | Started | StartFailed | Restarting | RestartFailed | Restarted | GiveUp
 
 
+class Loss(enum.Enum):
+    """Why a session's state on a device is gone, for the next request of it that relies on that state."""
+
+    RESTART = "restart"  # it died with an earlier process of the device
+    HALF_APPLIED = "half-applied"  # a request failed part-way and the device cannot rewind it (Forget)
+
+
 @dataclass
 class _Device:
     label: str
-    state: DeviceState = DeviceState.STARTING
+    phase: Phase = Starting()
     generation: int = 0
-    loading: bool = False  # a process is running and has not reported Ready yet
     heard: float = 0.0  # when its current process last said anything
-    respawn_at: float | None = None  # RESTARTING: when the next attempt starts
-    attempts: int = 0  # failed restart attempts in a row
-    failure: str = ""  # RESTARTING: why it went down
-    killing: str | None = None  # why the front is killing its current process, once it decided to
-    start_error: str | None = None  # what the loading process reported before exiting
     sessions: set[int] = field(default_factory=set)  # sessions that sent requests to the current process
-    # session -> why its state here is gone (it died with an earlier process, or a failed request
-    # left it half-applied), for the session's next request that relies on it
-    lost: dict[int, str] = field(default_factory=dict)
+    lost: dict[int, Loss] = field(default_factory=dict)  # session -> why its state here is gone
 
 
 @dataclass
@@ -153,6 +230,8 @@ class _Request:
 
 
 class PoolState:
+    """The devices' phases and the requests they owe; every method is an event, and returns the actions it calls for."""
+
     def __init__(self, labels: Sequence[str], *, request_timeout: float, load_silence: float, restart_attempts: int,
                  recurrent: Sequence[bool] = ()):
         """`recurrent[i]`: device i serves layers whose state cannot be rewound (linear attention)."""
@@ -165,8 +244,11 @@ class PoolState:
 
     # -- queries
 
+    def phase(self, device: int) -> Phase:
+        return self._devices[device].phase
+
     def state(self, device: int) -> DeviceState:
-        return self._devices[device].state
+        return self._devices[device].phase.state
 
     def generation(self, device: int) -> int:
         return self._devices[device].generation
@@ -181,24 +263,22 @@ class PoolState:
     def down(self, device: int) -> DeviceLost | None:
         """Why requests to `device` cannot be served now, as the error to answer them with; None while it serves."""
         d = self._devices[device]
-        if d.state is DeviceState.READY:
-            return None
-        why = {
-            DeviceState.STARTING: "is starting",
-            DeviceState.RESTARTING: f"is restarting after it {d.failure}",
-            DeviceState.FAILED: "could not be restarted",
-            DeviceState.STOPPED: "is stopping",
-        }[d.state]
-        return DeviceLost(f"device {d.label} {why}")
+        return None if d.phase.state is DeviceState.READY else _down(d.label, d.phase)
+
+    def unusable(self, device: int, generation: int) -> DeviceLost | None:
+        """Why a hop for process `generation` of `device` cannot go now (it is down, or that process is gone); None if it can."""
+        d = self._devices[device]
+        return self.down(device) or (_restarted(d.label) if d.generation != generation else None)
 
     def next_deadline(self) -> float | None:
         """When `tick` must next be called (None: nothing to watch)."""
         times = [r.deadline for r in self._requests.values()]
         for d in self._devices:
-            if d.loading and d.killing is None:
-                times.append(d.heard + self._load_silence)
-            elif d.respawn_at is not None:
-                times.append(d.respawn_at)
+            match d.phase:
+                case Starting() | Reloading():
+                    times.append(d.heard + self._load_silence)
+                case Backoff(respawn_at=respawn_at):
+                    times.append(respawn_at)
         return min(times, default=None)
 
     # -- device lifecycle
@@ -211,72 +291,69 @@ class PoolState:
         self._devices[device].heard = now
 
     def ready(self, device: int, now: float) -> list[Action]:
+        """The loading process holds its layers. A Ready from a process already gone, or being
+        killed, changes nothing."""
         d = self._devices[device]
         d.heard = now
-        if not d.loading:  # a late Ready of a process already gone
-            return []
-        d.loading = False
-        if d.state is DeviceState.STARTING:
-            d.state = DeviceState.READY
-            if all(other.state is DeviceState.READY for other in self._devices):
-                return [Started()]
-            return []
-        if d.state is DeviceState.RESTARTING:
-            d.state, d.attempts, d.failure = DeviceState.READY, 0, ""
-            return [Restarted(device)]
+        match d.phase:
+            case Starting():
+                d.phase = Serving()
+                return [Started()] if all(other.phase.state is DeviceState.READY for other in self._devices) else []
+            case Reloading():
+                d.phase = Serving()
+                return [Restarted(device)]
         return []
 
     def start_failed(self, device: int, now: float, error: CakempError) -> list[Action]:
         """The loading process reported that it cannot load (it exits next)."""
         d = self._devices[device]
         d.heard = now
-        if not d.loading:
-            return []
-        if d.state is DeviceState.STARTING:
-            d.loading = False
-            d.state = DeviceState.FAILED
-            return [StartFailed(device, error)]
-        d.start_error = d.killing = str(error)
-        return [Kill(device, str(error))]  # make sure it is gone; its exit counts the attempt
+        match d.phase:
+            case Starting() | Killing(of=Starting()):
+                d.phase = Failed()
+                return [StartFailed(device, error)]
+            case Reloading() | Killing(of=Reloading()):
+                # Make sure it is gone; its exit counts the attempt, with this error.
+                return self._kill(device, str(error))
+        return []
 
     def exited(self, device: int, now: float, exitcode: int | None) -> list[Action]:
-        """The device's current process is gone: fail what it owed, then restart it, count the attempt, or give up."""
+        """The device's current process is gone: fail what it owed, then, by what the process was
+        doing, fail the node's start, restart the device, count the attempt, or give up."""
         d = self._devices[device]
-        reason, d.killing = d.killing or f"died (exit code {exitcode})", None
-        was_loading, d.loading = d.loading, False
-        actions: list[Action] = []
-        if d.state in (DeviceState.STOPPED, DeviceState.FAILED):
-            return self._fail_requests(device, DeviceLost(f"device {d.label} {reason}"))
-        actions += self._fail_requests(device, DeviceLost(f"device {d.label} {reason}"))
-        d.lost.update(dict.fromkeys(d.sessions, f"device {d.label} restarted; this session's KV state was lost"))
+        killed = isinstance(d.phase, Killing)
+        reason = d.phase.reason if killed else f"died (exit code {exitcode})"
+        was = d.phase.of if killed else d.phase
+        actions = self._fail_requests(device, _gone(d.label, reason))
+        if isinstance(was, Failed | Stopped):
+            return actions
+        d.lost.update(dict.fromkeys(d.sessions, Loss.RESTART))
         d.sessions = set()
-        if d.state is DeviceState.STARTING:
-            d.state = DeviceState.FAILED
-            return actions + [StartFailed(device, CakempError(f"device {d.label} {reason}"))]
-        if d.state is DeviceState.READY:
-            d.state, d.attempts, d.failure = DeviceState.RESTARTING, 0, reason
-            d.respawn_at = now + _backoff(0)
-            return actions + [Restarting(device, reason)]
-        # RESTARTING: an attempt failed (or a process ended before it even loaded).
-        if was_loading or d.start_error is not None:
-            error, d.start_error = d.start_error or reason, None
-            d.attempts += 1
-            actions.append(RestartFailed(device, d.attempts, error))
-            if d.attempts >= self._restart_attempts:
-                d.state, d.respawn_at = DeviceState.FAILED, None
-                return actions + [GiveUp(f"device {d.label} failed to start {d.attempts} times in a row (last: {error})")]
-            d.respawn_at = now + _backoff(d.attempts)
-        return actions
+        match was:
+            case Starting():
+                d.phase = Failed()
+                return actions + [StartFailed(device, CakempError(f"device {d.label} {reason}"))]
+            case Serving():
+                d.phase = Backoff(reason, 0, now + _backoff(0))
+                return actions + [Restarting(device, reason)]
+            case Reloading(failure=failure, attempts=attempts):
+                attempts += 1
+                actions.append(RestartFailed(device, attempts, reason))
+                if attempts >= self._restart_attempts:
+                    d.phase = Failed()
+                    return actions + [GiveUp(f"device {d.label} failed to start {attempts} times in a row "
+                                             f"(last: {reason})")]
+                d.phase = Backoff(failure, attempts, now + _backoff(attempts))
+        return actions  # Backoff: no process of it ran
 
     def stop(self) -> list[Action]:
         """The node stops: no more restarts; every request fails."""
         for d in self._devices:
-            d.state, d.respawn_at = DeviceState.STOPPED, None
+            d.phase = Stopped()
         actions: list[Action] = []
         for request_id, request in list(self._requests.items()):
-            labels = list(dict.fromkeys(self._devices[device].label for device in request.devices))
-            which = f"device {labels[0]} is" if len(labels) == 1 else f"devices {', '.join(labels)} are"
-            actions.append(Complete(request_id, DeviceLost(f"{which} stopping")))
+            labels = [self._devices[device].label for device in request.devices]
+            actions.append(Complete(request_id, _stopping(labels)))
         self._requests.clear()
         return actions
 
@@ -284,18 +361,23 @@ class PoolState:
 
     def admit(self, session: int, devices: Sequence[int], relies: Sequence[bool]) -> None:
         """Take note of the session's request on `devices`, or raise DeviceLost: while one is down,
-        and once for a session whose state died with an earlier process of one of them and that
-        still relies on it there (`relies[i]`: a request past position 0 on devices[i])."""
+        and once for a session whose state on one of them is gone (it died with an earlier
+        process, or a failed request left it half-applied) when it still relies on it there
+        (`relies[i]`: a request past position 0 on devices[i])."""
         for device in devices:
             if (error := self.down(device)) is not None:
                 raise error
-        lost = {device: self._devices[device].lost.pop(session) for device in devices
-                 if session in self._devices[device].lost}
-        for device in devices:
-            self._devices[device].sessions.add(session)
-        relied = [why for device, rely in zip(devices, relies) if rely and (why := lost.get(device)) is not None]
+        losses: dict[int, Loss] = {}
+        for device in dict.fromkeys(devices):
+            d = self._devices[device]
+            d.sessions.add(session)
+            # Told once: the session's next request through the device forgets the loss.
+            if (loss := d.lost.pop(session, None)) is not None:
+                losses[device] = loss
+        relied = [(self._devices[device].label, losses[device])
+                  for device, rely in zip(devices, relies) if rely and device in losses]
         if relied:
-            raise DeviceLost(f"{'; '.join(dict.fromkeys(relied))}; start again with a fresh prefill (index_pos 0)")
+            raise _state_lost(relied)
 
     def sent(self, request_id: int, session: int, devices: Sequence[int], now: float) -> None:
         """A chunk of the request went to the first device of its route (the first chunk registers it)."""
@@ -349,16 +431,16 @@ class PoolState:
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         for index, d in enumerate(self._devices):
-            if d.loading and now >= d.heard + self._load_silence and d.killing is None:
-                d.killing = f"loaded no layer within {self._load_silence:g} s"
-                actions.append(Kill(index, d.killing))
-            elif d.state is DeviceState.RESTARTING and d.respawn_at is not None and now >= d.respawn_at:
-                actions.append(self._spawn(index, now))
+            match d.phase:
+                case Starting() | Reloading() if now >= d.heard + self._load_silence:
+                    actions += self._kill(index, f"loaded no layer within {self._load_silence:g} s")
+                case Backoff(respawn_at=respawn_at) if now >= respawn_at:
+                    actions.append(self._spawn(index, now))
         hung: set[int] = set()
         for request in self._requests.values():
             if now < request.deadline:
                 continue
-            ready = [device for device in request.devices if self._devices[device].state is DeviceState.READY]
+            ready = [device for device in request.devices if self.state(device) is DeviceState.READY]
             if request.pinged_at is None:
                 request.pinged_at, request.deadline = now, now + self._request_timeout
                 actions += [Ping(device) for device in ready]
@@ -369,10 +451,8 @@ class PoolState:
             if not silent:  # all alive: it waits behind other work; look again later
                 request.pinged_at = None
         for index in sorted(hung):
-            d = self._devices[index]
-            if d.killing is None:
-                d.killing = f"did not answer within {self._request_timeout:g} s"
-                actions.append(Kill(index, d.killing))
+            if self.phase(index) == Serving():  # not already being killed
+                actions += self._kill(index, f"did not answer within {self._request_timeout:g} s")
         return actions
 
     # -- internals
@@ -380,8 +460,15 @@ class PoolState:
     def _spawn(self, index: int, now: float) -> Spawn:
         d = self._devices[index]
         d.generation += 1
-        d.loading, d.heard, d.respawn_at, d.start_error, d.killing = True, now, None, None, None
+        d.heard = now
+        d.phase = Reloading(d.phase.failure, d.phase.attempts) if isinstance(d.phase, Backoff) else Starting()
         return Spawn(index, d.generation)
+
+    def _kill(self, index: int, reason: str) -> list[Action]:
+        """Kill the device's current process; its exit will be reported as `reason`."""
+        d = self._devices[index]
+        d.phase = Killing(reason, d.phase.of if isinstance(d.phase, Killing) else d.phase)
+        return [Kill(index, reason)]
 
     def _settle(self, request_id: int, request: _Request) -> list[Action]:
         if request.sealed and request.answered >= request.sent:
@@ -406,12 +493,54 @@ class PoolState:
         for device in dict.fromkeys(request.devices):
             if device == dead or not self._recurrent[device]:
                 continue
-            d = self._devices[device]
-            d.lost[request.session] = (f"a request of this session failed part-way, and device {d.label}'s "
-                                       "linear-attention state cannot be rewound: its state there was dropped")
+            self._devices[device].lost[request.session] = Loss.HALF_APPLIED
             actions.append(Forget(device, request.session))
         return actions
 
 
 def _backoff(attempt: int) -> float:
     return min(BACKOFF_FIRST_S * 2**attempt, BACKOFF_MAX_S)
+
+
+# -- what a master is told: every DeviceLost is worded here
+
+def _down(label: str, phase: Phase) -> DeviceLost:
+    """A request to a device that does not serve now."""
+    match phase:
+        case Backoff(failure=failure) | Reloading(failure=failure) | Killing(of=Reloading(failure=failure)):
+            why = f"is restarting after it {failure}"
+        case Failed():
+            why = "could not be restarted"
+        case Stopped():
+            why = "is stopping"
+        case _:
+            why = "is starting"
+    return DeviceLost(f"device {label} {why}")
+
+
+def _gone(label: str, reason: str) -> DeviceLost:
+    """A request owed by a process that exited (`reason`: "died (exit code -9)", or why it was killed)."""
+    return DeviceLost(f"device {label} {reason}")
+
+
+def _restarted(label: str) -> DeviceLost:
+    """A hop meant for a process of the device that has since been replaced."""
+    return DeviceLost(f"device {label} restarted")
+
+
+def _stopping(labels: Sequence[str]) -> DeviceLost:
+    """A request in flight when the node stops, naming its route's devices."""
+    labels = list(dict.fromkeys(labels))
+    which = f"device {labels[0]} is" if len(labels) == 1 else f"devices {', '.join(labels)} are"
+    return DeviceLost(f"{which} stopping")
+
+
+def _state_lost(relied: Sequence[tuple[str, Loss]]) -> DeviceLost:
+    """A request relying on state the session lost on these devices (label, why)."""
+    whys = {
+        Loss.RESTART: "device {} restarted; this session's KV state was lost",
+        Loss.HALF_APPLIED: ("a request of this session failed part-way, and device {}'s linear-attention state "
+                            "cannot be rewound: its state there was dropped"),
+    }
+    told = dict.fromkeys(whys[loss].format(label) for label, loss in relied)
+    return DeviceLost(f"{'; '.join(told)}; start again with a fresh prefill (index_pos 0)")

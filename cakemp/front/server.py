@@ -20,11 +20,12 @@ import shutil
 import signal
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import cakemp
 from cakemp import log
-from cakemp.ipc.spec import DeviceMain
-from cakemp.errors import CakempError, ConfigError
+from cakemp.ipc.spec import DeviceMain, DeviceSpec
+from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs
@@ -54,22 +55,30 @@ _PROGRESS_SLACK_S = 30.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What the node serves, built once its layers are known: at start from --topology, or in
+    zero-config mode from a setup's assignment (then rebuilt for the next, should they not load)."""
+
+    config: NodeConfig  # the node's configuration, naming the layers served, their checkpoint and devices
+    admission: Admission
+    limits: ConnectionLimits
+    status: NodeStatus
+    pool: DevicePool
+    served: LayerAssignment | None = None  # zero-config: the setup being served
+
+
 class Front:
     def __init__(self, config: NodeConfig, device_main: DeviceMain, notifier: Notifier | None = None):
         """`device_main`: what each device process runs (cakemp.device.process.main), named by the caller."""
-        self.config = config
+        self.config = config  # as given: in zero-config mode without layers, which a setup assigns
         self._device_main = device_main
-        self.placement = place_layers(config.layers, len(config.devices))
         self.metrics = Metrics()
         self._notifier = notifier or Notifier(None)
-        self._admission: Admission | None = None
-        self._limits: ConnectionLimits | None = None
         self._budget = BufferBudget(config.max_buffered_bytes, on_change=self.metrics.buffered_bytes.set)
         self._setup = Setup(config.setup, config.revision) if config.setup is not None else None
-        self._served: LayerAssignment | None = None  # zero-config: the setup being served
         self._discovery: asyncio.DatagramTransport | None = None
-        self.pool: DevicePool | None = None
-        self.status: NodeStatus | None = None
+        self._serving: Serving | None = None  # once the layers are known (zero-config: after a setup)
         self._runtime_dir: str | None = None
         self._stopping = asyncio.Event()
         self._connections: dict[Connection, asyncio.Task] = {}
@@ -95,30 +104,32 @@ class Front:
             server = await self._bind()
             try:
                 metrics_server = await self._serve_metrics()
-                readies = await (self._set_up(server) if self._setup is not None else self._start_pool())
-                if readies is None:
+                started = await (self._set_up(server) if self._setup is not None else self._start(self.config))
+                if started is None:
                     return EXIT_OK
+                serving, readies = started
                 await server.start_serving()
                 host, port = server.sockets[0].getsockname()[:2]  # the real port when --address asked for 0
                 self._log.info(
-                    "listening", host=host, port=port, memory_bytes=resident_bytes(), layers=len(self.config.layers),
-                    device_memory_bytes={self.pool.label(i): r.memory_bytes for i, r in enumerate(readies)},
+                    "listening", host=host, port=port, memory_bytes=resident_bytes(),
+                    layers=len(serving.config.layers),
+                    device_memory_bytes={serving.pool.label(i): r.memory_bytes for i, r in enumerate(readies)},
                 )
-                self.status.serving(f"{host}:{port}")
+                serving.status.serving(f"{host}:{port}")
                 stats = asyncio.create_task(log_stats(self.metrics, self.config.stats_interval))
                 try:
-                    exit_status = await self._serve_until_done()
+                    exit_status = await self._serve_until_done(serving.pool)
                 finally:
                     stats.cancel()
                 server.close()
-                await self._drain()
+                await self._drain(serving)
                 return exit_status
             finally:
                 server.close()
                 await server.wait_closed()
         finally:
-            if self.pool is not None:
-                await self.pool.stop()
+            if self._serving is not None:
+                await self._serving.pool.stop()
             keep_alive.cancel()
             self._notifier.close()
             if metrics_server is not None:
@@ -138,16 +149,30 @@ class Front:
         sys.stdout.flush()
         os._exit(EXIT_ABORTED)
 
-    def _admit_from_model(self) -> ModelConfig:
-        """What the front checks of requests, from the model's config.json (read here, no torch); the config."""
-        model = ModelConfig.from_dir(self.config.model_dir)
-        self._admission = Admission.for_model(model, self.config.layers, self.config.max_context)
-        max_payload = self._admission.max_payload()
-        if max_payload > self.config.max_buffered_bytes:
-            raise ConfigError(f"--max-buffered-mib {self.config.max_buffered_bytes / 2**20:g} is less than one "
+    def _build(self, config: NodeConfig, served: LayerAssignment | None) -> Serving:
+        """What serves `config`'s layers: what the front admits, from the model's config.json (read
+        here, no torch), the connections' limits, the status, and the pool, not started yet."""
+        model = ModelConfig.from_dir(config.model_dir)
+        admission = Admission.for_model(model, config.layers, config.max_context)
+        max_payload = admission.max_payload()
+        if max_payload > config.max_buffered_bytes:
+            raise ConfigError(f"--max-buffered-mib {config.max_buffered_bytes / 2**20:g} is less than one "
                               f"frame of this model can need ({human_bytes(max_payload)})")
-        self._limits = ConnectionLimits(max_payload, self.config.frame_timeout, self.config.session_idle_timeout)
-        return model
+        limits = ConnectionLimits(max_payload, config.frame_timeout, config.session_idle_timeout)
+        specs = self._device_specs(config)
+        for spec in specs:
+            self._log.info("device layers", device=spec.index, device_label=spec.label,
+                           layers=list(collapse_layers(spec.layers)), count=len(spec.layers))
+        status = NodeStatus(
+            self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.layers) for spec in specs],
+            progress_window=LOAD_SILENCE_S + _PROGRESS_SLACK_S,
+        )
+        pool = DevicePool(specs, self._device_main, status=status, metrics=self.metrics,
+                          request_timeout=config.request_timeout, restart_attempts=config.restart_attempts,
+                          prefill_chunk=config.prefill_chunk,
+                          recurrent=[any(model.layer_index(layer) in model.linear_layers for layer in spec.layers)
+                                     for spec in specs])
+        return Serving(config, admission, limits, status, pool, served)
 
     async def _bind(self) -> asyncio.Server:
         # Bound before loading, so that a taken port fails before minutes of loading; it
@@ -167,41 +192,28 @@ class Front:
         except OSError as e:
             raise ConfigError(f"cannot serve metrics on {host}:{port}: {e.strerror}") from None
 
-    async def _start_pool(self) -> tuple[Ready, ...] | None:
-        """Every device's Ready, or None when asked to stop while they load."""
-        model = self._admit_from_model()
-        specs = device_specs(self.config, self.placement, self._runtime_dir)
-        for spec in specs:
-            self._log.info("device layers", device=spec.index, device_label=spec.label,
-                           layers=list(collapse_layers(spec.layers)), count=len(spec.layers))
-        self.status = NodeStatus(
-            self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.layers) for spec in specs],
-            progress_window=LOAD_SILENCE_S + _PROGRESS_SLACK_S,
-        )
-        self.pool = DevicePool(specs, self._device_main, status=self.status, metrics=self.metrics,
-                               request_timeout=self.config.request_timeout,
-                               restart_attempts=self.config.restart_attempts,
-                               prefill_chunk=self.config.prefill_chunk,
-                               recurrent=[any(model.layer_index(layer) in model.linear_layers for layer in spec.layers)
-                                          for spec in specs])
-        self.status.starting()
-        starting = asyncio.create_task(self.pool.start())
+    async def _start(self, config: NodeConfig,
+                     served: LayerAssignment | None = None) -> tuple[Serving, tuple[Ready, ...]] | None:
+        """Build what serves `config` and wait until every device is ready; None when asked to stop while they load."""
+        serving = self._serving = self._build(config, served)
+        serving.status.starting()
+        starting = asyncio.create_task(serving.pool.start())
         stopping = asyncio.create_task(self._stopping.wait())
         await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if starting.done():
-            return starting.result()
+            return serving, starting.result()
         starting.cancel()  # pool.start stops the processes it spawned
         await asyncio.gather(starting, return_exceptions=True)
-        self.status.stopping(0)
+        serving.status.stopping(0)
         self._log.info("stopped while loading")
         return None
 
-    async def _set_up(self, server: asyncio.Server) -> tuple[Ready, ...] | None:
+    async def _set_up(self, server: asyncio.Server) -> tuple[Serving, tuple[Ready, ...]] | None:
         """Zero-config: answer discovery and setups until one's layers have loaded (then the
         node serves them); None when asked to stop first. A setup whose model cannot load is
         refused and the node waits for the next."""
-        await server.start_serving()  # setup connections only, until `_served` is set
+        await server.start_serving()  # setup connections only, until the setup serves
         port = server.sockets[0].getsockname()[1]
         setup = self.config.setup
         # nvidia-smi may take a second or two: off the loop, which keeps the watchdog fed.
@@ -216,29 +228,30 @@ class Front:
             assignment = await self._unless_stopped(self._setup.next())
             if assignment is None:
                 return None
-            self._adopt(assignment.layers, str(assignment.model_dir))
             try:
-                readies = await self._start_pool()
-            except CakempError as e:
-                self._log.error("the assigned layers cannot be loaded; waiting for the next setup", error=str(e))
+                started = await self._start(self._assigned(assignment.layers, str(assignment.model_dir)),
+                                            assignment.message)
+            except Exception as e:  # pushed files must never end the front: any failure refuses the setup
+                self._log.error("the assigned layers cannot be loaded; waiting for the next setup",
+                                error=str(e) if isinstance(e, CakempError) else f"{type(e).__name__}: {e}")
                 # The master learns why, not where this node keeps its cache.
                 reason = str(e).replace(str(assignment.model_dir), "<cache>")
-                await assignment.refuse(f"cannot load the assigned layers: {reason}")
-                self.pool = None
+                # A checkpoint's fault (or an unforeseen one) discards the cache; a resource's keeps it.
+                at_fault = isinstance(e, CheckpointError) or not isinstance(e, CakempError)
+                await assignment.refuse(f"cannot load the assigned layers: {reason}", files_at_fault=at_fault)
+                self._serving = None
                 continue
-            if readies is None:
-                await assignment.refuse("the node is stopping")
+            if started is None:
+                await assignment.refuse("the node is stopping", files_at_fault=False)
                 return None
-            self._served = assignment.message
             self._setup.serving()
             await assignment.ready()
-            return readies
+            return started
 
-    def _adopt(self, layers: tuple[str, ...], model_dir: str) -> None:
-        """Serve `layers` of the checkpoint in `model_dir` (zero-config: known only after setup)."""
-        devices = self.config.devices[: len(layers)]
-        self.config = dataclasses.replace(self.config, layers=layers, model_dir=model_dir, devices=devices)
-        self.placement = place_layers(layers, len(devices))
+    def _assigned(self, layers: tuple[str, ...], model_dir: str) -> NodeConfig:
+        """The node's configuration to serve `layers` of the checkpoint in `model_dir` (zero-config: known only after setup)."""
+        return dataclasses.replace(self.config, layers=layers, model_dir=model_dir,
+                                   devices=self.config.devices[: len(layers)])
 
     async def _unless_stopped(self, awaitable):
         """The result of `awaitable`, or None if the node is asked to stop first."""
@@ -251,24 +264,24 @@ class Front:
         waiting.cancel()
         return None
 
-    async def _serve_until_done(self) -> int:
+    async def _serve_until_done(self, pool: DevicePool) -> int:
         stopping = asyncio.create_task(self._stopping.wait())
-        failed = asyncio.create_task(self.pool.failed.wait())
+        failed = asyncio.create_task(pool.failed.wait())
         await asyncio.wait((stopping, failed), return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         failed.cancel()
-        if self.pool.failed.is_set():
-            self._log.error("giving up on a device; exiting so that the node is restarted", error=self.pool.failure)
+        if pool.failed.is_set():
+            self._log.error("giving up on a device; exiting so that the node is restarted", error=pool.failure)
             return EXIT_DEVICE_FAILED
         return EXIT_OK
 
-    async def _drain(self) -> None:
+    async def _drain(self, serving: Serving) -> None:
         """Let requests in flight finish (for up to --drain-timeout), closing each connection once
         it is idle; then fail whatever is left and close the rest."""
         busy = sum(1 for connection in self._connections if connection.busy)
         self._log.info("draining", in_flight=busy, connections=len(self._connections),
                        timeout=self.config.drain_timeout)
-        self.status.stopping(busy)
+        serving.status.stopping(busy)
         for connection in self._connections:
             connection.finish()
         tasks = list(self._connections.values())
@@ -281,7 +294,7 @@ class Front:
         # Stopping the pool answers every request still waiting on a device with DeviceLost;
         # the connections then send their WorkerError and close. A task is cancelled only if
         # that does not finish (Python 3.11's streams log a cancelled connection task as an error).
-        await self.pool.stop()
+        await serving.pool.stop()
         _, pending = await asyncio.wait(pending, timeout=_CLOSE_GRACE_S)
         for task in pending:
             task.cancel()
@@ -293,7 +306,7 @@ class Front:
             self.metrics.refused_connections.inc(reason="allow-from")
             writer.close()  # before the handshake: nothing read, nothing written
             return
-        if self._setup is not None and self._served is None:
+        if self._setup is not None and not self._setup.serves:
             await self._setup.handle(reader, writer)
             return
         if len(self._connections) >= self.config.max_connections:
@@ -304,10 +317,11 @@ class Front:
             writer.close()
             return
         keep_alive(writer.get_extra_info("socket"))
+        serving = self._serving
         connection = Connection(
-            next(self._sessions), reader, writer, pool=self.pool, admission=self._admission,
-            limits=self._limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
-            cluster_key=self.config.cluster_key, worker_info=self._worker_info, served=self._served,
+            next(self._sessions), reader, writer, pool=serving.pool, admission=serving.admission,
+            limits=serving.limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
+            cluster_key=self.config.cluster_key, worker_info=self._worker_info, served=serving.served,
         )
         self._connections[connection] = asyncio.current_task()
         self.metrics.connections.inc()
@@ -318,7 +332,7 @@ class Front:
             self.metrics.connections.dec()
 
     def _worker_info(self, latency_ms: int) -> WorkerInfo:
-        first_gpu = next((gpu for gpu in self.config.devices if gpu is not None), None)
+        first_gpu = next((gpu for gpu in self._serving.config.devices if gpu is not None), None)
         return WorkerInfo(
             version=cakemp.__version__,
             dtype=WIRE_DTYPE_NAMES[self.config.dtype],
@@ -332,8 +346,13 @@ class Front:
     def _placement_document(self) -> dict:
         """What /layers shows: this worker's name and, per device, the layers it serves (none in
         zero-config mode until a setup has assigned them)."""
+        config = self.config if self._serving is None else self._serving.config
         return {
             "name": self.config.name,
             "devices": [{"device": spec.label, "layers": list(collapse_layers(spec.layers)), "count": len(spec.layers)}
-                        for spec in device_specs(self.config, self.placement, self._runtime_dir)],
+                        for spec in self._device_specs(config)],
         }
+
+    def _device_specs(self, config: NodeConfig) -> list[DeviceSpec]:
+        """What each device process serving `config`'s layers is told."""
+        return device_specs(config, place_layers(config.layers, len(config.devices)), self._runtime_dir)

@@ -7,19 +7,25 @@ import pytest
 from cakemp.errors import CakempError, ConfigError, DeviceLost, PositionGap
 from cakemp.front.pool_state import (
     BACKOFF_FIRST_S,
+    Backoff,
     Complete,
     DeviceState,
+    Failed,
     Forget,
     GiveUp,
     Kill,
+    Killing,
     Ping,
     PoolState,
+    Reloading,
     Restarted,
     RestartFailed,
     Restarting,
+    Serving,
     Spawn,
     Started,
     StartFailed,
+    Starting,
 )
 
 TIMEOUT = 10.0
@@ -251,6 +257,56 @@ def test_a_late_ready_of_a_process_already_gone_changes_nothing():
     state = serving(1)
     state.exited(0, 0.0, -9)
     assert state.ready(0, 0.1) == [] and state.state(0) is DeviceState.RESTARTING
+
+
+def test_each_phase_carries_what_it_needs_through_a_restart():
+    """A hung device: Killing (with why) while still READY, Backoff with its failure and respawn time,
+    Reloading as the next generation, Killing with its start error, Backoff counting the attempt."""
+    state = serving(1)
+    state.sent(1, 1, (0,), 0.0)
+    state.sealed(1)
+    state.tick(TIMEOUT)
+    state.tick(2 * TIMEOUT)
+    hung = f"did not answer within {TIMEOUT:g} s"
+    assert state.phase(0) == Killing(hung, Serving()) and state.state(0) is DeviceState.READY
+    state.exited(0, 21.0, -9)
+    assert state.phase(0) == Backoff(hung, 0, 21.0 + BACKOFF_FIRST_S)
+    state.tick(21.0 + BACKOFF_FIRST_S)
+    assert state.phase(0) == Reloading(hung, 0) and state.generation(0) == 2
+    state.start_failed(0, 22.0, CakempError("out of memory"))
+    assert state.phase(0) == Killing("out of memory", Reloading(hung, 0))
+    with pytest.raises(DeviceLost, match=f"device cpu:0 is restarting after it {hung}"):
+        state.admit(2, (0,), (False,))
+    state.exited(0, 23.0, -9)
+    assert state.phase(0) == Backoff(hung, 1, 23.0 + 2 * BACKOFF_FIRST_S)
+
+
+def test_a_ready_or_start_failure_from_a_process_being_killed():
+    """A process killed for its silence while loading: its late Ready changes nothing (its exit
+    follows), and its StartFailure during the first start fails the node with the device's own error."""
+    state = fresh(2)
+    state.start(0.0)
+    assert state.tick(LOAD_SILENCE) == [Kill(0, f"loaded no layer within {LOAD_SILENCE:g} s"),
+                                        Kill(1, f"loaded no layer within {LOAD_SILENCE:g} s")]
+    assert state.ready(0, LOAD_SILENCE + 1) == []
+    assert isinstance(state.phase(0), Killing) and state.state(0) is DeviceState.STARTING
+    error = ConfigError("no such checkpoint")
+    assert state.start_failed(1, LOAD_SILENCE + 1, error) == [StartFailed(1, error)]
+    assert state.phase(1) == Failed()
+    [failed] = state.exited(0, LOAD_SILENCE + 2, -9)
+    assert str(failed.error) == f"device cpu:0 loaded no layer within {LOAD_SILENCE:g} s"
+
+
+def test_a_hop_for_a_replaced_process_is_refused_by_name():
+    """`unusable` is None for the current generation of a serving device, and says why otherwise."""
+    state = serving(1)
+    assert state.unusable(0, 1) is None and state.phase(0) == Serving()
+    state.exited(0, 0.0, -9)
+    assert str(state.unusable(0, 1)) == "device cpu:0 is restarting after it died (exit code -9)"
+    state.tick(BACKOFF_FIRST_S)
+    state.ready(0, 1.0)
+    assert str(state.unusable(0, 1)) == "device cpu:0 restarted" and state.unusable(0, 2) is None
+    assert fresh(1).phase(0) == Starting()
 
 
 def recurrent_pool() -> PoolState:

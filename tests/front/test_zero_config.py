@@ -274,10 +274,51 @@ def test_a_newer_setup_replaces_a_push_left_hanging(node, checkpoints):
     run(main())
 
 
+async def answers(client: WorkerClient) -> list[str]:
+    """The type names of everything the node sends on `client` until it closes the connection."""
+    received = []
+    while True:
+        try:
+            reply = await client.receive()
+        except (ProtocolError, ConnectionError):
+            return received
+        received.append(type(reply).__name__ if not isinstance(reply, WorkerError) else reply.message)
+
+
+def test_setups_in_quick_succession_leave_the_next_able_to_complete_without_flooding_the_log(node, checkpoints):
+    """A push left hanging, then three setups at once and one abandoned right after its assignment
+    (masters restarting together, or retrying fast): each is answered or closed, the next setup is
+    asked for the data at once (the `served` fixture's master then completes it), and the node
+    logs a line or two per connection, not a flood of warnings."""
+    model = checkpoints[node.revision]
+    assignment = LayerAssignment(LAYERS, model_hash(model))
+    mark = node.mark()
+
+    async def main():
+        stale = await connect(node)
+        assert await assign(stale, model) is True  # and its push never comes
+        together = [await connect(node) for _ in range(3)]
+        await asyncio.gather(*(client.send(assignment) for client in together))
+        abandoned = await connect(node)
+        await abandoned.send(assignment)
+        await abandoned.close()
+        async with await connect(node) as last:
+            assert await asyncio.wait_for(assign(last, model), 15) is True
+            # Everyone before it was told it was replaced (after its Ack, if it got that far) and closed.
+            for client in (stale, *together):
+                told = await asyncio.wait_for(answers(client), 15)
+                assert told[-1] == "a newer setup replaced this one", told
+                await client.close()
+
+    run(main())
+    lines = node.lines[mark:]
+    assert len(lines) < 60, f"{len(lines)} log lines for 6 setup connections"
+
+
 def test_a_pushed_model_that_cannot_load_is_refused_and_the_node_waits_again(node, tmp_path):
-    """Whole files holding the layers, but an architecture cakemp does not run: the devices refuse
-    it, the master gets WorkerError (not WorkerReady), and the cache no longer counts (revision 2 only:
-    a device start is dear)."""
+    """Whole files holding the layers, but an architecture cakemp does not run: the push is refused
+    (its config.json is checked before the cache counts), the master gets WorkerError (not
+    WorkerReady), and the cache does not count (revision 2 only, as when the devices refused it)."""
     if node.revision < Revision.V2:
         pytest.skip("one device start suffices")
     model = tmp_path / "gpt2"

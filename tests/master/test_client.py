@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 
 import pytest
 
@@ -217,6 +219,31 @@ def test_connect_with_cluster_key():
                 return await client.hello()
 
     assert run(main()) == INFO
+
+
+def test_connect_refuses_a_worker_that_reflects_the_masters_own_challenge():
+    """A "worker" that proves the key for the master's nonce (got from another node, say) and then
+    challenges with that same nonce is refused before the master MACs it: AuthError, connection closed."""
+
+    async def main():
+        seen_after = []
+
+        async def reflecting(reader, writer):
+            nonce_m = await reader.readexactly(32)
+            writer.write(hmac.new(b"k", nonce_m, hashlib.sha256).digest() + nonce_m)
+            await writer.drain()
+            seen_after.append(await reader.read())  # the MAC of nonce_m it hoped for; b"" when closed
+            writer.close()
+
+        server = await asyncio.start_server(reflecting, "127.0.0.1", 0)
+        async with server:
+            with pytest.raises(AuthError, match="reflection"):
+                await WorkerClient.connect("127.0.0.1", server.sockets[0].getsockname()[1], cluster_key="k")
+            while not seen_after:
+                await asyncio.sleep(0.01)
+        return seen_after
+
+    assert run(main()) == [b""]
 
 
 def test_connect_with_wrong_cluster_key():
