@@ -30,7 +30,7 @@ from pathlib import Path
 from cakemp import log
 from cakemp.auth import authenticate_master
 from cakemp.checkpoint.files import split_layer
-from cakemp.errors import AuthError, ProtocolError, SetupError
+from cakemp.errors import AuthError, BadTensor, ProtocolError, SetupError
 from cakemp.setup.cache import ModelCache, ModelPush
 from cakemp.wire import (
     FrameDecoder, LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
@@ -205,7 +205,7 @@ class Setup:
             connection.logger.warning("setup refused", error=str(e))
             await connection.send_quietly(WorkerError(str(e)))
             await _linger(reader, writer)
-        except ProtocolError as e:
+        except (ProtocolError, BadTensor) as e:
             connection.logger.warning("setup connection closed: not Cake protocol", error=str(e))
         except (ConnectionError, asyncio.IncompleteReadError):
             connection.logger.warning("setup connection lost")

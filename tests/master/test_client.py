@@ -177,6 +177,27 @@ def test_worker_hanging_up_is_a_protocol_error():
     run(main())
 
 
+def test_a_worker_tensor_that_does_not_match_its_shape_is_a_protocol_error():
+    """A worker's TensorMessage whose bytes do not fit its shape raises ProtocolError (for the master a
+    broken reply, not a request to answer), naming the fault."""
+
+    async def main():
+        async def answer_short(reader, writer):
+            decoder = FrameDecoder(Revision.V2)
+            decoder.feed(await reader.read(65536))
+            decoder.next_message()
+            writer.writelines(encode_frame(TensorMessage(RawTensor(bytes(7), DType.F16, (1, 1, 4))), Revision.V2))
+            await writer.drain()
+
+        server = await asyncio.start_server(answer_short, "127.0.0.1", 0)
+        async with server:
+            async with await WorkerClient.connect("127.0.0.1", server.sockets[0].getsockname()[1]) as client:
+                with pytest.raises(ProtocolError, match=r"data is 7 bytes, shape \[1, 1, 4\] of F16 needs 8"):
+                    await client.batch(x_of(1), [("model.layers.0", 0, 0)])
+
+    run(main())
+
+
 @pytest.mark.parametrize("revision", [Revision.V1, Revision.V2])
 def test_setup_without_data(revision):
     """assign_layers gets Ack(needs_data=False) then WorkerReady, sends no data, and returns False."""
