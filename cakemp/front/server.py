@@ -220,7 +220,7 @@ class Front:
         announcement = await asyncio.to_thread(
             announcement_for, self._setup.cluster_hash, self.config.name, port, self.config.devices)
         self._discovery, discovery_port = await DiscoveryResponder.start(
-            announcement, setup.discovery_host, setup.discovery_port)
+            announcement, setup.discovery_host, setup.discovery_port, self.config.allow_from)
         self._log.info("waiting for setup", port=port, discovery_port=discovery_port, cluster_hash=self._setup.cluster_hash,
                        worker_name=self.config.name, gpus=[gpu.name for gpu in announcement.gpus])
         self._notifier.ready(f"waiting for a Cake master's setup on port {port}")
@@ -300,6 +300,12 @@ class Front:
             task.cancel()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host = (writer.get_extra_info("peername") or ("?",))[0]
+        if self.config.allow_from is not None and not self.config.allow_from.allows(host):
+            self._log.warning("refusing a connection: not in --allow-from", peer=host)
+            self.metrics.refused_connections.inc(reason="allow-from")
+            writer.close()  # before the handshake: nothing read, nothing written
+            return
         if self._setup is not None and not self._setup.serves:
             await self._setup.handle(reader, writer)
             return
@@ -307,7 +313,7 @@ class Front:
             peer = writer.get_extra_info("peername")
             self._log.warning("refusing a connection: --max-connections reached",
                               peer=f"{peer[0]}:{peer[1]}" if peer else "?", max_connections=self.config.max_connections)
-            self.metrics.refused_connections.inc()
+            self.metrics.refused_connections.inc(reason="max-connections")
             writer.close()
             return
         keep_alive(writer.get_extra_info("socket"))
