@@ -1,0 +1,344 @@
+"""Prefix reuse: the rows of a session's run kept past its end, so that a request sending them
+again costs only its new rows.
+
+A Cake master serving a chat ends each request with Goodbye and sends the next turn from
+position 0 with the whole history again. So each session's run (its ops' layers and KV slots,
+from position 0) is followed as it goes: the digests of its input rows (row_chain.py), its
+output rows, and for a run with linear-attention layers their states at some positions
+(`StatePoint`s: the end of each request of more than one row, so every prompt's and chunk's
+end). On Goodbye, or when the session starts again at position 0, that becomes a retired
+`Prefix`, holding the session's KV slots as they were (moved, not copied).
+
+A request at position 0 whose first rows match a retired prefix of its domain and run (at
+least one block of BLOCK_ROWS rows) adopts it: the KV slots become the session's again, at the
+matched length, and the request is answered the kept output rows for the matched positions and
+computes only the rest. A linear-attention layer's state cannot be rewound, so a run with such
+layers resumes only at a state point at or before the match. A prompt comes in chunks: while
+a chunk's rows all match, the next chunk goes on matching the adopted prefix's later rows (the
+slots' rows past their length are still the prefix's), until one differs or the prefix ends.
+Across devices a hit propagates: the next device's input is this one's output, the kept rows
+bit for bit.
+
+Everything kept for reuse alone (retired prefixes, and live sessions' output rows and state
+points) is counted inside the KV cache's budget and given back the moment a live session needs
+the room (`release`: retired prefixes oldest first, then what live sessions keep, least
+recently used first): it never makes a request fail. A live session that finds no room to keep
+its output rows stops being followed until it starts again at 0.
+
+Domains: by default a prefix is reused only by the session (one master connection) it came
+from, and freed with it; with `shared`, by any session, and a closed connection's rows are
+retired like a Goodbye's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cakemp.compute.kv_cache import KVCache, KVSlot
+from cakemp.compute.row_chain import BLOCK_ROWS, Extension, RowChain
+from cakemp.model.deltanet import LinearState
+from cakemp.op import Op
+
+# Retired prefixes kept at most, whatever the budget (none may be unbounded, and a lookup scans them).
+MAX_RETIRED = 256
+MIN_OUTPUT_ROWS = 256
+SHARED = -1  # the domain of every session when prefixes are shared
+
+Run = tuple[tuple[int, int], ...]  # (layer, block_idx) of each op, in order
+
+
+@dataclass(frozen=True)
+class StatePoint:
+    """Every linear-attention layer's state after rows [0, position) of a run: where it may resume."""
+
+    digest: bytes  # names rows [0, position) (RowChain.digest_at)
+    states: dict[int, LinearState]  # block_idx -> its state there
+
+
+class OutputRows:
+    """A run's output rows by position: buffer [capacity, H] in the compute dtype, doubled as it grows."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device):
+        self.buffer = torch.empty(0, hidden, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def growth(self, end: int) -> int:
+        """Bytes more that holding rows [0, end) takes."""
+        capacity = self.buffer.shape[0]
+        return 0 if end <= capacity else (self._grown(end) - capacity) * self.buffer.shape[1] * self.buffer.element_size()
+
+    def write(self, position: int, rows: torch.Tensor) -> None:
+        """rows: [1, n, H] at positions [position, position + n); the rows before stay."""
+        end = position + rows.shape[1]
+        if end > self.buffer.shape[0]:
+            grown = self.buffer.new_empty(self._grown(end), self.buffer.shape[1])
+            grown[:position] = self.buffer[:position]
+            self.buffer = grown
+        self.buffer[position:end] = rows[0]
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """[1, end - start, H]: a view, valid until the buffer is written there."""
+        return self.buffer[start:end].unsqueeze(0)
+
+    def _grown(self, end: int) -> int:
+        return max(2 * self.buffer.shape[0], MIN_OUTPUT_ROWS, end)
+
+
+@dataclass
+class Prefix:
+    """A run's rows from position 0 in one session, and what is kept of them: a live session's, or retired."""
+
+    domain: int
+    run: Run
+    chain: RowChain  # the input rows taken, [0, length)
+    outputs: OutputRows  # their output rows
+    points: dict[int, StatePoint] = field(default_factory=dict)  # runs with linear layers: position -> states
+    # Live only: the chain of an adopted prefix while its rows past `chain` may still match.
+    ahead: RowChain | None = None
+    slots: dict[int, KVSlot] = field(default_factory=dict)  # retired only: the attention layers' KV slots
+    used: int = 0  # when last used (for least recently used first)
+
+
+@dataclass(frozen=True)
+class Begun:
+    """A request as prefix reuse takes it: rows [extension.start, resume) are answered from `kept`
+    (output rows [1, resume - start, H]; None when none), rows [resume, extension.end) computed."""
+
+    session: int
+    prefix: Prefix
+    extension: Extension
+    resume: int
+    kept: torch.Tensor | None
+
+    @property
+    def computes(self) -> bool:
+        return self.resume < self.extension.end
+
+
+class PrefixCache:
+    """The prefixes of one device's runner: each live session's, and the retired ones (module docstring)."""
+
+    def __init__(self, cache: KVCache, recurrent: Sequence[bool], hidden: int, shared: bool = False):
+        """`recurrent[layer]`: the runner's layer `layer` is a linear-attention layer."""
+        self._cache = cache
+        cache.spare = self  # its budget asks for room back (release)
+        self._recurrent = tuple(recurrent)
+        self._hidden = hidden
+        self._row_bytes = hidden * cache.dtype.itemsize
+        self._shared = shared
+        self._live: dict[int, Prefix] = {}  # session -> its run's prefix
+        self._retired: list[Prefix] = []  # oldest first
+        self._clock = itertools.count(1)
+        # Since the last report.
+        self.hits = self.tokens = self.evictions = 0
+
+    # -- requests
+
+    def begin(self, session: int, x: torch.Tensor, ops: Sequence[Op]) -> Begun | None:
+        """Take a request (x: [1, T, H], its ops checked against the runner's layers) before it runs:
+        a request at 0 retires what the session held and may adopt a retired prefix; one following
+        an adopted prefix goes on matching it. None when the request is not followed (its ops start
+        at different positions, or it does not continue the session's run: the session is then not
+        followed until it starts again at 0)."""
+        start = ops[0].index_pos if ops else -1
+        if start < 0 or any(op.index_pos != start for op in ops):
+            self._drop(session)
+            return None
+        run = tuple((op.layer, op.block_idx) for op in ops)
+        if start == 0:
+            self.retire(session)  # a new prompt replaces the session's rows: they are kept
+            prefix = Prefix(SHARED if self._shared else session, run, RowChain(self._row_bytes),
+                            OutputRows(self._hidden, self._cache.dtype, self._cache.device))
+            self._live[session] = prefix
+        else:
+            prefix = self._live.get(session)
+            if prefix is None or prefix.run != run or prefix.chain.length != start:
+                self._drop(session)
+                return None
+        prefix.used = next(self._clock)
+        extension = prefix.chain.extension(_row_bytes(x))
+        if start == 0:
+            self._adopt(session, prefix, extension)
+        resume = self._follow(session, prefix, extension)
+        kept = prefix.outputs.rows(start, resume) if resume > start else None
+        return Begun(session, prefix, extension, resume, kept)
+
+    def finish(self, begun: Begun, computed: torch.Tensor, states: dict[int, LinearState]) -> None:
+        """The request computed its rows [resume, end) (`computed`: [1, n, H]) and the linear
+        layers' `states` after them (block_idx -> state): keep them, if there is room."""
+        prefix, extension = begun.prefix, begun.extension
+        if self._live.get(begun.session) is not prefix:  # no longer followed (its room was needed)
+            return
+        point = self._linear(prefix.run) and extension.end - extension.start > 1
+        needed = prefix.outputs.growth(extension.end) + (self._point_bytes(prefix.run) if point else 0)
+        if not self._make_room(needed):
+            self._drop(begun.session, evicted=True)
+            return
+        prefix.chain.advance(extension, extension.end)
+        prefix.outputs.write(begun.resume, computed)
+        if point:
+            prefix.points[extension.end] = StatePoint(prefix.chain.digest_at(extension.end), dict(states))
+
+    # -- sessions
+
+    def retire(self, session: int) -> None:
+        """Goodbye (or a new prompt at 0): the session's run becomes a retired prefix, holding its
+        KV slots; the session holds nothing afterwards. Without a followed run, nothing is kept
+        (the caller frees the session)."""
+        prefix = self._live.pop(session, None)
+        if prefix is None:
+            return
+        kv, linear = self._cache.detach(session)
+        attention = {block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]}
+        recurrent = {block_idx for layer, block_idx in prefix.run if self._recurrent[layer]}
+        if not (attention <= kv.keys() and recurrent <= linear.keys()):
+            return  # not the state this run left (freed with the rest)
+        if prefix.ahead is not None:
+            # Adopted rows not all followed yet: nothing past the slots' length was written, so
+            # the adopted prefix is whole still and is kept whole again.
+            prefix.chain, prefix.ahead = prefix.ahead, None
+        elif any(kv[b].length != prefix.chain.length for b in attention) or \
+                any(linear[b].length != prefix.chain.length for b in recurrent):
+            return
+        length = prefix.chain.length
+        if length < BLOCK_ROWS:
+            return  # too short to be worth keeping
+        if recurrent and length not in prefix.points:
+            prefix.points[length] = StatePoint(prefix.chain.digest_at(length), {
+                block_idx: LinearState(linear[block_idx].conv, linear[block_idx].recurrent) for block_idx in recurrent})
+        prefix.slots = {block_idx: kv[block_idx] for block_idx in attention}
+        for slot in prefix.slots.values():
+            slot.length = length
+        self._retired.append(prefix)
+        if len(self._retired) > MAX_RETIRED:
+            self._retired.pop(0)
+            self.evictions += 1
+
+    def end(self, session: int) -> None:
+        """The session's connection closed: its rows are retired if prefixes are shared, else
+        nothing of it is kept (its domain's retired prefixes can never be asked for again)."""
+        if self._shared:
+            self.retire(session)
+            return
+        self._live.pop(session, None)
+        self._retired = [prefix for prefix in self._retired if prefix.domain != session]
+
+    def release(self, nbytes: int) -> None:
+        """Free at least `nbytes` of what is kept for reuse, if there is that much: a live session
+        needs the room. Retired prefixes go first, oldest first, then what live sessions keep."""
+        freed = 0
+        while freed < nbytes and self._retired:
+            freed += self._bytes(self._retired.pop(0))
+            self.evictions += 1
+        while freed < nbytes and self._live:
+            session = min(self._live, key=lambda s: self._live[s].used)
+            freed += self._bytes(self._live[session])
+            self._drop(session, evicted=True)
+
+    # -- figures
+
+    def nbytes(self) -> int:
+        """Bytes held for reuse alone: retired prefixes and what live sessions keep."""
+        return self.retired_bytes() + self.kept_bytes()
+
+    def retired_bytes(self) -> int:
+        return sum(self._bytes(prefix) for prefix in self._retired)
+
+    def kept_bytes(self) -> int:
+        """Live sessions' output rows and state points."""
+        return sum(self._bytes(prefix) for prefix in self._live.values())
+
+    def retired_count(self) -> int:
+        return len(self._retired)
+
+    # -- inside
+
+    def _adopt(self, session: int, prefix: Prefix, extension: Extension) -> None:
+        """Make the retired prefix of the session's domain and run that matches the request's rows
+        furthest (at least a block) the session's: its KV slots, output rows and state points."""
+        best, best_end = None, BLOCK_ROWS
+        for candidate in self._retired:
+            if candidate.domain == prefix.domain and candidate.run == prefix.run:
+                end = self._matched(candidate.chain, candidate.points, extension, prefix.run)
+                if end >= best_end:  # the newest of equals
+                    best, best_end = candidate, end
+        if best is None:
+            return
+        self._retired.remove(best)
+        self._cache.clear(session)  # whatever the session held outside a followed run
+        self._cache.attach(session, best.slots)
+        prefix.outputs, prefix.points, prefix.ahead = best.outputs, best.points, best.chain
+        self.hits += 1
+
+    def _follow(self, session: int, prefix: Prefix, extension: Extension) -> int:
+        """Take the request's rows that match the adopted prefix (if any): the position it resumes at."""
+        start = extension.start
+        if prefix.ahead is None:
+            return start
+        resume = self._matched(prefix.ahead, prefix.points, extension, prefix.run)
+        if resume > start:
+            prefix.chain.advance(extension, resume)
+            recurrent = {block_idx for layer, block_idx in prefix.run if self._recurrent[layer]}
+            states = prefix.points[resume].states if recurrent else {}
+            attention = [block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]]
+            self._cache.resume(session, attention, resume, states)
+            self.tokens += resume - start
+        if resume < extension.end or resume == prefix.ahead.length:
+            # The rest of the adopted prefix is no longer the session's: its rows get overwritten.
+            prefix.ahead = None
+            prefix.points = {position: point for position, point in prefix.points.items() if position <= resume}
+        return resume
+
+    def _matched(self, theirs: RowChain, points: dict[int, StatePoint], extension: Extension, run: Run) -> int:
+        """The furthest position in (start, end] of the request's rows where the run could resume
+        from `theirs` (a run with linear layers: a state point only), their rows agreeing up to it;
+        the extension's start when there is none."""
+        start, stop = extension.start, min(extension.end, theirs.length)
+        marks = {*range(BLOCK_ROWS * (start // BLOCK_ROWS + 1), stop + 1, BLOCK_ROWS),
+                 *(position for position in points if start < position <= stop)}
+        if start < theirs.length <= extension.end:
+            marks.add(theirs.length)
+        linear = self._linear(run)
+        best = start
+        for mark in sorted(marks):
+            digest = points[mark].digest if mark in points else theirs.digest_at(mark)
+            if extension.digest_at(mark) != digest:
+                break
+            if not linear or mark in points:
+                best = mark
+        return best
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit the budget, once retired prefixes (oldest first) are freed as needed."""
+        while (room := self._cache.room()) is not None and room < nbytes and self._retired:
+            self._retired.pop(0)
+            self.evictions += 1
+        return room is None or room >= nbytes
+
+    def _drop(self, session: int, evicted: bool = False) -> None:
+        """Stop following the session (its KV state stays the session's)."""
+        if self._live.pop(session, None) is not None and evicted:
+            self.evictions += 1
+
+    def _linear(self, run: Run) -> bool:
+        return any(self._recurrent[layer] for layer, _ in run)
+
+    def _point_bytes(self, run: Run) -> int:
+        return sum(self._recurrent[layer] for layer, _ in run) * self._cache.bytes_per_linear_slot
+
+    def _bytes(self, prefix: Prefix) -> int:
+        kv = sum(slot.capacity for slot in prefix.slots.values()) * self._cache.bytes_per_position
+        return kv + prefix.outputs.nbytes + len(prefix.points) * self._point_bytes(prefix.run)
+
+
+def _row_bytes(x: torch.Tensor) -> memoryview:
+    """The bytes of x: [1, T, H], row after row, read on the host."""
+    rows = x[0].detach().contiguous().cpu()
+    return memoryview(rows.view(torch.uint8).numpy()).cast("B")
