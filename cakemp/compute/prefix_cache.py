@@ -266,7 +266,7 @@ class PrefixCache:
         best, best_end = None, BLOCK_ROWS
         for candidate in self._retired:
             if candidate.domain == prefix.domain and candidate.run == prefix.run:
-                end = self._matched(candidate.chain, candidate.points, extension, prefix.run)
+                _, end = self._matched(candidate.chain, candidate.points, extension, prefix.run)
                 if end >= best_end:  # the newest of equals
                     best, best_end = candidate, end
         if best is None:
@@ -282,7 +282,7 @@ class PrefixCache:
         start = extension.start
         if prefix.ahead is None:
             return start
-        resume = self._matched(prefix.ahead, prefix.points, extension, prefix.run)
+        agreed, resume = self._matched(prefix.ahead, prefix.points, extension, prefix.run)
         if resume > start:
             prefix.chain.advance(extension, resume)
             recurrent = {block_idx for layer, block_idx in prefix.run if self._recurrent[layer]}
@@ -290,30 +290,34 @@ class PrefixCache:
             attention = [block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]]
             self._cache.resume(session, attention, resume, states)
             self.tokens += resume - start
-        if resume < extension.end or resume == prefix.ahead.length:
+        if agreed < extension.end or extension.end >= prefix.ahead.length:
             # The rest of the adopted prefix is no longer the session's: its rows get overwritten.
+            # (Rows that all agreed keep it: a recurrent run may then compute the last of them from
+            # the latest state kept, and the next request goes on with the prefix's later rows.)
             prefix.ahead = None
             prefix.points = {position: point for position, point in prefix.points.items() if position <= resume}
         return resume
 
-    def _matched(self, theirs: RowChain, points: dict[int, StatePoint], extension: Extension, run: Run) -> int:
-        """The furthest position in (start, end] of the request's rows where the run could resume
-        from `theirs` (a run with linear layers: a state point only), their rows agreeing up to it;
-        the extension's start when there is none."""
+    def _matched(self, theirs: RowChain, points: dict[int, StatePoint], extension: Extension,
+                 run: Run) -> tuple[int, int]:
+        """How far in (start, end] the request's rows agree with `theirs`, as far as digests tell
+        (block ends, state points, their end), and the furthest of those positions the run can
+        resume at (with linear layers: a state point); the extension's start for none."""
         start, stop = extension.start, min(extension.end, theirs.length)
         marks = {*range(BLOCK_ROWS * (start // BLOCK_ROWS + 1), stop + 1, BLOCK_ROWS),
                  *(position for position in points if start < position <= stop)}
         if start < theirs.length <= extension.end:
             marks.add(theirs.length)
         linear = self._linear(run)
-        best = start
+        agreed = resume = start
         for mark in sorted(marks):
             digest = points[mark].digest if mark in points else theirs.digest_at(mark)
             if extension.digest_at(mark) != digest:
                 break
+            agreed = mark
             if not linear or mark in points:
-                best = mark
-        return best
+                resume = mark
+        return agreed, resume
 
     def _make_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit the budget, once retired prefixes (oldest first) are freed as needed."""
