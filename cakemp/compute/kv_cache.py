@@ -220,13 +220,32 @@ class KVCache:
         self._bytes -= len(linear) * self.bytes_per_linear_slot
         return slots, linear
 
-    def attach(self, session: int, slots: dict[int, KVSlot]) -> None:
-        """Make `slots` (detached before) `session`'s, counted again; it must hold none of those block_idx."""
-        mine = self._sessions.setdefault(session, {})
-        if mine.keys() & slots.keys():
-            raise ValueError(f"session {session} already holds slots {sorted(mine.keys() & slots.keys())}")
-        mine.update(slots)
+    def attach(self, session: int, slots: dict[int, KVSlot], linear: dict[int, LinearSlot] | None = None) -> None:
+        """Make `slots` and `linear` (detached, or copied) `session`'s, counted; it must hold none of those block_idx."""
+        linear = linear or {}
+        mine, mine_linear = self._sessions.get(session, {}), self._linear.get(session, {})
+        if mine.keys() & slots.keys() or mine_linear.keys() & linear.keys():
+            raise ValueError(f"session {session} already holds some of slots {sorted(slots)}, {sorted(linear)}")
+        if slots:
+            self._sessions.setdefault(session, mine).update(slots)
+        if linear:
+            self._linear.setdefault(session, mine_linear).update(linear)
         self._bytes += sum(slot.capacity for slot in slots.values()) * self.bytes_per_position
+        self._bytes += len(linear) * self.bytes_per_linear_slot
+
+    def copied(self, session: int, blocks: Iterable[int], length: int, capacity: int) -> dict[int, KVSlot]:
+        """New slots holding the first `length` rows of `session`'s slots `blocks`, of `capacity`
+        positions (at least `length`; not counted until attached)."""
+        capacity = max(capacity, length)
+        copies = {}
+        for block_idx in blocks:
+            slot = self._sessions[session][block_idx]
+            copy = KVSlot(slot.k.new_empty(*slot.k.shape[:2], capacity, slot.k.shape[3]),
+                          slot.v.new_empty(*slot.v.shape[:2], capacity, slot.v.shape[3]), length)
+            copy.k[:, :, :length] = slot.k[:, :, :length]
+            copy.v[:, :, :length] = slot.v[:, :, :length]
+            copies[block_idx] = copy
+        return copies
 
     def resume(self, session: int, blocks: Iterable[int], length: int, states: dict[int, LinearState]) -> None:
         """Set `session`'s attention slots `blocks` to their first `length` rows, and its

@@ -10,7 +10,7 @@ end). On Goodbye, or when the session starts again at position 0, that becomes a
 `Prefix`, holding the session's KV slots as they were (moved, not copied).
 
 A request at position 0 whose first rows match a retired prefix of its domain and run (at
-least one block of BLOCK_ROWS rows) adopts it: the KV slots become the session's again, at the
+least MIN_REUSE rows) adopts it: the KV slots become the session's again, at the
 matched length, and the request is answered the kept output rows for the matched positions and
 computes only the rest. A linear-attention layer's state cannot be rewound, so a run with such
 layers resumes only at a state point at or before the match. A prompt comes in chunks: while
@@ -38,25 +38,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cakemp.compute.kv_cache import KVCache, KVSlot
-from cakemp.compute.row_chain import BLOCK_ROWS, Extension, RowChain
+from cakemp.compute.kv_cache import MIN_CAPACITY, KVCache, KVSlot
+from cakemp.compute.row_chain import Extension, RowChain
 from cakemp.model.deltanet import LinearState
 from cakemp.op import Op
 
 # Retired prefixes kept at most, whatever the budget (none may be unbounded, and a lookup scans them).
 MAX_RETIRED = 256
+# Rows a request must reuse for a hit (ISSUE-NOTES: blocks of 16 rows): fewer save next to nothing.
+MIN_REUSE = 16
 MIN_OUTPUT_ROWS = 256
 SHARED = -1  # the domain of every session when prefixes are shared
 
 Run = tuple[tuple[int, int], ...]  # (layer, block_idx) of each op, in order
 
 
-@dataclass(frozen=True)
-class StatePoint:
-    """Every linear-attention layer's state after rows [0, position) of a run: where it may resume."""
-
-    digest: bytes  # names rows [0, position) (RowChain.digest_at)
-    states: dict[int, LinearState]  # block_idx -> its state there
+# A run's linear-attention states after some position: block_idx -> state (where the run may resume).
+StatePoint = dict[int, LinearState]
 
 
 class OutputRows:
@@ -102,20 +100,31 @@ class Prefix:
     points: dict[int, StatePoint] = field(default_factory=dict)  # runs with linear layers: position -> states
     # Live only: the chain of an adopted prefix while its rows past `chain` may still match.
     ahead: RowChain | None = None
+    # Live only: where the session's KV slots and linear states are, `chain.length` but while a
+    # recurrent run answers agreeing rows past its last state point: then `pending` holds their
+    # input rows [resumed, chain.length), [1, n, H], to compute from there once they stop agreeing.
+    resumed: int = 0
+    pending: torch.Tensor | None = None
     slots: dict[int, KVSlot] = field(default_factory=dict)  # retired only: the attention layers' KV slots
     used: int = 0  # when last used (for least recently used first)
+
+    @property
+    def lags(self) -> bool:
+        return self.resumed < self.chain.length
 
 
 @dataclass(frozen=True)
 class Begun:
-    """A request as prefix reuse takes it: rows [extension.start, resume) are answered from `kept`
-    (output rows [1, resume - start, H]; None when none), rows [resume, extension.end) computed."""
+    """A request [start, end) as prefix reuse takes it: rows [resume, end) are computed, from
+    input rows `pending` and then the request's own when resume < start; the answer is `kept`
+    (output rows [start, resume), when resume > start), then the computed rows from start on."""
 
     session: int
     prefix: Prefix
     extension: Extension
     resume: int
-    kept: torch.Tensor | None
+    kept: torch.Tensor | None = None  # [1, resume - start, H]
+    pending: torch.Tensor | None = None  # [1, start - resume, H]
 
     @property
     def computes(self) -> bool:
@@ -166,9 +175,9 @@ class PrefixCache:
         extension = prefix.chain.extension(_row_bytes(x))
         if start == 0:
             self._adopt(session, prefix, extension)
-        resume = self._follow(session, prefix, extension)
-        kept = prefix.outputs.rows(start, resume) if resume > start else None
-        return Begun(session, prefix, extension, resume, kept)
+        if prefix.ahead is None:
+            return Begun(session, prefix, extension, start)
+        return self._follow(session, prefix, extension, x)
 
     def finish(self, begun: Begun, computed: torch.Tensor, states: dict[int, LinearState]) -> None:
         """The request computed its rows [resume, end) (`computed`: [1, n, H]) and the linear
@@ -182,9 +191,11 @@ class PrefixCache:
             self._drop(begun.session, evicted=True)
             return
         prefix.chain.advance(extension, extension.end)
-        prefix.outputs.write(begun.resume, computed)
+        prefix.resumed, prefix.pending = extension.end, None
+        skip = max(0, extension.start - begun.resume)  # rows answered from kept rows before: they stay
+        prefix.outputs.write(begun.resume + skip, computed[:, skip:])
         if point:
-            prefix.points[extension.end] = StatePoint(prefix.chain.digest_at(extension.end), dict(states))
+            prefix.points[extension.end] = dict(states)
 
     # -- sessions
 
@@ -208,18 +219,15 @@ class PrefixCache:
                 any(linear[b].length != prefix.chain.length for b in recurrent):
             return
         length = prefix.chain.length
-        if length < BLOCK_ROWS:
+        if length < MIN_REUSE:
             return  # too short to be worth keeping
         if recurrent and length not in prefix.points:
-            prefix.points[length] = StatePoint(prefix.chain.digest_at(length), {
-                block_idx: LinearState(linear[block_idx].conv, linear[block_idx].recurrent) for block_idx in recurrent})
+            prefix.points[length] = {block_idx: LinearState(linear[block_idx].conv, linear[block_idx].recurrent)
+                                     for block_idx in recurrent}
         prefix.slots = {block_idx: kv[block_idx] for block_idx in attention}
         for slot in prefix.slots.values():
             slot.length = length
-        self._retired.append(prefix)
-        if len(self._retired) > MAX_RETIRED:
-            self._retired.pop(0)
-            self.evictions += 1
+        self._keep(prefix)
 
     def end(self, session: int) -> None:
         """The session's connection closed: its rows are retired if prefixes are shared, else
@@ -237,8 +245,11 @@ class PrefixCache:
         while freed < nbytes and self._retired:
             freed += self._bytes(self._retired.pop(0))
             self.evictions += 1
-        while freed < nbytes and self._live:
-            session = min(self._live, key=lambda s: self._live[s].used)
+        # A session whose state lags behind rows it was answered needs its record to catch up.
+        followed = sorted((s for s, prefix in self._live.items() if not prefix.lags), key=lambda s: self._live[s].used)
+        for session in followed:
+            if freed >= nbytes:
+                break
             freed += self._bytes(self._live[session])
             self._drop(session, evicted=True)
 
@@ -261,14 +272,15 @@ class PrefixCache:
     # -- inside
 
     def _adopt(self, session: int, prefix: Prefix, extension: Extension) -> None:
-        """Make the retired prefix of the session's domain and run that matches the request's rows
-        furthest (at least a block) the session's: its KV slots, output rows and state points."""
-        best, best_end = None, BLOCK_ROWS
+        """Make the retired prefix of the session's domain and run whose rows agree with the
+        request's furthest (MIN_REUSE rows at least, or all of a shorter request) the session's:
+        its KV slots, output rows and state points, moved."""
+        best, best_agreed = None, min(MIN_REUSE, extension.end)
         for candidate in self._retired:
             if candidate.domain == prefix.domain and candidate.run == prefix.run:
-                _, end = self._matched(candidate.chain, candidate.points, extension, prefix.run)
-                if end >= best_end:  # the newest of equals
-                    best, best_end = candidate, end
+                agreed = extension.agreed(candidate.chain)
+                if agreed >= best_agreed:  # the newest of equals
+                    best, best_agreed = candidate, agreed
         if best is None:
             return
         self._retired.remove(best)
@@ -277,47 +289,113 @@ class PrefixCache:
         prefix.outputs, prefix.points, prefix.ahead = best.outputs, best.points, best.chain
         self.hits += 1
 
-    def _follow(self, session: int, prefix: Prefix, extension: Extension) -> int:
-        """Take the request's rows that match the adopted prefix (if any): the position it resumes at."""
-        start = extension.start
-        if prefix.ahead is None:
-            return start
-        agreed, resume = self._matched(prefix.ahead, prefix.points, extension, prefix.run)
+    def _follow(self, session: int, prefix: Prefix, extension: Extension, x: torch.Tensor) -> Begun:
+        """Take the request's rows that agree with the adopted prefix: answered from its kept
+        output rows, the session's state moved to the furthest state point among them; the rest
+        computed from there. Rows agreeing to the request's end keep the prefix for the next."""
+        start, end = extension.start, extension.end
+        agreed = extension.agreed(prefix.ahead)
+        if agreed < min(end, prefix.ahead.length) and self._switch(session, prefix, extension, agreed):
+            agreed = extension.agreed(prefix.ahead)
+        usable = [p for p in prefix.points if start < p <= agreed] if self._linear(prefix.run) else [agreed]
+        resume = max(usable, default=prefix.resumed)
+        if resume > prefix.resumed:
+            recurrent = {block_idx for layer, block_idx in prefix.run if self._recurrent[layer]}
+            attention = [block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]]
+            self._cache.resume(session, attention, resume, prefix.points[resume] if recurrent else {})
+            self.tokens += resume - prefix.resumed
+        kept = prefix.outputs.rows(start, agreed).clone() if agreed > start else None
+        if agreed == end and (end < prefix.ahead.length or resume == end):
+            # Every row agreed: answered from kept rows, nothing computed. The next request goes on
+            # with the prefix's later rows; a recurrent run's state stays at its last point meanwhile.
+            behind = x[:, resume - start:] if resume >= start else torch.cat([prefix.pending, x], dim=1)
+            prefix.chain.advance(extension, end)
+            prefix.resumed, prefix.pending = resume, behind if resume < end else None
+            if agreed == prefix.ahead.length:
+                self._leave(prefix, resume)
+            return Begun(session, prefix, extension, end, kept)
+        # The rows stop agreeing (or the prefix ends) here: compute from the last state point.
+        pending = None if resume >= start else prefix.pending[:, : start - resume]
         if resume > start:
             prefix.chain.advance(extension, resume)
-            recurrent = {block_idx for layer, block_idx in prefix.run if self._recurrent[layer]}
-            states = prefix.points[resume].states if recurrent else {}
-            attention = [block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]]
-            self._cache.resume(session, attention, resume, states)
-            self.tokens += resume - start
-        if agreed < extension.end or extension.end >= prefix.ahead.length:
-            # The rest of the adopted prefix is no longer the session's: its rows get overwritten.
-            # (Rows that all agreed keep it: a recurrent run may then compute the last of them from
-            # the latest state kept, and the next request goes on with the prefix's later rows.)
-            prefix.ahead = None
-            prefix.points = {position: point for position, point in prefix.points.items() if position <= resume}
-        return resume
+            kept = kept[:, : resume - start]
+        else:
+            kept = None
+        prefix.resumed, prefix.pending = resume, None
+        if agreed < prefix.ahead.length:  # the session leaves the prefix before its end
+            self._put_back(session, prefix, resume, start, end)
+        self._leave(prefix, resume)
+        return Begun(session, prefix, extension, resume, kept, pending)
+
+    def _switch(self, session: int, prefix: Prefix, extension: Extension, agreed: int) -> bool:
+        """Follow, instead of the adopted prefix, a retired one that holds every row the session
+        has taken (the chains agree at `start`) and agrees with more of this request's, if there
+        is one (chats interleaved on one connection share their first rows): the prefix left is
+        retired whole again, its rows untouched."""
+        start, mine = extension.start, prefix.chain.digest_at(extension.start)
+        best, best_agreed = None, agreed
+        for candidate in self._retired:
+            if (candidate.domain, candidate.run) == (prefix.domain, prefix.run) and \
+                    candidate.chain.length >= start and candidate.chain.digest_at(start) == mine:
+                if (candidate_agreed := extension.agreed(candidate.chain)) > best_agreed:
+                    best, best_agreed = candidate, candidate_agreed
+        if best is None:
+            return False
+        self._retired.remove(best)
+        kv, linear = self._cache.detach(session)  # the linear states stay: computed from the same rows
+        attention = [block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]]
+        for block_idx in attention:
+            kv[block_idx].length = prefix.ahead.length
+        self._keep(Prefix(prefix.domain, prefix.run, prefix.ahead, prefix.outputs, dict(prefix.points),
+                          slots={block_idx: kv[block_idx] for block_idx in attention}, used=prefix.used))
+        for slot in best.slots.values():
+            slot.length = prefix.resumed  # rows before it computed from the same rows as the session's
+        self._cache.attach(session, best.slots, linear)
+        prefix.ahead, prefix.outputs = best.chain, best.outputs
+        prefix.points = {**best.points, **{p: point for p, point in prefix.points.items() if p <= start}}
+        return True
+
+    def _leave(self, prefix: Prefix, resume: int) -> None:
+        """The session no longer follows its adopted prefix past `resume`."""
+        prefix.ahead = None
+        prefix.points = {position: point for position, point in prefix.points.items() if position <= resume}
+
+    def _put_back(self, session: int, prefix: Prefix, resume: int, start: int, end: int) -> None:
+        """The session's rows leave the adopted prefix: retire the prefix whole again, its slots'
+        rows untouched, and give the session copies of the KV rows before `resume` (slots for `end`
+        positions) and of the output rows before the request's `start` or `resume`, so that another
+        chat sharing only its start does not cut it short. If they do not fit the budget, the
+        prefix's rows past `resume` are the session's to overwrite."""
+        attention = [block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]]
+        capacity = min(self._cache.max_context, max(MIN_CAPACITY, end))
+        outputs = OutputRows(self._hidden, self._cache.dtype, self._cache.device)
+        if not self._make_room(len(attention) * capacity * self._cache.bytes_per_position + outputs.growth(end)):
+            return
+        copies = self._cache.copied(session, attention, resume, capacity)
+        kv, linear = self._cache.detach(session)
+        self._cache.attach(session, copies, linear)
+        outputs.write(0, prefix.outputs.rows(0, max(resume, start)))
+        for block_idx in attention:
+            kv[block_idx].length = prefix.ahead.length
+        self._keep(Prefix(prefix.domain, prefix.run, prefix.ahead, prefix.outputs, dict(prefix.points),
+                          slots={block_idx: kv[block_idx] for block_idx in attention}, used=prefix.used))
+        prefix.outputs = outputs
+
+    def _keep(self, prefix: Prefix) -> None:
+        """Retire `prefix` (its slots at its chain's length), the newest; past MAX_RETIRED the oldest goes."""
+        self._retired.append(prefix)
+        if len(self._retired) > MAX_RETIRED:
+            self._retired.pop(0)
+            self.evictions += 1
 
     def _matched(self, theirs: RowChain, points: dict[int, StatePoint], extension: Extension,
                  run: Run) -> tuple[int, int]:
-        """How far in (start, end] the request's rows agree with `theirs`, as far as digests tell
-        (block ends, state points, their end), and the furthest of those positions the run can
-        resume at (with linear layers: a state point); the extension's start for none."""
-        start, stop = extension.start, min(extension.end, theirs.length)
-        marks = {*range(BLOCK_ROWS * (start // BLOCK_ROWS + 1), stop + 1, BLOCK_ROWS),
-                 *(position for position in points if start < position <= stop)}
-        if start < theirs.length <= extension.end:
-            marks.add(theirs.length)
-        linear = self._linear(run)
-        agreed = resume = start
-        for mark in sorted(marks):
-            digest = points[mark].digest if mark in points else theirs.digest_at(mark)
-            if extension.digest_at(mark) != digest:
-                break
-            agreed = mark
-            if not linear or mark in points:
-                resume = mark
-        return agreed, resume
+        """How far in [start, end] the request's rows agree with `theirs`, and the furthest position
+        up to there where the run can resume (with linear layers: a state point; start for none)."""
+        agreed = extension.agreed(theirs)
+        if not self._linear(run):
+            return agreed, agreed
+        return agreed, max((p for p in points if extension.start < p <= agreed), default=extension.start)
 
     def _make_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit the budget, once retired prefixes (oldest first) are freed as needed."""
@@ -339,7 +417,8 @@ class PrefixCache:
 
     def _bytes(self, prefix: Prefix) -> int:
         kv = sum(slot.capacity for slot in prefix.slots.values()) * self._cache.bytes_per_position
-        return kv + prefix.outputs.nbytes + len(prefix.points) * self._point_bytes(prefix.run)
+        pending = 0 if prefix.pending is None else prefix.pending.numel() * prefix.pending.element_size()
+        return kv + prefix.outputs.nbytes + len(prefix.points) * self._point_bytes(prefix.run) + pending
 
 
 def _row_bytes(x: torch.Tensor) -> memoryview:

@@ -55,11 +55,16 @@ class _Planned:
     computed: dict[int, tuple[LinearState, int]] = field(default_factory=dict)  # block_idx -> (new state, consumed)
 
     def answer(self, computed: torch.Tensor | None) -> torch.Tensor:
-        """The request's output [1, T, H]: the rows prefix reuse kept, then the `computed` ones."""
-        kept = None if self.begun is None else self.begun.kept
-        if kept is None:
+        """The request's output [1, T, H]: the rows prefix reuse kept, then the `computed` ones
+        from the request's first position on."""
+        begun = self.begun
+        if begun is None:
             return computed
-        return kept.clone() if computed is None else torch.cat([kept, computed], dim=1)
+        if computed is None:
+            return begun.kept
+        if begun.kept is not None:
+            return torch.cat([begun.kept, computed], dim=1)
+        return computed[:, max(0, begun.extension.start - begun.resume):]
 
     def linear_state(self, cache: KVCache, block_idx: int, index_pos: int) -> LinearState | None:
         """The state a linear-attention op starts from: none at position 0, else this request's
@@ -268,10 +273,11 @@ class BlockRunner:
                 raise InternalError(f"op {op.layer}, {op.index_pos}, {op.block_idx} breaks the contract: this runner "
                                     f"has {len(self.blocks)} layers and {self.config.num_hidden_layers} KV slots")
         begun = None if self.prefixes is None else self.prefixes.begin(session, x, ops)
-        if begun is not None and begun.resume > begun.extension.start:  # rows kept: compute the rest
+        if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
             if not begun.computes:
                 return _Planned(session, x, (), {}, [], begun)
-            x = x[:, begun.resume - begun.extension.start:]
+            start = begun.extension.start
+            x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
             ops = [Op(op.layer, begun.resume, op.block_idx) for op in ops]
         T = x.shape[1]
         ends, linear_ends = {}, {}

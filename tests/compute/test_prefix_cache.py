@@ -14,6 +14,7 @@ from cakemp.compute.kv_cache import MIN_CAPACITY
 from cakemp.compute.prefix_cache import MAX_RETIRED
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import ContextLimitExceeded
+from cakemp.front.router import chunk_bounds
 from tests.checkpoints import make_checkpoint
 from tests.tolerance import F32_DELTA_RULE_REL, F32_REL, assert_close
 
@@ -43,9 +44,8 @@ class Node:
         return self.runner.ops([(layer, index_pos, i) for i, layer in enumerate(self.layers)])
 
     def prompt(self, session: int, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """x: [1, T, H] from `start`, in chunks: the output rows."""
-        outputs = [self.runner.run(session, x[:, a:a + self.chunk], self.ops(start + a))
-                   for a in range(0, x.shape[1], self.chunk)]
+        """x: [1, T, H] from `start`, in the chunks the front would cut: the output rows."""
+        outputs = [self.runner.run(session, x[:, a:b], self.ops(start + a)) for a, b in chunk_bounds(x.shape[1], self.chunk)]
         return torch.cat(outputs, dim=1)
 
     def decode(self, session: int, rows: torch.Tensor, start: int) -> None:
@@ -97,11 +97,10 @@ def test_a_three_turn_chat_gives_a_fresh_prefills_hidden_states(family, request)
         reused.append(node.runner.prefixes.tokens - before)
         assert_close(out, fresh(checkpoint, history[:, :out.shape[1]]), bound(checkpoint))
         history = torch.cat([history, rows(20, 20 + turn)], dim=1)
-    # Attention layers reuse the whole history each time (42, then 67 rows). Recurrent layers resume
-    # only where a state was kept: turn 3's rows all agree, but its chunk [48, 64) holds no kept state
-    # at its end, only at 62 (turn 2's prompt ended there): rows 62-63 are computed again, and the
-    # next chunk goes on from the state kept at 67.
-    assert reused == ([0, 42, 67] if family == "llama" else [0, 42, 65]) and node.runner.prefixes.hits == 2
+    # The whole history each time (42, then 67 rows); recurrent layers too, although the turns' chunks
+    # end elsewhere than the states kept (at the earlier turns' chunk ends): the state follows the
+    # agreeing rows from one kept state to the next, and the last turn's end holds one.
+    assert reused == [0, 42, 67] and node.runner.prefixes.hits == 2
 
 
 def test_the_kept_rows_are_the_first_turns_output_bit_for_bit(llama):
@@ -114,25 +113,25 @@ def test_the_kept_rows_are_the_first_turns_output_bit_for_bit(llama):
     assert_close(second, fresh(llama, torch.cat([history, rows(9, 2)], dim=1)))
 
 
-def test_a_history_differing_in_one_early_row_reuses_nothing_past_its_block(llama, qwen):
-    """Row 20 of the history differs: attention layers reuse the one block before it (16 rows); a run
-    with recurrent layers keeps states only where requests ended (chunk ends, here 16 and 32), so it
-    resumes at 16 too; both answer what a fresh prefill does."""
-    for checkpoint in (llama, qwen):
+def test_a_history_differing_in_one_early_row_reuses_nothing_past_it(llama, qwen):
+    """Row 20 of the history differs: attention layers reuse the 20 rows before it; a run with
+    recurrent layers keeps states only where requests ended (the first turn's chunks: 14, 27, 40),
+    so it resumes at 14; both answer what a fresh prefill does."""
+    for checkpoint, resumed in ((llama, 20), (qwen, 14)):
         node = Node(checkpoint, prefix_reuse=True)
         _, history = node.turn(1, rows(40, 0), 0, seed=1)
         changed = history.clone()
         changed[0, 20] += 1.0
         out = node.prompt(1, changed)
-        assert figures(node.runner)[:2] == (1, 16)
+        assert figures(node.runner)[:2] == (1, resumed)
         assert_close(out, fresh(checkpoint, changed), bound(checkpoint))
 
 
 def test_recurrent_layers_resume_at_the_latest_kept_state_before_the_match(llama, qwen):
     """A 40-row prompt and 8 decoded rows; the next history differs at row 45. Attention layers
-    resume at the block before it (32); recurrent ones at the latest state kept before it, the
-    prompt's end (40), as no state was kept between decode steps. Both answer a fresh prefill's rows."""
-    for checkpoint, resumed in ((llama, 32), (qwen, 40)):
+    resume there (45); recurrent ones at the latest state kept before it, the prompt's end (40), as
+    no state was kept between decode steps. Both answer a fresh prefill's rows."""
+    for checkpoint, resumed in ((llama, 45), (qwen, 40)):
         node = Node(checkpoint, prefix_reuse=True)
         _, history = node.turn(1, rows(40, 0), 8, seed=1)
         changed = history.clone()
@@ -140,6 +139,38 @@ def test_recurrent_layers_resume_at_the_latest_kept_state_before_the_match(llama
         out = node.prompt(1, changed)
         assert figures(node.runner)[:2] == (1, resumed)
         assert_close(out, fresh(checkpoint, changed), bound(checkpoint))
+
+
+def test_a_recurrent_run_computes_agreeing_rows_again_from_its_last_state(qwen):
+    """Chunks 14, 27, 40 the first turn; the next history differs at row 17, in its second chunk
+    [16, 32), which holds no kept state before the difference: its first chunk was answered from
+    kept rows while the state stayed at 14, so rows 14-15 are computed again with the chunk's."""
+    node = Node(qwen, prefix_reuse=True)
+    _, history = node.turn(1, rows(40, 0), 0, seed=1)
+    changed = history.clone()
+    changed[0, 17] += 1.0
+    out = node.prompt(1, changed)
+    assert figures(node.runner)[:2] == (1, 14)
+    assert_close(out, fresh(qwen, changed), bound(qwen))
+
+
+def test_another_chat_sharing_only_the_start_leaves_a_prefix_whole(llama, qwen):
+    """Chats A and B on one session share their first 20 rows (a system prompt). B's first turn takes
+    up A's retired prefix for those rows and leaves it there: A's second turn still reuses all of A."""
+    for checkpoint in (llama, qwen):
+        node = Node(checkpoint, prefix_reuse=True)
+        system = rows(20, 0)
+        _, chat_a = node.turn(1, torch.cat([system, rows(30, 1)], dim=1), 2, seed=2)
+        before = node.runner.prefixes.tokens
+        out_b, _ = node.turn(1, torch.cat([system, rows(30, 3)], dim=1), 2, seed=4)
+        shared = node.runner.prefixes.tokens - before
+        assert 0 < shared <= 20
+        second = torch.cat([chat_a, rows(10, 5)], dim=1)
+        before = node.runner.prefixes.tokens
+        out_a = node.prompt(1, second)
+        assert node.runner.prefixes.tokens - before == chat_a.shape[1] == 52
+        assert_close(out_b, fresh(checkpoint, torch.cat([system, rows(30, 3)], dim=1)), bound(checkpoint))
+        assert_close(out_a, fresh(checkpoint, second), bound(checkpoint))
 
 
 def test_a_prompt_resent_whole_is_answered_without_computing(llama):
