@@ -17,7 +17,7 @@ import torch
 
 from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner
-from cakemp.errors import ProtocolError, RequestError
+from cakemp.errors import BadTensor, ProtocolError, RequestError
 from cakemp.topology import expand_layers
 from cakemp.wire import (
     Batch, FrameDecoder, Goodbye, Hello, RawTensor, Revision, SingleOp, TensorMessage, WorkerError, WorkerInfo,
@@ -62,7 +62,7 @@ async def serve(runner: BlockRunner, port: int) -> None:
                     return
                 writer.writelines(encode_frame(reply, Revision.V2))
                 await writer.drain()
-        except (ProtocolError, ConnectionError):
+        except (ProtocolError, BadTensor, ConnectionError):
             return
         finally:
             runner.free_session(session)

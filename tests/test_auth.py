@@ -1,4 +1,4 @@
-"""Cake's cluster-key handshake over real loopback TCP, both sides, good and bad peers."""
+"""Cake's cluster-key handshake over real loopback TCP, both sides, good and bad peers, and its reflection guard."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import asyncio
 import hashlib
 import hmac
 
-from cakemp.auth import authenticate_master, authenticate_worker
+import pytest
+
+from cakemp.auth import RecentChallenges, authenticate_master, authenticate_worker
 from cakemp.errors import AuthError, ProtocolError
 from cakemp.wire import Hello, Revision, WorkerInfo, decode_payload, encode_frame, read_header
 
@@ -178,3 +180,120 @@ def test_master_times_out_a_stalled_worker():
 
     error = asyncio.run(main())
     assert isinstance(error, AuthError) and "worker did not complete the cluster-key handshake within" in str(error)
+
+
+# --------------------------------------------------------------------------- reflection
+
+
+async def handshake_reply(port: int, nonce_m: bytes):
+    """Open a connection, send `nonce_m` as a master's nonce; returns (reader, writer, the worker's 64-byte reply or
+    b"" when it closed instead)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(nonce_m)
+    await writer.drain()
+    try:
+        return reader, writer, await reader.readexactly(64)
+    except asyncio.IncompleteReadError as exc:
+        return reader, writer, exc.partial
+
+
+def test_a_worker_refuses_its_own_challenge_as_a_master_nonce():
+    """A keyless peer that sends connection 1's challenge as connection 2's nonce gets no MAC on
+    connection 2 (AuthError naming the reflection, connection closed), so it cannot answer connection 1."""
+
+    async def main():
+        outcomes = []
+
+        async def handle(reader, writer):
+            try:
+                await authenticate_master(reader, writer, "k", 5.0)
+                outcomes.append("served")
+            except AuthError as exc:
+                outcomes.append(exc)
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            _, first, reply = await handshake_reply(port, bytes(32))
+            _, second, reflected = await handshake_reply(port, reply[32:])
+            second.close()
+            first.write(reflected[:32].ljust(32, b"\0"))  # the best the attacker has
+            await first.drain()
+            while len(outcomes) < 2:
+                await asyncio.sleep(0.01)
+            first.close()
+            return reflected, outcomes
+
+    reflected, outcomes = asyncio.run(main())
+    assert reflected == b""
+    assert all(isinstance(o, AuthError) for o in outcomes)
+    assert any("reflection" in str(o) for o in outcomes) and any("invalid HMAC" in str(o) for o in outcomes)
+
+
+def test_a_master_refuses_a_worker_that_answers_with_the_masters_own_challenge():
+    """A worker whose challenge is the nonce the master just sent gets no MAC of it: AuthError naming the reflection."""
+
+    async def main():
+        async def echo_challenge(reader, writer):
+            nonce_m = await reader.readexactly(32)
+            writer.write(hmac.new(b"k", nonce_m, hashlib.sha256).digest() + nonce_m)
+            await writer.drain()
+            await reader.read()  # a MAC would arrive here; the master hangs up instead
+            writer.close()
+
+        server = await asyncio.start_server(echo_challenge, "127.0.0.1", 0)
+        async with server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+            try:
+                await authenticate_worker(reader, writer, "k", 5.0)
+            except AuthError as exc:
+                return exc
+            finally:
+                writer.close()
+
+    error = asyncio.run(main())
+    assert isinstance(error, AuthError) and "reflection" in str(error)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_challenges_are_remembered_for_their_lifetime_then_forgotten():
+    """A challenge is found until `lifetime` has passed since it was sent, and is forgotten at the next one after."""
+    clock = Clock()
+    challenges = RecentChallenges(lifetime=60.0, capacity=100, clock=clock)
+    with challenges.challenge() as old:
+        pass
+    clock.now = 59.0
+    with challenges.challenge() as newer:
+        pass
+    assert old in challenges and newer in challenges and bytes(32) not in challenges
+    clock.now = 60.0
+    with challenges.challenge():
+        pass
+    assert old not in challenges and newer in challenges and len(challenges) == 2
+
+
+def test_at_most_capacity_challenges_are_kept_but_an_open_one_is_never_forgotten():
+    """Past `capacity`, the oldest closed challenges go first; a challenge whose handshake runs
+    stays found whatever came after it, and `capacity` open handshakes refuse another."""
+    challenges = RecentChallenges(lifetime=60.0, capacity=4, clock=Clock())
+    with challenges.challenge() as open_one:
+        closed = []
+        for _ in range(10):
+            with challenges.challenge() as nonce:
+                closed.append(nonce)
+        assert len(challenges) <= 5 and open_one in challenges
+        assert [n in challenges for n in closed] == [False] * 6 + [True] * 4
+        with challenges.challenge(), challenges.challenge(), challenges.challenge():
+            with pytest.raises(AuthError, match="in progress"):
+                with challenges.challenge():
+                    pass
+    assert len(challenges) <= 4

@@ -29,6 +29,12 @@ computes garbage; a worker should refuse instead.
 
 Both config.json dialects are read: transformers < 5 writes `rope_theta` and `rope_scaling`
 at the top level (what published checkpoints carry), transformers 5 writes `rope_parameters`.
+
+A config.json may come from a peer (a zero-config push), so every number the model code
+divides by, indexes with or allocates from is checked here, and anything else that goes wrong
+is a CheckpointError too: counts and sizes are whole numbers within generous bounds (the MAX_
+constants), head counts divide as attention needs, a rotary dimension is even and within a
+head, per-layer lists name every layer, and every float is finite (most positive).
 """
 
 from __future__ import annotations
@@ -63,6 +69,18 @@ LAYOUTS = {
 }
 # The MLP activations served, by their transformers name (Gemma calls the key hidden_activation).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+# Bounds far past any published model's, so that no count can make the model code allocate
+# without limit (a tuple per layer, a name per expert) before a weight's shape is checked.
+MAX_WIDTH = 1 << 20  # hidden and intermediate sizes
+MAX_HEADS = 1 << 12  # attention heads, linear-attention heads
+MAX_HEAD_DIM = 1 << 12
+MAX_LAYERS = 1 << 14
+MAX_POSITIONS = 1 << 30  # context lengths, sliding windows
+MAX_EXPERTS = 1 << 12
+MAX_CONV_KERNEL = 1 << 10
+MAX_FP8_BLOCK = 1 << 16
+_SHOWN_CHARS = 64  # of a bad value, in an error
 
 # transformers' defaults for keys a config.json may leave out.
 _DEFAULT_ROPE_THETA = 10000.0
@@ -185,52 +203,58 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise CheckpointError(f"{path} does not exist") from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise CheckpointError(f"{path} is not readable JSON: {exc}") from None
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        architectures = d.get("architectures") or []
-        architecture = architectures[0] if architectures else None
-        family = FAMILIES.get(architecture)
+        """The config `d` (a parsed config.json) describes; CheckpointError, whatever is wrong with it."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source}: not a JSON object but {type(d).__name__}")
+        architectures = d.get("architectures")
+        architecture = architectures[0] if isinstance(architectures, list) and architectures else architectures
+        family = FAMILIES.get(architecture) if isinstance(architecture, str) else None
         if family is None:
             supported = ", ".join(FAMILIES)
             raise CheckpointError(
-                f"{source}: architecture {architecture!r} is not supported by cakemp (supported: {supported})"
+                f"{source}: architecture {_shown(architecture)} is not supported by cakemp (supported: {supported})"
             )
         try:
-            if family in _WRAPPED:
-                return cls._parse_hybrid(d, family, architecture)
-            return cls._parse(d, family, architecture)
+            config = cls._parse_hybrid(d, family, architecture) if family in _WRAPPED else cls._parse(d, family, architecture)
+            _check_shapes(config)
+            return config
         except KeyError as exc:
-            raise CheckpointError(f"{source}: {architecture} config lacks {exc.args[0]!r}") from None
+            raise CheckpointError(f"{source}: {architecture} config lacks {_shown(exc.args[0])}") from None
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{source}: bad {architecture} config: {exc}") from None
+        except Exception as exc:  # whatever else a hostile config.json provokes: still the file's fault
+            raise CheckpointError(f"{source}: bad {architecture} config: {type(exc).__name__}: {exc}") from None
 
     @classmethod
     def _parse(cls, d: dict[str, Any], family: str, architecture: str) -> ModelConfig:
-        hidden = int(d["hidden_size"])
-        heads = int(d["num_attention_heads"])
-        kv_heads = int(d.get("num_key_value_heads") or heads)
+        hidden = _whole("hidden_size", d["hidden_size"], 1, MAX_WIDTH)
+        heads = _whole("num_attention_heads", d["num_attention_heads"], 1, MAX_HEADS)
+        kv_heads = _whole("num_key_value_heads", d.get("num_key_value_heads") or heads, 1, heads)
         if heads % kv_heads:
             raise ValueError(f"{heads} attention heads are not a multiple of {kv_heads} key/value heads")
-        layers = int(d["num_hidden_layers"])
-        head_dim = int(d.get("head_dim") or hidden // heads)
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        layers = _whole("num_hidden_layers", d["num_hidden_layers"], 1, MAX_LAYERS)
+        head_dim = _whole("head_dim", d.get("head_dim") or hidden // heads, 1, MAX_HEAD_DIM)
+        rope = _mapping("rope_parameters", d.get("rope_parameters") or _mapping("rope_scaling", d.get("rope_scaling")))
         if family == "gemma3":
             rope = _gemma3_global_rope(d)
-        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA)))
+        rope_theta = _real("rope_theta", rope.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA)))
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias is not supported")
         act_key = "hidden_activation" if family == "gemma3" else "hidden_act"
         activation = d.get(act_key) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
         if activation not in ACTIVATIONS:
-            raise ValueError(f"{act_key} {activation!r} is not supported (only {', '.join(ACTIVATIONS)})")
+            raise ValueError(f"{act_key} {_shown(activation)} is not supported (only {', '.join(ACTIVATIONS)})")
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
         attention_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma3", "olmo2") and bool(d.get("attention_bias", False))
-        rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))))
+        partial = _real("partial_rotary_factor", rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+        rotary_dim = int(head_dim * partial)
         main_rope = Rope(rope_theta, rotary_dim, _rope_scaling(rope, d, family, rotary_dim))
         types = _layer_types(d, family, layers)
         windows = _layer_windows(d, family, layers, types)
@@ -238,21 +262,22 @@ class ModelConfig:
             family=family,
             architecture=architecture,
             hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
+            intermediate_size=_whole("intermediate_size", d["intermediate_size"], 0, MAX_WIDTH),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", _DEFAULT_RMS_EPS)),
+            rms_norm_eps=_real("rms_norm_eps", d.get("rms_norm_eps", _DEFAULT_RMS_EPS), zero=True),
             rope_theta=rope_theta,
             rope_scaling=main_rope.scaling,
-            max_position_embeddings=int(d["max_position_embeddings"]),
+            max_position_embeddings=_whole("max_position_embeddings", d["max_position_embeddings"], 1, MAX_POSITIONS),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
             qk_norm=_QK_NORM.get(family),
             layer_windows=windows,
             layer_ropes=_layer_ropes(d, family, main_rope, types, windows),
-            attention_scale=float(d.get("query_pre_attn_scalar", 256) if family == "gemma3" else head_dim) ** -0.5,
+            attention_scale=_real("query_pre_attn_scalar", d.get("query_pre_attn_scalar", 256) if family == "gemma3"
+                                  else head_dim) ** -0.5,
             activation=ACTIVATIONS[activation],
             layout=LAYOUTS.get(family, PRE_NORM),
             # Gemma 3's hub configs leave the key out and mean True (transformers' default for it).
@@ -265,34 +290,34 @@ class ModelConfig:
     def _parse_hybrid(cls, d: dict[str, Any], family: str, architecture: str) -> ModelConfig:
         """Qwen3.5 / Qwen3.5-MoE: the text model's keys from `text_config` (a quantization_config
         may sit at either level); rope settings from `rope_parameters` or the classic keys."""
-        text = dict(d["text_config"])
+        text = dict(_mapping("text_config", d["text_config"]))
         text.setdefault("quantization_config", d.get("quantization_config"))
         text.setdefault("intermediate_size", 0)  # Qwen3.5-MoE has no dense MLP
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope = _mapping("rope_parameters", text.get("rope_parameters") or _mapping("rope_scaling", text.get("rope_scaling")))
         # mrope_section only matters for image/video positions; text positions are equal on its axes.
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
-            raise ValueError(f"rope type {kind!r} is not supported for {architecture} (only default)")
+            raise ValueError(f"rope type {_shown(kind)} is not supported for {architecture} (only default)")
         text["rope_parameters"] = {
-            "rope_theta": float(rope.get("rope_theta", text.get("rope_theta", _DEFAULT_ROPE_THETA))),
-            "partial_rotary_factor": float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+            "rope_theta": rope.get("rope_theta", text.get("rope_theta", _DEFAULT_ROPE_THETA)),
+            "partial_rotary_factor": rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
         }
         if "tie_word_embeddings" in d:  # the outer config's word wins, as transformers reads it
             text["tie_word_embeddings"] = d["tie_word_embeddings"]
         base = cls._parse({**text, "use_sliding_window": False}, family, architecture)
         layers = base.num_hidden_layers
+        interval = _whole("full_attention_interval", text.get("full_attention_interval", 4), 1, MAX_LAYERS)
         types = text.get("layer_types") or [
-            "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else "linear_attention"
-            for i in range(layers)
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
         ]
-        if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        if not isinstance(types, list) or len(types) != layers or not set(types) <= {"linear_attention", "full_attention"}:
             raise ValueError(f"layer_types must name linear_attention or full_attention for each of {layers} layers")
         linear = LinearAttentionConfig(
-            key_heads=int(text["linear_num_key_heads"]),
-            key_head_dim=int(text["linear_key_head_dim"]),
-            value_heads=int(text["linear_num_value_heads"]),
-            value_head_dim=int(text["linear_value_head_dim"]),
-            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            key_heads=_whole("linear_num_key_heads", text["linear_num_key_heads"], 1, MAX_HEADS),
+            key_head_dim=_whole("linear_key_head_dim", text["linear_key_head_dim"], 1, MAX_HEAD_DIM),
+            value_heads=_whole("linear_num_value_heads", text["linear_num_value_heads"], 1, MAX_HEADS),
+            value_head_dim=_whole("linear_value_head_dim", text["linear_value_head_dim"], 1, MAX_HEAD_DIM),
+            conv_kernel=_whole("linear_conv_kernel_dim", text.get("linear_conv_kernel_dim", 4), 1, MAX_CONV_KERNEL),
         )
         if linear.value_heads % linear.key_heads:
             raise ValueError(f"{linear.value_heads} linear value heads are not a multiple of {linear.key_heads} key heads")
@@ -330,31 +355,38 @@ def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], family: str, rotary_d
     if kind == "default":
         return None
     if kind == "llama3":
-        return Llama3RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        scaling = Llama3RopeScaling(
+            factor=_real("rope factor", rope["factor"]),
+            low_freq_factor=_real("low_freq_factor", rope["low_freq_factor"]),
+            high_freq_factor=_real("high_freq_factor", rope["high_freq_factor"]),
+            original_max_position_embeddings=_whole("original_max_position_embeddings",
+                                                    rope["original_max_position_embeddings"], 1, MAX_POSITIONS),
         )
+        if scaling.low_freq_factor >= scaling.high_freq_factor:  # the ramp divides by their difference
+            raise ValueError(f"low_freq_factor {scaling.low_freq_factor} is not below high_freq_factor "
+                             f"{scaling.high_freq_factor}")
+        return scaling
     if kind == "linear":
-        return LinearRopeScaling(float(rope["factor"]))
+        return LinearRopeScaling(_real("rope factor", rope["factor"]))
     if kind == "longrope":
         return _longrope(rope, d, rotary_dim)
-    raise ValueError(f"rope type {kind!r} is not supported (only default, llama3, linear and longrope)")
+    raise ValueError(f"rope type {_shown(kind)} is not supported (only default, llama3, linear and longrope)")
 
 
 def _longrope(rope: dict[str, Any], d: dict[str, Any], rotary_dim: int) -> LongRopeScaling:
     """Phi-3 configs keep original_max_position_embeddings at the top level; without `factor` the
     context ratio sets the attention factor, as transformers does."""
-    original = int(rope.get("original_max_position_embeddings") or d["original_max_position_embeddings"])
-    short, long = (tuple(float(f) for f in rope[key]) for key in ("short_factor", "long_factor"))
+    # At least 2: the attention factor divides by its logarithm.
+    original = _whole("original_max_position_embeddings",
+                      rope.get("original_max_position_embeddings") or d["original_max_position_embeddings"], 2, MAX_POSITIONS)
+    short, long = (tuple(_real(key, f) for f in _list(key, rope[key])) for key in ("short_factor", "long_factor"))
     if len(short) != rotary_dim // 2 or len(long) != rotary_dim // 2:
         raise ValueError(f"longrope short/long factors need {rotary_dim // 2} entries, got {len(short)} and {len(long)}")
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
-        factor = float(rope.get("factor") or int(d["max_position_embeddings"]) / original)
+        factor = _real("rope factor", rope.get("factor") or int(d["max_position_embeddings"]) / original)
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return LongRopeScaling(short, long, original, float(attention_factor))
+    return LongRopeScaling(short, long, original, _real("attention_factor", attention_factor))
 
 
 def _layer_types(d: dict[str, Any], family: str, layers: int) -> tuple[str, ...] | None:
@@ -366,17 +398,18 @@ def _layer_types(d: dict[str, Any], family: str, layers: int) -> tuple[str, ...]
     if family == "exaone4" and d.get("sliding_window", 4096) is None:
         return ("full_attention",) * layers
     if d.get("layer_types"):
-        types = tuple(d["layer_types"])
+        types = tuple(_list("layer_types", d["layer_types"]))
         if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
             raise ValueError(f"layer_types must name sliding_attention or full_attention for each of {layers} layers")
         return types
     pattern = d.get("sliding_window_pattern", 6 if family == "gemma3" else 4)
     if isinstance(pattern, str):
         if not pattern or set(pattern) - {"L", "G"}:
-            raise ValueError(f"sliding_window_pattern {pattern!r} is not a string of L and G")
+            raise ValueError(f"sliding_window_pattern {_shown(pattern)} is not a string of L and G")
         global_ = [pattern[i % len(pattern)] == "G" or i == layers - 1 for i in range(layers)]
     else:
-        global_ = [(i + 1) % int(pattern) == 0 for i in range(layers)]
+        every = _whole("sliding_window_pattern", pattern, 1, MAX_LAYERS)
+        global_ = [(i + 1) % every == 0 for i in range(layers)]
     return tuple("full_attention" if g else "sliding_attention" for g in global_)
 
 
@@ -386,8 +419,9 @@ def _layer_windows(
     window = d.get("sliding_window", 4096 if family in ("gemma3", "exaone4") else None)
     if family in ("llama", "olmo2") or window is None:
         return (None,) * layers
+    window = _whole("sliding_window", window, 1, MAX_POSITIONS)
     if family in ("mistral", "phi3"):
-        return (int(window),) * layers
+        return (window,) * layers
     if family in ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"):
         # Qwen2/3: the window applies only when enabled, to the layers marked sliding.
         if not d.get("use_sliding_window", False):
@@ -395,16 +429,16 @@ def _layer_windows(
         types = d.get("layer_types") or [
             "sliding_attention" if i >= d.get("max_window_layers", 0) else "full_attention" for i in range(layers)
         ]
-    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return tuple(window if t == "sliding_attention" else None for t in _list("layer_types", types))
 
 
 def _gemma3_global_rope(d: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's global rotary: transformers 5 keys it by layer type, hub configs keep rope_theta
     (default 1e6) and rope_scaling (linear on 4B+) at the top level."""
-    by_type = (d.get("rope_parameters") or {}).get("full_attention")
+    by_type = _mapping("rope_parameters", d.get("rope_parameters")).get("full_attention")
     if by_type is not None:
-        return by_type
-    return {"rope_theta": d.get("rope_theta", 1_000_000.0), **(d.get("rope_scaling") or {})}
+        return _mapping("rope_parameters.full_attention", by_type)
+    return {"rope_theta": d.get("rope_theta", 1_000_000.0), **_mapping("rope_scaling", d.get("rope_scaling"))}
 
 
 def _layer_ropes(
@@ -412,8 +446,10 @@ def _layer_ropes(
 ) -> tuple[Rope | None, ...]:
     if family == "gemma3":
         # Local layers rotate with their own base (rope_local_base_freq, default 1e4), unscaled.
-        by_type = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
-        local = Rope(float(by_type.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))), main.dim)
+        by_type = _mapping("rope_parameters.sliding_attention",
+                           _mapping("rope_parameters", d.get("rope_parameters")).get("sliding_attention"))
+        local = Rope(_real("rope_local_base_freq", by_type.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))),
+                     main.dim)
         return tuple(local if t == "sliding_attention" else main for t in types)
     if family == "exaone4" and any(w is not None for w in windows):
         # With a sliding window configured, EXAONE 4's global layers use no rotary at all.
@@ -425,25 +461,89 @@ def _moe(d: dict[str, Any], family: str, layers: int) -> MoeConfig | None:
     if family not in ("qwen3_moe", "qwen3_5_moe"):
         return None
     # Hub configs name the count num_experts; transformers 5 writes num_local_experts.
-    experts = int(d.get("num_experts") or d["num_local_experts"])
-    top_k = int(d["num_experts_per_tok"])
-    if not 0 < top_k <= experts:
-        raise ValueError(f"num_experts_per_tok {top_k} is not in 1..{experts}")
+    experts = _whole("num_experts", d.get("num_experts") or d["num_local_experts"], 1, MAX_EXPERTS)
+    top_k = _whole("num_experts_per_tok", d["num_experts_per_tok"], 1, experts)
+    intermediate = _whole("moe_intermediate_size", d["moe_intermediate_size"], 1, MAX_WIDTH)
     if family == "qwen3_5_moe":
-        return MoeConfig(experts, top_k, int(d["moe_intermediate_size"]), True,
-                         int(d["shared_expert_intermediate_size"]), (True,) * layers)
-    dense = set(d.get("mlp_only_layers") or ())
-    step = int(d.get("decoder_sparse_step", 1))
+        shared = _whole("shared_expert_intermediate_size", d["shared_expert_intermediate_size"], 0, MAX_WIDTH)
+        return MoeConfig(experts, top_k, intermediate, True, shared, (True,) * layers)
+    dense = set(_list("mlp_only_layers", d.get("mlp_only_layers") or []))
+    step = _whole("decoder_sparse_step", d.get("decoder_sparse_step", 1), 1, MAX_LAYERS)
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
-    return MoeConfig(experts, top_k, int(d["moe_intermediate_size"]), bool(d.get("norm_topk_prob", False)),
-                     sparse_layers=sparse)
+    return MoeConfig(experts, top_k, intermediate, bool(d.get("norm_topk_prob", False)), sparse_layers=sparse)
 
 
 def _fp8_block(d: dict[str, Any]) -> tuple[int, int] | None:
-    quant = d.get("quantization_config") or (d.get("text_config") or {}).get("quantization_config")
+    quant = d.get("quantization_config") or _mapping("text_config", d.get("text_config")).get("quantization_config")
     if not quant:
         return None
+    quant = _mapping("quantization_config", quant)
     if quant.get("quant_method") != "fp8":
-        raise ValueError(f"quantization {quant.get('quant_method')!r} is not supported (only fp8)")
-    rows, cols = quant.get("weight_block_size") or _DEFAULT_FP8_BLOCK
-    return int(rows), int(cols)
+        raise ValueError(f"quantization {_shown(quant.get('quant_method'))} is not supported (only fp8)")
+    block = _list("weight_block_size", quant.get("weight_block_size") or list(_DEFAULT_FP8_BLOCK))
+    if len(block) != 2:
+        raise ValueError(f"weight_block_size {_shown(block)} is not [rows, cols]")
+    return tuple(_whole("weight_block_size", n, 1, MAX_FP8_BLOCK) for n in block)
+
+
+def _check_shapes(c: ModelConfig) -> None:
+    """What the model code relies on across fields: a per-layer entry for every layer, rotary
+    dimensions it can pair up within a head, an intermediate size for every dense MLP."""
+    layers = c.num_hidden_layers
+    for name, per_layer in (("layer_types", c.layer_windows), ("layer_types", c.layer_ropes)):
+        if len(per_layer) != layers:
+            raise ValueError(f"{name} names {len(per_layer)} layers, the model has {layers}")
+    for rope in {rope for rope in c.layer_ropes if rope is not None}:
+        if rope.dim < 2 or rope.dim % 2 or rope.dim > c.head_dim:
+            raise ValueError(f"the rotary dimension {rope.dim} (head_dim {c.head_dim} x partial_rotary_factor) "
+                             "is not an even number in 2..head_dim")
+        _real("rope_theta", rope.theta)
+    if (c.moe is None or not all(c.moe.sparse_layers)) and c.intermediate_size < 1:
+        raise ValueError(f"intermediate_size {c.intermediate_size}: a dense MLP layer needs one of at least 1")
+
+
+def _shown(value: Any) -> str:
+    """repr(value), clipped: a peer's config.json may hold anything, of any length."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
+def _whole(name: str, value: Any, low: int, high: int) -> int:
+    """`value` as an int if it is a whole number (or its text) in low..high; else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{name} {_shown(value)} is not a whole number")
+    try:
+        number = int(value)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{name} {_shown(value)} is not a whole number") from None
+    if not low <= number <= high:
+        raise ValueError(f"{name} {_shown(number)} is outside {low}..{high}")
+    return number
+
+
+def _real(name: str, value: Any, zero: bool = False) -> float:
+    """`value` as a finite float above 0 (or at least 0 with `zero`); else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{name} {_shown(value)} is not a number")
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{name} {_shown(value)} is not a number") from None
+    if not math.isfinite(number) or number < 0 or number == 0 and not zero:
+        raise ValueError(f"{name} {_shown(value)} is not a finite number {'>= 0' if zero else '> 0'}")
+    return number
+
+
+def _mapping(name: str, value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, {} for null or absent; else ValueError naming it."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} {_shown(value)} is not a JSON object")
+    return value
+
+
+def _list(name: str, value: Any) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} {_shown(value)} is not a list")
+    return list(value)

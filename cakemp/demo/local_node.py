@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import cakemp
-from cakemp.errors import CakempError, NodeFailed
+from cakemp.errors import CakempError, NodeFault
 from cakemp.master.probe import probe
 from cakemp.wire import WorkerInfo
 
@@ -24,6 +24,10 @@ from cakemp.wire import WorkerInfo
 # As long as the node's front waits for a device that loads nothing (its LOAD_SILENCE_S): on a
 # loaded machine, starting torch in every device process alone can take minutes.
 READY_TIMEOUT_S = 300.0
+
+
+class NodeFailed(NodeFault):
+    """A node started as a subprocess (demo, tests) exited early, never became ready, or did not stop cleanly."""
 
 
 def free_port() -> int:

@@ -22,8 +22,8 @@ import yaml
 
 from cakemp.compute.runner import BlockRunner
 from cakemp.compute.tensors import compute_dtype
-from cakemp.errors import HiddenStateMismatch, NodeFailed
-from cakemp.demo.local_node import LocalNode, free_port
+from cakemp.demo.local_node import LocalNode, NodeFailed, free_port
+from cakemp.errors import NodeFault
 from cakemp.master.generator import Generator, RemoteCall
 from cakemp.master.sampler import SamplingParams
 from cakemp.checkpoint.config import ModelConfig
@@ -131,6 +131,10 @@ async def _generate(story: _Story, generator: Generator, kept_layer: str) -> lis
         for line in generation.summary().splitlines():
             story.say(f"figures     {line}")
     return trace
+
+
+class HiddenStateMismatch(NodeFault):
+    """The node's hidden states differ from a single-process run of the same layers (the demo's check)."""
 
 
 def _check(model_dir: Path, layers: list[str], trace: list[RemoteCall], device: str, dtype: str) -> float:

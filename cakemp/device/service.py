@@ -156,7 +156,7 @@ class DeviceService:
         summary = ". ".join(str(error).split(". ")[:2]).strip()  # torch's OOM text goes on for lines
         if isinstance(error, torch.OutOfMemoryError):
             torch.cuda.empty_cache()  # hand back what the failed request had cached
-            return Failure(request_id, ErrorCode.REQUEST, f"out of memory on {self.runner.device}: {summary}", chunk)
+            return Failure(request_id, ErrorCode.OUT_OF_MEMORY, f"out of memory on {self.runner.device}: {summary}", chunk)
         if fault.poisons_context(error):
             self.poisoned = f"{type(error).__name__}: {error}"
             return Failure(request_id, ErrorCode.DEVICE_LOST, f"device {self.runner.device} faulted ({summary}); it "

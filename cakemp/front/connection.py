@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cakemp import log
-from cakemp.errors import CakempError, InternalError, MalformedTensor, PeerFault, ProtocolError, RequestError
+from cakemp.errors import BadTensor, CakempError, InternalError, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
@@ -116,7 +116,7 @@ class Connection:
         try:
             await self._serve()
             self._end("debug", "connection closed by the master")
-        except ProtocolError as e:
+        except (ProtocolError, BadTensor) as e:  # BadTensor: a sound frame with an unusable tensor, before Hello
             self._end("warning", "closing connection", error=str(e), fault="peer")
         except asyncio.IncompleteReadError as e:
             self._end("info", "connection lost",
@@ -145,7 +145,7 @@ class Connection:
         while self._session.state is not SessionState.CLOSED:
             try:
                 received = await self._read()
-            except MalformedTensor as e:  # the frame was sound, only its tensor is not: answer, go on
+            except BadTensor as e:  # the frame was sound, only its tensor is not: answer, go on
                 if self._session.state is SessionState.AWAITING_HELLO:
                     raise  # not a session yet: the connection closes
                 self._metrics.requests.inc()
@@ -206,7 +206,7 @@ class Connection:
         except Exception as e:  # a bug on this request's path fails this request alone
             return self._refusal(InternalError(f"unexpected error in the front: {type(e).__name__}: {e}"))
 
-    def _refusal(self, error: RequestError | MalformedTensor) -> WorkerError:
+    def _refusal(self, error: RequestError) -> WorkerError:
         """The WorkerError answering a request that cannot be served, logged and counted. The
         master reads what it did wrong, or that the node failed; a node's own error stays in the log."""
         self._metrics.errors.inc(error=type(error).__name__)
@@ -227,7 +227,7 @@ class Connection:
         """The next message with the bytes read and seconds spent for it, and the payload size it
         holds of the budget (the caller gives it back once done with the message); None at EOF.
 
-        Raises ProtocolError when the frame is not Cake protocol, MalformedTensor for a sound
+        Raises ProtocolError when the frame is not Cake protocol, BadTensor for a sound
         frame with a bad tensor (its budget then already given back).
         """
         header = await self._next_header()

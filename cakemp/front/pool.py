@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from cakemp import log
 from cakemp.ipc.spec import DeviceMain, DeviceSpec
-from cakemp.errors import CakempError, InternalError, ProtocolError, RequestError
+from cakemp.errors import BadIpcMessage, CakempError, InternalError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
@@ -290,7 +290,7 @@ class DevicePool:
         else:  # Pong
             self._state.heard(device, now)
 
-    def _on_garbage(self, device: int, error: ProtocolError) -> None:
+    def _on_garbage(self, device: int, error: BadIpcMessage) -> None:
         self._log.error("bad ipc reply", device=device, error=str(error))
 
     def _exited(self, device: int) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import cakemp
 from cakemp import log
 from cakemp.ipc.spec import DeviceMain, DeviceSpec
-from cakemp.errors import CakempError, ConfigError
+from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs
@@ -238,15 +238,18 @@ class Front:
             try:
                 started = await self._start(self._assigned(assignment.layers, str(assignment.model_dir)),
                                             assignment.message)
-            except CakempError as e:
-                self._log.error("the assigned layers cannot be loaded; waiting for the next setup", error=str(e))
+            except Exception as e:  # pushed files must never end the front: any failure refuses the setup
+                self._log.error("the assigned layers cannot be loaded; waiting for the next setup",
+                                error=str(e) if isinstance(e, CakempError) else f"{type(e).__name__}: {e}")
                 # The master learns why, not where this node keeps its cache.
                 reason = str(e).replace(str(assignment.model_dir), "<cache>")
-                await assignment.refuse(f"cannot load the assigned layers: {reason}")
+                # A checkpoint's fault (or an unforeseen one) discards the cache; a resource's keeps it.
+                at_fault = isinstance(e, CheckpointError) or not isinstance(e, CakempError)
+                await assignment.refuse(f"cannot load the assigned layers: {reason}", files_at_fault=at_fault)
                 self._serving = None
                 continue
             if started is None:
-                await assignment.refuse("the node is stopping")
+                await assignment.refuse("the node is stopping", files_at_fault=False)
                 return None
             self._setup.serving()
             await assignment.ready()

@@ -1,55 +1,15 @@
-"""Front ⇄ device and device ⇄ device messaging over ZeroMQ: the only package that imports zmq."""
+"""Front ⇄ device and device ⇄ device messaging over ZeroMQ: the only package that imports zmq.
 
+Every message declared in `message` is exported here by name.
+"""
+
+from cakemp.errors import ErrorCode, error_code, error_from
+from cakemp.ipc import message
 from cakemp.ipc.channel import DeviceChannel, FrontChannel, inbox
-from cakemp.ipc.message import (
-    Activation,
-    Clear,
-    Done,
-    End,
-    ErrorCode,
-    Failure,
-    Hop,
-    Kind,
-    Loaded,
-    Message,
-    Op,
-    Ping,
-    Pong,
-    Progress,
-    Ready,
-    Stage,
-    StartFailure,
-    StepReport,
-    decode,
-    encode,
-    error_code,
-    error_from,
-)
+from cakemp.ipc.codec import decode, encode
+from cakemp.ipc.message import *  # noqa: F403 (Kind, Op, Stage, Message, every message)
 
 __all__ = [
-    "Activation",
-    "Clear",
-    "DeviceChannel",
-    "Done",
-    "End",
-    "ErrorCode",
-    "Failure",
-    "FrontChannel",
-    "Hop",
-    "Kind",
-    "Loaded",
-    "Message",
-    "Op",
-    "Ping",
-    "Pong",
-    "Progress",
-    "Ready",
-    "Stage",
-    "StartFailure",
-    "StepReport",
-    "decode",
-    "encode",
-    "error_code",
+    *message.__all__, "DeviceChannel", "FrontChannel", "inbox", "decode", "encode", "ErrorCode", "error_code",
     "error_from",
-    "inbox",
-]
+]  # fmt: skip

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from cakemp.errors import ProtocolError
-from cakemp.ipc.message import Buffer, Message, decode, encode
+from cakemp.errors import BadIpcMessage
+from cakemp.ipc.codec import decode, encode
+from cakemp.ipc.message import Buffer, Message
 
 
 def inbox(endpoint: str) -> str:
@@ -39,7 +40,7 @@ class FrontChannel:
     """
 
     def __init__(self, endpoint: str, on_message: Callable[[Message], None],
-                 on_garbage: Callable[[ProtocolError], None]):
+                 on_garbage: Callable[[BadIpcMessage], None]):
         self._loop = asyncio.get_running_loop()
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -99,7 +100,7 @@ class FrontChannel:
             frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             try:
                 msg = decode([frame.buffer for frame in frames])
-            except ProtocolError as e:
+            except BadIpcMessage as e:
                 self._on_garbage(e)
                 continue
             self._on_message(msg)
@@ -118,7 +119,7 @@ class DeviceChannel:
     """
 
     def __init__(self, endpoint: str, parent_fd: int, peers: Sequence[str] = (),
-                 on_garbage: Callable[[ProtocolError], None] = lambda error: None):
+                 on_garbage: Callable[[BadIpcMessage], None] = lambda error: None):
         self.on_garbage = on_garbage
         self._context = zmq.Context()
         self._front = self._context.socket(zmq.DEALER)
@@ -159,7 +160,7 @@ class DeviceChannel:
                     break
                 try:
                     messages.append(decode([frame.buffer for frame in frames]))
-                except ProtocolError as e:
+                except BadIpcMessage as e:
                     self.on_garbage(e)
         return messages
 

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Iterable, Sequence
 
 from cakemp.auth import authenticate_worker
-from cakemp.errors import ProtocolError, RemoteWorkerError
+from cakemp.errors import BadTensor, ProtocolError, RemoteWorkerError
 from cakemp.wire import (
     HEADER_SIZE,
     Batch,
@@ -104,7 +104,10 @@ class WorkerClient:
         except asyncio.IncompleteReadError as exc:
             state = "between frames" if not exc.partial else "in the middle of a frame"
             raise ProtocolError(f"worker {self.address} closed the connection {state}") from None
-        return decode_payload(payload, self.revision)
+        try:
+            return decode_payload(payload, self.revision)
+        except BadTensor as exc:  # a worker's unusable tensor is no request to answer, here: not Cake protocol
+            raise ProtocolError(str(exc)) from None
 
     async def _request(self, msg: Message, kind: type) -> Message:
         """Send `msg` and return the worker's reply, which must be a `kind`."""

@@ -7,15 +7,24 @@ hash), so a machine keeps one cache per cluster and model.
 Unlike Cake, a cache counts only once a push completed (spec §7.5 lists what Cake trusts):
 every file is written beside its final name (`.<name>.partial`) and moved into place when
 whole, the push ends by recording each file's size in a marker (`.cakemp-complete`, written
-the same way), and a cache is valid only when that marker is there, every file in it has its
-recorded size, and the files hold the assigned layers. A new push empties the directory
-first, and a push that fails (interrupted, refused) removes what it wrote, so the next master
-is asked for the data again.
+the same way) once config.json is a model cakemp runs (ModelConfig) with every assigned
+layer, and a cache is valid only when that marker is there, every file in it has its recorded
+size, and the files hold the assigned layers. A new push removes the marker first and
+replaces files by name; a push that fails (interrupted, refused) removes the files it wrote,
+so the next master is asked for the data again.
 
-A cache Cake itself wrote has no marker. It is adopted (the marker written) only when every
-file the layers need is whole by its own structure: config.json and the index parse, and each
-safetensors file is exactly as long as its header says (8 + header + the last tensor's end),
-which an interrupted Cake push, truncating a shard, fails.
+The node deletes nothing it did not write: only the files of the push under way (or, when
+the files that push delivered prove unloadable, those). A cache that is not at fault (the
+node stopped while loading, the devices lacked memory) keeps its files and marker. The
+directory itself must be a real directory of the node's user: a symbolic link, or one that
+holds files with neither the marker nor cakemp's own record (`.cakemp-cache`, written before
+a push first writes into it), is refused with SetupError and left as it is.
+
+A cache Cake itself wrote has no marker. It is adopted (the marker and the record written)
+only when every file the layers need is whole by its own structure: config.json is a model
+cakemp runs, the index parses, and each safetensors file is exactly as long as its header
+says (8 + header + the last tensor's end), which an interrupted Cake push, truncating a
+shard, fails.
 
 Everything a master sends is checked before it touches the disk: file names are bare names
 from the push's allowed set, offsets continue exactly where the file stands, a file's size
@@ -28,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +45,8 @@ from collections.abc import Sequence
 
 import zstandard
 
+from cakemp import log
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.files import (
     CONFIG, INDEX, PUSH_CHUNK_BYTES, SINGLE, TOKENIZER, in_layer, read_weight_map, safetensors_names, safetensors_whole,
 )
@@ -42,9 +54,12 @@ from cakemp.errors import CheckpointError, SetupError
 from cakemp.wire import ModelDataChunk
 
 MARKER = ".cakemp-complete"
+# cakemp's record that the directory's files are its own (pushed, or adopted from Cake).
+OWNER = ".cakemp-cache"
 _PARTIAL = ".{}.partial"
 _MODEL_HASH = re.compile(r"[0-9a-f]{8}")
 _MAX_INDEX_BYTES = 64 << 20  # a rewritten index is a few MiB even for the largest models
+_MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB
 
 
 def cache_root() -> Path:
@@ -81,18 +96,20 @@ class ModelCache:
 
     def covers(self, layers: Sequence[str]) -> bool:
         """Whether a completed push left every file whole here, holding every one of `layers`
-        (or, without a marker, Cake's own files are whole: then they are adopted)."""
+        (or, in a directory cakemp has not written to, Cake's own files are whole: then they are
+        adopted). Raises SetupError when the directory is not one the node may use."""
+        self._check_directory()
         try:
             sizes = json.loads((self.directory / MARKER).read_text())["files"]
         except FileNotFoundError:
-            return self._adopt(layers)
+            return not os.path.lexists(self.directory / OWNER) and self._adopt(layers)
         except (OSError, ValueError, KeyError, TypeError):
             return False
         try:
             if not all(os.lstat(self.directory / check_file_name(name)).st_size == size
                        for name, size in sizes.items()):
                 return False
-            return _holds_layers(self.directory, set(sizes), layers)
+            return _holds_layers(self.directory, set(sizes), layers) and _config_fault(self.directory, layers) is None
         except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError, SetupError):
             return False
 
@@ -105,34 +122,70 @@ class ModelCache:
             if CONFIG not in present or not _holds_layers(self.directory, present, layers):
                 return False
             needed = {CONFIG} | _weight_files(self.directory, present, layers)
-            json.loads((self.directory / CONFIG).read_bytes())
+            if _config_fault(self.directory, layers) is not None:
+                return False
             if not all(safetensors_whole(self.directory / name) for name in needed - {CONFIG, INDEX}):
                 return False
             sizes = {name: os.lstat(self.directory / name).st_size for name in needed}
+            _write_atomically(self.directory / OWNER, b"")
             _write_atomically(self.directory / MARKER, json.dumps({"files": sizes}).encode())
             return True
         except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError, SetupError):
             return False
 
     def begin_push(self, layers: Sequence[str], max_total_bytes: int, verify_crc: bool) -> ModelPush:
-        """Invalidate the cache and empty it, for a push of the files holding `layers`
-        (`verify_crc`: the chunks carry a CRC, as they do at protocol revision 2)."""
+        """Invalidate the cache, for a push of the files holding `layers` (`verify_crc`: the
+        chunks carry a CRC, as they do at protocol revision 2). Raises SetupError when the
+        directory is not the node's to write into (see the module docstring)."""
+        self._check_directory()
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._check_directory()  # again: mkdir accepts a link to a directory that appeared meanwhile
+        names = os.listdir(self.directory)
+        if names and MARKER not in names and OWNER not in names:
+            raise self._refusal(f"the model cache directory holds {len(names)} files cakemp did not write and no "
+                                f"{MARKER}: refused, nothing removed; move them away for the node to take the push",
+                                files=_listed(names))
+        _write_atomically(self.directory / OWNER, b"")
         self.invalidate()
         return ModelPush(self.directory, tuple(layers), max_total_bytes, verify_crc)
 
-    def invalidate(self) -> None:
-        """Forget the files here (the marker first): the next setup asks for the data again."""
+    def invalidate(self, *, remove_files: bool = False) -> None:
+        """Forget the cache (its marker): the next setup asks for the data again, and a push then
+        replaces the files by name. With `remove_files`, the files the marker lists go too: the
+        caller knows they came from the push this setup received, and that they cannot load."""
+        try:
+            sizes = json.loads((self.directory / MARKER).read_text())["files"] if remove_files else {}
+        except (OSError, ValueError, KeyError, TypeError):
+            sizes = {}
         try:
             os.unlink(self.directory / MARKER)
         except FileNotFoundError:
             pass
-        if not self.directory.is_dir():
+        for name in sizes if isinstance(sizes, dict) else ():
+            try:
+                os.unlink(self.directory / check_file_name(name))  # a symlink itself, never what it points at
+            except (FileNotFoundError, SetupError):
+                pass
+
+    def _check_directory(self) -> None:
+        """SetupError unless the directory is absent or a real directory of this node's user."""
+        try:
+            st = os.lstat(self.directory)
+        except FileNotFoundError:
             return
-        with os.scandir(self.directory) as entries:
-            for entry in entries:
-                if not entry.is_dir(follow_symlinks=False):
-                    os.unlink(entry.path)  # a symlink itself, never what it points at
+        if stat.S_ISLNK(st.st_mode):
+            raise self._refusal("the model cache directory is a symbolic link: refused, nothing written or removed "
+                                "(the node writes only into a directory of its own)")
+        if not stat.S_ISDIR(st.st_mode):
+            raise self._refusal("the model cache path is not a directory: refused")
+        if st.st_uid != os.geteuid():
+            raise self._refusal(f"the model cache directory belongs to uid {st.st_uid}, not to this node's user "
+                                f"(uid {os.geteuid()}): refused, nothing written or removed")
+
+    def _refusal(self, reason: str, **detail: str) -> SetupError:
+        """The SetupError for the master, which never learns the path; the log names the directory."""
+        log.get_logger().warning("model cache directory refused", cache=str(self.directory), reason=reason, **detail)
+        return SetupError(reason)
 
 
 class ModelPush:
@@ -181,6 +234,8 @@ class ModelPush:
                 raise SetupError(f"the push lacks shards its index names: {', '.join(missing[:3])}")
         if not _holds_layers(self._directory, set(self._done), self._layers):
             raise SetupError(f"the pushed files do not hold every assigned layer ({', '.join(self._layers[:3])}, ...)")
+        if (fault := _config_fault(self._directory, self._layers)) is not None:
+            raise SetupError(f"cannot load the pushed model: {fault}")
         _write_atomically(self._directory / MARKER, json.dumps({"files": self._done}).encode())
 
     def abort(self) -> None:
@@ -208,6 +263,8 @@ class ModelPush:
             raise SetupError(f"a push holds either {SINGLE} or {INDEX}, not both")
         if size > self._max_total - self._announced:
             raise SetupError(f"{name} of {size} bytes would take the push past the limit of {self._max_total} bytes")
+        if name == CONFIG and size > _MAX_CONFIG_BYTES:
+            raise SetupError(f"{CONFIG} of {size} bytes is past the limit of {_MAX_CONFIG_BYTES} bytes")
         self._announced += size
         self._current = _File.create(self._directory, name, size)
 
@@ -252,8 +309,13 @@ class _File:
     def create(cls, directory: Path, name: str, size: int) -> _File:
         # O_EXCL|O_NOFOLLOW: never through a link someone planted, never over a file of this push.
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        partial = directory / _PARTIAL.format(name)
         try:
-            fd = os.open(directory / _PARTIAL.format(name), flags, 0o600)
+            os.unlink(partial)  # left by a push that died mid-file: the name is cakemp's own
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(partial, flags, 0o600)
         except OSError as e:
             raise SetupError(f"cannot create {name} in the cache: {e.strerror}") from None
         return cls(directory, name, size, fd)
@@ -287,6 +349,36 @@ def _write_atomically(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(partial, path)
+
+
+def _config_fault(directory: Path, layers: Sequence[str]) -> str | None:
+    """Why the directory's config.json is not a model cakemp runs with every one of `layers`
+    (with no path in it: the master is told), or None when it is."""
+    try:
+        fd = os.open(directory / CONFIG, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        return f"cannot read {CONFIG}: {e.strerror}"
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(_MAX_CONFIG_BYTES + 1)
+    if len(data) > _MAX_CONFIG_BYTES:
+        return f"{CONFIG} is past the limit of {_MAX_CONFIG_BYTES} bytes"
+    try:
+        config = ModelConfig.from_dict(json.loads(data), source=CONFIG)
+    except (ValueError, RecursionError) as e:
+        return f"{CONFIG} is not JSON: {str(e)[:100]}"
+    except CheckpointError as e:
+        return str(e)
+    missing = [layer for layer in layers if config.layer_index(layer) is None]
+    if missing:
+        return (f"{CONFIG} has no layer {missing[0][:64]} (its layers are {config.layer_name(0)}.."
+                f"{config.num_hidden_layers - 1})")
+    return None
+
+
+def _listed(names: list[str]) -> str:
+    """A few of `names`, for an error (the rest counted)."""
+    shown = ", ".join(name[:64] for name in sorted(names)[:3])
+    return shown if len(names) <= 3 else f"{shown} and {len(names) - 3} more"
 
 
 def _shards_of(index: Path) -> set[str]:

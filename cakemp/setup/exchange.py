@@ -41,7 +41,7 @@ from typing import Protocol
 
 from cakemp import log
 from cakemp.checkpoint.files import PUSH_CHUNK_BYTES, split_layer
-from cakemp.errors import ProtocolError, SetupError
+from cakemp.errors import BadTensor, ProtocolError, SetupError
 from cakemp.setup.cache import ModelCache, ModelPush
 from cakemp.streams import read_payload
 from cakemp.wire import (
@@ -106,9 +106,12 @@ class Assignment:
         await self._connection.send_quietly(WorkerReady())
         self.answered.set()
 
-    async def refuse(self, reason: str) -> None:
-        """The layers could not be loaded: the cache no longer counts, the master is told why."""
-        self.cache.invalidate()
+    async def refuse(self, reason: str, *, files_at_fault: bool = True) -> None:
+        """The layers could not be loaded: the master is told why. Only when the files are at
+        fault does the cache stop counting (and the files this setup pushed go with it); a node
+        that stops or lacks memory keeps a cache that may have taken hours to push."""
+        if files_at_fault:
+            self.cache.invalidate(remove_files=self.needed_data)
         await self._connection.send_quietly(WorkerError(reason))
         self.answered.set()
 
@@ -224,7 +227,7 @@ class Setup:
             connection.logger.warning("setup refused", error=str(e))
             await connection.send_quietly(WorkerError(str(e)))
             await _linger(reader, writer)
-        except ProtocolError as e:
+        except (ProtocolError, BadTensor) as e:
             connection.logger.warning("setup connection closed: not Cake protocol", error=str(e), fault="peer")
         except asyncio.IncompleteReadError as e:
             connection.logger.warning("setup connection lost", error=f"the master closed it inside a frame "

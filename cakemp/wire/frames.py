@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import struct
 
-from cakemp.errors import ProtocolError
-from cakemp.wire.messages import Message, Revision, decode_payload, encode_buffers
+from cakemp.errors import EncodeError, ProtocolError
+from cakemp.wire.codec import decode_payload, encode_buffers
+from cakemp.wire.messages import Message, Revision
 
 MAGIC = 0x0104F4C7
 MAX_PAYLOAD = 512 * 1024 * 1024  # Cake's MESSAGE_MAX_SIZE; exactly this size is accepted
@@ -33,12 +34,12 @@ def read_header(header: bytes | bytearray | memoryview, max_payload: int = MAX_P
 
 def encode_frame(msg: Message, revision: Revision) -> list[bytes | bytearray | memoryview]:
     """Header and payload of `msg` as buffers for `writer.writelines`; tensor and model data
-    are passed by reference, never copied here."""
+    are passed by reference, never copied here. Raises EncodeError."""
     pieces = encode_buffers(msg, revision, HEADER_SIZE)
     size = sum(memoryview(piece).nbytes for piece in pieces) - HEADER_SIZE
     if size > MAX_PAYLOAD:
         # Cake's writer refuses too, and sends nothing.
-        raise ProtocolError(f"{type(msg).__name__} payload of {size} bytes > maximum {MAX_PAYLOAD}")
+        raise EncodeError(f"{type(msg).__name__} payload of {size} bytes > maximum {MAX_PAYLOAD}")
     _HEADER.pack_into(pieces[0], 0, MAGIC, size)
     return pieces
 
@@ -49,7 +50,7 @@ class FrameDecoder:
     A bad header (magic, length) loses the frame boundary for good: the error is raised again
     on every later call. A payload that does not decode raises once, after the frame has been
     consumed, so the decoder stays in step with the stream and a caller that chooses to go on
-    (a MalformedTensor answered with WorkerError) reads the next frame normally.
+    (a BadTensor answered with WorkerError) reads the next frame normally.
     """
 
     def __init__(self, revision: Revision, max_payload: int = MAX_PAYLOAD) -> None:

@@ -208,7 +208,7 @@ def test_a_poisoning_error_fails_its_request_and_marks_the_process_to_end(failin
 
 
 @pytest.mark.parametrize("error, code, words", [
-    (torch.OutOfMemoryError(OUT_OF_MEMORY), ErrorCode.REQUEST,
+    (torch.OutOfMemoryError(OUT_OF_MEMORY), ErrorCode.OUT_OF_MEMORY,
      "out of memory on cpu: CUDA out of memory. Tried to allocate 2.00 GiB"),
     (ValueError("a bug"), ErrorCode.INTERNAL, "internal error on device cpu:1"),
 ])

@@ -30,7 +30,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from cakemp.errors import MalformedTensor, ProtocolError
+from cakemp.errors import BadTensor, ProtocolError
 from cakemp.front.admission import Admission
 from cakemp.wire import (
     HEADER_SIZE, MAGIC, Batch, DType, FrameDecoder, Goodbye, Hello, LayerAssignment, LayerOp, ModelDataDone,
@@ -183,7 +183,7 @@ def answered(data: bytes) -> bool:
         return False
     try:
         message = decode_payload(data[HEADER_SIZE:], Revision.V2)
-    except MalformedTensor:
+    except BadTensor:
         return True
     except ProtocolError:
         return False

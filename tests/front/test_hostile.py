@@ -151,7 +151,7 @@ GOOD = to_raw(torch.randn(1, 2, HIDDEN))
     (GOOD, [("model.layers.0", 0, 5)], r"block_idx 5 of layer model.layers.0 is not a KV slot .*\(0-3\)"),
     (GOOD, [("model.layers.4", 0, 4)], "^could not find layer model.layers.4$"),
     (GOOD, [("\x1b[2J" + "é" * 1000, 0, 0)], r"could not find layer '\\x1b\[2Jé+… \(1004 chars\)'"),
-    # A sound frame whose bytes do not match its shape: the decoder's MalformedTensor, answered.
+    # A sound frame whose bytes do not match its shape: the decoder's BadTensor, answered.
     (RawTensor(bytes(3), DType.F32, (1, 1, HIDDEN)), OPS, "data is 3 bytes"),
 ])
 def test_a_request_no_device_could_serve_is_refused_by_the_front(node, hf, x, ops, words):

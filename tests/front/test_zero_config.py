@@ -316,9 +316,9 @@ def test_setups_in_quick_succession_leave_the_next_able_to_complete_without_floo
 
 
 def test_a_pushed_model_that_cannot_load_is_refused_and_the_node_waits_again(node, tmp_path):
-    """Whole files holding the layers, but an architecture cakemp does not run: the devices refuse
-    it, the master gets WorkerError (not WorkerReady), and the cache no longer counts (revision 2 only:
-    a device start is dear)."""
+    """Whole files holding the layers, but an architecture cakemp does not run: the push is refused
+    (its config.json is checked before the cache counts), the master gets WorkerError (not
+    WorkerReady), and the cache does not count (revision 2 only, as when the devices refused it)."""
     if node.revision < Revision.V2:
         pytest.skip("one device start suffices")
     model = tmp_path / "gpt2"

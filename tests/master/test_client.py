@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 
 import pytest
 
@@ -175,6 +177,27 @@ def test_worker_hanging_up_is_a_protocol_error():
     run(main())
 
 
+def test_a_worker_tensor_that_does_not_match_its_shape_is_a_protocol_error():
+    """A worker's TensorMessage whose bytes do not fit its shape raises ProtocolError (for the master a
+    broken reply, not a request to answer), naming the fault."""
+
+    async def main():
+        async def answer_short(reader, writer):
+            decoder = FrameDecoder(Revision.V2)
+            decoder.feed(await reader.read(65536))
+            decoder.next_message()
+            writer.writelines(encode_frame(TensorMessage(RawTensor(bytes(7), DType.F16, (1, 1, 4))), Revision.V2))
+            await writer.drain()
+
+        server = await asyncio.start_server(answer_short, "127.0.0.1", 0)
+        async with server:
+            async with await WorkerClient.connect("127.0.0.1", server.sockets[0].getsockname()[1]) as client:
+                with pytest.raises(ProtocolError, match=r"data is 7 bytes, shape \[1, 1, 4\] of F16 needs 8"):
+                    await client.batch(x_of(1), [("model.layers.0", 0, 0)])
+
+    run(main())
+
+
 @pytest.mark.parametrize("revision", [Revision.V1, Revision.V2])
 def test_setup_without_data(revision):
     """assign_layers gets Ack(needs_data=False) then WorkerReady, sends no data, and returns False."""
@@ -217,6 +240,31 @@ def test_connect_with_cluster_key():
                 return await client.hello()
 
     assert run(main()) == INFO
+
+
+def test_connect_refuses_a_worker_that_reflects_the_masters_own_challenge():
+    """A "worker" that proves the key for the master's nonce (got from another node, say) and then
+    challenges with that same nonce is refused before the master MACs it: AuthError, connection closed."""
+
+    async def main():
+        seen_after = []
+
+        async def reflecting(reader, writer):
+            nonce_m = await reader.readexactly(32)
+            writer.write(hmac.new(b"k", nonce_m, hashlib.sha256).digest() + nonce_m)
+            await writer.drain()
+            seen_after.append(await reader.read())  # the MAC of nonce_m it hoped for; b"" when closed
+            writer.close()
+
+        server = await asyncio.start_server(reflecting, "127.0.0.1", 0)
+        async with server:
+            with pytest.raises(AuthError, match="reflection"):
+                await WorkerClient.connect("127.0.0.1", server.sockets[0].getsockname()[1], cluster_key="k")
+            while not seen_after:
+                await asyncio.sleep(0.01)
+        return seen_after
+
+    assert run(main()) == [b""]
 
 
 def test_connect_with_wrong_cluster_key():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -12,12 +13,14 @@ import zstandard
 from safetensors.torch import save_file
 
 from cakemp.errors import SetupError
-from cakemp.setup.cache import ModelCache, cache_root, check_file_name, check_model_hash
+from cakemp.setup.cache import MARKER, OWNER, ModelCache, cache_root, check_file_name, check_model_hash
 from cakemp.master.model_push import model_chunks
 from cakemp.wire import ModelDataChunk, Revision
 
 LAYERS = ("model.layers.0", "model.layers.1")
 LIMIT = 1 << 30
+CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "max_position_embeddings": 512}
 
 
 @pytest.fixture
@@ -25,7 +28,7 @@ def model(tmp_path) -> Path:
     """A two-layer model as a push needs it: config, tokenizer, one safetensors file."""
     path = tmp_path / "model"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    (path / "config.json").write_text(json.dumps(CONFIG))
     (path / "tokenizer.json").write_text("{}")
     save_file({f"{layer}.w": torch.arange(4000, dtype=torch.float32) for layer in LAYERS}, path / "model.safetensors")
     return path
@@ -97,7 +100,7 @@ def test_a_failed_push_leaves_nothing_to_adopt(cache, model):
     with pytest.raises(SetupError):
         push(cache, chunks + [ModelDataChunk("evil.bin", 0, 1, b"x", False, zlib.crc32(b"x"))])
     assert not cache.covers(LAYERS)
-    assert [p.name for p in cache.directory.iterdir()] == []
+    assert [p.name for p in cache.directory.iterdir()] == [OWNER]  # only cakemp's record that the directory is its own
 
 
 def test_invalidate_forgets_the_files(cache, model):
@@ -119,10 +122,12 @@ def test_a_new_push_invalidates_first_and_an_aborted_one_leaves_no_partial_file(
     assert not [p for p in cache.directory.iterdir() if p.name.endswith(".partial")]
 
 
-def test_begin_push_removes_a_planted_link_not_its_target(cache, tmp_path, model):
+def test_a_push_replaces_a_planted_link_not_its_target(cache, tmp_path, model):
+    """A link planted in the node's own cache in place of a file is replaced by the pushed file, never written through."""
     target = tmp_path / "precious"
     target.write_text("keep")
-    cache.directory.mkdir(parents=True)
+    push(cache, chunks_of(model))
+    (cache.directory / "config.json").unlink()
     (cache.directory / "config.json").symlink_to(target)
     push(cache, chunks_of(model))
     assert target.read_text() == "keep"
@@ -168,3 +173,129 @@ def test_the_cache_root_is_cakes(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # not absolute: ignored, as the XDG spec says
     assert cache_root() == Path.home() / ".cache" / "cake"
     assert ModelCache.for_model(tmp_path, "9f86d081", "").directory == tmp_path / "9f86d081"
+
+
+# --------------------------------------------------------------------------- the pushed config.json
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"num_attention_heads": 0}, "num_attention_heads 0"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
+    ({"num_hidden_layers": 1}, "no layer model.layers.1"),
+    ({"rope_scaling": 5}, "rope_scaling 5"),
+])
+def test_a_push_whose_config_is_not_a_model_with_the_layers_is_refused_and_removed(cache, model, change, fragment):
+    """The marker is written only once config.json is a model cakemp runs with every assigned
+    layer; otherwise the push is refused (saying why, with no path) and its files go."""
+    (model / "config.json").write_text(json.dumps(CONFIG | change))
+    with pytest.raises(SetupError, match="cannot load the pushed model") as refused:
+        push(cache, chunks_of(model))
+    assert fragment in str(refused.value) and str(cache.directory) not in str(refused.value)
+    assert [p.name for p in cache.directory.iterdir()] == [OWNER] and not cache.covers(LAYERS)
+
+
+def test_a_config_json_past_its_limit_is_refused_before_it_is_written(cache):
+    chunk = ModelDataChunk("config.json", 0, 64 << 20, b"{", False, zlib.crc32(b"{"))
+    with pytest.raises(SetupError, match="config.json of 67108864 bytes is past the limit"):
+        push(cache, [chunk])
+
+
+def test_a_completed_cache_whose_config_does_not_parse_is_not_reused(cache, model):
+    """A marker from before config.json was checked (or a file changed to the same size) does not
+    make a model that cannot load count."""
+    push(cache, chunks_of(model))
+    config = cache.directory / "config.json"
+    size = config.stat().st_size
+    config.write_text(json.dumps(CONFIG | {"num_attention_heads": 0}).ljust(size))
+    assert config.stat().st_size == size and not cache.covers(LAYERS)
+
+
+# --------------------------------------------------------------------------- only what the node wrote
+
+
+def test_a_symlinked_cache_directory_is_refused_and_its_target_left_alone(cache, tmp_path, model):
+    """A cache directory that is a link is refused by covers and by a push, and no file of its target is touched."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "important.txt").write_text("keep")
+    for name in ("config.json", "model.safetensors"):  # even whole model files are not adopted through a link
+        (victim / name).write_bytes((model / name).read_bytes())
+    cache.directory.parent.mkdir(parents=True)
+    cache.directory.symlink_to(victim)
+    with pytest.raises(SetupError, match="symbolic link"):
+        cache.covers(LAYERS)
+    with pytest.raises(SetupError, match="symbolic link"):
+        cache.begin_push(LAYERS, LIMIT, verify_crc=True)
+    assert sorted(p.name for p in victim.iterdir()) == ["config.json", "important.txt", "model.safetensors"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another user")
+def test_a_cache_directory_of_another_user_is_refused(cache, model):
+    cache.directory.mkdir(parents=True)
+    os.chown(cache.directory, 65534, 65534)
+    with pytest.raises(SetupError, match="belongs to uid 65534"):
+        cache.covers(LAYERS)
+    with pytest.raises(SetupError, match="belongs to uid 65534"):
+        cache.begin_push(LAYERS, LIMIT, verify_crc=True)
+
+
+def test_a_cache_path_that_is_a_file_is_refused(cache):
+    cache.directory.parent.mkdir(parents=True)
+    cache.directory.write_text("not a directory")
+    with pytest.raises(SetupError, match="not a directory"):
+        cache.begin_push(LAYERS, LIMIT, verify_crc=True)
+    assert cache.directory.read_text() == "not a directory"
+
+
+def test_a_directory_of_files_cakemp_did_not_write_is_refused_not_emptied(cache, model):
+    """Files that are neither a completed cache nor a whole Cake cache, in a directory cakemp never wrote to, stay:
+    covers says no and the push is refused."""
+    cache.directory.mkdir(parents=True)
+    (cache.directory / "notes.txt").write_text("keep")
+    (cache.directory / "config.json").write_text('{"num_hidden')  # an interrupted Cake push, say
+    assert not cache.covers(LAYERS)
+    with pytest.raises(SetupError, match="holds 2 files cakemp did not write .* nothing removed"):
+        cache.begin_push(LAYERS, LIMIT, verify_crc=True)
+    assert sorted(p.name for p in cache.directory.iterdir()) == ["config.json", "notes.txt"]
+
+
+def test_a_push_and_its_abort_leave_files_they_did_not_write(cache, model):
+    """In the node's own cache, a push replaces its files by name; aborted, it removes only
+    the files it wrote, never another file there."""
+    push(cache, chunks_of(model))
+    (cache.directory / "operator-notes.txt").write_text("keep")
+    chunks = chunks_of(model)
+    receiving = cache.begin_push(LAYERS, LIMIT, verify_crc=True)
+    config_chunks = [c for c in chunks if c.filename == "config.json"]
+    for chunk in config_chunks:
+        receiving.receive(chunk)
+    receiving.abort()
+    names = {p.name for p in cache.directory.iterdir()}
+    assert "operator-notes.txt" in names and "config.json" not in names  # the one file this push wrote is gone
+    assert {"model.safetensors", "tokenizer.json"} <= names and not cache.covers(LAYERS)
+
+
+def test_invalidate_keeps_the_files_unless_told_they_came_from_the_failed_push(cache, model):
+    """invalidate() drops the marker only; remove_files drops the files the marker lists and nothing else."""
+    push(cache, chunks_of(model))
+    (cache.directory / "operator-notes.txt").write_text("keep")
+    cache.invalidate()
+    assert {"config.json", "model.safetensors", "tokenizer.json", "operator-notes.txt"} <= {
+        p.name for p in cache.directory.iterdir()}
+    assert not cache.covers(LAYERS)  # cakemp's own files without a marker are not adopted as Cake's
+    push(cache, chunks_of(model))
+    cache.invalidate(remove_files=True)
+    assert sorted(p.name for p in cache.directory.iterdir()) == [OWNER, "operator-notes.txt"]
+
+
+def test_a_push_that_died_midway_is_not_adopted_and_does_not_block_the_next(cache, model):
+    """A node killed mid-push leaves a partial file and no marker: the directory is still the
+    node's, its files are not taken for a Cake cache, and the next push completes over them."""
+    chunks = chunks_of(model)
+    receiving = cache.begin_push(LAYERS, LIMIT, verify_crc=True)
+    for chunk in chunks[:-1]:
+        receiving.receive(chunk)  # then the process dies: no abort, no finish
+    assert any(p.name.endswith(".partial") for p in cache.directory.iterdir())
+    assert not cache.covers(LAYERS) and not (cache.directory / MARKER).exists()
+    push(cache, chunks)
+    assert cache.covers(LAYERS) and not any(p.name.endswith(".partial") for p in cache.directory.iterdir())

@@ -1,4 +1,5 @@
-"""Fuzzing the decoder: mutated frames raise nothing but ProtocolError and allocate in proportion to the input."""
+"""Fuzzing the decoder: mutated frames raise nothing but ProtocolError or BadTensor and allocate in proportion to the
+input."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 import struct
 import tracemalloc
 
-from cakemp.errors import ProtocolError
+from cakemp.errors import BadTensor, ProtocolError
 from cakemp.wire import (
     Batch,
     DType,
@@ -79,18 +80,18 @@ def mutate(rng: random.Random, frame: bytes) -> bytes:
 
 
 def decode_all(frame: bytes, revision: Revision) -> bool:
-    """Whether the frame decoded; False when it raised ProtocolError (anything else escapes)."""
+    """Whether the frame decoded; False when it raised ProtocolError or BadTensor (anything else escapes)."""
     decoder = FrameDecoder(revision)
     decoder.feed(frame)
     try:
         decoder.next_message()
-    except ProtocolError:
+    except (ProtocolError, BadTensor):
         return False
     return True
 
 
-def test_fuzzed_frames_raise_only_protocol_error_within_an_input_sized_allocation():
-    """Over 12,000 mutated frames, decoding raises only ProtocolError and never allocates more than
+def test_fuzzed_frames_raise_only_peer_faults_within_an_input_sized_allocation():
+    """Over 12,000 mutated frames, decoding raises only ProtocolError or BadTensor and never allocates more than
     a small multiple of the frame's own size (a count claiming 4 G items must not allocate them)."""
     rng = random.Random(20260330)
     seeds = {rev: [b"".join(encode_frame(m, rev)) for m in msgs] for rev, msgs in SEEDS_BY_REVISION.items()}

@@ -1,4 +1,5 @@
-"""Every way a peer's bytes can be wrong raises ProtocolError saying what was wrong."""
+"""Every way a peer's bytes can be wrong raises ProtocolError (or BadTensor) saying what was wrong,
+and every message cakemp cannot encode raises EncodeError."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import struct
 
 import pytest
 
-from cakemp.errors import MalformedTensor, ProtocolError
+from cakemp.errors import BadTensor, EncodeError, ProtocolError
 from cakemp.wire import (
     MAX_PAYLOAD,
     Batch,
@@ -64,14 +65,14 @@ MALFORMED = [
     ("layer count past the payload", u32(6) + u32(0x40000000) + string(b"x"), ProtocolError,
      "LayerAssignment.layers count 1073741824 claims"),
     ("ndim past the payload", u32(4) + string(b"") + b"\x04" + u32(0x10000000), ProtocolError,
-     "Tensor ndim count 268435456 claims"),
+     "TensorMessage.tensor.shape count 268435456 claims"),
     ("tensor data past the payload", u32(4) + u32(0xFFFFFFFF) + bytes(8), ProtocolError,
-     "truncated payload: Tensor data needs 4294967295"),
-    ("unknown dtype tag", u32(4) + tensor(bytes(2), 8, [1]), MalformedTensor, "unknown dtype tag 8"),
-    ("catch-all dtype tag", u32(4) + tensor(bytes(2), 255, [1]), MalformedTensor, "unknown dtype tag 255"),
-    ("data shorter than the shape", u32(4) + tensor(bytes(6), 4, [1, 4]), MalformedTensor,
+     "truncated payload: TensorMessage.tensor.data needs 4294967295"),
+    ("unknown dtype tag", u32(4) + tensor(bytes(2), 8, [1]), BadTensor, "unknown dtype tag 8"),
+    ("catch-all dtype tag", u32(4) + tensor(bytes(2), 255, [1]), BadTensor, "unknown dtype tag 255"),
+    ("data shorter than the shape", u32(4) + tensor(bytes(6), 4, [1, 4]), BadTensor,
      "data is 6 bytes, shape [1, 4] of F16 needs 8"),
-    ("element count overflow", u32(4) + tensor(b"", 5, [2**63, 4]), MalformedTensor, "overflows the element count"),
+    ("element count overflow", u32(4) + tensor(b"", 5, [2**63, 4]), BadTensor, "overflows the element count"),
     ("HEAD's WorkerError tag at V1", u32(12) + string(b"boom"), ProtocolError, "unknown message tag 12 at protocol revision 1"),
 ]
 
@@ -128,18 +129,18 @@ def test_malformed_tensor_leaves_the_decoder_at_the_next_frame():
     """A frame whose tensor is unusable is consumed, so the frame after it decodes normally."""
     decoder = FrameDecoder(V2)
     decoder.feed(frame(u32(4) + tensor(bytes(2), 200, [1])) + b"".join(encode_frame(Hello(), V2)))
-    with pytest.raises(MalformedTensor):
+    with pytest.raises(BadTensor):
         decoder.next_message()
     assert decoder.next_message() == Hello()
 
 
 def test_structural_fault_wins_over_a_bad_tensor():
-    """A Batch with a bad tensor and a truncated op list is a plain ProtocolError, not MalformedTensor."""
+    """A Batch with a bad tensor and a truncated op list is a plain ProtocolError, not BadTensor."""
     payload = u32(3) + tensor(bytes(3), 4, [1]) + u32(1) + string(b"model.layers.0") + u64(0)
     with pytest.raises(ProtocolError) as caught:
         decode_payload(payload, V2)
-    assert not isinstance(caught.value, MalformedTensor)
-    assert "Batch block_idx" in str(caught.value)
+    assert not isinstance(caught.value, BadTensor)
+    assert "Batch.batch.block_idx" in str(caught.value)
 
 
 def test_trailing_bytes_are_ignored_like_speedy():
@@ -166,8 +167,8 @@ def test_any_nonzero_bool_reads_true_like_speedy():
     ],
 )
 def test_unencodable_messages_are_refused(msg, revision, message):
-    """A message the revision cannot carry, or a value out of its field's range, raises ProtocolError."""
-    with pytest.raises(ProtocolError, match=message):
+    """A message the revision cannot carry, or a value out of its field's range, raises EncodeError."""
+    with pytest.raises(EncodeError, match=message):
         encode_frame(msg, revision)
 
 
@@ -176,5 +177,5 @@ def test_oversized_frame_is_not_encoded():
     huge = mmap.mmap(-1, MAX_PAYLOAD)  # untouched anonymous pages: nothing is really allocated
     msg = TensorMessage(RawTensor(memoryview(huge), DType.U8, (MAX_PAYLOAD,)))
     # tag, data length, data, dtype, ndim, one dim
-    with pytest.raises(ProtocolError, match=f"payload of {4 + 4 + MAX_PAYLOAD + 1 + 4 + 8} bytes > maximum"):
+    with pytest.raises(EncodeError, match=f"payload of {4 + 4 + MAX_PAYLOAD + 1 + 4 + 8} bytes > maximum"):
         encode_frame(msg, V2)

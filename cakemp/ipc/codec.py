@@ -1,0 +1,176 @@
+"""The multipart frame codec of the ipc messages declared in `cakemp.ipc.message` (no I/O).
+
+A message is one header frame, then one frame per `Body` or `Text` field, in declaration
+order. The header frame is the kind (u8), then every integer field packed in declaration order
+(little-endian, no padding), then every tuple field in declaration order: a u32 count and its
+items, each item laid out the same way (its integers, then its tuples). Nothing here names a
+message: each declared class is compiled once into a layout from its annotations.
+
+Decoding keeps body frames as given (no copy) and checks every count against the header bytes
+left before anything is allocated for it. Only cakemp writes these frames, so one that does
+not decode is cakemp's own fault: BadIpcMessage, a NodeFault.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from enum import IntEnum
+from operator import attrgetter
+from typing import Annotated, get_args, get_origin, get_type_hints
+
+from cakemp.errors import BadIpcMessage, BadTensor
+from cakemp.ipc.message import MESSAGES, Buffer, Message
+
+_KIND = struct.Struct("<B")
+_COUNT = struct.Struct("<I")
+_FRAMES = ("body", "text")  # the marks of fields that travel as frames of their own
+
+
+class _Header:
+    """A header frame being read; every count is checked against the bytes left first."""
+
+    def __init__(self, frame: Buffer) -> None:
+        self.frame = frame
+        self.size = memoryview(frame).nbytes
+        self.at = 0
+
+    def take(self, layout: struct.Struct) -> tuple:
+        values = layout.unpack_from(self.frame, self.at)
+        self.at += layout.size
+        return values
+
+    def count(self, item_size: int) -> int:
+        (n,) = self.take(_COUNT)
+        if n * item_size > self.size - self.at:
+            raise ValueError(f"{n} items claimed, {self.size - self.at} bytes left")
+        return n
+
+
+class _Integers:
+    """The items of a tuple of integers, packed and unpacked in one struct call."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+        self.min_size = struct.calcsize(code)
+
+    def write_all(self, head: bytearray, items: tuple) -> None:
+        head += struct.pack(f"<{len(items)}{self.code}", *items)
+
+    def read_all(self, header: _Header, n: int) -> tuple:
+        values = struct.unpack_from(f"<{n}{self.code}", header.frame, header.at)
+        header.at += n * self.min_size
+        return values
+
+
+class _Layout:
+    """A declared class compiled: its integers as one struct, then its tuples, then its frames."""
+
+    def __init__(self, cls: type) -> None:
+        hints = get_type_hints(cls, include_extras=True)  # in the order of the class's fields
+        marks = {name: _mark(hint) for name, hint in hints.items() if _mark(hint) is not None}
+        integers = [name for name, mark in marks.items() if mark not in _FRAMES]
+        self.fixed = struct.Struct("<" + "".join(marks[name] for name in integers))
+        self.integers = _getter(integers)
+        # Integer fields typed by an IntEnum (an ErrorCode) are read as its members.
+        self.enums = [(index, get_args(hints[name])[0]) for index, name in enumerate(integers)
+                      if get_args(hints[name]) and issubclass(get_args(hints[name])[0], IntEnum)]
+        self.tuples = [(name, _item(hint)) for name, hint in hints.items() if get_origin(hint) is tuple]
+        self.frames = [(name, mark) for name, mark in marks.items() if mark in _FRAMES]
+        self.min_size = self.fixed.size + _COUNT.size * len(self.tuples)
+        self.flat = not (self.enums or self.tuples or self.frames)  # integers alone: one struct says it all
+        # By position when the fields are declared in the order they are read (the fast case).
+        order = [*integers, *(name for name, _ in self.tuples), *(name for name, _ in self.frames)]
+        self.build = cls if order == list(hints) else lambda *values: cls(**dict(zip(order, values)))
+
+    def write(self, head: bytearray, value: object) -> None:
+        head += self.fixed.pack(*self.integers(value))
+        for name, item in self.tuples:
+            items = getattr(value, name)
+            head += _COUNT.pack(len(items))
+            item.write_all(head, items)
+
+    def write_all(self, head: bytearray, items: tuple) -> None:
+        if not self.flat:
+            for value in items:
+                self.write(head, value)
+            return
+        pack, integers = self.fixed.pack, self.integers
+        head += b"".join([pack(*integers(value)) for value in items])
+
+    def read(self, header: _Header, frames: Sequence[Buffer] = ()) -> object:
+        if self.flat:
+            return self.build(*header.take(self.fixed))
+        values = list(header.take(self.fixed))
+        for index, enum in self.enums:
+            values[index] = enum(values[index])
+        for _, item in self.tuples:
+            values.append(item.read_all(header, header.count(item.min_size)))
+        for index, (_, mark) in enumerate(self.frames, 1):
+            values.append(frames[index] if mark == "body" else bytes(frames[index]).decode())
+        return self.build(*values)
+
+    def read_all(self, header: _Header, n: int) -> tuple:
+        if not self.flat:
+            return tuple(self.read(header) for _ in range(n))
+        end = header.at + n * self.fixed.size
+        items = memoryview(header.frame)[header.at : end]
+        header.at = end
+        return tuple(self.build(*values) for values in self.fixed.iter_unpack(items))
+
+
+def _mark(hint: object) -> str | None:
+    """How a field annotated `hint` travels: its mark, "Q" for a plain int; None for a tuple."""
+    if get_origin(hint) is Annotated:
+        return get_args(hint)[1]
+    return "Q" if hint is int else None
+
+
+def _item(hint: object) -> _Integers | _Layout:
+    """The items of a `tuple[T, ...]` field: integers, or a declared class."""
+    item, _ = get_args(hint)
+    mark = _mark(item)
+    return _Integers(mark) if mark is not None else _Layout(item)
+
+
+def _getter(names: list[str]) -> Callable[[object], tuple]:
+    """A function giving the values of the fields `names` of an instance, as a tuple."""
+    if not names:
+        return lambda value: ()
+    getter = attrgetter(*names)
+    return getter if len(names) > 1 else lambda value: (getter(value),)
+
+
+_LAYOUTS = {kind: _Layout(cls) for kind, cls in MESSAGES.items()}
+_KINDS = {cls: kind for kind, cls in MESSAGES.items()}
+
+
+def encode(msg: Message) -> list[Buffer]:
+    """Frames for `msg`; a body buffer is returned as given (the caller sends it with copy=False).
+
+    Raises BadTensor when a field does not fit its slot (a dimension past 2^64 - 1, say).
+    """
+    kind = _KINDS.get(type(msg))
+    if kind is None:
+        raise TypeError(f"not an ipc message: {type(msg).__name__}")
+    layout = _LAYOUTS[kind]
+    head = bytearray(_KIND.pack(kind))
+    try:
+        layout.write(head, msg)
+    except (struct.error, OverflowError) as e:
+        raise BadTensor(f"the request does not fit the device header: {e}") from None
+    return [head, *(getattr(msg, name) if mark == "body" else getattr(msg, name).encode()
+                    for name, mark in layout.frames)]
+
+
+def decode(frames: Sequence[Buffer]) -> Message:
+    """The message in `frames`; body buffers are kept as given (no copy). Raises BadIpcMessage."""
+    try:
+        header = _Header(frames[0])
+        (kind,) = header.take(_KIND)
+        layout = _LAYOUTS.get(kind)
+        if layout is None:
+            raise ValueError(f"unknown kind {kind}")
+        return layout.read(header, frames)
+    except (struct.error, ValueError, IndexError, UnicodeDecodeError) as e:
+        raise BadIpcMessage(f"malformed ipc message: {e}") from None

@@ -1,0 +1,203 @@
+"""The ipc frame codec: round trips, no copies of activation bytes, garbage refused as this node's fault,
+every message declared in one place."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Annotated, get_args, get_origin, get_type_hints
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cakemp.ipc
+from cakemp.errors import BadIpcMessage, BadTensor, NodeFault, PeerFault
+from cakemp.ipc import (
+    Activation,
+    Clear,
+    Done,
+    End,
+    ErrorCode,
+    Failure,
+    Hop,
+    Kind,
+    Loaded,
+    Op,
+    Ping,
+    Pong,
+    Progress,
+    Ready,
+    Stage,
+    StartFailure,
+    StepReport,
+    decode,
+    encode,
+)
+from cakemp.ipc.message import MESSAGES
+from tests.spelling import identifiers
+
+ROUTE = (Stage(0, 3, (Op(0, 5, 12), Op(1, 5, 13))), Stage(2, 1, (Op(0, 5, 14),)))
+MESSAGES_BY_HAND = [
+    Hop(7, 42, 4, (1, 3, 64), ROUTE, memoryview(bytearray(range(256)) * 3)[: 3 * 64 * 2], 2, 5, (123, 2**40)),
+    Hop(2**64 - 1, 2**64 - 1, 5, (), (), b""),
+    Activation(42, 3, (1, 1, 4096), memoryview(bytearray(8192)), chunk=4, kv=(2**40 + 3, 7)),
+    Clear(7, 43),
+    End(7, 44),
+    Ping(),
+    Pong(),
+    Progress(45),
+    Done(44, 3, 123456789),
+    StepReport(16, 2**33),
+    Ready("cuda", 16 * 2**30, 16),
+    Loaded(3, 16),
+    Failure(45, ErrorCode.CONTEXT_LIMIT, "position 70 is past the context limit of 64 positions", 3),
+    StartFailure(ErrorCode.CHECKPOINT, "multi\nline message"),
+]
+
+
+def assert_same(back, msg) -> None:
+    """`back` is `msg` again, bodies compared by their bytes."""
+    assert type(back) is type(msg)
+    for field in msg.__dataclass_fields__:
+        mine, theirs = getattr(msg, field), getattr(back, field)
+        if field == "data":
+            assert bytes(theirs) == bytes(mine)
+        else:
+            assert theirs == mine
+
+
+@pytest.mark.parametrize("msg", MESSAGES_BY_HAND, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    """decode(encode(m)) gives back m, bodies compared by their bytes."""
+    assert_same(decode(encode(msg)), msg)
+
+
+MARKS = {
+    "B": st.integers(0, 2**8 - 1),
+    "I": st.integers(0, 2**32 - 1),
+    "Q": st.integers(0, 2**64 - 1),
+    "body": st.binary(max_size=64),
+    "text": st.text(max_size=24),
+}
+
+
+def values(hint: object) -> st.SearchStrategy:
+    """Any value a field annotated `hint` can carry, from its declaration alone."""
+    if get_origin(hint) is Annotated:
+        base, mark = get_args(hint)
+        return st.sampled_from(base) if base is ErrorCode else MARKS[mark]
+    if get_origin(hint) is tuple:
+        return st.lists(values(get_args(hint)[0]), max_size=4).map(tuple)
+    if hint is int:  # a plain int travels as a u64
+        return MARKS["Q"]
+    return instances(hint)
+
+
+def instances(cls: type) -> st.SearchStrategy:
+    return st.builds(cls, **{name: values(hint) for name, hint in get_type_hints(cls, include_extras=True).items()})
+
+
+@pytest.mark.parametrize("cls", MESSAGES.values(), ids=lambda cls: cls.__name__)
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_every_declared_message_round_trips_at_the_edges_of_its_fields(cls, data):
+    """Each declared message survives the codec with any values its declaration allows: integers
+    over their whole range, tuples of any length, bodies and texts."""
+    msg = data.draw(instances(cls))
+    assert_same(decode(encode(msg)), msg)
+
+
+def test_every_kind_is_one_message():
+    """Each Kind is declared by exactly one message class (a forgotten declaration cannot slip by)."""
+    assert sorted(MESSAGES) == sorted(Kind)
+
+
+def test_each_message_is_spelled_once_in_the_ipc_package():
+    """A message's class statement is the only place the ipc package names it: the codec, the
+    Message union and the exports are derived from the declarations."""
+    spelled = identifiers(sorted(Path(cakemp.ipc.__file__).parent.glob("*.py")))
+    assert {cls.__name__: spelled[cls.__name__] for cls in MESSAGES.values()} == {
+        cls.__name__: 1 for cls in MESSAGES.values()}
+
+
+def test_the_header_is_the_kind_then_the_integers_then_the_tuples():
+    """The layout the codec derives, spelled out for one Hop: kind, integers in declaration order,
+    each tuple as a count and its items (an Op's plain ints as u64s), the body as a frame of its own."""
+    data = memoryview(bytearray(16))
+    frames = encode(Hop(7, 42, 4, (1, 8), ROUTE, data, 2, 5, (123,)))
+    expected = (struct.pack("<BQQBII", Kind.HOP, 7, 42, 4, 2, 5) + struct.pack("<I2Q", 2, 1, 8)
+                + struct.pack("<I", 2) + struct.pack("<III", 0, 3, 2) + struct.pack("<QQQ", 0, 5, 12)
+                + struct.pack("<QQQ", 1, 5, 13) + struct.pack("<III", 2, 1, 1) + struct.pack("<QQQ", 0, 5, 14)
+                + struct.pack("<IQ", 1, 123))
+    assert bytes(frames[0]) == expected
+    assert frames[1:] == [data]
+
+
+def test_activation_bytes_are_handed_on_not_copied():
+    """The body frame is the caller's buffer on the way out, and the received buffer on the way in."""
+    data = memoryview(bytearray(1 << 20))
+    frames = encode(Hop(1, 1, 5, (1, 1024, 256), ROUTE, data))
+    assert frames[1] is data
+    assert decode(frames).data is frames[1]
+
+
+def test_a_shape_of_any_ndim_round_trips():
+    """300 dimensions (a one-byte ndim would wrap to 44) come back as sent: the device, not the header, judges them."""
+    shape = (1,) * 299 + (64,)
+    back = decode(encode(Hop(1, 1, 5, shape, ROUTE, bytes(256))))
+    assert back.shape == shape
+
+
+def test_a_field_too_large_for_the_header_is_a_request_error():
+    """A dimension past 2^64 - 1 is refused as BadTensor (the master's WorkerError), not a struct error."""
+    with pytest.raises(BadTensor, match="does not fit the device header"):
+        encode(Hop(1, 1, 5, (2**64, 0), ROUTE, b""))
+
+
+HOP_FIXED = struct.pack("<BQQBII", Kind.HOP, 1, 1, 5, 0, 1)  # kind, session, request id, dtype, chunk, chunks
+
+
+@pytest.mark.parametrize("frames", [
+    pytest.param([b""], id="empty header"),
+    pytest.param([HOP_FIXED[:-1]], id="header cut short"),
+    pytest.param([bytes([99]) + bytes(23)], id="unknown kind"),
+    pytest.param([HOP_FIXED + struct.pack("<I", 3)], id="3 dims claimed, none there"),
+    pytest.param([HOP_FIXED + struct.pack("<I", 2**32 - 1)], id="2^32 - 1 dims claimed"),
+    pytest.param([HOP_FIXED + struct.pack("<II", 0, 2)], id="2 stages claimed, none there"),
+    pytest.param([HOP_FIXED + struct.pack("<IIIIII", 0, 1, 0, 0, 9, 0)], id="a stage claims 9 ops, none there"),
+    pytest.param([HOP_FIXED + struct.pack("<III", 0, 0, 0)], id="Hop without its body frame"),
+    pytest.param([struct.pack("<BQII", Kind.FAILURE, 1, 99, 0), b"x"], id="unknown error code"),
+    pytest.param([struct.pack("<BQII", Kind.FAILURE, 1, 1, 0), b"\xff"], id="text not UTF-8"),
+])
+def test_garbage_is_this_nodes_fault(frames):
+    """Short, unknown or incomplete messages raise BadIpcMessage, a NodeFault (only cakemp writes
+    these frames), never a peer's ProtocolError or anything else."""
+    with pytest.raises(BadIpcMessage) as caught:
+        decode(frames)
+    assert isinstance(caught.value, NodeFault) and not isinstance(caught.value, PeerFault)
+
+
+u64 = st.integers(0, 2**64 - 1)
+u32 = st.integers(0, 2**32 - 1)
+ops = st.lists(st.builds(Op, u32, u64, u64), max_size=20).map(tuple)
+
+
+@given(session=u64, request_id=u64, dtype=st.integers(0, 255),
+       shape=st.lists(st.integers(0, 2**40), max_size=6).map(tuple),
+       stages=st.lists(st.builds(Stage, u32, u32, ops), max_size=4).map(tuple),
+       chunk=u32, chunks=u32, kv=st.lists(u64, max_size=4).map(tuple), data=st.binary(max_size=64))
+def test_any_hop_round_trips(session, request_id, dtype, shape, stages, chunk, chunks, kv, data):
+    """Every field of a Hop survives the codec at the edges of its integer range."""
+    back = decode(encode(Hop(session, request_id, dtype, shape, stages, data, chunk, chunks, kv)))
+    assert (back.session, back.request_id, back.dtype, back.shape, back.stages, back.chunk, back.chunks, back.kv,
+            bytes(back.data)) == (session, request_id, dtype, shape, stages, chunk, chunks, kv, data)
+
+
+@given(st.lists(st.binary(max_size=80), min_size=1, max_size=3))
+def test_random_frames_decode_or_raise_bad_ipc_message(frames):
+    """Arbitrary frames either decode to a message or raise BadIpcMessage, nothing else."""
+    try:
+        decode(frames)
+    except BadIpcMessage:
+        pass
