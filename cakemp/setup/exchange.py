@@ -225,6 +225,7 @@ class Setup:
             await self._serve(connection)
         except SetupError as e:
             connection.logger.warning("setup refused", error=str(e))
+            connection.frames.release()  # what it still sends is dropped, never held
             await connection.send_quietly(WorkerError(str(e)))
             await _linger(reader, writer)
         except (ProtocolError, BadTensor) as e:
