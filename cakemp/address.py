@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from cakemp.errors import ConfigError
 
 
@@ -16,3 +18,14 @@ def parse_address(text: str, flag: str = "--address", default_host: str | None =
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"invalid {flag} {text!r}: expected host:port")
     return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address `host` is reachable from this machine only (127.0.0.0/8, ::1,
+    localhost). Any other name counts as reachable from elsewhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

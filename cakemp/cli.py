@@ -17,7 +17,7 @@ from cakemp import __version__, log
 from cakemp.errors import CakempError, ConfigError
 from cakemp.device import process as device_process
 from cakemp.front import Front
-from cakemp.front.config import RUN_FLAGS, Flag, device_environment, node_config, run_flag
+from cakemp.front.config import RUN_FLAGS, Flag, device_environment, node_config, run_flag, scrub_cluster_key
 from cakemp.front.notify import Notifier
 from cakemp.topology import Topology
 from cakemp.wire import Revision
@@ -71,6 +71,7 @@ def run(**flags) -> None:
     log.configure(flags["log_format"], flags["log_level"])
     # First: it takes the manager's variables out of the environment the device processes inherit.
     notifier = Notifier.from_env()
+    scrub_cluster_key(os.environ)  # read into flags by now; before anything is started that would inherit it
     os.environ.update(device_environment(os.environ))  # for the device processes, which inherit it
     model_source = click.get_current_context().get_parameter_source("model")
     config = node_config(flags, model_given=model_source != click.core.ParameterSource.DEFAULT)

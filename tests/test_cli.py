@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from cakemp.front.config import KEY_PLACEHOLDER
 from tests.front.node import write_topology
 
 EX_CONFIG = 78
@@ -58,6 +59,15 @@ def assert_config_error(result: subprocess.CompletedProcess, words: str) -> None
     (["--name", "w1", "--topology", "{topology}"], {"CAKEMP_PREFILL_CHUNK": "0"}, "prefill"),
     (["--name", "w1", "--topology", "{topology}"], {"WATCHDOG_USEC": "soon"}, "WATCHDOG_USEC"),
     (["--name", "w1", "--topology", "{topology}"], {"NOTIFY_SOCKET": "relative/notify"}, "NOTIFY_SOCKET"),
+    (["--name", "w1", "--topology", "{topology}", "--allow-from", "10.0.0.0/33"], {}, "--allow-from"),
+    (["--name", "w1", "--topology", "{topology}"], {"CAKEMP_ALLOW_FROM": "master.lan"}, "--allow-from"),
+    # The cluster key: the examples' keys (with or without a topology), an empty one on the command
+    # line or in the environment (which click alone would read as no key at all).
+    ([], {"CAKE_CLUSTER_KEY": "change-me"}, "the cluster key is the example's 'change-me'"),
+    (["--name", "w1", "--topology", "{topology}"], {"CAKEMP_CLUSTER_KEY": "change-me"}, "example's 'change-me'"),
+    ([], {"CAKE_CLUSTER_KEY": KEY_PLACEHOLDER}, f"the cluster key is the example's '{KEY_PLACEHOLDER}'"),
+    (["--name", "w1", "--topology", "{topology}", "--cluster-key", ""], {}, "the cluster key is empty"),
+    (["--name", "w1", "--topology", "{topology}"], {"CAKE_CLUSTER_KEY": ""}, "CAKE_CLUSTER_KEY is set but empty"),
 ])
 def test_configuration_errors_exit_78_with_one_line(tmp_path, topology, args, env, words):
     """Missing or invalid flags (or CAKEMP_* variables) exit 78 and say what is wrong in one line."""
@@ -84,6 +94,16 @@ def test_unknown_name_falls_back_to_the_only_entry_with_a_warning_and_a_bad_mode
                         "--model", str(tmp_path / "no-model"), "--address", "127.0.0.1:0")
     warning = next(json.loads(line) for line in result.stdout.splitlines() if "worker name not in topology" in line)
     assert (warning["level"], warning["name"], warning["entry"]) == ("warning", "stranger", "w1")
+    assert_config_error(result, "no-model")
+
+
+def test_a_node_open_beyond_loopback_without_key_or_allow_list_warns_at_start(tmp_path, topology):
+    """0.0.0.0 with neither --cluster-key nor --allow-from: a warning comes first (here the missing
+    model then exits 78, before the port listens)."""
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", "cpu",
+                        "--model", str(tmp_path / "no-model"), "--address", "0.0.0.0:0")
+    warning = next(json.loads(line) for line in result.stdout.splitlines() if "any peer that reaches" in line)
+    assert (warning["level"], warning["address"]) == ("warning", "0.0.0.0:0")
     assert_config_error(result, "no-model")
 
 

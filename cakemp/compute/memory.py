@@ -2,7 +2,8 @@
 
 Pure rules over byte counts (the device asks torch.cuda.mem_get_info for them), so that they
 are tested without a GPU. A CPU device has neither rule: its layers fail like any allocation,
-and its KV budget stays what --kv-budget-mib says (none by default).
+and its KV budget is what the front gives it (--kv-budget-mib, by default a share of the host's
+memory: front/config.py).
 """
 
 from __future__ import annotations

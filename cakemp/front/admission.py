@@ -48,6 +48,12 @@ class Admission:
         return cls(frozenset(layers), model.hidden_size, max_context or model.max_position_embeddings,
                    frozenset(model.layer_index(layer) for layer in layers))
 
+    def decode_limits(self) -> dict[str, int]:
+        """The bounds `wire.decode_payload` checks before it builds a frame's items: a layer run
+        names at most the layers served (each runs once), so a frame of half a million ops is
+        refused at its count, not after half a million objects."""
+        return {"ops": len(self.layers)}
+
     def max_payload(self) -> int:
         """The largest frame payload a master can need: the longest f32 activation and a layer run
         naming every served layer (a bigger frame is refused before it is read)."""

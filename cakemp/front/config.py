@@ -13,14 +13,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import click
 
 from cakemp import gpus, log
-from cakemp.address import parse_address
+from cakemp.address import is_loopback, parse_address
+from cakemp.allow_list import AllowList
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, DeviceSpec
@@ -35,6 +36,18 @@ WIRE_DTYPE_NAMES = {name: tag.name for name, tag in COMPUTE_DTYPES.items()}
 # torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
 # per core in each of several such processes only contends for the cores.
 GPU_DEVICE_THREADS = 2
+# The CPU devices given no --kv-budget-mib may together hold this share of the memory available
+# when the node starts in KV caches; the rest is for their weights, activations and the host.
+CPU_KV_SHARE = 0.5
+
+# The variables --cluster-key is read from: Cake's, then cakemp's CAKEMP_<FLAG>.
+KEY_VARIABLES = ("CAKE_CLUSTER_KEY", "CAKEMP_CLUSTER_KEY")
+# What the deploy examples hold where the key goes: a node refuses it as is.
+KEY_PLACEHOLDER = "generate-a-key-with-openssl-rand-hex-32"
+# Keys anyone who read the project's examples knows ("change-me": what they shipped before).
+EXAMPLE_KEYS = frozenset({"change-me", KEY_PLACEHOLDER})
+# Shorter keys draw a warning: the cluster hash in every discovery probe lets them be guessed offline.
+MIN_KEY_CHARS = 16
 
 
 @dataclass(frozen=True)
@@ -83,16 +96,22 @@ class NodeConfig:
     model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None, "Model directory.")
     address: tuple[str, int] = knob("--address", "0.0.0.0:10128", None, "host:port to listen on.",
                                     convert=parse_address)
-    cluster_key: str | None = knob("--cluster-key", None, None, "Shared key; turns on auth.",
-                                   envvar=("CAKE_CLUSTER_KEY",))
+    cluster_key: str | None = knob(
+        "--cluster-key", None, None, "Shared key; turns on auth. Generate one with `openssl rand -hex 32`, and "
+        "give it as CAKE_CLUSTER_KEY rather than here, where ps shows it to every local user.",
+        envvar=("CAKE_CLUSTER_KEY",))
+    allow_from: AllowList | None = knob(
+        "--allow-from", None, None, "Addresses or CIDRs, IPv4 or IPv6, comma-separated (10.0.0.5,10.0.1.0/24): "
+        "only they may connect to the TCP port and get discovery replies (default: any).", convert=AllowList.parse)
     dtype: str = knob("--dtype", "f16", click.Choice(list(COMPUTE_DTYPES)), "Compute dtype of the layers.")
     revision: Revision = knob("--protocol", "2", click.Choice([str(int(revision)) for revision in Revision]),
                               "Cake revision: 1 = fa7d08a (WorkerError tag 11), 2 = after 2026-03-21 (tag 12).",
                               convert=_revision)
     kv_budget_bytes: int | None = knob(
         "--kv-budget-mib", None, click.IntRange(min=1),
-        "KV cache budget per device process, in MiB (default: none on a CPU; on a GPU what is free after loading, "
-        "less max(2 GiB, a tenth of the GPU)).", convert=_mib)
+        "KV cache budget per device process, in MiB (default: on a CPU, half the memory available at start divided "
+        "among the CPU device processes; on a GPU what is free after loading, less max(2 GiB, a tenth of the GPU)).",
+        convert=_mib)
     max_context: int | None = knob("--max-context", None, click.IntRange(min=1),
                                    "Maximum positions per session (default: the model's).")
     cpu_threads: int | None = knob("--cpu-threads", None, click.IntRange(min=1),
@@ -169,8 +188,9 @@ GPUS = Flag("--gpus", "all | cpu | cpu:N | GPU indices (of the visible GPUs, PCI
 DISCOVERY_PORT_FLAG = Flag("--discovery-port", "Zero-config: UDP port answering the master's discovery.",
                            DISCOVERY_PORT, click.IntRange(0, 65535))
 DISCOVERY_BIND = Flag("--discovery-bind", "Zero-config: address the discovery responder binds.", "0.0.0.0")
-MAX_MODEL_GIB = Flag("--max-model-gib", "Zero-config: most GiB a master may push, all files together.", 1024.0,
-                     click.FloatRange(0, min_open=True))
+MAX_MODEL_GIB = Flag("--max-model-gib", "Zero-config: most GiB a master may push, all files together (default, "
+                     "and never more than: what the cache's disk has free as the push begins, less max(1 GiB, 5% of "
+                     "the disk)).", None, click.FloatRange(0, min_open=True))
 
 # Every `cakemp run` flag, in --help order.
 RUN_FLAGS: tuple[Flag, ...] = (
@@ -190,15 +210,20 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     of its topology entry or, in zero-config mode, those a master will assign; on which devices;
     every knob. `model_given`: --model was set, not left at its default. Raises ConfigError."""
     logger = log.get_logger()
+    check_cluster_key(values["cluster_key"])
     knobs = _knobs(values)
+    if not values["cluster_key"] and knobs["allow_from"] is None and not is_loopback(knobs["address"][0]):
+        logger.warning("any peer that reaches the port may use this node: give a cluster key or --allow-from",
+                       address=values["address"])
     if values["cluster_key"] and not values["topology"]:
         # Cake's rule for zero-config: a key and no topology (--model has a default, so it cannot count).
         if model_given:
             logger.warning("--model is ignored in zero-config mode: the master pushes the model")
         served, layers = values["name"] or socket.gethostname(), ()
         knobs["model_dir"] = ""  # until a master's setup names the cache directory it pushed into
+        max_model_gib = values["max_model_gib"]
         setup = SetupConfig(cluster_key=values["cluster_key"], cache_root=cache_root(),
-                            max_model_bytes=int(values["max_model_gib"] * (1 << 30)),
+                            max_model_bytes=None if max_model_gib is None else int(max_model_gib * (1 << 30)),
                             discovery_host=values["discovery_bind"], discovery_port=values["discovery_port"])
     else:
         served, layers = _topology_entry(values["name"], values["topology"])
@@ -210,6 +235,31 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
         logger.warning("more devices than layers, using one per layer", devices=len(devices), layers=len(layers))
         devices = devices[: len(layers)]
     return NodeConfig(name=served, layers=layers, devices=devices, setup=setup, **knobs)
+
+
+def check_cluster_key(key: str | None) -> None:
+    """Refuse (ConfigError) a cluster key that protects nothing: empty, or one of the examples'; warn
+    on a short one. None: no key, no handshake."""
+    if key is None:
+        return
+    if not key.strip():
+        raise ConfigError("the cluster key is empty: set one (openssl rand -hex 32), or unset it for no handshake")
+    if key in EXAMPLE_KEYS:
+        raise ConfigError(f"the cluster key is the example's {key!r}: generate one (openssl rand -hex 32) and give "
+                          "the same to the master and every worker")
+    if len(key) < MIN_KEY_CHARS:
+        log.get_logger().warning("the cluster key is short: its hash, in every discovery probe, lets it be guessed "
+                                 "offline; generate one with openssl rand -hex 32", characters=len(key))
+
+
+def scrub_cluster_key(environ: MutableMapping[str, str]) -> None:
+    """Take the key's variables out of `environ` (once click has read them), so that what the front
+    starts (device processes, nvidia-smi), which inherits os.environ, never holds the key. A variable
+    set but empty is refused: click would read it as no key, a node without the handshake."""
+    for name in KEY_VARIABLES:
+        if name in environ and not environ.pop(name).strip():
+            raise ConfigError(f"{name} is set but empty: set a key (openssl rand -hex 32), or unset it for no "
+                              "handshake")
 
 
 def _topology_entry(name: str | None, topology: str | None) -> tuple[str, tuple[str, ...]]:
@@ -232,6 +282,8 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
     cpu_processes = sum(1 for gpu in config.devices if gpu is None)
     # CPU processes share the cores rather than oversubscribe them.
     cpu_threads = config.cpu_threads or max(1, len(os.sched_getaffinity(0)) // max(1, cpu_processes))
+    # Without a budget a CPU device's caches grow until the host runs out and the OOM killer ends one.
+    cpu_kv_budget = config.kv_budget_bytes or _cpu_kv_budget(cpu_processes)
     return [
         DeviceSpec(
             index=i,
@@ -240,7 +292,7 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             model_dir=config.model_dir,
             dtype=config.dtype,
             endpoint=f"ipc://{runtime_dir}/device-{i}",
-            kv_budget_bytes=config.kv_budget_bytes,
+            kv_budget_bytes=cpu_kv_budget if gpu is None else config.kv_budget_bytes,
             max_context=config.max_context,
             max_batch=config.max_batch,
             prefill_chunk=config.prefill_chunk,
@@ -252,6 +304,19 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
         )
         for i, (gpu, layers) in enumerate(zip(config.devices, placement))
     ]
+
+
+def _cpu_kv_budget(cpu_processes: int) -> int | None:
+    """Each CPU device's share of CPU_KV_SHARE of the memory available now (/proc/meminfo's
+    MemAvailable); None without CPU devices or where /proc/meminfo cannot be read."""
+    if not cpu_processes:
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return int(kib * 1024 * CPU_KV_SHARE) // cpu_processes
 
 
 def device_environment(environ: Mapping[str, str]) -> dict[str, str]:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cakemp import log
-from cakemp.errors import BadTensor, CakempError, InternalError, PeerFault, ProtocolError, RequestError
+from cakemp.errors import BadRequest, CakempError, InternalError, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
@@ -94,6 +94,7 @@ class Connection:
         self._session = Session(admission, served=served, idle_timeout=limits.session_idle_timeout)
         # What the master owes within the frame timeout, since when: (loop time, reason if late); None: nothing.
         self._owed: tuple[float, str] | None = None
+        self._decode_limits = admission.decode_limits()
         self._frame_watch: asyncio.TimerHandle | None = None
         self._ended = False  # the log has said why the connection ends
         peer = writer.get_extra_info("peername")
@@ -116,7 +117,7 @@ class Connection:
         try:
             await self._serve()
             self._end("debug", "connection closed by the master")
-        except (ProtocolError, BadTensor) as e:  # BadTensor: a sound frame with an unusable tensor, before Hello
+        except (ProtocolError, BadRequest) as e:  # BadRequest: a sound frame with an unusable tensor or run, before Hello
             self._end("warning", "closing connection", error=str(e), fault="peer")
         except asyncio.IncompleteReadError as e:
             self._end("info", "connection lost",
@@ -145,7 +146,7 @@ class Connection:
         while self._session.state is not SessionState.CLOSED:
             try:
                 received = await self._read()
-            except BadTensor as e:  # the frame was sound, only its tensor is not: answer, go on
+            except BadRequest as e:  # the frame was sound, only its tensor or layer run is not: answer, go on
                 if self._session.state is SessionState.AWAITING_HELLO:
                     raise  # not a session yet: the connection closes
                 self._metrics.requests.inc()
@@ -227,7 +228,7 @@ class Connection:
         """The next message with the bytes read and seconds spent for it, and the payload size it
         holds of the budget (the caller gives it back once done with the message); None at EOF.
 
-        Raises ProtocolError when the frame is not Cake protocol, BadTensor for a sound
+        Raises ProtocolError when the frame is not Cake protocol, BadTensor or BadOps for a sound
         frame with a bad tensor (its budget then already given back).
         """
         header = await self._next_header()
@@ -241,7 +242,7 @@ class Connection:
         self._owed = (asyncio.get_running_loop().time(), _FRAME_LATE)
         try:
             payload = await read_payload(self._reader, size)
-            message = decode_payload(payload, self._revision)
+            message = decode_payload(payload, self._revision, self._decode_limits)
         except BaseException:
             self._budget.give(size)
             raise

@@ -228,7 +228,9 @@ class Metrics:
         self.sessions = self._gauge("cakemp_sessions", "Open master connections that have sent requests to each device.",
                                     "device")
         self.refused_connections = self._counter(
-            "cakemp_refused_connections_total", "Master connections closed on accept: --max-connections were open.")
+            "cakemp_refused_connections_total",
+            "Connections closed on accept, by reason: max-connections (that many were open), allow-from (a peer "
+            "outside --allow-from).", "reason")
         self.buffered_bytes = self._gauge("cakemp_buffered_bytes",
                                           "Frame bytes master connections hold now, against --max-buffered-mib.")
         self.handshakes = self._gauge(
@@ -258,7 +260,8 @@ class Metrics:
         self.kv_bytes = self._gauge("cakemp_kv_cache_bytes", "KV cache bytes held, as last reported by each device.",
                                     "device")
         self.kv_budget_bytes = self._gauge(
-            "cakemp_kv_cache_budget_bytes", "KV cache byte budget of each device (--kv-budget-mib; absent: none).", "device")
+            "cakemp_kv_cache_budget_bytes", "KV cache byte budget of each device as the front set it (--kv-budget-mib, "
+            "or a CPU device's default; absent for a GPU left to its own).", "device")
         self.device_memory = self._gauge(
             "cakemp_device_memory_bytes",
             "Memory each device process held once its layers were loaded: GPU memory allocated, or its RSS on a CPU.",

@@ -227,7 +227,7 @@ class Front:
         announcement = await asyncio.to_thread(
             announcement_for, self._setup.cluster_hash, self.config.name, port, self.config.devices)
         self._discovery, discovery_port = await DiscoveryResponder.start(
-            announcement, setup.discovery_host, setup.discovery_port)
+            announcement, setup.discovery_host, setup.discovery_port, self.config.allow_from)
         self._log.info("waiting for setup", port=port, discovery_port=discovery_port, cluster_hash=self._setup.cluster_hash,
                        worker_name=self.config.name, gpus=[gpu.name for gpu in announcement.gpus])
         self._notifier.ready(f"waiting for a Cake master's setup on port {port}")
@@ -308,7 +308,13 @@ class Front:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        logger = self._log.bind(session=f"{peer[0]}:{peer[1]}" if peer else "?")
+        host = (peer or ("?",))[0]
+        logger = self._log.bind(session=f"{host}:{peer[1]}" if peer else "?")
+        if self.config.allow_from is not None and not self.config.allow_from.allows(host):
+            logger.warning("refusing a connection: not in --allow-from", peer=host)
+            self.metrics.refused_connections.inc(reason="allow-from")
+            writer.close()  # before the handshake: nothing read, nothing written
+            return
         if self._handshakes is not None and not await self._handshakes.authenticate(reader, writer, logger):
             writer.close()  # why was logged
             return
@@ -318,7 +324,7 @@ class Front:
         if len(self._connections) >= self.config.max_connections:
             logger.warning("refusing a connection: --max-connections reached",
                            peer=f"{peer[0]}:{peer[1]}" if peer else "?", max_connections=self.config.max_connections)
-            self.metrics.refused_connections.inc()
+            self.metrics.refused_connections.inc(reason="max-connections")
             writer.close()
             return
         keep_alive(writer.get_extra_info("socket"))

@@ -28,8 +28,9 @@ shard, fails.
 
 Everything a master sends is checked before it touches the disk: file names are bare names
 from the push's allowed set, offsets continue exactly where the file stands, a file's size
-never changes, no file grows past its size, the push's sizes stay under a total limit, the
-CRC matches, and a zstd frame must be whole and may not decompress past the file's size.
+never changes, no file grows past its size, the push's sizes stay under a total limit (at most
+what the disk has free as the push begins, less a margin), the CRC matches, and a zstd frame must
+be whole and may not decompress past the file's size.
 """
 
 from __future__ import annotations
@@ -60,12 +61,23 @@ _PARTIAL = ".{}.partial"
 _MODEL_HASH = re.compile(r"[0-9a-f]{8}")
 _MAX_INDEX_BYTES = 64 << 20  # a rewritten index is a few MiB even for the largest models
 _MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB
+# What a push leaves free on the cache's disk: the larger of a share of the disk and a floor.
+DISK_MARGIN_SHARE = 0.05
+DISK_MARGIN_BYTES = 1 << 30
 
 
 def cache_root() -> Path:
     """Where Cake keeps its caches: $XDG_CACHE_HOME/cake, else ~/.cache/cake (Linux's dirs::cache_dir)."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     return Path(base if os.path.isabs(base) else Path.home() / ".cache") / "cake"
+
+
+def disk_room(path: Path) -> int:
+    """The most a push may write on the disk holding `path`: what is free to this user, less the
+    margin left for the host (its logs, other caches)."""
+    disk = os.statvfs(path)
+    margin = max(int(disk.f_blocks * disk.f_frsize * DISK_MARGIN_SHARE), DISK_MARGIN_BYTES)
+    return max(0, disk.f_bavail * disk.f_frsize - margin)
 
 
 def check_model_hash(model_hash: str) -> str:
@@ -133,10 +145,11 @@ class ModelCache:
         except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError, SetupError):
             return False
 
-    def begin_push(self, layers: Sequence[str], max_total_bytes: int, verify_crc: bool) -> ModelPush:
-        """Invalidate the cache, for a push of the files holding `layers` (`verify_crc`: the
-        chunks carry a CRC, as they do at protocol revision 2). Raises SetupError when the
-        directory is not the node's to write into (see the module docstring)."""
+    def begin_push(self, layers: Sequence[str], max_total_bytes: int | None, verify_crc: bool) -> ModelPush:
+        """Invalidate the cache, for a push of the files holding `layers`, all of them together at
+        most `max_total_bytes` and what the disk has room for (None: the disk's room alone);
+        `verify_crc`: the chunks carry a CRC, as they do at protocol revision 2. Raises SetupError
+        when the directory is not the node's to write into (see the module docstring)."""
         self._check_directory()
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._check_directory()  # again: mkdir accepts a link to a directory that appeared meanwhile
@@ -147,7 +160,9 @@ class ModelCache:
                                 files=_listed(names))
         _write_atomically(self.directory / OWNER, b"")
         self.invalidate()
-        return ModelPush(self.directory, tuple(layers), max_total_bytes, verify_crc)
+        room = disk_room(self.directory)
+        limit = room if max_total_bytes is None else min(max_total_bytes, room)
+        return ModelPush(self.directory, tuple(layers), limit, verify_crc)
 
     def invalidate(self, *, remove_files: bool = False) -> None:
         """Forget the cache (its marker): the next setup asks for the data again, and a push then
@@ -262,7 +277,8 @@ class ModelPush:
         if SINGLE in self._done.keys() | {name} and INDEX in self._done.keys() | {name}:
             raise SetupError(f"a push holds either {SINGLE} or {INDEX}, not both")
         if size > self._max_total - self._announced:
-            raise SetupError(f"{name} of {size} bytes would take the push past the limit of {self._max_total} bytes")
+            raise SetupError(f"{name} of {size} bytes would take the push past the limit of {self._max_total} bytes "
+                             "(--max-model-gib, or what the node's disk has free less a margin)")
         if name == CONFIG and size > _MAX_CONFIG_BYTES:
             raise SetupError(f"{CONFIG} of {size} bytes is past the limit of {_MAX_CONFIG_BYTES} bytes")
         self._announced += size

@@ -77,7 +77,7 @@ class SetupConfig:
 
     cluster_key: str
     cache_root: Path
-    max_model_bytes: int  # the most a push may announce, all files together
+    max_model_bytes: int | None  # the most a push may announce, all files together (None: what the disk holds)
     discovery_host: str  # the UDP discovery responder's bind address and port (--discovery-bind, --discovery-port)
     discovery_port: int
     idle_timeout: float = 60.0  # seconds for the next frame's header to arrive once one is owed

@@ -24,8 +24,8 @@ from enum import IntEnum
 from operator import attrgetter
 from typing import Annotated, NamedTuple, get_args, get_origin, get_type_hints
 
-from cakemp.errors import BadTensor, EncodeError, ProtocolError
-from cakemp.wire.messages import VARIANTS, DType, Message, RawTensor, Revision, Since
+from cakemp.errors import BadOps, BadTensor, EncodeError, ProtocolError
+from cakemp.wire.messages import MAX_ITEMS, VARIANTS, Bound, DType, Message, RawTensor, Revision, Since
 
 Buffer = bytes | bytearray | memoryview
 
@@ -60,13 +60,14 @@ class _Writer:
 class _Reader:
     """Bounds-checked reads over a payload; every failure is a ProtocolError naming the field."""
 
-    __slots__ = ("view", "pos", "end", "revision", "tensors")
+    __slots__ = ("view", "pos", "end", "revision", "limits", "tensors")
 
-    def __init__(self, payload: Buffer, revision: Revision) -> None:
+    def __init__(self, payload: Buffer, revision: Revision, limits: dict[str, int]) -> None:
         self.view = memoryview(payload).cast("B")
         self.pos = 0
         self.end = self.view.nbytes
         self.revision = revision
+        self.limits = limits
         self.tensors: list[tuple[str, RawTensor]] = []  # checked once the whole message has decoded
 
     def need(self, size: int, what: str) -> None:
@@ -213,20 +214,37 @@ class _String(_Bulk):
 
 
 class _Vec(_Field):
-    """Vec<T>, as a tuple."""
+    """Vec<T>, as a tuple; a bounded one refuses a count past its bound before reading an item."""
 
     min_size = 4
 
-    def __init__(self, path: str, item: _Field) -> None:
+    def __init__(self, path: str, item: _Field, bound: Bound | None = None) -> None:
         super().__init__(path)
         self.item = item
+        self.bound = bound
 
     def write(self, w: _Writer, value: tuple) -> None:
         w.head += _U32.pack(len(value))
         self.item.write_all(w, value)
 
     def read(self, r: _Reader) -> tuple:
-        return self.item.read_all(r, r.count(self.item.min_size, self.path))
+        n = r.count(self.item.min_size, self.path)
+        if self.bound is not None:
+            limit = self.bound.limit if isinstance(self.bound.limit, int) else r.limits.get(self.bound.limit, MAX_ITEMS)
+            if n > limit:
+                raise _too_many(self.path, n, limit)
+        return self.item.read_all(r, n)
+
+
+def _too_many(path: str, n: int, limit: int) -> Exception:
+    """The error for a Vec of `n` items past its `limit`: the frame was whole, so a tensor's shape
+    or a Batch's layer run is the request's fault (WorkerError, the connection kept), as Cake's
+    worker answers them; anything else is not Cake protocol."""
+    if path.endswith(".shape"):
+        return BadTensor(f"{path} has a shape of {n} dimensions, at most {limit}")
+    if path == "Batch.batch":
+        return BadOps(f"the request has {n} ops; this worker serves {limit} layers, each runs at most once per request")
+    return ProtocolError(f"{path} has {n} items, at most {limit}")
 
 
 class _Struct(_Field):
@@ -307,7 +325,12 @@ _OTHERS = {"u128": _U128, "bool": _Bool, "String": _String, "Vec<u8>": _Bulk}
 def _compile(hint: object, path: str) -> _Field:
     """The codec of a field annotated `hint`: a Rust type by name, a tuple as a Vec, a class as a struct."""
     if get_origin(hint) is Annotated:
-        marks = get_args(hint)[1:]
+        inner, *marks = get_args(hint)
+        bound = next((mark for mark in marks if isinstance(mark, Bound)), None)
+        if bound is not None:  # a bounded Vec
+            vec = _compile(inner, path)
+            vec.bound = bound
+            return vec
         rust_type = next(mark for mark in marks if isinstance(mark, str))
         if rust_type in _INTEGERS:
             known = next((mark for mark in marks if isinstance(mark, type) and issubclass(mark, IntEnum)), None)
@@ -371,8 +394,11 @@ def encode_payload(msg: Message, revision: Revision) -> bytes:
     return b"".join(encode_buffers(msg, revision, 0))
 
 
-def decode_payload(payload: Buffer, revision: Revision) -> Message:
-    """Decode one speedy BigEndian payload; raises ProtocolError or BadTensor, both PeerFaults.
+def decode_payload(payload: Buffer, revision: Revision, limits: dict[str, int] | None = None) -> Message:
+    """Decode one speedy BigEndian payload; raises ProtocolError, BadTensor or BadOps, all PeerFaults.
+
+    `limits` bounds the Vecs whose `Bound` names one ("ops": the layers a node serves); a count
+    past its bound is refused before any of its items is built.
 
     Like speedy's `read_from_buffer` (spec §1), bytes after the message are ignored: Cake
     accepts them, and being as liberal as Cake keeps cakemp a drop-in for any master that
@@ -382,7 +408,7 @@ def decode_payload(payload: Buffer, revision: Revision) -> Message:
     BadTensor: the frame itself was sound, and Cake's worker answers such a request with
     WorkerError and keeps the connection, so callers may do the same.
     """
-    r = _Reader(payload, Revision(revision))
+    r = _Reader(payload, Revision(revision), limits or {})
     tag = r.take(_U32, "message tag")
     plans = _BY_TAG[r.revision]
     if tag >= len(plans):

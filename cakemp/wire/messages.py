@@ -74,6 +74,21 @@ class Since:
 
 
 @dataclass(frozen=True)
+class Bound:
+    """Marks a Vec that holds at most `limit` items (a number, or the name of a limit the decoder
+    is given, with MAX_ITEMS when it is not): the decoder checks the count before it builds a
+    single item, so no frame makes the node build (or log) more than the protocol can mean."""
+
+    limit: int | str
+
+
+# What any Vec a master may send holds at most (no model has more layers; Cake's
+# LayerAssignment names at most that many), and a tensor's dimensions (Cake sends 3).
+MAX_ITEMS = 4096
+MAX_DIMS = 8
+
+
+@dataclass(frozen=True)
 class Variant:
     """One variant of the enum: its class, the first revision that has it, its fields in wire order."""
 
@@ -110,7 +125,7 @@ class RawTensor:
 
     data: Bytes
     dtype: Annotated[U8, DType]  # decoded as a DType where the tag is known
-    shape: tuple[Usize, ...]
+    shape: Annotated[tuple[Usize, ...], Bound(MAX_DIMS)]
 
 
 class LayerOp(NamedTuple):
@@ -154,7 +169,7 @@ class Batch:
     """Master → worker: run the layers of `batch` in order on `x`; answered with Tensor."""
 
     x: RawTensor
-    batch: tuple[LayerOp, ...]
+    batch: Annotated[tuple[LayerOp, ...], Bound("ops")]  # a node passes the number of layers it serves
 
 
 @message
@@ -173,7 +188,7 @@ class Goodbye:
 class LayerAssignment:
     """Master → worker, first frame of a setup connection: the layers to serve."""
 
-    layers: tuple[String, ...]
+    layers: Annotated[tuple[String, ...], Bound(MAX_ITEMS)]
     model_hash: String
 
 

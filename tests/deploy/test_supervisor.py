@@ -5,6 +5,7 @@ import getpass
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,7 +19,8 @@ from supervisor.datatypes import RestartWhenExitUnexpected
 from supervisor.options import ServerOptions
 from supervisor.xmlrpc import SupervisorTransport
 
-from cakemp.errors import CakempError
+from cakemp.errors import CakempError, ConfigError
+from cakemp.front.config import check_cluster_key
 from cakemp.demo.local_node import free_port
 from cakemp.master.client import WorkerClient
 from cakemp.master.probe import probe
@@ -81,6 +83,14 @@ def test_supervisor_accepts_the_program_section(tmp_path):
     assert program.environment["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
 
+def test_the_example_key_is_a_placeholder_the_node_refuses_as_it_is(tmp_path):
+    """The program's key says how to make one, and a node given it unchanged exits 78 saying so."""
+    key = load(tmp_path).environment["CAKE_CLUSTER_KEY"]
+    assert "openssl-rand-hex-32" in key and "`openssl rand -hex 32`" in PROGRAM.read_text()
+    with pytest.raises(ConfigError, match="openssl rand -hex 32"):
+        check_cluster_key(key)
+
+
 def test_stop_signals_the_front_and_kills_the_group_after_the_drain(tmp_path):
     """SIGTERM goes to the front alone, the group is SIGKILLed on timeout, and the timeout exceeds the drain."""
     program = load(tmp_path)
@@ -99,7 +109,7 @@ def test_restarts_on_crashes_but_not_after_a_clean_stop_or_config_error(tmp_path
 # supervisord itself running the node from the project's program section. One supervisord
 # serves the tests below; the one that stops supervisord starts its own.
 
-KEY = "change-me"  # the example key in the project's file, kept: the probes authenticate with it
+KEY = secrets.token_hex(32)  # as `openssl rand -hex 32` makes one: the node refuses the file's placeholder
 HIDDEN = 64
 
 
@@ -157,6 +167,7 @@ def start_supervised(tmp: Path, checkpoint: Path) -> Supervised:
         "CAKEMP_DTYPE": "f32",
         "CAKEMP_GPUS": "cpu:2",
         "CAKEMP_METRICS_ADDRESS": f"127.0.0.1:{free_port()}",
+        "CAKE_CLUSTER_KEY": KEY,
     })
     process = subprocess.Popen([SUPERVISORD, "--nodaemon", "--configuration", str(config)], cwd=tmp,
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

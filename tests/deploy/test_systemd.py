@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from cakemp.errors import ConfigError
+from cakemp.front.config import check_cluster_key
 from tests.deploy.flags import run_variables
 
 UNIT = Path(__file__).parents[2] / "deploy" / "systemd" / "cakemp@.service"
@@ -94,3 +96,12 @@ def test_example_env_names_only_known_settings():
     variables = set(settings(text)) | set(re.findall(r"^#(CAKEMP_\w+)=", text, re.MULTILINE))
     assert variables <= run_variables()
     assert {"CAKE_CLUSTER_KEY", "CAKEMP_MODEL", "CAKEMP_DRAIN_TIMEOUT", "CAKEMP_REQUEST_TIMEOUT"} <= variables
+
+
+def test_the_example_key_is_a_placeholder_the_node_refuses_as_it_is():
+    """The env file's key says how to make one, and a node given it unchanged exits 78 saying so."""
+    text = EXAMPLE_ENV.read_text()
+    (key,) = settings(text)["CAKE_CLUSTER_KEY"]
+    assert "openssl-rand-hex-32" in key and "`openssl rand -hex 32`" in text
+    with pytest.raises(ConfigError, match="openssl rand -hex 32"):
+        check_cluster_key(key)

@@ -1,20 +1,28 @@
 """The node's configuration from `cakemp run`'s flags: each flag's default and conversion,
-zero-config mode, --address parsing and the device processes' environment (no torch)."""
+zero-config mode, --address parsing, who may connect, the cluster key's rules, a CPU device's
+KV budget and the device processes' environment (no torch)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 
 import pytest
+from structlog.testing import capture_logs
 
 from cakemp.errors import ConfigError
-from cakemp.address import parse_address
-from cakemp.front.config import RUN_FLAGS, NodeConfig, device_environment, node_config
+from cakemp.address import is_loopback, parse_address
+from cakemp.front.config import (
+    CPU_KV_SHARE, KEY_PLACEHOLDER, KEY_VARIABLES, RUN_FLAGS, NodeConfig, device_environment, device_specs, node_config,
+    scrub_cluster_key,
+)
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK
 from cakemp.wire import Revision
 from cakemp.wire.discovery import DISCOVERY_PORT
 from tests.front.node import write_topology
+
+KEY = "0123456789abcdef0123"  # long enough not to be warned about
 
 
 def flag_values(**changes) -> dict:
@@ -32,7 +40,7 @@ def topology(tmp_path):
 def test_every_flag_is_declared_once_with_help():
     """No two flags share a name, and each but --log-level explains itself."""
     names = [flag.name for flag in RUN_FLAGS]
-    assert len(names) == len(set(names)) == 27
+    assert len(names) == len(set(names)) == 28
     assert [flag.name for flag in RUN_FLAGS if not flag.help] == ["--log-level"]
 
 
@@ -47,16 +55,17 @@ def test_the_flags_defaults_are_the_configs_defaults(topology):
         60.0, 5, 30.0, 60.0)
     assert (config.max_batch, config.prefill_chunk, config.max_buffered_bytes) == (MAX_BATCH, PREFILL_CHUNK, 1 << 30)
     assert config.kv_budget_bytes is config.metrics_address is config.cluster_key is config.setup is None
+    assert config.allow_from is None
 
 
 def test_flag_values_are_converted_to_the_configs_units(topology):
     """MiB become bytes, --protocol a Revision, addresses (host, port); an empty optional flag is off."""
     config = node_config(flag_values(name="w1", topology=topology, gpus="cpu:2", kv_budget_mib=3, max_buffered_mib=2,
-                                     protocol="1", address="127.0.0.1:7", metrics_address="", cluster_key=""),
+                                     protocol="1", address="127.0.0.1:7", metrics_address="", allow_from=""),
                          model_given=False)
     assert (config.kv_budget_bytes, config.max_buffered_bytes) == (3 << 20, 2 << 20)
     assert (config.revision, config.address, config.devices) == (Revision.V1, ("127.0.0.1", 7), (None, None))
-    assert config.metrics_address is config.cluster_key is None
+    assert config.metrics_address is config.allow_from is None
     served = node_config(flag_values(name="w1", topology=topology, gpus="cpu", metrics_address=":9100"),
                          model_given=False)
     assert served.metrics_address == ("0.0.0.0", 9100)
@@ -64,11 +73,13 @@ def test_flag_values_are_converted_to_the_configs_units(topology):
 
 def test_a_key_without_a_topology_is_zero_config_on_cakes_discovery_port():
     """--cluster-key and no --topology: no layers or model yet, the host's name, the setup's flags."""
-    config = node_config(flag_values(cluster_key="k", gpus="cpu", max_model_gib=0.5), model_given=True)
+    config = node_config(flag_values(cluster_key=KEY, gpus="cpu", max_model_gib=0.5), model_given=True)
     assert (config.name, config.layers, config.model_dir) == (socket.gethostname(), (), "")
     setup = config.setup
     assert (setup.cluster_key, setup.max_model_bytes, setup.discovery_host, setup.discovery_port) == (
-        "k", 1 << 29, "0.0.0.0", DISCOVERY_PORT)
+        KEY, 1 << 29, "0.0.0.0", DISCOVERY_PORT)
+    # Without --max-model-gib a push is limited by the cache's disk alone (setup/cache.py).
+    assert node_config(flag_values(cluster_key=KEY, gpus="cpu"), model_given=True).setup.max_model_bytes is None
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -108,3 +119,98 @@ def test_device_processes_number_gpus_in_pci_order_and_get_expandable_segments()
                                       "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     for operators in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         assert device_environment({operators: "max_split_size_mb:512"}) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("127.0.0.1", True), ("127.8.0.1", True), ("::1", True), ("localhost", True),
+    ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("gpu-box", False),
+])
+def test_a_bind_address_is_loopback_only_when_nothing_else_can_reach_it(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+# --------------------------------------------------------------------------- who may connect
+
+
+def test_allow_from_becomes_an_allow_list_and_a_bad_entry_is_a_config_error(topology):
+    """--allow-from's text is parsed at start; an entry that is no address names the flag."""
+    config = node_config(flag_values(name="w1", topology=topology, gpus="cpu", allow_from="10.0.0.0/24, fd00::1"),
+                         model_given=False)
+    assert config.allow_from.allows("10.0.0.9") and config.allow_from.allows("fd00::1")
+    with pytest.raises(ConfigError, match=re.escape("invalid --allow-from entry '10.0.0.300'")):
+        node_config(flag_values(name="w1", topology=topology, gpus="cpu", allow_from="10.0.0.300"), model_given=False)
+
+
+@pytest.mark.parametrize("changes, warned", [
+    ({}, True),  # 0.0.0.0, anyone who reaches it
+    ({"address": "[::]:10128"}, True),
+    ({"address": "127.0.0.1:10128"}, False),
+    ({"allow_from": "10.0.0.2"}, False),
+    ({"cluster_key": KEY}, False),
+])
+def test_a_node_open_beyond_loopback_with_neither_key_nor_list_warns_at_start(topology, changes, warned):
+    with capture_logs() as logs:
+        node_config(flag_values(name="w1", topology=topology, gpus="cpu", **changes), model_given=False)
+    assert any("any peer that reaches the port" in entry["event"] for entry in logs) is warned
+
+
+# --------------------------------------------------------------------------- the cluster key
+
+
+@pytest.mark.parametrize("key, words", [
+    ("", "the cluster key is empty"),
+    ("   ", "the cluster key is empty"),
+    ("change-me", "the cluster key is the example's 'change-me'"),
+    (KEY_PLACEHOLDER, f"the cluster key is the example's '{KEY_PLACEHOLDER}'"),
+])
+def test_an_empty_or_example_key_is_refused(topology, key, words):
+    """With a topology or without (zero-config), and saying how to make a key."""
+    for mode in ({"name": "w1", "topology": topology}, {}):
+        with pytest.raises(ConfigError, match=re.escape(words)) as refused:
+            node_config(flag_values(gpus="cpu", cluster_key=key, **mode), model_given=False)
+        assert "openssl rand -hex 32" in str(refused.value)
+
+
+@pytest.mark.parametrize("key, warned", [("short secret", True), ("x" * 15, True), ("x" * 16, False), (KEY, False)])
+def test_a_key_under_16_characters_is_warned_about(topology, key, warned):
+    with capture_logs() as logs:
+        node_config(flag_values(name="w1", topology=topology, gpus="cpu", cluster_key=key), model_given=False)
+    short = [entry for entry in logs if entry["event"].startswith("the cluster key is short")]
+    assert bool(short) is warned
+    assert all(key not in str(entry) for entry in logs)  # the key itself is never logged
+
+
+def test_the_key_is_taken_out_of_the_environment_and_an_empty_variable_is_refused():
+    """Both variables go (click has read them by then); one that is set but empty is a ConfigError,
+    since click would read it as no key at all."""
+    environ = {"CAKE_CLUSTER_KEY": KEY, "CAKEMP_CLUSTER_KEY": KEY, "PATH": "/bin"}
+    scrub_cluster_key(environ)
+    assert environ == {"PATH": "/bin"}
+    for name in KEY_VARIABLES:
+        with pytest.raises(ConfigError, match=f"{name} is set but empty"):
+            scrub_cluster_key({name: ""})
+
+
+# --------------------------------------------------------------------------- the KV budget of a CPU device
+
+
+def memory_available() -> int:
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+
+
+def test_a_cpu_device_without_a_budget_gets_its_share_of_half_the_memory_available(topology):
+    """cpu:2 and no --kv-budget-mib: each device half of half of MemAvailable (as it stood between
+    the two reads around the call); --kv-budget-mib wins; a GPU device is left to its own default."""
+    config = node_config(flag_values(name="w1", topology=topology, gpus="cpu:2"), model_given=False)
+    low = memory_available()
+    specs = device_specs(config, [("model.layers.0", "model.layers.1"), ("model.layers.2", "model.layers.3")], "/run")
+    high = memory_available()
+    low, high = min(low, high), max(low, high)
+    slack = 64 << 20  # other processes on the machine allocate between the reads
+    for spec in specs:
+        assert (low - slack) * CPU_KV_SHARE / 2 <= spec.kv_budget_bytes <= (high + slack) * CPU_KV_SHARE / 2
+    given = dataclasses.replace(config, kv_budget_bytes=3 << 20)
+    assert [spec.kv_budget_bytes for spec in device_specs(given, [("model.layers.0",)] * 2, "/run")] == [3 << 20] * 2
+    on_gpus = dataclasses.replace(config, devices=("0", "1"))
+    assert [spec.kv_budget_bytes for spec in device_specs(on_gpus, [("model.layers.0",)] * 2, "/run")] == [None] * 2

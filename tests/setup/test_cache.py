@@ -13,7 +13,7 @@ import zstandard
 from safetensors.torch import save_file
 
 from cakemp.errors import SetupError
-from cakemp.setup.cache import MARKER, OWNER, ModelCache, cache_root, check_file_name, check_model_hash
+from cakemp.setup.cache import MARKER, OWNER, ModelCache, cache_root, check_file_name, check_model_hash, disk_room
 from cakemp.master.model_push import model_chunks
 from cakemp.wire import ModelDataChunk, Revision
 
@@ -137,6 +137,28 @@ def test_a_push_replaces_a_planted_link_not_its_target(cache, tmp_path, model):
 def test_a_push_past_the_total_size_limit_is_refused(cache, model):
     with pytest.raises(SetupError, match="limit"):
         push(cache, chunks_of(model), limit=(model / "model.safetensors").stat().st_size)
+
+
+def test_the_room_on_the_disk_is_what_is_free_less_the_larger_of_5_percent_and_1_gib(tmp_path):
+    disk = os.statvfs(tmp_path)
+    margin = max(disk.f_blocks * disk.f_frsize // 20, 1 << 30)
+    assert disk_room(tmp_path) == max(0, disk.f_bavail * disk.f_frsize - margin)
+
+
+@pytest.mark.parametrize("cap", [None, 1 << 60])
+def test_a_file_announcing_more_than_the_disk_has_room_for_is_refused_before_a_byte_is_written(cache, model, cap):
+    """Without --max-model-gib, and with one above the disk's room: the first chunk of a file whose
+    total_size passes the room on the cache's disk is refused before the file is created."""
+    receiving = cache.begin_push(LAYERS, cap, verify_crc=True)
+    room = disk_room(cache.directory)
+    for chunk in (c for c in chunks_of(model) if c.filename != "model.safetensors"):
+        receiving.receive(chunk)  # config.json and tokenizer.json fit
+    # 1 GiB over, since other processes free and take disk space meanwhile.
+    huge = ModelDataChunk("model.safetensors", 0, room + (1 << 30), b"x", False, zlib.crc32(b"x"))
+    with pytest.raises(SetupError, match="model.safetensors of [0-9]+ bytes would take the push past the limit"):
+        receiving.receive(huge)
+    receiving.abort()
+    assert [p.name for p in cache.directory.iterdir()] == [OWNER]
 
 
 def test_a_zstd_frame_declaring_more_than_the_file_has_room_for_is_refused_unread(cache):

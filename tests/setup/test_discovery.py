@@ -1,12 +1,13 @@
 """What a zero-config node's discovery reply says about its devices: on a CPU, and live on a GPU
-split into MIG instances (nvidia-smi stood in for by tests/nvidia_smi.py; no GPU needed)."""
+split into MIG instances (nvidia-smi stood in for by tests/nvidia_smi.py; no GPU needed); how
+often one source is answered."""
 
 from __future__ import annotations
 
 import os
 import socket
 
-from cakemp.setup.discovery import announcement_for
+from cakemp.setup.discovery import ReplyLimit, announcement_for
 from cakemp.wire.discovery import cluster_hash, decode_announcement, encode_probe
 from tests.front.node import ZeroConfigNode
 from tests.nvidia_smi import fake_nvidia_smi
@@ -46,3 +47,27 @@ def test_a_node_whose_gpus_are_all_mig_instances_advertises_them_as_cuda_devices
     assert reply.backend == "CUDA"
     assert [(gpu.name, gpu.vram_bytes) for gpu in reply.gpus] == [("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 40 * 10**9)] * 2
     assert all(gpu.tflops > 0 for gpu in reply.gpus)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_source_is_answered_a_few_times_per_window_and_a_window_bounds_the_sources():
+    clock = Clock()
+    limit = ReplyLimit(per_source=4, window_s=1.0, max_sources=3, clock=clock)
+    assert [limit.allows("10.0.0.1") for _ in range(6)] == [True] * 4 + [False] * 2
+    assert limit.allows("10.0.0.2") and limit.allows("10.0.0.3")  # another source has its own count
+    assert not limit.allows("10.0.0.4")  # three sources this window already
+    assert limit.allows("10.0.0.2")  # one already answered still is, up to its count
+    clock.now += 0.999
+    assert not limit.allows("10.0.0.1")
+    clock.now += 0.001  # the next window: every count starts again
+    assert [limit.allows("10.0.0.1") for _ in range(5)] == [True] * 4 + [False]
+    assert limit.allows("10.0.0.4")

@@ -9,7 +9,7 @@ from typing import Annotated, get_args, get_origin, get_type_hints
 from hypothesis import strategies as st
 
 from cakemp.wire import DType, RawTensor, Revision
-from cakemp.wire.messages import VARIANTS, Since
+from cakemp.wire.messages import VARIANTS, Bound, Since
 
 RUST_TYPES = {
     "u8": st.integers(0, 2**8 - 1),
@@ -34,7 +34,10 @@ def raw_tensors(draw) -> RawTensor:
 def values(hint: object) -> st.SearchStrategy:
     """Any value a field annotated `hint` can carry."""
     if get_origin(hint) is Annotated:
-        return RUST_TYPES[next(mark for mark in get_args(hint)[1:] if isinstance(mark, str))]
+        inner, *marks = get_args(hint)
+        if any(isinstance(mark, Bound) for mark in marks):  # a bounded Vec: well within any bound
+            return values(inner)
+        return RUST_TYPES[next(mark for mark in marks if isinstance(mark, str))]
     if get_origin(hint) is tuple:
         return st.lists(values(get_args(hint)[0]), max_size=5).map(tuple)
     if hint is RawTensor:

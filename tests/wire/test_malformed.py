@@ -8,13 +8,15 @@ import struct
 
 import pytest
 
-from cakemp.errors import BadTensor, EncodeError, ProtocolError
+from cakemp.errors import BadOps, BadTensor, EncodeError, ProtocolError
+from cakemp.wire.messages import MAX_DIMS, MAX_ITEMS
 from cakemp.wire import (
     MAX_PAYLOAD,
     Batch,
     DType,
     FrameDecoder,
     Hello,
+    LayerAssignment,
     LayerOp,
     ModelDataChunk,
     ModelDataResume,
@@ -179,3 +181,33 @@ def test_oversized_frame_is_not_encoded():
     # tag, data length, data, dtype, ndim, one dim
     with pytest.raises(EncodeError, match=f"payload of {4 + 4 + MAX_PAYLOAD + 1 + 4 + 8} bytes > maximum"):
         encode_frame(msg, V2)
+
+
+def test_a_batch_with_more_ops_than_the_node_serves_is_refused_at_its_count():
+    """With the node's limit of 4 ops, a Batch of 5 (or 500,000) valid ops is BadOps naming both counts,
+    raised from the count alone; without a limit, MAX_ITEMS applies."""
+    x = RawTensor(bytes(4), DType.F32, (1, 1, 1))
+    op = LayerOp("model.layers.0", 0, 0)
+    for count in (5, 500_000):
+        payload = encode_payload(Batch(x, (op,) * count), Revision.V2)
+        with pytest.raises(BadOps, match=f"has {count} ops; this worker serves 4 layers"):
+            decode_payload(payload, Revision.V2, {"ops": 4})
+    assert len(decode_payload(encode_payload(Batch(x, (op,) * 4), Revision.V2), Revision.V2, {"ops": 4}).batch) == 4
+    with pytest.raises(BadOps, match=f"this worker serves {MAX_ITEMS} layers"):
+        decode_payload(encode_payload(Batch(x, (op,) * (MAX_ITEMS + 1)), Revision.V2), Revision.V2)
+
+
+def test_a_shape_of_more_dimensions_than_any_tensor_has_is_refused_before_it_is_built():
+    """A tensor claiming a million dimensions (all there, 8 MB) is BadTensor saying how many, in a few
+    words: its shape is neither built nor repeated."""
+    payload = encode_payload(TensorMessage(RawTensor(b"", DType.F32, (1,) * 1_000_000)), Revision.V2)
+    with pytest.raises(BadTensor, match=f"shape of 1000000 dimensions, at most {MAX_DIMS}") as error:
+        decode_payload(payload, Revision.V2)
+    assert len(str(error.value)) < 100
+
+
+def test_a_layer_assignment_past_max_items_is_not_cake_protocol():
+    """More layer names than any model has is refused from the count, before any name is read."""
+    payload = encode_payload(LayerAssignment(("l.0",) * (MAX_ITEMS + 1), "0a1b2c3d"), Revision.V2)
+    with pytest.raises(ProtocolError, match=f"has {MAX_ITEMS + 1} items, at most {MAX_ITEMS}"):
+        decode_payload(payload, Revision.V2)
