@@ -33,7 +33,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from cakemp.errors import BadTensor, ProtocolError
+from cakemp.errors import BadRequest, ProtocolError
 from cakemp.front.admission import Admission
 from cakemp.wire import (
     HEADER_SIZE, MAGIC, Batch, DType, FrameDecoder, Goodbye, Hello, LayerAssignment, LayerOp, ModelDataDone,
@@ -57,7 +57,8 @@ RSS_GROWTH_BOUND = 64 << 20
 BUFFER_BUDGET = 1 << 20
 FRAME_TIMEOUT_S = 10
 SLOW_READERS = 8
-MAX_PAYLOAD = Admission(frozenset(NAMES), HIDDEN, MAX_CONTEXT, frozenset(LAYERS)).max_payload()
+ADMISSION = Admission(frozenset(NAMES), HIDDEN, MAX_CONTEXT, frozenset(LAYERS))
+MAX_PAYLOAD = ADMISSION.max_payload()
 U64 = 2**64 - 1
 
 
@@ -187,8 +188,8 @@ def answered(data: bytes) -> bool:
     if magic != MAGIC or size > MAX_PAYLOAD or size != len(data) - HEADER_SIZE:
         return False
     try:
-        message = decode_payload(data[HEADER_SIZE:], Revision.V2)
-    except BadTensor:
+        message = decode_payload(data[HEADER_SIZE:], Revision.V2, ADMISSION.decode_limits())
+    except BadRequest:  # a sound frame whose tensor or layer run is unusable: answered WorkerError
         return True
     except ProtocolError:
         return False
