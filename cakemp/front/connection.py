@@ -143,22 +143,29 @@ class Connection:
         # Hello is due within the frame timeout of the connection's start (after the key handshake).
         self._owed = (asyncio.get_running_loop().time(), _HELLO_LATE)
         self._watch_frames()
-        while self._session.state is not SessionState.CLOSED:
-            try:
-                received = await self._read()
-            except BadRequest as e:  # the frame was sound, only its tensor or layer run is not: answer, go on
-                if self._session.state is SessionState.AWAITING_HELLO:
-                    raise  # not a session yet: the connection closes
-                self._metrics.requests.inc()
-                await self._send(self._refusal(e))
-                continue
-            if received is None:
-                return
-            message, _, read_s, size = received
-            try:
-                await self._carry_out(self._session.received(message), read_s)
-            finally:
-                self._budget.give(size)  # the message is answered: its bytes are no longer held
+        while self._session.state is not SessionState.CLOSED and await self._answer_next():
+            pass
+
+    async def _answer_next(self) -> bool:
+        """Read the next message and carry out what the session makes of it; False at EOF. The
+        message's bytes are held of the budget until it is answered, and are freed with this call
+        (a message kept alive while the next is awaited would be memory the budget no longer counts)."""
+        try:
+            received = await self._read()
+        except BadRequest as e:  # the frame was sound, only its tensor or layer run is not: answer, go on
+            if self._session.state is SessionState.AWAITING_HELLO:
+                raise  # not a session yet: the connection closes
+            self._metrics.requests.inc()
+            await self._send(self._refusal(e))
+            return True
+        if received is None:
+            return False
+        message, _, read_s, size = received
+        try:
+            await self._carry_out(self._session.received(message), read_s)
+        finally:
+            self._budget.give(size)  # the message is answered: its bytes are no longer held
+        return True
 
     async def _carry_out(self, actions: Sequence[Action], read_s: float = 0.0) -> None:
         """Do what the session asked, in order; `read_s`: how long the frame it answers took to read."""

@@ -374,6 +374,8 @@ class _SetupConnection:
             await _off_loop(push.receive, message)
             chunks += 1
             received += len(message.data)
+            # Freed before the next frame is awaited, as the budget it held is given back then.
+            del message
 
 
 class _Frames:
