@@ -172,6 +172,33 @@ def test_masters_that_stop_reading_their_replies_are_closed_and_the_budget_comes
           f"a master's Hello answered after {hello_s:.1f} s")
 
 
+def test_idle_masters_hold_none_of_their_answered_requests(node):
+    """Twelve masters each send a full-context request, read its reply and then sit idle: each
+    request's bytes are freed once answered, as its share of the budget is given back. (Before:
+    an idle connection kept its last request alive, 2 MiB here, uncounted by the budget.)"""
+    pid = node.process.pid
+    count = 12
+
+    async def main():
+        before = rss(pid)
+        idle = []
+        for _ in range(count):
+            reader, writer, _ = await said_hello(node.port)
+            writer.writelines(encode_frame(ECHO, Revision.V2))
+            header = await reader.readexactly(HEADER_SIZE)
+            await reader.readexactly(read_header(header))
+            idle.append(writer)
+        await asyncio.sleep(0.5)
+        after = rss(pid)
+        for writer in idle:
+            writer.close()
+        return before, after
+
+    before, after = run(main())
+    assert after - before < count * (2 << 20) // 2, f"front RSS grew {(after - before) >> 20} MiB"
+    print(f"{count} idle masters after a 2 MiB request each: front RSS {before >> 20} MiB before, {after >> 20} MiB after")
+
+
 # --------------------------------------------------------------------------- every close says why
 
 
