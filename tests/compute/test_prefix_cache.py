@@ -16,7 +16,7 @@ from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import ContextLimitExceeded
 from cakemp.front.router import chunk_bounds
 from tests.checkpoints import make_checkpoint
-from tests.tolerance import F32_DELTA_RULE_REL, F32_REL, assert_close
+from tests.tolerance import assert_close
 
 HIDDEN = 64
 
@@ -66,12 +66,6 @@ def rows(count: int, seed: int) -> torch.Tensor:
     return torch.randn(1, count, HIDDEN, generator=torch.Generator().manual_seed(seed))
 
 
-def bound(checkpoint) -> float:
-    """How close to a fresh prefill: Qwen3.5's chunked delta rule differs by up to 1e-5 over prompts of
-    this length however they are cut (tests/tolerance.py)."""
-    return F32_DELTA_RULE_REL if "qwen" in str(checkpoint) else F32_REL
-
-
 def fresh(checkpoint, x: torch.Tensor) -> torch.Tensor:
     """x's output from a runner that never saw anything (one prefill, no reuse)."""
     node = Node(checkpoint, chunk=x.shape[1])
@@ -95,7 +89,7 @@ def test_a_three_turn_chat_gives_a_fresh_prefills_hidden_states(family, request)
         before = node.runner.prefixes.tokens
         out, history = node.turn(1, history, 5, seed=10 + turn)
         reused.append(node.runner.prefixes.tokens - before)
-        assert_close(out, fresh(checkpoint, history[:, :out.shape[1]]), bound(checkpoint))
+        assert_close(out, fresh(checkpoint, history[:, :out.shape[1]]))
         history = torch.cat([history, rows(20, 20 + turn)], dim=1)
     # The whole history each time (42, then 67 rows); recurrent layers too, although the turns' chunks
     # end elsewhere than the states kept (at the earlier turns' chunk ends): the state follows the
@@ -124,7 +118,7 @@ def test_a_history_differing_in_one_early_row_reuses_nothing_past_it(llama, qwen
         changed[0, 20] += 1.0
         out = node.prompt(1, changed)
         assert figures(node.runner)[:2] == (1, resumed)
-        assert_close(out, fresh(checkpoint, changed), bound(checkpoint))
+        assert_close(out, fresh(checkpoint, changed))
 
 
 def test_recurrent_layers_resume_at_the_latest_kept_state_before_the_match(llama, qwen):
@@ -138,7 +132,7 @@ def test_recurrent_layers_resume_at_the_latest_kept_state_before_the_match(llama
         changed[0, 45] -= 1.0
         out = node.prompt(1, changed)
         assert figures(node.runner)[:2] == (1, resumed)
-        assert_close(out, fresh(checkpoint, changed), bound(checkpoint))
+        assert_close(out, fresh(checkpoint, changed))
 
 
 def test_a_recurrent_run_computes_agreeing_rows_again_from_its_last_state(qwen):
@@ -151,7 +145,7 @@ def test_a_recurrent_run_computes_agreeing_rows_again_from_its_last_state(qwen):
     changed[0, 17] += 1.0
     out = node.prompt(1, changed)
     assert figures(node.runner)[:2] == (1, 14)
-    assert_close(out, fresh(qwen, changed), bound(qwen))
+    assert_close(out, fresh(qwen, changed))
 
 
 def test_another_chat_sharing_only_the_start_leaves_a_prefix_whole(llama, qwen):
@@ -169,8 +163,8 @@ def test_another_chat_sharing_only_the_start_leaves_a_prefix_whole(llama, qwen):
         before = node.runner.prefixes.tokens
         out_a = node.prompt(1, second)
         assert node.runner.prefixes.tokens - before == chat_a.shape[1] == 52
-        assert_close(out_b, fresh(checkpoint, torch.cat([system, rows(30, 3)], dim=1)), bound(checkpoint))
-        assert_close(out_a, fresh(checkpoint, second), bound(checkpoint))
+        assert_close(out_b, fresh(checkpoint, torch.cat([system, rows(30, 3)], dim=1)))
+        assert_close(out_a, fresh(checkpoint, second))
 
 
 def test_a_prompt_resent_whole_is_answered_without_computing(llama):
