@@ -3,21 +3,28 @@ again costs only its new rows.
 
 A Cake master serving a chat ends each request with Goodbye and sends the next turn from
 position 0 with the whole history again. So each session's run (its ops' layers and KV slots,
-from position 0) is followed as it goes: the digests of its input rows (row_chain.py), its
-output rows, and for a run with linear-attention layers their states at some positions
-(`StatePoint`s: the end of each request of more than one row, so every prompt's and chunk's
-end). On Goodbye, or when the session starts again at position 0, that becomes a retired
-`Prefix`, holding the session's KV slots as they were (moved, not copied).
+from position 0) is followed as it goes: a chain of digests of its input rows (row_chain.py),
+its output rows, and for a run with linear-attention layers their states where each request
+of more than one row ended (`StatePoint`s: every prompt chunk's end). On Goodbye, or when the
+session starts again at position 0, that becomes a retired `Prefix` holding the session's KV
+slots as they were (moved, not copied), with a state point at its end.
 
-A request at position 0 whose first rows match a retired prefix of its domain and run (at
-least MIN_REUSE rows) adopts it: the KV slots become the session's again, at the
-matched length, and the request is answered the kept output rows for the matched positions and
-computes only the rest. A linear-attention layer's state cannot be rewound, so a run with such
-layers resumes only at a state point at or before the match. A prompt comes in chunks: while
-a chunk's rows all match, the next chunk goes on matching the adopted prefix's later rows (the
-slots' rows past their length are still the prefix's), until one differs or the prefix ends.
+A request at position 0 whose first rows agree with a retired prefix of its domain and run
+(MIN_REUSE rows at least, or the whole of a shorter request) adopts it: its KV slots become
+the session's again. While the rows the session sends agree with the prefix's, they are
+answered its kept output rows and not computed: the session's KV slots are set to them, and a
+recurrent run's state follows from one state point to the next (until the next one, the
+agreeing rows since the last one wait as `pending`, and the slots' later rows are still the
+prefix's). A prompt comes in chunks, so this goes on request after request. Where the rows
+stop agreeing, or the prefix ends, the run computes from there, or from the last state point
+at or before there (a linear-attention state cannot be rewound), the pending rows first.
 Across devices a hit propagates: the next device's input is this one's output, the kept rows
 bit for bit.
+
+Chats interleaved on one connection share their first rows (a system prompt): a session that
+leaves an adopted prefix before its end continues on copies of the rows it shares and puts the
+prefix back whole (`_put_back`), and one whose rows agree further with another retired prefix
+holding all of its rows so far switches to it (`_switch`).
 
 Everything kept for reuse alone (retired prefixes, and live sessions' output rows and state
 points) is counted inside the KV cache's budget and given back the moment a live session needs
@@ -207,9 +214,8 @@ class PrefixCache:
         if prefix is None:
             return
         kv, linear = self._cache.detach(session)
-        attention = {block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]}
-        recurrent = {block_idx for layer, block_idx in prefix.run if self._recurrent[layer]}
-        if not (attention <= kv.keys() and recurrent <= linear.keys()):
+        attention, recurrent = self._attention(prefix.run), self._recurrent_slots(prefix.run)
+        if not (set(attention) <= kv.keys() and set(recurrent) <= linear.keys()):
             return  # not the state this run left (freed with the rest)
         if prefix.ahead is not None:
             # Adopted rows not all followed yet: nothing past the slots' length was written, so
@@ -300,9 +306,8 @@ class PrefixCache:
         usable = [p for p in prefix.points if start < p <= agreed] if self._linear(prefix.run) else [agreed]
         resume = max(usable, default=prefix.resumed)
         if resume > prefix.resumed:
-            recurrent = {block_idx for layer, block_idx in prefix.run if self._recurrent[layer]}
-            attention = [block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]]
-            self._cache.resume(session, attention, resume, prefix.points[resume] if recurrent else {})
+            states = prefix.points[resume] if self._linear(prefix.run) else {}
+            self._cache.resume(session, self._attention(prefix.run), resume, states)
             self.tokens += resume - prefix.resumed
         kept = prefix.outputs.rows(start, agreed).clone() if agreed > start else None
         if agreed == end and (end < prefix.ahead.length or resume == end):
@@ -343,11 +348,7 @@ class PrefixCache:
             return False
         self._retired.remove(best)
         kv, linear = self._cache.detach(session)  # the linear states stay: computed from the same rows
-        attention = [block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]]
-        for block_idx in attention:
-            kv[block_idx].length = prefix.ahead.length
-        self._keep(Prefix(prefix.domain, prefix.run, prefix.ahead, prefix.outputs, dict(prefix.points),
-                          slots={block_idx: kv[block_idx] for block_idx in attention}, used=prefix.used))
+        self._keep_whole(prefix, kv)
         for slot in best.slots.values():
             slot.length = prefix.resumed  # rows before it computed from the same rows as the session's
         self._cache.attach(session, best.slots, linear)
@@ -366,7 +367,7 @@ class PrefixCache:
         positions) and of the output rows before the request's `start` or `resume`, so that another
         chat sharing only its start does not cut it short. If they do not fit the budget, the
         prefix's rows past `resume` are the session's to overwrite."""
-        attention = [block_idx for layer, block_idx in prefix.run if not self._recurrent[layer]]
+        attention = self._attention(prefix.run)
         capacity = min(self._cache.max_context, max(MIN_CAPACITY, end))
         outputs = OutputRows(self._hidden, self._cache.dtype, self._cache.device)
         if not self._make_room(len(attention) * capacity * self._cache.bytes_per_position + outputs.growth(end)):
@@ -375,11 +376,17 @@ class PrefixCache:
         kv, linear = self._cache.detach(session)
         self._cache.attach(session, copies, linear)
         outputs.write(0, prefix.outputs.rows(0, max(resume, start)))
+        self._keep_whole(prefix, kv)
+        prefix.outputs = outputs
+
+    def _keep_whole(self, prefix: Prefix, kv: dict[int, KVSlot]) -> None:
+        """Retire the prefix `prefix` follows (`prefix.ahead`) whole again, its KV slots `kv` (detached
+        from the session, nothing past its rows written) at its length."""
+        attention = self._attention(prefix.run)
         for block_idx in attention:
             kv[block_idx].length = prefix.ahead.length
         self._keep(Prefix(prefix.domain, prefix.run, prefix.ahead, prefix.outputs, dict(prefix.points),
                           slots={block_idx: kv[block_idx] for block_idx in attention}, used=prefix.used))
-        prefix.outputs = outputs
 
     def _keep(self, prefix: Prefix) -> None:
         """Retire `prefix` (its slots at its chain's length), the newest; past MAX_RETIRED the oldest goes."""
@@ -387,15 +394,6 @@ class PrefixCache:
         if len(self._retired) > MAX_RETIRED:
             self._retired.pop(0)
             self.evictions += 1
-
-    def _matched(self, theirs: RowChain, points: dict[int, StatePoint], extension: Extension,
-                 run: Run) -> tuple[int, int]:
-        """How far in [start, end] the request's rows agree with `theirs`, and the furthest position
-        up to there where the run can resume (with linear layers: a state point; start for none)."""
-        agreed = extension.agreed(theirs)
-        if not self._linear(run):
-            return agreed, agreed
-        return agreed, max((p for p in points if extension.start < p <= agreed), default=extension.start)
 
     def _make_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit the budget, once retired prefixes (oldest first) are freed as needed."""
@@ -411,6 +409,14 @@ class PrefixCache:
 
     def _linear(self, run: Run) -> bool:
         return any(self._recurrent[layer] for layer, _ in run)
+
+    def _attention(self, run: Run) -> list[int]:
+        """The KV slots (block_idx) of the run's attention layers."""
+        return [block_idx for layer, block_idx in run if not self._recurrent[layer]]
+
+    def _recurrent_slots(self, run: Run) -> list[int]:
+        """The block_idx of the run's linear-attention layers."""
+        return [block_idx for layer, block_idx in run if self._recurrent[layer]]
 
     def _point_bytes(self, run: Run) -> int:
         return sum(self._recurrent[layer] for layer, _ in run) * self._cache.bytes_per_linear_slot
