@@ -1,6 +1,6 @@
 """Prefix reuse benchmark: a chat's second turn, with reuse and without, side by side in one run.
 
-    python -m bench.prefix [--rounds 5] [--threads 1] [--history 1024] [--new 32]
+    python -m bench.prefix [--rounds 8] [--threads 1] [--history 1024] [--new 32]
 
 Writes a random Llama checkpoint with TinyLlama-1.1B's layer shape (hidden 2048, intermediate
 5632, 32 query heads on 4 kv heads of 64; 4 layers, f32) and starts two `cakemp run --gpus cpu:1`
@@ -154,7 +154,7 @@ def reused_tokens(metrics_port: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="chats per node")
+    parser.add_argument("--rounds", type=int, default=8, help="chats per node")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each node's device")
     parser.add_argument("--history", type=int, default=1024, help="rows of history turn 2 sends again")
     parser.add_argument("--new", type=int, default=32, help="generated rows of turn 1, new rows of turn 2")
