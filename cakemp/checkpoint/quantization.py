@@ -2,11 +2,11 @@
 tensors make each quantized weight. No torch: the front refuses a format here, before any
 device starts; model/fp8.py, model/gptq.py and model/mlx.py dequantize.
 
-| format     | config.json                                                   | a weight `P.weight` is stored as                                |
-|------------|---------------------------------------------------------------|-----------------------------------------------------------------|
-| FP8        | quantization_config.quant_method "fp8", weight_block_size      | P.weight e4m3 and P.weight_scale_inv, one scale per block        |
-| GPTQ       | quantization_config.quant_method "gptq": bits, group_size, desc_act, sym, checkpoint_format | P.qweight, P.qzeros, P.scales (and P.g_idx) |
-| MLX affine | quantization (and quantization_config): bits, group_size, mode "affine", per-module overrides | P.weight (u32 words), P.scales, P.biases |
+| format     | config.json                                            | a weight `P.weight` is stored as          |
+|------------|--------------------------------------------------------|-------------------------------------------|
+| FP8        | quantization_config: quant_method "fp8", weight_block_size | P.weight (e4m3), P.weight_scale_inv   |
+| GPTQ       | quantization_config: quant_method "gptq", bits, group_size, desc_act, sym, checkpoint_format | P.qweight, P.qzeros, P.scales (P.g_idx) |
+| MLX affine | quantization (mlx-lm copies it to quantization_config): bits, group_size, mode, per-module overrides | P.weight (u32), P.scales, P.biases |
 
 In a GPTQ or MLX checkpoint only some weights are quantized (GPTQ releases keep attention,
 routers or shared experts in 16 bits; mlx-lm skips matrices whose width its group size does

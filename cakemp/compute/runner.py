@@ -366,9 +366,9 @@ class _LoadPlan:
             attention.use_fused_kernels()
             free = torch.cuda.mem_get_info(device)[0]
             memory.check_fits(needed, free, str(device))
-        # A (1 + w) family's norms get their 1 added at load, in f32 (Checkpoint.load).
+        # A (1 + w) family's norms get their 1 added at load, in f32 (Checkpoint.load), unless stored with it.
         plus_one = frozenset((layer, key) for layer in self.layers for key in self.groups[layer]
-                             if self.config.layout.norm_plus_one and key in NORMS)
+                             if checkpoint.norms_need_one and key in NORMS)
         weights = {}
         # Opening a shard again per layer costs only its header (the file is memory-mapped).
         try:
