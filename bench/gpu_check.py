@@ -271,7 +271,7 @@ def check_fp8(device: torch.device, rehearse: bool) -> None:
                                num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2)
         kept = BlockRunner.load(path, layers, device, torch.bfloat16)
         matrices = [{"w_qkv": b.w_qkv, "w_o": b.w_o, "w_gate_up": b.mlp.w_gate_up, "w_down": b.mlp.w_down}
-                    for b in kept.blocks.values()]
+                    for b in kept.blocks]
         finding("fp8.kept_as_fp8", {name: isinstance(w, fp8.Fp8Weight) for name, w in matrices[0].items()})
         finding("fp8.weight_bytes_kept", sum(w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
                                              for block in matrices for w in block.values()))

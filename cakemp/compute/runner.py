@@ -159,6 +159,10 @@ class BlockRunner:
         except KeyError as e:
             raise UnknownLayer(f"layer {e.args[0]!r} is not loaded here (this runner has {', '.join(self.layers)})") from None
 
+    def block(self, layer: str) -> Block:
+        """The block of layer `layer` (e.g. "model.layers.3"), for tests and benchmarks that look inside."""
+        return self.blocks[self.layers.index(layer)]
+
     def run(self, session: int, x: torch.Tensor, ops: Sequence[Op]) -> torch.Tensor:
         """Run `ops` in order on x: [1, T, H] (one request alone: `run_batch` of one)."""
         (result,) = self.run_batch([Request(session, x, ops)])

@@ -12,23 +12,25 @@ The requests: a prompt in 3-token chunks (each continuing the linear layers' con
 recurrent state), 8 decode steps, then 70 tokens (two chunks of the parallel form, from a
 non-zero state).
 
-Bounds, relative to the largest magnitude of the reference output:
-* f32: 2e-6 for the 3-token chunks and decode steps (observed <= 9.4e-7); 1e-5 for the
-  70-token prefill (observed 2.5e-6 .. 6.6e-6). There the chunked delta rule multiplies by
-  exponentials of decays cumulated over up to 64 tokens, which these random weights make
-  steep (exp(c) reaches f32's underflow): one linear layer alone is then ~5e-6 from the f64
-  result in HF's f32 and in cakemp's alike (the two agree to 1.4e-7), and what follows it
-  amplifies the 1e-7 differences that came before.
-* bf16, as an RMS over all chunks (per-chunk maxima swing with the seed: these tiny random
-  models amplify rounding, HF's own bf16 is 1.5-7.5% from its f32 at worst depending on the
-  seed): within 8 eps of HF's bf16 (observed 1.3-1.7% over seeds 0-2, 8 eps = 3.1%), and no
-  further from HF's f32 than HF's bf16 is, within 50% (observed ratio 0.8-1.34). cakemp
-  keeps the convolution, the delta rule's inputs and the gated norm in f32 where HF rounds
-  them to bf16, and the folded (1 + w) norm weights in f32 as HF does.
+Bounds (tests/tolerance.py): cakemp and HF's layers in the test's dtype are both compared with
+HF's layers in float64 throughout, over all chunks; cakemp's median per-token error and its RMS
+error must each be within a multiple of HF's own, plus one unit roundoff.
+* f32: 3x. These random weights make the chunked delta rule steep (the decays cumulated over a
+  64-token chunk reach f32's underflow in exp(c)) and attention peaked, so some tokens are
+  ill-conditioned: there any f32 evaluation, HF's too, ends 10-80 u from the f64 result
+  depending on its rounding (per chunk, cakemp's worst element swings from 0.2x to 8x HF's
+  over seeds; the old 2e-6 against HF itself was reported failing on an EPYC at 2.7e-6, and
+  fails here with checkpoint seed 4). The median and the RMS average that out: observed
+  typical ratio 0.90-1.28, overall 0.78-1.65 over checkpoint seeds 0-5 and two input seeds;
+  an rms_norm epsilon 10x too large gives 13-29, a 1% error in the decay rates 1200-6000.
+* bf16: 2x (observed typical 0.85-0.98, overall 0.78-1.34 for Qwen3.5). cakemp keeps the
+  convolution, the delta rule's inputs and the gated norm in f32 where HF rounds them to bf16,
+  and the folded (1 + w) norm weights in f32 as HF does.
   With MoE, bf16 router logits that nearly tie pick another expert in one implementation and
-  not the other, a jump no eps bound covers (observed: cakemp 0.7-6.3% RMS from HF's f32,
-  HF's bf16 2.6-4.2%, over seeds 0-2): cakemp must stay within twice HF's error plus 8 eps,
-  which a wrong expert, weight or renormalisation would far exceed.
+  not the other, a jump of up to half a token's norm that no multiple of u covers: the RMS
+  bound then has a floor of 16 u (about one flipped token more than HF among the 87), and the
+  median, which flips barely move, keeps the factor 2 (observed typical 0.77-1.35 over seeds
+  0-7, where the RMS ratio alone reached 6.3).
 """
 
 import json
@@ -38,7 +40,7 @@ import torch
 
 from cakemp.compute.runner import BlockRunner
 from tests.checkpoints import HFLayers, make_checkpoint
-from tests.tolerance import rel_error
+from tests.tolerance import PARITY, PARITY_MOE, Accuracy, float64_throughout
 
 LAYERS = [1, 2, 3]
 CHUNKS = [3, 3, 3] + [1] * 8 + [70]
@@ -54,7 +56,6 @@ CASES = {
     ),
     "qwen3_moe-dense-layer": ("qwen3_moe", {"norm_topk_prob": True, "mlp_only_layers": [2]}),
 }
-EPS_BF16 = 2.0**-8
 
 
 def hub_config(path, family):
@@ -78,17 +79,19 @@ def checkpoint(tmp_path, case, dtype=torch.float32):
     return path
 
 
-def run_all(path, dtype, *references):
-    """cakemp's output and each reference's (HFLayers dtypes) per chunk of CHUNKS, all as f64."""
+def run_all(path, dtype):
+    """cakemp's, HF's (both in dtype) and HF's in float64 throughout output per chunk of CHUNKS."""
     runner = BlockRunner.load(path, [runner_name(path, i) for i in LAYERS], "cpu", dtype)
-    refs = [HFLayers(path, LAYERS, ref_dtype) for ref_dtype in references]
+    hf = HFLayers(path, LAYERS, dtype)
+    exact = HFLayers(path, LAYERS, torch.float64)
     generator = torch.Generator().manual_seed(1)
     position = 0
     for T in CHUNKS:
         x = torch.randn(1, T, runner.config.hidden_size, generator=generator).to(dtype)
         ops = [(runner_name(path, i), position, i) for i in LAYERS]
-        ours = runner.run(7, x, runner.ops(ops)).double()
-        yield ours, *[ref(x.to(ref.dtype), position).double() for ref in refs]
+        with float64_throughout():
+            reference = exact(x.double(), position)
+        yield runner.run(7, x, runner.ops(ops)), hf(x, position), reference
         position += T
 
 
@@ -98,26 +101,18 @@ def runner_name(path, index):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_f32_matches_hf(tmp_path, case):
-    """In f32 every 3-token chunk and decode step is within 2e-6 of HF's layers, the 70-token prefill within 1e-5."""
+def test_f32_is_as_accurate_as_hf(tmp_path, case):
+    """In f32, over the 3-token chunks, decode steps and the 70-token prefill, cakemp is within 3x
+    HF's own f32 error from the f64 result."""
     path = checkpoint(tmp_path, case)
-    for (ours, hf), T in zip(run_all(path, torch.float32, torch.float32), CHUNKS):
-        assert rel_error(ours, hf) <= (1e-5 if T > 3 else 2e-6)
+    Accuracy.of(run_all(path, torch.float32), torch.float32).assert_within(PARITY[torch.float32])
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bf16_is_within_hfs_own_error_band(tmp_path, case):
-    """In bf16, over all chunks, cakemp is within 8 eps (RMS) of HF's bf16 and no further from
-    HF's f32 than HF's bf16 is (50% for rounding luck); MoE: see the module docstring."""
+def test_bf16_is_as_accurate_as_hf(tmp_path, case):
+    """In bf16, over all chunks, cakemp is within 2x HF's own bf16 error from the f64 result; with
+    MoE routing the RMS bound has a 16 u floor (see the module docstring)."""
     path = checkpoint(tmp_path, case, torch.bfloat16)
-    sums = torch.zeros(4, dtype=torch.float64)  # squared: ours - hf, ours - exact, hf - exact, exact
-    for ours, hf, exact in run_all(path, torch.bfloat16, torch.bfloat16, torch.float32):
-        sums += torch.stack([((ours - hf) ** 2).sum(), ((ours - exact) ** 2).sum(),
-                             ((hf - exact) ** 2).sum(), (exact**2).sum()])
-    to_hf, ours_err, hf_err = (sums[:3] / sums[3]).sqrt().tolist()
-    if CASES[case][0] == "qwen3_moe" or CASES[case][0] == "qwen3_5_moe":
-        # A near-tie in the router flips an expert in one implementation and not the other.
-        assert ours_err <= 2 * hf_err + 8 * EPS_BF16
-    else:
-        assert to_hf <= 8 * EPS_BF16
-        assert ours_err <= 1.5 * hf_err
+    moe = CASES[case][0] in ("qwen3_moe", "qwen3_5_moe")
+    bound = (PARITY_MOE if moe else PARITY)[torch.bfloat16]
+    Accuracy.of(run_all(path, torch.bfloat16), torch.bfloat16).assert_within(bound)

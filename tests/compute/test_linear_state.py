@@ -69,7 +69,7 @@ def test_a_request_failing_part_way_leaves_the_linear_state_as_it_was(path):
     runner, fresh = load(path), load(path)
     for r in (runner, fresh):
         r.run(1, tokens(4, 0), r.ops(ops(0)))
-    block = runner.blocks[runner.layers.index(f"{PREFIX}.3")]
+    block = runner.block(f"{PREFIX}.3")
     good = block.mlp.w_down
     block.mlp.w_down = torch.zeros(3, 7)  # the attention layer's MLP now fails with a shape error
     with pytest.raises(RuntimeError):

@@ -158,7 +158,7 @@ def test_failed_compute_keeps_earlier_positions(checkpoint):
     """A request that fails inside a block leaves every slot at its previous length."""
     runner = load(checkpoint)
     runner.run(1, tokens(5, 0), runner.ops(ops(0)))
-    block = runner.blocks[runner.layers.index("model.layers.2")]
+    block = runner.block("model.layers.2")
     good = block.mlp.w_down
     block.mlp.w_down = torch.zeros(3, 7)  # the second layer's MLP now fails with a shape error
     with pytest.raises(RuntimeError):

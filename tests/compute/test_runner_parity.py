@@ -6,15 +6,15 @@ split over 2 shard files, so the served span crosses a shard boundary; in f32 al
 sent in 3-token chunks, then 8 decode steps. The later families (tests/families.py) have
 hub-keyed config.json files and both their layer kinds among layers 1-3.
 
-Tolerances, relative to the largest magnitude of the reference output (tests/tolerance.py):
-* f32: 2e-6 (observed up to ~6e-7 over all cases: the same arithmetic, differently fused;
-  ~3x margin).
-* bf16 / f16: both implementations round every matmul output, norm and residual to the
-  dtype, in different places (cakemp keeps attention in f32 inside SDPA and fuses the
-  norm; HF rounds QK^T and the probabilities to the dtype). Each ends ~3 eps from the exact
-  result for these weights (computed by HF in f32), so they may differ by up to ~6 eps;
-  we allow 8 eps (eps = 2^-8 for bf16, 2^-11 for f16). And cakemp must be at least as
-  accurate as HF in that dtype, within 50% for rounding luck.
+Bounds (tests/tolerance.py): cakemp and HF's layers in the test's dtype are both compared
+with HF's layers in float64 throughout, and cakemp's error must be within a multiple of HF's
+own: its median per-token error and its RMS error over all the outputs each within 3x HF's
+(f32) or 2x (bf16 / f16), plus one unit roundoff. Observed here (AMD EPYC, MKL) over
+checkpoint seeds 0-2: f32 typical ratio 0.87-1.53 and overall 0.98-1.49 (1.2-1.5 in 3-token
+chunks, where MKL's packed GEMM rounds less well than the plain one), bf16 / f16 0.80-1.05;
+an rms_norm epsilon 10x too large gives f32 ratios of 18-57. In bf16 / f16 cakemp is mostly
+a little more accurate than HF (it keeps attention in f32 inside SDPA and fuses the norm;
+HF rounds QK^T and the probabilities to the dtype).
 """
 
 import pytest
@@ -23,7 +23,7 @@ import torch
 from cakemp.compute.runner import BlockRunner
 from tests.checkpoints import HFLayers, make_checkpoint
 from tests.families import HUB_FAMILIES
-from tests.tolerance import F32_REL, half_bound, rel_error as rel
+from tests.tolerance import PARITY, Accuracy, float64_throughout
 
 LAYERS = [1, 2, 3]
 NAMES = [f"model.layers.{i}" for i in LAYERS]
@@ -67,47 +67,41 @@ def requests(hidden_size, dtype, chunks=CHUNKS):
         position += T
 
 
-def run_both(path, dtype, reference_dtype, chunks=CHUNKS):
-    """Outputs of cakemp in dtype, HF in dtype, HF in reference_dtype over `chunks`; each [1, T, H]."""
-    runner = BlockRunner.load(path, NAMES, "cpu", dtype)
+def run_both(path, dtype, chunks=CHUNKS, device="cpu"):
+    """Outputs of cakemp in dtype (on `device`), HF in dtype and HF in float64 throughout over
+    `chunks`; each [1, T, H] on the CPU."""
+    runner = BlockRunner.load(path, NAMES, device, dtype)
     hf = HFLayers(path, LAYERS, dtype)
-    truth = HFLayers(path, LAYERS, reference_dtype) if reference_dtype != dtype else None
+    exact = HFLayers(path, LAYERS, torch.float64)
     for x, position, ops in requests(runner.config.hidden_size, dtype, chunks):
-        theirs = hf(x, position)
-        exact = theirs if truth is None else truth(x.to(reference_dtype), position)
-        yield runner.run(7, x, runner.ops(ops)).float(), theirs.float(), exact
+        with float64_throughout():
+            reference = exact(x.double(), position)
+        yield runner.run(7, x.to(runner.device), runner.ops(ops)).cpu(), hf(x, position), reference
 
 
 @pytest.mark.parametrize("chunks", [CHUNKS, THREE_TOKEN_CHUNKS], ids=["prompt-decode-prompt", "3-token-chunks"])
 @pytest.mark.parametrize("case", CASES)
-def test_f32_matches_hf_within_2e_6(tmp_path, case, chunks):
-    """In f32, every prefill, decode and later-prompt output matches HF's layers to 2e-6."""
-    for ours, hf, _ in run_both(checkpoint_of(tmp_path, case), torch.float32, torch.float32, chunks):
-        assert rel(ours, hf) <= F32_REL
+def test_f32_is_as_accurate_as_hf(tmp_path, case, chunks):
+    """In f32, over every prefill, decode and later-prompt output, cakemp is within 3x HF's own
+    f32 error from the f64 result."""
+    outputs = run_both(checkpoint_of(tmp_path, case), torch.float32, chunks)
+    Accuracy.of(outputs, torch.float32).assert_within(PARITY[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", CASES)
-def test_half_precision_matches_hf_and_is_as_accurate(tmp_path, case, dtype):
-    """In bf16/f16, outputs are within 8 eps of HF's and no further from exact f32 than HF's."""
-    # Stored in the dtype so the f32 reference runs on exactly the same weights.
+def test_half_precision_is_as_accurate_as_hf(tmp_path, case, dtype):
+    """In bf16/f16, cakemp is within 2x HF's own error in that dtype from the f64 result."""
+    # Stored in the dtype so the f64 reference runs on exactly the same weights.
     path = checkpoint_of(tmp_path, case, dtype)
-    worst_ours = worst_hf = 0.0
-    for ours, hf, exact in run_both(path, dtype, torch.float32):
-        assert rel(ours, hf) <= half_bound(dtype)
-        worst_ours = max(worst_ours, rel(ours, exact))
-        worst_hf = max(worst_hf, rel(hf, exact))
-    assert worst_ours <= 1.5 * worst_hf
+    Accuracy.of(run_both(path, dtype), dtype).assert_within(PARITY[dtype])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", ["llama-gqa", "qwen3-head-dim", "mistral-window"])
-def test_cuda_is_within_8_eps_of_exact(tmp_path, case, dtype):
-    """On CUDA (cuBLAS, flash / memory-efficient SDPA) outputs stay within 8 eps of HF's f32 on CPU."""
+def test_cuda_is_as_accurate_as_hf_on_the_cpu(tmp_path, case, dtype):
+    """On CUDA (cuBLAS, flash / memory-efficient SDPA) outputs are within 2x HF's own CPU error in
+    that dtype from the f64 result."""
     path = checkpoint_of(tmp_path, case, dtype)
-    runner = BlockRunner.load(path, NAMES, "cuda", dtype)
-    truth = HFLayers(path, LAYERS, torch.float32)
-    for x, position, ops in requests(runner.config.hidden_size, dtype):
-        ours = runner.run(7, x.to(runner.device), runner.ops(ops)).float().cpu()
-        assert rel(ours, truth(x.float(), position)) <= half_bound(dtype)
+    Accuracy.of(run_both(path, dtype, device="cuda"), dtype).assert_within(PARITY[dtype])

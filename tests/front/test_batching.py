@@ -61,8 +61,8 @@ def alone_runner(checkpoint, prefix: str) -> BlockRunner:
 
     Its f32 matrices are packed for MKL's GEMM as the node's are (with --max-batch above 1):
     packed and plain products round differently for a lone request as much as for a batch, by
-    up to 3.6e-6 after a few Qwen3.5 steps (past F32_REL), and what is compared here is the
-    node's batched steps with the same computation alone.
+    up to 3.6e-6 after a few Qwen3.5 steps (more on ill-conditioned inputs), and what is
+    compared here is the node's batched steps with the same computation alone.
     """
     return BlockRunner.load(checkpoint, [f"{prefix}.{i}" for i in LAYERS], "cpu", torch.float32,
                             max_context=MAX_CONTEXT, pack_weights=True)
@@ -129,7 +129,7 @@ class Session:
 
         A prompt longer than PREFILL_CHUNK goes in the chunks the front cuts it into: cut at
         another place a linear-attention layer rounds differently (a 20-token Qwen3.5 prompt
-        as 10 + 10 tokens ends 2.4e-6 from it whole, past F32_REL), and the comparison is with
+        as 10 + 10 tokens ends 2.4e-6 from it whole), and the comparison is with
         what the node computes for the request alone, not with another cut.
         """
         parts = [reference.run(self.number, x[:, start:end], reference.ops(self.ops(self.position + start)))

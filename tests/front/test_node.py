@@ -36,7 +36,7 @@ KEY = "cluster secret"
 # F16 on the wire into an f32 node: the input is f16 already, but the hidden state is rounded to
 # f16 twice, between the devices (it travels in the request's wire dtype) and in the answer, each
 # by up to one unit roundoff of the largest element, the first carried through two more layers
-# (observed up to 1.2 eps in 30 requests); the half-precision bound of the parity tests holds it.
+# (observed up to 1.2 eps in 30 requests); half_bound's 8 eps (tests/tolerance.py) holds it.
 F16_WIRE_BOUND = half_bound(torch.float16)
 
 

@@ -44,7 +44,7 @@ def test_tensors_are_cast_to_the_compute_dtype(tmp_path):
     """A bf16 checkpoint loaded for f16 compute holds f16 tensors (as Cake's default does)."""
     path = make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
     runner = BlockRunner.load(path, ["model.layers.0"], "cpu", torch.float16)
-    block = runner.blocks["model.layers.0"]
+    block = runner.block("model.layers.0")
     assert block.w_qkv.dtype == block.mlp.w_down.dtype == block.input_norm.dtype == torch.float16
 
 
@@ -100,7 +100,7 @@ def test_fp8_checkpoint_with_ragged_blocks_is_dequantized_on_load(tmp_path):
     """FP8 projections (sides not multiples of the 48x40 block) load as stored e4m3 times block scale."""
     path = make_checkpoint(tmp_path, "llama", shards=2, fp8_block=(48, 40))
     runner = BlockRunner.load(path, ["model.layers.2"], "cpu", torch.float32, pack_weights=False)  # as loaded
-    block = runner.blocks["model.layers.2"]
+    block = runner.block("model.layers.2")
     files = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
     stored = {}
     for file in files:
@@ -137,7 +137,7 @@ def test_fp8_qwen3_5_moe_loads_dequantized_and_skips_vision_and_mtp(tmp_path):
     (fused in one matrix), its (1 + w) norms with the 1 added; vision and mtp tensors are never read."""
     path = make_checkpoint(tmp_path, "qwen3_5_moe", shards=2, fp8_block=(32, 48))
     runner = BlockRunner.load(path, ["model.language_model.layers.1"], "cpu", torch.float32, pack_weights=False)  # as loaded
-    block = runner.blocks["model.language_model.layers.1"]
+    block = runner.block("model.language_model.layers.1")
     files = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
     stored = {}
     for file in files:
@@ -158,7 +158,7 @@ def test_fp8_fused_phi3_projections_dequantize_as_one_matrix(tmp_path):
     family, overrides, hub_config = HUB_FAMILIES["phi3"]
     path = make_checkpoint(tmp_path, family, fp8_block=(48, 40), hub_config=hub_config, **overrides)
     runner = BlockRunner.load(path, ["model.layers.1"], "cpu", torch.float32, pack_weights=False)  # as loaded
-    block = runner.blocks["model.layers.1"]
+    block = runner.block("model.layers.1")
     with safe_open(path / "model.safetensors", "pt") as f:
         for weight, name in ((block.w_qkv, "self_attn.qkv_proj"), (block.mlp.w_gate_up, "mlp.gate_up_proj")):
             stored = f.get_tensor(f"model.layers.1.{name}.weight")
@@ -171,7 +171,7 @@ def test_gemma3_norms_fold_their_plus_one_in_f32(tmp_path):
     """Gemma 3's six norm weights w load as 1 + w in f32, even for a bf16 block (as HF computes them)."""
     family, overrides, hub_config = HUB_FAMILIES["gemma3"]
     path = make_checkpoint(tmp_path, family, dtype=torch.bfloat16, hub_config=hub_config, **overrides)
-    block = BlockRunner.load(path, ["model.layers.1"], "cpu", torch.bfloat16).blocks["model.layers.1"]
+    block = BlockRunner.load(path, ["model.layers.1"], "cpu", torch.bfloat16).block("model.layers.1")
     norms = {"input_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
              "post_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm",
              "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
