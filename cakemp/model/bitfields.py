@@ -18,7 +18,7 @@ _CODES_PER_STEP = 16 << 20
 
 
 def unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """words: [rows, W] int32 or uint32 -> [rows, count] int32 codes, the first `count` of each
+    """words: [rows, W] 32-bit words (`as_unsigned`) -> [rows, count] int32 codes, the first `count` of each
     row's stream (count <= W * 32 / bits; a stream may end in unused padding)."""
     rows, width = words.shape
     if count * bits > width * _WORD:
@@ -37,10 +37,10 @@ def unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 def as_unsigned(words: torch.Tensor) -> torch.Tensor:
-    """32-bit words (int32 or uint32) as int64 values in 0 .. 2^32 - 1."""
+    """32-bit words (int32, uint32, or int64 already in 0 .. 2^32 - 1) as int64 values in 0 .. 2^32 - 1."""
     if words.dtype == torch.int32:
         return words.to(torch.int64) & _LOW_32
-    if words.dtype == torch.uint32:
+    if words.dtype in (torch.uint32, torch.int64):
         return words.to(torch.int64)
     raise ValueError(f"packed codes are stored as {words.dtype}, not 32-bit words")
 
