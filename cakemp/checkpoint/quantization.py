@@ -141,7 +141,7 @@ def _gptq(quant: dict[str, Any]) -> Gptq:
     group_size = quant.get("group_size", 128)
     if group_size != -1:
         group_size = whole("gptq group_size", group_size, 1, _MAX_GROUP)
-    fmt = quant.get("checkpoint_format", quant.get("format", "gptq"))
+    fmt = quant.get("checkpoint_format") or quant.get("format") or "gptq"  # GPTQModel 4+ writes `format`
     if quant.get("is_marlin_format"):
         fmt = "marlin"
     if fmt not in _GPTQ_FORMATS:
