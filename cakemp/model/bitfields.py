@@ -13,27 +13,28 @@ import torch
 
 _WORD = 32
 _LOW_32 = (1 << 32) - 1
-# Codes unpacked per step: bounds the int64 temporaries (8 bytes a code) to ~128 MiB.
-_CODES_PER_STEP = 16 << 20
 
 
 def unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """words: [rows, W] 32-bit words (`as_unsigned`) -> [rows, count] int32 codes, the first `count` of each
-    row's stream (count <= W * 32 / bits; a stream may end in unused padding)."""
+    """words: [rows, W] 32-bit words (`as_unsigned`) -> [rows, count] int32 codes, the first `count`
+    of each row's stream (count <= W * 32 / bits; a stream may end in unused padding). Callers
+    pass a few rows at a time: the temporaries are 2 (8 for 3, 5, 6 bits) times the codes' bytes."""
     rows, width = words.shape
     if count * bits > width * _WORD:
         raise ValueError(f"{width} words of {_WORD} bits hold fewer than {count} codes of {bits} bits")
+    mask = (1 << bits) - 1
+    if _WORD % bits == 0:
+        # No code crosses a word: each word shifted by each field's offset, in int32 (the sign
+        # bits an arithmetic shift brings in are masked off).
+        shifts = torch.arange(0, _WORD, bits, dtype=torch.int32, device=words.device)
+        fields = (_as_int32(words)[:, :, None] >> shifts).bitwise_and_(mask)  # [rows, W, 32 / bits]
+        return fields.view(rows, -1)[:, :count]
     offsets = torch.arange(count, device=words.device) * bits
     first, shift = offsets // _WORD, offsets % _WORD
-    mask = (1 << bits) - 1
-    out = torch.empty(rows, count, dtype=torch.int32, device=words.device)
-    step = max(1, _CODES_PER_STEP // max(count, 1))
-    for start in range(0, rows, step):
-        block = as_unsigned(words[start : start + step])  # [r, W] int64 in 0 .. 2^32 - 1
-        # Each word with its successor above it, so a code crossing into the next word is whole.
-        pairs = block | (torch.cat([block[:, 1:], torch.zeros_like(block[:, :1])], dim=1) << _WORD)
-        out[start : start + step] = ((pairs[:, first] >> shift) & mask).to(torch.int32)
-    return out
+    block = as_unsigned(words)  # [rows, W] int64 in 0 .. 2^32 - 1
+    # Each word with its successor above it, so a code crossing into the next word is whole.
+    pairs = block | (torch.cat([block[:, 1:], torch.zeros_like(block[:, :1])], dim=1) << _WORD)
+    return ((pairs[:, first] >> shift) & mask).to(torch.int32)
 
 
 def as_unsigned(words: torch.Tensor) -> torch.Tensor:
@@ -43,6 +44,16 @@ def as_unsigned(words: torch.Tensor) -> torch.Tensor:
     if words.dtype in (torch.uint32, torch.int64):
         return words.to(torch.int64)
     raise ValueError(f"packed codes are stored as {words.dtype}, not 32-bit words")
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """32-bit words (`as_unsigned`'s kinds) as int32 with the same bits."""
+    if words.dtype == torch.int32:
+        return words
+    if words.dtype == torch.uint32:
+        return words.view(torch.int32)
+    unsigned = as_unsigned(words)
+    return torch.where(unsigned >= 1 << 31, unsigned - (1 << 32), unsigned).to(torch.int32)
 
 
 def add_to_each(words: torch.Tensor, bits: int, value: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from cakemp.checkpoint.quantization import Gptq
 from cakemp.model import bitfields
 
-_VALUES_PER_STEP = 8 << 20
+_VALUES_PER_STEP = 1 << 20
 
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
@@ -36,13 +36,23 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     _check_shape("qzeros", qzeros, (groups, -(-out_features * bits // 32)))
     group = _groups(g_idx, in_features, groups, spec.group_size).to(qweight.device)
     zeros = _zero_points(qzeros, bits, out_features, spec.v1)  # [groups, out]
-    codes = bitfields.unpack(qweight.t().contiguous(), bits, in_features)  # [out, in] int32
-    zeros, scales = zeros.t(), scales.t().float()  # [out, groups] each
+    words = qweight.t().contiguous()  # [out, in * bits / 32]: each output's codes, row by row
+    zeros, scales = zeros.t().float(), scales.t().float()  # [out, groups] each
     weight = torch.empty(out_features, in_features, dtype=torch.float32, device=qweight.device)
-    step = max(1, _VALUES_PER_STEP // max(in_features, 1))  # output rows at a time: bounded temporaries
+    # In input order, with groups of one size (no act-order): each group's zero point and scale
+    # broadcast over its inputs, no gather.
+    size = in_features // groups if in_features % groups == 0 else 0
+    in_order = size and torch.equal(group, torch.arange(in_features, device=group.device) // size)
+    # A few output rows at a time: the temporaries stay small (in cache, no fresh pages to fault in).
+    step = max(1, _VALUES_PER_STEP // max(in_features, 1))
     for rows in (slice(start, start + step) for start in range(0, out_features, step)):
         # Codes and zero points are small integers, exact in f32, so W rounds once, in the product.
-        torch.mul((codes[rows] - zeros[rows][:, group]).float(), scales[rows][:, group], out=weight[rows])
+        codes = bitfields.unpack(words[rows], bits, in_features).float()  # [r, in]
+        if in_order:
+            codes.view(-1, groups, size).sub_(zeros[rows, :, None]).mul_(scales[rows, :, None])
+        else:
+            codes.sub_(zeros[rows].index_select(1, group)).mul_(scales[rows].index_select(1, group))
+        weight[rows] = codes
     return weight
 
 

@@ -13,7 +13,7 @@ import torch
 
 from cakemp.model import bitfields
 
-_VALUES_PER_STEP = 8 << 20
+_VALUES_PER_STEP = 1 << 20
 
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
@@ -27,12 +27,13 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
     for name, tensor in (("scales", scales), ("biases", biases)):
         if tuple(tensor.shape) != groups:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {groups} for a weight of {tuple(weight.shape)}")
-    codes = bitfields.unpack(weight.reshape(-1, words), bits, cols)  # [R, cols] int32
-    scales, biases = scales.reshape(-1, cols // group_size).float(), biases.reshape(-1, cols // group_size).float()
-    out = torch.empty(codes.shape, dtype=torch.float32, device=weight.device)
+    words = weight.reshape(-1, words)  # [R, cols * bits / 32]
+    scales, biases = scales.reshape(-1, groups[-1]).float(), biases.reshape(-1, groups[-1]).float()
+    out = torch.empty(words.shape[0], cols, dtype=torch.float32, device=weight.device)
+    # A few rows at a time: the temporaries stay small (in cache, no fresh pages to fault in).
     step = max(1, _VALUES_PER_STEP // max(cols, 1))
-    for rows in (slice(start, start + step) for start in range(0, codes.shape[0], step)):
-        grouped = codes[rows].float().view(-1, cols // group_size, group_size)  # [r, groups, group_size]
+    for rows in (slice(start, start + step) for start in range(0, words.shape[0], step)):
+        codes = bitfields.unpack(words[rows], bits, cols).float().view(-1, groups[-1], group_size)
         # q * scale + bias in f32, each rounded once, as mx.dequantize computes in f32.
-        out[rows] = torch.addcmul(biases[rows, :, None], grouped, scales[rows, :, None]).view(-1, cols)
+        out[rows] = torch.addcmul(biases[rows, :, None], codes, scales[rows, :, None]).view(-1, cols)
     return out.view(*lead, cols)

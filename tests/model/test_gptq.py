@@ -73,7 +73,7 @@ def test_v1_zero_points_of_zero_are_restored_as_gptqmodel_restores_them(packed):
     writer's word-wide subtraction borrowed: adding 1 per field (Cake's way) gets them wrong,
     cakemp's word-wide addition (GPTQModel's) gets them right (the test above)."""
     naive_wrong = 0
-    for variant, stored, expected in packed:
+    for variant, stored, _ in packed:
         if not variant["v1"] or variant["sym"] or 32 % variant["bits"]:
             continue
         qzeros, scales = stored["b.qzeros"], stored["b.scales"]
