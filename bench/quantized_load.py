@@ -1,6 +1,6 @@
 """Load time and resident memory of the same layers stored plain (bf16), as GPTQ and as MLX affine.
 
-    python bench/quantized_load.py [--layers 4] [--repeats 3] [--dtype bf16]
+    python bench/quantized_load.py [--layers 4] [--repeats 3] [--dtype bf16] [--threads 2]
 
 The checkpoints hold Llama layers of TinyLlama-1.1B's shape (hidden 2048, 32 query heads on 4
 kv heads, intermediate 5632): plain bf16; GPTQ 4-bit, groups of 128, v1, f16 scales; GPTQ
@@ -116,9 +116,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each loading process")
     parser.add_argument("--once", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     if args.once:
         print(json.dumps(once(args.once, DTYPES[args.dtype])))
         return
@@ -128,13 +129,13 @@ def main() -> None:
             path = write(Path(tmp) / name.replace(" ", "-"), args.layers, quantization)
             disk = (path / "model.safetensors").stat().st_size
             (path / "model.safetensors").read_bytes()  # warm the page cache
-            command = [sys.executable, __file__, "--once", str(path), "--dtype", args.dtype]
+            command = [sys.executable, __file__, "--once", str(path), "--dtype", args.dtype, "--threads", str(args.threads)]
             runs = [json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
                     for _ in range(args.repeats)]
             rows[name] = (disk, min(r["seconds"] for r in runs), min(r["resident"] for r in runs), runs[0]["counted"])
     base = rows["bf16"]
-    print(f"{args.layers} layers of TinyLlama-1.1B's shape, loaded in {args.dtype} on the CPU, fresh process each, "
-          f"best of {args.repeats}")
+    print(f"{args.layers} layers of TinyLlama-1.1B's shape, loaded in {args.dtype} on the CPU ({args.threads} threads), "
+          f"fresh process each, best of {args.repeats}")
     print("| stored as | disk MiB | load ms | vs bf16 | resident MiB | vs bf16 | counted MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, (disk, seconds, resident, counted) in rows.items():
