@@ -1,18 +1,26 @@
-"""One master connection, which is one session: auth, handshake, then requests until it closes.
+"""One master connection, which is one session: Hello, then requests until it closes.
 
 A Cake master opens one connection per remote layer and sends each contiguous run as a Batch on
 the run's first connection; the others see only Hello and Goodbye. A request that cannot be
 served is answered WorkerError and the connection stays; bytes that are not Cake protocol
 close this connection only.
 
-What a peer can hold is bounded: a frame may be no larger than the model can need
-(`ConnectionLimits.max_payload`), its payload is read only once the node-wide BufferBudget
+The connection starts once the master has proved the cluster key, if the node has one
+(handshakes.py). What a peer can hold is bounded: a frame may be no larger than the model can
+need (`ConnectionLimits.max_payload`), its payload is read only once the node-wide BufferBudget
 has room for it, and from then on it must arrive within `frame_timeout` (so must the first
-frame, Hello, counted from the end of the key handshake). A peer idle between frames, or
-inside a header of 8 bytes, holds no budget.
+frame, Hello, counted from the connection's start, the wait for the budget excepted). A reply
+holds the request's budget until it is written, and the master must read it within
+`frame_timeout` too: one that stops reading is closed (its transport aborted, its unsent bytes
+dropped) and its budget given back, so it cannot stall the other masters. A peer idle between
+frames, or inside a header of 8 bytes, holds no budget.
 Between frames a master may sit idle for as long as it likes (Cake masters do, between
 prompts); with `session_idle_timeout` its KV state is freed after that long, and it is told
 once if it then tries to continue. TCP keepalive finds a master that vanished without a FIN.
+
+However a connection ends, the log says why, once: the node's own closes at warning (the
+peer's fault) or info, a master that hangs up inside a frame or resets at info, and one that
+closes cleanly between frames at debug.
 """
 
 from __future__ import annotations
@@ -25,19 +33,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cakemp import log
-from cakemp.auth import authenticate_master
-from cakemp.errors import AuthError, BadRequest, CakempError, InternalError, PeerFault, ProtocolError, RequestError
+from cakemp.errors import BadRequest, CakempError, InternalError, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
 from cakemp.front.session import Action, Clear, Close, Greet, Note, Refuse, Reply, Run, Session, SessionState
+from cakemp.streams import read_payload
 from cakemp.wire import (
     HEADER_SIZE, LayerAssignment, LayerOp, Message, RawTensor, Revision, TensorMessage, WorkerError, WorkerInfo,
     decode_payload, encode_frame, read_header,
 )
 
-_READ_SIZE = 1 << 20
 # Keepalive probes after this long without traffic, then every _KEEPALIVE_INTERVAL_S, up to
 # _KEEPALIVE_PROBES unanswered: a master gone without a FIN is dropped after ~2 minutes.
 _KEEPALIVE_IDLE_S = 60
@@ -46,12 +53,16 @@ _KEEPALIVE_PROBES = 6
 # A WorkerError's text never runs longer than this (a peer's own strings are clipped before).
 _MAX_ERROR_CHARS = 400
 _INTERNAL_ERROR = "internal error on the worker; its log has the details"
+# What the master owes when the frame timeout runs out: the reason its connection is closed.
+_HELLO_LATE = "no Hello within {:g} s of connecting"
+_FRAME_LATE = "a frame did not arrive within {:g} s of its header"
+_REPLY_UNREAD = "the master did not read its reply within {:g} s"
 
 
 @dataclass(frozen=True)
 class ConnectionLimits:
     max_payload: int  # bytes; a frame announcing more closes the connection
-    frame_timeout: float  # seconds for a frame's payload to arrive once its header has (and for Hello)
+    frame_timeout: float  # seconds for a frame's payload to arrive once its header has (and for Hello, and for a reply to be read)
     session_idle_timeout: float | None = None  # seconds idle after which the session's KV is freed; None: never
 
 
@@ -70,7 +81,7 @@ class Connection:
 
     def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
                  pool: DevicePool, admission: Admission, limits: ConnectionLimits,
-                 budget: BufferBudget, metrics: Metrics, revision: Revision, cluster_key: str | None,
+                 budget: BufferBudget, metrics: Metrics, revision: Revision,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None):
         self.session_id = session  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
@@ -78,17 +89,20 @@ class Connection:
         self._reader, self._writer = reader, writer
         self._pool, self._metrics = pool, metrics
         self._limits, self._budget = limits, budget
-        self._revision, self._cluster_key = revision, cluster_key
+        self._revision = revision
         self._worker_info = worker_info  # latency in ms -> WorkerInfo
         self._session = Session(admission, served=served, idle_timeout=limits.session_idle_timeout)
+        # What the master owes within the frame timeout, since when: (loop time, reason if late); None: nothing.
+        self._owed: tuple[float, str] | None = None
         self._decode_limits = admission.decode_limits()
-        self._frame_started: float | None = None  # loop time a frame's payload (or Hello) became due; None: idle
         self._frame_watch: asyncio.TimerHandle | None = None
+        self._ended = False  # the log has said why the connection ends
         peer = writer.get_extra_info("peername")
         self._log = log.get_logger(session=f"{peer[0]}:{peer[1]}" if peer else "?")
 
     def close(self) -> None:
-        """Close the transport: the read loop sees EOF and `serve` frees the session and returns."""
+        """Close the transport (the node stops): the read loop sees EOF and `serve` frees the session and returns."""
+        self._end("info", "closing connection", error="the node is stopping")
         self._writer.close()
 
     def finish(self) -> None:
@@ -98,42 +112,60 @@ class Connection:
             self.close()
 
     async def serve(self) -> None:
-        """Serve until the master closes, sends garbage, or the task is cancelled; then free the session."""
+        """Serve until the master closes, sends garbage, or the task is cancelled; then free the
+        session. The log says why it ended."""
         try:
-            if self._cluster_key is not None:
-                await authenticate_master(self._reader, self._writer, self._cluster_key)
             await self._serve()
-        except AuthError as e:
-            self._log.warning("authentication failed", error=str(e), fault="peer")
+            self._end("debug", "connection closed by the master")
         except (ProtocolError, BadRequest) as e:  # BadRequest: a sound frame with an unusable tensor or run, before Hello
-            self._log.warning("closing connection", error=str(e), fault="peer")
-        except (ConnectionError, asyncio.IncompleteReadError):
-            self._log.debug("connection lost")
+            self._end("warning", "closing connection", error=str(e), fault="peer")
+        except asyncio.IncompleteReadError as e:
+            self._end("info", "connection lost",
+                      error=f"the master closed it inside a frame ({len(e.partial)} of {e.expected} bytes came)")
+        except OSError as e:  # reset, broken pipe, keepalive unanswered (ETIMEDOUT)
+            self._end("info", "connection lost", error=f"{type(e).__name__}: {e}")
+        except asyncio.CancelledError:
+            self._end("info", "closing connection", error="the node is stopping")
+            raise
         except Exception as e:  # a bug in cakemp: this connection alone ends, the node serves on
-            self._log.error("closing connection: unexpected error", error=f"{type(e).__name__}: {e}", fault="node")
+            self._end("error", "closing connection: unexpected error", error=f"{type(e).__name__}: {e}", fault="node")
         finally:
             await self._release()
 
+    def _end(self, level: str, event: str, **fields: object) -> None:
+        """Log why the connection ends, unless that was said already (a timeout that aborted it, a
+        session rule that closed it, the node stopping)."""
+        if not self._ended:
+            self._ended = True
+            getattr(self._log, level)(event, **fields)
+
     async def _serve(self) -> None:
         # Hello is due within the frame timeout of the connection's start (after the key handshake).
-        self._frame_started = asyncio.get_running_loop().time()
+        self._owed = (asyncio.get_running_loop().time(), _HELLO_LATE)
         self._watch_frames()
-        while self._session.state is not SessionState.CLOSED:
-            try:
-                received = await self._read()
-            except BadRequest as e:  # the frame was sound, only its tensor or layer run is not: answer, go on
-                if self._session.state is SessionState.AWAITING_HELLO:
-                    raise  # not a session yet: the connection closes
-                self._metrics.requests.inc()
-                await self._send(self._refusal(e))
-                continue
-            if received is None:
-                return
-            message, _, read_s, size = received
-            try:
-                await self._carry_out(self._session.received(message), read_s)
-            finally:
-                self._budget.give(size)  # the message is answered: its bytes are no longer held
+        while self._session.state is not SessionState.CLOSED and await self._answer_next():
+            pass
+
+    async def _answer_next(self) -> bool:
+        """Read the next message and carry out what the session makes of it; False at EOF. The
+        message's bytes are held of the budget until it is answered, and are freed with this call
+        (a message kept alive while the next is awaited would be memory the budget no longer counts)."""
+        try:
+            received = await self._read()
+        except BadRequest as e:  # the frame was sound, only its tensor or layer run is not: answer, go on
+            if self._session.state is SessionState.AWAITING_HELLO:
+                raise  # not a session yet: the connection closes
+            self._metrics.requests.inc()
+            await self._send(self._refusal(e))
+            return True
+        if received is None:
+            return False
+        message, _, read_s, size = received
+        try:
+            await self._carry_out(self._session.received(message), read_s)
+        finally:
+            self._budget.give(size)  # the message is answered: its bytes are no longer held
+        return True
 
     async def _carry_out(self, actions: Sequence[Action], read_s: float = 0.0) -> None:
         """Do what the session asked, in order; `read_s`: how long the frame it answers took to read."""
@@ -150,6 +182,7 @@ class Connection:
                 case Note(level, event, fields):
                     getattr(self._log, level)(event, **fields)
                 case Close():
+                    self._ended = True  # the session's Note before it said why
                     return
 
     async def _serve_request(self, request: Run | Refuse) -> None:
@@ -210,17 +243,18 @@ class Connection:
             return None
         start = time.perf_counter()
         size = read_header(header, self._limits.max_payload)
+        self._owed = None  # waiting for the budget is the node's doing, not the master's
         await self._budget.take(size)
-        # The peer has frame_timeout from now for the payload (waiting for the budget was ours).
-        self._frame_started = asyncio.get_running_loop().time()
+        # The peer has frame_timeout from now for the payload.
+        self._owed = (asyncio.get_running_loop().time(), _FRAME_LATE)
         try:
-            payload = await self._read_payload(size)
+            payload = await read_payload(self._reader, size)
             message = decode_payload(payload, self._revision, self._decode_limits)
         except BaseException:
             self._budget.give(size)
             raise
         finally:
-            self._frame_started = None
+            self._owed = None
         self._metrics.bytes_received.inc(HEADER_SIZE + size)
         return message, HEADER_SIZE + size, time.perf_counter() - start, size
 
@@ -245,38 +279,31 @@ class Connection:
             return b""
 
     def _watch_frames(self) -> None:
-        """Close the connection once a frame (or, first, Hello) has taken longer than the frame
-        timeout; looked at every frame_timeout seconds rather than timed per frame, which would
-        cost every decode step a timer."""
+        """Close the connection once what the master owes (Hello first, then a frame's payload, or
+        reading a reply) has taken longer than the frame timeout; looked at every frame_timeout
+        seconds rather than timed per frame, which would cost every decode step a timer."""
         loop = asyncio.get_running_loop()
         timeout = self._limits.frame_timeout
-        started = self._frame_started
-        if started is None or loop.time() < started + timeout:
-            self._frame_watch = loop.call_at((loop.time() if started is None else started) + timeout,
-                                             self._watch_frames)
+        owed = self._owed
+        if owed is None or loop.time() < owed[0] + timeout:
+            self._frame_watch = loop.call_at((loop.time() if owed is None else owed[0]) + timeout, self._watch_frames)
             return
-        error = (f"no Hello within {timeout:g} s of connecting" if self._session.state is SessionState.AWAITING_HELLO
-                 else f"a frame did not arrive within {timeout:g} s of its header")
-        self._log.warning("closing connection", error=error, fault="peer")
-        self._writer.transport.abort()  # the read waiting on it ends at once, as a lost connection
-
-    async def _read_payload(self, size: int) -> bytearray:
-        """`size` bytes of the stream into one buffer (decoded tensors are views of it)."""
-        payload = bytearray(size)
-        got = 0
-        with memoryview(payload) as view:
-            while got < size:
-                chunk = await self._reader.read(min(size - got, _READ_SIZE))
-                if not chunk:
-                    raise asyncio.IncompleteReadError(bytes(view[:got]), size)
-                view[got:got + len(chunk)] = chunk
-                got += len(chunk)
-        return payload
+        if owed[1] == _REPLY_UNREAD:
+            self._metrics.unread_replies.inc()
+        self._end("warning", "closing connection", error=owed[1].format(timeout), fault="peer")
+        # The read or the drain waiting on it ends at once, as a lost connection; the unsent
+        # reply is dropped with the transport's buffer.
+        self._writer.transport.abort()
 
     async def _send(self, message: Message) -> int:
         buffers = encode_frame(message, self._revision)
         self._writer.writelines(buffers)
-        await self._writer.drain()
+        # Whatever the socket does not take at once, the master owes reading within the frame timeout.
+        self._owed = (asyncio.get_running_loop().time(), _REPLY_UNREAD)
+        try:
+            await self._writer.drain()
+        finally:
+            self._owed = None
         written = sum(memoryview(b).nbytes for b in buffers)
         self._metrics.bytes_sent.inc(written)
         return written

@@ -233,6 +233,16 @@ class Metrics:
             "outside --allow-from).", "reason")
         self.buffered_bytes = self._gauge("cakemp_buffered_bytes",
                                           "Frame bytes master connections hold now, against --max-buffered-mib.")
+        self.handshakes = self._gauge(
+            "cakemp_handshakes", "Connections in the cluster-key handshake now (not master connections yet; at most 64).")
+        self.handshakes_displaced = self._counter(
+            "cakemp_handshakes_displaced_total",
+            "Connections closed in the handshake to make room for a newer one: every place for handshakes was taken.")
+        self.unread_replies = self._counter(
+            "cakemp_unread_replies_total", "Master connections closed because a reply was not read within --frame-timeout.")
+        self.accept_failures = self._counter(
+            "cakemp_accept_failures_total",
+            "Accepts that failed, each followed by a pause in accepting (mostly: no file descriptor was left).")
         # The devices.
         self.device_request_seconds = self._histogram(
             "cakemp_device_request_duration_seconds", "Time from handing a request to a device to its reply.", "device")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from cakemp import log
 from cakemp.ipc.spec import DeviceMain, DeviceSpec
-from cakemp.errors import BadIpcMessage, InternalError, RequestError
+from cakemp.errors import BadIpcMessage, CakempError, InternalError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
@@ -378,22 +378,47 @@ class DevicePool:
             pending.future.set_result([data for _, data in sorted(pending.outputs, key=lambda output: output[0])])
 
     def _spawn(self, device: int, generation: int) -> None:
-        """Start a process for `device`; its Ready then comes over its socket."""
+        """Start a process for `device`; its Ready then comes over its socket. A process that cannot
+        even be started (no file descriptor left for its pipes, no memory to fork) counts as a start
+        that failed, so the pool's backoff and give-up apply as to any other."""
         spec = self.specs[device]
+        try:
+            process, parent_pipe = self._started_process(spec, generation)
+        except OSError as e:
+            self._log.error("cannot start a device process", device=device, device_label=spec.label,
+                            error=f"{type(e).__name__}: {e}")
+            now = self._loop.time()
+            error = CakempError(f"could not start its process: {e.strerror or e}")
+            # As if it reported StartFailure and exited: a first start fails the node's start, a
+            # restart waits its backoff (or gives up). Its exit is the one that was never started.
+            self._act(self._state.start_failed(device, now, error))
+            if isinstance(self._state.phase(device), ps.Killing):
+                self._act(self._state.exited(device, now, None))
+            return
         self._gone[device] = asyncio.Event()
         self._readies[device] = None
-        # Only we hold the write end; the child sees EOF on its read end when we are gone.
-        reader, self._parent_pipes[device] = self._context.Pipe(duplex=False)
-        process = self._context.Process(
-            target=self._device_main,
-            args=(spec, reader, os.getpid(), generation, tuple(s.endpoint for s in self.specs)),
-            name=f"cakemp-device-{spec.index}", daemon=True,
-        )
-        with _visible_gpu(spec.gpu):
-            process.start()
-        reader.close()
-        self._processes[device] = process
+        self._processes[device], self._parent_pipes[device] = process, parent_pipe
         self._loop.add_reader(process.sentinel, self._exited, device)
+
+    def _started_process(self, spec: DeviceSpec, generation: int):
+        """A started process for `spec` and the write end of its pipe; OSError, with nothing left
+        open, if it cannot be started."""
+        # Only we hold the write end; the child sees EOF on its read end when we are gone.
+        reader, writer = self._context.Pipe(duplex=False)
+        try:
+            process = self._context.Process(
+                target=self._device_main,
+                args=(spec, reader, os.getpid(), generation, tuple(s.endpoint for s in self.specs)),
+                name=f"cakemp-device-{spec.index}", daemon=True,
+            )
+            with _visible_gpu(spec.gpu):
+                process.start()
+        except BaseException:
+            writer.close()
+            raise
+        finally:
+            reader.close()
+        return process, writer
 
 
 @contextlib.contextmanager

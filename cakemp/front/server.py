@@ -30,11 +30,13 @@ from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
+from cakemp.front.handshakes import Handshakes
+from cakemp.front.listener import Listener
 from cakemp.setup.discovery import DiscoveryResponder, announcement_for
 from cakemp.front.metrics import Metrics, start_metrics_server
 from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
-from cakemp.setup.exchange import Setup
+from cakemp.setup.exchange import MAX_SETUP_FRAME, Setup
 from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import Ready
@@ -76,7 +78,10 @@ class Front:
         self.metrics = Metrics()
         self._notifier = notifier or Notifier(None)
         self._budget = BufferBudget(config.max_buffered_bytes, on_change=self.metrics.buffered_bytes.set)
-        self._setup = Setup(config.setup, config.revision) if config.setup is not None else None
+        # A connection proves the cluster key (if the node has one) before it counts as a master's.
+        self._handshakes = Handshakes(config.cluster_key, self.metrics) if config.cluster_key is not None else None
+        self._setup = (Setup(config.setup, config.revision, self._budget, config.frame_timeout)
+                       if config.setup is not None else None)
         self._discovery: asyncio.DatagramTransport | None = None
         self._serving: Serving | None = None  # once the layers are known (zero-config: after a setup)
         self._runtime_dir: str | None = None
@@ -101,15 +106,15 @@ class Front:
         keep_alive = asyncio.create_task(self._notifier.keep_alive())
         metrics_server = None
         try:
-            server = await self._bind()
+            listener = self._bind()
             try:
                 metrics_server = await self._serve_metrics()
-                started = await (self._set_up(server) if self._setup is not None else self._start(self.config))
+                started = await (self._set_up(listener) if self._setup is not None else self._start(self.config))
                 if started is None:
                     return EXIT_OK
                 serving, readies = started
-                await server.start_serving()
-                host, port = server.sockets[0].getsockname()[:2]  # the real port when --address asked for 0
+                listener.start()
+                host, port = listener.address  # the real port when --address asked for 0
                 self._log.info(
                     "listening", host=host, port=port, memory_bytes=resident_bytes(),
                     layers=len(serving.config.layers),
@@ -121,12 +126,11 @@ class Front:
                     exit_status = await self._serve_until_done(serving.pool)
                 finally:
                     stats.cancel()
-                server.close()
+                listener.close()
                 await self._drain(serving)
                 return exit_status
             finally:
-                server.close()
-                await server.wait_closed()
+                listener.close()
         finally:
             if self._serving is not None:
                 await self._serving.pool.stop()
@@ -174,11 +178,11 @@ class Front:
                                      for spec in specs])
         return Serving(config, admission, limits, status, pool, served)
 
-    async def _bind(self) -> asyncio.Server:
+    def _bind(self) -> Listener:
         # Bound before loading, so that a taken port fails before minutes of loading; it
         # accepts connections (listen) only once every device is ready.
         try:
-            return await asyncio.start_server(self._accept, self.config.host, self.config.port, start_serving=False)
+            return Listener(self.config.host, self.config.port, self._accept, self.metrics)
         except OSError as e:
             raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: {e.strerror}") from None
 
@@ -209,12 +213,15 @@ class Front:
         self._log.info("stopped while loading")
         return None
 
-    async def _set_up(self, server: asyncio.Server) -> tuple[Serving, tuple[Ready, ...]] | None:
+    async def _set_up(self, listener: Listener) -> tuple[Serving, tuple[Ready, ...]] | None:
         """Zero-config: answer discovery and setups until one's layers have loaded (then the
         node serves them); None when asked to stop first. A setup whose model cannot load is
         refused and the node waits for the next."""
-        await server.start_serving()  # setup connections only, until the setup serves
-        port = server.sockets[0].getsockname()[1]
+        if self._budget.capacity < MAX_SETUP_FRAME:
+            raise ConfigError(f"--max-buffered-mib {self._budget.capacity / 2**20:g} is less than one frame of a "
+                              f"model push can need ({human_bytes(MAX_SETUP_FRAME)})")
+        listener.start()  # setup connections only, until the setup serves
+        port = listener.address[1]
         setup = self.config.setup
         # nvidia-smi may take a second or two: off the loop, which keeps the watchdog fed.
         announcement = await asyncio.to_thread(
@@ -300,19 +307,23 @@ class Front:
             task.cancel()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        host = (writer.get_extra_info("peername") or ("?",))[0]
+        peer = writer.get_extra_info("peername")
+        host = (peer or ("?",))[0]
+        logger = self._log.bind(session=f"{host}:{peer[1]}" if peer else "?")
         if self.config.allow_from is not None and not self.config.allow_from.allows(host):
-            self._log.warning("refusing a connection: not in --allow-from", peer=host)
+            logger.warning("refusing a connection: not in --allow-from", peer=host)
             self.metrics.refused_connections.inc(reason="allow-from")
             writer.close()  # before the handshake: nothing read, nothing written
+            return
+        if self._handshakes is not None and not await self._handshakes.authenticate(reader, writer, logger):
+            writer.close()  # why was logged
             return
         if self._setup is not None and not self._setup.serves:
             await self._setup.handle(reader, writer)
             return
         if len(self._connections) >= self.config.max_connections:
-            peer = writer.get_extra_info("peername")
-            self._log.warning("refusing a connection: --max-connections reached",
-                              peer=f"{peer[0]}:{peer[1]}" if peer else "?", max_connections=self.config.max_connections)
+            logger.warning("refusing a connection: --max-connections reached",
+                           peer=f"{peer[0]}:{peer[1]}" if peer else "?", max_connections=self.config.max_connections)
             self.metrics.refused_connections.inc(reason="max-connections")
             writer.close()
             return
@@ -321,7 +332,7 @@ class Front:
         connection = Connection(
             next(self._sessions), reader, writer, pool=serving.pool, admission=serving.admission,
             limits=serving.limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
-            cluster_key=self.config.cluster_key, worker_info=self._worker_info, served=serving.served,
+            worker_info=self._worker_info, served=serving.served,
         )
         self._connections[connection] = asyncio.current_task()
         self.metrics.connections.inc()

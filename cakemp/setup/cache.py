@@ -295,6 +295,9 @@ class ModelPush:
             return data
         bound = min(room, PUSH_CHUNK_BYTES)
         try:
+            if (length := _frame_length(data)) != len(data):
+                raise SetupError(f"{chunk.filename}: the chunk at {chunk.offset} is not one zstd frame "
+                                 f"({len(data)} bytes, its frame {length})")
             declared = zstandard.frame_content_size(data)
             if declared > bound:
                 raise SetupError(f"{chunk.filename}: compressed chunk declares {declared} bytes, room for {bound}")
@@ -345,15 +348,40 @@ class _File:
 
     def close_into_place(self) -> None:
         os.fsync(self._fd)
-        os.close(self._fd)
+        self._close()
         os.replace(self._directory / _PARTIAL.format(self.name), self._directory / self.name)
 
     def discard(self) -> None:
-        os.close(self._fd)
+        """Close (if still open) and remove the partial file; never raises, so an abort always ends."""
+        try:
+            self._close()
+        except OSError:
+            pass
         try:
             os.unlink(self._directory / _PARTIAL.format(self.name))
-        except FileNotFoundError:
+        except OSError:
             pass
+
+    def _close(self) -> None:
+        # Forgotten before it is closed: a close that fails, or a rename after it that does, must
+        # not lead discard to close the number again, which by then may be another file's or socket's.
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _frame_length(data: bytes | memoryview) -> int:
+    """The length of the zstd frame `data` begins with, from its header and block headers (each 3
+    bytes, little-endian: last-block bit, 2 type bits, 21 size bits; an RLE block's content is one
+    byte), plus the optional 4-byte checksum; more than len(data) when the frame is cut short."""
+    position = zstandard.frame_header_size(data)
+    while position + 3 <= len(data):
+        header = int.from_bytes(data[position:position + 3], "little")
+        last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+        position += 3 + (1 if kind == 1 else size)
+        if last:
+            return position + (4 if zstandard.get_frame_parameters(data).has_checksum else 0)
+    return len(data) + 1
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -12,11 +12,21 @@ them. Cake's worker answers WorkerReady before loading; its masters set no deadl
 answer (only on connecting), so waiting for the load is compatible, and a model that cannot
 load is never announced ready.
 
-Unlike Cake, one bad connection never ends or blocks the setup: a connection that fails
-auth, stays silent, sends something other than LayerAssignment, or pushes something refused
-is answered WorkerError where it can be, closed, and the node keeps waiting. One setup runs at
-a time: a newer LayerAssignment replaces one still pushing, and is refused while one's layers
-load.
+Unlike Cake, one bad connection never ends or blocks the setup: a connection that stays
+silent, sends something other than LayerAssignment, or pushes something refused is answered
+WorkerError where it can be, closed, and the node keeps waiting. One setup runs at a time: a
+newer LayerAssignment replaces one still pushing, and is refused while one's layers load.
+
+What setup connections can hold is bounded as a serving connection's is. A connection reaches
+`Setup.handle` only once it has proved the cluster key (front/handshakes.py), and at most
+MAX_SETUP_CONNECTIONS are handled at once. Each frame's payload is read only once the node's
+buffer budget (shared with the serving connections) has room for it, and must be small enough
+for what it can be: the first (a LayerAssignment) at most MAX_FIRST_FRAME, a push's frames at
+most MAX_SETUP_FRAME (a chunk of Cake's 128 MiB); a frame announcing more closes the connection
+unread. A frame's header is due within `idle_timeout` of being owed and its payload within the
+frame timeout of its header, however it trickles in; every reply must be read within the frame
+timeout too. The cache is looked at off the event loop: a large index takes seconds to check.
+Every connection's end is logged with its reason.
 """
 
 from __future__ import annotations
@@ -27,14 +37,16 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import Protocol
+
 from cakemp import log
-from cakemp.auth import authenticate_master
-from cakemp.checkpoint.files import split_layer
-from cakemp.errors import AuthError, BadTensor, ProtocolError, SetupError
+from cakemp.checkpoint.files import PUSH_CHUNK_BYTES, split_layer
+from cakemp.errors import BadTensor, ProtocolError, SetupError
 from cakemp.setup.cache import ModelCache, ModelPush
+from cakemp.streams import read_payload
 from cakemp.wire import (
-    FrameDecoder, LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
-    WorkerError, WorkerReady, encode_frame,
+    HEADER_SIZE, LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
+    WorkerError, WorkerReady, decode_payload, encode_frame, read_header,
 )
 from cakemp.wire.discovery import cluster_hash
 
@@ -43,6 +55,20 @@ _READ_SIZE = 1 << 20
 # with unread bytes does not reset the connection before the master has read why.
 _LINGER_S = 5.0
 _MAX_LAYERS = 4096
+# The largest first frame a setup can need: a LayerAssignment of _MAX_LAYERS names of up to 256
+# bytes and the model hash, each length prefix counted as 8 bytes (about 1.04 MiB).
+MAX_FIRST_FRAME = _MAX_LAYERS * (8 + 256) + 4096
+# The largest frame of a push: a chunk of Cake's 128 MiB and its fields (file name, offsets, CRC).
+MAX_SETUP_FRAME = PUSH_CHUNK_BYTES + (64 << 10)
+MAX_SETUP_CONNECTIONS = 16
+
+
+class Budget(Protocol):
+    """The node's buffer budget (front/buffer_budget.py), which setup frames share."""
+
+    async def take(self, size: int) -> None: ...
+
+    def give(self, size: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -54,8 +80,7 @@ class SetupConfig:
     max_model_bytes: int | None  # the most a push may announce, all files together (None: what the disk holds)
     discovery_host: str  # the UDP discovery responder's bind address and port (--discovery-bind, --discovery-port)
     discovery_port: int
-    handshake_timeout: float = 10.0  # seconds for the cluster-key handshake
-    idle_timeout: float = 60.0  # seconds a setup connection may send nothing while one is owed
+    idle_timeout: float = 60.0  # seconds for the next frame's header to arrive once one is owed
 
 
 @dataclass
@@ -65,8 +90,7 @@ class Assignment:
     message: LayerAssignment
     cache: ModelCache
     needed_data: bool
-    _writer: asyncio.StreamWriter
-    _revision: Revision
+    _connection: _SetupConnection
     answered: asyncio.Event = field(default_factory=asyncio.Event)  # set once ready or refuse has run
 
     @property
@@ -79,7 +103,7 @@ class Assignment:
 
     async def ready(self) -> None:
         """The devices hold the layers: tell the master (the connection then closes)."""
-        await _send_quietly(self._writer, WorkerReady(), self._revision)
+        await self._connection.send_quietly(WorkerReady())
         self.answered.set()
 
     async def refuse(self, reason: str, *, files_at_fault: bool = True) -> None:
@@ -88,7 +112,7 @@ class Assignment:
         that stops or lacks memory keeps a cache that may have taken hours to push."""
         if files_at_fault:
             self.cache.invalidate(remove_files=self.needed_data)
-        await _send_quietly(self._writer, WorkerError(reason), self._revision)
+        await self._connection.send_quietly(WorkerError(reason))
         self.answered.set()
 
 
@@ -164,13 +188,17 @@ class SetupState:
 
 
 class Setup:
-    def __init__(self, config: SetupConfig, revision: Revision):
+    def __init__(self, config: SetupConfig, revision: Revision, budget: Budget, frame_timeout: float):
+        """`budget`: the node's buffer budget; `frame_timeout`: seconds for a frame's payload to
+        arrive once its header has, and for a reply to be read (--frame-timeout)."""
         self.config = config
         self.revision = Revision(revision)
         self.cluster_hash = cluster_hash(config.cluster_key)
+        self.budget, self.frame_timeout = budget, frame_timeout
         self._accepted: asyncio.Queue[Assignment] = asyncio.Queue()
         self._state = SetupState()
         self._change = asyncio.Event()  # set (and replaced) whenever _state changes, for those waiting their turn
+        self._open: set[_SetupConnection] = set()  # the connections being handled
 
     @property
     def serves(self) -> bool:
@@ -187,32 +215,50 @@ class Setup:
         return await self._accepted.get()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One connection that arrived before the node serves; never raises, always closes it."""
+        """One connection that arrived before the node serves, once it proved the key; never
+        raises, always closes it, and logs why."""
         connection = _SetupConnection(self, reader, writer)
         try:
-            await authenticate_master(reader, writer, self.config.cluster_key, self.config.handshake_timeout)
-            first = await connection.frames.next()
-            if first is None:
-                return
-            if not isinstance(first, LayerAssignment):
-                raise SetupError(f"this node is waiting for setup: expected LayerAssignment, got {type(first).__name__}")
-            assignment = await self._take_over(connection, first)
-            self._accepted.put_nowait(assignment)
-            await assignment.answered.wait()
-        except AuthError as e:
-            connection.logger.warning("setup connection: authentication failed", error=str(e))
+            if len(self._open) >= MAX_SETUP_CONNECTIONS:
+                raise SetupError(f"{MAX_SETUP_CONNECTIONS} setup connections are open already: try again later")
+            self._open.add(connection)
+            await self._serve(connection)
         except SetupError as e:
             connection.logger.warning("setup refused", error=str(e))
+            connection.frames.release()  # what it still sends is dropped, never held
             await connection.send_quietly(WorkerError(str(e)))
             await _linger(reader, writer)
         except (ProtocolError, BadTensor) as e:
-            connection.logger.warning("setup connection closed: not Cake protocol", error=str(e))
-        except (ConnectionError, asyncio.IncompleteReadError):
-            connection.logger.warning("setup connection lost")
+            connection.logger.warning("setup connection closed: not Cake protocol", error=str(e), fault="peer")
+        except asyncio.IncompleteReadError as e:
+            connection.logger.warning("setup connection lost", error=f"the master closed it inside a frame "
+                                      f"({len(e.partial)} of {e.expected} bytes came)")
+        except OSError as e:
+            connection.logger.warning("setup connection lost", error=f"{type(e).__name__}: {e}")
+        except asyncio.CancelledError:
+            connection.logger.info("closing setup connection", error="the node is stopping")
+            raise
         finally:
+            self._open.discard(connection)
+            connection.frames.release()
             self._state.closed(connection)
             self._changed()
             writer.close()
+
+    async def _serve(self, connection: _SetupConnection) -> None:
+        """The connection's setup, from its first frame until the front answered it; SetupError
+        (or the stream's errors) when it cannot be."""
+        first = await connection.frames.next(MAX_FIRST_FRAME)
+        connection.frames.release()  # a decoded LayerAssignment holds none of its frame's bytes
+        if first is None:
+            connection.logger.debug("setup connection closed by the master")
+            return
+        if not isinstance(first, LayerAssignment):
+            raise SetupError(f"this node is waiting for setup: expected LayerAssignment, got {type(first).__name__}")
+        assignment = await self._take_over(connection, first)
+        self._accepted.put_nowait(assignment)
+        await assignment.answered.wait()
+        connection.logger.info("closing setup connection", reason="its setup was answered")
 
     async def _take_over(self, connection: _SetupConnection, message: LayerAssignment) -> Assignment:
         """Take the setup for `connection` and run its exchange once its turn has come; the setup
@@ -246,8 +292,8 @@ class _SetupConnection:
 
     def __init__(self, setup: Setup, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._config, self._cluster_hash, self._revision = setup.config, setup.cluster_hash, setup.revision
-        self._writer = writer
-        self.frames = _Frames(reader, setup.revision, setup.config.idle_timeout)
+        self._writer, self._frame_timeout = writer, setup.frame_timeout
+        self.frames = _Frames(reader, setup.revision, setup.budget, setup.config.idle_timeout, setup.frame_timeout)
         peer = writer.get_extra_info("peername")
         self.logger = log.get_logger(conn=f"{peer[0]}:{peer[1]}" if peer else "?")
         self._exchange: asyncio.Task | None = None
@@ -268,13 +314,31 @@ class _SetupConnection:
         if self._exchange is not None:
             self._exchange.cancel()
 
+    async def send(self, message: Message) -> None:
+        """Send `message`; SetupError if the master does not read it within the frame timeout (the
+        connection is then aborted, its unsent bytes dropped)."""
+        self._writer.writelines(encode_frame(message, self._revision))
+        try:
+            async with asyncio.timeout(self._frame_timeout):
+                await self._writer.drain()
+        except TimeoutError:
+            self._writer.transport.abort()
+            raise SetupError(f"the master did not read the node's reply within {self._frame_timeout:g} s") from None
+
     async def send_quietly(self, message: Message) -> None:
-        await _send_quietly(self._writer, message, self._revision)
+        """Send if the master still listens; a gone master needs no answer, one that does not read it is closed."""
+        try:
+            await self.send(message)
+        except (ConnectionError, RuntimeError):
+            pass
+        except SetupError as e:
+            self.logger.warning("closing setup connection", error=str(e), fault="peer")
 
     async def _run_exchange(self, message: LayerAssignment) -> Assignment:
         layers = _check_layers(message.layers)
         cache = ModelCache.for_model(self._config.cache_root, self._cluster_hash, message.model_hash)
-        needs_data = not cache.covers(layers)
+        # Off the event loop: an index of many MiB, checked against thousands of layers, takes seconds.
+        needs_data = not await _off_loop(cache.covers, layers)
         self.logger.info("layer assignment", layers=len(layers), first=layers[0], last=layers[-1],
                          model_hash=message.model_hash, cache=str(cache.directory), needs_data=needs_data)
         push = None
@@ -284,19 +348,19 @@ class _SetupConnection:
             except OSError as e:
                 raise SetupError(f"cannot prepare the model cache: {e.strerror}") from None
         try:
-            await _send(self._writer, LayerAssignmentAck(needs_data), self._revision)
+            await self.send(LayerAssignmentAck(needs_data))
             if push is not None:
                 await self._push(push)
         except BaseException:
             if push is not None:
                 push.abort()
             raise
-        return Assignment(message, cache, needs_data, self._writer, self._revision)
+        return Assignment(message, cache, needs_data, self)
 
     async def _push(self, push: ModelPush) -> None:
         chunks = received = 0
         while True:
-            message = await self.frames.next()
+            message = await self.frames.next(MAX_SETUP_FRAME)
             if message is None:
                 raise SetupError(f"the master closed the connection after {chunks} chunks of the push")
             if isinstance(message, ModelDataDone):
@@ -310,26 +374,49 @@ class _SetupConnection:
             await _off_loop(push.receive, message)
             chunks += 1
             received += len(message.data)
+            # Freed before the next frame is awaited, as the budget it held is given back then.
+            del message
 
 
 class _Frames:
-    """Messages off one setup connection; a connection silent for `idle_timeout` is lost."""
+    """Messages off one setup connection, each read within the node's buffer budget: a frame's
+    header due within `idle_timeout` of being asked for, its payload within `frame_timeout` of
+    the header. A message's bytes stay taken from the budget until the next is asked for, or
+    `release` (a pushed chunk's data is a view of them until it is written)."""
 
-    def __init__(self, reader: asyncio.StreamReader, revision: Revision, idle_timeout: float):
-        self._reader, self._idle_timeout = reader, idle_timeout
-        self._decoder = FrameDecoder(revision)
+    def __init__(self, reader: asyncio.StreamReader, revision: Revision, budget: Budget, idle_timeout: float,
+                 frame_timeout: float):
+        self._reader, self._revision, self._budget = reader, revision, budget
+        self._idle_timeout, self._frame_timeout = idle_timeout, frame_timeout
+        self._held = 0  # bytes of the budget the last message holds
 
-    async def next(self) -> Message | None:
-        """The next message, or None when the master closed the connection."""
-        while (message := self._decoder.next_message()) is None:
-            try:
-                data = await asyncio.wait_for(self._reader.read(_READ_SIZE), self._idle_timeout)
-            except TimeoutError:
-                raise SetupError(f"nothing received for {self._idle_timeout:g} s") from None
-            if not data:
-                return None
-            self._decoder.feed(data)
-        return message
+    async def next(self, max_payload: int) -> Message | None:
+        """The next message, of at most `max_payload` bytes (ProtocolError, unread, if more is
+        announced); None when the master closed the connection between frames."""
+        self.release()
+        try:
+            async with asyncio.timeout(self._idle_timeout):
+                header = await self._reader.readexactly(HEADER_SIZE)
+        except TimeoutError:
+            raise SetupError(f"no frame within {self._idle_timeout:g} s") from None
+        except asyncio.IncompleteReadError as e:
+            if e.partial:
+                raise
+            return None
+        size = read_header(header, max_payload)
+        await self._budget.take(size)
+        self._held = size
+        try:
+            async with asyncio.timeout(self._frame_timeout):
+                payload = await read_payload(self._reader, size)
+        except TimeoutError:
+            raise SetupError(f"a frame did not arrive within {self._frame_timeout:g} s of its header") from None
+        return decode_payload(payload, self._revision)
+
+    def release(self) -> None:
+        """Give back the budget the last message holds (it is done with)."""
+        self._budget.give(self._held)
+        self._held = 0
 
 
 def _check_layers(layers: tuple[str, ...]) -> tuple[str, ...]:
@@ -377,17 +464,4 @@ async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
             while await reader.read(_READ_SIZE):
                 pass
     except (OSError, RuntimeError, TimeoutError):
-        pass
-
-
-async def _send(writer: asyncio.StreamWriter, message: Message, revision: Revision) -> None:
-    writer.writelines(encode_frame(message, revision))
-    await writer.drain()
-
-
-async def _send_quietly(writer: asyncio.StreamWriter, message: Message, revision: Revision) -> None:
-    """Send if the master still listens; a gone master needs no answer."""
-    try:
-        await _send(writer, message, revision)
-    except (ConnectionError, RuntimeError):
         pass

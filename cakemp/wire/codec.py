@@ -241,7 +241,7 @@ def _too_many(path: str, n: int, limit: int) -> Exception:
     or a Batch's layer run is the request's fault (WorkerError, the connection kept), as Cake's
     worker answers them; anything else is not Cake protocol."""
     if path.endswith(".shape"):
-        return BadTensor(f"{path} has a shape of {n} dimensions, at most {limit}")
+        return BadTensor(f"{path.removesuffix('.shape')} has a shape of {n} dimensions, at most {limit}")
     if path == "Batch.batch":
         return BadOps(f"the request has {n} ops; this worker serves {limit} layers, each runs at most once per request")
     return ProtocolError(f"{path} has {n} items, at most {limit}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -30,6 +31,19 @@ def gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def rss(pid: int) -> int:
+    """The resident memory of process `pid` in bytes (/proc/<pid>/status VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def open_fds(pid: int) -> int:
+    """How many file descriptors process `pid` has open (ls /proc/<pid>/fd)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def wait_until(condition, timeout: float = 30.0, what: str = "the awaited condition"):
@@ -113,14 +127,17 @@ class RunningNode:
     """A `cakemp run` process whose JSON log lines are collected as they come."""
 
     def __init__(self, model: Path | None, topology: Path | None, *args: str, env: dict[str, str] | None = None,
-                 timeout: float = 60.0, ready: str = LISTENING, name: str | None = "worker"):
+                 timeout: float = 60.0, ready: str = LISTENING, name: str | None = "worker",
+                 nofile: int | None = None):
         """Start the node and wait for its event starting with `ready` (which carries its TCP port);
-        without `model` and `topology` it starts in zero-config mode (give it a cluster key)."""
+        without `model` and `topology` it starts in zero-config mode (give it a cluster key).
+        `nofile`: the file descriptor limit it runs under (ulimit -n), soft and hard."""
         where = [] if topology is None else ["--model", str(model), "--topology", str(topology)]
         command = [sys.executable, "-m", "cakemp", "run", *(["--name", name] if name else []), *where,
                    "--address", "127.0.0.1:0", "--log-format", "json", *args]
+        limit = None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env={**os.environ, **(env or {})})
+                                        env={**os.environ, **(env or {})}, preexec_fn=limit)
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._collect, daemon=True)
@@ -195,12 +212,13 @@ class ZeroConfigNode(RunningNode):
 
     KEY = "zero-config secret"
 
-    def __init__(self, home: Path, revision: int = 2, *args: str, name: str | None = "worker"):
+    def __init__(self, home: Path, revision: int = 2, *args: str, name: str | None = "worker",
+                 nofile: int | None = None):
         self.home = home  # XDG_CACHE_HOME; the cache is home/cake/<cluster hash>-<model hash>
         super().__init__(None, None, "--gpus", "cpu", "--dtype", "f32", "--protocol", str(int(revision)),
                          "--discovery-port", "0", "--discovery-bind", "127.0.0.1", *args,
                          env={"CAKE_CLUSTER_KEY": self.KEY, "XDG_CACHE_HOME": str(home)}, ready="waiting for setup",
-                         name=name)
+                         name=name, nofile=nofile)
         self.revision = revision
         self.discovery_port: int = self.started["discovery_port"]
 

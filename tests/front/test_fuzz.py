@@ -10,7 +10,9 @@ on its own in tests/wire) says what the node must do with each: answer it (Worke
 or WorkerInfo for Goodbye) and go on, or close the connection. Each connection sends a run of
 answerable frames and checks it gets exactly one reply per frame, in order; then, on most, one
 frame that must close it, and checks it is closed unanswered. Meanwhile a canary session
-decodes and checks every reply against HF's layers.
+decodes and checks every reply against HF's layers, and a few slow readers send full-size
+requests but never read a reply: the node must close each once a reply goes unread for the
+frame timeout, and say why.
 
 At the end: no device restarted, nothing the node logged is an error or a traceback, no frame
 bytes are still held, and the front's resident memory stayed within a bound.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import struct
 import time
 from pathlib import Path
@@ -30,7 +33,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from cakemp.errors import BadTensor, ProtocolError
+from cakemp.errors import BadRequest, ProtocolError
 from cakemp.front.admission import Admission
 from cakemp.wire import (
     HEADER_SIZE, MAGIC, Batch, DType, FrameDecoder, Goodbye, Hello, LayerAssignment, LayerOp, ModelDataDone,
@@ -52,7 +55,10 @@ F32_ATOL = 1e-4
 # at most MAX_PAYLOAD bytes; the rest is allocator slack and log buffers).
 RSS_GROWTH_BOUND = 64 << 20
 BUFFER_BUDGET = 1 << 20
-MAX_PAYLOAD = Admission(frozenset(NAMES), HIDDEN, MAX_CONTEXT, frozenset(LAYERS)).max_payload()
+FRAME_TIMEOUT_S = 10
+SLOW_READERS = 8
+ADMISSION = Admission(frozenset(NAMES), HIDDEN, MAX_CONTEXT, frozenset(LAYERS))
+MAX_PAYLOAD = ADMISSION.max_payload()
 U64 = 2**64 - 1
 
 
@@ -65,7 +71,7 @@ def node(checkpoint, tmp_path_factory):
     topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
     running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32", "--max-context",
                           str(MAX_CONTEXT), "--metrics-address", "127.0.0.1:0", "--max-buffered-mib",
-                          str(BUFFER_BUDGET >> 20))
+                          str(BUFFER_BUDGET >> 20), "--frame-timeout", str(FRAME_TIMEOUT_S))
     yield running
     assert running.stop() == 0
 
@@ -182,8 +188,8 @@ def answered(data: bytes) -> bool:
     if magic != MAGIC or size > MAX_PAYLOAD or size != len(data) - HEADER_SIZE:
         return False
     try:
-        message = decode_payload(data[HEADER_SIZE:], Revision.V2)
-    except BadTensor:
+        message = decode_payload(data[HEADER_SIZE:], Revision.V2, ADMISSION.decode_limits())
+    except BadRequest:  # a sound frame whose tensor or layer run is unusable: answered WorkerError
         return True
     except ProtocolError:
         return False
@@ -222,6 +228,19 @@ async def fuzz_connection(port: int, frames: list[bytes], ending: bytes | None) 
         rest = b""
     assert rest == b"", f"answered a frame that must close the connection: {rest[:64]!r}"
     writer.close()
+
+
+async def slow_reader(port: int) -> tuple[str, asyncio.StreamWriter]:
+    """A connection that says Hello, sends 200 full-size requests (echoed: no layer to run) and
+    never reads a reply; how the node names it, and its writer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it offers stays small
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    _, writer = await asyncio.open_connection(sock=sock)
+    echo = frame(Batch(RawTensor(bytes(MAX_CONTEXT * HIDDEN * 4), DType.F32, (1, MAX_CONTEXT, HIDDEN)), ()))
+    writer.write(frame(Hello()) + echo * 200)
+    return "{}:{}".format(*sock.getsockname()[:2]), writer
 
 
 def front_rss(pid: int) -> int:
@@ -278,6 +297,7 @@ def test_fuzzed_frames_from_many_connections_leave_the_node_and_a_canary_session
         before = front_rss(pid)
         done = asyncio.Event()
         checking = asyncio.create_task(canary(done))
+        slow = [await slow_reader(node.port) for _ in range(SLOW_READERS)]
         slots = asyncio.Semaphore(CONCURRENCY)
 
         async def one(frames, ending):
@@ -289,6 +309,10 @@ def test_fuzzed_frames_from_many_connections_leave_the_node_and_a_canary_session
         finally:
             done.set()
         steps, peak = await checking
+        for session, writer in slow:
+            await asyncio.to_thread(node.wait_for, lambda e, session=session: e.get("session") == session and e.get(
+                "event") == "closing connection" and "did not read its reply" in e.get("error", ""), 60, mark)
+            writer.close()
         return before, steps, peak
 
     before, steps, peak = run(main())
@@ -304,7 +328,9 @@ def test_fuzzed_frames_from_many_connections_leave_the_node_and_a_canary_session
     assert not [e for e in events if e.get("event") == "device restarted" or e.get("event", "").startswith("device failed")]
     refused = sum(1 for e in events if e.get("event") == "request refused")
     closed = sum(1 for e in events if e.get("event") in ("closing connection", "unexpected message, closing"))
-    print(f"fuzz: {sent} frames on {len(connections)} connections ({len(endings)} ended by a closing frame); "
+    assert samples["cakemp_unread_replies_total", ()] == SLOW_READERS
+    print(f"fuzz: {sent} frames on {len(connections)} connections ({len(endings)} ended by a closing frame), "
+          f"{SLOW_READERS} slow readers closed; "
           f"{refused} refusals and {closed} closes logged; canary {steps} decode steps; "
           f"front RSS {before >> 20} MiB before, peak {peak >> 20} MiB")
 

@@ -118,8 +118,9 @@ def test_an_error_on_the_second_devices_part_is_the_requests_worker_error(node, 
 
 
 def test_a_tensor_of_300_dimensions_gets_worker_error_and_nothing_is_left_owed(node, checkpoint):
-    """A Batch whose shape has 300 dimensions (a one-byte ndim used to wrap) is answered WorkerError by the
-    device that judges it; no device is taken for hung, and the connection then serves a good prompt."""
+    """A Batch whose shape has 300 dimensions (a one-byte ndim used to wrap) is answered WorkerError, from
+    the count, before the shape is built; no device is taken for hung, and the connection then serves a
+    good prompt."""
     mark = node.mark()
     shape = (1,) * 299 + (HIDDEN,)
     ops = [(f"model.layers.{i}", 0, i) for i in LAYERS]
@@ -128,7 +129,7 @@ def test_a_tensor_of_300_dimensions_gets_worker_error_and_nothing_is_left_owed(n
         async with await WorkerClient.connect("127.0.0.1", node.port) as client:
             await client.hello()
             bad = to_raw(torch.randn(1, 1, HIDDEN))
-            with pytest.raises(RemoteWorkerError, match="activation has shape"):
+            with pytest.raises(RemoteWorkerError, match="Batch.x has a shape of 300 dimensions, at most 8"):
                 await client.batch(type(bad)(bad.data, bad.dtype, shape), ops)
             x = torch.randn(1, 3, HIDDEN)
             torch.testing.assert_close(from_raw(await client.batch(to_raw(x), ops)), hf(checkpoint)(x, 0),

@@ -321,3 +321,41 @@ def test_a_push_that_died_midway_is_not_adopted_and_does_not_block_the_next(cach
     assert not cache.covers(LAYERS) and not (cache.directory / MARKER).exists()
     push(cache, chunks)
     assert cache.covers(LAYERS) and not any(p.name.endswith(".partial") for p in cache.directory.iterdir())
+
+
+@pytest.mark.parametrize("extra", [b"junk", "frame"], ids=["trailing-bytes", "second-frame"])
+def test_a_zstd_chunk_must_be_exactly_one_frame(cache, extra):
+    """A chunk holding a frame and then anything (garbage, a second frame) is refused, not half
+    written (the second frame's bytes were once silently dropped, the garbage ignored)."""
+    compressor = zstandard.ZstdCompressor(write_content_size=False)
+    frame = compressor.compress(b'{"a": 1}')
+    data = frame + (compressor.compress(b'{"b": 2}') if extra == "frame" else extra)
+    chunk = ModelDataChunk("config.json", 0, 16, data, True, zlib.crc32(data))
+    with pytest.raises(SetupError, match="is not one zstd frame"):
+        push(cache, [chunk])
+
+
+def test_a_zstd_chunk_cut_short_is_refused(cache):
+    frame = zstandard.ZstdCompressor(write_content_size=False, write_checksum=True).compress(os.urandom(4096))[:-3]
+    chunk = ModelDataChunk("config.json", 0, 4096, frame, True, zlib.crc32(frame))
+    with pytest.raises(SetupError, match="is not one zstd frame"):
+        push(cache, [chunk])
+
+
+def test_a_rename_that_fails_closes_the_file_once(tmp_path):
+    """When moving a whole file into place fails (here its name is a directory), discarding it closes
+    nothing more: the descriptor number, reused meanwhile by another file, stays that file's."""
+    from cakemp.setup.cache import _File
+
+    pushed = _File.create(tmp_path, "model.safetensors", 3)
+    pushed.write(b"abc")
+    (tmp_path / "model.safetensors" / "occupied").mkdir(parents=True)
+    with pytest.raises(OSError):
+        pushed.close_into_place()
+    other = os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT, 0o600)  # likely the number just freed
+    try:
+        pushed.discard()
+        os.fstat(other)  # still open: EBADF here was the double close
+    finally:
+        os.close(other)
+    assert not (tmp_path / ".model.safetensors.partial").exists()
