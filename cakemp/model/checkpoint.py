@@ -128,10 +128,11 @@ class Checkpoint:
         conv1d layout: checkpoint/quantization.norms_carry_one)."""
         if not self.config.layout.norm_plus_one:
             return False
-        if not self.config.linear_layers:
-            return True
-        conv = f"{self.config.layer_name(min(self.config.linear_layers))}.{LINEAR_CONV}"
-        if not self.has(conv):
+        # Any linear-attention layer's convolution tells; a zero-config cache holds only the
+        # shards of the layers it was assigned, so the first one whose shard is here.
+        convs = (f"{self.config.layer_name(i)}.{LINEAR_CONV}" for i in sorted(self.config.linear_layers))
+        conv = next((name for name in convs if self.has(name) and (self.dir / self.file_of(name)).exists()), None)
+        if conv is None:
             return True
         with ExitStack() as stack:
             f, _ = self._open(stack, {conv: [conv]})[self.file_of(conv)]

@@ -72,3 +72,14 @@ def weights_of(part, prefix: str = "") -> dict[str, torch.Tensor]:
         elif type(value).__module__.startswith("cakemp.model"):
             out |= weights_of(value, f"{prefix}{name}.")
     return out
+
+
+def test_the_norm_layout_is_told_from_whichever_shard_a_node_holds(tmp_path):
+    """A zero-config cache holds only its layers' shards: with layers 0-1's shard gone, layer 2's
+    convolution still tells that the norms carry their 1, and layer 3 (full attention) loads so."""
+    path, reference = mlx_checkpoint(tmp_path, "qwen3_5_moe", bits=4, group_size=32, shards=2)
+    (path / "model-00001-of-00002.safetensors").unlink()  # layers 0 and 1, the embeddings
+    assert not Checkpoint(path, ModelConfig.from_dir(path)).norms_need_one
+    ours = BlockRunner.load(path, ["language_model.model.layers.3"], "cpu", torch.float32, pack_weights=False)
+    theirs = BlockRunner.load(reference, ["model.language_model.layers.3"], "cpu", torch.float32, pack_weights=False)
+    assert torch.equal(ours.blocks[0].input_norm, theirs.blocks[0].input_norm)
