@@ -14,14 +14,13 @@ A variant cakemp does not compute (5 bits) makes the node exit 78 naming it.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
+from tests.checkpoints import make_checkpoint
 from tests.front.quantized_node import check_prompt_decode_and_chunks, refused_at_start, start
 from tests.quantized import GptqSpec, gptq_checkpoints, needs_gptqmodel
 
-pytestmark = needs_gptqmodel
 
 SPECS = {
     "llama": GptqSpec("llama", bits=4, group_size=32),
@@ -44,13 +43,15 @@ def served(request, built, tmp_path_factory):
     assert node.stop() == 0
 
 
+@needs_gptqmodel
 def test_prompt_decode_and_chunked_prompt_match_hf(served):
     check_prompt_decode_and_chunks(*served)
 
 
-def test_a_gptq_variant_not_computed_is_refused_at_start(built, tmp_path):
-    path = shutil.copytree(built["llama"][0], tmp_path / "five-bits")
+def test_a_gptq_variant_not_computed_is_refused_at_start(tmp_path):
+    """Refused from config.json alone, before a device starts (so no oracle is needed)."""
+    path = make_checkpoint(tmp_path, "llama")
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"]["bits"] = 5
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 5, "group_size": 32}
     (path / "config.json").write_text(json.dumps(config))
     assert "GPTQ with 5 bits is not supported" in refused_at_start(path, tmp_path)

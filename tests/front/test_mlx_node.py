@@ -15,14 +15,13 @@ An MLX mode cakemp does not compute (mxfp4) makes the node exit 78 naming it.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
+from tests.checkpoints import make_checkpoint
 from tests.front.quantized_node import check_prompt_decode_and_chunks, refused_at_start, start
 from tests.quantized import mlx_checkpoint, needs_mlx
 
-pytestmark = needs_mlx
 
 CHECKPOINTS = {
     "llama": dict(family="llama", bits=4, group_size=64),
@@ -39,14 +38,15 @@ def served(request, tmp_path_factory):
     assert node.stop() == 0
 
 
+@needs_mlx
 def test_prompt_decode_and_chunked_prompt_match_hf(served):
     check_prompt_decode_and_chunks(*served)
 
 
-def test_an_mlx_mode_not_computed_is_refused_at_start(served, tmp_path):
-    _, path, _ = served
-    path = shutil.copytree(path, tmp_path / "mxfp4")
+def test_an_mlx_mode_not_computed_is_refused_at_start(tmp_path):
+    """Refused from config.json alone, before a device starts (so no oracle is needed)."""
+    path = make_checkpoint(tmp_path, "llama")
     config = json.loads((path / "config.json").read_text())
-    config["quantization"] = config["quantization_config"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
     (path / "config.json").write_text(json.dumps(config))
     assert "MLX quantization mode 'mxfp4' is not supported" in refused_at_start(path, tmp_path)
