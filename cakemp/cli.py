@@ -38,7 +38,7 @@ def _flag(*decls: str, **kwargs):
 def _option(flag: Flag):
     """`flag` as a click option: it also reads CAKEMP_<FLAG>, after the flag's own variables."""
     own = _env(flag.key)
-    return _flag(flag.name, type=flag.type, default=flag.default, help=flag.help,
+    return _flag(flag.name, type=flag.type, default=flag.default, help=flag.help, is_flag=flag.is_flag,
                  envvar=[*flag.envvar, own] if flag.envvar else own)
 
 

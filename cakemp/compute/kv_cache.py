@@ -27,16 +27,24 @@ a request has succeeded, never updated in place part-way.
 The budget counts allocated capacity, not used positions, since that is what the device
 actually holds. Growth falls back to the exact size needed when doubling would pass the
 budget, so a session is refused only when the positions it needs cannot fit.
+
+What prefix reuse keeps (prefix_cache.py) lives inside the same budget as the `spare`: the
+cache counts its bytes as taken, and asks for them back (`Spare.release`) before it grows a
+slot any less than doubled or refuses a session. Its KV slots leave the cache when a session
+is retired (`detach`) and come back when another adopts them (`attach`, `resume`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded
+from cakemp.model.deltanet import LinearState
 from cakemp.units import human_bytes
 
 MIN_CAPACITY = 256
@@ -68,6 +76,15 @@ class LinearSlot:
         self.conv, self.recurrent, self.length = conv, recurrent, length
 
 
+class Spare(Protocol):
+    """Bytes held inside the budget that are given back on demand (prefix reuse's)."""
+
+    def nbytes(self) -> int: ...
+
+    def release(self, nbytes: int) -> None:
+        """Free at least `nbytes`, or all there is."""
+
+
 class KVCache:
     def __init__(
         self,
@@ -94,9 +111,17 @@ class KVCache:
         self._sessions: dict[int, dict[int, KVSlot]] = {}
         self._linear: dict[int, dict[int, LinearSlot]] = {}
         self._bytes = 0
+        self.spare: Spare | None = None
 
     def nbytes(self) -> int:
+        """Bytes the sessions' slots hold (not the spare's)."""
         return self._bytes
+
+    def room(self) -> int | None:
+        """Bytes of the budget neither the sessions nor the spare hold (None: no budget)."""
+        if self.budget_bytes is None:
+            return None
+        return self.budget_bytes - self._bytes - (0 if self.spare is None else self.spare.nbytes())
 
     def session_count(self) -> int:
         return len(self._sessions.keys() | self._linear.keys())
@@ -159,8 +184,11 @@ class KVCache:
         """
         if self.budget_bytes is None or not (growth or linear_bytes):
             return growth
-        left = self.budget_bytes - self._bytes - linear_bytes
+        left = self.room() - linear_bytes
         doubled = sum(new - old for old, _, new in growth.values()) * self.bytes_per_position
+        if doubled > left and self.spare is not None:
+            self.spare.release(doubled - left)
+            left = self.room() - linear_bytes
         if doubled <= left:
             return growth
         exact = sum(end - old for old, end, _ in growth.values()) * self.bytes_per_position
@@ -185,8 +213,53 @@ class KVCache:
         slots[block_idx] = KVSlot(k, v, length)
         self._bytes += capacity * self.bytes_per_position
 
+    def detach(self, session: int) -> tuple[dict[int, KVSlot], dict[int, LinearSlot]]:
+        """Take every slot of `session` out of the cache, uncounted (unknown sessions: none)."""
+        slots, linear = self._sessions.pop(session, {}), self._linear.pop(session, {})
+        self._bytes -= sum(slot.capacity for slot in slots.values()) * self.bytes_per_position
+        self._bytes -= len(linear) * self.bytes_per_linear_slot
+        return slots, linear
+
+    def attach(self, session: int, slots: dict[int, KVSlot], linear: dict[int, LinearSlot] | None = None) -> None:
+        """Make `slots` and `linear` (detached, or copied) `session`'s, counted; it must hold none of those block_idx."""
+        linear = linear or {}
+        mine, mine_linear = self._sessions.get(session, {}), self._linear.get(session, {})
+        if mine.keys() & slots.keys() or mine_linear.keys() & linear.keys():
+            raise ValueError(f"session {session} already holds some of slots {sorted(slots)}, {sorted(linear)}")
+        if slots:
+            self._sessions.setdefault(session, mine).update(slots)
+        if linear:
+            self._linear.setdefault(session, mine_linear).update(linear)
+        self._bytes += sum(slot.capacity for slot in slots.values()) * self.bytes_per_position
+        self._bytes += len(linear) * self.bytes_per_linear_slot
+
+    def copied(self, session: int, blocks: Iterable[int], length: int, capacity: int) -> dict[int, KVSlot]:
+        """New slots holding the first `length` rows of `session`'s slots `blocks`, of `capacity`
+        positions (at least `length`; not counted until attached)."""
+        capacity = max(capacity, length)
+        copies = {}
+        for block_idx in blocks:
+            slot = self._sessions[session][block_idx]
+            copy = KVSlot(slot.k.new_empty(*slot.k.shape[:2], capacity, slot.k.shape[3]),
+                          slot.v.new_empty(*slot.v.shape[:2], capacity, slot.v.shape[3]), length)
+            copy.k[:, :, :length] = slot.k[:, :, :length]
+            copy.v[:, :, :length] = slot.v[:, :, :length]
+            copies[block_idx] = copy
+        return copies
+
+    def resume(self, session: int, blocks: Iterable[int], length: int, states: dict[int, LinearState]) -> None:
+        """Set `session`'s attention slots `blocks` to their first `length` rows, and its
+        linear-attention slots to `states` (block_idx -> the state after `length` positions),
+        making those slots it lacks."""
+        slots = self._sessions.get(session, {})
+        for block_idx in blocks:
+            slots[block_idx].length = length
+        linear = self._linear.setdefault(session, {}) if states else {}
+        for block_idx, state in states.items():
+            if block_idx not in linear:
+                self._bytes += self.bytes_per_linear_slot
+            linear[block_idx] = LinearSlot(state.conv, state.recurrent, length)
+
     def clear(self, session: int) -> None:
         """Free every buffer of `session` (unknown sessions are a no-op)."""
-        slots = self._sessions.pop(session, {})
-        self._bytes -= sum(slot.capacity for slot in slots.values()) * self.bytes_per_position
-        self._bytes -= len(self._linear.pop(session, {})) * self.bytes_per_linear_slot
+        self.detach(session)

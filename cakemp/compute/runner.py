@@ -15,6 +15,7 @@ import torch
 
 from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
+from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import CheckpointError, InternalError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model import attention, fp8, packed
 from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
@@ -50,7 +51,20 @@ class _Planned:
     ops: tuple[Op, ...]
     slots: dict[int, KVSlot]  # block_idx -> its attention slot
     restore: list[tuple[KVSlot, int]]  # each slot it writes, and the length a failure leaves it at
+    begun: Begun | None = None  # as prefix reuse took it: `x` and `ops` are then its rows still to compute
     computed: dict[int, tuple[LinearState, int]] = field(default_factory=dict)  # block_idx -> (new state, consumed)
+
+    def answer(self, computed: torch.Tensor | None) -> torch.Tensor:
+        """The request's output [1, T, H]: the rows prefix reuse kept, then the `computed` ones
+        from the request's first position on."""
+        begun = self.begun
+        if begun is None:
+            return computed
+        if computed is None:
+            return begun.kept
+        if begun.kept is not None:
+            return torch.cat([begun.kept, computed], dim=1)
+        return computed[:, max(0, begun.extension.start - begun.resume):]
 
     def linear_state(self, cache: KVCache, block_idx: int, index_pos: int) -> LinearState | None:
         """The state a linear-attention op starts from: none at position 0, else this request's
@@ -89,7 +103,11 @@ class BlockRunner:
         dtype: torch.dtype,
         kv_budget_bytes: int | None = None,
         max_context: int | None = None,
+        prefix_reuse: bool = False,
+        share_prefixes: bool = False,
     ):
+        """`prefix_reuse`: keep sessions' rows past their end for requests that send them again
+        (compute/prefix_cache.py), reused by the same session only, or by any with `share_prefixes`."""
         self.config = config
         self.layers = tuple(blocks)  # Op.layer indexes these
         self.blocks = tuple(blocks.values())
@@ -107,6 +125,8 @@ class BlockRunner:
             budget_bytes=kv_budget_bytes,
             linear_shapes=_linear_state_shapes(config),
         )
+        self.prefixes = PrefixCache(self.cache, [block.recurrent for block in self.blocks], config.hidden_size,
+                                    share_prefixes) if prefix_reuse else None
 
     @classmethod
     def load(
@@ -119,6 +139,8 @@ class BlockRunner:
         max_context: int | None = None,
         on_layer: Callable[[int], None] | None = None,
         pack_weights: bool = True,
+        prefix_reuse: bool = False,
+        share_prefixes: bool = False,
     ) -> BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
 
@@ -147,7 +169,7 @@ class BlockRunner:
         }
         if device.type == "cuda" and kv_budget_bytes is None:
             kv_budget_bytes = memory.default_kv_budget(*torch.cuda.mem_get_info(device), str(device))
-        return cls(config, blocks, device, dtype, kv_budget_bytes, max_context)
+        return cls(config, blocks, device, dtype, kv_budget_bytes, max_context, prefix_reuse, share_prefixes)
 
     def ops(self, named: Sequence[tuple[str, int, int]]) -> tuple[Op, ...]:
         """(layer name, index_pos, block_idx), ... as this runner's ops, for in-process callers (the
@@ -194,6 +216,10 @@ class BlockRunner:
         (attention slots fall back to their old length, or to index_pos if less). An error
         while a group computes fails that group's requests; the other groups are untouched.
 
+        With prefix reuse, a request re-sending rows a session had computed is answered them
+        from what was kept and computes only the rest (compute/prefix_cache.py); a request kept
+        whole computes nothing.
+
         `between_ops` is called every few ops of a long run (the device reports progress there).
 
         What a request may ask for (its shape, its layers, its KV slots) the front's admission
@@ -210,11 +236,14 @@ class BlockRunner:
             except Exception as e:
                 results[i] = e
                 continue
-            groups.setdefault(tuple(op.layer for op in request.ops), []).append((i, planned))
+            if planned.begun is not None and not planned.begun.computes:  # every row kept
+                results[i] = planned.answer(None)
+            else:
+                groups.setdefault(tuple(op.layer for op in request.ops), []).append((i, planned))
         for group in groups.values():
             outputs = self._run_group([planned for _, planned in group], between_ops)
-            for (i, _), output in zip(group, outputs, strict=True):
-                results[i] = output
+            for (i, planned), output in zip(group, outputs, strict=True):
+                results[i] = output if isinstance(output, Exception) else planned.answer(output)
         return results
 
     def _run_group(self, members: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor | Exception]:
@@ -232,20 +261,31 @@ class BlockRunner:
             if isinstance(e, torch.OutOfMemoryError) and len(members) > 1:
                 return [self._run_group([planned], between_ops)[0] for planned in members]
             return [e] * len(members)
-        for planned in members:
+        for planned, output in zip(members, outputs, strict=True):
             planned.install(self.cache)
+            if planned.begun is not None:
+                states = {block_idx: state for block_idx, (state, _) in planned.computed.items()}
+                self.prefixes.finish(planned.begun, output, states)
         return outputs
 
     def _plan(self, request: Request) -> _Planned:
         """Check `request` against the session's state and reserve its slots (RequestError if it cannot run)."""
         session, x, ops = request
         self._check_input(x)
+        for op in ops:
+            if not (0 <= op.layer < len(self.blocks) and 0 <= op.block_idx < self.config.num_hidden_layers):
+                raise InternalError(f"op {op.layer}, {op.index_pos}, {op.block_idx} breaks the contract: this runner "
+                                    f"has {len(self.blocks)} layers and {self.config.num_hidden_layers} KV slots")
+        begun = None if self.prefixes is None else self.prefixes.begin(session, x, ops)
+        if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
+            if not begun.computes:
+                return _Planned(session, x, (), {}, [], begun)
+            start = begun.extension.start
+            x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
+            ops = [Op(op.layer, begun.resume, op.block_idx) for op in ops]
         T = x.shape[1]
         ends, linear_ends = {}, {}
         for layer, index_pos, block_idx in ((op.layer, op.index_pos, op.block_idx) for op in ops):
-            if not (0 <= layer < len(self.blocks) and 0 <= block_idx < self.config.num_hidden_layers):
-                raise InternalError(f"op {layer}, {index_pos}, {block_idx} breaks the contract: this runner has "
-                                    f"{len(self.blocks)} layers and {self.config.num_hidden_layers} KV slots")
             if self.blocks[layer].recurrent:
                 # An earlier op of this request on the same slot counts as consumed.
                 consumed = linear_ends.get(block_idx, self.cache.linear_length(session, block_idx))
@@ -269,7 +309,7 @@ class BlockRunner:
         slots = self.cache.reserve(session, ends, linear_ends)
         restore = [(slots[op.block_idx], min(slots[op.block_idx].length, op.index_pos))
                    for op in ops if not self.blocks[op.layer].recurrent]
-        return _Planned(session, x, tuple(ops), slots, restore)
+        return _Planned(session, x, tuple(ops), slots, restore, begun)
 
     def _run(self, group: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
         """The outputs of `group`'s requests, which share one run, computed together."""
@@ -317,12 +357,24 @@ class BlockRunner:
             raise InternalError(f"activation {x.dtype} {tuple(x.shape)} on {x.device} breaks the contract: this "
                                 f"runner computes [1, T, {hidden}] with T >= 1, {self.dtype} on {self.device}")
 
+    def clear_session(self, session: int) -> None:
+        """Goodbye: the session starts afresh. With prefix reuse its rows are kept as a retired
+        prefix (within the budget, given up as soon as a live session needs the room); whatever
+        else it held is freed (unknown session: no-op)."""
+        if self.prefixes is not None:
+            self.prefixes.retire(session)
+        self.cache.clear(session)
+
     def free_session(self, session: int) -> None:
-        """Goodbye or a closed connection: forget the session's positions and free its buffers
+        """A closed connection: forget the session's positions and free its buffers, and its
+        retired prefixes, unless prefixes are shared, when its rows are retired as on Goodbye
         (unknown session: no-op)."""
+        if self.prefixes is not None:
+            self.prefixes.end(session)
         self.cache.clear(session)
 
     def kv_bytes(self) -> int:
+        """Bytes the live sessions' KV slots and linear states hold (not what prefix reuse keeps)."""
         return self.cache.nbytes()
 
     def session_count(self) -> int:

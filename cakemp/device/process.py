@@ -6,7 +6,8 @@ serve until the parent is gone. It drains every message waiting on its sockets i
 Scheduler (scheduler.py says which run together) and runs them a step at a time: several
 sessions' hops as one batch (DeviceService.run_step), each result going to the next device
 of its route or, from the last, to the front; a Ping is answered at once. Each step is
-reported to the front (StepReport) for its metrics. While a step runs long, the device tells
+reported to the front (StepReport) for its metrics, and so is what prefix reuse did
+(PrefixReport), whenever that changed. While a step runs long, the device tells
 the front every `progress_s` seconds (between slices of its ops), so that the front's
 watchdog never takes a busy device for a hung one. This module is imported by the front to
 name the spawn target, so torch (via DeviceService) is imported only inside `main`, in the child.
@@ -105,11 +106,15 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
         for control in step.controls:
             if isinstance(control, End):
                 gathering.ended(control.session)
-            channel.send(service.handle(control))
+            done = service.handle(control)
+            _report_prefixes(channel, service)  # before the answer, so the front counts it by then
+            channel.send(done)
         if step.hops:
             channel.send(StepReport(len(step.hops), step.tokens))
             started = time.monotonic()
-            for reply in service.run_step(step.hops):
+            replies = service.run_step(step.hops)
+            _report_prefixes(channel, service)
+            for reply in replies:
                 _send_on(spec, channel, reply)
             now = time.monotonic()
             gathering.stepped({hop.session for hop in step.hops}, now - started, now)
@@ -133,6 +138,12 @@ def _send_on(spec: DeviceSpec, channel: DeviceChannel, reply) -> None:
                                  f"#{reply.stages[0].device} (its queue is full or it is gone)", reply.chunk))
     elif reply is not None:
         channel.send(reply)
+
+
+def _report_prefixes(channel: DeviceChannel, service) -> None:
+    """Tell the front what prefix reuse did, if anything changed."""
+    if (report := service.prefix_report()) is not None:
+        channel.send(report)
 
 
 def _reporter(channel: DeviceChannel, every_s: float):

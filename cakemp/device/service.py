@@ -28,7 +28,7 @@ from cakemp.compute.runner import BlockRunner, Request
 from cakemp.device import fault
 from cakemp.ipc.spec import DeviceSpec
 from cakemp.errors import BadTensor, ConfigError, InternalError, RequestError
-from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, error_code
+from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, PrefixReport, error_code
 from cakemp.rss import resident_bytes
 
 def _no_progress(request_id: int) -> None:
@@ -48,6 +48,7 @@ class DeviceService:
     poisoned: str | None = None  # why this process must end after its last answer (a sticky CUDA error)
     # request id -> the failure of one of its chunks, while later chunks may still come.
     _failed: dict[int, Failure] = field(default_factory=dict, init=False)
+    _last_report: PrefixReport = field(default=PrefixReport(0, 0, 0, 0, 0), init=False)
 
     @classmethod
     def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None, generation: int = 0,
@@ -63,6 +64,7 @@ class DeviceService:
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
             pack_weights=spec.max_batch > 1,  # twice the weight memory, worth it only where steps batch
+            prefix_reuse=spec.prefix_reuse, share_prefixes=spec.share_prefixes,
         )
         return cls(runner, spec.index, generation, spec.label, progress)
 
@@ -82,7 +84,10 @@ class DeviceService:
         if isinstance(request, Hop):
             return self.run_step([request])[0]
         try:
-            self.runner.free_session(request.session)  # Clear and End differ only at the front
+            if isinstance(request, Clear):  # Goodbye: its rows may be kept for reuse
+                self.runner.clear_session(request.session)
+            else:
+                self.runner.free_session(request.session)
         except Exception as e:
             return self._failure(request.request_id, 0, e)
         return Done(request.request_id, self.runner.session_count(), self.runner.kv_bytes())
@@ -118,6 +123,19 @@ class DeviceService:
             except Exception as e:
                 replies[i] = self._failed_chunk(hop, self._failure(hop.request_id, hop.chunk, e))
         return replies
+
+    def prefix_report(self) -> PrefixReport | None:
+        """What prefix reuse did since the last report, if anything changed (None without reuse)."""
+        prefixes = self.runner.prefixes
+        if prefixes is None:
+            return None
+        report = PrefixReport(prefixes.hits, prefixes.tokens, prefixes.evictions, prefixes.retired_bytes(),
+                              prefixes.kept_bytes())
+        if report == self._last_report:
+            return None
+        prefixes.hits = prefixes.tokens = prefixes.evictions = 0
+        self._last_report = PrefixReport(0, 0, 0, report.retired_bytes, report.kept_bytes)
+        return report
 
     def _failed_chunk(self, hop: Hop, failure: Failure) -> Failure:
         """The answer to a chunk of a failed request: the request's failure, remembered until its last chunk."""

@@ -53,13 +53,14 @@ MIN_KEY_CHARS = 16
 @dataclass(frozen=True)
 class Flag:
     """One command-line flag: its name, help, default and click type (None: a string); `envvar`
-    names variables read before CAKEMP_<FLAG> (Cake's own)."""
+    names variables read before CAKEMP_<FLAG> (Cake's own); `is_flag`: it takes no value (on when given)."""
 
     name: str  # "--request-timeout"
     help: str | None = None
     default: Any = None
     type: click.ParamType | None = None
     envvar: tuple[str, ...] = ()
+    is_flag: bool = False
 
     @property
     def key(self) -> str:
@@ -68,10 +69,10 @@ class Flag:
 
 
 def knob(name: str, default: Any, type: click.ParamType | None, help: str | None, *,
-         convert: Callable[[Any], Any] | None = None, envvar: tuple[str, ...] = ()) -> Any:
+         convert: Callable[[Any], Any] | None = None, envvar: tuple[str, ...] = (), is_flag: bool = False) -> Any:
     """A NodeConfig field set by the flag `name`. `convert` turns the flag's value into the field's
     (MiB into bytes, say); the field's default is the flag's, converted."""
-    flag = Flag(name, help, default, type, envvar)
+    flag = Flag(name, help, default, type, envvar, is_flag)
     value = default if convert is None or default is None else convert(default)
     return dataclasses.field(default=value, metadata={"flag": flag, "convert": convert})
 
@@ -146,6 +147,13 @@ class NodeConfig:
     frame_timeout: float = knob(
         "--frame-timeout", 60.0, click.FloatRange(min=0, min_open=True),
         "Seconds a frame may take to arrive once its header has (Hello: once connected); then it is closed.")
+    prefix_reuse: bool = knob(
+        "--no-prefix-reuse", False, None, "Free a session's KV rows on Goodbye instead of keeping them for a "
+        "request that sends the same rows again (a chat's next turn), which then computes only its new rows.",
+        convert=lambda off: not off, is_flag=True)
+    share_prefixes: bool = knob(
+        "--share-prefixes", False, None, "Reuse kept rows across master connections, not only on the connection "
+        "they came from (a hit shows in latency: each connection's masters should trust each other).", is_flag=True)
     session_idle_timeout: float | None = knob(
         "--session-idle-timeout", None, click.FloatRange(min=0, min_open=True),
         "Seconds a session may sit idle before its KV cache is freed (default: never, as Cake).")
@@ -297,6 +305,8 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             max_batch=config.max_batch,
             prefill_chunk=config.prefill_chunk,
             threads=cpu_threads if gpu is None else GPU_DEVICE_THREADS,
+            prefix_reuse=config.prefix_reuse,
+            share_prefixes=config.share_prefixes,
             # Well inside the request timeout, which counts a device silent that long as hung.
             progress_s=config.request_timeout / 4,
             log_format=config.log_format,

@@ -266,6 +266,23 @@ class Metrics:
             "cakemp_device_memory_bytes",
             "Memory each device process held once its layers were loaded: GPU memory allocated, or its RSS on a CPU.",
             "device")
+        # Prefix reuse (compute/prefix_cache.py), as each device reports it.
+        self.prefix_hits = self._counter(
+            "cakemp_prefix_hits_total", "Requests at position 0 that took up a session's kept rows (a retired prefix).",
+            "device")
+        self.prefix_tokens = self._counter(
+            "cakemp_prefix_reused_tokens_total", "Positions answered from kept rows instead of computed.", "device")
+        self.prefix_evictions = self._counter(
+            "cakemp_prefix_evictions_total",
+            "Kept prefixes given up for room (a live session needed it, or too many were retired).", "device")
+        self.prefix_retired_bytes = self._gauge(
+            "cakemp_prefix_retired_bytes",
+            "Bytes of retired prefixes (KV rows, output rows, recurrent states) each device keeps inside its KV budget.",
+            "device")
+        self.prefix_kept_bytes = self._gauge(
+            "cakemp_prefix_kept_bytes",
+            "Bytes each device keeps for reuse beside its live sessions' KV state (their output rows and recurrent "
+            "states), inside its KV budget.", "device")
         self.device_restarts = self._counter("cakemp_device_restarts_total",
                                              "Device processes restarted after dying or hanging.", "device")
         # The node.
@@ -301,6 +318,15 @@ class Metrics:
         self.request_seconds.observe(seconds, kind=kind)
         self.tokens.inc(tokens, kind=kind)
         self.layer_ops.inc(layer_ops)
+
+    def prefixes(self, device: str, hits: int, tokens: int, evictions: int, retired_bytes: int,
+                 kept_bytes: int) -> None:
+        """`device` reported what prefix reuse did since its last report, and holds now."""
+        self.prefix_hits.inc(hits, device=device)
+        self.prefix_tokens.inc(tokens, device=device)
+        self.prefix_evictions.inc(evictions, device=device)
+        self.prefix_retired_bytes.set(retired_bytes, device=device)
+        self.prefix_kept_bytes.set(kept_bytes, device=device)
 
     def device_loaded(self, device: str, memory_bytes: int, kv_budget_bytes: int | None) -> None:
         """`device` reported Ready holding `memory_bytes`; its KV budget, if it has one."""

@@ -45,6 +45,7 @@ from cakemp.ipc import (
     Loaded,
     Message,
     Ping,
+    PrefixReport,
     Progress,
     Ready,
     Stage,
@@ -278,6 +279,10 @@ class DevicePool:
             self._metrics.batch_requests.set(msg.requests, device=label)
             self._metrics.batch_size.observe(msg.requests, device=label)
             self._metrics.step_tokens.observe(msg.tokens, device=label)
+        elif isinstance(msg, PrefixReport):
+            self._state.heard(device, now)
+            self._metrics.prefixes(self.label(device), msg.hits, msg.tokens, msg.evictions, msg.retired_bytes,
+                                   msg.kept_bytes)
         elif isinstance(msg, Loaded):
             self._state.heard(device, now)
             self._status.loaded(device, msg.layers)
@@ -348,6 +353,8 @@ class DevicePool:
                                 reason=action.reason)
                 self._metrics.device_restarts.inc(device=label)
                 self._metrics.kv_bytes.set(0, device=label)
+                self._metrics.prefix_retired_bytes.set(0, device=label)
+                self._metrics.prefix_kept_bytes.set(0, device=label)
                 self._status.restarting(action.device, action.reason)
             elif isinstance(action, ps.RestartFailed):
                 self._log.error("device restart failed", device=action.device, device_label=self.label(action.device),

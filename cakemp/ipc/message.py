@@ -46,6 +46,7 @@ class Kind(IntEnum):
     PROGRESS = 22  # still computing a request: not hung
     PONG = 23
     STEP_REPORT = 24  # a step began: its size, for the metrics
+    PREFIX_REPORT = 25  # what prefix reuse did, for the metrics
 
 
 # How a field travels (the codec knows these marks).
@@ -187,6 +188,20 @@ class StepReport:
 
     requests: U64
     tokens: U64
+
+
+@message(Kind.PREFIX_REPORT)
+class PrefixReport:
+    """What prefix reuse did on the device since its last report: requests that adopted a retired
+    prefix (`hits`), positions answered from kept rows instead of computed (`tokens`), prefixes
+    given up for room (`evictions`); and the bytes it holds now for reuse alone: retired
+    prefixes, and live sessions' kept output rows and recurrent states (for the front's metrics)."""
+
+    hits: U64
+    tokens: U64
+    evictions: U64
+    retired_bytes: U64
+    kept_bytes: U64
 
 
 @message(Kind.DONE)

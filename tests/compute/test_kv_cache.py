@@ -66,3 +66,50 @@ def test_clear_frees_only_that_session():
     c.reserve(2, {0: 5})
     c.clear(1)
     assert c.nbytes() == MIN_CAPACITY * PER_POSITION and c.length(1, 3) == 0 and c.session_count() == 1
+
+
+class Spare:
+    """What prefix reuse holds inside the budget, as the cache sees it."""
+
+    def __init__(self, held: int):
+        self.held, self.asked = held, []
+
+    def nbytes(self) -> int:
+        return self.held
+
+    def release(self, nbytes: int) -> None:
+        self.asked.append(nbytes)
+        self.held = max(0, self.held - nbytes)
+
+
+def test_the_spare_gives_back_room_before_growth_falls_short_of_doubling():
+    """With the budget held by the spare, a slot's growth asks it for the room doubling needs and
+    grows doubled; once neither the budget nor the spare has room left, a session is refused."""
+    c = cache(max_context=4096, budget_bytes=2 * MIN_CAPACITY * PER_POSITION)
+    c.spare = Spare(2 * MIN_CAPACITY * PER_POSITION)
+    assert c.room() == 0
+    assert c.reserve(1, {0: 10})[0].capacity == MIN_CAPACITY
+    assert c.spare.asked == [MIN_CAPACITY * PER_POSITION] and c.room() == 0
+    c.spare = Spare(MIN_CAPACITY * PER_POSITION - 10 * PER_POSITION)  # holds all but 10 positions' room
+    assert c.reserve(2, {0: 5})[0].capacity == MIN_CAPACITY and c.spare.held == 0 and c.room() == 0
+    with pytest.raises(CacheBudgetExceeded):
+        c.reserve(3, {0: 1})
+
+
+def test_slots_detached_and_attached_leave_and_rejoin_the_count():
+    """detach takes a session's slots out of the count, attach puts them (or copies) back under
+    another session, copied slots holding the first rows."""
+    c = cache(max_context=4096)
+    slot = c.reserve(1, {0: 10, 1: 10})[0]
+    slot.k[:, :, :10] = 1.0
+    slot.length = 10
+    kv, linear = c.detach(1)
+    assert c.nbytes() == 0 and c.session_count() == 0 and set(kv) == {0, 1} and linear == {}
+    c.attach(2, kv)
+    assert c.nbytes() == 2 * MIN_CAPACITY * PER_POSITION and c.length(2, 0) == 10
+    copies = c.copied(2, [0], 6, 300)
+    assert copies[0].capacity == 300 and copies[0].length == 6 and torch.equal(copies[0].k[:, :, :6], slot.k[:, :, :6])
+    c.resume(2, [0, 1], 4, {})
+    assert c.length(2, 0) == c.length(2, 1) == 4
+    with pytest.raises(ValueError):
+        c.attach(2, copies)

@@ -20,6 +20,7 @@ from cakemp.ipc import (
     Op,
     Ping,
     Pong,
+    PrefixReport,
     Ready,
     Stage,
     StartFailure,
@@ -62,9 +63,9 @@ async def join(child, timeout: float = 20.0) -> int:
 
 def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, checkpoint):
     """The process reports its load progress and Ready with its layers, answers a Ping, answers a Hop
-    like HF's layer (with its KV bytes), survives a request that breaks the contract (answered INTERNAL,
-    naming no detail), and exits 0 once the parent's end of the
-    pipe closes."""
+    like HF's layer (with its KV bytes, after what prefix reuse keeps), survives a request that breaks
+    the contract (answered INTERNAL, naming no detail), and exits 0 once the parent's end of the pipe
+    closes."""
     spec = DeviceSpec(0, None, ("model.layers.1",), str(checkpoint), "f32", f"ipc://{tmp_path}/device-0",
                       threads=1, log_format="json")
     x = torch.randn(1, 3, 64)
@@ -86,6 +87,8 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
         refused = await front.receive(10)
         await front.channel.send(Hop(1, 2, DType.F32, (1, 3, 64), stage(0), bytearray(x.numpy().tobytes())))
         assert await front.receive(10) == StepReport(1, 3)
+        # Prefix reuse now keeps the session's output rows (256 rows of 64 f32 at first): said before the answer.
+        assert await front.receive(10) == PrefixReport(0, 0, 0, 0, 256 * 64 * 4)
         answered = await front.receive(10)
         parent_pipe.close()
         exitcode = await join(child)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -246,3 +248,24 @@ def test_a_failure_copying_one_result_to_the_host_fails_that_hop_alone(service, 
                                 forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], session=2, request_id=2)])
     assert isinstance(replies[0], Failure) and replies[0].request_id == 1
     assert isinstance(replies[1], Activation) and replies[1].request_id == 2
+
+
+def test_goodbye_keeps_a_sessions_rows_and_a_closed_connection_frees_them(checkpoint):
+    """Clear retires the session's rows (the next prompt re-sending them is answered from them, and the
+    report says so once); End frees them; reuse off keeps nothing."""
+    spec = DeviceSpec(1, None, LAYERS, str(checkpoint), "f32", "ipc://unused")
+    service = DeviceService.load(spec, generation=GENERATION)
+    x = torch.randn(1, 20, 64)
+    first = tensor(service.handle(forward(x, [Op(0, 0, 2), Op(1, 0, 3)])))
+    assert isinstance(service.handle(Clear(1, 2)), Done) and service.runner.session_count() == 0
+    retired = service.prefix_report().retired_bytes
+    assert retired > 0 and service.prefix_report() is None  # nothing changed since
+    again = tensor(service.handle(forward(x, [Op(0, 0, 2), Op(1, 0, 3)], request_id=3)))
+    report = service.prefix_report()
+    assert torch.equal(again, first) and (report.hits, report.tokens) == (1, 20)
+    service.handle(Clear(1, 4))
+    service.handle(End(1, 5))
+    report = service.prefix_report()
+    assert (report.retired_bytes, report.kept_bytes) == (0, 0)
+    off = DeviceService.load(dataclasses.replace(spec, prefix_reuse=False), generation=GENERATION)
+    assert off.runner.prefixes is None and off.prefix_report() is None

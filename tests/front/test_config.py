@@ -40,7 +40,7 @@ def topology(tmp_path):
 def test_every_flag_is_declared_once_with_help():
     """No two flags share a name, and each but --log-level explains itself."""
     names = [flag.name for flag in RUN_FLAGS]
-    assert len(names) == len(set(names)) == 28
+    assert len(names) == len(set(names)) == 30
     assert [flag.name for flag in RUN_FLAGS if not flag.help] == ["--log-level"]
 
 
@@ -192,6 +192,18 @@ def test_the_key_is_taken_out_of_the_environment_and_an_empty_variable_is_refuse
 
 
 # --------------------------------------------------------------------------- the KV budget of a CPU device
+
+
+def test_prefix_reuse_is_on_per_connection_unless_told_otherwise(topology):
+    """By default a node reuses prefixes within a connection; --no-prefix-reuse turns that off and
+    --share-prefixes shares them across connections; each device is told."""
+    default = node_config(flag_values(name="w1", topology=topology, gpus="cpu"), model_given=False)
+    assert (default.prefix_reuse, default.share_prefixes) == (True, False)
+    changed = node_config(flag_values(name="w1", topology=topology, gpus="cpu:2", no_prefix_reuse=True,
+                                      share_prefixes=True), model_given=False)
+    assert (changed.prefix_reuse, changed.share_prefixes) == (False, True)
+    specs = device_specs(changed, [("model.layers.0",)] * 2, "/run")
+    assert [(spec.prefix_reuse, spec.share_prefixes) for spec in specs] == [(False, True)] * 2
 
 
 def memory_available() -> int:

@@ -1,0 +1,433 @@
+"""Prefix reuse: the rows of a session's run kept past its end, so that a request sending them
+again costs only its new rows.
+
+A Cake master serving a chat ends each request with Goodbye and sends the next turn from
+position 0 with the whole history again. So each session's run (its ops' layers and KV slots,
+from position 0) is followed as it goes: a chain of digests of its input rows (row_chain.py),
+its output rows, and for a run with linear-attention layers their states where each request
+of more than one row ended (`StatePoint`s: every prompt chunk's end). On Goodbye, or when the
+session starts again at position 0, that becomes a retired `Prefix` holding the session's KV
+slots as they were (moved, not copied), with a state point at its end.
+
+A request at position 0 whose first rows agree with a retired prefix of its domain and run
+(MIN_REUSE rows at least, or the whole of a shorter request) adopts it: its KV slots become
+the session's again. While the rows the session sends agree with the prefix's, they are
+answered its kept output rows and not computed: the session's KV slots are set to them, and a
+recurrent run's state follows from one state point to the next (until the next one, the
+agreeing rows since the last one wait as `pending`, and the slots' later rows are still the
+prefix's). A prompt comes in chunks, so this goes on request after request. Where the rows
+stop agreeing, or the prefix ends, the run computes from there, or from the last state point
+at or before there (a linear-attention state cannot be rewound), the pending rows first.
+Across devices a hit propagates: the next device's input is this one's output, the kept rows
+bit for bit.
+
+Chats interleaved on one connection share their first rows (a system prompt): a session that
+leaves an adopted prefix before its end continues on copies of the rows it shares and puts the
+prefix back whole (`_put_back`), and one whose rows agree further with another retired prefix
+holding all of its rows so far switches to it (`_switch`).
+
+Everything kept for reuse alone (retired prefixes, and live sessions' output rows and state
+points) is counted inside the KV cache's budget and given back the moment a live session needs
+the room (`release`: retired prefixes oldest first, then what live sessions keep, least
+recently used first): it never makes a request fail. A live session that finds no room to keep
+its output rows stops being followed until it starts again at 0.
+
+Domains: by default a prefix is reused only by the session (one master connection) it came
+from, and freed with it; with `shared`, by any session, and a closed connection's rows are
+retired like a Goodbye's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cakemp.compute.kv_cache import MIN_CAPACITY, KVCache, KVSlot
+from cakemp.compute.row_chain import Extension, RowChain
+from cakemp.model.deltanet import LinearState
+from cakemp.op import Op
+
+# Retired prefixes kept at most, whatever the budget (none may be unbounded, and a lookup scans them).
+MAX_RETIRED = 256
+# Rows a request must reuse for a hit (ISSUE-NOTES: blocks of 16 rows): fewer save next to nothing.
+MIN_REUSE = 16
+MIN_OUTPUT_ROWS = 256
+SHARED = -1  # the domain of every session when prefixes are shared
+
+Run = tuple[tuple[int, int], ...]  # (layer, block_idx) of each op, in order
+
+
+# A run's linear-attention states after some position: block_idx -> state (where the run may resume).
+StatePoint = dict[int, LinearState]
+
+
+class OutputRows:
+    """A run's output rows by position: buffer [capacity, H] in the compute dtype, doubled as it grows."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device):
+        self.buffer = torch.empty(0, hidden, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def growth(self, end: int) -> int:
+        """Bytes more that holding rows [0, end) takes."""
+        capacity = self.buffer.shape[0]
+        return 0 if end <= capacity else (self._grown(end) - capacity) * self.buffer.shape[1] * self.buffer.element_size()
+
+    def write(self, position: int, rows: torch.Tensor) -> None:
+        """rows: [1, n, H] at positions [position, position + n); the rows before stay."""
+        end = position + rows.shape[1]
+        if end > self.buffer.shape[0]:
+            grown = self.buffer.new_empty(self._grown(end), self.buffer.shape[1])
+            grown[:position] = self.buffer[:position]
+            self.buffer = grown
+        self.buffer[position:end] = rows[0]
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """[1, end - start, H]: a view, valid until the buffer is written there."""
+        return self.buffer[start:end].unsqueeze(0)
+
+    def _grown(self, end: int) -> int:
+        return max(2 * self.buffer.shape[0], MIN_OUTPUT_ROWS, end)
+
+
+@dataclass
+class Prefix:
+    """A run's rows from position 0 in one session, and what is kept of them: a live session's, or retired."""
+
+    domain: int
+    run: Run
+    chain: RowChain  # the input rows taken, [0, length)
+    outputs: OutputRows  # their output rows
+    points: dict[int, StatePoint] = field(default_factory=dict)  # runs with linear layers: position -> states
+    # Live only: the chain of an adopted prefix while its rows past `chain` may still match.
+    ahead: RowChain | None = None
+    # Live only: where the session's KV slots and linear states are, `chain.length` but while a
+    # recurrent run answers agreeing rows past its last state point: then `pending` holds their
+    # input rows [resumed, chain.length), [1, n, H], to compute from there once they stop agreeing.
+    resumed: int = 0
+    pending: torch.Tensor | None = None
+    slots: dict[int, KVSlot] = field(default_factory=dict)  # retired only: the attention layers' KV slots
+    used: int = 0  # when last used (for least recently used first)
+
+    @property
+    def lags(self) -> bool:
+        return self.resumed < self.chain.length
+
+
+@dataclass(frozen=True)
+class Begun:
+    """A request [start, end) as prefix reuse takes it: rows [resume, end) are computed, from
+    input rows `pending` and then the request's own when resume < start; the answer is `kept`
+    (output rows [start, resume), when resume > start), then the computed rows from start on."""
+
+    session: int
+    prefix: Prefix
+    extension: Extension
+    resume: int
+    kept: torch.Tensor | None = None  # [1, resume - start, H]
+    pending: torch.Tensor | None = None  # [1, start - resume, H]
+
+    @property
+    def computes(self) -> bool:
+        return self.resume < self.extension.end
+
+
+class PrefixCache:
+    """The prefixes of one device's runner: each live session's, and the retired ones (module docstring)."""
+
+    def __init__(self, cache: KVCache, recurrent: Sequence[bool], hidden: int, shared: bool = False):
+        """`recurrent[layer]`: the runner's layer `layer` is a linear-attention layer."""
+        self._cache = cache
+        cache.spare = self  # its budget asks for room back (release)
+        self._recurrent = tuple(recurrent)
+        self._hidden = hidden
+        self._row_bytes = hidden * cache.dtype.itemsize
+        self._shared = shared
+        self._live: dict[int, Prefix] = {}  # session -> its run's prefix
+        self._retired: list[Prefix] = []  # oldest first
+        self._clock = itertools.count(1)
+        # Since the last report.
+        self.hits = self.tokens = self.evictions = 0
+
+    # -- requests
+
+    def begin(self, session: int, x: torch.Tensor, ops: Sequence[Op]) -> Begun | None:
+        """Take a request (x: [1, T, H], its ops checked against the runner's layers) before it runs:
+        a request at 0 retires what the session held and may adopt a retired prefix; one following
+        an adopted prefix goes on matching it. None when the request is not followed (its ops start
+        at different positions, or it does not continue the session's run: the session is then not
+        followed until it starts again at 0)."""
+        start = ops[0].index_pos if ops else -1
+        if start < 0 or any(op.index_pos != start for op in ops):
+            self._drop(session)
+            return None
+        run = tuple((op.layer, op.block_idx) for op in ops)
+        if start == 0:
+            self.retire(session)  # a new prompt replaces the session's rows: they are kept
+            prefix = Prefix(SHARED if self._shared else session, run, RowChain(self._row_bytes),
+                            OutputRows(self._hidden, self._cache.dtype, self._cache.device))
+            self._live[session] = prefix
+        else:
+            prefix = self._live.get(session)
+            if prefix is None or prefix.run != run or prefix.chain.length != start:
+                self._drop(session)
+                return None
+        prefix.used = next(self._clock)
+        extension = prefix.chain.extension(_row_bytes(x))
+        if start == 0:
+            self._adopt(session, prefix, extension)
+        if prefix.ahead is None:
+            return Begun(session, prefix, extension, start)
+        return self._follow(session, prefix, extension, x)
+
+    def finish(self, begun: Begun, computed: torch.Tensor, states: dict[int, LinearState]) -> None:
+        """The request computed its rows [resume, end) (`computed`: [1, n, H]) and the linear
+        layers' `states` after them (block_idx -> state): keep them, if there is room."""
+        prefix, extension = begun.prefix, begun.extension
+        if self._live.get(begun.session) is not prefix:  # no longer followed (its room was needed)
+            return
+        point = self._linear(prefix.run) and extension.end - extension.start > 1
+        needed = prefix.outputs.growth(extension.end) + (self._point_bytes(prefix.run) if point else 0)
+        if not self._make_room(needed):
+            self._drop(begun.session, evicted=True)
+            return
+        prefix.chain.advance(extension, extension.end)
+        prefix.resumed, prefix.pending = extension.end, None
+        skip = max(0, extension.start - begun.resume)  # rows answered from kept rows before: they stay
+        prefix.outputs.write(begun.resume + skip, computed[:, skip:])
+        if point:
+            prefix.points[extension.end] = dict(states)
+
+    # -- sessions
+
+    def retire(self, session: int) -> None:
+        """Goodbye (or a new prompt at 0): the session's run becomes a retired prefix, holding its
+        KV slots; the session holds nothing afterwards. Without a followed run, nothing is kept
+        (the caller frees the session)."""
+        prefix = self._live.pop(session, None)
+        if prefix is None:
+            return
+        kv, linear = self._cache.detach(session)
+        attention, recurrent = self._attention(prefix.run), self._recurrent_slots(prefix.run)
+        if not (set(attention) <= kv.keys() and set(recurrent) <= linear.keys()):
+            return  # not the state this run left (freed with the rest)
+        if prefix.ahead is not None:
+            # Adopted rows not all followed yet: nothing past the slots' length was written, so
+            # the adopted prefix is whole still and is kept whole again.
+            prefix.chain, prefix.ahead = prefix.ahead, None
+        elif any(kv[b].length != prefix.chain.length for b in attention) or \
+                any(linear[b].length != prefix.chain.length for b in recurrent):
+            return
+        length = prefix.chain.length
+        if length < MIN_REUSE:
+            return  # too short to be worth keeping
+        if recurrent and length not in prefix.points:
+            prefix.points[length] = {block_idx: LinearState(linear[block_idx].conv, linear[block_idx].recurrent)
+                                     for block_idx in recurrent}
+        prefix.slots = {block_idx: kv[block_idx] for block_idx in attention}
+        for slot in prefix.slots.values():
+            slot.length = length
+        self._keep(prefix)
+
+    def end(self, session: int) -> None:
+        """The session's connection closed: its rows are retired if prefixes are shared, else
+        nothing of it is kept (its domain's retired prefixes can never be asked for again)."""
+        if self._shared:
+            self.retire(session)
+            return
+        self._live.pop(session, None)
+        self._retired = [prefix for prefix in self._retired if prefix.domain != session]
+
+    def release(self, nbytes: int) -> None:
+        """Free at least `nbytes` of what is kept for reuse, if there is that much: a live session
+        needs the room. Retired prefixes go first, oldest first, then what live sessions keep."""
+        freed = 0
+        while freed < nbytes and self._retired:
+            freed += self._bytes(self._retired.pop(0))
+            self.evictions += 1
+        # A session whose state lags behind rows it was answered needs its record to catch up.
+        followed = sorted((s for s, prefix in self._live.items() if not prefix.lags), key=lambda s: self._live[s].used)
+        for session in followed:
+            if freed >= nbytes:
+                break
+            freed += self._bytes(self._live[session])
+            self._drop(session, evicted=True)
+
+    # -- figures
+
+    def nbytes(self) -> int:
+        """Bytes held for reuse alone: retired prefixes and what live sessions keep."""
+        return self.retired_bytes() + self.kept_bytes()
+
+    def retired_bytes(self) -> int:
+        return sum(self._bytes(prefix) for prefix in self._retired)
+
+    def kept_bytes(self) -> int:
+        """Live sessions' output rows and state points."""
+        return sum(self._bytes(prefix) for prefix in self._live.values())
+
+    def retired_count(self) -> int:
+        return len(self._retired)
+
+    # -- inside
+
+    def _adopt(self, session: int, prefix: Prefix, extension: Extension) -> None:
+        """Make the retired prefix of the session's domain and run whose rows agree with the
+        request's furthest (MIN_REUSE rows at least, or all of a shorter request) the session's:
+        its KV slots, output rows and state points, moved."""
+        best, best_agreed = None, min(MIN_REUSE, extension.end)
+        for candidate in self._retired:
+            if candidate.domain == prefix.domain and candidate.run == prefix.run:
+                agreed = extension.agreed(candidate.chain)
+                if agreed >= best_agreed:  # the newest of equals
+                    best, best_agreed = candidate, agreed
+        if best is None:
+            return
+        self._retired.remove(best)
+        self._cache.clear(session)  # whatever the session held outside a followed run
+        self._cache.attach(session, best.slots)
+        prefix.outputs, prefix.points, prefix.ahead = best.outputs, best.points, best.chain
+        self.hits += 1
+
+    def _follow(self, session: int, prefix: Prefix, extension: Extension, x: torch.Tensor) -> Begun:
+        """Take the request's rows that agree with the adopted prefix: answered from its kept
+        output rows, the session's state moved to the furthest state point among them; the rest
+        computed from there. Rows agreeing to the request's end keep the prefix for the next."""
+        start, end = extension.start, extension.end
+        agreed = extension.agreed(prefix.ahead)
+        if agreed < min(end, prefix.ahead.length) and self._switch(session, prefix, extension, agreed):
+            agreed = extension.agreed(prefix.ahead)
+        usable = [p for p in prefix.points if start < p <= agreed] if self._linear(prefix.run) else [agreed]
+        resume = max(usable, default=prefix.resumed)
+        if resume > prefix.resumed:
+            states = prefix.points[resume] if self._linear(prefix.run) else {}
+            self._cache.resume(session, self._attention(prefix.run), resume, states)
+            self.tokens += resume - prefix.resumed
+        kept = prefix.outputs.rows(start, agreed).clone() if agreed > start else None
+        if agreed == end and (end < prefix.ahead.length or resume == end):
+            # Every row agreed: answered from kept rows, nothing computed. The next request goes on
+            # with the prefix's later rows; a recurrent run's state stays at its last point meanwhile.
+            behind = x[:, resume - start:] if resume >= start else torch.cat([prefix.pending, x], dim=1)
+            prefix.chain.advance(extension, end)
+            prefix.resumed, prefix.pending = resume, behind if resume < end else None
+            if agreed == prefix.ahead.length:
+                self._leave(prefix, resume)
+            return Begun(session, prefix, extension, end, kept)
+        # The rows stop agreeing (or the prefix ends) here: compute from the last state point.
+        pending = None if resume >= start else prefix.pending[:, : start - resume]
+        if resume > start:
+            prefix.chain.advance(extension, resume)
+            kept = kept[:, : resume - start]
+        else:
+            kept = None
+        prefix.resumed, prefix.pending = resume, None
+        if agreed < prefix.ahead.length:  # the session leaves the prefix before its end
+            self._put_back(session, prefix, resume, start, end)
+        self._leave(prefix, resume)
+        return Begun(session, prefix, extension, resume, kept, pending)
+
+    def _switch(self, session: int, prefix: Prefix, extension: Extension, agreed: int) -> bool:
+        """Follow, instead of the adopted prefix, a retired one that holds every row the session
+        has taken (the chains agree at `start`) and agrees with more of this request's, if there
+        is one (chats interleaved on one connection share their first rows): the prefix left is
+        retired whole again, its rows untouched."""
+        start, mine = extension.start, prefix.chain.digest_at(extension.start)
+        best, best_agreed = None, agreed
+        for candidate in self._retired:
+            if (candidate.domain, candidate.run) == (prefix.domain, prefix.run) and \
+                    candidate.chain.length >= start and candidate.chain.digest_at(start) == mine:
+                if (candidate_agreed := extension.agreed(candidate.chain)) > best_agreed:
+                    best, best_agreed = candidate, candidate_agreed
+        if best is None:
+            return False
+        self._retired.remove(best)
+        kv, linear = self._cache.detach(session)  # the linear states stay: computed from the same rows
+        self._keep_whole(prefix, kv)
+        for slot in best.slots.values():
+            slot.length = prefix.resumed  # rows before it computed from the same rows as the session's
+        self._cache.attach(session, best.slots, linear)
+        prefix.ahead, prefix.outputs = best.chain, best.outputs
+        prefix.points = {**best.points, **{p: point for p, point in prefix.points.items() if p <= start}}
+        return True
+
+    def _leave(self, prefix: Prefix, resume: int) -> None:
+        """The session no longer follows its adopted prefix past `resume`."""
+        prefix.ahead = None
+        prefix.points = {position: point for position, point in prefix.points.items() if position <= resume}
+
+    def _put_back(self, session: int, prefix: Prefix, resume: int, start: int, end: int) -> None:
+        """The session's rows leave the adopted prefix: retire the prefix whole again, its slots'
+        rows untouched, and give the session copies of the KV rows before `resume` (slots for `end`
+        positions) and of the output rows before the request's `start` or `resume`, so that another
+        chat sharing only its start does not cut it short. If they do not fit the budget, the
+        prefix's rows past `resume` are the session's to overwrite."""
+        attention = self._attention(prefix.run)
+        capacity = min(self._cache.max_context, max(MIN_CAPACITY, end))
+        outputs = OutputRows(self._hidden, self._cache.dtype, self._cache.device)
+        if not self._make_room(len(attention) * capacity * self._cache.bytes_per_position + outputs.growth(end)):
+            return
+        copies = self._cache.copied(session, attention, resume, capacity)
+        kv, linear = self._cache.detach(session)
+        self._cache.attach(session, copies, linear)
+        outputs.write(0, prefix.outputs.rows(0, max(resume, start)))
+        self._keep_whole(prefix, kv)
+        prefix.outputs = outputs
+
+    def _keep_whole(self, prefix: Prefix, kv: dict[int, KVSlot]) -> None:
+        """Retire the prefix `prefix` follows (`prefix.ahead`) whole again, its KV slots `kv` (detached
+        from the session, nothing past its rows written) at its length."""
+        attention = self._attention(prefix.run)
+        for block_idx in attention:
+            kv[block_idx].length = prefix.ahead.length
+        self._keep(Prefix(prefix.domain, prefix.run, prefix.ahead, prefix.outputs, dict(prefix.points),
+                          slots={block_idx: kv[block_idx] for block_idx in attention}, used=prefix.used))
+
+    def _keep(self, prefix: Prefix) -> None:
+        """Retire `prefix` (its slots at its chain's length), the newest; past MAX_RETIRED the oldest goes."""
+        self._retired.append(prefix)
+        if len(self._retired) > MAX_RETIRED:
+            self._retired.pop(0)
+            self.evictions += 1
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit the budget, once retired prefixes (oldest first) are freed as needed."""
+        while (room := self._cache.room()) is not None and room < nbytes and self._retired:
+            self._retired.pop(0)
+            self.evictions += 1
+        return room is None or room >= nbytes
+
+    def _drop(self, session: int, evicted: bool = False) -> None:
+        """Stop following the session (its KV state stays the session's)."""
+        if self._live.pop(session, None) is not None and evicted:
+            self.evictions += 1
+
+    def _linear(self, run: Run) -> bool:
+        return any(self._recurrent[layer] for layer, _ in run)
+
+    def _attention(self, run: Run) -> list[int]:
+        """The KV slots (block_idx) of the run's attention layers."""
+        return [block_idx for layer, block_idx in run if not self._recurrent[layer]]
+
+    def _recurrent_slots(self, run: Run) -> list[int]:
+        """The block_idx of the run's linear-attention layers."""
+        return [block_idx for layer, block_idx in run if self._recurrent[layer]]
+
+    def _point_bytes(self, run: Run) -> int:
+        return sum(self._recurrent[layer] for layer, _ in run) * self._cache.bytes_per_linear_slot
+
+    def _bytes(self, prefix: Prefix) -> int:
+        kv = sum(slot.capacity for slot in prefix.slots.values()) * self._cache.bytes_per_position
+        pending = 0 if prefix.pending is None else prefix.pending.numel() * prefix.pending.element_size()
+        return kv + prefix.outputs.nbytes + len(prefix.points) * self._point_bytes(prefix.run) + pending
+
+
+def _row_bytes(x: torch.Tensor) -> memoryview:
+    """The bytes of x: [1, T, H], row after row, read on the host."""
+    rows = x[0].detach().contiguous().cpu()
+    return memoryview(rows.view(torch.uint8).numpy()).cast("B")

@@ -1,0 +1,89 @@
+"""The identity of a run's input rows from position 0: a chain of digests of their bytes.
+
+Prefix reuse (prefix_cache.py) keys what it keeps on the exact bytes of the activation rows
+that entered a run. As vLLM chains its token blocks' hashes, each row's digest covers the
+digest before it and the row's own bytes, so two chains agree at a position only where every
+earlier row agreed, and how far two runs' rows agree is found by bisection.
+
+The rows are chained one by one, not by blocks of 16 as vLLM's pages are: the KV cache holds
+each session's rows contiguously (no pages, kv_cache.py), and the front cuts a prompt into even
+chunks whose ends fall anywhere, so a match may end at any row. 32 bytes per row is what that
+costs, next to kilobytes of KV rows.
+
+A RowChain is what a session's run has taken so far; an Extension is what a request would add
+to it, computed once per request (each row hashed once) and taken up to where the request's
+rows were taken (`RowChain.advance`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+DIGEST = 32  # bytes of one row's digest
+
+
+def _chained(previous: bytes, rows: memoryview, row_bytes: int) -> bytearray:
+    """The digests of `rows`, one after another, the first chained on `previous`."""
+    digests = bytearray()
+    for start in range(0, len(rows), row_bytes):
+        h = hashlib.blake2b(previous, digest_size=DIGEST)
+        h.update(rows[start : start + row_bytes])
+        previous = h.digest()
+        digests += previous
+    return digests
+
+
+class RowChain:
+    """Rows [0, length) of a run, each named by a digest of its bytes and of every row before it."""
+
+    def __init__(self, row_bytes: int):
+        self.row_bytes = row_bytes  # bytes of one row (hidden size x the compute dtype's size)
+        self._digests = bytearray()  # row i's at [DIGEST * i, DIGEST * (i + 1))
+
+    @property
+    def length(self) -> int:
+        return len(self._digests) // DIGEST
+
+    def digest_at(self, position: int) -> bytes:
+        """The digest naming rows [0, position), 0 <= position <= length (b"" for none)."""
+        return bytes(self._digests[DIGEST * (position - 1) : DIGEST * position]) if position else b""
+
+    def extension(self, rows: memoryview) -> Extension:
+        """What `rows` (the bytes of whole rows following this chain's end) would add to it."""
+        return Extension(self.length, _chained(self.digest_at(self.length), rows, self.row_bytes))
+
+    def advance(self, extension: Extension, end: int) -> None:
+        """Take the extension's rows up to position `end` (this chain may hold some of them already)."""
+        if not extension.start <= self.length <= end <= extension.end:
+            raise ValueError(f"rows [{extension.start}, {end}) do not continue a chain of {self.length} rows")
+        self._digests += extension.digests[DIGEST * (self.length - extension.start) : DIGEST * (end - extension.start)]
+
+
+@dataclass(frozen=True)
+class Extension:
+    """Rows [start, end) following a chain: their digests."""
+
+    start: int
+    digests: bytearray
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.digests) // DIGEST
+
+    def digest_at(self, position: int) -> bytes:
+        """The digest naming rows [0, position) of the chain with these rows, start < position <= end."""
+        i = position - self.start
+        return bytes(self.digests[DIGEST * (i - 1) : DIGEST * i])
+
+    def agreed(self, theirs: RowChain) -> int:
+        """How far, from `start`, these rows agree with those of `theirs`, which agrees with the
+        chain they extend up to `start`: the last position where the two chains' digests are equal."""
+        low, high = self.start, min(self.end, theirs.length)
+        while low < high:  # agreeing at p means agreeing before p: bisect
+            middle = (low + high + 1) // 2
+            if self.digest_at(middle) == theirs.digest_at(middle):
+                low = middle
+            else:
+                high = middle - 1
+        return low

@@ -1,0 +1,278 @@
+"""Prefix reuse in BlockRunner, without processes: what a session's next prompt reuses, and what it costs.
+
+The requests are what a Cake master serving a chat sends: a prompt from position 0 (in chunks,
+as the front cuts it), one decode step per generated token, Goodbye, then the next turn from 0
+with the whole history again. Each answer is compared with a fresh runner's prefill of the same
+rows: reuse must give the hidden states a fresh prefill gives.
+"""
+
+import pytest
+import torch
+
+from cakemp.checkpoint.config import ModelConfig
+from cakemp.compute.kv_cache import MIN_CAPACITY
+from cakemp.compute.prefix_cache import MAX_RETIRED
+from cakemp.compute.runner import BlockRunner, Request
+from cakemp.errors import ContextLimitExceeded
+from cakemp.front.router import chunk_bounds
+from tests.checkpoints import make_checkpoint
+from tests.tolerance import assert_close
+
+HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", shards=1)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5", shards=1)
+
+
+class Node:
+    """A runner serving layers 0-3 of a checkpoint, with requests sent as a Cake master sends them."""
+
+    def __init__(self, checkpoint, chunk: int = 16, **kwargs):
+        config = ModelConfig.from_dir(checkpoint)
+        self.layers = [config.layer_name(i) for i in range(4)]
+        self.runner = BlockRunner.load(checkpoint, self.layers, "cpu", torch.float32, **kwargs)
+        self.chunk = chunk
+
+    def ops(self, index_pos: int):
+        return self.runner.ops([(layer, index_pos, i) for i, layer in enumerate(self.layers)])
+
+    def prompt(self, session: int, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """x: [1, T, H] from `start`, in the chunks the front would cut: the output rows."""
+        outputs = [self.runner.run(session, x[:, a:b], self.ops(start + a)) for a, b in chunk_bounds(x.shape[1], self.chunk)]
+        return torch.cat(outputs, dim=1)
+
+    def decode(self, session: int, rows: torch.Tensor, start: int) -> None:
+        for i in range(rows.shape[1]):
+            self.runner.run(session, rows[:, i:i + 1], self.ops(start + i))
+
+    def turn(self, session: int, history: torch.Tensor, generated: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill `history` from 0, decode `generated` rows, Goodbye: (the prefill's output, the rows
+        the next turn's history holds: the prompt and the decoded rows)."""
+        out = self.prompt(session, history)
+        decoded = rows(generated, seed)
+        self.decode(session, decoded, history.shape[1])
+        self.runner.clear_session(session)
+        return out, torch.cat([history, decoded], dim=1)
+
+
+def rows(count: int, seed: int) -> torch.Tensor:
+    return torch.randn(1, count, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def fresh(checkpoint, x: torch.Tensor) -> torch.Tensor:
+    """x's output from a runner that never saw anything (one prefill, no reuse)."""
+    node = Node(checkpoint, chunk=x.shape[1])
+    return node.prompt(1, x)
+
+
+def figures(runner: BlockRunner) -> tuple[int, int, int]:
+    prefixes = runner.prefixes
+    return prefixes.hits, prefixes.tokens, prefixes.evictions
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+def test_a_three_turn_chat_gives_a_fresh_prefills_hidden_states(family, request):
+    """Three turns (prompt, 5 decoded rows, Goodbye; then the history and a new prompt from 0): each
+    turn's prompt gives what a fresh prefill of the same rows gives, and turns 2 and 3 reuse rows."""
+    checkpoint = request.getfixturevalue(family)
+    node = Node(checkpoint, prefix_reuse=True)
+    history = rows(37, 0)
+    reused = []
+    for turn in range(3):
+        before = node.runner.prefixes.tokens
+        out, history = node.turn(1, history, 5, seed=10 + turn)
+        reused.append(node.runner.prefixes.tokens - before)
+        assert_close(out, fresh(checkpoint, history[:, :out.shape[1]]))
+        history = torch.cat([history, rows(20, 20 + turn)], dim=1)
+    # The whole history each time (42, then 67 rows); recurrent layers too, although the turns' chunks
+    # end elsewhere than the states kept (at the earlier turns' chunk ends): the state follows the
+    # agreeing rows from one kept state to the next, and the last turn's end holds one.
+    assert reused == [0, 42, 67] and node.runner.prefixes.hits == 2
+
+
+def test_the_kept_rows_are_the_first_turns_output_bit_for_bit(llama):
+    """The rows answered from a retired prefix are exactly what the first turn computed (so the next
+    device's input matches its own kept rows), and the new rows agree with a fresh prefill."""
+    node = Node(llama, prefix_reuse=True)
+    first, history = node.turn(1, rows(40, 0), 0, seed=1)
+    second = node.prompt(1, torch.cat([history, rows(9, 2)], dim=1))
+    assert torch.equal(second[:, :40], first)
+    assert_close(second, fresh(llama, torch.cat([history, rows(9, 2)], dim=1)))
+
+
+def test_a_history_differing_in_one_early_row_reuses_nothing_past_it(llama, qwen):
+    """Row 20 of the history differs: attention layers reuse the 20 rows before it; a run with
+    recurrent layers keeps states only where requests ended (the first turn's chunks: 14, 27, 40),
+    so it resumes at 14; both answer what a fresh prefill does."""
+    for checkpoint, resumed in ((llama, 20), (qwen, 14)):
+        node = Node(checkpoint, prefix_reuse=True)
+        _, history = node.turn(1, rows(40, 0), 0, seed=1)
+        changed = history.clone()
+        changed[0, 20] += 1.0
+        out = node.prompt(1, changed)
+        assert figures(node.runner)[:2] == (1, resumed)
+        assert_close(out, fresh(checkpoint, changed))
+
+
+def test_recurrent_layers_resume_at_the_latest_kept_state_before_the_match(llama, qwen):
+    """A 40-row prompt and 8 decoded rows; the next history differs at row 45. Attention layers
+    resume there (45); recurrent ones at the latest state kept before it, the prompt's end (40), as
+    no state was kept between decode steps. Both answer a fresh prefill's rows."""
+    for checkpoint, resumed in ((llama, 45), (qwen, 40)):
+        node = Node(checkpoint, prefix_reuse=True)
+        _, history = node.turn(1, rows(40, 0), 8, seed=1)
+        changed = history.clone()
+        changed[0, 45] -= 1.0
+        out = node.prompt(1, changed)
+        assert figures(node.runner)[:2] == (1, resumed)
+        assert_close(out, fresh(checkpoint, changed))
+
+
+def test_a_recurrent_run_computes_agreeing_rows_again_from_its_last_state(qwen):
+    """Chunks 14, 27, 40 the first turn; the next history differs at row 17, in its second chunk
+    [16, 32), which holds no kept state before the difference: its first chunk was answered from
+    kept rows while the state stayed at 14, so rows 14-15 are computed again with the chunk's."""
+    node = Node(qwen, prefix_reuse=True)
+    _, history = node.turn(1, rows(40, 0), 0, seed=1)
+    changed = history.clone()
+    changed[0, 17] += 1.0
+    out = node.prompt(1, changed)
+    assert figures(node.runner)[:2] == (1, 14)
+    assert_close(out, fresh(qwen, changed))
+
+
+def test_another_chat_sharing_only_the_start_leaves_a_prefix_whole(llama, qwen):
+    """Chats A and B on one session share their first 20 rows (a system prompt). B's first turn takes
+    up A's retired prefix for those rows and leaves it there: A's second turn still reuses all of A."""
+    for checkpoint in (llama, qwen):
+        node = Node(checkpoint, prefix_reuse=True)
+        system = rows(20, 0)
+        _, chat_a = node.turn(1, torch.cat([system, rows(30, 1)], dim=1), 2, seed=2)
+        before = node.runner.prefixes.tokens
+        out_b, _ = node.turn(1, torch.cat([system, rows(30, 3)], dim=1), 2, seed=4)
+        shared = node.runner.prefixes.tokens - before
+        assert 0 < shared <= 20
+        second = torch.cat([chat_a, rows(10, 5)], dim=1)
+        before = node.runner.prefixes.tokens
+        out_a = node.prompt(1, second)
+        assert node.runner.prefixes.tokens - before == chat_a.shape[1] == 52
+        assert_close(out_b, fresh(checkpoint, torch.cat([system, rows(30, 3)], dim=1)))
+        assert_close(out_a, fresh(checkpoint, second))
+
+
+def test_a_prompt_resent_whole_is_answered_without_computing(llama):
+    """The same 48 rows again, in chunks: each chunk is answered from the kept rows, bit for bit."""
+    node = Node(llama, prefix_reuse=True)
+    first, history = node.turn(1, rows(48, 0), 0, seed=1)
+    again = node.prompt(1, history)
+    assert torch.equal(again, first) and figures(node.runner)[:2] == (1, 48)
+
+
+def test_a_new_prompt_at_0_without_goodbye_reuses_the_session_s_rows(llama):
+    """A master restarting at position 0 on the same session (no Goodbye) gets the same reuse."""
+    node = Node(llama, prefix_reuse=True)
+    history = rows(40, 0)
+    node.prompt(1, history)
+    longer = torch.cat([history, rows(8, 1)], dim=1)
+    out = node.prompt(1, longer)
+    assert figures(node.runner)[:2] == (1, 40)
+    assert_close(out, fresh(llama, longer))
+
+
+def test_goodbye_half_way_through_a_resent_prefix_keeps_it_whole(llama):
+    """After only the first 16 of 48 kept rows were sent again, Goodbye keeps all 48: the next
+    turn reuses them all."""
+    node = Node(llama, prefix_reuse=True)
+    _, history = node.turn(1, rows(48, 0), 0, seed=1)
+    node.prompt(1, history[:, :16])
+    node.runner.clear_session(1)
+    out = node.prompt(1, torch.cat([history, rows(4, 2)], dim=1))
+    assert figures(node.runner)[:2] == (2, 16 + 48)
+    assert_close(out, fresh(llama, torch.cat([history, rows(4, 2)], dim=1)))
+
+
+def test_prefixes_are_reused_within_their_session_unless_shared(llama):
+    """Another session does not see session 1's retired prefix, and a closed session's are freed; with
+    shared prefixes another session reuses them, and a closed session's rows are kept."""
+    own = Node(llama, prefix_reuse=True)
+    _, history = own.turn(1, rows(32, 0), 0, seed=1)
+    own.prompt(2, history)
+    assert figures(own.runner)[:2] == (0, 0)
+    own.runner.free_session(1)
+    assert own.runner.prefixes.retired_count() == 0
+    shared = Node(llama, prefix_reuse=True, share_prefixes=True)
+    shared.prompt(1, history)
+    shared.runner.free_session(1)  # a closed connection's rows are retired, not freed
+    out = shared.prompt(2, history)
+    assert figures(shared.runner)[:2] == (1, 32)
+    assert_close(out, fresh(llama, history))
+
+
+def test_retired_prefixes_give_way_to_live_sessions(llama):
+    """With a budget that holds one session's 256-row slots and kept rows, a second session's prompt
+    evicts the first's retired prefix rather than fail, and decodes on to its slots' capacity."""
+    probe = Node(llama, prefix_reuse=True)
+    probe.prompt(1, rows(20, 0))
+    one_session = probe.runner.kv_bytes() + probe.runner.prefixes.kept_bytes()
+    node = Node(llama, prefix_reuse=True, kv_budget_bytes=one_session)
+    node.turn(1, rows(20, 0), 0, seed=1)
+    assert node.runner.prefixes.retired_count() == 1
+    node.prompt(2, rows(20, 2))
+    assert node.runner.prefixes.retired_count() == 0 and figures(node.runner)[2] == 1
+    node.decode(2, rows(MIN_CAPACITY - 20, 3), 20)  # up to the slots' capacity, within the budget
+    assert node.runner.kv_bytes() <= one_session
+
+
+def test_a_live_session_gives_up_its_kept_rows_before_it_is_refused(llama):
+    """Budget for the KV rows of 256 positions and no more: the output rows kept for reuse go (the
+    session is no longer followed), the session's requests all succeed."""
+    probe = Node(llama)
+    probe.prompt(1, rows(20, 0))
+    node = Node(llama, prefix_reuse=True, kv_budget_bytes=probe.runner.kv_bytes())
+    node.prompt(1, rows(20, 0))
+    assert node.runner.prefixes.kept_bytes() == 0 and figures(node.runner)[2] == 1
+    node.decode(1, rows(100, 1), 20)
+
+
+def test_a_failed_request_leaves_a_prefix_that_still_matches(llama):
+    """A chunk past the context limit fails; the session's rows up to it are still kept whole, and
+    the next turn reuses them."""
+    node = Node(llama, prefix_reuse=True, max_context=64)
+    history = rows(48, 0)
+    node.prompt(1, history)
+    with pytest.raises(ContextLimitExceeded):
+        node.runner.run(1, rows(20, 1), node.ops(48))
+    node.runner.clear_session(1)
+    out = node.prompt(1, torch.cat([history, rows(4, 2)], dim=1))
+    assert figures(node.runner)[:2] == (1, 48)
+    assert_close(out, fresh(llama, torch.cat([history, rows(4, 2)], dim=1)))
+
+
+def test_a_batch_mixing_a_hit_a_kept_chunk_and_a_miss_answers_each_as_alone(llama):
+    """One run_batch of three sessions: one whose prompt reuses 32 rows, one whose chunk is kept whole,
+    one with nothing kept: each gets what it gets alone."""
+    node = Node(llama, prefix_reuse=True, share_prefixes=True)
+    _, first = node.turn(1, rows(48, 0), 0, seed=1)
+    _, second = node.turn(2, rows(48, 1), 0, seed=1)
+    hit, kept, miss = torch.cat([first[:, :32], rows(6, 2)], dim=1), second[:, :16], rows(10, 3)
+    results = node.runner.run_batch([Request(3, hit, node.ops(0)), Request(4, kept, node.ops(0)),
+                                     Request(5, miss, node.ops(0))])
+    for result, x in zip(results, (hit, kept, miss), strict=True):
+        assert_close(result, fresh(llama, x))
+    assert figures(node.runner)[:2] == (2, 32 + 16)
+
+
+def test_retired_prefixes_are_bounded_in_number(llama):
+    """Without a budget, at most MAX_RETIRED prefixes are kept; the oldest go first."""
+    node = Node(llama, prefix_reuse=True, share_prefixes=True)
+    for session in range(MAX_RETIRED + 2):
+        node.runner.run(session, rows(16, session), node.ops(0))
+        node.runner.clear_session(session)
+    assert node.runner.prefixes.retired_count() == MAX_RETIRED and figures(node.runner)[2] == 2
