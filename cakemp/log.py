@@ -10,14 +10,17 @@ Sessions (named by their master's address) and devices are bound by callers
 
 Much of what is logged comes from peers (names, shapes, error texts), so no peer can make a line
 long or the log fast: every string field is clipped to MAX_FIELD_CHARS (a traceback to
-MAX_TRACEBACK_CHARS) and every long list to MAX_FIELD_ITEMS, and each kind of event (its name,
-or a stdlib record's logger and message) passes at most BURST times per WINDOW_S seconds; the
-next one to pass says how many were dropped (`suppressed`).
+MAX_TRACEBACK_CHARS) and every long list to MAX_FIELD_ITEMS, and each kind of event passes at
+most BURST times per WINDOW_S seconds; the next one to pass says how many were dropped
+(`suppressed`). An event's kind is its level, its name and the wording of its `error` up to the
+first figure or quote (garbage closing a connection is one kind, an unread reply another), or a
+stdlib record's logger and message.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import time
@@ -72,6 +75,11 @@ def clipped(value: object, limit: int = MAX_FIELD_CHARS) -> object:
     return value
 
 
+def _wording(error: object) -> str:
+    """What makes an error text one kind: its words before the first figure or quoted name."""
+    return re.split(r"[0-9'\"]", error, maxsplit=1)[0][:48] if isinstance(error, str) else ""
+
+
 def _clip_fields(logger: object, method: str, event: dict) -> dict:
     return {key: clipped(value, MAX_TRACEBACK_CHARS if key == "exception" else MAX_FIELD_CHARS)
             for key, value in event.items()}
@@ -84,7 +92,7 @@ class _Limited:
         self._limit = limit
 
     def __call__(self, logger: object, method: str, event: dict) -> dict:
-        dropped = self._limit.admit(f"{method}:{event.get('event')}")
+        dropped = self._limit.admit(f"{method}:{event.get('event')}:{_wording(event.get('error'))}")
         if dropped is None:
             raise structlog.DropEvent
         return {**event, "suppressed": dropped} if dropped else event

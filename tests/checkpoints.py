@@ -131,7 +131,7 @@ def make_checkpoint(
             "weight_block_size": list(fp8_block),
         }
         (path / "config.json").write_text(json.dumps(raw, indent=2))
-    _write(path, tensors, text_config(config).num_hidden_layers, shards)
+    write_tensors(path, tensors, text_config(config).num_hidden_layers, shards)
     return path
 
 
@@ -210,7 +210,7 @@ def _quantize_layers(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -
     return out
 
 
-def _write(path: Path, tensors: dict[str, torch.Tensor], layers: int, shards: int) -> None:
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], layers: int, shards: int) -> None:
     tensors = {name: t.contiguous() for name, t in tensors.items()}
     if shards == 1:
         save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

@@ -75,3 +75,19 @@ def test_the_rate_limit_lets_a_kind_through_again_each_window_and_counts_what_it
     assert limit.admit("b") == 0
     now[0] = 10.0
     assert limit.admit("a") == 2 and limit.admit("a") == 0
+
+
+def test_a_flood_of_one_close_reason_does_not_hide_another():
+    """Closes of one wording (a peer's garbage) flooding past the burst leave closes of another wording
+    (an unread reply) logged, each with its own figures."""
+    limit = log.RateLimit(burst=2)
+    limited = log._Limited(limit)
+    garbage = [{"event": "closing connection", "error": f"truncated payload: {n} bytes"} for n in range(10)]
+    passed = []
+    for event in garbage:
+        try:
+            passed.append(limited(None, "warning", event))
+        except log.structlog.DropEvent:
+            pass
+    unread = limited(None, "warning", {"event": "closing connection", "error": "the master did not read its reply within 3 s"})
+    assert len(passed) == 2 and unread["error"].startswith("the master did not read")

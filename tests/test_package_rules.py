@@ -50,3 +50,12 @@ def test_front_and_setup_load_no_device_model_or_torch():
             "m.startswith(('cakemp.device', 'cakemp.model', 'cakemp.compute')))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+def test_no_function_in_the_package_is_over_60_lines():
+    """Every function and method of cakemp, from its def to its last line (docstring included), is at
+    most 60 lines: past that, a newcomer reads several steps in one body."""
+    long = [f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 60]
+    assert long == []

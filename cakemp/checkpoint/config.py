@@ -45,9 +45,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cakemp.checkpoint.files import CONFIG, split_layer
+from cakemp.checkpoint import quantization
+from cakemp.checkpoint.files import CONFIG, layer_prefix, split_layer, stored_names
 from cakemp.errors import CheckpointError
 from cakemp.checkpoint.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, QWEN3_5, BlockLayout
+from cakemp.checkpoint.quantization import Quantization
+from cakemp.checkpoint.values import as_list, mapping, real, shown, whole
 
 FAMILIES = {
     "LlamaForCausalLM": "llama",
@@ -79,13 +82,10 @@ MAX_LAYERS = 1 << 14
 MAX_POSITIONS = 1 << 30  # context lengths, sliding windows
 MAX_EXPERTS = 1 << 12
 MAX_CONV_KERNEL = 1 << 10
-MAX_FP8_BLOCK = 1 << 16
-_SHOWN_CHARS = 64  # of a bad value, in an error
 
 # transformers' defaults for keys a config.json may leave out.
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_EPS = 1e-6
-_DEFAULT_FP8_BLOCK = (128, 128)
 
 
 @dataclass(frozen=True)
@@ -186,8 +186,8 @@ class ModelConfig:
     activation: str  # "silu" or "gelu_tanh", the MLP gate's
     layout: BlockLayout
     tie_word_embeddings: bool
-    # FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None when not quantized.
-    fp8_block: tuple[int, int] | None
+    # How the checkpoint's weights are quantized (checkpoint/quantization.py); None: plain.
+    quantization: Quantization | None
     layer_prefix: str = "model.layers"
     # q_proj gives [q | gate] per head and the attention output is multiplied by sigmoid(gate) (Qwen3.5).
     attention_output_gate: bool = False
@@ -205,7 +205,9 @@ class ModelConfig:
             raise CheckpointError(f"{path} does not exist") from None
         except (OSError, ValueError, RecursionError) as exc:
             raise CheckpointError(f"{path} is not readable JSON: {exc}") from None
-        return cls.from_dict(raw, source=str(path))
+        config = cls.from_dict(raw, source=str(path))
+        # The layers' prefix as the tensors are named (mlx-lm's conversions differ from the family's).
+        return replace(config, layer_prefix=layer_prefix(stored_names(Path(model_dir)), config.layer_prefix))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -218,14 +220,14 @@ class ModelConfig:
         if family is None:
             supported = ", ".join(FAMILIES)
             raise CheckpointError(
-                f"{source}: architecture {_shown(architecture)} is not supported by cakemp (supported: {supported})"
+                f"{source}: architecture {shown(architecture)} is not supported by cakemp (supported: {supported})"
             )
         try:
             config = cls._parse_hybrid(d, family, architecture) if family in _WRAPPED else cls._parse(d, family, architecture)
             _check_shapes(config)
             return config
         except KeyError as exc:
-            raise CheckpointError(f"{source}: {architecture} config lacks {_shown(exc.args[0])}") from None
+            raise CheckpointError(f"{source}: {architecture} config lacks {shown(exc.args[0])}") from None
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{source}: bad {architecture} config: {exc}") from None
         except Exception as exc:  # whatever else a hostile config.json provokes: still the file's fault
@@ -233,27 +235,27 @@ class ModelConfig:
 
     @classmethod
     def _parse(cls, d: dict[str, Any], family: str, architecture: str) -> ModelConfig:
-        hidden = _whole("hidden_size", d["hidden_size"], 1, MAX_WIDTH)
-        heads = _whole("num_attention_heads", d["num_attention_heads"], 1, MAX_HEADS)
-        kv_heads = _whole("num_key_value_heads", d.get("num_key_value_heads") or heads, 1, heads)
+        hidden = whole("hidden_size", d["hidden_size"], 1, MAX_WIDTH)
+        heads = whole("num_attention_heads", d["num_attention_heads"], 1, MAX_HEADS)
+        kv_heads = whole("num_key_value_heads", d.get("num_key_value_heads") or heads, 1, heads)
         if heads % kv_heads:
             raise ValueError(f"{heads} attention heads are not a multiple of {kv_heads} key/value heads")
-        layers = _whole("num_hidden_layers", d["num_hidden_layers"], 1, MAX_LAYERS)
-        head_dim = _whole("head_dim", d.get("head_dim") or hidden // heads, 1, MAX_HEAD_DIM)
-        rope = _mapping("rope_parameters", d.get("rope_parameters") or _mapping("rope_scaling", d.get("rope_scaling")))
+        layers = whole("num_hidden_layers", d["num_hidden_layers"], 1, MAX_LAYERS)
+        head_dim = whole("head_dim", d.get("head_dim") or hidden // heads, 1, MAX_HEAD_DIM)
+        rope = mapping("rope_parameters", d.get("rope_parameters") or mapping("rope_scaling", d.get("rope_scaling")))
         if family == "gemma3":
             rope = _gemma3_global_rope(d)
-        rope_theta = _real("rope_theta", rope.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA)))
+        rope_theta = real("rope_theta", rope.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA)))
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias is not supported")
         act_key = "hidden_activation" if family == "gemma3" else "hidden_act"
         activation = d.get(act_key) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
         if activation not in ACTIVATIONS:
-            raise ValueError(f"{act_key} {_shown(activation)} is not supported (only {', '.join(ACTIVATIONS)})")
+            raise ValueError(f"{act_key} {shown(activation)} is not supported (only {', '.join(ACTIVATIONS)})")
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
         attention_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma3", "olmo2") and bool(d.get("attention_bias", False))
-        partial = _real("partial_rotary_factor", rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+        partial = real("partial_rotary_factor", rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
         rotary_dim = int(head_dim * partial)
         main_rope = Rope(rope_theta, rotary_dim, _rope_scaling(rope, d, family, rotary_dim))
         types = _layer_types(d, family, layers)
@@ -262,27 +264,27 @@ class ModelConfig:
             family=family,
             architecture=architecture,
             hidden_size=hidden,
-            intermediate_size=_whole("intermediate_size", d["intermediate_size"], 0, MAX_WIDTH),
+            intermediate_size=whole("intermediate_size", d["intermediate_size"], 0, MAX_WIDTH),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=_real("rms_norm_eps", d.get("rms_norm_eps", _DEFAULT_RMS_EPS), zero=True),
+            rms_norm_eps=real("rms_norm_eps", d.get("rms_norm_eps", _DEFAULT_RMS_EPS), zero=True),
             rope_theta=rope_theta,
             rope_scaling=main_rope.scaling,
-            max_position_embeddings=_whole("max_position_embeddings", d["max_position_embeddings"], 1, MAX_POSITIONS),
+            max_position_embeddings=whole("max_position_embeddings", d["max_position_embeddings"], 1, MAX_POSITIONS),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
             qk_norm=_QK_NORM.get(family),
             layer_windows=windows,
             layer_ropes=_layer_ropes(d, family, main_rope, types, windows),
-            attention_scale=_real("query_pre_attn_scalar", d.get("query_pre_attn_scalar", 256) if family == "gemma3"
+            attention_scale=real("query_pre_attn_scalar", d.get("query_pre_attn_scalar", 256) if family == "gemma3"
                                   else head_dim) ** -0.5,
             activation=ACTIVATIONS[activation],
             layout=LAYOUTS.get(family, PRE_NORM),
             # Gemma 3's hub configs leave the key out and mean True (transformers' default for it).
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3")),
-            fp8_block=_fp8_block(d),
+            quantization=_quantization(d),
             moe=_moe(d, family, layers),
         )
 
@@ -290,14 +292,15 @@ class ModelConfig:
     def _parse_hybrid(cls, d: dict[str, Any], family: str, architecture: str) -> ModelConfig:
         """Qwen3.5 / Qwen3.5-MoE: the text model's keys from `text_config` (a quantization_config
         may sit at either level); rope settings from `rope_parameters` or the classic keys."""
-        text = dict(_mapping("text_config", d["text_config"]))
+        text = dict(mapping("text_config", d["text_config"]))
         text.setdefault("quantization_config", d.get("quantization_config"))
+        text.setdefault("quantization", d.get("quantization"))  # MLX's own key
         text.setdefault("intermediate_size", 0)  # Qwen3.5-MoE has no dense MLP
-        rope = _mapping("rope_parameters", text.get("rope_parameters") or _mapping("rope_scaling", text.get("rope_scaling")))
+        rope = mapping("rope_parameters", text.get("rope_parameters") or mapping("rope_scaling", text.get("rope_scaling")))
         # mrope_section only matters for image/video positions; text positions are equal on its axes.
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
-            raise ValueError(f"rope type {_shown(kind)} is not supported for {architecture} (only default)")
+            raise ValueError(f"rope type {shown(kind)} is not supported for {architecture} (only default)")
         text["rope_parameters"] = {
             "rope_theta": rope.get("rope_theta", text.get("rope_theta", _DEFAULT_ROPE_THETA)),
             "partial_rotary_factor": rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
@@ -306,18 +309,18 @@ class ModelConfig:
             text["tie_word_embeddings"] = d["tie_word_embeddings"]
         base = cls._parse({**text, "use_sliding_window": False}, family, architecture)
         layers = base.num_hidden_layers
-        interval = _whole("full_attention_interval", text.get("full_attention_interval", 4), 1, MAX_LAYERS)
+        interval = whole("full_attention_interval", text.get("full_attention_interval", 4), 1, MAX_LAYERS)
         types = text.get("layer_types") or [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
         ]
         if not isinstance(types, list) or len(types) != layers or not set(types) <= {"linear_attention", "full_attention"}:
             raise ValueError(f"layer_types must name linear_attention or full_attention for each of {layers} layers")
         linear = LinearAttentionConfig(
-            key_heads=_whole("linear_num_key_heads", text["linear_num_key_heads"], 1, MAX_HEADS),
-            key_head_dim=_whole("linear_key_head_dim", text["linear_key_head_dim"], 1, MAX_HEAD_DIM),
-            value_heads=_whole("linear_num_value_heads", text["linear_num_value_heads"], 1, MAX_HEADS),
-            value_head_dim=_whole("linear_value_head_dim", text["linear_value_head_dim"], 1, MAX_HEAD_DIM),
-            conv_kernel=_whole("linear_conv_kernel_dim", text.get("linear_conv_kernel_dim", 4), 1, MAX_CONV_KERNEL),
+            key_heads=whole("linear_num_key_heads", text["linear_num_key_heads"], 1, MAX_HEADS),
+            key_head_dim=whole("linear_key_head_dim", text["linear_key_head_dim"], 1, MAX_HEAD_DIM),
+            value_heads=whole("linear_num_value_heads", text["linear_num_value_heads"], 1, MAX_HEADS),
+            value_head_dim=whole("linear_value_head_dim", text["linear_value_head_dim"], 1, MAX_HEAD_DIM),
+            conv_kernel=whole("linear_conv_kernel_dim", text.get("linear_conv_kernel_dim", 4), 1, MAX_CONV_KERNEL),
         )
         if linear.value_heads % linear.key_heads:
             raise ValueError(f"{linear.value_heads} linear value heads are not a multiple of {linear.key_heads} key heads")
@@ -330,6 +333,11 @@ class ModelConfig:
             linear_layers=frozenset(i for i, t in enumerate(types) if t == "linear_attention"),
             linear_attention=linear,
         )
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None otherwise."""
+        return self.quantization.block if isinstance(self.quantization, quantization.Fp8) else None
 
     def layer_name(self, index: int) -> str:
         return f"{self.layer_prefix}.{index}"
@@ -356,10 +364,10 @@ def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], family: str, rotary_d
         return None
     if kind == "llama3":
         scaling = Llama3RopeScaling(
-            factor=_real("rope factor", rope["factor"]),
-            low_freq_factor=_real("low_freq_factor", rope["low_freq_factor"]),
-            high_freq_factor=_real("high_freq_factor", rope["high_freq_factor"]),
-            original_max_position_embeddings=_whole("original_max_position_embeddings",
+            factor=real("rope factor", rope["factor"]),
+            low_freq_factor=real("low_freq_factor", rope["low_freq_factor"]),
+            high_freq_factor=real("high_freq_factor", rope["high_freq_factor"]),
+            original_max_position_embeddings=whole("original_max_position_embeddings",
                                                     rope["original_max_position_embeddings"], 1, MAX_POSITIONS),
         )
         if scaling.low_freq_factor >= scaling.high_freq_factor:  # the ramp divides by their difference
@@ -367,26 +375,26 @@ def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], family: str, rotary_d
                              f"{scaling.high_freq_factor}")
         return scaling
     if kind == "linear":
-        return LinearRopeScaling(_real("rope factor", rope["factor"]))
+        return LinearRopeScaling(real("rope factor", rope["factor"]))
     if kind == "longrope":
         return _longrope(rope, d, rotary_dim)
-    raise ValueError(f"rope type {_shown(kind)} is not supported (only default, llama3, linear and longrope)")
+    raise ValueError(f"rope type {shown(kind)} is not supported (only default, llama3, linear and longrope)")
 
 
 def _longrope(rope: dict[str, Any], d: dict[str, Any], rotary_dim: int) -> LongRopeScaling:
     """Phi-3 configs keep original_max_position_embeddings at the top level; without `factor` the
     context ratio sets the attention factor, as transformers does."""
     # At least 2: the attention factor divides by its logarithm.
-    original = _whole("original_max_position_embeddings",
+    original = whole("original_max_position_embeddings",
                       rope.get("original_max_position_embeddings") or d["original_max_position_embeddings"], 2, MAX_POSITIONS)
-    short, long = (tuple(_real(key, f) for f in _list(key, rope[key])) for key in ("short_factor", "long_factor"))
+    short, long = (tuple(real(key, f) for f in as_list(key, rope[key])) for key in ("short_factor", "long_factor"))
     if len(short) != rotary_dim // 2 or len(long) != rotary_dim // 2:
         raise ValueError(f"longrope short/long factors need {rotary_dim // 2} entries, got {len(short)} and {len(long)}")
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
-        factor = _real("rope factor", rope.get("factor") or int(d["max_position_embeddings"]) / original)
+        factor = real("rope factor", rope.get("factor") or int(d["max_position_embeddings"]) / original)
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return LongRopeScaling(short, long, original, _real("attention_factor", attention_factor))
+    return LongRopeScaling(short, long, original, real("attention_factor", attention_factor))
 
 
 def _layer_types(d: dict[str, Any], family: str, layers: int) -> tuple[str, ...] | None:
@@ -398,17 +406,17 @@ def _layer_types(d: dict[str, Any], family: str, layers: int) -> tuple[str, ...]
     if family == "exaone4" and d.get("sliding_window", 4096) is None:
         return ("full_attention",) * layers
     if d.get("layer_types"):
-        types = tuple(_list("layer_types", d["layer_types"]))
+        types = tuple(as_list("layer_types", d["layer_types"]))
         if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
             raise ValueError(f"layer_types must name sliding_attention or full_attention for each of {layers} layers")
         return types
     pattern = d.get("sliding_window_pattern", 6 if family == "gemma3" else 4)
     if isinstance(pattern, str):
         if not pattern or set(pattern) - {"L", "G"}:
-            raise ValueError(f"sliding_window_pattern {_shown(pattern)} is not a string of L and G")
+            raise ValueError(f"sliding_window_pattern {shown(pattern)} is not a string of L and G")
         global_ = [pattern[i % len(pattern)] == "G" or i == layers - 1 for i in range(layers)]
     else:
-        every = _whole("sliding_window_pattern", pattern, 1, MAX_LAYERS)
+        every = whole("sliding_window_pattern", pattern, 1, MAX_LAYERS)
         global_ = [(i + 1) % every == 0 for i in range(layers)]
     return tuple("full_attention" if g else "sliding_attention" for g in global_)
 
@@ -419,7 +427,7 @@ def _layer_windows(
     window = d.get("sliding_window", 4096 if family in ("gemma3", "exaone4") else None)
     if family in ("llama", "olmo2") or window is None:
         return (None,) * layers
-    window = _whole("sliding_window", window, 1, MAX_POSITIONS)
+    window = whole("sliding_window", window, 1, MAX_POSITIONS)
     if family in ("mistral", "phi3"):
         return (window,) * layers
     if family in ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"):
@@ -429,16 +437,16 @@ def _layer_windows(
         types = d.get("layer_types") or [
             "sliding_attention" if i >= d.get("max_window_layers", 0) else "full_attention" for i in range(layers)
         ]
-    return tuple(window if t == "sliding_attention" else None for t in _list("layer_types", types))
+    return tuple(window if t == "sliding_attention" else None for t in as_list("layer_types", types))
 
 
 def _gemma3_global_rope(d: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's global rotary: transformers 5 keys it by layer type, hub configs keep rope_theta
     (default 1e6) and rope_scaling (linear on 4B+) at the top level."""
-    by_type = _mapping("rope_parameters", d.get("rope_parameters")).get("full_attention")
+    by_type = mapping("rope_parameters", d.get("rope_parameters")).get("full_attention")
     if by_type is not None:
-        return _mapping("rope_parameters.full_attention", by_type)
-    return {"rope_theta": d.get("rope_theta", 1_000_000.0), **_mapping("rope_scaling", d.get("rope_scaling"))}
+        return mapping("rope_parameters.full_attention", by_type)
+    return {"rope_theta": d.get("rope_theta", 1_000_000.0), **mapping("rope_scaling", d.get("rope_scaling"))}
 
 
 def _layer_ropes(
@@ -446,9 +454,9 @@ def _layer_ropes(
 ) -> tuple[Rope | None, ...]:
     if family == "gemma3":
         # Local layers rotate with their own base (rope_local_base_freq, default 1e4), unscaled.
-        by_type = _mapping("rope_parameters.sliding_attention",
-                           _mapping("rope_parameters", d.get("rope_parameters")).get("sliding_attention"))
-        local = Rope(_real("rope_local_base_freq", by_type.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))),
+        by_type = mapping("rope_parameters.sliding_attention",
+                           mapping("rope_parameters", d.get("rope_parameters")).get("sliding_attention"))
+        local = Rope(real("rope_local_base_freq", by_type.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))),
                      main.dim)
         return tuple(local if t == "sliding_attention" else main for t in types)
     if family == "exaone4" and any(w is not None for w in windows):
@@ -461,29 +469,23 @@ def _moe(d: dict[str, Any], family: str, layers: int) -> MoeConfig | None:
     if family not in ("qwen3_moe", "qwen3_5_moe"):
         return None
     # Hub configs name the count num_experts; transformers 5 writes num_local_experts.
-    experts = _whole("num_experts", d.get("num_experts") or d["num_local_experts"], 1, MAX_EXPERTS)
-    top_k = _whole("num_experts_per_tok", d["num_experts_per_tok"], 1, experts)
-    intermediate = _whole("moe_intermediate_size", d["moe_intermediate_size"], 1, MAX_WIDTH)
+    experts = whole("num_experts", d.get("num_experts") or d["num_local_experts"], 1, MAX_EXPERTS)
+    top_k = whole("num_experts_per_tok", d["num_experts_per_tok"], 1, experts)
+    intermediate = whole("moe_intermediate_size", d["moe_intermediate_size"], 1, MAX_WIDTH)
     if family == "qwen3_5_moe":
-        shared = _whole("shared_expert_intermediate_size", d["shared_expert_intermediate_size"], 0, MAX_WIDTH)
+        shared = whole("shared_expert_intermediate_size", d["shared_expert_intermediate_size"], 0, MAX_WIDTH)
         return MoeConfig(experts, top_k, intermediate, True, shared, (True,) * layers)
-    dense = set(_list("mlp_only_layers", d.get("mlp_only_layers") or []))
-    step = _whole("decoder_sparse_step", d.get("decoder_sparse_step", 1), 1, MAX_LAYERS)
+    dense = set(as_list("mlp_only_layers", d.get("mlp_only_layers") or []))
+    step = whole("decoder_sparse_step", d.get("decoder_sparse_step", 1), 1, MAX_LAYERS)
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
     return MoeConfig(experts, top_k, intermediate, bool(d.get("norm_topk_prob", False)), sparse_layers=sparse)
 
 
-def _fp8_block(d: dict[str, Any]) -> tuple[int, int] | None:
-    quant = d.get("quantization_config") or _mapping("text_config", d.get("text_config")).get("quantization_config")
-    if not quant:
-        return None
-    quant = _mapping("quantization_config", quant)
-    if quant.get("quant_method") != "fp8":
-        raise ValueError(f"quantization {_shown(quant.get('quant_method'))} is not supported (only fp8)")
-    block = _list("weight_block_size", quant.get("weight_block_size") or list(_DEFAULT_FP8_BLOCK))
-    if len(block) != 2:
-        raise ValueError(f"weight_block_size {_shown(block)} is not [rows, cols]")
-    return tuple(_whole("weight_block_size", n, 1, MAX_FP8_BLOCK) for n in block)
+def _quantization(d: dict[str, Any]) -> Quantization | None:
+    """What quantization the config declares, at its top level or (Qwen3.5) in its text_config."""
+    if d.get("quantization") is None and not d.get("quantization_config"):
+        d = mapping("text_config", d.get("text_config"))
+    return quantization.parse(d)
 
 
 def _check_shapes(c: ModelConfig) -> None:
@@ -497,53 +499,6 @@ def _check_shapes(c: ModelConfig) -> None:
         if rope.dim < 2 or rope.dim % 2 or rope.dim > c.head_dim:
             raise ValueError(f"the rotary dimension {rope.dim} (head_dim {c.head_dim} x partial_rotary_factor) "
                              "is not an even number in 2..head_dim")
-        _real("rope_theta", rope.theta)
+        real("rope_theta", rope.theta)
     if (c.moe is None or not all(c.moe.sparse_layers)) and c.intermediate_size < 1:
         raise ValueError(f"intermediate_size {c.intermediate_size}: a dense MLP layer needs one of at least 1")
-
-
-def _shown(value: Any) -> str:
-    """repr(value), clipped: a peer's config.json may hold anything, of any length."""
-    text = repr(value)
-    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
-
-
-def _whole(name: str, value: Any, low: int, high: int) -> int:
-    """`value` as an int if it is a whole number (or its text) in low..high; else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or isinstance(value, float) and not value.is_integer():
-        raise ValueError(f"{name} {_shown(value)} is not a whole number")
-    try:
-        number = int(value)
-    except (ValueError, OverflowError):
-        raise ValueError(f"{name} {_shown(value)} is not a whole number") from None
-    if not low <= number <= high:
-        raise ValueError(f"{name} {_shown(number)} is outside {low}..{high}")
-    return number
-
-
-def _real(name: str, value: Any, zero: bool = False) -> float:
-    """`value` as a finite float above 0 (or at least 0 with `zero`); else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{name} {_shown(value)} is not a number")
-    try:
-        number = float(value)
-    except (ValueError, OverflowError):
-        raise ValueError(f"{name} {_shown(value)} is not a number") from None
-    if not math.isfinite(number) or number < 0 or number == 0 and not zero:
-        raise ValueError(f"{name} {_shown(value)} is not a finite number {'>= 0' if zero else '> 0'}")
-    return number
-
-
-def _mapping(name: str, value: Any) -> dict[str, Any]:
-    """`value` if it is a JSON object, {} for null or absent; else ValueError naming it."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} {_shown(value)} is not a JSON object")
-    return value
-
-
-def _list(name: str, value: Any) -> list:
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name} {_shown(value)} is not a list")
-    return list(value)

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 from cakemp.errors import CheckpointError
@@ -24,6 +25,8 @@ PUSH_CHUNK_BYTES = 128 << 20
 
 # A layer's name: dotted identifiers, then the layer's number ("model.layers.7").
 _LAYER_NAME = re.compile(r"(?P<prefix>[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*)\.(?P<index>[0-9]+)")
+# A layer's tensor: "<prefix>.layers.<N>.<rest>".
+_LAYER_TENSOR = re.compile(r"(?P<prefix>(?:[A-Za-z0-9_]+\.)*layers)\.[0-9]+\.")
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 
 
@@ -31,6 +34,28 @@ def split_layer(name: str) -> tuple[str, int] | None:
     """"model.layers.7" -> ("model.layers", 7); None when `name` is not a layer's name."""
     match = _LAYER_NAME.fullmatch(name)
     return (match["prefix"], int(match["index"])) if match else None
+
+
+def layer_prefix(names: Iterable[str], default: str) -> str:
+    """The prefix the decoder layers are stored under: `default` (the family's) when some name
+    is one of its layers' tensors, else, as Cake detects it, that of the first name in sorted
+    order that is a layer's tensor (Cake asks for layer 0's; a push of later layers holds none),
+    e.g. "language_model.model.layers" in mlx-lm's Qwen3.5 conversions. A multi-token-prediction
+    head's layers ("mtp.layers.0.", beside Qwen3.5's decoder) are never the decoder's."""
+    found = {match["prefix"] for name in names if (match := _LAYER_TENSOR.match(name))}
+    if default in found:
+        return default
+    found = {prefix for prefix in found if prefix.rpartition(".")[0].rpartition(".")[2] != "mtp"}
+    return min(found, default=default)
+
+
+def stored_names(model_dir: Path) -> list[str]:
+    """The tensor names a checkpoint directory holds (its index's, or its one file's); [] for neither."""
+    if (model_dir / INDEX).exists():
+        return list(read_weight_map(model_dir / INDEX))
+    if (model_dir / SINGLE).exists():
+        return sorted(safetensors_names(model_dir / SINGLE))
+    return []
 
 
 def in_layer(tensor: str, layer: str) -> bool:

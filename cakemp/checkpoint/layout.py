@@ -35,6 +35,8 @@ class BlockLayout:
     norm_plus_one: bool = False
 
 
+# A Gated DeltaNet layer's depthwise convolution: [C, 1, K] in HF checkpoints, [C, K, 1] in MLX's.
+LINEAR_CONV = "linear_attn.conv1d.weight"
 SEPARATE_QKV = tuple(f"self_attn.{p}_proj.weight" for p in "qkv")
 SEPARATE_GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 

@@ -415,16 +415,15 @@ class _LoadPlan:
         after checking on a GPU that they fit; each checked against the shape config.json implies."""
         wanted = [self._wanted(layer) for layer in self.layers]
         keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
-        needed = sum(checkpoint.nbytes(kept, dtype, keep_fp8) + checkpoint.nbytes(plain, dtype)
-                     for kept, plain in wanted)
+        needed = self.nbytes(checkpoint, dtype, keep_fp8)
         free = None
         if device.type == "cuda":
             attention.use_fused_kernels()
             free = torch.cuda.mem_get_info(device)[0]
             memory.check_fits(needed, free, str(device))
-        # A (1 + w) family's norms get their 1 added at load, in f32 (Checkpoint.load).
+        # A (1 + w) family's norms get their 1 added at load, in f32 (Checkpoint.load), unless stored with it.
         plus_one = frozenset((layer, key) for layer in self.layers for key in self.groups[layer]
-                             if self.config.layout.norm_plus_one and key in NORMS)
+                             if checkpoint.norms_need_one and key in NORMS)
         weights = {}
         # Opening a shard again per layer costs only its header (the file is memory-mapped).
         try:
@@ -445,6 +444,11 @@ class _LoadPlan:
                     f"config.json implies {self.shapes[layer][key]}"
                 )
         return weights
+
+    def nbytes(self, checkpoint: Checkpoint, dtype: torch.dtype, keep_fp8: bool = False) -> int:
+        """The bytes the layers take once loaded (quantized formats counted as what they are loaded as)."""
+        return sum(checkpoint.nbytes(kept, dtype, keep_fp8) + checkpoint.nbytes(plain, dtype)
+                   for kept, plain in map(self._wanted, self.layers))
 
     def _wanted(self, layer: str) -> tuple[dict, dict]:
         """The layer's groups that may stay FP8, and those that must be plain tensors (stacked

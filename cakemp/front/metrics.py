@@ -209,6 +209,14 @@ class Metrics:
 
     def __init__(self) -> None:
         self._all: list[_Metric] = []
+        self._declare_requests()
+        self._declare_connections()
+        self._declare_devices()
+        self._declare_prefixes()
+        self._declare_node()
+        self._all.extend(process_metrics())
+
+    def _declare_requests(self) -> None:
         # What masters ask, and how long they wait for it.
         self.requests = self._counter("cakemp_requests_total", "Forward requests (Batch, SingleOp) answered.")
         self.errors = self._counter("cakemp_request_errors_total", "Requests answered with WorkerError, by error class.",
@@ -223,6 +231,8 @@ class Metrics:
                                        "Layer forward passes of the requests answered with a tensor.")
         self.bytes_received = self._counter("cakemp_received_bytes_total", "Bytes read from master connections.")
         self.bytes_sent = self._counter("cakemp_sent_bytes_total", "Bytes written to master connections.")
+
+    def _declare_connections(self) -> None:
         # Who is connected. A session is one master connection; it belongs to a device once it sends it a request.
         self.connections = self._gauge("cakemp_connections", "Master connections open now.")
         self.sessions = self._gauge("cakemp_sessions", "Open master connections that have sent requests to each device.",
@@ -243,6 +253,8 @@ class Metrics:
         self.accept_failures = self._counter(
             "cakemp_accept_failures_total",
             "Accepts that failed, each followed by a pause in accepting (mostly: no file descriptor was left).")
+
+    def _declare_devices(self) -> None:
         # The devices.
         self.device_request_seconds = self._histogram(
             "cakemp_device_request_duration_seconds", "Time from handing a request to a device to its reply.", "device")
@@ -266,6 +278,10 @@ class Metrics:
             "cakemp_device_memory_bytes",
             "Memory each device process held once its layers were loaded: GPU memory allocated, or its RSS on a CPU.",
             "device")
+        self.device_restarts = self._counter("cakemp_device_restarts_total",
+                                             "Device processes restarted after dying or hanging.", "device")
+
+    def _declare_prefixes(self) -> None:
         # Prefix reuse (compute/prefix_cache.py), as each device reports it.
         self.prefix_hits = self._counter(
             "cakemp_prefix_hits_total", "Requests at position 0 that took up a session's kept rows (a retired prefix).",
@@ -283,13 +299,12 @@ class Metrics:
             "cakemp_prefix_kept_bytes",
             "Bytes each device keeps for reuse beside its live sessions' KV state (their output rows and recurrent "
             "states), inside its KV budget.", "device")
-        self.device_restarts = self._counter("cakemp_device_restarts_total",
-                                             "Device processes restarted after dying or hanging.", "device")
+
+    def _declare_node(self) -> None:
         # The node.
         self.readiness = self._gauge("cakemp_ready", "1 when every device process is ready and connections are accepted.")
         self.build_info = self._gauge("cakemp_build_info", "Always 1: the labels say what is running.", "version", "python")
         self.build_info.set(1, version=cakemp.__version__, python=platform.python_version())
-        self._all.extend(process_metrics())
 
     def _counter(self, name: str, documentation: str, *labels: str) -> Counter:
         return self._registered(Counter(name, documentation, labels))

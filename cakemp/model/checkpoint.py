@@ -1,7 +1,15 @@
-"""A safetensors checkpoint directory, read one layer span at a time."""
+"""A safetensors checkpoint directory, read one layer span at a time.
+
+A weight is read as stored, or dequantized into the compute dtype where the checkpoint is
+quantized (checkpoint/quantization.py names the stored parts: FP8 e4m3 with block scales,
+GPTQ's qweight/qzeros/scales/g_idx, MLX's packed weight/scales/biases). FP8 alone may stay
+quantized on a GPU that multiplies it (model/fp8.py); GPTQ and MLX weights are dequantized
+wherever they go, in f32 on the device, then cast.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import ExitStack
 from pathlib import Path
@@ -10,10 +18,12 @@ from typing import TypeVar
 import torch
 from safetensors import SafetensorError, safe_open
 
-from cakemp.checkpoint.files import INDEX, SINGLE, read_weight_map
-from cakemp.errors import CheckpointError
-from cakemp.model import fp8
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.files import INDEX, SINGLE, read_weight_map
+from cakemp.checkpoint.layout import LINEAR_CONV
+from cakemp.checkpoint.quantization import Gptq, GptqParts, MlxAffine, MlxParts, norms_carry_one
+from cakemp.errors import CheckpointError
+from cakemp.model import fp8, gptq, mlx
 
 
 K = TypeVar("K")
@@ -78,14 +88,13 @@ class Checkpoint:
             files = self._open(stack, groups)
             out = {}
             for key, members in groups.items():
-                handles = [files[self.file_of(name)] for name in members]
-                if keep_fp8 and self._kept_fp8(handles, members):
-                    stored = [(f.get_tensor(name), f.get_tensor(name + "_scale_inv"))
-                              for (f, _), name in zip(handles, members)]
+                if keep_fp8 and self._kept_fp8(files, members):
+                    stored = [(files[self.file_of(name)][0].get_tensor(name),
+                               files[self.file_of(name)][0].get_tensor(name + "_scale_inv")) for name in members]
                     out[key] = fp8.Fp8Weight.create(torch.cat([w.to(device) for w, _ in stored]),
                                                     torch.cat([s.to(device) for _, s in stored]))
                     continue
-                sources = [self._source(*handle, name, device) for handle, name in zip(handles, members)]
+                sources = [self._source(files, name, device) for name in members]
                 if len({t.shape[1:] for t in sources}) > 1:
                     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(members, sources))
                     raise CheckpointError(f"tensors that should stack along dim 0 do not: {shapes}")
@@ -102,23 +111,55 @@ class Checkpoint:
             return out
 
     def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False) -> int:
-        """Bytes `load` would allocate for these groups on the device (read from the shards' headers)."""
+        """Bytes `load` would allocate for these groups on the device (read from the shards' headers):
+        a GPTQ or MLX weight counts as the plain matrix it is dequantized into."""
         with ExitStack() as stack:
             files = self._open(stack, groups)
             total = 0
             for members in groups.values():
-                handles = [files[self.file_of(name)] for name in members]
-                kept = keep_fp8 and self._kept_fp8(handles, members)
-                for (f, present), name in zip(handles, members):
-                    if name not in present:
-                        raise CheckpointError(f"tensor {name} is missing from {self.dir / self.file_of(name)}")
-                    numel = math.prod(f.get_slice(name).get_shape())
-                    total += numel * (1 if kept else dtype.itemsize)
+                kept = keep_fp8 and self._kept_fp8(files, members)
+                total += sum(self._numel(files, name) for name in members) * (1 if kept else dtype.itemsize)
             return total
+
+    @functools.cached_property
+    def norms_need_one(self) -> bool:
+        """Whether a (1 + w) family's norms are stored as w (HF's way), so that loading adds the 1;
+        False where they carry it already (mlx-lm's Qwen3.5 conversions, told apart by their
+        conv1d layout: checkpoint/quantization.norms_carry_one)."""
+        if not self.config.layout.norm_plus_one:
+            return False
+        # Any linear-attention layer's convolution tells; a zero-config cache holds only the
+        # shards of the layers it was assigned, so the first one whose shard is here.
+        convs = (f"{self.config.layer_name(i)}.{LINEAR_CONV}" for i in sorted(self.config.linear_layers))
+        conv = next((name for name in convs if self.has(name) and (self.dir / self.file_of(name)).exists()), None)
+        if conv is None:
+            return True
+        with ExitStack() as stack:
+            f, _ = self._open(stack, {conv: [conv]})[self.file_of(conv)]
+            return not norms_carry_one(tuple(f.get_slice(conv).get_shape()))
+
+    def _parts(self, name: str) -> GptqParts | MlxParts | None:
+        """The quantized parts `name` is stored as (GPTQ, MLX affine), or None for a tensor read as stored."""
+        quantization = self.config.quantization
+        if not isinstance(quantization, Gptq | MlxAffine):
+            return None
+        try:
+            return quantization.parts(name, self.has)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+
+    def _stored(self, name: str) -> list[str]:
+        """The stored tensors that make `name`."""
+        parts = self._parts(name)
+        if isinstance(parts, GptqParts):
+            return [part for part in parts if part is not None]
+        if isinstance(parts, MlxParts):
+            return [parts.weight, parts.scales, parts.biases]
+        return [name]
 
     def _open(self, stack: ExitStack, groups: dict[K, list[str]]) -> dict[str, tuple]:
         """file -> (open handle, names it holds), for each file holding one of the groups' tensors."""
-        names = [name for members in groups.values() for name in members]
+        names = [stored for members in groups.values() for name in members for stored in self._stored(name)]
         missing = [name for name in names if self.file_of(name) == INDEX]
         if missing:
             raise CheckpointError(f"tensor {missing[0]} is missing from {self.dir / INDEX}")
@@ -132,11 +173,31 @@ class Checkpoint:
             files[file] = (handle, set(handle.keys()))
         return files
 
-    def _kept_fp8(self, handles: list[tuple], members: list[str]) -> bool:
+    def _get(self, files: dict[str, tuple], name: str):
+        """The open handle holding `name` (CheckpointError if its file lacks it)."""
+        f, present = files[self.file_of(name)]
+        if name not in present:
+            raise CheckpointError(f"tensor {name} is missing from {self.dir / self.file_of(name)}")
+        return f
+
+    def _numel(self, files: dict[str, tuple], name: str) -> int:
+        """How many values `name` has once read (dequantized where it is quantized)."""
+        parts = self._parts(name)
+        if isinstance(parts, GptqParts):
+            in_features = (math.prod(self._get(files, parts.g_idx).get_slice(parts.g_idx).get_shape()) if parts.g_idx
+                           else self._get(files, parts.qweight).get_slice(parts.qweight).get_shape()[0] * 32
+                           // self.config.quantization.bits)
+            return in_features * self._get(files, parts.scales).get_slice(parts.scales).get_shape()[-1]
+        if isinstance(parts, MlxParts):
+            return math.prod(self._get(files, parts.weight).get_slice(parts.weight).get_shape()) * 32 // parts.bits
+        return math.prod(self._get(files, name).get_slice(name).get_shape())
+
+    def _kept_fp8(self, files: dict[str, tuple], members: list[str]) -> bool:
         """Whether a group can stay FP8: every member stored e4m3 with its scales, in 128x128 blocks."""
         if self.config.fp8_block != (fp8.BLOCK, fp8.BLOCK):
             return False
-        for (f, present), name in zip(handles, members):
+        for name in members:
+            f, present = files[self.file_of(name)]
             if name not in present or name + "_scale_inv" not in present:
                 return False
             stored = f.get_slice(name)
@@ -144,11 +205,23 @@ class Checkpoint:
                 return False
         return True
 
-    def _source(self, f, present: set[str], name: str, device: torch.device) -> torch.Tensor:
+    def _source(self, files: dict[str, tuple], name: str, device: torch.device) -> torch.Tensor:
         """The stored tensor (a view of the mapped file), or its f32 dequantization on `device`."""
-        if name not in present:
-            raise CheckpointError(f"tensor {name} is missing from {self.dir / self.file_of(name)}")
-        tensor = f.get_tensor(name)
+        parts = self._parts(name)
+        if parts is not None:
+            # Dequantize where the weight goes: the packed codes are a quarter (or less) of its f32 size.
+            stored = {part: self._get(files, part).get_tensor(part).to(device) for part in self._stored(name)}
+            try:
+                if isinstance(parts, GptqParts):
+                    return gptq.dequantize(*(stored.get(part) for part in parts), self.config.quantization)
+                return mlx.dequantize(stored[parts.weight], stored[parts.scales], stored[parts.biases],
+                                      parts.bits, parts.group_size)
+            except ValueError as exc:
+                raise CheckpointError(f"{name}: {exc}") from None
+        f, present = files[self.file_of(name)]
+        tensor = self._get(files, name).get_tensor(name)
+        if name.endswith(LINEAR_CONV) and tensor.dim() == 3 and tensor.shape[1] > 1 and tensor.shape[2] == 1:
+            return tensor.transpose(1, 2)  # MLX's depthwise conv layout [C, K, 1] -> HF's [C, 1, K]
         scale_name = name + "_scale_inv"
         if tensor.dtype != torch.float8_e4m3fn or scale_name not in present:
             return tensor
@@ -159,5 +232,3 @@ class Checkpoint:
             return fp8.dequantize(tensor.to(device), f.get_tensor(scale_name).to(device), self.config.fp8_block)
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None
-
-

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.layout import LINEAR_CONV
 from cakemp.model.linear import linear
 
 CHUNK = 64  # tokens per chunk of the parallel prefill form (flash-linear-attention's and HF's choice)
@@ -68,7 +69,7 @@ class GatedDeltaNet:
     def weight_groups() -> dict[str, list[str]]:
         return {
             "w_in": [f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")],
-            "conv": ["linear_attn.conv1d.weight"],
+            "conv": [LINEAR_CONV],
             "A_log": ["linear_attn.A_log"],
             "dt_bias": ["linear_attn.dt_bias"],
             "norm": ["linear_attn.norm.weight"],

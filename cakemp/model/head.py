@@ -4,7 +4,8 @@ Cake never shards these (spec cake-model §5.1): the master embeds the tokens, s
 states through the decoder layers, normalises the last position and projects it onto the
 vocabulary. A tied checkpoint reuses the embedding matrix as lm_head. Gemma 3 scales the
 embeddings by sqrt(H) (rounded to the dtype, as transformers does); Gemma 3 and Qwen3.5 store
-their final norm as (1 + w).
+their final norm as (1 + w). Quantized embeddings and lm_head (GPTQ, MLX) are dequantized as
+the layers' weights are.
 """
 
 from __future__ import annotations
@@ -54,11 +55,14 @@ class Head:
         tied = config.tie_word_embeddings
         model = config.layer_prefix.rpartition(".")[0]  # "model.layers" -> "model"
         embed, norm = f"{model}.embed_tokens.weight", f"{model}.norm.weight"
-        names = [embed, norm] if tied else [embed, norm, LM_HEAD]
-        plus_one = frozenset({norm}) if config.layout.norm_plus_one else frozenset()
-        tensors = Checkpoint(model_dir, config).load({name: [name] for name in names}, torch.device(device), dtype,
-                                                     plus_one=plus_one)
-        lm_head = tensors[embed] if tied else tensors[LM_HEAD]
+        checkpoint = Checkpoint(model_dir, config)
+        # mlx-lm's Qwen3.5 conversions keep lm_head beside their "language_model.model".
+        outer = model.rpartition(".")[0]
+        head = f"{outer}.{LM_HEAD}" if outer and checkpoint.has(f"{outer}.{LM_HEAD}") else LM_HEAD
+        names = [embed, norm] if tied else [embed, norm, head]
+        plus_one = frozenset({norm}) if checkpoint.norms_need_one else frozenset()
+        tensors = checkpoint.load({name: [name] for name in names}, torch.device(device), dtype, plus_one=plus_one)
+        lm_head = tensors[embed] if tied else tensors[head]
         gemma = config.family == "gemma3"
         return cls(tensors[embed], tensors[norm], lm_head, config.rms_norm_eps, config.hidden_size**0.5 if gemma else 1.0)
 

@@ -11,8 +11,9 @@ experts hit, never over tokens. A decode step therefore reads only its top_k exp
 
 Experts are held stacked ([E, 2I, H] and [E, H, I]); checkpoints store them either that way
 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`: transformers 5 and the official
-Qwen3.5-MoE files) or one set per expert (`mlp.experts.{j}.{gate,up,down}_proj.weight`: the
-Qwen3-MoE hub files), which loading stacks.
+Qwen3.5-MoE files), stacked with gate and up apart (`mlp.switch_mlp.{gate,up,down}_proj.weight`,
+[E, I, H] and [E, H, I]: mlx-lm's conversions, joined here at load) or one set per expert
+(`mlp.experts.{j}.{gate,up,down}_proj.weight`: the Qwen3-MoE hub files), which loading stacks.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from cakemp.model.mlp import GatedMlp
 
 FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 FUSED_DOWN = "mlp.experts.down_proj"
+SWITCH = "mlp.switch_mlp.{}_proj.weight"  # mlx-lm's stacked experts: gate, up, down
 # Weights viewed as [E, rows, cols]: loaded as plain tensors even where other FP8 matrices stay FP8.
-STACKED = frozenset({"experts_gate_up", "experts_down"})
+STACKED = frozenset({"experts_gate_up", "experts_gate", "experts_up", "experts_down"})
 
 
 class SparseMoe:
@@ -40,7 +42,10 @@ class SparseMoe:
         self.activation = config.activation
         self.renormalize = moe.renormalize
         self.router = weights["router"]  # [E, H]
-        self.gate_up = weights["experts_gate_up"].view(E, 2 * I, H)
+        if "experts_gate" in weights:  # mlx-lm's layout: gate and up stacked apart, [E, I, H] each
+            self.gate_up = torch.cat([weights["experts_gate"], weights["experts_up"]], dim=1)
+        else:
+            self.gate_up = weights["experts_gate_up"].view(E, 2 * I, H)
         self.down = weights["experts_down"].view(E, H, I)
         self.shared = None
         if moe.shared_intermediate_size:
@@ -53,6 +58,8 @@ class SparseMoe:
         E = config.moe.experts
         if stored(FUSED_GATE_UP):
             groups = {"experts_gate_up": [FUSED_GATE_UP], "experts_down": [FUSED_DOWN]}
+        elif stored(SWITCH.format("gate")):
+            groups = {f"experts_{p}": [SWITCH.format(p)] for p in ("gate", "up", "down")}
         else:
             groups = {
                 "experts_gate_up": [f"mlp.experts.{j}.{p}_proj.weight" for j in range(E) for p in ("gate", "up")],
@@ -69,10 +76,12 @@ class SparseMoe:
     def weight_shapes(config: ModelConfig, stored: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
         moe, H = config.moe, config.hidden_size
         E, I, S = moe.experts, moe.intermediate_size, moe.shared_intermediate_size
-        fused = stored(FUSED_GATE_UP)
+        stacked = stored(FUSED_GATE_UP) or stored(SWITCH.format("gate"))
         return {
-            "experts_gate_up": (E, 2 * I, H) if fused else (E * 2 * I, H),
-            "experts_down": (E, H, I) if fused else (E * H, I),
+            "experts_gate_up": (E, 2 * I, H) if stacked else (E * 2 * I, H),
+            "experts_gate": (E, I, H),
+            "experts_up": (E, I, H),
+            "experts_down": (E, H, I) if stacked else (E * H, I),
             "router": (E, H),
             "shared_gate_up": (2 * S, H),
             "shared_down": (H, S),

@@ -1,0 +1,194 @@
+"""How a checkpoint's weights are quantized, read from its config.json, and which stored
+tensors make each quantized weight. No torch: the front refuses a format here, before any
+device starts; model/fp8.py, model/gptq.py and model/mlx.py dequantize.
+
+| format     | config.json                                            | a weight `P.weight` is stored as          |
+|------------|--------------------------------------------------------|-------------------------------------------|
+| FP8        | quantization_config: quant_method "fp8", weight_block_size | P.weight (e4m3), P.weight_scale_inv   |
+| GPTQ       | quantization_config: quant_method "gptq", bits, group_size, desc_act, sym, checkpoint_format | P.qweight, P.qzeros, P.scales (P.g_idx) |
+| MLX affine | quantization (mlx-lm copies it to quantization_config): bits, group_size, mode, per-module overrides | P.weight (u32), P.scales, P.biases |
+
+In a GPTQ or MLX checkpoint only some weights are quantized (GPTQ releases keep attention,
+routers or shared experts in 16 bits; mlx-lm skips matrices whose width its group size does
+not divide): a weight is read quantized exactly when its quantized parts are stored.
+
+Anything else is refused by name (a CheckpointError, exit 78), never loaded as if plain: AWQ,
+bitsandbytes, compressed-tensors and the rest; GPTQ bit widths but 2, 3, 4 and 8, packings but
+the continuous v1 and v2 (marlin, bitblas, planar gptq_p), GPTQModel's per-module `dynamic`
+overrides, words but int32; MLX modes but affine (mxfp4, mxfp8, nvfp4), group sizes but 32, 64
+and 128 (what mx.quantize takes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from cakemp.checkpoint.values import as_list, mapping, shown, whole
+
+GPTQ_BITS = frozenset({2, 3, 4, 8})
+MLX_BITS = frozenset({2, 3, 4, 5, 6, 8})
+MLX_GROUP_SIZES = frozenset({32, 64, 128})
+_DEFAULT_FP8_BLOCK = (128, 128)
+_MAX_FP8_BLOCK = 1 << 16
+_MAX_GROUP = 1 << 20
+# GPTQ checkpoint formats: "gptq" stores each zero point minus 1 (AutoGPTQ's v1), "gptq_v2" as is.
+_GPTQ_FORMATS = {"gptq": True, "gptq_v2": False}
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """Block-wise e4m3 weights: one scale per (rows, cols) block."""
+
+    block: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Gptq:
+    bits: int
+    group_size: int  # inputs per group; -1: one group over all of a matrix's inputs
+    desc_act: bool  # act-order: groups follow g_idx, not the input order
+    sym: bool  # informative only: symmetric checkpoints store their (constant) zero points too
+    v1: bool  # zero points stored minus 1 (checkpoint_format "gptq"), else as they are ("gptq_v2")
+
+    def parts(self, weight: str, stored: Callable[[str], bool]) -> GptqParts | None:
+        """The stored tensors of `weight` ("P.weight") if it is quantized here, else None."""
+        module = _module(weight)
+        if module is None or not stored(f"{module}.qweight"):
+            return None
+        g_idx = f"{module}.g_idx"
+        return GptqParts(f"{module}.qweight", f"{module}.qzeros", f"{module}.scales", g_idx if stored(g_idx) else None)
+
+
+class GptqParts(NamedTuple):
+    qweight: str  # int32 [ceil(in * bits / 32), out]: each column's codes packed along the inputs
+    qzeros: str  # int32 [groups, ceil(out * bits / 32)]: each group's zero points packed along the outputs
+    scales: str  # f16 [groups, out]
+    g_idx: str | None  # int32 [in]: each input's group; None: input i is in group i // group_size
+
+
+@dataclass(frozen=True)
+class MlxAffine:
+    bits: int
+    group_size: int
+    # Per-module overrides, as mlx-lm writes them beside bits and group_size (routers at 8 bits):
+    # (module path, (bits, group_size)), or (module path, None) for a module left unquantized.
+    overrides: tuple[tuple[str, tuple[int, int] | None], ...] = ()
+
+    def parts(self, weight: str, stored: Callable[[str], bool]) -> MlxParts | None:
+        """The stored tensors of `weight` ("P.weight") and their bits and group size if it is
+        quantized here, else None; CheckpointError-worthy ValueError if the config says otherwise."""
+        module = _module(weight)
+        if module is None or not stored(f"{module}.scales"):
+            return None
+        params = dict(self.overrides).get(module, (self.bits, self.group_size))
+        if params is None:
+            raise ValueError(f"{module} has scales but config.json's quantization leaves it unquantized")
+        return MlxParts(weight, f"{module}.scales", f"{module}.biases", *params)
+
+
+class MlxParts(NamedTuple):
+    weight: str  # u32 [..., rows, cols * bits / 32]: each row's codes packed along the columns
+    scales: str  # [..., rows, cols / group_size]
+    biases: str  # [..., rows, cols / group_size]: w = code * scale + bias
+    bits: int
+    group_size: int
+
+
+Quantization = Fp8 | Gptq | MlxAffine
+
+
+def parse(d: dict[str, Any]) -> Quantization | None:
+    """The quantization a (text model's) config.json declares, or None; ValueError naming what is refused."""
+    mlx = d.get("quantization")
+    quant = d.get("quantization_config")
+    if mlx is not None:  # mlx-lm writes both keys alike; `quantization` is MLX's own
+        return _mlx(mapping("quantization", mlx))
+    quant = mapping("quantization_config", quant or None)
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method is None and "bits" in quant and "group_size" in quant:
+        return _mlx(quant)  # an MLX conversion that kept only quantization_config
+    if method == "fp8":
+        return _fp8(quant)
+    if method == "gptq":
+        return _gptq(quant)
+    raise ValueError(f"quantization {shown(method)} is not supported (only fp8, gptq and MLX affine)")
+
+
+def norms_carry_one(conv_shape: tuple[int, ...] | None) -> bool:
+    """Whether a Qwen3.5 checkpoint's (1 + w) norms are stored with their 1 already added: the
+    layout mlx-lm's conversion writes, told apart by what the same conversion does to the
+    depthwise convolution (`conv1d.weight` [C, K, 1], MLX's layout, against HF's [C, 1, K]),
+    as mlx-lm itself tells a converted checkpoint from an HF one. `conv_shape`: a
+    linear-attention layer's conv1d weight as stored (None: the checkpoint has none)."""
+    return conv_shape is not None and len(conv_shape) == 3 and conv_shape[1] > 1 and conv_shape[2] == 1
+
+
+def _fp8(quant: dict[str, Any]) -> Fp8:
+    block = as_list("weight_block_size", quant.get("weight_block_size") or list(_DEFAULT_FP8_BLOCK))
+    if len(block) != 2:
+        raise ValueError(f"weight_block_size {shown(block)} is not [rows, cols]")
+    return Fp8(tuple(whole("weight_block_size", n, 1, _MAX_FP8_BLOCK) for n in block))
+
+
+def _gptq(quant: dict[str, Any]) -> Gptq:
+    bits = whole("gptq bits", quant.get("bits", 4), 1, 64)
+    if bits not in GPTQ_BITS:
+        raise ValueError(f"GPTQ with {bits} bits is not supported (only {', '.join(map(str, sorted(GPTQ_BITS)))})")
+    group_size = quant.get("group_size", 128)
+    if group_size != -1:
+        group_size = whole("gptq group_size", group_size, 1, _MAX_GROUP)
+    fmt = quant.get("checkpoint_format") or quant.get("format") or "gptq"  # GPTQModel 4+ writes `format`
+    if quant.get("is_marlin_format"):
+        fmt = "marlin"
+    if fmt not in _GPTQ_FORMATS:
+        raise ValueError(f"GPTQ checkpoint_format {shown(fmt)} is not supported (only gptq and gptq_v2)")
+    if quant.get("dynamic"):
+        raise ValueError("GPTQ per-module overrides (dynamic) are not supported")
+    pack_dtype = quant.get("pack_dtype", "int32")
+    if pack_dtype not in ("int32", "torch.int32"):
+        raise ValueError(f"GPTQ pack_dtype {shown(pack_dtype)} is not supported (only int32)")
+    return Gptq(bits, group_size, _bool("desc_act", quant.get("desc_act", False)),
+                _bool("sym", quant.get("sym", True)), _GPTQ_FORMATS[fmt])
+
+
+def _mlx(quant: dict[str, Any]) -> MlxAffine:
+    bits, group_size = _mlx_params("quantization", quant)
+    overrides = []
+    for key, value in quant.items():
+        if key in ("bits", "group_size", "mode", "quant_method"):
+            continue
+        if value is False:
+            overrides.append((key, None))
+        elif isinstance(value, dict):
+            overrides.append((key, _mlx_params(f"quantization[{shown(key)}]", value)))
+        else:
+            raise ValueError(f"quantization[{shown(key)}] {shown(value)} is neither bits and group_size nor false")
+    return MlxAffine(bits, group_size, tuple(overrides))
+
+
+def _mlx_params(name: str, quant: dict[str, Any]) -> tuple[int, int]:
+    mode = quant.get("mode", "affine")
+    if mode != "affine":
+        raise ValueError(f"MLX quantization mode {shown(mode)} is not supported (only affine)")
+    bits = whole(f"{name} bits", quant.get("bits"), 1, 64)
+    group_size = whole(f"{name} group_size", quant.get("group_size"), 1, _MAX_GROUP)
+    if bits not in MLX_BITS:
+        raise ValueError(f"MLX affine with {bits} bits is not supported (only {', '.join(map(str, sorted(MLX_BITS)))})")
+    if group_size not in MLX_GROUP_SIZES:
+        raise ValueError(f"MLX affine group_size {group_size} is not supported (only 32, 64 and 128)")
+    return bits, group_size
+
+
+def _module(weight: str) -> str | None:
+    module, dot, tail = weight.rpartition(".")
+    return module if dot and tail == "weight" else None
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"gptq {name} {shown(value)} is not true or false")
+    return value

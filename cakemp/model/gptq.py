@@ -1,0 +1,84 @@
+"""GPTQ weights (AutoGPTQ, GPTQModel) dequantized into a plain [out, in] matrix.
+
+    W[o, i] = scales[g(i), o] * (q[i, o] - z[g(i), o])
+
+q: the code of input i for output o, `bits` wide, packed along the inputs (qweight [in * bits
+/ 32, out]); z: the zero point of group g for output o, packed along the outputs (qzeros
+[groups, out * bits / 32]); g(i) = g_idx[i] where the checkpoint stores it (act-order,
+`desc_act`, puts inputs in groups out of order), else i // group_size (group_size -1: one
+group). Symmetric checkpoints store their constant zero points like any others.
+
+checkpoint_format "gptq" (v1, AutoGPTQ's and what Cake assumes) stores each zero point minus
+1; "gptq_v2" as it is. v1's 1 is added back as GPTQModel loads v1: for 2, 4 and 8 bits by one
+integer addition per 32-bit word (so a field stored as all ones, a zero point of 0 that the
+writer's subtraction borrowed across, is restored with its neighbour), for 3 bits field by
+field, modulo 8. Cake adds 1 to each field (for 4 bits only), which differs only for those
+all-ones fields.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cakemp.checkpoint.quantization import Gptq
+from cakemp.model import bitfields
+
+_VALUES_PER_STEP = 1 << 20
+
+
+def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+               spec: Gptq) -> torch.Tensor:
+    """The stored tensors (GptqParts' shapes) -> W: [out, in] f32; ValueError if they do not fit together."""
+    bits = spec.bits
+    groups, out_features = scales.shape
+    in_features = g_idx.numel() if g_idx is not None else qweight.shape[0] * 32 // bits
+    _check_shape("qweight", qweight, (-(-in_features * bits // 32), out_features))
+    _check_shape("qzeros", qzeros, (groups, -(-out_features * bits // 32)))
+    group = _groups(g_idx, in_features, groups, spec.group_size).to(qweight.device)
+    zeros = _zero_points(qzeros, bits, out_features, spec.v1)  # [groups, out]
+    words = qweight.t().contiguous()  # [out, in * bits / 32]: each output's codes, row by row
+    zeros, scales = zeros.t().float(), scales.t().float()  # [out, groups] each
+    weight = torch.empty(out_features, in_features, dtype=torch.float32, device=qweight.device)
+    # In input order, with groups of one size (no act-order): each group's zero point and scale
+    # broadcast over its inputs, no gather.
+    size = in_features // groups if in_features % groups == 0 else 0
+    in_order = size and torch.equal(group, torch.arange(in_features, device=group.device) // size)
+    # A few output rows at a time: the temporaries stay small (in cache, no fresh pages to fault in).
+    step = max(1, _VALUES_PER_STEP // max(in_features, 1))
+    for rows in (slice(start, start + step) for start in range(0, out_features, step)):
+        # Codes and zero points are small integers, exact in f32, so W rounds once, in the product.
+        codes = bitfields.unpack(words[rows], bits, in_features).float()  # [r, in]
+        if in_order:
+            codes.view(-1, groups, size).sub_(zeros[rows, :, None]).mul_(scales[rows, :, None])
+        else:
+            codes.sub_(zeros[rows].index_select(1, group)).mul_(scales[rows].index_select(1, group))
+        weight[rows] = codes
+    return weight
+
+
+def _zero_points(qzeros: torch.Tensor, bits: int, count: int, v1: bool) -> torch.Tensor:
+    """qzeros [groups, W] -> the zero points [groups, count] int32, v1's stored minus 1 undone."""
+    if not v1:
+        return bitfields.unpack(qzeros, bits, count)
+    if 32 % bits == 0:
+        return bitfields.unpack(bitfields.add_to_each(qzeros, bits, 1), bits, count)
+    return (bitfields.unpack(qzeros, bits, count) + 1) & ((1 << bits) - 1)
+
+
+def _groups(g_idx: torch.Tensor | None, in_features: int, groups: int, group_size: int) -> torch.Tensor:
+    """Each input's group: [in] int64, checked to index the scales' `groups` rows."""
+    if g_idx is None:
+        size = in_features if group_size == -1 else group_size
+        expected = -(-in_features // size)
+        if groups != expected:
+            raise ValueError(f"{groups} groups of scales for {in_features} inputs in groups of {size} (expected {expected})")
+        return torch.arange(in_features) // size
+    group = g_idx.to(torch.int64).reshape(-1)
+    if group.numel() and (group.min() < 0 or group.max() >= groups):
+        raise ValueError(f"g_idx names groups outside 0..{groups - 1}")
+    return group
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {expected}")
