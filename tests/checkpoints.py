@@ -257,6 +257,12 @@ class HFLayers:
         self.dtype = dtype
         self.cache = DynamicCache(config=self.config)
 
+    def fresh(self) -> HFLayers:
+        """These layers with an empty cache: a new session's reference (loading the model is most of
+        a test's time, so modules load it once and call this per session)."""
+        self.cache = DynamicCache(config=self.config)
+        return self
+
     @torch.inference_mode()
     def __call__(self, x: torch.Tensor, index_pos: int) -> torch.Tensor:
         """x: [1, T, H] at positions index_pos.. (must continue the cache) -> [1, T, H]."""

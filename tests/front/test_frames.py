@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicCache
 
 from cakemp.master.client import WorkerClient
 from cakemp.wire import (
@@ -81,7 +80,6 @@ async def attacked(node: RunningNode, checkpoint, payload: bytes) -> tuple[str, 
     decode; (the WorkerError text, a second master's Hello round trip meanwhile, front peak RSS growth,
     log bytes written)."""
     ref = HFLayers(checkpoint, LAYERS, torch.float32)
-    ref.cache = DynamicCache(config=ref.config)
     bystander = await CakeMaster.connect(node.port, LAYERS)
     x = torch.randn(1, 5, HIDDEN)
     torch.testing.assert_close(await bystander.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
@@ -136,7 +134,6 @@ def test_a_frame_at_the_cap_full_of_dimensions_is_refused_and_not_repeated(node,
 def test_the_frames_leave_a_legitimate_master_served(node, checkpoint):
     """After both frames, a new master's prefill and decode still match HF's layers."""
     ref = HFLayers(checkpoint, LAYERS, torch.float32)
-    ref.cache = DynamicCache(config=ref.config)
 
     async def main():
         master = await CakeMaster.connect(node.port, LAYERS)

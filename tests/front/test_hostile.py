@@ -17,7 +17,6 @@ import time
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicCache
 
 from cakemp.errors import RemoteWorkerError
 from cakemp.master.client import WorkerClient
@@ -72,13 +71,7 @@ def node(checkpoint, runtime, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf(checkpoint):
     """A fresh HF reference of layers 0-3 per call (the model is loaded once: building it is most of a test's time)."""
-    layers = HFLayers(checkpoint, LAYERS, torch.float32)
-
-    def fresh() -> HFLayers:
-        layers.cache = DynamicCache(config=layers.config)
-        return layers
-
-    return fresh
+    return HFLayers(checkpoint, LAYERS, torch.float32).fresh
 
 
 def restarts(node: RunningNode) -> float:

@@ -21,7 +21,6 @@ import time
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicCache
 
 from cakemp.auth import authenticate_worker
 from cakemp.front.admission import Admission
@@ -73,13 +72,7 @@ def node(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf(checkpoint):
     """A fresh HF reference of the node's layers per call."""
-    layers = HFLayers(checkpoint, LAYERS, torch.float32)
-
-    def fresh() -> HFLayers:
-        layers.cache = DynamicCache(config=layers.config)
-        return layers
-
-    return fresh
+    return HFLayers(checkpoint, LAYERS, torch.float32).fresh
 
 
 def metric(node: RunningNode, name: str) -> float:
