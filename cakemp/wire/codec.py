@@ -24,7 +24,7 @@ from enum import IntEnum
 from operator import attrgetter
 from typing import Annotated, NamedTuple, get_args, get_origin, get_type_hints
 
-from cakemp.errors import BadOps, BadTensor, EncodeError, ProtocolError
+from cakemp.errors import BadTensor, EncodeError, ProtocolError
 from cakemp.wire.messages import MAX_ITEMS, VARIANTS, Bound, DType, Message, RawTensor, Revision, Since
 
 Buffer = bytes | bytearray | memoryview
@@ -232,19 +232,9 @@ class _Vec(_Field):
         if self.bound is not None:
             limit = self.bound.limit if isinstance(self.bound.limit, int) else r.limits.get(self.bound.limit, MAX_ITEMS)
             if n > limit:
-                raise _too_many(self.path, n, limit)
+                raise self.bound.refusal(self.path, n, limit)
         return self.item.read_all(r, n)
 
-
-def _too_many(path: str, n: int, limit: int) -> Exception:
-    """The error for a Vec of `n` items past its `limit`: the frame was whole, so a tensor's shape
-    or a Batch's layer run is the request's fault (WorkerError, the connection kept), as Cake's
-    worker answers them; anything else is not Cake protocol."""
-    if path.endswith(".shape"):
-        return BadTensor(f"{path.removesuffix('.shape')} has a shape of {n} dimensions, at most {limit}")
-    if path == "Batch.batch":
-        return BadOps(f"the request has {n} ops; this worker serves {limit} layers, each runs at most once per request")
-    return ProtocolError(f"{path} has {n} items, at most {limit}")
 
 
 class _Struct(_Field):

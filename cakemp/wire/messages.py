@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Annotated, NamedTuple, Union, dataclass_transform
 
+from cakemp.errors import BadOps, BadTensor, ProtocolError
+
 
 class Revision(IntEnum):
     """Which Cake `Message` enum is on the wire; they differ from tag 8 on (spec §3.1)."""
@@ -77,9 +79,20 @@ class Since:
 class Bound:
     """Marks a Vec that holds at most `limit` items (a number, or the name of a limit the decoder
     is given, with MAX_ITEMS when it is not): the decoder checks the count before it builds a
-    single item, so no frame makes the node build (or log) more than the protocol can mean."""
+    single item, so no frame makes the node build (or log) more than the protocol can mean.
+
+    More is `error`, worded by `text` (with the Vec's `path`, its `owner` — the path without its
+    last part — the count `n` and the `limit`): where the frame was whole and only the request is
+    wrong (a tensor's shape, a Batch's layer run) a BadRequest, answered as Cake's worker answers
+    such a request; else not Cake protocol.
+    """
 
     limit: int | str
+    error: type[Exception] = ProtocolError
+    text: str = "{path} has {n} items, at most {limit}"
+
+    def refusal(self, path: str, n: int, limit: int) -> Exception:
+        return self.error(self.text.format(path=path, owner=path.rpartition(".")[0], n=n, limit=limit))
 
 
 # What any Vec a master may send holds at most (no model has more layers; Cake's
@@ -125,7 +138,7 @@ class RawTensor:
 
     data: Bytes
     dtype: Annotated[U8, DType]  # decoded as a DType where the tag is known
-    shape: Annotated[tuple[Usize, ...], Bound(MAX_DIMS)]
+    shape: Annotated[tuple[Usize, ...], Bound(MAX_DIMS, BadTensor, "{owner} has a shape of {n} dimensions, at most {limit}")]
 
 
 class LayerOp(NamedTuple):
@@ -169,7 +182,9 @@ class Batch:
     """Master → worker: run the layers of `batch` in order on `x`; answered with Tensor."""
 
     x: RawTensor
-    batch: Annotated[tuple[LayerOp, ...], Bound("ops")]  # a node passes the number of layers it serves
+    # A node passes the number of layers it serves as "ops".
+    batch: Annotated[tuple[LayerOp, ...], Bound("ops", BadOps, "the request has {n} ops; this worker serves {limit} "
+                                                               "layers, each runs at most once per request")]
 
 
 @message
