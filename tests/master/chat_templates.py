@@ -9,9 +9,8 @@ is a ChatML template as Qwen's repositories ship it in `chat_template.jinja` (wh
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
-
-from cakemp.demo.synthetic import write_checkpoint
 
 LLAMA2 = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
@@ -39,9 +38,10 @@ CHATML = """\
 """
 
 
-def chat_checkpoint(directory: Path, template: str = LLAMA2, in_jinja_file: bool = False) -> Path:
-    """The synthetic checkpoint with `template`: in tokenizer_config.json, or in chat_template.jinja."""
-    write_checkpoint(directory)
+def with_template(base: Path, directory: Path, template: str | list = LLAMA2, in_jinja_file: bool = False) -> Path:
+    """A copy of the checkpoint `base` (the synthetic one, say) carrying `template`: in
+    tokenizer_config.json's `chat_template`, or in chat_template.jinja."""
+    shutil.copytree(base, directory)
     if in_jinja_file:
         (directory / "chat_template.jinja").write_text(template)
     else:
