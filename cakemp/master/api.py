@@ -121,6 +121,7 @@ class Turns:
         if generation is not None:
             log.get_logger().info("request served", kind=c.kind, prompt_tokens=len(c.prompt),
                                   completion_tokens=len(generation.tokens), finish=run.finish_reason,
+                                  halted=generation.halted,
                                   seconds=round(time.perf_counter() - started, 3))
 
 

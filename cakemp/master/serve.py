@@ -8,6 +8,7 @@ request is logged once by the API with its figures.
 
 from __future__ import annotations
 
+import signal
 import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -63,7 +64,16 @@ async def _serve(generator: Generator, listener: socket.socket, options: ServeOp
         config = uvicorn.Config(api.app(), log_config=None, access_log=False, lifespan="off")
         host, port = listener.getsockname()[:2]
         log.get_logger().info("api listening", url=f"http://{host}:{port}/v1", port=port, model=options.model_id)
+        _ignore_repeated_signals()
         await uvicorn.Server(config).serve(sockets=[listener])
+
+
+def _ignore_repeated_signals() -> None:
+    """uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again under the handler
+    it found, to die by it. That second delivery finds these, which ignore it: `cakemp serve` then
+    closes its connections and exits 0, as `cakemp run` does."""
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda *_: None)
 
 
 def _listen(address: str) -> socket.socket:
