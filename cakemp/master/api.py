@@ -8,6 +8,10 @@ master is behind one lock): a Cake master's connections carry one request each, 
 on every connection (the generator's rule), so a worker keeping retired prefixes answers the
 next request's shared prefix (a system prompt, a chat's history) from what it kept.
 
+A connection that broke (a worker restarted, say) fails its request with 502; the next request
+first connects afresh to every worker (`Generator.reconnect`). A worker's own error answer
+(WorkerError) leaves the connections as they are.
+
 A generation runs as a task of its own, never inside the HTTP handler: a client that leaves
 mid-stream sets the generation's `halt`, the generation ends after the step in flight and says
 Goodbye, and the next request takes the cluster with the connections in step. Request bodies
@@ -31,7 +35,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from cakemp import log
-from cakemp.errors import CakempError
+from cakemp.errors import CakempError, RemoteWorkerError
 from cakemp.master.generator import Generation, Generator
 from cakemp.master.openai_request import ApiError, Completion, RequestReader
 from cakemp.master.stop_strings import StopStrings
@@ -89,6 +93,7 @@ class Turns:
         self.generator = generator
         self.max_waiting = max_waiting
         self.admitted = 0  # requests running or waiting
+        self.broken = False  # a connection may be out of step with its worker: reconnect before the next
         self._turn = asyncio.Lock()  # fair: waiters take it in arrival order
         self._tasks: set[asyncio.Task] = set()  # strong references to the running generations
 
@@ -110,10 +115,14 @@ class Turns:
         try:
             async with self._turn:
                 if not run.halt.is_set():  # a client that left while waiting costs the cluster nothing
+                    if self.broken:
+                        await self.generator.reconnect()
+                        self.broken = False
                     generation = await self.generator.generate(c.prompt, c.max_tokens, c.sampling,
                                                                on_text=run.on_text, halt=run.halt)
         except Exception as exc:  # the request's failure, told to its client; the server goes on
             error = exc
+            self.broken = not isinstance(exc, RemoteWorkerError)
             log.get_logger().warning("request failed", kind=c.kind, error=str(exc))
         finally:
             self.admitted -= 1
@@ -174,7 +183,8 @@ class Api:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def health(self, request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": self.reader.model_id, "requests": self.turns.admitted})
+        return JSONResponse({"status": "ok", "model": self.reader.model_id, "requests": self.turns.admitted,
+                             "connections": "broken: the next request reconnects" if self.turns.broken else "ok"})
 
     def _endpoint(self, read: Callable[[object], Completion]) -> Callable[[Request], Awaitable[object]]:
         async def endpoint(request: Request) -> object:

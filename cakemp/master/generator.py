@@ -116,6 +116,33 @@ def layer_hosts(topology: Topology) -> dict[str, str]:
     return hosts
 
 
+@dataclass(frozen=True)
+class Dialer:
+    """How the master reaches its workers: the cluster's key, the protocol revision, the connect timeout."""
+
+    cluster_key: str | None = None
+    revision: Revision = Revision.V2
+    timeout: float = 10.0
+
+    async def connect(self, runs: Sequence[LayerRun]) -> dict[int, WorkerClient]:
+        """A connection per remote layer (block index → it), each said Hello, one after another in layer
+        order as Cake connects; none is left open when one fails."""
+        clients: dict[int, WorkerClient] = {}
+        try:
+            for run in runs:
+                if run.host is None:
+                    continue
+                for _, index in run.layers:
+                    clients[index] = await dial(run.host, cluster_key=self.cluster_key, revision=self.revision,
+                                                timeout=self.timeout)
+                    await clients[index].hello()
+        except BaseException:
+            for client in clients.values():
+                await client.close()
+            raise
+        return clients
+
+
 class Generator:
     """A master for one checkpoint and topology: open it, generate any number of times, close it."""
 
@@ -130,6 +157,7 @@ class Generator:
         wire_dtype: DType,
         chat: ChatTemplate | None = None,
         context_length: int | None = None,
+        dialer: Dialer = Dialer(),
     ) -> None:
         self.head = head
         self.tokenizer = tokenizer
@@ -143,6 +171,7 @@ class Generator:
         self.wire_dtype = wire_dtype
         self.chat = chat  # the checkpoint's chat template; None for a model without one
         self.context_length = context_length  # positions the model takes (max_position_embeddings)
+        self.dialer = dialer
 
     @classmethod
     async def open(
@@ -166,22 +195,10 @@ class Generator:
         runs = plan_runs(names, layer_hosts(topology))
         local = [name for run in runs if run.host is None for name, _ in run.layers]
         runner = BlockRunner.load(model_dir, local, device, torch_dtype) if local else None
-        clients: dict[int, WorkerClient] = {}
-        try:
-            # Cake connects to the remote layers one after another, in layer order.
-            for run in runs:
-                if run.host is None:
-                    continue
-                for _, index in run.layers:
-                    client = await dial(run.host, cluster_key=cluster_key, revision=revision, timeout=timeout)
-                    clients[index] = client
-                    await client.hello()
-        except BaseException:
-            for client in clients.values():
-                await client.close()
-            raise
+        dialer = Dialer(cluster_key, revision, timeout)
+        clients = await dialer.connect(runs)
         return cls(head, tokenizer, runner, runs, clients, end_token_ids(model_dir, tokenizer), DType[dtype.upper()],
-                   ChatTemplate.load(model_dir, tokenizer), config.max_position_embeddings)
+                   ChatTemplate.load(model_dir, tokenizer), config.max_position_embeddings, dialer)
 
     async def __aenter__(self) -> Generator:
         return self
@@ -193,6 +210,13 @@ class Generator:
         """Close every connection (the workers free their sessions)."""
         for client in self.clients.values():
             await client.close()
+
+    async def reconnect(self) -> None:
+        """Close every connection and connect afresh, as `open` did: after a connection broke (a worker
+        restarted, say), so that the next generation starts on connections in step with the workers."""
+        await self.close()
+        self.clients = {}
+        self.clients = await self.dialer.connect(self.runs)
 
     def encode(self, prompt: str | Sequence[int]) -> tuple[int, ...]:
         """A prompt's token ids: text is encoded with the tokenizer's own special tokens (BOS where it

@@ -17,6 +17,7 @@ import yaml
 from click.testing import CliRunner
 
 from cakemp.cli import DEFAULT_SYSTEM_PROMPT, cli
+from cakemp.demo.local_node import free_port
 from cakemp.demo.synthetic import write_checkpoint
 from tests.front.node import LoggedProcess, RunningNode, scrape, waiting
 from tests.master.chat_templates import CHATML, with_template
@@ -42,22 +43,35 @@ def model(tmp_path_factory):
     return with_template(base, tmp_path_factory.mktemp("chat") / MODEL_ID, CHATML, in_jinja_file=True)
 
 
+class Node:
+    """The cluster's one node on a fixed port, so that it can be restarted where the server finds it."""
+
+    def __init__(self, model, work):
+        self.model, self.port = model, free_port()
+        self.node_topology = work / "node.yml"
+        self.node_topology.write_text(yaml.safe_dump({"worker": {"host": "127.0.0.1:10128", "layers": NODE_LAYERS}}))
+        self.topology = work / "master.yml"
+        self.topology.write_text(yaml.safe_dump({"worker": {"host": f"127.0.0.1:{self.port}", "layers": NODE_LAYERS}}))
+        self.start()
+
+    def start(self):
+        self.running = RunningNode(self.model, self.node_topology, "--gpus", "cpu:2", "--dtype", "f32",
+                                   "--address", f"127.0.0.1:{self.port}", "--metrics-address", "127.0.0.1:0")
+
+    def __iter__(self):  # running, topology = node
+        return iter((self.running, self.topology))
+
+
 @pytest.fixture(scope="module")
 def node(model, tmp_path_factory):
-    work = tmp_path_factory.mktemp("node")
-    (work / "node.yml").write_text(yaml.safe_dump({"worker": {"host": "127.0.0.1:10128", "layers": NODE_LAYERS}}))
-    running = RunningNode(model, work / "node.yml", "--gpus", "cpu:2", "--dtype", "f32",
-                          "--metrics-address", "127.0.0.1:0")
-    topology = work / "master.yml"
-    topology.write_text(yaml.safe_dump({"worker": {"host": f"127.0.0.1:{running.port}", "layers": NODE_LAYERS}}))
-    yield running, topology
-    assert running.stop() == 0
+    node = Node(model, tmp_path_factory.mktemp("node"))
+    yield node
+    assert node.running.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def server(model, node):
-    _, topology = node
-    serving = LoggedProcess(["serve", "--model", str(model), "--topology", str(topology), "--dtype", "f32",
+    serving = LoggedProcess(["serve", "--model", str(model), "--topology", str(node.topology), "--dtype", "f32",
                              "--address", "127.0.0.1:0", "--repeat-penalty", "1", "--max-waiting", "0",
                              "--max-body-kib", str(MAX_BODY // 1024), "--log-format", "json"], ready="api listening")
     yield serving
@@ -104,7 +118,7 @@ def test_models_and_health(client, server):
 def test_greedy_chat_answers_equal_cakemp_generates(client, model, node):
     """Non-streamed and streamed greedy answers to Cake's default system prompt and the prompt are what
     `cakemp generate` prints for them over the same node."""
-    expected = cakemp_generate(model, node[1])
+    expected = cakemp_generate(model, node.topology)
     answer = client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY)
     assert answer.choices[0].message.content == expected and answer.choices[0].message.role == "assistant"
     assert answer.usage.completion_tokens <= STEPS and answer.usage.prompt_tokens > 16
@@ -118,7 +132,7 @@ def test_greedy_chat_answers_equal_cakemp_generates(client, model, node):
 
 def test_completions_equal_cakemp_generate_raw(client, model, node):
     """/v1/completions continues the prompt as `cakemp generate --raw` does (which prints the prompt first)."""
-    expected = cakemp_generate(model, node[1], "--raw").removeprefix(PROMPT)
+    expected = cakemp_generate(model, node.topology, "--raw").removeprefix(PROMPT)
     answer = client.completions.create(model=MODEL_ID, prompt=PROMPT, **GREEDY)
     assert answer.choices[0].text == expected
     assert "".join(c.choices[0].text for c in client.completions.create(
@@ -220,4 +234,22 @@ def test_bad_requests_and_a_client_leaving_mid_stream_leave_the_stream_and_the_c
     assert served["halted"] and served["completion_tokens"] < 1500
     metrics = scrape(running.metrics_port())
     assert all(waiting(metrics, device) == 0 for device in DEVICES)
+    assert client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content == expected
+
+
+def test_the_server_reconnects_once_the_node_is_back(client, server, node):
+    """The node restarted behind the server: the request that finds its connections closed fails with 502,
+    and so does one while the node is down (connecting fails); once the node is back on its address, the
+    next request is served on fresh connections, with the greedy answer."""
+    expected = client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content
+    assert node.running.stop() == 0
+    statuses = []
+    for _ in range(2):
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY)
+        statuses.append((failed.value.status_code, failed.value.body["code"]))
+    assert statuses == [(502, "cluster_error")] * 2
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=10) as response:
+        assert json.loads(response.read())["connections"].startswith("broken")
+    node.start()
     assert client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content == expected
