@@ -182,7 +182,8 @@ def generate(prompt, system_prompt, raw, max_tokens, temperature, top_k, top_p, 
 
 @cli.command()
 @_cluster_flags
-@_flag("--address", default="127.0.0.1:8080", help="host:port the API listens on (port 0: any free one).")
+@_flag("--address", default="127.0.0.1:8080", envvar="CAKEMP_SERVE_ADDRESS",  # not `cakemp run`'s CAKEMP_ADDRESS
+       help="host:port the API listens on (port 0: any free one).")
 @_flag("--model-id", help="The model's name in the API (/v1/models, requests' `model`) [default: the model "
        "directory's name].")
 @_flag("--max-tokens", type=click.IntRange(min=1), default=2048,

@@ -10,9 +10,11 @@ OpenAI-compatible servers do. Every refusal is an `ApiError`: a status and OpenA
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
+
+from tokenizers import Tokenizer
 
 from cakemp.errors import ConfigError
 from cakemp.master.chat import ChatTemplate
@@ -50,10 +52,9 @@ class Completion:
 class Served(Protocol):
     """What reading a request needs of the generator (`Generator` has it)."""
 
+    tokenizer: Tokenizer
     chat: ChatTemplate | None
     context_length: int | None
-
-    def encode(self, prompt: str | Sequence[int]) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class RequestReader:
             prompt = prompt[0]  # a batch of one prompt
         if not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "prompt must be one non-empty string", param="prompt")
-        return self._completion("text", body, self.served.encode(prompt), body.get("max_tokens"))
+        tokens = self.served.tokenizer.encode(prompt).ids  # with the tokenizer's own special tokens, as --raw
+        return self._completion("text", body, tuple(tokens), body.get("max_tokens"))
 
     def _common(self, body: object) -> Mapping:
         if not isinstance(body, dict):
@@ -98,6 +100,8 @@ class RequestReader:
         return body
 
     def _completion(self, kind: str, body: Mapping, prompt: tuple[int, ...], limit: object) -> Completion:
+        if not prompt:
+            raise ApiError(400, "the prompt encodes to no tokens", param="messages" if kind == "chat" else "prompt")
         max_tokens = self._max_tokens(len(prompt), limit)
         stream = _typed(body, "stream", bool, False)
         options = _typed(body, "stream_options", dict, {}) or {}
