@@ -8,6 +8,9 @@ generate`'s over the same node; prefix reuse is read from the node's /metrics.
 """
 
 import json
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -253,3 +256,15 @@ def test_the_server_reconnects_once_the_node_is_back(client, server, node):
         assert json.loads(response.read())["connections"].startswith("broken")
     node.start()
     assert client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content == expected
+
+
+def test_without_the_serve_extra_it_says_what_to_install(tmp_path):
+    """Where Starlette cannot be imported, `cakemp serve` exits 78 with one line naming the extra."""
+    (tmp_path / "starlette").mkdir()
+    (tmp_path / "starlette" / "__init__.py").write_text("raise ImportError('No module named starlette')\n")
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    result = subprocess.run([sys.executable, "-m", "cakemp", "serve", "--model", str(tmp_path)], text=True,
+                            capture_output=True, env={**os.environ, "PYTHONPATH": path}, timeout=120)
+    assert result.returncode == 78, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "cakemp: error: cakemp serve needs the serve extra (pip install 'cakemp[serve]'): No module named starlette"]
