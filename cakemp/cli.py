@@ -14,6 +14,9 @@ import sys
 import click
 
 from cakemp import __version__, log
+from cakemp.checkpoint.files import TOKENIZER, in_layer
+from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
+from cakemp.checkpoint.locate import locate
 from cakemp.errors import CakempError, ConfigError
 from cakemp.device import process as device_process
 from cakemp.front import Front
@@ -23,6 +26,8 @@ from cakemp.topology import Topology
 from cakemp.wire import Revision
 
 EXIT_CONFIG = 78
+# What a master reads beside the weights, fetched with them when --model is a repository id.
+MASTER_FILES = (TOKENIZER, "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
 def _env(flag: str) -> str:
@@ -108,7 +113,7 @@ def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, rep
     """Generate text as a Cake master: this process runs the layers no worker serves."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 
-    from cakemp.master.cluster import discover_cluster
+    from cakemp.master.cluster import assigned_topology, discover_cluster
     from cakemp.master.generator import Generator
     from cakemp.master.sampler import SamplingParams
 
@@ -117,8 +122,19 @@ def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, rep
         raise ConfigError("--discover and --topology exclude each other")
     if discover and not cluster_key:
         raise ConfigError("--discover needs --cluster-key (the cluster's workers answer only to its hash)")
-    layout = Topology.load(topology) if topology else Topology(())
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    source, fetched = fetch_metadata(locate(model), MASTER_FILES)
+    topology = topology or source.topology
+    layout = Topology.load(topology) if topology else Topology(())
+    if layout.needs_assignment:
+        layout = assigned_topology(source.checkpoint(), layout, on_gpu=device == "cuda",
+                                   report=lambda line: click.echo(line, err=True))
+    # A discovering master pushes every layer's files; else it reads those of the layers no worker serves.
+    remote = {layer for _, node in layout.nodes for layer in node.layers}
+    fetched += fetch_weights(source, lambda tensor: bool(discover) or not any(in_layer(tensor, layer) for layer in remote))
+    if fetched:
+        click.echo(f"downloaded from {source.repository}: {', '.join(fetched)}", err=True)
+    model = source.checkpoint()
 
     async def stream():
         nonlocal layout

@@ -81,9 +81,10 @@ def test_an_empty_topology_exits_78(tmp_path):
     assert_config_error(cakemp_run("--name", "w1", "--topology", str(tmp_path / "empty.yml")), "empty")
 
 
-def test_an_entry_without_layers_exits_78(tmp_path):
-    """An entry that lists no layers gives the node nothing to serve."""
-    path = write_topology(tmp_path / "topology.yml", [], name="w1")
+def test_an_entry_without_layers_beside_one_with_exits_78(tmp_path):
+    """An entry that lists no layers, where another lists some (so none are assigned), gives the node nothing to serve."""
+    path = tmp_path / "topology.yml"
+    path.write_text("w1: {host: 'a:1', layers: []}\nw2: {host: 'b:1', layers: [model.layers.0]}\n")
     assert_config_error(cakemp_run("--name", "w1", "--topology", str(path)), "no layers")
 
 

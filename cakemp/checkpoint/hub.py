@@ -1,0 +1,91 @@
+"""What a repository's snapshot lacks, fetched from the Hugging Face hub (torch-free).
+
+Cake downloads a whole repository; a cakemp worker fetches `config.json`, the index and only
+the shards that hold its own layers' tensors (`shards_for`), a master those of the tensors it
+computes itself. The downloads go through huggingface_hub (the optional `hub` extra) into the
+same cache `locate` reads, so they honour what it honours: HF_HUB_OFFLINE, HF_TOKEN and a stored
+token, HF_ENDPOINT. Every file is fetched at the commit the snapshot is of, so all of them land
+in one snapshot folder. Whatever goes wrong is one ConfigError line naming the repository and
+the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+from pathlib import Path, PurePosixPath
+
+from cakemp.checkpoint.files import CONFIG, INDEX, SINGLE, read_weight_map
+from cakemp.checkpoint.locate import ModelSource, Repository
+from cakemp.errors import CheckpointError, ConfigError
+
+INSTALL_HINT = "pip install 'cakemp[hub]'"
+
+
+def fetch_metadata(source: ModelSource, extras: Iterable[str] = ()) -> tuple[ModelSource, list[str]]:
+    """`source` with config.json and the index (or, where a repository has none, its one weight
+    file) in its snapshot, and `extras` where the repository has them (a master's tokenizer);
+    the names downloaded. A source that is no repository is returned as it is."""
+    repository, snapshot = source.repository, source.directory
+    if repository is None:
+        return source, []
+    fetched: list[str] = []
+    if snapshot is None or not (snapshot / CONFIG).is_file():
+        snapshot = _download(repository, CONFIG, repository.commit() or repository.revision).parent
+        fetched.append(CONFIG)
+    if not (snapshot / INDEX).is_file() and not (snapshot / SINGLE).is_file():
+        fetched.append(INDEX if _download(repository, INDEX, snapshot.name, optional=True) else SINGLE)
+        if fetched[-1] == SINGLE:
+            _download(repository, SINGLE, snapshot.name)
+    for name in extras:
+        if not (snapshot / name).is_file() and _download(repository, name, snapshot.name, optional=True):
+            fetched.append(name)
+    return replace(source, directory=snapshot), fetched
+
+
+def fetch_weights(source: ModelSource, wanted: Callable[[str], bool]) -> list[str]:
+    """Download the weight files holding a tensor `wanted` picks that `source`'s snapshot lacks
+    (after `fetch_metadata`); the names downloaded. Nothing for a source that is no repository."""
+    if source.repository is None:
+        return []
+    snapshot = source.checkpoint()
+    files = shards_for(read_weight_map(snapshot / INDEX), wanted) if (snapshot / INDEX).is_file() else {SINGLE}
+    missing = sorted(name for name in files if not (snapshot / name).is_file())
+    for name in missing:
+        _download(source.repository, name, snapshot.name)
+    return missing
+
+
+def shards_for(weight_map: Mapping[str, str], wanted: Callable[[str], bool]) -> set[str]:
+    """The shard files of an index's `weight_map` that hold a tensor `wanted` picks. A shard name
+    that would leave the snapshot folder (absolute, or climbing with ..) is a CheckpointError."""
+    shards = {shard for tensor, shard in weight_map.items() if wanted(tensor)}
+    for shard in shards:
+        parts = PurePosixPath(shard).parts
+        if not parts or shard.startswith("/") or ".." in parts or "\\" in shard:
+            raise CheckpointError(f"{INDEX} names the weight file {shard!r}, outside the checkpoint")
+    return shards
+
+
+def _download(repository: Repository, filename: str, revision: str, *, optional: bool = False) -> Path | None:
+    """`filename` of `repository` at `revision`, downloaded into the cache; None when `optional`
+    and the repository has no such file. Every failure is a one-line ConfigError."""
+    missing = f"{repository}: {filename} is not in the Hugging Face cache {repository.cache}"
+    try:
+        import huggingface_hub
+        from huggingface_hub import errors
+    except ImportError:
+        raise ConfigError(f"{missing}, and downloading it needs huggingface_hub ({INSTALL_HINT})") from None
+    try:
+        return Path(huggingface_hub.hf_hub_download(repository.repo_id, filename, revision=revision,
+                                                    cache_dir=repository.cache))
+    except errors.RemoteEntryNotFoundError:
+        if optional:
+            return None
+        raise ConfigError(f"{repository} has no {filename} on the hub") from None
+    except errors.LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if huggingface_hub.constants.HF_HUB_OFFLINE else "the hub cannot be reached"
+        raise ConfigError(f"{missing} and {why}") from None
+    except (errors.HfHubHTTPError, errors.HFValidationError, OSError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:256]
+        raise ConfigError(f"{missing} and cannot be downloaded: {reason}") from None
