@@ -6,6 +6,9 @@ proportion to their TFLOPS, the master's own TFLOPS counted in the total, each c
 its devices' memory holds (less a reserve); the master keeps the rest. `set_up` runs the setup exchange with every worker at
 once, pushing the files it asks for, and returns the topology the generator then uses;
 `discover_cluster` is the three steps together, as `cakemp generate --discover` runs them.
+`master_checkpoint` is where `cakemp generate` finds its checkpoint (`checkpoint.locate`) and its
+topology, one whose nodes list no layers completed as Cake's master completes it
+(`assigned_topology`).
 (Cake also hands layers the master cannot fit back to the workers; cakemp's master computes
 whatever is left, so that step is not reproduced.)
 """
@@ -18,7 +21,9 @@ from pathlib import Path
 
 from cakemp import gpus
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import estimated_layer_bytes
+from cakemp.checkpoint.files import TOKENIZER, estimated_layer_bytes, in_layer
+from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
+from cakemp.checkpoint.locate import locate
 from cakemp.errors import CakempError, ConfigError
 from cakemp.master.address import dial
 from cakemp.master.discovery import DiscoveredWorker, discover
@@ -29,6 +34,8 @@ from cakemp.wire.discovery import GpuInfo
 
 _CUDA_RESERVE = (0.05, 768 << 20)  # fraction, floor in bytes: what a CUDA device keeps for itself
 _CPU_RESERVE = 0.20
+# What a master reads beside the weights, fetched with them when --model is a repository id.
+MASTER_FILES = (TOKENIZER, "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
 async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Sequence[str], *, port: int,
@@ -48,16 +55,34 @@ async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Seq
     return await set_up(model_dir, assignments, cluster_key=cluster_key, revision=revision)
 
 
-def assigned_topology(model_dir: str | Path, layout: Topology, *, on_gpu: bool,
+def master_checkpoint(argument: str, topology: str | None, master_tflops: float, *, every_layer: bool,
+                      report: Callable[[str], None]) -> tuple[Path, Topology]:
+    """The checkpoint directory `--model argument` names and the topology the master runs with
+    (`topology`, else a bundle's, else none; one whose nodes list no layers completed by
+    `assigned_topology`). A repository's missing files are fetched: config, index and tokenizer,
+    and the shards of the layers no worker serves, or of `every_layer` (a master that pushes)."""
+    source, fetched = fetch_metadata(locate(argument), MASTER_FILES)
+    topology = topology or source.topology
+    layout = Topology.load(topology) if topology else Topology(())
+    if layout.needs_assignment:
+        layout = assigned_topology(source.checkpoint(), layout, master_tflops, report)
+    remote = {layer for _, node in layout.nodes for layer in node.layers}
+    fetched += fetch_weights(source, lambda tensor: every_layer or not any(in_layer(tensor, layer) for layer in remote))
+    if fetched:
+        report(f"downloaded from {source.repository}: {', '.join(fetched)}")
+    return source.checkpoint(), layout
+
+
+def assigned_topology(model_dir: str | Path, layout: Topology, master_tflops: float,
                       report: Callable[[str], None]) -> Topology:
     """`layout`, whose nodes list no layers, completed as Cake's master completes it: by the default
-    strategy, this master's own TFLOPS counted (its GPUs when `on_gpu`, else its CPU), one layer's
-    size estimated from the shards' headers where nodes give `vram_bytes`. `report` is told each
-    node's layers, one line per node given some."""
+    strategy, `master_tflops` counted as this master's (Cake's: `own_tflops`), one layer's size
+    estimated from the shards' headers where nodes give `vram_bytes`. `report` is told each node's
+    layers, one line per node given some."""
     config = ModelConfig.from_dir(model_dir)
     layer_bytes = estimated_layer_bytes(Path(model_dir), config.num_hidden_layers, config.layer_prefix) \
         if layout.weighs_memory else 0
-    done = layout.assigned(config.num_hidden_layers, config.layer_prefix, own_tflops(on_gpu), layer_bytes)
+    done = layout.assigned(config.num_hidden_layers, config.layer_prefix, master_tflops, layer_bytes)
     for name, node in done.nodes:
         if node.layers:
             report(f"{name} at {node.host}: {node.layers[0]}..{node.layers[-1]} ({len(node.layers)} layers)")
