@@ -13,6 +13,7 @@ import pytest
 
 from cakemp.front.config import KEY_PLACEHOLDER
 from tests.front.node import write_topology
+from tests.hub_cache import write_snapshot
 
 EX_CONFIG = 78
 
@@ -167,3 +168,32 @@ def test_gpus_the_machine_lacks_exit_78_with_one_line(tmp_path, topology, listin
     result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", gpus,
                         env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     assert_config_error(result, words)
+
+
+def test_a_model_id_neither_cached_nor_downloadable_offline_exits_78_naming_it_and_the_cache(tmp_path, topology):
+    """HF_HUB_OFFLINE=1 and an empty cache: one line naming the id, the file and the cache searched."""
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--model", "tiny-org/absent",
+                        env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert_config_error(result, f"tiny-org/absent: config.json is not in the Hugging Face cache {tmp_path / 'hub'} "
+                                "and HF_HUB_OFFLINE is set")
+
+
+def test_a_cached_id_lacking_a_shard_of_this_nodes_layers_exits_78_offline_naming_the_shard(tmp_path, topology):
+    """The snapshot holds config and index but not the shard of layers 0-1 (w1's): offline, that shard
+    is named; the other shard, which w1 does not need, is never asked for."""
+    weight_map = {"model.layers.0.w": "a.safetensors", "model.layers.1.w": "a.safetensors",
+                  "model.layers.2.w": "b.safetensors"}
+    write_snapshot(tmp_path / "hub", "tiny-org/partial", {"config.json": "{}",
+                                                          "model.safetensors.index.json": json.dumps({"weight_map": weight_map})})
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--model", "tiny-org/partial@main",
+                        env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert_config_error(result, f"tiny-org/partial: a.safetensors is not in the Hugging Face cache {tmp_path / 'hub'}")
+
+
+def test_a_bundle_without_config_json_exits_78_saying_where_it_goes(tmp_path):
+    """`cake split` writes no config.json: the one line names the file the bundle lacks."""
+    bundle = tmp_path / "w1-node"
+    (bundle / "model").mkdir(parents=True)
+    write_topology(bundle / "topology.yml", ["model.layers.0-1"], name="w1")
+    result = cakemp_run("--name", "w1", "--model", str(bundle))
+    assert_config_error(result, f"bundle {bundle}: {bundle}/model/config.json is missing")

@@ -22,10 +22,12 @@ from cakemp.errors import CheckpointError, ConfigError
 INSTALL_HINT = "pip install 'cakemp[hub]'"
 
 
-def fetch_metadata(source: ModelSource, extras: Iterable[str] = ()) -> tuple[ModelSource, list[str]]:
-    """`source` with config.json and the index (or, where a repository has none, its one weight
-    file) in its snapshot, and `extras` where the repository has them (a master's tokenizer);
-    the names downloaded. A source that is no repository is returned as it is."""
+def fetch_metadata(source: ModelSource, required: Iterable[str] = (),
+                   optional: Iterable[str] = ()) -> tuple[ModelSource, list[str]]:
+    """`source` with config.json, the index (or, where a repository has none, its one weight file)
+    and `required` (a master's tokenizer) in its snapshot, and, when config.json had to be fetched
+    (the repository is new here), `optional` where the repository has them; the names downloaded.
+    A source that is no repository is returned as it is."""
     repository, snapshot = source.repository, source.directory
     if repository is None:
         return source, []
@@ -34,11 +36,13 @@ def fetch_metadata(source: ModelSource, extras: Iterable[str] = ()) -> tuple[Mod
         snapshot = _download(repository, CONFIG, repository.commit() or repository.revision).parent
         fetched.append(CONFIG)
     if not (snapshot / INDEX).is_file() and not (snapshot / SINGLE).is_file():
-        fetched.append(INDEX if _download(repository, INDEX, snapshot.name, optional=True) else SINGLE)
-        if fetched[-1] == SINGLE:
+        weights = INDEX if _download(repository, INDEX, snapshot.name, optional=True) else SINGLE
+        if weights == SINGLE:
             _download(repository, SINGLE, snapshot.name)
-    for name in extras:
-        if not (snapshot / name).is_file() and _download(repository, name, snapshot.name, optional=True):
+        fetched.append(weights)
+    wanted = [(name, False) for name in required] + [(name, True) for name in optional if CONFIG in fetched]
+    for name, may_lack in wanted:
+        if not (snapshot / name).is_file() and _download(repository, name, snapshot.name, optional=may_lack):
             fetched.append(name)
     return replace(source, directory=snapshot), fetched
 

@@ -34,8 +34,10 @@ from cakemp.wire.discovery import GpuInfo
 
 _CUDA_RESERVE = (0.05, 768 << 20)  # fraction, floor in bytes: what a CUDA device keeps for itself
 _CPU_RESERVE = 0.20
-# What a master reads beside the weights, fetched with them when --model is a repository id.
-MASTER_FILES = (TOKENIZER, "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+# What a master reads beside the weights when --model is a repository id: the tokenizer it needs,
+# and the files that say how to prompt the model, fetched with config.json where the repository has them.
+MASTER_OPTIONAL = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
 
 
 async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Sequence[str], *, port: int,
@@ -61,7 +63,7 @@ def master_checkpoint(argument: str, topology: str | None, master_tflops: float,
     (`topology`, else a bundle's, else none; one whose nodes list no layers completed by
     `assigned_topology`). A repository's missing files are fetched: config, index and tokenizer,
     and the shards of the layers no worker serves, or of `every_layer` (a master that pushes)."""
-    source, fetched = fetch_metadata(locate(argument), MASTER_FILES)
+    source, fetched = fetch_metadata(locate(argument), (TOKENIZER,), MASTER_OPTIONAL)
     topology = topology or source.topology
     layout = Topology.load(topology) if topology else Topology(())
     if layout.needs_assignment:

@@ -15,27 +15,9 @@ from cakemp.checkpoint.files import CONFIG, INDEX, estimated_layer_bytes, in_lay
 from cakemp.checkpoint.hub import fetch_metadata, fetch_weights, shards_for
 from cakemp.checkpoint.locate import ModelSource, Repository, hub_cache, locate, parse_repository
 from cakemp.errors import CheckpointError, ConfigError
+from tests.hub_cache import COMMIT, write_snapshot
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
-
-
-def write_snapshot(cache: Path, repo_id: str, files: dict[str, str], commit: str = COMMIT,
-                   ref: str | None = "main") -> Path:
-    """A repository's snapshot as huggingface_hub lays it out: each file a blob, linked from
-    snapshots/<commit>/, and refs/<ref> holding the commit. The snapshot's folder."""
-    folder = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = folder / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (folder / "blobs").mkdir(exist_ok=True)
-    for name, text in files.items():
-        blob = folder / "blobs" / f"blob-{commit[:6]}-{name}"
-        blob.write_text(text)
-        (snapshot / name).symlink_to(blob)
-    if ref is not None:
-        (folder / "refs").mkdir(exist_ok=True)
-        (folder / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 @pytest.fixture
