@@ -197,3 +197,20 @@ def test_a_bundle_without_config_json_exits_78_saying_where_it_goes(tmp_path):
     write_topology(bundle / "topology.yml", ["model.layers.0-1"], name="w1")
     result = cakemp_run("--name", "w1", "--model", str(bundle))
     assert_config_error(result, f"bundle {bundle}: {bundle}/model/config.json is missing")
+
+
+def test_weighing_layers_by_memory_without_every_header_reads_the_hubs_and_offline_exits_78(tmp_path):
+    """An empty topology giving vram_bytes needs a layer's size from every shard's header: a snapshot
+    lacking a shard asks the hub for its header rather than download it; offline, one line says so."""
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+              "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
+    index = {"weight_map": {"model.layers.0.w": "a.safetensors", "model.layers.1.w": "b.safetensors"}}
+    write_snapshot(tmp_path / "hub", "tiny-org/partial", {"config.json": json.dumps(config),
+                                                          "model.safetensors.index.json": json.dumps(index)})
+    topology = tmp_path / "topology.yml"
+    topology.write_text("w1: {host: 'a:1', layers: [], tflops: 1, vram_bytes: 1000000}\n")
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--model", "tiny-org/partial",
+                        env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert_config_error(result, "tiny-org/partial: estimating a layer's size needs every weight file's header, "
+                                "and the hub's cannot be read")

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from cakemp.errors import CheckpointError
@@ -119,11 +119,14 @@ def estimated_layer_bytes(model_dir: Path, num_layers: int, prefix: str) -> int:
         headers = [safetensors_header(path)[1] for path in present] if len(present) == len(names) else []
     except (OSError, CheckpointError):
         headers = []
-    in_layers = sum(_tensor_bytes(entry) for header in headers for name, entry in header.items()
-                    if name.startswith(prefix + "."))
-    if in_layers > 0:
-        return in_layers // num_layers
-    return sum(path.stat().st_size for path in present) // num_layers
+    in_layers = layer_bytes_of({name: _tensor_bytes(entry) for header in headers for name, entry in header.items()},
+                               num_layers, prefix)
+    return in_layers or sum(path.stat().st_size for path in present) // num_layers
+
+
+def layer_bytes_of(sizes: Mapping[str, int], num_layers: int, prefix: str) -> int:
+    """The bytes of the tensors named "<prefix>.…" among `sizes` (tensor name -> bytes) over `num_layers`."""
+    return sum(size for name, size in sizes.items() if name.startswith(prefix + ".")) // max(1, num_layers)
 
 
 def _tensor_bytes(entry: object) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
-from cakemp.checkpoint.files import CONFIG, INDEX, SINGLE, read_weight_map
+from cakemp.checkpoint.files import CONFIG, INDEX, SINGLE, estimated_layer_bytes, layer_bytes_of, read_weight_map
 from cakemp.checkpoint.locate import ModelSource, Repository
 from cakemp.errors import CheckpointError, ConfigError
 
@@ -58,6 +58,30 @@ def fetch_weights(source: ModelSource, wanted: Callable[[str], bool]) -> list[st
     for name in missing:
         _download(source.repository, name, snapshot.name)
     return missing
+
+
+def layer_bytes(source: ModelSource, num_layers: int, prefix: str) -> int:
+    """One layer's size as Cake estimates it (`files.estimated_layer_bytes`); for a repository whose
+    snapshot lacks some weight file, from the hub's copies of the headers (read by range requests,
+    so a node that weighs the layers by memory still downloads only its own shards)."""
+    snapshot = source.checkpoint()
+    files = set(read_weight_map(snapshot / INDEX).values()) if (snapshot / INDEX).is_file() else {SINGLE}
+    if source.repository is None or all((snapshot / name).is_file() for name in files):
+        return estimated_layer_bytes(snapshot, num_layers, prefix)
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ConfigError(f"{source.repository}: estimating a layer's size needs every weight file's header, and "
+                          f"reading them from the hub needs huggingface_hub ({INSTALL_HINT})") from None
+    try:
+        metadata = huggingface_hub.HfApi().get_safetensors_metadata(source.repository.repo_id, revision=snapshot.name)
+    except Exception as e:  # whatever the hub or the network raise (offline, unreachable, gated): one line
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:256]
+        raise ConfigError(f"{source.repository}: estimating a layer's size needs every weight file's header, and "
+                          f"the hub's cannot be read: {reason}") from None
+    sizes = {name: tensor.data_offsets[1] - tensor.data_offsets[0]
+             for file in metadata.files_metadata.values() for name, tensor in file.tensors.items()}
+    return layer_bytes_of(sizes, num_layers, prefix)
 
 
 def shards_for(weight_map: Mapping[str, str], wanted: Callable[[str], bool]) -> set[str]:

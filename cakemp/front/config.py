@@ -24,7 +24,8 @@ from cakemp import gpus, log
 from cakemp.address import is_loopback, parse_address
 from cakemp.allow_list import AllowList
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import estimated_layer_bytes, in_layer
+from cakemp.checkpoint import hub
+from cakemp.checkpoint.files import in_layer
 from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
 from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
@@ -315,14 +316,11 @@ def _assigned(layout: Topology, source: ModelSource, master_tflops: float | None
     """`layout` (no node listing a layer) completed by Cake's default strategy, as Cake (HEAD)
     completes it on every process: weighed by the master's TFLOPS (`master_tflops`, else this
     machine's devices', as Cake's worker counts them) and, where nodes give `vram_bytes`, by one
-    layer's size estimated from every shard's header (a repository's shards are all fetched)."""
+    layer's size estimated from every shard's header."""
     config = ModelConfig.from_dir(source.checkpoint())
     if master_tflops is None:
         master_tflops = sum(device.tflops for device in gpus.describe(gpus.select_devices("all")))
-    layer_bytes = 0
-    if layout.weighs_memory:
-        fetch_weights(source, lambda tensor: True)
-        layer_bytes = estimated_layer_bytes(source.checkpoint(), config.num_hidden_layers, config.layer_prefix)
+    layer_bytes = hub.layer_bytes(source, config.num_hidden_layers, config.layer_prefix) if layout.weighs_memory else 0
     log.get_logger().warning(
         "the topology lists no layers: every node and the master assign them on their own, by Cake's default "
         "strategy, and agree only with the same topology, checkpoint and master TFLOPS (--master-tflops)",

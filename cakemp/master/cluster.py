@@ -21,9 +21,10 @@ from pathlib import Path
 
 from cakemp import gpus
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import TOKENIZER, estimated_layer_bytes, in_layer
+from cakemp.checkpoint import hub
+from cakemp.checkpoint.files import TOKENIZER, in_layer
 from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
-from cakemp.checkpoint.locate import locate
+from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.errors import CakempError, ConfigError
 from cakemp.master.address import dial
 from cakemp.master.discovery import DiscoveredWorker, discover
@@ -67,7 +68,7 @@ def master_checkpoint(argument: str, topology: str | None, master_tflops: float,
     topology = topology or source.topology
     layout = Topology.load(topology) if topology else Topology(())
     if layout.needs_assignment:
-        layout = assigned_topology(source.checkpoint(), layout, master_tflops, report)
+        layout = assigned_topology(source, layout, master_tflops, report)
     remote = {layer for _, node in layout.nodes for layer in node.layers}
     fetched += fetch_weights(source, lambda tensor: every_layer or not any(in_layer(tensor, layer) for layer in remote))
     if fetched:
@@ -75,15 +76,14 @@ def master_checkpoint(argument: str, topology: str | None, master_tflops: float,
     return source.checkpoint(), layout
 
 
-def assigned_topology(model_dir: str | Path, layout: Topology, master_tflops: float,
+def assigned_topology(source: ModelSource, layout: Topology, master_tflops: float,
                       report: Callable[[str], None]) -> Topology:
     """`layout`, whose nodes list no layers, completed as Cake's master completes it: by the default
     strategy, `master_tflops` counted as this master's (Cake's: `own_tflops`), one layer's size
     estimated from the shards' headers where nodes give `vram_bytes`. `report` is told each node's
     layers, one line per node given some."""
-    config = ModelConfig.from_dir(model_dir)
-    layer_bytes = estimated_layer_bytes(Path(model_dir), config.num_hidden_layers, config.layer_prefix) \
-        if layout.weighs_memory else 0
+    config = ModelConfig.from_dir(source.checkpoint())
+    layer_bytes = hub.layer_bytes(source, config.num_hidden_layers, config.layer_prefix) if layout.weighs_memory else 0
     done = layout.assigned(config.num_hidden_layers, config.layer_prefix, master_tflops, layer_bytes)
     for name, node in done.nodes:
         if node.layers:
