@@ -107,13 +107,13 @@ def _download(repository: Repository, filename: str, revision: str, *, optional:
     try:
         return Path(huggingface_hub.hf_hub_download(repository.repo_id, filename, revision=revision,
                                                     cache_dir=repository.cache))
-    except errors.RemoteEntryNotFoundError:
+    except errors.LocalEntryNotFoundError:  # before its base class: not cached, and the hub not asked or not reached
+        why = "HF_HUB_OFFLINE is set" if huggingface_hub.constants.HF_HUB_OFFLINE else "the hub cannot be reached"
+        raise ConfigError(f"{missing} and {why}") from None
+    except errors.EntryNotFoundError:  # the hub answered: the repository has no such file
         if optional:
             return None
         raise ConfigError(f"{repository} has no {filename} on the hub") from None
-    except errors.LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE is set" if huggingface_hub.constants.HF_HUB_OFFLINE else "the hub cannot be reached"
-        raise ConfigError(f"{missing} and {why}") from None
     except (errors.HfHubHTTPError, errors.HFValidationError, OSError, ValueError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:256]
         raise ConfigError(f"{missing} and cannot be downloaded: {reason}") from None
