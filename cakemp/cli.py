@@ -109,8 +109,7 @@ def generate(model, topology, master_tflops, prompt, max_tokens, temperature, to
     """Generate text as a Cake master: this process runs the layers no worker serves."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 
-    from cakemp.master import cluster
-    from cakemp.master.cluster import discover_cluster
+    from cakemp.master.cluster import discover_cluster, master_checkpoint
     from cakemp.master.generator import Generator
     from cakemp.master.sampler import SamplingParams
 
@@ -120,9 +119,8 @@ def generate(model, topology, master_tflops, prompt, max_tokens, temperature, to
     if discover and not cluster_key:
         raise ConfigError("--discover needs --cluster-key (the cluster's workers answer only to its hash)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    own = cluster.own_tflops(device == "cuda") if master_tflops is None else master_tflops
-    model, layout = cluster.master_checkpoint(model, topology, own, every_layer=bool(discover),
-                                              report=lambda line: click.echo(line, err=True))
+    model, layout = master_checkpoint(model, topology, master_tflops, on_gpu=device == "cuda",
+                                      every_layer=bool(discover), report=lambda line: click.echo(line, err=True))
 
     async def stream():
         nonlocal layout

@@ -234,8 +234,11 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     if not values["cluster_key"] and knobs["allow_from"] is None and not is_loopback(knobs["address"][0]):
         logger.warning("any peer that reaches the port may use this node: give a cluster key or --allow-from",
                        address=values["address"])
-    if values["cluster_key"] and not values["topology"]:
-        # Cake's rule for zero-config: a key and no topology (--model has a default, so it cannot count).
+    source = locate(values["model"])
+    topology = values["topology"] or source.topology
+    if values["cluster_key"] and not topology:
+        # Cake's rule for zero-config: a key and no topology (a bundle's counts: it is a topology; --model
+        # itself has a default, so it cannot count).
         if model_given:
             logger.warning("--model is ignored in zero-config mode: the master pushes the model")
         served, layers = values["name"] or socket.gethostname(), ()
@@ -245,14 +248,7 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
                             max_model_bytes=None if max_model_gib is None else int(max_model_gib * (1 << 30)),
                             discovery_host=values["discovery_bind"], discovery_port=values["discovery_port"])
     else:
-        source, fetched = fetch_metadata(locate(values["model"]))
-        served, layers = _topology_entry(values["name"], values["topology"] or source.topology, source,
-                                         values["master_tflops"])
-        fetched += fetch_weights(source, lambda tensor: any(in_layer(tensor, layer) for layer in layers))
-        if source.repository is not None or source.topology is not None:
-            knobs["model_dir"] = str(source.checkpoint())
-        if fetched:
-            logger.info("downloaded from the hub", repository=str(source.repository), files=fetched)
+        served, layers, knobs["model_dir"] = _topology_node(values, topology, source, knobs["model_dir"])
         setup = None
     devices = gpus.select_devices(values["gpus"])
     if values["gpus"].strip() == "all" and devices == (None,):
@@ -286,6 +282,21 @@ def scrub_cluster_key(environ: MutableMapping[str, str]) -> None:
         if name in environ and not environ.pop(name).strip():
             raise ConfigError(f"{name} is set but empty: set a key (openssl rand -hex 32), or unset it for no "
                               "handshake")
+
+
+def _topology_node(values: Mapping[str, Any], topology: str | Path | None, source: ModelSource,
+                   model_dir: str) -> tuple[str, tuple[str, ...], str]:
+    """Topology mode: this node's name and layers, and the checkpoint directory it loads them
+    from (`model_dir` as given, or the folder a bundle or a repository id was found in), with the
+    files of a repository that it lacks fetched."""
+    source, fetched = fetch_metadata(source)
+    served, layers = _topology_entry(values["name"], topology, source, values["master_tflops"])
+    fetched += fetch_weights(source, lambda tensor: any(in_layer(tensor, layer) for layer in layers))
+    if fetched:
+        log.get_logger().info("downloaded from the hub", repository=str(source.repository), files=fetched)
+    if source.repository is not None or source.topology is not None:
+        model_dir = str(source.checkpoint())
+    return served, layers, model_dir
 
 
 def _topology_entry(name: str | None, topology: str | Path | None, source: ModelSource,

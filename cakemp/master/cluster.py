@@ -58,17 +58,19 @@ async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Seq
     return await set_up(model_dir, assignments, cluster_key=cluster_key, revision=revision)
 
 
-def master_checkpoint(argument: str, topology: str | None, master_tflops: float, *, every_layer: bool,
-                      report: Callable[[str], None]) -> tuple[Path, Topology]:
+def master_checkpoint(argument: str, topology: str | None, master_tflops: float | None, *, on_gpu: bool,
+                      every_layer: bool, report: Callable[[str], None]) -> tuple[Path, Topology]:
     """The checkpoint directory `--model argument` names and the topology the master runs with
     (`topology`, else a bundle's, else none; one whose nodes list no layers completed by
-    `assigned_topology`). A repository's missing files are fetched: config, index and tokenizer,
-    and the shards of the layers no worker serves, or of `every_layer` (a master that pushes)."""
+    `assigned_topology`, weighing this master as `master_tflops`, else as `own_tflops(on_gpu)`).
+    A repository's missing files are fetched: config, index and tokenizer, and the shards of the
+    layers no worker serves, or of `every_layer` (a master that pushes)."""
     source, fetched = fetch_metadata(locate(argument), (TOKENIZER,), MASTER_OPTIONAL)
     topology = topology or source.topology
     layout = Topology.load(topology) if topology else Topology(())
     if layout.needs_assignment:
-        layout = assigned_topology(source, layout, master_tflops, report)
+        own = own_tflops(on_gpu) if master_tflops is None else master_tflops
+        layout = assigned_topology(source, layout, own, report)
     remote = {layer for _, node in layout.nodes for layer in node.layers}
     fetched += fetch_weights(source, lambda tensor: every_layer or not any(in_layer(tensor, layer) for layer in remote))
     if fetched:

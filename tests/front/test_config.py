@@ -230,13 +230,16 @@ def test_a_cpu_device_without_a_budget_gets_its_share_of_half_the_memory_availab
 
 def test_a_bundle_as_model_serves_its_entry_from_its_model_folder_unless_a_topology_is_given(tmp_path):
     """`--model <worker>-node` (as `cake split` writes it, config.json copied in): the checkpoint is
-    its model/, the topology its topology.yml; an explicit --topology still wins."""
+    its model/, the topology its topology.yml (so a cluster key does not make it zero-config); an
+    explicit --topology still wins."""
     bundle = tmp_path / "w1-node"
     (bundle / "model").mkdir(parents=True)
     (bundle / "model" / "config.json").write_text("{}")
     write_topology(bundle / "topology.yml", ["model.layers.2-3"], name="w1")
     config = node_config(flag_values(name="w1", model=str(bundle), gpus="cpu"), model_given=True)
     assert (config.model_dir, config.layers) == (str(bundle / "model"), ("model.layers.2", "model.layers.3"))
+    keyed = node_config(flag_values(name="w1", model=str(bundle), gpus="cpu", cluster_key=KEY), model_given=True)
+    assert (keyed.setup, keyed.layers) == (None, config.layers)  # the bundle's topology: not zero-config
     other = write_topology(tmp_path / "other.yml", ["model.layers.5"], name="w1")
     config = node_config(flag_values(name="w1", model=str(bundle), topology=str(other), gpus="cpu"), model_given=True)
     assert config.layers == ("model.layers.5",)
