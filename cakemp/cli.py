@@ -104,8 +104,9 @@ def run(**flags) -> None:
        help="Seconds to collect discovery replies.")
 @_flag("--min-workers", type=click.IntRange(min=0), default=0,
        help="Stop collecting replies once this many workers answered (0: wait the whole timeout).")
-def generate(model, topology, master_tflops, prompt, max_tokens, temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed,
-             cluster_key, dtype, protocol, discover, discovery_port, discovery_timeout, min_workers) -> None:
+def generate(model, topology, master_tflops, prompt, max_tokens, temperature, top_k, top_p, repeat_penalty,
+             repeat_last_n, seed, cluster_key, dtype, protocol, discover, discovery_port, discovery_timeout,
+             min_workers) -> None:
     """Generate text as a Cake master: this process runs the layers no worker serves."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 

@@ -86,7 +86,8 @@ class Topology:
         names = sorted(name for name, _ in self.nodes)
         nodes = dict(self.nodes)
         capacities = [capacity(name, nodes[name], layer_bytes) for name in names]
-        given = {names[i]: layer_names(prefix, run) for i, run in default_assignment(capacities, num_layers, master_tflops)}
+        runs = default_assignment(capacities, num_layers, master_tflops)
+        given = {names[i]: layer_names(prefix, run) for i, run in runs}
         return Topology(tuple((name, replace(node, layers=given.get(name, ()))) for name, node in self.nodes))
 
     def worker(self, name: str) -> tuple[str, Node]:

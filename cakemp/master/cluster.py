@@ -3,9 +3,10 @@
 `assign_layers` splits the model's layers as Cake's default strategy does (spec §7.4,
 `topology.default_assignment`): the workers, fastest first, get contiguous runs from layer 0 in
 proportion to their TFLOPS, the master's own TFLOPS counted in the total, each capped by what
-its devices' memory holds (less a reserve); the master keeps the rest. `set_up` runs the setup exchange with every worker at
-once, pushing the files it asks for, and returns the topology the generator then uses;
-`discover_cluster` is the three steps together, as `cakemp generate --discover` runs them.
+its devices' memory holds (less a reserve); the master keeps the rest. `set_up` runs the setup
+exchange with every worker at once, pushing the files it asks for, and returns the topology the
+generator then uses; `discover_cluster` is the three steps together, as `cakemp generate
+--discover` runs them.
 `master_checkpoint` is where `cakemp generate` finds its checkpoint (`checkpoint.locate`) and its
 topology, one whose nodes list no layers completed as Cake's master completes it
 (`assigned_topology`).
