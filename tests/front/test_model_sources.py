@@ -1,11 +1,12 @@
-"""A node and a master that find their model by its Hugging Face id and complete a topology
-whose nodes list no layers, each on its own, as Cake (HEAD) does.
+"""Where a node finds its model: by its Hugging Face id, completing a topology whose nodes list
+no layers as Cake (HEAD) does, and in a `cake split` bundle.
 
-One live node: `cakemp run --model tiny-org/llama4` from a hub cache (built in a temporary
-directory, HF_HUB_OFFLINE=1) that holds config.json, the index and only the shards of the layers
-this node ends up serving, with a topology whose one node lists no layers. Then `cakemp generate
---model tiny-org/llama4` from a full cache, with the same topology, computes the same assignment
-and generates HF's greedy text through the node.
+`cakemp run --model tiny-org/llama4` from a hub cache (built in a temporary directory,
+HF_HUB_OFFLINE=1) that holds config.json, the index and only the shards of the layers this node
+ends up serving, with a topology whose one node lists no layers. Then `cakemp generate --model
+tiny-org/llama4` from a full cache, with the same topology, computes the same assignment and
+generates HF's greedy text through the node. A second node, started only for the last test, is
+`cakemp run --model <bundle>` with a bundle as `cake split` writes it (config.json copied in).
 
 The assignment, worked by hand from Cake's rule (spec §7.4): 4 layers, the node 2 TFLOPS, the
 master 2 (a CPU as Cake counts one): the workers get round(2/4 x 4) = 2 layers, the node being
@@ -21,6 +22,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from cakemp.cli import cli
@@ -118,3 +120,41 @@ def test_cakemp_generate_by_name_assigns_the_same_layers_and_generates_hfs_greed
     ids = torch.tensor([tokenizer.encode(PROMPT).ids])
     out = model.generate(ids, max_new_tokens=STEPS, do_sample=False, attention_mask=torch.ones_like(ids))
     assert result.stdout == PROMPT + tokenizer.decode(out[0, ids.shape[1]:].tolist()) + "\n"
+
+
+@pytest.fixture(scope="module")
+def bundle(checkpoint, tmp_path_factory):
+    """`cake split`'s w1-node/ for layers 2-3: model/ holding an index of only `weight_map`, every
+    entry in reduced.safetensors (the tensors named "<layer>." of its layers), and config.json copied
+    in by hand; topology.yml holding only this node, with the fields Cake writes."""
+    root = tmp_path_factory.mktemp("split") / "w1-node"
+    (root / "model").mkdir(parents=True)
+    layers = ["model.layers.2", "model.layers.3"]
+    tensors = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        tensors |= {name: t for name, t in load_file(shard).items() if any(name.startswith(f"{l}.") for l in layers)}
+    save_file(tensors, root / "model" / "reduced.safetensors")
+    (root / "model" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": dict.fromkeys(sorted(tensors), "reduced.safetensors")}, indent=2))
+    (root / "model" / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    (root / "topology.yml").write_text(yaml.safe_dump({"w1": {
+        "host": "127.0.0.1:10128", "description": None, "layers": layers, "vram_bytes": 0, "tflops": 0.0,
+        "backend": "", "hostname": "", "os": ""}}))
+    return root
+
+
+def test_a_bundle_given_as_model_serves_its_layers_from_its_reduced_file(bundle, checkpoint):
+    """`--model <bundle>`, no --topology: layers 2-3 answer as HF's layers over the full checkpoint."""
+    running = RunningNode(None, None, "--model", str(bundle), "--gpus", "cpu", "--dtype", "f32", name="w1")
+    try:
+        ref = HFLayers(checkpoint, [2, 3], torch.float32)
+
+        async def main():
+            master = await CakeMaster.connect(running.port, [2, 3])
+            x = torch.randn(1, 4, SPEC.hidden_size)
+            assert_close(await master.forward(x, 0), ref(x, 0))
+            await master.close()
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        assert running.stop() == 0
