@@ -4,7 +4,8 @@ The rule, in order:
 
 1. An existing path is a path, whatever it looks like (as Cake and transformers decide): a
    directory holding both `model/` and `topology.yml` is a `cake split` bundle (the checkpoint
-   is `model/`, the topology `topology.yml`); any other directory is the checkpoint itself.
+   is `model/`, the topology `topology.yml`); any other directory is the checkpoint itself. (A
+   file is passed on as it is: this is where a check for a `.gguf` file joins.)
 2. Otherwise `org/name` or `org/name@revision` (exactly one slash, neither part empty nor
    starting with "." or "~", as Cake's `looks_like_hf_repo`) is a Hugging Face repository id:
    its snapshot is looked up in the hub cache as huggingface_hub lays it out,
