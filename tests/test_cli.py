@@ -199,12 +199,26 @@ def test_a_bundle_without_config_json_exits_78_saying_where_it_goes(tmp_path):
     assert_config_error(result, f"bundle {bundle}: {bundle}/model/config.json is missing")
 
 
+TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+               "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
+
+
+def test_a_node_the_default_assignment_gives_no_layers_exits_78_saying_why(tmp_path):
+    """Bare nodes (no tflops, no vram_bytes) beside a master of 2 TFLOPS get round(0) = 0 layers."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_CONFIG))
+    topology = tmp_path / "topology.yml"
+    topology.write_text("w1: {host: 'a:1', layers: []}\nw2: {host: 'b:1', layers: []}\n")
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--model", str(tmp_path / "model"),
+                        "--master-tflops", "2")
+    assert_config_error(result, "the default assignment gives topology entry 'w1' no layers")
+
+
 def test_weighing_layers_by_memory_without_every_header_reads_the_hubs_and_offline_exits_78(tmp_path):
     """An empty topology giving vram_bytes needs a layer's size from every shard's header: a snapshot
     lacking a shard asks the hub for its header rather than download it; offline, one line says so."""
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-              "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
+    config = TINY_CONFIG
     index = {"weight_map": {"model.layers.0.w": "a.safetensors", "model.layers.1.w": "b.safetensors"}}
     write_snapshot(tmp_path / "hub", "tiny-org/partial", {"config.json": json.dumps(config),
                                                           "model.safetensors.index.json": json.dumps(index)})

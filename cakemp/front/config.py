@@ -314,9 +314,11 @@ def _topology_entry(name: str | None, topology: str | Path | None, source: Model
     served, node = layout.worker(name)
     if served != name:
         log.get_logger().warning("worker name not in topology, serving its only entry", name=name, entry=served)
+    if not node.layers and assigned:
+        raise ConfigError(f"the default assignment gives topology entry '{served}' no layers (give the nodes tflops, "
+                          "or the master fewer with --master-tflops)")
     if not node.layers:
-        why = " by the default assignment (give the nodes tflops)" if assigned else ""
-        raise ConfigError(f"topology entry '{served}' lists no layers{why}")
+        raise ConfigError(f"topology entry '{served}' lists no layers")
     if assigned:
         log.get_logger().info("layers assigned", name=served, layers=list(collapse_layers(node.layers)),
                               count=len(node.layers))
