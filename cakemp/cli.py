@@ -19,7 +19,6 @@ from cakemp.device import process as device_process
 from cakemp.front import Front
 from cakemp.front.config import RUN_FLAGS, Flag, device_environment, node_config, run_flag, scrub_cluster_key
 from cakemp.front.notify import Notifier
-from cakemp.topology import Topology
 from cakemp.wire import Revision
 
 EXIT_CONFIG = 78
@@ -84,7 +83,9 @@ def _cluster_flags(command):
     """The flags saying where a master's workers are and how to reach them (`generate`, `serve`)."""
     flags = (
         _like_run("--model"),
-        _flag("--topology", help="Cake topology YAML (without it every layer runs here)."),
+        _flag("--topology", help="Cake topology YAML (default: a --model bundle's; without one every layer runs here)."),
+        _like_run("--master-tflops", help="A topology whose nodes all list no layers: this master's TFLOPS its share "
+                  "is weighed by (default: its own devices', as Cake's master counts them)."),
         _like_run("--cluster-key", help="Shared key of the workers."),
         _like_run("--dtype", help="Compute and wire dtype; must match the workers'."),
         _like_run("--protocol", help="Cake revision the workers speak."),
@@ -109,13 +110,13 @@ def _repeat_flags(command):
                  default=1.1, help="Penalty on recently generated tokens (1.0: none).")(command)
 
 
-def _open_generator(model, topology, cluster_key, dtype, protocol, discover, discovery_port, discovery_timeout,
-                    min_workers):
+def _open_generator(model, topology, master_tflops, cluster_key, dtype, protocol, discover, discovery_port,
+                    discovery_timeout, min_workers):
     """The flags of `_cluster_flags` checked; a coroutine opening the `Generator` over the cluster they name
     (discovering it and pushing it the files first, with --discover)."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 
-    from cakemp.master.cluster import discover_cluster
+    from cakemp.master.cluster import discover_cluster, master_checkpoint
     from cakemp.master.generator import Generator
 
     if discover and topology:
@@ -124,9 +125,11 @@ def _open_generator(model, topology, cluster_key, dtype, protocol, discover, dis
         raise ConfigError("--discover needs --cluster-key (the cluster's workers answer only to its hash)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     revision = Revision(int(protocol))
+    model, layout = master_checkpoint(model, topology, master_tflops, on_gpu=device == "cuda",
+                                      every_layer=bool(discover), report=lambda line: click.echo(line, err=True))
 
     async def open_generator() -> Generator:
-        layout = Topology.load(topology) if topology else Topology(())
+        nonlocal layout
         if discover:
             targets = [target.strip() for target in discover.split(",") if target.strip()]
             layout = await discover_cluster(model, cluster_key, targets, port=discovery_port, timeout=discovery_timeout,
@@ -185,7 +188,7 @@ def generate(prompt, system_prompt, raw, max_tokens, temperature, top_k, top_p, 
 @_flag("--address", default="127.0.0.1:8080", envvar="CAKEMP_SERVE_ADDRESS",  # not `cakemp run`'s CAKEMP_ADDRESS
        help="host:port the API listens on (port 0: any free one).")
 @_flag("--model-id", help="The model's name in the API (/v1/models, requests' `model`) [default: the model "
-       "directory's name].")
+       "directory's name, or the Hugging Face id --model gives].")
 @_flag("--max-tokens", type=click.IntRange(min=1), default=2048,
        help="Most tokens a request generates when it names no max_tokens (cut to the context left).")
 @_repeat_flags
@@ -207,7 +210,8 @@ def serve(address, model_id, max_tokens, repeat_penalty, repeat_last_n, max_body
 
 
 def _model_name(model: str) -> str:
-    return os.path.basename(os.path.normpath(model))
+    """The API's name for `--model`: a directory's own name, or the Hugging Face id as given."""
+    return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
 
 
 @cli.command()
