@@ -261,16 +261,20 @@ def health(server):
 
 
 def test_a_flood_of_connections_sending_no_whole_request_leaves_a_real_client_answered(client, server):
-    """200 connections that never send a whole request (150 idle, then 50 that send half a request head
-    and then a byte a second) do not stop the openai client's request from being answered, nor close its
-    kept-alive connection. The server holds at most 64 of them: the oldest are closed as new ones come
-    (at least 136 of the idle ones), and every other one by its deadline, a trickling head included."""
+    """210 connections that never send a whole request (150 idle, then 50 that send half a request head
+    and 10 a head and the start of a body, then a byte every 50 ms) do not stop the openai client's
+    request from being answered, nor close its kept-alive connection. The server holds at most 64 of
+    them: the oldest are closed as new ones come (at least 136 of the idle ones), and every other one by
+    its deadline, trickling included; a request whose body never came is no crash."""
     expected = client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content
     address = ("127.0.0.1", server.port)
     idle = [socket.create_connection(address) for _ in range(150)]
-    slow = [socket.create_connection(address) for _ in range(50)]
-    for sock in slow:
+    mark = server.mark()
+    slow = [socket.create_connection(address) for _ in range(60)]
+    for sock in slow[:50]:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    for sock in slow[50:]:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{")
     try:
         assert client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content \
             == expected
@@ -291,6 +295,7 @@ def test_a_flood_of_connections_sending_no_whole_request_leaves_a_real_client_an
         for sock in idle + slow:
             sock.close()
     assert health(server)["status"] == "ok"
+    assert not [e for e in server.events(mark) if e.get("event") == "request crashed"]
 
 
 def test_a_client_that_leaves_before_its_whole_answer_frees_the_cluster(client, server, node):
