@@ -1,0 +1,106 @@
+"""Tiny Stable Diffusion components for tests and benchmarks: diffusers and transformers modules
+built from small configs with random weights, written in the HF cache layout Cake resolves
+(`<root>/hub/models--runwayml--stable-diffusion-v1-5/snapshots/<rev>/…`, f16 files, each with its
+config.json), and the oracle: the same library modules loaded from those files in-process,
+with Cake's deviations (candle's tanh GELU) applied. No download.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers.models.activations import GEGLU
+from safetensors.torch import load_file, save_file
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from cakemp.wire import DType, RawTensor
+
+REPOSITORY = "runwayml/stable-diffusion-v1-5"
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+# "gelu" as the hub's SD 2.1 config writes it: Cake computes its tanh approximation.
+CLIP = {"vocab_size": 1000, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 77, "hidden_act": "gelu", "layer_norm_eps": 1e-5,
+        "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}
+UNET = {"sample_size": 8, "in_channels": 4, "out_channels": 4, "layers_per_block": 1, "block_out_channels": [32, 64],
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+        "cross_attention_dim": 32, "attention_head_dim": 4, "norm_num_groups": 8}
+VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [16, 32], "layers_per_block": 1,
+       "norm_num_groups": 8, "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2}
+SUBFOLDERS = {"clip": ("text_encoder", "model.fp16.safetensors"),
+              "unet": ("unet", "diffusion_pytorch_model.fp16.safetensors"),
+              "vae": ("vae", "diffusion_pytorch_model.fp16.safetensors")}
+LATENT = (4, 8, 8)  # one image's latents: 16x16 pixels through the tiny VAE
+VAE_SCALE = 0.18215
+
+
+def _modules() -> dict[str, torch.nn.Module]:
+    torch.manual_seed(0)
+    return {"clip": CLIPTextModel(CLIPTextConfig(**CLIP)), "unet": UNet2DConditionModel(**UNET),
+            "vae": AutoencoderKL(**VAE)}
+
+
+def _configs() -> dict[str, dict]:
+    return {"clip": CLIP, "unet": UNET, "vae": VAE}
+
+
+def write_cache(root: Path) -> Path:
+    """The tiny components in the HF cache layout under `root` (the node's --model); returns the snapshot."""
+    repo = root / "hub" / ("models--" + REPOSITORY.replace("/", "--"))
+    snapshot = repo / "snapshots" / REVISION
+    for name, module in _modules().items():
+        subfolder, file = SUBFOLDERS[name]
+        (snapshot / subfolder).mkdir(parents=True)
+        state = {key: value.to(torch.float16).contiguous() for key, value in module.state_dict().items()}
+        save_file(state, snapshot / subfolder / file)
+        (snapshot / subfolder / "config.json").write_text(json.dumps(_configs()[name]))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    return snapshot
+
+
+def _tanh_gelu(self, gate):
+    return F.gelu(gate, approximate="tanh")
+
+
+def oracle(snapshot: Path) -> dict[str, torch.nn.Module]:
+    """The components in f32 from the files in `snapshot`, as Cake computes them: CLIP's "gelu" and
+    the UNet's GEGLU gate as candle's tanh approximation."""
+    clip = CLIPTextModel(CLIPTextConfig(**{**CLIP, "hidden_act": "gelu_pytorch_tanh"}))
+    unet = UNet2DConditionModel(**UNET)
+    for block in unet.modules():
+        if isinstance(block, GEGLU):
+            block.gelu = types.MethodType(_tanh_gelu, block)
+    modules = {"clip": clip, "unet": unet, "vae": AutoencoderKL(**VAE)}
+    for name, module in modules.items():
+        subfolder, file = SUBFOLDERS[name]
+        module.load_state_dict({k: v.float() for k, v in load_file(snapshot / subfolder / file).items()})
+        module.eval()
+    return modules
+
+
+def pack(*tensors: torch.Tensor) -> torch.Tensor:
+    """Cake's pack_tensors: [n, ndim, dims…, data…, …] as one f32 vector."""
+    parts = [torch.tensor([float(len(tensors))])]
+    for t in tensors:
+        parts.append(torch.tensor([float(t.dim()), *map(float, t.shape)]))
+        parts.append(t.detach().float().reshape(-1))
+    return torch.cat(parts)
+
+
+def f32(vector: torch.Tensor | list[float]) -> RawTensor:
+    """A 1-D f32 vector as a wire tensor."""
+    data = torch.as_tensor(vector, dtype=torch.float32).contiguous()
+    return RawTensor(data.numpy().tobytes(), DType.F32, (data.numel(),))
+
+
+def token_ids(ids: list[int] | torch.Tensor, length: int = 77) -> RawTensor:
+    """U32 token ids [1, length], padded with the last id, as Cake's master sends them to clip."""
+    ids = list(map(int, ids))
+    ids = ids + [ids[-1]] * (length - len(ids))
+    data = torch.tensor([ids], dtype=torch.int32)
+    return RawTensor(data.numpy().tobytes(), DType.U32, (1, length))
