@@ -8,7 +8,8 @@ model or layer set refuses it (WorkerError) rather than answer WorkerReady and f
 request that follows; either way the connection then ends. Anything else first ends it too.
 
 After Hello: a Batch or a SingleOp is admitted (admission.py; component_admission.py on an
-image node, which refuses every Batch) and run, or refused with WorkerError while the session goes on; Goodbye clears the session's state on every device it
+image node, which refuses every Batch) and run, or refused with WorkerError while the session
+goes on; Goodbye clears the session's state on every device it
 used and is answered with WorkerInfo; any other message ends the session.
 
 A session idle past `idle_timeout` between frames has its state freed (the same clear as
