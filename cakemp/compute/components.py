@@ -76,18 +76,28 @@ class ComponentRunner:
                 results[i] = e
                 continue
             groups.setdefault((call.component, component.group(prepared)), []).append((i, prepared))
-        for (index, _), members in groups.items():
-            try:
-                with torch.inference_mode():
-                    outputs = self.components[index].run([prepared for _, prepared in members])
-                for (i, _), output in zip(members, outputs, strict=True):
-                    results[i] = output.to(self.dtype)
-            except Exception as e:
-                for i, _ in members:
-                    results[i] = e
-            if between_ops is not None:
-                between_ops()
+        # A UNet step or a VAE decode of a large image can take longer on a CPU than the front's
+        # watchdog waits: after every module, the device may say it is still busy.
+        hook = None if between_ops is None else torch.nn.modules.module.register_module_forward_hook(
+            lambda module, inputs, output: between_ops())
+        try:
+            for (index, _), members in groups.items():
+                self._run_group(index, members, results)
+        finally:
+            if hook is not None:
+                hook.remove()
         return results
+
+    def _run_group(self, index: int, members: list[tuple[int, tuple[torch.Tensor, ...]]], results: list) -> None:
+        """Compute one group's calls together; each member's reply, or the error that failed them all."""
+        try:
+            with torch.inference_mode():
+                outputs = self.components[index].run([prepared for _, prepared in members])
+            for (i, _), output in zip(members, outputs, strict=True):
+                results[i] = output.to(self.dtype)
+        except Exception as e:
+            for i, _ in members:
+                results[i] = e
 
     @staticmethod
     def _tensors(x: RawTensor, name: str) -> list[torch.Tensor]:
