@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, UNet2DConditionModel
 from diffusers.models.activations import GEGLU
 from safetensors.torch import load_file, save_file
-from transformers import CLIPTextConfig, CLIPTextModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from cakemp.wire import DType, RawTensor
 
@@ -55,12 +55,52 @@ def write_cache(root: Path) -> Path:
     for name, module in _modules().items():
         subfolder, file = SUBFOLDERS[name]
         (snapshot / subfolder).mkdir(parents=True)
-        state = {key: value.to(torch.float16).contiguous() for key, value in module.state_dict().items()}
+        prefix = "text_model." if name == "clip" else ""  # as the hub's text encoder files name them
+        state = {prefix + key: value.to(torch.float16).contiguous() for key, value in module.state_dict().items()}
         save_file(state, snapshot / subfolder / file)
         (snapshot / subfolder / "config.json").write_text(json.dumps(_configs()[name]))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(REVISION)
     return snapshot
+
+
+XL_REPOSITORY = "stabilityai/stable-diffusion-xl-base-1.0"
+# SDXL's UNet as its hub config has it: with the pooled-text and time-id conditioning Cake skips.
+XL_UNET = {**UNET, "addition_embed_type": "text_time", "addition_time_embed_dim": 8,
+           "projection_class_embeddings_input_dim": 80}
+
+
+def write_xl_cache(root: Path) -> Path:
+    """An SDXL-like unet (with add_embedding weights) and clip2 (a CLIP with projection) in the HF
+    cache layout under `root`; returns the snapshot."""
+    snapshot = root / "hub" / ("models--" + XL_REPOSITORY.replace("/", "--")) / "snapshots" / REVISION
+    torch.manual_seed(1)
+    modules = {"unet": (UNet2DConditionModel(**XL_UNET), XL_UNET, "unet/diffusion_pytorch_model.fp16.safetensors"),
+               "clip2": (CLIPTextModelWithProjection(CLIPTextConfig(**CLIP, projection_dim=16)), CLIP,
+                         "text_encoder_2/model.fp16.safetensors")}
+    for module, config, file in modules.values():
+        (snapshot / file).parent.mkdir(parents=True)
+        save_file({k: v.to(torch.float16).contiguous() for k, v in module.state_dict().items()}, snapshot / file)
+        (snapshot / file).with_name("config.json").write_text(json.dumps(config))
+    return snapshot
+
+
+def xl_oracle(snapshot: Path) -> dict[str, torch.nn.Module]:
+    """The XL components as Cake computes them: a UNet without added conditioning (add_embedding
+    left unloaded), clip2's text model with the tanh GELU and no projection."""
+    unet = UNet2DConditionModel(**UNET)
+    for block in unet.modules():
+        if isinstance(block, GEGLU):
+            block.gelu = types.MethodType(_tanh_gelu, block)
+    state = {k: v.float() for k, v in load_file(snapshot / "unet/diffusion_pytorch_model.fp16.safetensors").items()
+             if not k.startswith("add_embedding.")}
+    unet.load_state_dict(state)
+    clip2 = CLIPTextModel(CLIPTextConfig(**{**CLIP, "hidden_act": "gelu_pytorch_tanh"}))
+    state = {k.removeprefix("text_model."): v.float()
+             for k, v in load_file(snapshot / "text_encoder_2/model.fp16.safetensors").items()
+             if k.startswith("text_model.")}
+    clip2.load_state_dict(state)
+    return {"unet": unet.eval(), "clip2": clip2.eval()}
 
 
 def _tanh_gelu(self, gate):
@@ -78,7 +118,8 @@ def oracle(snapshot: Path) -> dict[str, torch.nn.Module]:
     modules = {"clip": clip, "unet": unet, "vae": AutoencoderKL(**VAE)}
     for name, module in modules.items():
         subfolder, file = SUBFOLDERS[name]
-        module.load_state_dict({k: v.float() for k, v in load_file(snapshot / subfolder / file).items()})
+        module.load_state_dict({k.removeprefix("text_model."): v.float()
+                                for k, v in load_file(snapshot / subfolder / file).items()})
         module.eval()
     return modules
 

@@ -9,7 +9,7 @@ import torch
 from cakemp.checkpoint.sd_files import locate
 from cakemp.compute.components import Call, ComponentRunner
 from cakemp.errors import BadTensor
-from tests.image import LATENT, f32, oracle, pack, token_ids, write_cache
+from tests.image import LATENT, f32, oracle, pack, token_ids, write_cache, write_xl_cache, xl_oracle
 
 F32_ATOL = 1e-5
 
@@ -77,3 +77,21 @@ def test_replies_are_in_the_runners_dtype(snapshot):
     runner = ComponentRunner.load("sd", "v1-5", files, "cpu", torch.bfloat16)
     (image,) = runner.run_batch([Call(1, f32(pack(torch.tensor([0.0]), torch.randn(1, *LATENT))), 0)])
     assert image.dtype == torch.bfloat16 and image.shape == (1, 3, 16, 16)
+
+
+def test_sdxl_components_drop_the_added_conditioning_and_the_projection(tmp_path):
+    """An SDXL unet whose config and file hold the pooled-text and time-id conditioning computes
+    without it (Cake's master never sends it), and clip2 (a CLIP with projection) answers its
+    text model's last hidden state, as the oracle built without them."""
+    snapshot = write_xl_cache(tmp_path)
+    files = [(name, _Files(locate(name, "xl", str(tmp_path), None, None))) for name in ("clip2", "unet")]
+    runner = ComponentRunner.load("sd", "xl", files, "cpu", torch.float32)
+    ref = xl_oracle(snapshot)
+    latents, text = torch.randn(2, *LATENT), torch.randn(2, 77, 32)
+    hidden, noise = runner.run_batch([Call(1, token_ids([0, 9, 2]), 0),
+                                      Call(2, f32(pack(latents, text, torch.tensor([300.0]))), 1)])
+    with torch.no_grad():
+        expected = ref["clip2"](input_ids=torch.tensor([[0, 9] + [2] * 75])).last_hidden_state
+        torch.testing.assert_close(hidden, expected, atol=F32_ATOL, rtol=0)
+        expected = ref["unet"](latents, torch.tensor(300.0), encoder_hidden_states=text).sample
+        torch.testing.assert_close(noise, expected, atol=F32_ATOL, rtol=0)

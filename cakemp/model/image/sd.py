@@ -73,6 +73,12 @@ def _check(condition: bool, message: str) -> None:
         raise BadTensor(message)
 
 
+def _text_model(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hub's text encoder files name their weights `text_model.*` (candle reads them so);
+    transformers 5's CLIPTextModel holds them without the prefix."""
+    return {key.removeprefix("text_model."): value for key, value in state.items()}
+
+
 class Clip:
     """`clip`/`clip2`: token ids [b, L] -> last hidden state after the final norm [b, L, D]."""
 
@@ -82,7 +88,7 @@ class Clip:
             config["hidden_act"] = "gelu_pytorch_tanh"
         self.config = CLIPTextConfig(**config)
         self.module = CLIPTextModel(self.config)
-        _load(self.module, files.weights, ("text_projection.", "text_model.embeddings.position_ids"))
+        _load(self.module, files.weights, ("text_projection.", "embeddings.position_ids"), _text_model)
         _place(self.module, device, dtype)
         self.name, self.device = name, device
 
