@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, UNet2DConditionModel
 from diffusers.models.activations import GEGLU
 from safetensors.torch import load_file, save_file
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, Qwen3Config, Qwen3Model
 
 from cakemp.wire import DType, RawTensor
 
@@ -145,3 +145,50 @@ def token_ids(ids: list[int] | torch.Tensor, length: int = 77) -> RawTensor:
     ids = ids + [ids[-1]] * (length - len(ids))
     data = torch.tensor([ids], dtype=torch.int32)
     return RawTensor(data.numpy().tobytes(), DType.U32, (1, length))
+
+
+FLUX_REPOSITORY = "black-forest-labs/FLUX.2-klein-4B"
+# A tiny Qwen3 with the layers FLUX.2 reads (8, 17, 26) and one more, which the node never loads.
+QWEN3 = {"vocab_size": 500, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 28,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 1024,
+         "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+def write_flux_cache(cache: Path) -> Path:
+    """FLUX.2-klein's text encoder (tiny, random) as Cake fetches it into `cache/hub` (its
+    dirs::cache_dir()/hub): two shards of Qwen3ForCausalLM's weights, their index, the config."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    folder = cache / "hub" / ("models--" + FLUX_REPOSITORY.replace("/", "--")) / "snapshots" / REVISION / "text_encoder"
+    folder.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in Qwen3ForCausalLM(Qwen3Config(**QWEN3)).state_dict().items()}
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        save_file({key: state[key] for key in keys}, folder / file)
+    index = {"weight_map": {key: file for file, keys in shards.items() for key in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "config.json").write_text(json.dumps({**QWEN3, "architectures": ["Qwen3ForCausalLM"]}))
+    return folder
+
+
+def flux_text_oracle(folder: Path):
+    """FLUX.2's text conditioning from transformers' whole Qwen3Model: hidden_states 9, 18 and 27
+    (after layers 8, 17, 26), concatenated; `encode(ids, real)` masks the keys past `real` (0: none)."""
+    model = Qwen3Model(Qwen3Config(**QWEN3)).eval()
+    state = {}
+    for shard in folder.glob("*.safetensors"):
+        state.update({k.removeprefix("model."): v for k, v in load_file(shard).items() if k.startswith("model.")})
+    model.load_state_dict(state)
+
+    def encode(ids: torch.Tensor, real: int = 0) -> torch.Tensor:
+        mask = torch.ones_like(ids)
+        if 0 < real < ids.shape[1]:
+            mask[:, real:] = 0
+        with torch.no_grad():
+            hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        return torch.cat([hidden[9], hidden[18], hidden[27]], dim=-1)
+
+    return encode

@@ -65,19 +65,20 @@ COMPONENTS: dict[str, dict[str, Input]] = {
     },
 }
 # What this node computes today, per arch (the others are refused at start, by name).
-IMPLEMENTED = frozenset({"sd"})
+IMPLEMENTED = {"sd": frozenset(COMPONENTS["sd"]), "flux": frozenset({"flux_text_encoder"}), "flux1": frozenset()}
 
 
 def check_components(arch: str, names: tuple[str, ...], sd_version: str) -> None:
     """Refuse (ConfigError) a topology entry naming what `arch` has no component for, as Cake's
-    worker refuses it at load ("Model name not recognized"), or an arch not served yet."""
-    if arch not in IMPLEMENTED:
-        raise ConfigError(f"--image-model-arch {arch} is not served by this version of cakemp (only "
-                          f"{', '.join(sorted(IMPLEMENTED))}); see README, 'Image components'")
+    worker refuses it at load ("Model name not recognized"), or a component not served yet."""
     known = COMPONENTS[arch]
     for name in names:
         if name not in known:
             raise ConfigError(f"Model name not recognized: {name!r} is no {arch} component (they are: "
                               f"{', '.join(known)})")
+        if name not in IMPLEMENTED[arch]:
+            served = ", ".join(sorted(IMPLEMENTED[arch])) or "none"
+            raise ConfigError(f"{name} (--image-model-arch {arch}) is not served by this version of cakemp (of "
+                              f"{arch}'s components it serves: {served}); see README, 'Image components'")
     if "clip2" in names and sd_version not in ("xl", "turbo"):
         raise ConfigError(f"clip2 is the second text encoder of SDXL and Turbo; --sd-version {sd_version} has none")

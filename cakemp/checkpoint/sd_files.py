@@ -80,6 +80,17 @@ def hub_file(component: str, version: str) -> tuple[str, str]:
 
 def cached_file(hub: Path, repository: str, path: str) -> Path:
     """`path` of `repository` in the HF cache at `hub`. Raises ConfigError if it is not there."""
+    found = snapshot_holding(hub, repository, path)
+    if found is None:
+        raise ConfigError(f"{repository}/{path} is not in the HF cache at {hub} (a cakemp node never downloads: "
+                          f"fetch it with `HF_HOME={hub.parent} hf download {repository} {path}`, or give the file's "
+                          "path)")
+    return found / path
+
+
+def snapshot_holding(hub: Path, repository: str, path: str) -> Path | None:
+    """The snapshot of `repository` in the HF cache at `hub` that holds `path` (refs/main's first,
+    then the newest), or None."""
     root = hub / ("models--" + repository.replace("/", "--"))
     snapshots = root / "snapshots"
     ref = root / "refs" / "main"
@@ -90,6 +101,5 @@ def cached_file(hub: Path, repository: str, path: str) -> Path:
         candidates.extend(sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True))
     for snapshot in candidates:
         if (snapshot / path).is_file():
-            return snapshot / path
-    raise ConfigError(f"{repository}/{path} is not in the HF cache at {hub} (a cakemp node never downloads: "
-                      f"fetch it with `HF_HOME={hub.parent} hf download {repository} {path}`, or give the file's path)")
+            return snapshot
+    return None

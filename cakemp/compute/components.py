@@ -7,7 +7,8 @@ methods are no-ops. A call's input is the wire tensor as the master sent it: tok
 (U32 [b, L]) or Cake's packed vector (F32 [total], wire/packing.py), turned into tensors here
 with every count checked before anything is allocated. Calls of one component whose inputs
 have equal shapes (but for the batch) are computed together: two masters' UNet steps are one
-pass over the UNet. The reply is in the node's --dtype, as Cake's worker replies.
+pass over the UNet. Each component replies as Cake's does: SD's in the node's --dtype, FLUX.2's
+text encoder a packed F32 vector.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Call(NamedTuple):
     session: int
     x: RawTensor
     component: int
+    index_pos: int = 0  # FLUX.2's text encoder: the prompt's real token count
 
 
 class ComponentRunner:
@@ -48,30 +50,35 @@ class ComponentRunner:
         """Build and load each named component of `arch` from its files (`.weights`, `.config`);
         `on_layer(n)` once n are on the device. Raises ConfigError without the image extra."""
         try:
-            from cakemp.model.image import sd
+            from cakemp.model.image import flux, sd
         except ImportError as e:
             raise ConfigError(f"image components need the optional extra {EXTRA} (pip install '{EXTRA}'): "
                               f"{e}") from None
-        if arch != "sd":
-            raise ConfigError(f"--image-model-arch {arch} is not served by this version of cakemp")
+        classes = {"sd": sd.COMPONENTS, "flux": flux.COMPONENTS}.get(arch, {})
         device = torch.device(device)
         loaded = []
         for name, component_files in files:
-            loaded.append((name, sd.COMPONENTS[name](name, component_files, version, device, dtype)))
+            if name not in classes:
+                raise ConfigError(f"{name} (--image-model-arch {arch}) is not served by this version of cakemp")
+            loaded.append((name, classes[name](name, component_files, version, device, dtype)))
             if on_layer is not None:
                 on_layer(len(loaded))
         return cls(loaded, device, dtype)
 
     def run_batch(self, calls: Sequence[Call], between_ops: Callable[[], None] | None = None
                   ) -> list[torch.Tensor | Exception]:
-        """Each call's reply (in the node's dtype), or the exception that failed it; the calls of
+        """Each call's reply (in its component's reply dtype), or the exception that failed it; the calls of
         a group (one component, equal shapes) fail together if their computation does."""
         results: list[torch.Tensor | Exception | None] = [None] * len(calls)
         groups: dict[tuple, list[tuple[int, tuple[torch.Tensor, ...]]]] = {}
         for i, call in enumerate(calls):
             component = self.components[call.component]
             try:
-                prepared = component.prepare(*self._tensors(call.x, self.layers[call.component]))
+                tensors = self._tensors(call.x, self.layers[call.component])
+                if getattr(component, "uses_index_pos", False):
+                    prepared = component.prepare(*tensors, index_pos=call.index_pos)
+                else:
+                    prepared = component.prepare(*tensors)
             except Exception as e:
                 results[i] = e
                 continue
@@ -94,7 +101,7 @@ class ComponentRunner:
             with torch.inference_mode():
                 outputs = self.components[index].run([prepared for _, prepared in members])
             for (i, _), output in zip(members, outputs, strict=True):
-                results[i] = output.to(self.dtype)
+                results[i] = output
         except Exception as e:
             for i, _ in members:
                 results[i] = e

@@ -168,7 +168,7 @@ class DeviceService:
         """What the runner computes for the hop: its activation through `ops`, or one component's call
         over the master's tensor as it came (the component runner reads its packing)."""
         if isinstance(self.runner, ComponentRunner):
-            return Call(hop.session, RawTensor(hop.data, hop.dtype, hop.shape), ops[0].layer)
+            return Call(hop.session, RawTensor(hop.data, hop.dtype, hop.shape), ops[0].layer, ops[0].index_pos)
         return Request(hop.session, self._input(hop), ops)
 
     def _input(self, hop: Hop) -> torch.Tensor:

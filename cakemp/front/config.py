@@ -25,7 +25,8 @@ from cakemp.allow_list import AllowList
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
 from cakemp.checkpoint import components as image_components
-from cakemp.checkpoint.sd_files import SD_VERSIONS, locate
+from cakemp.checkpoint import flux_files
+from cakemp.checkpoint.sd_files import SD_VERSIONS, Located, locate
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, ComponentFile, DeviceSpec, ImageModel
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
@@ -303,7 +304,11 @@ def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[
     image_components.check_components(knobs["image_arch"], names, knobs["sd_version"])
     files = []
     for name in names:
-        located = locate(name, knobs["sd_version"], knobs["model_dir"], knobs[f"sd_{name}"], knobs["sd_config_dir"])
+        if knobs["image_arch"] == "flux":  # a directory of shards, with its config.json
+            folder = flux_files.locate(name, knobs["model_dir"])
+            located = Located(folder, folder / "config.json", "snapshot")
+        else:
+            located = locate(name, knobs["sd_version"], knobs["model_dir"], knobs[f"sd_{name}"], knobs["sd_config_dir"])
         log.get_logger().info("component files", component=name, weights=str(located.weights),
                               config=str(located.config) if located.config else f"{knobs['sd_version']} standard "
                               "(as Cake hard-codes it)", config_from=located.config_source)

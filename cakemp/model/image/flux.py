@@ -1,0 +1,108 @@
+"""FLUX.2-klein's text encoder as a Cake worker serves it (`flux_text_encoder`): transformers'
+Qwen3Model over token ids [b, 512], the hidden states after layers 8, 17 and 26 (0-based)
+concatenated on the features (3 x 2560 = 7680 for klein-4B), no final norm; replied as Cake's
+`pack_tensors` of that one tensor, an F32 vector.
+
+As Cake's worker: attention is causal, and `index_pos` carries the prompt's real token count,
+so keys past it (the padding) are masked when 0 < index_pos < L.
+
+Better than Cake where it changes no result: the layers after 26 are not loaded nor run (Cake
+computes all 36 and throws 27-35 away, a quarter of the encoder's work); and with --dtype f16
+the encoder computes in bf16, Qwen3's own dtype, whose range f16's overflow does not cut.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3Model
+
+from cakemp.errors import BadTensor, CheckpointError
+
+OUTPUT_LAYERS = (8, 17, 26)  # FLUX.2-klein's text conditioning: these layers' outputs, concatenated
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise BadTensor(message)
+
+
+def _weights(folder: Path, layers: int) -> dict[str, torch.Tensor]:
+    """The shards' tensors that the first `layers` layers and the embedding need, named as Qwen3Model
+    names them (the files prefix them `model.`)."""
+    state = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        for key, value in load_file(shard).items():
+            key = key.removeprefix("model.")
+            if key.startswith("layers.") and int(key.split(".")[1]) >= layers:
+                continue
+            if key.startswith(("norm.", "lm_head.")):  # the final norm is not used
+                continue
+            state[key] = value
+    return state
+
+
+class FluxTextEncoder:
+    """`flux_text_encoder`: ids [b, L] (and the real token count) -> pack([hidden [b, L, 3·H]]) in F32."""
+
+    uses_index_pos = True
+
+    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+        try:
+            config = json.loads(Path(files.config).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {files.config}: {e}") from None
+        config.pop("layer_types", None)  # one per layer of the whole model; rebuilt for the layers kept
+        self.layers = OUTPUT_LAYERS[-1] + 1
+        if config.get("num_hidden_layers", 0) < self.layers:
+            raise CheckpointError(f"{files.config}: the encoder has {config.get('num_hidden_layers')} layers, "
+                                  f"FLUX.2 reads layer {OUTPUT_LAYERS[-1]}")
+        self.config = Qwen3Config(**{**config, "num_hidden_layers": self.layers})
+        self.module = Qwen3Model(self.config)
+        result = self.module.load_state_dict(_weights(Path(files.weights), self.layers), strict=False)
+        missing = [key for key in result.missing_keys if not key.startswith("norm.")]
+        if missing or result.unexpected_keys:
+            raise CheckpointError(f"{files.weights} does not fit its config: missing {missing[:4]}, unexpected "
+                                  f"{result.unexpected_keys[:4]}")
+        self.dtype = torch.bfloat16 if dtype == torch.float16 else dtype
+        torch.nn.Module.to(self.module, device, self.dtype).eval()
+        self.name, self.device = name, device
+        self._outputs: list[torch.Tensor] = []
+        for index in OUTPUT_LAYERS:
+            self.module.layers[index].register_forward_hook(lambda module, inputs, output: self._outputs.append(output))
+
+    def prepare(self, ids: torch.Tensor, index_pos: int = 0) -> tuple[torch.Tensor, ...]:
+        """ids [b, L] and the mask of its real tokens (all real unless 0 < index_pos < L, as Cake)."""
+        _check(bool(((ids >= 0) & (ids < self.config.vocab_size)).all()),
+               f"{self.name}: a token id is outside the vocabulary of {self.config.vocab_size}")
+        _check(ids.shape[1] <= self.config.max_position_embeddings,
+               f"{self.name}: {ids.shape[1]} tokens, at most {self.config.max_position_embeddings}")
+        mask = torch.ones(ids.shape, dtype=torch.long)
+        if 0 < index_pos < ids.shape[1]:
+            mask[:, index_pos:] = 0
+        return ids.to(self.device), mask.to(self.device)
+
+    @staticmethod
+    def group(call: tuple[torch.Tensor, ...]) -> tuple:
+        return tuple(call[0].shape[1:])
+
+    def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        ids, mask = (torch.cat(parts) for parts in zip(*calls))
+        self._outputs.clear()
+        self.module(input_ids=ids, attention_mask=mask, use_cache=False)
+        hidden = torch.cat(self._outputs, dim=-1).float()  # [sum b, L, 3·H]
+        self._outputs.clear()
+        return [_pack(part) for part in hidden.split([call[0].shape[0] for call in calls])]
+
+
+def _pack(x: torch.Tensor) -> torch.Tensor:
+    """Cake's pack_tensors of the one tensor x: [1, ndim, dims…, data…] in F32."""
+    header = torch.tensor([1.0, float(x.dim()), *map(float, x.shape)], device=x.device)
+    return torch.cat([header, x.reshape(-1)])
+
+
+COMPONENTS = {"flux_text_encoder": FluxTextEncoder}

@@ -1,0 +1,78 @@
+"""A live `cpu:1` node serving FLUX.2-klein's text encoder (--image-model-arch flux), found where
+Cake's worker looks (`dirs::cache_dir()/hub`, here XDG_CACHE_HOME/hub, under the repository id
+given as --model), driven as Cake's master drives it: U32 ids [1, 512], `index_pos` the real
+token count. The reply is Cake's pack_tensors of the hidden states after layers 8, 17, 26,
+compared with transformers' whole Qwen3Model (its hidden_states 9, 18, 27) in f32 within F32_ATOL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cakemp.master.client import WorkerClient
+from cakemp.wire import DType, RawTensor
+from cakemp.wire.packing import unpack_layout
+from tests.front.node import RunningNode, write_topology
+from tests.image import FLUX_REPOSITORY, QWEN3, flux_text_oracle, write_flux_cache
+
+F32_ATOL = 1e-5
+LENGTH = 512  # Cake pads the prompt's chat template to 512 tokens with <|endoftext|>
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    return root, write_flux_cache(root)
+
+
+@pytest.fixture(scope="module")
+def node(cache, tmp_path_factory):
+    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["flux_text_encoder"])
+    running = RunningNode(FLUX_REPOSITORY, topology, "--gpus", "cpu", "--dtype", "f32", "--model-type",
+                          "image-model", "--image-model-arch", "flux", env={"XDG_CACHE_HOME": str(cache[0])},
+                          timeout=120)
+    yield running
+    running.kill()
+
+
+def prompt(real: int, seed: int) -> torch.Tensor:
+    ids = torch.randint(0, QWEN3["vocab_size"], (1, real), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([ids, torch.full((1, LENGTH - real), 7)], dim=1)  # 7: the tiny vocabulary's padding
+
+
+def u32(ids: torch.Tensor) -> RawTensor:
+    return RawTensor(ids.to(torch.int32).numpy().tobytes(), DType.U32, tuple(ids.shape))
+
+
+def unpacked(raw: RawTensor) -> torch.Tensor:
+    assert raw.dtype == DType.F32 and len(raw.shape) == 1
+    (layout,) = unpack_layout(raw.data)
+    vector = torch.frombuffer(bytearray(raw.data), dtype=torch.float32)
+    return vector[layout.start:layout.start + layout.count].view(layout.shape)
+
+
+@pytest.mark.parametrize("real", [40, 0, LENGTH])
+def test_the_text_encoder_replies_the_packed_hidden_states_of_layers_8_17_26(node, cache, real):
+    """index_pos 40 masks the keys past the 40 real tokens; 0 and 512 mask nothing (as Cake)."""
+    ids = prompt(real or 60, seed=real)
+
+    async def main():
+        async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+            await client.hello()
+            return await client.single_op("flux_text_encoder", u32(ids), real, 0)
+
+    hidden = unpacked(run(main()))
+    assert hidden.shape == (1, LENGTH, 3 * QWEN3["hidden_size"])
+    torch.testing.assert_close(hidden, flux_text_oracle(cache[1])(ids.long(), real), atol=F32_ATOL, rtol=0)
+
+
+def test_the_log_says_the_encoder_came_from_cakes_cache(node, cache):
+    files = [e for e in node.events() if e.get("event") == "component files"]
+    assert [e["weights"] for e in files] == [str(cache[1])]
