@@ -174,6 +174,44 @@ def write_flux_cache(cache: Path) -> Path:
     return folder
 
 
+FLUX_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [16, 32],
+            "layers_per_block": 1, "norm_num_groups": 8, "down_block_types": ["DownEncoderBlock2D"] * 2,
+            "up_block_types": ["UpDecoderBlock2D"] * 2}
+
+
+def write_flux_vae(cache: Path) -> Path:
+    """FLUX.2's VAE (tiny, random, its batch-norm statistics too) beside the text encoder; its folder."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(3)
+    vae = AutoencoderKLFlux2(**FLUX_VAE)
+    vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean))
+    vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) + 0.5)
+    folder = cache / "hub" / ("models--" + FLUX_REPOSITORY.replace("/", "--")) / "snapshots" / REVISION / "vae"
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, folder / "diffusion_pytorch_model.safetensors")
+    (folder / "config.json").write_text(json.dumps(FLUX_VAE))
+    return folder
+
+
+def flux_vae_oracle(folder: Path):
+    """`decode(latents [b, h·w, 16], h, w)` as diffusers' Flux2KleinPipeline decodes: batch-norm
+    denormalisation, its _unpatchify_latents, the VAE's decode."""
+    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline
+
+    vae = AutoencoderKLFlux2(**FLUX_VAE).eval()
+    vae.load_state_dict(load_file(folder / "diffusion_pytorch_model.safetensors"))
+
+    def decode(latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        x = latents.reshape(latents.shape[0], h, w, -1).permute(0, 3, 1, 2)  # the tokens' grid
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        x = Flux2KleinPipeline._unpatchify_latents(x * std + vae.bn.running_mean.view(1, -1, 1, 1))
+        with torch.no_grad():
+            return vae.decode(x).sample
+
+    return decode
+
+
 def flux_text_oracle(folder: Path):
     """FLUX.2's text conditioning from transformers' whole Qwen3Model: hidden_states 9, 18 and 27
     (after layers 8, 17, 26), concatenated; `encode(ids, real)` masks the keys past `real` (0: none)."""

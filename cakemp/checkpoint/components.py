@@ -57,7 +57,7 @@ COMPONENTS: dict[str, dict[str, Input]] = {
     "flux": {
         "flux_text_encoder": Tokens(),
         "flux_transformer": Packed(((3, 3, 3, 3, 1),), ("img", "img_ids", "txt", "txt_ids", "timestep")),
-        "flux_vae": Packed(((1, 3),), ("dims [2]", "latents [1,S,128]")),
+        "flux_vae": Packed(((1, 3), (1, 4)), ("dims [2] (or direction [1])", "latents [1,S,128] (or [1,32,H,W])")),
     },
     "flux1": {
         "flux1_transformer": Packed(((3, 3, 3, 3, 1, 2), (3, 3, 3, 3, 1, 2, 1)),
@@ -65,7 +65,7 @@ COMPONENTS: dict[str, dict[str, Input]] = {
     },
 }
 # What this node computes today, per arch (the others are refused at start, by name).
-IMPLEMENTED = {"sd": frozenset(COMPONENTS["sd"]), "flux": frozenset({"flux_text_encoder"}), "flux1": frozenset()}
+IMPLEMENTED = {"sd": frozenset(COMPONENTS["sd"]), "flux": frozenset({"flux_text_encoder", "flux_vae"}), "flux1": frozenset()}
 
 
 def check_components(arch: str, names: tuple[str, ...], sd_version: str) -> None:

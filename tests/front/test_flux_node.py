@@ -16,7 +16,9 @@ from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
 from cakemp.wire.packing import unpack_layout
 from tests.front.node import RunningNode, write_topology
-from tests.image import FLUX_REPOSITORY, QWEN3, flux_text_oracle, write_flux_cache
+from tests.image import (
+    FLUX_REPOSITORY, QWEN3, f32, flux_text_oracle, flux_vae_oracle, pack, write_flux_cache, write_flux_vae,
+)
 
 F32_ATOL = 1e-5
 LENGTH = 512  # Cake pads the prompt's chat template to 512 tokens with <|endoftext|>
@@ -29,12 +31,12 @@ def run(coro):
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache")
-    return root, write_flux_cache(root)
+    return root, write_flux_cache(root), write_flux_vae(root)
 
 
 @pytest.fixture(scope="module")
 def node(cache, tmp_path_factory):
-    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["flux_text_encoder"])
+    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["flux_text_encoder", "flux_vae"])
     running = RunningNode(FLUX_REPOSITORY, topology, "--gpus", "cpu", "--dtype", "f32", "--model-type",
                           "image-model", "--image-model-arch", "flux", env={"XDG_CACHE_HOME": str(cache[0])},
                           timeout=120)
@@ -75,4 +77,25 @@ def test_the_text_encoder_replies_the_packed_hidden_states_of_layers_8_17_26(nod
 
 def test_the_log_says_the_encoder_came_from_cakes_cache(node, cache):
     files = [e for e in node.events() if e.get("event") == "component files"]
-    assert [e["weights"] for e in files] == [str(cache[1])]
+    assert [e["weights"] for e in files] == [str(cache[1]), str(cache[2])]
+
+
+def test_the_vae_denormalises_unpatchifies_and_decodes_as_diffusers_pipeline(node, cache):
+    """[dims (h, w), latents [1, h·w, 16]] decodes to the image Flux2KleinPipeline's own steps give,
+    in F32; Cake's legacy [direction 0, latents [1, 4, H, W]] decodes those latents as they are."""
+    h, w = 3, 5
+    latents = torch.randn(1, h * w, 16)
+    spatial = torch.randn(1, 4, 6, 6)
+
+    async def main():
+        async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+            await client.hello()
+            new = await client.single_op("flux_vae", f32(pack(torch.tensor([float(h), float(w)]), latents)), 0, 0)
+            legacy = await client.single_op("flux_vae", f32(pack(torch.tensor([0.0]), spatial)), 0, 0)
+            return new, legacy
+
+    new, legacy = run(main())
+    image = torch.frombuffer(bytearray(new.data), dtype=torch.float32).view(new.shape)
+    assert new.dtype == DType.F32 and image.shape == (1, 3, 4 * h, 4 * w)
+    torch.testing.assert_close(image, flux_vae_oracle(cache[2])(latents, h, w), atol=F32_ATOL, rtol=0)
+    assert legacy.shape == (1, 3, 12, 12)

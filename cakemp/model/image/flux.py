@@ -1,10 +1,17 @@
-"""FLUX.2-klein's text encoder as a Cake worker serves it (`flux_text_encoder`): transformers'
-Qwen3Model over token ids [b, 512], the hidden states after layers 8, 17 and 26 (0-based)
-concatenated on the features (3 x 2560 = 7680 for klein-4B), no final norm; replied as Cake's
-`pack_tensors` of that one tensor, an F32 vector.
+"""FLUX.2-klein's components as a Cake worker serves them.
 
-As Cake's worker: attention is causal, and `index_pos` carries the prompt's real token count,
-so keys past it (the padding) are masked when 0 < index_pos < L.
+`flux_text_encoder`: transformers' Qwen3Model over token ids [b, 512], the hidden states after
+layers 8, 17 and 26 (0-based) concatenated on the features (3 x 2560 = 7680 for klein-4B), no
+final norm; replied as Cake's `pack_tensors` of that one tensor, an F32 vector. As Cake's
+worker: attention is causal, and `index_pos` carries the prompt's real token count, so keys
+past it (the padding) are masked when 0 < index_pos < L.
+
+`flux_vae`: diffusers' AutoencoderKLFlux2, in f32 whatever --dtype says (as Cake). Its input is
+[dims [2] = (h, w), patchified latents [1, h·w, 128]]: the latents are denormalised with the
+VAE's batch-norm statistics (x·sqrt(running_var + 1e-4) + running_mean), unpatchified to
+[1, 32, 2h, 2w] and decoded to an F32 image [1, 3, 16h, 16w]. Cake's legacy form
+[direction [1], latents [1, 32, H, W]] decodes as is; its encode direction is refused, as Cake
+refuses it.
 
 Better than Cake where it changes no result: the layers after 26 are not loaded nor run (Cake
 computes all 36 and throws 27-35 away, a quarter of the encoder's work); and with --dtype f16
@@ -19,6 +26,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from diffusers import AutoencoderKLFlux2
 from transformers import Qwen3Config, Qwen3Model
 
 from cakemp.errors import BadTensor, CheckpointError
@@ -105,4 +113,52 @@ def _pack(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([header, x.reshape(-1)])
 
 
-COMPONENTS = {"flux_text_encoder": FluxTextEncoder}
+class FluxVae:
+    """`flux_vae`: (dims [2], latents [b, h·w, 4·C]) or (direction [1] = 0, latents [b, C, H, W]) -> image."""
+
+    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+        try:
+            config = json.loads(Path(files.config).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {files.config}: {e}") from None
+        self.module = AutoencoderKLFlux2.from_config(config)
+        result = self.module.load_state_dict(load_file(next(Path(files.weights).glob("*.safetensors"))), strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise CheckpointError(f"{files.weights} does not fit its config: missing {result.missing_keys[:4]}, "
+                                  f"unexpected {result.unexpected_keys[:4]}")
+        torch.nn.Module.to(self.module, device, torch.float32).eval()  # Cake's VAE always runs in f32
+        self.channels = self.module.config.latent_channels
+        self.name, self.device = name, device
+
+    def prepare(self, head: torch.Tensor, latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The latents as the decoder takes them: [b, C, 2h, 2w], f32, on the device."""
+        if latents.dim() == 4:  # Cake's legacy form: [direction, latents]
+            _check(head.numel() == 1 and float(head) == 0.0, "flux_vae: only decode (direction 0) is served, as Cake")
+            _check(latents.shape[1] == self.channels, f"flux_vae: latents have {latents.shape[1]} channels, the "
+                   f"decoder takes {self.channels}")
+            _check(0 < latents.shape[2] * 8 <= 4096 and 0 < latents.shape[3] * 8 <= 4096, "flux_vae: an image "
+                   "side past 4096")
+            return (latents.to(self.device, torch.float32),)
+        _check(head.numel() == 2 and all(float(v) == int(v) and 0 < v <= 256 for v in head.tolist()),
+               "flux_vae: dims are the patchified latents' (h, w), whole numbers in 1..256")
+        h, w = (int(v) for v in head.tolist())
+        batch, tokens, features = latents.shape
+        _check(tokens == h * w and features == 4 * self.channels, f"flux_vae: latents [{batch}, {tokens}, {features}]"
+               f" are not [b, h·w = {h * w}, {4 * self.channels}]")
+        bn = self.module.bn
+        x = latents.to(self.device, torch.float32)
+        x = x * torch.sqrt(bn.running_var + bn.eps) + bn.running_mean  # [b, h·w, 4C], per channel
+        # Unpatchify: [b, h, w, (C, 2, 2)] -> [b, C, 2h, 2w], each token's 2x2 pixels in place.
+        x = x.reshape(batch, h, w, self.channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return (x.reshape(batch, self.channels, 2 * h, 2 * w),)
+
+    @staticmethod
+    def group(call: tuple[torch.Tensor, ...]) -> tuple:
+        return tuple(call[0].shape[1:])
+
+    def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        image = self.module.decode(torch.cat([latents for (latents,) in calls])).sample
+        return list(image.split([call[0].shape[0] for call in calls]))
+
+
+COMPONENTS = {"flux_text_encoder": FluxTextEncoder, "flux_vae": FluxVae}
