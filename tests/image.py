@@ -212,6 +212,49 @@ def flux_vae_oracle(folder: Path):
     return decode
 
 
+FLUX_TRANSFORMER = {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1,
+                    "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 48,
+                    "timestep_guidance_channels": 256, "mlp_ratio": 3.0, "axes_dims_rope": [4, 4, 4, 4],
+                    "rope_theta": 2000, "guidance_embeds": False}
+
+
+def write_flux_transformer(cache: Path) -> Path:
+    """FLUX.2's MMDiT (tiny, random: 16 latent channels, text width 48 = the tiny encoder's 3 x 16); its folder."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(4)
+    model = Flux2Transformer2DModel(**FLUX_TRANSFORMER)
+    folder = cache / "hub" / ("models--" + FLUX_REPOSITORY.replace("/", "--")) / "snapshots" / REVISION / "transformer"
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "diffusion_pytorch_model.safetensors")
+    (folder / "config.json").write_text(json.dumps(FLUX_TRANSFORMER))
+    return folder
+
+
+def flux_transformer_oracle(folder: Path):
+    """diffusers' Flux2Transformer2DModel in f32 from the folder's file, called as Flux2KleinPipeline calls it."""
+    from diffusers import Flux2Transformer2DModel
+
+    model = Flux2Transformer2DModel(**FLUX_TRANSFORMER).eval()
+    model.load_state_dict(load_file(folder / "diffusion_pytorch_model.safetensors"))
+
+    def velocity(img, img_ids, txt, txt_ids, t: float) -> torch.Tensor:
+        with torch.no_grad():
+            return model(hidden_states=img, encoder_hidden_states=txt, timestep=torch.tensor([t]), img_ids=img_ids,
+                         txt_ids=txt_ids).sample
+
+    return velocity
+
+
+def flux_ids(h: int, w: int, text: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cake's master's position ids: the image's (0, row, column, 0) [1, h·w, 4], the text's (0, 0, 0, i)."""
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    zeros = torch.zeros(h * w)
+    img_ids = torch.stack([zeros, rows.reshape(-1).float(), cols.reshape(-1).float(), zeros], dim=1)[None]
+    txt_ids = torch.stack([torch.zeros(text)] * 3 + [torch.arange(text).float()], dim=1)[None]
+    return img_ids, txt_ids
+
+
 def flux_text_oracle(folder: Path):
     """FLUX.2's text conditioning from transformers' whole Qwen3Model: hidden_states 9, 18 and 27
     (after layers 8, 17, 26), concatenated; `encode(ids, real)` masks the keys past `real` (0: none)."""

@@ -65,7 +65,7 @@ COMPONENTS: dict[str, dict[str, Input]] = {
     },
 }
 # What this node computes today, per arch (the others are refused at start, by name).
-IMPLEMENTED = {"sd": frozenset(COMPONENTS["sd"]), "flux": frozenset({"flux_text_encoder", "flux_vae"}), "flux1": frozenset()}
+IMPLEMENTED = {"sd": frozenset(COMPONENTS["sd"]), "flux": frozenset(COMPONENTS["flux"]), "flux1": frozenset()}
 
 
 def check_components(arch: str, names: tuple[str, ...], sd_version: str) -> None:

@@ -4,9 +4,9 @@ Cake's worker takes `--model` as the hub repository (black-forest-labs/FLUX.2-kl
 reads it from the cache `dirs::cache_dir()/hub`, which on Linux is `~/.cache/hub`, not HF's own
 `~/.cache/huggingface/hub`. cakemp looks in both (Cake's first), and also takes `--model` as a
 directory laid out like a snapshot. The files are the ones Cake fetches: the text encoder's
-two shards and its config.json under `text_encoder/`, the VAE's
-`vae/diffusion_pytorch_model.safetensors` (and the snapshot's `vae/config.json`, which Cake
-does not read: it hard-codes klein's decoder).
+two shards and its config.json under `text_encoder/`, `transformer/diffusion_pytorch_model.safetensors`, the VAE's
+`vae/diffusion_pytorch_model.safetensors` (with the snapshot's config.json files, which Cake
+does not read: it hard-codes klein's transformer and decoder).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from cakemp.checkpoint.sd_files import snapshot_holding
 from cakemp.errors import ConfigError
 
 # component -> (the file whose presence marks a snapshot holding it, the directory its weights are in)
-FILES = {"flux_text_encoder": ("text_encoder/config.json", "text_encoder"), "flux_vae": ("vae/config.json", "vae")}
+FILES = {"flux_text_encoder": ("text_encoder/config.json", "text_encoder"),
+         "flux_transformer": ("transformer/config.json", "transformer"), "flux_vae": ("vae/config.json", "vae")}
 
 
 def cache_roots() -> tuple[Path, ...]:

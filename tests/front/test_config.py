@@ -274,7 +274,7 @@ def test_explicit_component_files_take_their_config_from_the_config_dir(tmp_path
 @pytest.mark.parametrize(("components", "changes", "words"), [
     (["unet", "model.layers.0-3"], {}, "Model name not recognized: 'model.layers.0-3'"),
     (["clip2"], {}, "--sd-version v1-5 has none"),
-    (["flux_transformer"], {"image_model_arch": "flux"}, "flux_transformer (--image-model-arch flux) is not served"),
+    (["flux1_transformer"], {"image_model_arch": "flux1"}, "flux1_transformer (--image-model-arch flux1) is not served"),
     (["clip"], {}, "runwayml/stable-diffusion-v1-5/text_encoder/model.fp16.safetensors is not in the HF cache"),
     (["unet"], {"sd_unet": "/nonexistent.safetensors"}, "--sd-unet /nonexistent.safetensors: no such file"),
 ])

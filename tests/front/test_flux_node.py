@@ -1,8 +1,9 @@
-"""A live `cpu:1` node serving FLUX.2-klein's text encoder (--image-model-arch flux), found where
+"""A live `cpu:2` node serving FLUX.2-klein's components: the text encoder (--image-model-arch flux), found where
 Cake's worker looks (`dirs::cache_dir()/hub`, here XDG_CACHE_HOME/hub, under the repository id
 given as --model), driven as Cake's master drives it: U32 ids [1, 512], `index_pos` the real
-token count. The reply is Cake's pack_tensors of the hidden states after layers 8, 17, 26,
-compared with transformers' whole Qwen3Model (its hidden_states 9, 18, 27) in f32 within F32_ATOL.
+token count. Its reply is Cake's pack_tensors of the hidden states after layers 8, 17, 26,
+compared with transformers' whole Qwen3Model (its hidden_states 9, 18, 27) in f32 within F32_ATOL;
+the VAE's with Flux2KleinPipeline's own decode steps; the MMDiT's BF16 velocity with diffusers'.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from cakemp.wire import DType, RawTensor
 from cakemp.wire.packing import unpack_layout
 from tests.front.node import RunningNode, write_topology
 from tests.image import (
-    FLUX_REPOSITORY, QWEN3, f32, flux_text_oracle, flux_vae_oracle, pack, write_flux_cache, write_flux_vae,
+    FLUX_REPOSITORY, QWEN3, f32, flux_ids, flux_text_oracle, flux_transformer_oracle, flux_vae_oracle, pack,
+    write_flux_cache, write_flux_transformer, write_flux_vae,
 )
 
 F32_ATOL = 1e-5
+BF16_RTOL = 8 * 2**-8  # the transformer replies in BF16, as Cake's: 8 eps of it
+COMPONENTS = ["flux_text_encoder", "flux_vae", "flux_transformer"]  # the transformer alone on cpu:1
 LENGTH = 512  # Cake pads the prompt's chat template to 512 tokens with <|endoftext|>
 
 
@@ -31,13 +35,13 @@ def run(coro):
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache")
-    return root, write_flux_cache(root), write_flux_vae(root)
+    return root, write_flux_cache(root), write_flux_vae(root), write_flux_transformer(root)
 
 
 @pytest.fixture(scope="module")
 def node(cache, tmp_path_factory):
-    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["flux_text_encoder", "flux_vae"])
-    running = RunningNode(FLUX_REPOSITORY, topology, "--gpus", "cpu", "--dtype", "f32", "--model-type",
+    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", COMPONENTS)
+    running = RunningNode(FLUX_REPOSITORY, topology, "--gpus", "cpu:2", "--dtype", "f32", "--model-type",
                           "image-model", "--image-model-arch", "flux", env={"XDG_CACHE_HOME": str(cache[0])},
                           timeout=120)
     yield running
@@ -77,7 +81,7 @@ def test_the_text_encoder_replies_the_packed_hidden_states_of_layers_8_17_26(nod
 
 def test_the_log_says_the_encoder_came_from_cakes_cache(node, cache):
     files = [e for e in node.events() if e.get("event") == "component files"]
-    assert [e["weights"] for e in files] == [str(cache[1]), str(cache[2])]
+    assert [e["weights"] for e in files] == [str(cache[1]), str(cache[2]), str(cache[3])]
 
 
 def test_the_vae_denormalises_unpatchifies_and_decodes_as_diffusers_pipeline(node, cache):
@@ -99,3 +103,27 @@ def test_the_vae_denormalises_unpatchifies_and_decodes_as_diffusers_pipeline(nod
     assert new.dtype == DType.F32 and image.shape == (1, 3, 4 * h, 4 * w)
     torch.testing.assert_close(image, flux_vae_oracle(cache[2])(latents, h, w), atol=F32_ATOL, rtol=0)
     assert legacy.shape == (1, 3, 12, 12)
+
+
+def test_concurrent_transformer_steps_reply_bf16_velocities_as_diffusers(node, cache):
+    """Two masters' steps (same image size, their own timesteps and latents) through the MMDiT:
+    each velocity [1, S, 16] in BF16 is diffusers' (f32, rounded to BF16) within 8 BF16 eps."""
+    h, w, text = 2, 3, 8
+    img_ids, txt_ids = flux_ids(h, w, text)
+    calls = [(torch.randn(1, h * w, 16), torch.randn(1, text, 48), t) for t in (0.9, 0.3)]
+
+    async def step(img, txt, t):
+        async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+            await client.hello()
+            return await client.single_op("flux_transformer", f32(pack(img, img_ids, txt, txt_ids,
+                                                                             torch.tensor([t]))), 0, 0)
+
+    async def main():
+        return await asyncio.gather(*(step(*call) for call in calls))
+
+    oracle = flux_transformer_oracle(cache[3])
+    for reply, (img, txt, t) in zip(run(main()), calls):
+        assert reply.dtype == DType.BF16 and reply.shape == (1, h * w, 16)
+        got = torch.frombuffer(bytearray(reply.data), dtype=torch.bfloat16).view(reply.shape).float()
+        expected = oracle(img, img_ids, txt, txt_ids, t).to(torch.bfloat16).float()
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=BF16_RTOL)

@@ -6,6 +6,13 @@ final norm; replied as Cake's `pack_tensors` of that one tensor, an F32 vector. 
 worker: attention is causal, and `index_pos` carries the prompt's real token count, so keys
 past it (the padding) are masked when 0 < index_pos < L.
 
+`flux_transformer`: diffusers' Flux2Transformer2DModel over [img [b, S, 128], img_ids [b, S, 4],
+txt [b, L, 7680], txt_ids [b, L, 4], timestep [1]] (the timestep a sigma in [0, 1], scaled by
+1000 inside, as candle's); no guidance embedding. Cake's weights are always BF16 and so is its
+reply, the velocity [b, S, 128]; cakemp computes in bf16 too unless --dtype f32 (then in f32,
+replied in BF16: Cake's master adds the reply to its BF16 latents, and candle refuses mixed dtypes).
+Calls batch together when their shapes and position ids agree (each with its own timestep).
+
 `flux_vae`: diffusers' AutoencoderKLFlux2, in f32 whatever --dtype says (as Cake). Its input is
 [dims [2] = (h, w), patchified latents [1, h·w, 128]]: the latents are denormalised with the
 VAE's batch-norm statistics (x·sqrt(running_var + 1e-4) + running_mean), unpatchified to
@@ -26,7 +33,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from diffusers import AutoencoderKLFlux2
+from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
 from cakemp.errors import BadTensor, CheckpointError
@@ -113,19 +120,71 @@ def _pack(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([header, x.reshape(-1)])
 
 
+def _diffusers_module(cls, files, what: str) -> torch.nn.Module:
+    """`cls` built from the component's config.json and loaded from its folder's safetensors file."""
+    try:
+        config = json.loads(Path(files.config).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {files.config}: {e}") from None
+    module = cls.from_config(config)
+    state = {}
+    for shard in sorted(Path(files.weights).glob("*.safetensors")):
+        state.update(load_file(shard))
+    result = module.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(f"{files.weights}: the {what} does not fit its config: missing "
+                              f"{result.missing_keys[:4]}, unexpected {result.unexpected_keys[:4]}")
+    return module
+
+
+class FluxTransformer:
+    """`flux_transformer`: (img, img_ids, txt, txt_ids, timestep) -> velocity [b, S, C] in BF16."""
+
+    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+        self.module = _diffusers_module(Flux2Transformer2DModel, files, "transformer")
+        self.dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+        torch.nn.Module.to(self.module, device, self.dtype).eval()
+        self.config = self.module.config
+        self.name, self.device = name, device
+
+    def prepare(self, img, img_ids, txt, txt_ids, timestep) -> tuple[torch.Tensor, ...]:
+        axes = len(self.config.axes_dims_rope)
+        _check(img.shape[2] == self.config.in_channels and txt.shape[2] == self.config.joint_attention_dim,
+               f"flux_transformer: img [b, S, {self.config.in_channels}] and txt [b, L, "
+               f"{self.config.joint_attention_dim}], got {list(img.shape)} and {list(txt.shape)}")
+        _check(img.shape[0] == txt.shape[0] == 1 and tuple(img_ids.shape) == (1, img.shape[1], axes)
+               and tuple(txt_ids.shape) == (1, txt.shape[1], axes), f"flux_transformer: one image, its ids "
+               f"[1, S, {axes}] and [1, L, {axes}]")
+        _check(img.shape[1] <= 65536 and txt.shape[1] <= 4096, "flux_transformer: at most 65536 image and 4096 "
+               "text tokens")
+        _check(timestep.numel() == 1 and bool(torch.isfinite(timestep).all()), "flux_transformer: the timestep "
+               "is one finite number")
+        _check(bool(torch.isfinite(img_ids).all() and torch.isfinite(txt_ids).all()), "flux_transformer: position "
+               "ids are finite")
+        to = {"device": self.device, "dtype": self.dtype}
+        return (img.to(**to), img_ids[0].to(self.device), txt.to(**to), txt_ids[0].to(self.device),
+                timestep.reshape(1).to(**to))
+
+    @staticmethod
+    def group(call: tuple[torch.Tensor, ...]) -> tuple:
+        """Shapes and the position ids themselves: diffusers takes one set of ids for the whole batch."""
+        img, img_ids, txt, txt_ids, _ = call
+        return (tuple(img.shape), tuple(txt.shape), img_ids.cpu().numpy().tobytes(), txt_ids.cpu().numpy().tobytes())
+
+    def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        img = torch.cat([call[0] for call in calls])
+        txt = torch.cat([call[2] for call in calls])
+        timesteps = torch.cat([call[4] for call in calls])
+        velocity = self.module(hidden_states=img, encoder_hidden_states=txt, timestep=timesteps,
+                               img_ids=calls[0][1], txt_ids=calls[0][3]).sample
+        return list(velocity.to(torch.bfloat16).split(1))
+
+
 class FluxVae:
     """`flux_vae`: (dims [2], latents [b, h·w, 4·C]) or (direction [1] = 0, latents [b, C, H, W]) -> image."""
 
     def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
-        try:
-            config = json.loads(Path(files.config).read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read {files.config}: {e}") from None
-        self.module = AutoencoderKLFlux2.from_config(config)
-        result = self.module.load_state_dict(load_file(next(Path(files.weights).glob("*.safetensors"))), strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise CheckpointError(f"{files.weights} does not fit its config: missing {result.missing_keys[:4]}, "
-                                  f"unexpected {result.unexpected_keys[:4]}")
+        self.module = _diffusers_module(AutoencoderKLFlux2, files, "VAE")
         torch.nn.Module.to(self.module, device, torch.float32).eval()  # Cake's VAE always runs in f32
         self.channels = self.module.config.latent_channels
         self.name, self.device = name, device
@@ -161,4 +220,4 @@ class FluxVae:
         return list(image.split([call[0].shape[0] for call in calls]))
 
 
-COMPONENTS = {"flux_text_encoder": FluxTextEncoder, "flux_vae": FluxVae}
+COMPONENTS = {"flux_text_encoder": FluxTextEncoder, "flux_transformer": FluxTransformer, "flux_vae": FluxVae}
