@@ -1,7 +1,7 @@
-"""A live `cpu:2` node serving FLUX.2-klein's components: the text encoder (--image-model-arch flux), found where
+"""A live `cpu:2` node serving FLUX.2-klein's components (--image-model-arch flux), found where
 Cake's worker looks (`dirs::cache_dir()/hub`, here XDG_CACHE_HOME/hub, under the repository id
-given as --model), driven as Cake's master drives it: U32 ids [1, 512], `index_pos` the real
-token count. Its reply is Cake's pack_tensors of the hidden states after layers 8, 17, 26,
+given as --model), driven as Cake's master drives them. The text encoder takes U32 ids [1, 512]
+with `index_pos` the real token count. Its reply is Cake's pack_tensors of the hidden states after layers 8, 17, 26,
 compared with transformers' whole Qwen3Model (its hidden_states 9, 18, 27) in f32 within F32_ATOL;
 the VAE's with Flux2KleinPipeline's own decode steps; the MMDiT's BF16 velocity with diffusers'.
 """
