@@ -13,6 +13,7 @@ import asyncio
 import pytest
 import torch
 
+from cakemp.errors import RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
 from cakemp.wire.packing import unpack_layout
@@ -127,3 +128,35 @@ def test_concurrent_transformer_steps_reply_bf16_velocities_as_diffusers(node, c
         got = torch.frombuffer(bytearray(reply.data), dtype=torch.bfloat16).view(reply.shape).float()
         expected = oracle(img, img_ids, txt, txt_ids, t).to(torch.bfloat16).float()
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=BF16_RTOL)
+
+
+MALFORMED = {
+    "a token past the vocabulary": ("flux_text_encoder", u32(torch.tensor([[1, QWEN3["vocab_size"]]])),
+                                    "outside the vocabulary of 500"),
+    "latents that are not the dims' grid": ("flux_vae", f32(pack(torch.tensor([2.0, 2.0]), torch.zeros(1, 5, 16))),
+                                            "are not [b, h·w = 4, 16]"),
+    "the vae's encode direction": ("flux_vae", f32(pack(torch.tensor([1.0]), torch.zeros(1, 3, 8, 8))),
+                                   "only decode (direction 0) is served"),
+    "text of the wrong width": ("flux_transformer", f32(pack(torch.zeros(1, 6, 16), *flux_ids(2, 3, 8)[:1],
+                                                             torch.zeros(1, 8, 40), flux_ids(2, 3, 8)[1],
+                                                             torch.tensor([0.5]))), "txt [b, L, 48]"),
+    "a pack of four for the transformer": ("flux_transformer", f32(pack(*(torch.zeros(1, 2, 2) for _ in range(4)))),
+                                           "the pack holds tensors of ranks [3, 3, 3, 3]"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_flux_calls_are_refused_by_name_and_the_connection_goes_on(node, case):
+    component, x, words = MALFORMED[case]
+
+    async def main():
+        async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+            await client.hello()
+            with pytest.raises(RemoteWorkerError) as error:
+                await client.single_op(component, x, 0, 0)
+            after = await client.single_op("flux_vae", f32(pack(torch.tensor([1.0, 1.0]), torch.zeros(1, 1, 16))), 0, 0)
+            return str(error.value), after
+
+    message, after = run(main())
+    assert words in message
+    assert after.shape == (1, 3, 4, 4)
