@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from pathlib import Path
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,15 +23,19 @@ import click
 from cakemp import gpus, log
 from cakemp.address import is_loopback, parse_address
 from cakemp.allow_list import AllowList
+from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint import hub
+from cakemp.checkpoint.files import in_layer
+from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
+from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
 from cakemp.checkpoint import components as image_components
-from cakemp.checkpoint import flux_files
-from cakemp.checkpoint.sd_files import SD_VERSIONS, Located, locate
+from cakemp.checkpoint import flux_files, sd_files
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, ComponentFile, DeviceSpec, ImageModel
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
-from cakemp.topology import Topology
+from cakemp.topology import Topology, collapse_layers
 from cakemp.wire import Revision
 from cakemp.wire.discovery import DISCOVERY_PORT
 
@@ -100,13 +105,15 @@ class NodeConfig:
     # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
     setup: SetupConfig | None = None
     model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None,
-                          "Model directory (image models: the HF cache root, holding hub/).")
+                          "Model directory, `cake split` bundle (its model/ and topology.yml), or Hugging Face id "
+                          "org/name[@revision] (from the hub cache; this node's missing files are downloaded). Image "
+                          "models: Stable Diffusion's HF cache root (holding hub/), FLUX.2's repository id or directory.")
     model_type: str = knob("--model-type", "text-model", click.Choice(image_components.MODEL_TYPES),
                            "image-model: serve the image components the topology entry names (clip, unet, ...).")
     image_arch: str = knob("--image-model-arch", "sd", click.Choice(image_components.ARCHS),
                            "Image model the components belong to (with --model-type image-model).")
-    sd_version: str = knob("--sd-version", "v1-5", click.Choice(SD_VERSIONS), "Stable Diffusion version (as the "
-                           "master's): picks the hub repository and the standard architecture.")
+    sd_version: str = knob("--sd-version", "v1-5", click.Choice(sd_files.SD_VERSIONS), "Stable Diffusion version "
+                           "(as the master's): picks the hub repository and the standard architecture.")
     sd_unet: str | None = knob("--sd-unet", None, None, "UNet weights file (default: from the HF cache).")
     sd_vae: str | None = knob("--sd-vae", None, None, "VAE weights file (default: from the HF cache).")
     sd_clip: str | None = knob("--sd-clip", None, None, "CLIP text encoder weights file (default: from the HF cache).")
@@ -213,8 +220,11 @@ def _knobs(values: Mapping[str, Any]) -> dict[str, Any]:
 # The flags that say what the node serves: read together, not one field each.
 NAME = Flag("--name", "This worker's entry in the topology; in zero-config mode its discovery name (default: the "
             "host name).")
-TOPOLOGY = Flag("--topology", "Cake topology YAML; without it and with --cluster-key, zero-config mode (the master "
-                "discovers the node and pushes the model).")
+TOPOLOGY = Flag("--topology", "Cake topology YAML (default: a --model bundle's); without it and with --cluster-key, "
+                "zero-config mode (the master discovers the node and pushes the model).")
+MASTER_TFLOPS = Flag("--master-tflops", "A topology whose nodes all list no layers: the master's TFLOPS its share is "
+                     "weighed by (default: this machine's devices', as Cake's workers count them; give the master's "
+                     "so that this node assigns what the master does).", None, click.FloatRange(min=0))
 GPUS = Flag("--gpus", "all | cpu | cpu:N | GPU indices (of the visible GPUs, PCI bus order) or GPU/MIG UUIDs, like 0,2.",
             "all")
 DISCOVERY_PORT_FLAG = Flag("--discovery-port", "Zero-config: UDP port answering the master's discovery.",
@@ -226,7 +236,7 @@ MAX_MODEL_GIB = Flag("--max-model-gib", "Zero-config: most GiB a master may push
 
 # Every `cakemp run` flag, in --help order.
 RUN_FLAGS: tuple[Flag, ...] = (
-    NAME, TOPOLOGY, GPUS,
+    NAME, TOPOLOGY, MASTER_TFLOPS, GPUS,
     *(field.metadata["flag"] for field in dataclasses.fields(NodeConfig) if "flag" in field.metadata),
     DISCOVERY_PORT_FLAG, DISCOVERY_BIND, MAX_MODEL_GIB,
 )
@@ -247,11 +257,17 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     if not values["cluster_key"] and knobs["allow_from"] is None and not is_loopback(knobs["address"][0]):
         logger.warning("any peer that reaches the port may use this node: give a cluster key or --allow-from",
                        address=values["address"])
-    images = knobs["model_type"] == "image-model"
-    if values["cluster_key"] and not values["topology"] and images:
-        raise ConfigError("an image model needs --topology: zero-config setup serves text models only (as Cake)")
-    if values["cluster_key"] and not values["topology"]:
-        # Cake's rule for zero-config: a key and no topology (--model has a default, so it cannot count).
+    if knobs["model_type"] == "image-model":  # --model is no text checkpoint: none of its rules apply
+        if values["cluster_key"] and not values["topology"]:
+            raise ConfigError("an image model needs --topology: zero-config setup serves text models only (as Cake)")
+        served, layers = _component_entry(values["name"], values["topology"])
+        knobs["component_files"] = _component_files(layers, knobs)
+        return _placed(values, served, layers, None, knobs)
+    source = locate(values["model"])
+    topology = values["topology"] or source.topology
+    if values["cluster_key"] and not topology:
+        # Cake's rule for zero-config: a key and no topology (a bundle's counts: it is a topology; --model
+        # itself has a default, so it cannot count).
         if model_given:
             logger.warning("--model is ignored in zero-config mode: the master pushes the model")
         served, layers = values["name"] or socket.gethostname(), ()
@@ -261,10 +277,15 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
                             max_model_bytes=None if max_model_gib is None else int(max_model_gib * (1 << 30)),
                             discovery_host=values["discovery_bind"], discovery_port=values["discovery_port"])
     else:
-        served, layers = _topology_entry(values["name"], values["topology"], expand=not images)
+        served, layers, knobs["model_dir"] = _topology_node(values, topology, source, knobs["model_dir"])
         setup = None
-    if images:
-        knobs["component_files"] = _component_files(layers, knobs)
+    return _placed(values, served, layers, setup, knobs)
+
+
+def _placed(values: Mapping[str, Any], served: str, layers: tuple[str, ...], setup: SetupConfig | None,
+            knobs: dict[str, Any]) -> NodeConfig:
+    """The node serving `layers` as `served` on the devices --gpus names (no more than it has layers)."""
+    logger = log.get_logger()
     devices = gpus.select_devices(values["gpus"])
     if values["gpus"].strip() == "all" and devices == (None,):
         logger.warning("no CUDA device found; serving on one CPU device")
@@ -299,6 +320,20 @@ def scrub_cluster_key(environ: MutableMapping[str, str]) -> None:
                               "handshake")
 
 
+def _component_entry(name: str | None, topology: str | None) -> tuple[str, tuple[str, ...]]:
+    """The image components of this worker's topology entry: names taken as written (no range expansion)."""
+    if not name:
+        raise ConfigError("no --name provided for worker")
+    if not topology:
+        raise ConfigError("no --topology given: an image node serves the components its entry names")
+    served, node = Topology.load(topology, expand=False).worker(name)
+    if served != name:
+        log.get_logger().warning("worker name not in topology, serving its only entry", name=name, entry=served)
+    if not node.layers:
+        raise ConfigError(f"topology entry '{served}' lists no components")
+    return served, node.layers
+
+
 def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[tuple[str, ComponentFile], ...]:
     """Each image component's files, logged with where its architecture comes from. Raises ConfigError."""
     image_components.check_components(knobs["image_arch"], names, knobs["sd_version"])
@@ -306,9 +341,10 @@ def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[
     for name in names:
         if knobs["image_arch"] == "flux":  # a directory of shards, with its config.json
             folder = flux_files.locate(name, knobs["model_dir"])
-            located = Located(folder, folder / "config.json", "snapshot")
+            located = sd_files.Located(folder, folder / "config.json", "snapshot")
         else:
-            located = locate(name, knobs["sd_version"], knobs["model_dir"], knobs[f"sd_{name}"], knobs["sd_config_dir"])
+            located = sd_files.locate(name, knobs["sd_version"], knobs["model_dir"], knobs[f"sd_{name}"],
+                                      knobs["sd_config_dir"])
         log.get_logger().info("component files", component=name, weights=str(located.weights),
                               config=str(located.config) if located.config else f"{knobs['sd_version']} standard "
                               "(as Cake hard-codes it)", config_from=located.config_source)
@@ -316,19 +352,61 @@ def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[
     return tuple(files)
 
 
-def _topology_entry(name: str | None, topology: str | None, expand: bool = True) -> tuple[str, tuple[str, ...]]:
-    """The entry of `topology` this worker serves (its name and layers; image components are
-    names, not expanded as ranges)."""
+def _topology_node(values: Mapping[str, Any], topology: str | Path | None, source: ModelSource,
+                   model_dir: str) -> tuple[str, tuple[str, ...], str]:
+    """Topology mode: this node's name and layers, and the checkpoint directory it loads them
+    from (`model_dir` as given, or the folder a bundle or a repository id was found in), with the
+    files of a repository that it lacks fetched."""
+    source, fetched = fetch_metadata(source)
+    served, layers = _topology_entry(values["name"], topology, source, values["master_tflops"])
+    fetched += fetch_weights(source, lambda tensor: any(in_layer(tensor, layer) for layer in layers))
+    if fetched:
+        log.get_logger().info("downloaded from the hub", repository=str(source.repository), files=fetched)
+    if source.repository is not None or source.topology is not None:
+        model_dir = str(source.checkpoint())
+    return served, layers, model_dir
+
+
+def _topology_entry(name: str | None, topology: str | Path | None, source: ModelSource,
+                    master_tflops: float | None) -> tuple[str, tuple[str, ...]]:
+    """The entry of `topology` this worker serves (its name and layers); where no node lists a
+    layer, the layers Cake's default strategy gives it (`_assigned`)."""
     if not name:
         raise ConfigError("no --name provided for worker")
     if not topology:
         raise ConfigError("no --topology given (and no --cluster-key for zero-config setup)")
-    served, node = Topology.load(topology, expand=expand).worker(name)
+    layout = Topology.load(topology)
+    assigned = layout.needs_assignment
+    if assigned:
+        layout = _assigned(layout, source, master_tflops)
+    served, node = layout.worker(name)
     if served != name:
         log.get_logger().warning("worker name not in topology, serving its only entry", name=name, entry=served)
+    if not node.layers and assigned:
+        raise ConfigError(f"the default assignment gives topology entry '{served}' no layers (give the nodes tflops, "
+                          "or the master fewer with --master-tflops)")
     if not node.layers:
         raise ConfigError(f"topology entry '{served}' lists no layers")
+    if assigned:
+        log.get_logger().info("layers assigned", name=served, layers=list(collapse_layers(node.layers)),
+                              count=len(node.layers))
     return served, node.layers
+
+
+def _assigned(layout: Topology, source: ModelSource, master_tflops: float | None) -> Topology:
+    """`layout` (no node listing a layer) completed by Cake's default strategy, as Cake (HEAD)
+    completes it on every process: weighed by the master's TFLOPS (`master_tflops`, else this
+    machine's devices', as Cake's worker counts them) and, where nodes give `vram_bytes`, by one
+    layer's size estimated from every shard's header."""
+    config = ModelConfig.from_dir(source.checkpoint())
+    if master_tflops is None:
+        master_tflops = sum(device.tflops for device in gpus.describe(gpus.select_devices("all")))
+    layer_bytes = hub.layer_bytes(source, config.num_hidden_layers, config.layer_prefix) if layout.weighs_memory else 0
+    log.get_logger().warning(
+        "the topology lists no layers: every node and the master assign them on their own, by Cake's default "
+        "strategy, and agree only with the same topology, checkpoint and master TFLOPS (--master-tflops)",
+        master_tflops=master_tflops, layer_bytes=layer_bytes, num_layers=config.num_hidden_layers)
+    return layout.assigned(config.num_hidden_layers, config.layer_prefix, master_tflops, layer_bytes)
 
 
 def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runtime_dir: str) -> list[DeviceSpec]:
