@@ -64,7 +64,7 @@ class Serving:
     zero-config mode from a setup's assignment (then rebuilt for the next, should they not load)."""
 
     config: NodeConfig  # the node's configuration, naming the layers served, their checkpoint and devices
-    admission: Admission
+    admission: Admission | ComponentAdmission
     limits: ConnectionLimits
     status: NodeStatus
     pool: DevicePool

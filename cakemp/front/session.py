@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from cakemp.errors import BadOps, InternalError, RequestError, SessionExpired
 from cakemp.front.admission import Admission
+from cakemp.front.component_admission import ComponentAdmission
 from cakemp.wire import (
     Batch, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, Message, RawTensor, SingleOp, WorkerError,
     WorkerReady,
@@ -90,7 +91,7 @@ Action = Greet | Reply | Run | Refuse | Clear | Note | Close
 class Session:
     """One master session's rules: which messages it may send when, and what each calls for."""
 
-    def __init__(self, admission: Admission, *, served: LayerAssignment | None = None,
+    def __init__(self, admission: Admission | ComponentAdmission, *, served: LayerAssignment | None = None,
                  idle_timeout: float | None = None):
         """`served`: a zero-config node's setup, which a re-setup must match; `idle_timeout`: seconds
         idle after which the session's state is freed (None: never)."""

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
@@ -51,13 +51,14 @@ def _weights(folder: Path, layers: int) -> dict[str, torch.Tensor]:
     names them (the files prefix them `model.`)."""
     state = {}
     for shard in sorted(folder.glob("*.safetensors")):
-        for key, value in load_file(shard).items():
-            key = key.removeprefix("model.")
-            if key.startswith("layers.") and int(key.split(".")[1]) >= layers:
-                continue
-            if key.startswith(("norm.", "lm_head.")):  # the final norm is not used
-                continue
-            state[key] = value
+        with safe_open(shard, "pt") as stored:  # only what is kept is read
+            for key in stored.keys():
+                name = key.removeprefix("model.")
+                if name.startswith("layers.") and int(name.split(".")[1]) >= layers:
+                    continue
+                if name.startswith(("norm.", "lm_head.")):  # the final norm is not used
+                    continue
+                state[name] = stored.get_tensor(key)
     return state
 
 
@@ -77,7 +78,8 @@ class FluxTextEncoder:
             raise CheckpointError(f"{files.config}: the encoder has {config.get('num_hidden_layers')} layers, "
                                   f"FLUX.2 reads layer {OUTPUT_LAYERS[-1]}")
         self.config = Qwen3Config(**{**config, "num_hidden_layers": self.layers})
-        self.module = Qwen3Model(self.config)
+        with device:  # random initialisation where the weights will live (fast on a GPU), then overwritten
+            self.module = Qwen3Model(self.config)
         result = self.module.load_state_dict(_weights(Path(files.weights), self.layers), strict=False)
         missing = [key for key in result.missing_keys if not key.startswith("norm.")]
         if missing or result.unexpected_keys:
@@ -120,16 +122,18 @@ def _pack(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([header, x.reshape(-1)])
 
 
-def _diffusers_module(cls, files, what: str) -> torch.nn.Module:
+def _diffusers_module(cls, files, what: str, device: torch.device) -> torch.nn.Module:
     """`cls` built from the component's config.json and loaded from its folder's safetensors file."""
     try:
         config = json.loads(Path(files.config).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {files.config}: {e}") from None
-    module = cls.from_config(config)
+    with device:  # random initialisation where the weights will live (fast on a GPU), then overwritten
+        module = cls.from_config(config)
     state = {}
     for shard in sorted(Path(files.weights).glob("*.safetensors")):
-        state.update(load_file(shard))
+        with safe_open(shard, "pt") as stored:
+            state.update({key: stored.get_tensor(key) for key in stored.keys()})
     result = module.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise CheckpointError(f"{files.weights}: the {what} does not fit its config: missing "
@@ -141,7 +145,7 @@ class FluxTransformer:
     """`flux_transformer`: (img, img_ids, txt, txt_ids, timestep) -> velocity [b, S, C] in BF16."""
 
     def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
-        self.module = _diffusers_module(Flux2Transformer2DModel, files, "transformer")
+        self.module = _diffusers_module(Flux2Transformer2DModel, files, "transformer", device)
         self.dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
         torch.nn.Module.to(self.module, device, self.dtype).eval()
         self.config = self.module.config
@@ -184,7 +188,7 @@ class FluxVae:
     """`flux_vae`: (dims [2], latents [b, h·w, 4·C]) or (direction [1] = 0, latents [b, C, H, W]) -> image."""
 
     def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
-        self.module = _diffusers_module(AutoencoderKLFlux2, files, "VAE")
+        self.module = _diffusers_module(AutoencoderKLFlux2, files, "VAE", device)
         torch.nn.Module.to(self.module, device, torch.float32).eval()  # Cake's VAE always runs in f32
         self.channels = self.module.config.latent_channels
         self.name, self.device = name, device

@@ -87,7 +87,8 @@ class Clip:
         if config.get("hidden_act") == "gelu":  # candle's Activation::Gelu is the tanh approximation
             config["hidden_act"] = "gelu_pytorch_tanh"
         self.config = CLIPTextConfig(**config)
-        self.module = CLIPTextModel(self.config)
+        with device:  # random initialisation where the weights will live (fast on a GPU), then overwritten
+            self.module = CLIPTextModel(self.config)
         _load(self.module, files.weights, ("text_projection.", "embeddings.position_ids"), _text_model)
         _place(self.module, device, dtype)
         self.name, self.device = name, device
@@ -117,7 +118,8 @@ class UNet:
     def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
         config = _config(files.config, sd_configs.UNETS[version])
         config["addition_embed_type"] = None  # Cake's master sends no added conditioning
-        self.module = UNet2DConditionModel.from_config(config)
+        with device:
+            self.module = UNet2DConditionModel.from_config(config)
         _load(self.module, files.weights, ("add_embedding.",))
         for block in self.module.modules():
             if isinstance(block, GEGLU):
@@ -169,7 +171,8 @@ class Vae:
     """`vae`: (direction [1], x): 1 encodes an image [b, 3, H, W] to sampled latents, 0 decodes latents."""
 
     def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
-        self.module = AutoencoderKL.from_config(_config(files.config, sd_configs.VAES[version]))
+        with device:
+            self.module = AutoencoderKL.from_config(_config(files.config, sd_configs.VAES[version]))
         _load(self.module, files.weights, (), _modern_attention_names)
         _place(self.module, device, dtype)
         self.config = self.module.config
