@@ -21,12 +21,15 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from cakemp import log
 from cakemp.device.scheduler import Gathering, Scheduler
+from cakemp.ipc import trace
 from cakemp.ipc.spec import DeviceSpec
 from cakemp.ipc import (
+    Activation,
     Clear,
     DeviceChannel,
     End,
@@ -91,6 +94,8 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
             if isinstance(message, Ping):
                 channel.send(Pong())
             elif isinstance(message, Hop | Clear | End):
+                if isinstance(message, Hop) and message.trace:
+                    message = replace(message, trace=(*message.trace, trace.now()))
                 gathering.arrived(message.session, now)
                 scheduler.add(message)
             else:
@@ -110,14 +115,17 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
             _report_prefixes(channel, service)  # before the answer, so the front counts it by then
             channel.send(done)
         if step.hops:
+            started = time.monotonic_ns()  # the same clock as time.monotonic(), in ns for the trace
             channel.send(StepReport(len(step.hops), step.tokens))
-            started = time.monotonic()
             replies = service.run_step(step.hops)
+            ran = time.monotonic_ns()
             _report_prefixes(channel, service)
-            for reply in replies:
+            for hop, reply in zip(step.hops, replies, strict=True):
+                if hop.trace and isinstance(reply, Hop | Activation):
+                    reply = replace(reply, trace=(*hop.trace, started, ran, trace.now()))
                 _send_on(spec, channel, reply)
             now = time.monotonic()
-            gathering.stepped({hop.session for hop in step.hops}, now - started, now)
+            gathering.stepped({hop.session for hop in step.hops}, now - started / 1e9, now)
         if service.poisoned is not None:
             # The CUDA context fails every call from now on: end, for the front to start afresh.
             logger.error("device fault; exiting so that the front restarts this device", device_label=spec.label,

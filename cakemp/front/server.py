@@ -39,6 +39,7 @@ from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.setup.exchange import MAX_SETUP_FRAME, Setup
 from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
+from cakemp.front.tracing import TraceFile
 from cakemp.ipc import Ready
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.rss import resident_bytes
@@ -88,6 +89,7 @@ class Front:
         self._stopping = asyncio.Event()
         self._connections: dict[Connection, asyncio.Task] = {}
         self._sessions = itertools.count(1)
+        self._trace_file = TraceFile.from_environment()  # None unless CAKEMP_TRACE names a file (bench/route.py)
         self._log = log.get_logger()
 
     def stop(self) -> None:
@@ -141,6 +143,8 @@ class Front:
             if self._discovery is not None:
                 self._discovery.close()
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
+            if self._trace_file is not None:
+                self._trace_file.close()
             for sig in _SIGNALS:
                 loop.remove_signal_handler(sig)
 
@@ -332,7 +336,7 @@ class Front:
         connection = Connection(
             next(self._sessions), reader, writer, pool=serving.pool, admission=serving.admission,
             limits=serving.limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
-            worker_info=self._worker_info, served=serving.served,
+            worker_info=self._worker_info, served=serving.served, trace_file=self._trace_file,
         )
         self._connections[connection] = asyncio.current_task()
         self.metrics.connections.inc()
