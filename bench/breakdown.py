@@ -22,9 +22,11 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
 import zmq
 
 from bench.pool import pct, start_single
+from cakemp.compute.runner import BlockRunner
 from cakemp.ipc import trace
 
 HIDDEN = 1024
@@ -37,6 +39,30 @@ def bare_echo(endpoint: str) -> None:
     socket.connect(endpoint)
     while True:
         socket.send(socket.recv(copy=False), copy=False)
+
+
+class InProcess:
+    """The node's two halves (layers 0-3, 4-7) computed in this process, one torch thread: each half's µs."""
+
+    def __init__(self, model: Path):
+        torch.set_num_threads(1)
+        self.halves = [BlockRunner.load(model, [f"model.layers.{i}" for i in range(first, first + 4)], "cpu",
+                                        torch.float32) for first in (0, 4)]
+        self.position = 0
+
+    def step(self) -> list[float]:
+        if self.position >= 4000:
+            for runner in self.halves:
+                runner.free_session(1)
+            self.position = 0
+        x, spent = torch.randn(1, 1, HIDDEN), []
+        with torch.inference_mode():
+            for runner in self.halves:
+                start = time.perf_counter()
+                x = runner.run(1, x, runner.ops([(layer, self.position, i) for i, layer in enumerate(runner.layers)]))
+                spent.append((time.perf_counter() - start) * 1e6)
+        self.position += 1
+        return spent
 
 
 class Echo:
@@ -64,10 +90,11 @@ class Echo:
         self.socket.close()
 
 
-async def decode_rounds(masters: dict, echo: Echo, steps: int, block: int) -> tuple[dict, list]:
-    """Round trips in µs of every worker and of the echo, blocks of `block` taking turns; and the
-    traced node's (sent, got) master stamps of each of its steps, in order."""
-    times: dict[str, list[float]] = {name: [] for name in (*masters, "echo")}
+async def decode_rounds(masters: dict, echo: Echo, local: InProcess, steps: int, block: int) -> tuple[dict, list]:
+    """Round trips in µs of every worker and of the echo, and each half's compute in this process,
+    blocks of `block` taking turns; and the traced node's (sent, got) master stamps of each of its
+    steps, in order."""
+    times: dict[str, list[float]] = {name: [] for name in (*masters, "echo", "half 0", "half 1")}
     sent_got: list[tuple[int, int]] = []
     for _ in range(steps // block):
         for name, master in masters.items():
@@ -79,10 +106,13 @@ async def decode_rounds(masters: dict, echo: Echo, steps: int, block: int) -> tu
                 if name == "node":
                     sent_got.append((sent, got))
         times["echo"] += [echo.round_trip() for _ in range(block)]
+        for _ in range(block):
+            for half, spent in enumerate(local.step()):
+                times[f"half {half}"].append(spent)
     return times, sent_got
 
 
-async def measure(ports: dict[str, int], workdir: Path, steps: int, block: int, prompts: int):
+async def measure(ports: dict[str, int], model: Path, workdir: Path, steps: int, block: int, prompts: int):
     from bench.route import Master  # route.py's master (one session, every layer as one Batch)
 
     masters = {name: await Master.open(port) for name, port in ports.items()}
@@ -90,11 +120,12 @@ async def measure(ports: dict[str, int], workdir: Path, steps: int, block: int, 
         await master.prompt()
         for _ in range(5):
             await master.batch(1)
-    echo = Echo(workdir)
+    echo, local = Echo(workdir), InProcess(model)
     try:
         for _ in range(block):
             echo.round_trip()
-        times, sent_got = await decode_rounds(masters, echo, steps, block)
+            local.step()
+        times, sent_got = await decode_rounds(masters, echo, local, steps, block)
     finally:
         echo.close()
     prompt_ms = {name: [] for name in masters}
@@ -130,7 +161,7 @@ def run(model: Path, workdir: Path, steps: int, block: int, prompts: int, extra:
         del os.environ[trace.ENV]
     try:
         times, sent_got, prompt_ms = asyncio.run(
-            measure({"single": single_port, "node": node_port}, workdir, steps, block, prompts))
+            measure({"single": single_port, "node": node_port}, model, workdir, steps, block, prompts))
     finally:
         node.send_signal(signal.SIGTERM)  # the front writes out its trace file as it stops
         single.terminate()
@@ -155,11 +186,13 @@ def print_table(spans: dict[str, list[float]], times: dict[str, list[float]], st
     node, single, echo = (statistics.median(times[name]) for name in ("node", "single", "echo"))
     print(f"| sum of the stage medians | {sum(statistics.median(v) for v in spans.values()):.0f} | |")
     print("\n| round trip | median µs | p90 µs |\n|---|---:|---:|")
-    for name, label in (("node", "node (traced), cpu:2"), ("single", "single process (in-process compute)"),
-                        ("echo", "bare ZeroMQ ipc echo")):
+    for name, label in (("node", "node (traced), cpu:2"), ("single", "single process (8 layers, TCP)"),
+                        ("echo", "bare ZeroMQ ipc echo"), ("half 0", "in this process: layers 0-3 (d0's)"),
+                        ("half 1", "in this process: layers 4-7 (d1's)")):
         print(f"| {label} | {statistics.median(times[name]):.0f} | {pct(times[name], 90):.0f} |")
-    print(f"node's device steps (both devices' stepping → stepped): {compute:.0f} µs; "
-          f"the rest of the node's round trip: {node - compute:.0f} µs")
+    local = statistics.median(times["half 0"]) + statistics.median(times["half 1"])
+    print(f"node's device steps (both devices' stepping → stepped): {compute:.0f} µs, against {local:.0f} µs for "
+          f"the same layers in this process; the rest of the node's round trip: {node - compute:.0f} µs")
     print(f"decode extra over one process: {node - single:+.0f} µs = {(node - single) / echo:.2f} echo round trips "
           f"(target <= 2)")
 

@@ -56,6 +56,8 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
     `generation`: which start of this device this is; `peers[i]`: device i's endpoint.
     """
     _die_with_parent(parent_pid)
+    if spec.cpus is not None:  # first: every thread started from here on (zmq's, torch's) inherits it
+        os.sched_setaffinity(0, spec.cpus)
     # Ctrl-C reaches the whole process group; the front decides when devices stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log.configure(spec.log_format, spec.log_level)
@@ -84,9 +86,10 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
     scheduler = Scheduler(spec.max_batch, spec.prefill_chunk)
     gathering = Gathering()
 
-    def take(timeout_s: float | None) -> bool:
-        """Queue what arrives within `timeout_s`, answering Pings at once; False once the parent is gone."""
-        messages = channel.receive(timeout_s)
+    def take(timeout_s: float | None, poll_s: float = 0.0) -> bool:
+        """Queue what arrives within `timeout_s` (looking without sleeping for `poll_s` first), answering
+        Pings at once; False once the parent is gone."""
+        messages = channel.receive(timeout_s, poll_s)
         if messages is None:
             return False
         now = time.monotonic()
@@ -132,7 +135,8 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
                          error=service.poisoned)
             channel.close(linger_ms=5000)
             sys.exit(1)
-        alive = alive and take(0 if scheduler else None)
+        # Idle: a device owed a session's next request looks for it a while before it sleeps.
+        alive = alive and (take(0) if scheduler else take(None, spec.poll_s if gathering.owed() else 0.0))
     channel.close()
 
 

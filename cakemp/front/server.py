@@ -28,7 +28,7 @@ from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
-from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs
+from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs, front_cores
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
 from cakemp.front.handshakes import Handshakes
 from cakemp.front.listener import Listener
@@ -210,7 +210,10 @@ class Front:
         await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if starting.done():
-            return serving, starting.result()
+            readies = starting.result()
+            if (cores := front_cores(config)) is not None:
+                _pin(cores)  # now: the devices were spawned with every core, each then pinned itself
+            return serving, readies
         starting.cancel()  # pool.start stops the processes it spawned
         await asyncio.gather(starting, return_exceptions=True)
         serving.status.stopping(0)
@@ -371,3 +374,9 @@ class Front:
     def _device_specs(self, config: NodeConfig) -> list[DeviceSpec]:
         """What each device process serving `config`'s layers is told."""
         return device_specs(config, place_layers(config.layers, len(config.devices)), self._runtime_dir)
+
+
+def _pin(cores: tuple[int, ...]) -> None:
+    """Pin every thread of this process (the event loop's, ZeroMQ's I/O thread) to `cores`."""
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread), cores)
