@@ -4,9 +4,10 @@ Starts, side by side in one run: bench/single_worker.py (the same 8 layers in on
 torch thread), `cakemp run --gpus cpu:2 --cpu-threads 1` with CAKEMP_TRACE set (its front and
 devices stamp each request's stages with the monotonic clock: cakemp/ipc/trace.py), and a bare
 ZeroMQ echo between two processes (PAIR sockets over ipc://, blocking calls, the [1, 1, 1024]
-f32 activation's 4 KiB each way: the floor of one round trip between processes). The three
-take turns in blocks of decode steps; the master stamps each Batch as it sends it and as the
-reply arrives, with the same clock. Printed: the median of each stage over the node's steps,
+f32 activation's 4 KiB each way: the floor of one round trip between processes; also after
+both ends slept 10 ms, as a device sleeps while the other computes), and the node's two halves
+(layers 0-3, 4-7) computed in the bench's own process. They take turns in blocks of decode
+steps; the master stamps each Batch as it sends it and as the reply arrives, with the same clock. Printed: the median of each stage over the node's steps,
 the node's and the single process's round trips, the node's extra over the single process,
 and that extra in echo round trips (the target: at most 2). Then 512-token prompts, the node
 and the single process in turns: each prompt's time over the single process's in its round.
@@ -31,6 +32,7 @@ from cakemp.ipc import trace
 
 HIDDEN = 1024
 ECHO_BYTES = HIDDEN * 4
+IDLE_S = 0.01  # about one device's decode step here: how long a device sleeps before its hop comes
 
 
 def bare_echo(endpoint: str) -> None:
@@ -78,7 +80,10 @@ class Echo:
         self.body = bytes(ECHO_BYTES)
         self.round_trip()  # the child is connected
 
-    def round_trip(self) -> float:
+    def round_trip(self, idle_s: float = 0.0) -> float:
+        """µs of one round trip, after both ends have slept `idle_s` (as a device does while another computes)."""
+        if idle_s:
+            time.sleep(idle_s)
         start = time.perf_counter()
         self.socket.send(self.body, copy=False)
         self.socket.recv(copy=False)
@@ -94,7 +99,7 @@ async def decode_rounds(masters: dict, echo: Echo, local: InProcess, steps: int,
     """Round trips in µs of every worker and of the echo, and each half's compute in this process,
     blocks of `block` taking turns; and the traced node's (sent, got) master stamps of each of its
     steps, in order."""
-    times: dict[str, list[float]] = {name: [] for name in (*masters, "echo", "half 0", "half 1")}
+    times: dict[str, list[float]] = {name: [] for name in (*masters, "echo", "echo after idle", "half 0", "half 1")}
     sent_got: list[tuple[int, int]] = []
     for _ in range(steps // block):
         for name, master in masters.items():
@@ -106,6 +111,7 @@ async def decode_rounds(masters: dict, echo: Echo, local: InProcess, steps: int,
                 if name == "node":
                     sent_got.append((sent, got))
         times["echo"] += [echo.round_trip() for _ in range(block)]
+        times["echo after idle"] += [echo.round_trip(IDLE_S) for _ in range(block)]
         for _ in range(block):
             for half, spent in enumerate(local.step()):
                 times[f"half {half}"].append(spent)
@@ -187,14 +193,17 @@ def print_table(spans: dict[str, list[float]], times: dict[str, list[float]], st
     print(f"| sum of the stage medians | {sum(statistics.median(v) for v in spans.values()):.0f} | |")
     print("\n| round trip | median µs | p90 µs |\n|---|---:|---:|")
     for name, label in (("node", "node (traced), cpu:2"), ("single", "single process (8 layers, TCP)"),
-                        ("echo", "bare ZeroMQ ipc echo"), ("half 0", "in this process: layers 0-3 (d0's)"),
+                        ("echo", "bare ZeroMQ ipc echo"),
+                        ("echo after idle", f"bare ZeroMQ ipc echo, both ends asleep {IDLE_S * 1e3:g} ms before"),
+                        ("half 0", "in this process: layers 0-3 (d0's)"),
                         ("half 1", "in this process: layers 4-7 (d1's)")):
         print(f"| {label} | {statistics.median(times[name]):.0f} | {pct(times[name], 90):.0f} |")
     local = statistics.median(times["half 0"]) + statistics.median(times["half 1"])
     print(f"node's device steps (both devices' stepping → stepped): {compute:.0f} µs, against {local:.0f} µs for "
           f"the same layers in this process; the rest of the node's round trip: {node - compute:.0f} µs")
+    idle = statistics.median(times["echo after idle"])
     print(f"decode extra over one process: {node - single:+.0f} µs = {(node - single) / echo:.2f} echo round trips "
-          f"(target <= 2)")
+          f"(target <= 2); {(node - single) / idle:.2f} round trips of the echo after idling")
 
 
 def print_prompts(prompt_ms: dict[str, list[float]]) -> None:
