@@ -7,8 +7,9 @@ ZeroMQ echo between two processes (PAIR sockets over ipc://, blocking calls, the
 f32 activation's 4 KiB each way: the floor of one round trip between processes; also after
 both ends slept 10 ms, as a device sleeps while the other computes), and the node's two halves
 (layers 0-3, 4-7) computed in the bench's own process. They take turns in blocks of decode
-steps; the master stamps each Batch as it sends it and as the reply arrives, with the same clock. Printed: the median of each stage over the node's steps,
-the node's and the single process's round trips, the node's extra over the single process,
+steps; the master stamps each Batch as it sends it and as the reply arrives, with the same
+clock. Printed: the median of each stage over the node's steps, the round trips (node,
+single process, echoes) and the halves' compute, the node's extra over the single process,
 and that extra in echo round trips (the target: at most 2). Then 512-token prompts, the node
 and the single process in turns: each prompt's time over the single process's in its round.
 """
