@@ -42,6 +42,9 @@ WIRE_DTYPE_NAMES = {name: tag.name for name, tag in COMPUTE_DTYPES.items()}
 # torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
 # per core in each of several such processes only contends for the cores.
 GPU_DEVICE_THREADS = 2
+# The cores this node may use, as it started: with --pin-cpus the front then pins itself to the
+# cores its devices leave, and a later start (zero-config's next setup) still shares out all of them.
+NODE_CORES = tuple(sorted(os.sched_getaffinity(0)))
 # The CPU devices given no --kv-budget-mib may together hold this share of the memory available
 # when the node starts in KV caches; the rest is for their weights, activations and the host.
 CPU_KV_SHARE = 0.5
@@ -388,7 +391,7 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
 def device_cores(threads: Sequence[int]) -> list[tuple[int, ...]]:
     """--pin-cpus: the cores of each device process, `threads[i]` of them for device i, in order from
     the cores this process may use. ConfigError if there are not that many."""
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = NODE_CORES
     if sum(threads) > len(allowed):
         raise ConfigError(f"--pin-cpus needs {sum(threads)} cores for the device processes' threads, and this "
                           f"process may use {len(allowed)}: lower --cpu-threads, or leave the processes unpinned")
@@ -401,7 +404,7 @@ def front_cores(config: NodeConfig) -> tuple[int, ...] | None:
     if not config.pin_cpus:
         return None
     taken = {core for cores in device_cores(_device_threads(config)) for core in cores}
-    left = tuple(core for core in sorted(os.sched_getaffinity(0)) if core not in taken)
+    left = tuple(core for core in NODE_CORES if core not in taken)
     return left or None
 
 
@@ -409,7 +412,7 @@ def _device_threads(config: NodeConfig) -> list[int]:
     """torch threads of each device process of `config`: CPU processes share the cores rather than
     oversubscribe them."""
     cpu_processes = sum(1 for gpu in config.devices if gpu is None)
-    cpu_threads = config.cpu_threads or max(1, len(os.sched_getaffinity(0)) // max(1, cpu_processes))
+    cpu_threads = config.cpu_threads or max(1, len(NODE_CORES) // max(1, cpu_processes))
     return [cpu_threads if gpu is None else GPU_DEVICE_THREADS for gpu in config.devices]
 
 
