@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +22,6 @@ from tests.front.master import CakeMaster, from_raw, to_raw
 from tests.front.node import RunningNode, gone, write_topology
 
 HIDDEN = 64
-TRACE = Path(tempfile.mkdtemp()) / "trace.txt"  # the node's stamps (CAKEMP_TRACE: cakemp/ipc/trace.py)
 LAYERS = [0, 1, 2, 3]
 CHUNK = 2
 F32_ATOL = 1e-4
@@ -37,8 +34,10 @@ def run(coro):
 @pytest.fixture(scope="module")
 def node(checkpoint, tmp_path_factory):
     topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
+    stamps = tmp_path_factory.mktemp("trace") / "trace.txt"  # each request's stamps (cakemp/ipc/trace.py)
     running = RunningNode(checkpoint, topology, "--gpus", "cpu:3", "--dtype", "f32", "--cpu-threads", "1",
-                          "--prefill-chunk", str(CHUNK), timeout=180, env={trace.ENV: str(TRACE)})
+                          "--prefill-chunk", str(CHUNK), timeout=180, env={trace.ENV: str(stamps)})
+    running.trace_file = stamps
     yield running
     running.kill()
 
@@ -88,7 +87,7 @@ def test_a_traced_node_writes_each_answered_requests_stamps_in_order(node, check
             with pytest.raises(RemoteWorkerError):
                 await client.batch(to_raw(torch.randn(1, 1, HIDDEN)), [("model.layers.0", 9, 0)])
             # Its line was written before the refusal was served; earlier tests' lines start before `sent`.
-            lines = [line.split() for line in TRACE.read_text().splitlines()]
+            lines = [line.split() for line in node.trace_file.read_text().splitlines()]
             return [[int(value) for value in line] for line in lines if int(line[0]) >= sent], sent, got
 
     lines, sent, got = run(main())
