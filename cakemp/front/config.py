@@ -44,6 +44,9 @@ WIRE_DTYPE_NAMES = {name: tag.name for name, tag in COMPUTE_DTYPES.items()}
 # torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
 # per core in each of several such processes only contends for the cores.
 GPU_DEVICE_THREADS = 2
+# The cores this node may use, as it started: with --pin-cpus the front then pins itself to the
+# cores its devices leave, and a later start (zero-config's next setup) still shares out all of them.
+NODE_CORES = tuple(sorted(os.sched_getaffinity(0)))
 # The CPU devices given no --kv-budget-mib may together hold this share of the memory available
 # when the node starts in KV caches; the rest is for their weights, activations and the host.
 CPU_KV_SHARE = 0.5
@@ -144,6 +147,16 @@ class NodeConfig:
                                    "Maximum positions per session (default: the model's).")
     cpu_threads: int | None = knob("--cpu-threads", None, click.IntRange(min=1),
                                    "torch threads per CPU device process (default: the cores divided among them).")
+    pin_cpus: bool = knob(
+        "--pin-cpus", False, None, "Pin each device process to cores of its own (--cpu-threads of them for a CPU "
+        "device, 2 for a GPU's), in order, and the front to the cores left, if any: two devices' compute then never "
+        "shares a core. Needs that many cores; best where nothing else runs on them.", is_flag=True)
+    device_poll_s: float = knob(
+        "--device-poll-ms", 0.0, click.FloatRange(min=0),
+        "Milliseconds a device process owed a session's next request keeps looking at its socket before it "
+        "sleeps, so that the request finds it awake (0: sleep at once). Only where cores are to spare: on a "
+        "machine without, the looking takes the core the front or another device needs.",
+        convert=lambda ms: ms / 1e3)
     drain_timeout: float = knob(
         "--drain-timeout", 30.0, click.FloatRange(min=0),
         "Seconds requests in flight get to finish after SIGTERM or SIGINT (a second signal exits at once).")
@@ -413,8 +426,8 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
     """What each device process is told: device i serves `placement[i]` on `config.devices[i]`,
     listening for the front in `runtime_dir`."""
     cpu_processes = sum(1 for gpu in config.devices if gpu is None)
-    # CPU processes share the cores rather than oversubscribe them.
-    cpu_threads = config.cpu_threads or max(1, len(os.sched_getaffinity(0)) // max(1, cpu_processes))
+    threads = _device_threads(config)
+    cores = device_cores(threads) if config.pin_cpus else [None] * len(threads)
     # Without a budget a CPU device's caches grow until the host runs out and the OOM killer ends one.
     cpu_kv_budget = config.kv_budget_bytes or _cpu_kv_budget(cpu_processes)
     return [
@@ -429,7 +442,9 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             max_context=config.max_context,
             max_batch=config.max_batch,
             prefill_chunk=config.prefill_chunk,
-            threads=cpu_threads if gpu is None else GPU_DEVICE_THREADS,
+            threads=threads[i],
+            cpus=cores[i],
+            poll_s=config.device_poll_s,
             prefix_reuse=config.prefix_reuse,
             share_prefixes=config.share_prefixes,
             # Well inside the request timeout, which counts a device silent that long as hung.
@@ -448,6 +463,34 @@ def _image_model(config: NodeConfig, components: tuple[str, ...]) -> ImageModel 
         return None
     files = dict(config.component_files)
     return ImageModel(config.image_arch, config.sd_version, tuple((name, files[name]) for name in components))
+
+
+def device_cores(threads: Sequence[int]) -> list[tuple[int, ...]]:
+    """--pin-cpus: the cores of each device process, `threads[i]` of them for device i, in order from
+    the cores this process may use. ConfigError if there are not that many."""
+    allowed = NODE_CORES
+    if sum(threads) > len(allowed):
+        raise ConfigError(f"--pin-cpus needs {sum(threads)} cores for the device processes' threads, and this "
+                          f"process may use {len(allowed)}: lower --cpu-threads, or leave the processes unpinned")
+    starts = [sum(threads[:i]) for i in range(len(threads))]
+    return [tuple(allowed[start:start + count]) for start, count in zip(starts, threads)]
+
+
+def front_cores(config: NodeConfig) -> tuple[int, ...] | None:
+    """--pin-cpus: the cores the devices leave to the front (None: none left, or not pinned: all of them)."""
+    if not config.pin_cpus:
+        return None
+    taken = {core for cores in device_cores(_device_threads(config)) for core in cores}
+    left = tuple(core for core in NODE_CORES if core not in taken)
+    return left or None
+
+
+def _device_threads(config: NodeConfig) -> list[int]:
+    """torch threads of each device process of `config`: CPU processes share the cores rather than
+    oversubscribe them."""
+    cpu_processes = sum(1 for gpu in config.devices if gpu is None)
+    cpu_threads = config.cpu_threads or max(1, len(NODE_CORES) // max(1, cpu_processes))
+    return [cpu_threads if gpu is None else GPU_DEVICE_THREADS for gpu in config.devices]
 
 
 def _cpu_kv_budget(cpu_processes: int) -> int | None:

@@ -34,6 +34,7 @@ from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
 from cakemp.front.router import Route, Router, chunk_bounds
 from cakemp.front.status import NodeStatus
+from cakemp.ipc import trace
 from cakemp.ipc import (
     Activation,
     Clear,
@@ -72,6 +73,7 @@ class _Pending:
     devices: tuple[int, ...]  # the route, in order
     outputs: list = field(default_factory=list)  # (chunk, (bytes, dtype, shape)) of each answered chunk
     reply: Done | None = None
+    stamps: list[int] | None = None  # the request's stamps when traced (ipc/trace.py): the answer's go here
 
 
 class DevicePool:
@@ -126,10 +128,12 @@ class DevicePool:
         """Where `ops` (admitted: every layer served here) run, expecting each device's current process."""
         return self._router.plan(ops, self._state.generation)
 
-    async def run(self, session: int, x: RawTensor, route: Route) -> RawTensor:
+    async def run(self, session: int, x: RawTensor, route: Route, stamps: list[int] | None = None) -> RawTensor:
         """Run `route` over the admitted activation x ([1, T, H]); the result, as bytes of x's dtype
         and shape (an image component's: of the dtype and shape its device answered), never a
-        tensor here. Raises the failing device's RequestError, or DeviceLost."""
+        tensor here. Raises the failing device's RequestError, or DeviceLost.
+
+        `stamps`: the request's stamps when traced (ipc/trace.py); replaced by all of them once answered."""
         if not route.stages:  # no layers: nothing to compute
             return x
         devices = route.devices
@@ -139,14 +143,18 @@ class DevicePool:
                                              for stage in route.stages])
         chunks = list(self._chunks(x))
         request_id = next(self._request_ids)
-        messages = [Hop(session, request_id, x.dtype, chunk_shape, route.shifted(first), chunk_data, i, len(chunks))
-                    for i, (first, chunk_shape, chunk_data) in enumerate(chunks)]
+        carried = ()
+        if stamps is not None:
+            stamps.append(trace.now())  # routed
+            carried = tuple(stamps)
+        messages = [Hop(session, request_id, x.dtype, chunk_shape, route.shifted(first), chunk_data, i, len(chunks),
+                        trace=carried) for i, (first, chunk_shape, chunk_data) in enumerate(chunks)]
         start = self._loop.time()
         passed = tuple(dict.fromkeys(devices))  # every device of the route, once
         for device in passed:
             self._metrics.requests_waiting.inc(device=self.label(device))
         try:
-            outputs = await self._request(session, route, messages)
+            outputs = await self._request(session, route, messages, stamps)
         finally:
             for device in passed:
                 self._metrics.requests_waiting.dec(device=self.label(device))
@@ -217,14 +225,15 @@ class DevicePool:
     async def _control(self, device: int, session: int, msg: Clear | End) -> Done:
         return await self._request(session, Route((Stage(device, self._state.generation(device), ()),)), [msg])
 
-    async def _request(self, session: int, route: Route, messages: list[Hop | Clear | End]):
+    async def _request(self, session: int, route: Route, messages: list[Hop | Clear | End],
+                       stamps: list[int] | None = None):
         """Send `messages` (a request's chunks, or one control message) to the first device of
         `route`; the chunks' outputs once every one is answered (a control message's Done)."""
         devices = route.devices
         request_id = messages[0].request_id
         # Encoded before anything is registered: a request that cannot be encoded leaves nothing behind.
         frames = [encode(msg) for msg in messages]
-        pending = _Pending(self._loop.create_future(), devices)
+        pending = _Pending(self._loop.create_future(), devices, stamps=stamps)
         sent = 0
         try:
             for chunk in frames:
@@ -265,6 +274,8 @@ class DevicePool:
             pending = self._pending.get(msg.request_id)
             if pending is not None:
                 pending.outputs.append((msg.chunk, (msg.data, msg.dtype, msg.shape)))
+                if pending.stamps is not None and msg.trace:
+                    pending.stamps[:] = (*msg.trace, trace.now())  # answered
                 for stage_device, kv_bytes in zip(pending.devices, msg.kv):
                     self._metrics.kv_bytes.set(kv_bytes, device=self.label(stage_device))
             self._act(self._state.answered(device, msg.request_id, now))

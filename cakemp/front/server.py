@@ -29,7 +29,7 @@ from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.front.admission import Admission
 from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.buffer_budget import BufferBudget
-from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs
+from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs, front_cores
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
 from cakemp.front.handshakes import Handshakes
 from cakemp.front.listener import Listener
@@ -40,6 +40,7 @@ from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.setup.exchange import MAX_SETUP_FRAME, Setup
 from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
+from cakemp.front.tracing import TraceFile
 from cakemp.ipc import Ready
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.rss import resident_bytes
@@ -89,6 +90,7 @@ class Front:
         self._stopping = asyncio.Event()
         self._connections: dict[Connection, asyncio.Task] = {}
         self._sessions = itertools.count(1)
+        self._trace_file = TraceFile.from_environment()  # None unless CAKEMP_TRACE names a file (bench/route.py)
         self._log = log.get_logger()
 
     def stop(self) -> None:
@@ -142,6 +144,8 @@ class Front:
             if self._discovery is not None:
                 self._discovery.close()
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
+            if self._trace_file is not None:
+                self._trace_file.close()
             for sig in _SIGNALS:
                 loop.remove_signal_handler(sig)
 
@@ -210,7 +214,10 @@ class Front:
         await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if starting.done():
-            return serving, starting.result()
+            readies = starting.result()
+            if (cores := front_cores(config)) is not None:
+                _pin(cores)  # now: the devices were spawned with every core, each then pinned itself
+            return serving, readies
         starting.cancel()  # pool.start stops the processes it spawned
         await asyncio.gather(starting, return_exceptions=True)
         serving.status.stopping(0)
@@ -336,7 +343,7 @@ class Front:
         connection = Connection(
             next(self._sessions), reader, writer, pool=serving.pool, admission=serving.admission,
             limits=serving.limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
-            worker_info=self._worker_info, served=serving.served,
+            worker_info=self._worker_info, served=serving.served, trace_file=self._trace_file,
         )
         self._connections[connection] = asyncio.current_task()
         self.metrics.connections.inc()
@@ -371,3 +378,9 @@ class Front:
     def _device_specs(self, config: NodeConfig) -> list[DeviceSpec]:
         """What each device process serving `config`'s layers is told."""
         return device_specs(config, place_layers(config.layers, len(config.devices)), self._runtime_dir)
+
+
+def _pin(cores: tuple[int, ...]) -> None:
+    """Pin every thread of this process (the event loop's, ZeroMQ's I/O thread) to `cores`."""
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread), cores)

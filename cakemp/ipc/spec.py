@@ -53,6 +53,8 @@ class DeviceSpec:
     max_batch: int = MAX_BATCH  # requests run together in one step at most
     prefill_chunk: int = PREFILL_CHUNK  # prefill tokens per step (beyond the first chunk); the front's chunk size
     threads: int | None = None  # torch intra-op threads (None: torch's default, one per core)
+    cpus: tuple[int, ...] | None = None  # the cores the process is pinned to (--pin-cpus; None: not pinned)
+    poll_s: float = 0.0  # owed a request, look at the socket this long before sleeping (--device-poll-ms)
     prefix_reuse: bool = True  # keep sessions' rows for requests that send them again (compute/prefix_cache.py)
     share_prefixes: bool = False  # ... reused by any session, not only the one they came from
     progress_s: float = 15.0  # a device busy this long on one step says so (Progress), so the front can tell busy from hung

@@ -5,6 +5,7 @@ KV budget and the device processes' environment (no torch)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import socket
 
@@ -14,7 +15,8 @@ from structlog.testing import capture_logs
 from cakemp.errors import ConfigError
 from cakemp.address import is_loopback, parse_address
 from cakemp.front.config import (
-    CPU_KV_SHARE, KEY_PLACEHOLDER, KEY_VARIABLES, RUN_FLAGS, NodeConfig, device_environment, device_specs, node_config,
+    CPU_KV_SHARE, KEY_PLACEHOLDER, KEY_VARIABLES, RUN_FLAGS, NodeConfig, device_environment, device_specs, front_cores,
+    node_config,
     scrub_cluster_key,
 )
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK
@@ -40,7 +42,7 @@ def topology(tmp_path):
 def test_every_flag_is_declared_once_with_help():
     """No two flags share a name, and each but --log-level explains itself."""
     names = [flag.name for flag in RUN_FLAGS]
-    assert len(names) == len(set(names)) == 39
+    assert len(names) == len(set(names)) == 41
     assert [flag.name for flag in RUN_FLAGS if not flag.help] == ["--log-level"]
 
 
@@ -204,6 +206,33 @@ def test_prefix_reuse_is_on_per_connection_unless_told_otherwise(topology):
     assert (changed.prefix_reuse, changed.share_prefixes) == (False, True)
     specs = device_specs(changed, [("model.layers.0",)] * 2, "/run")
     assert [(spec.prefix_reuse, spec.share_prefixes) for spec in specs] == [(False, True)] * 2
+
+
+def test_devices_are_unpinned_and_sleep_at_once_unless_told_otherwise(topology):
+    """By default no device is pinned and none polls; --device-poll-ms is told to every device in seconds."""
+    default = node_config(flag_values(name="w1", topology=topology, gpus="cpu:2"), model_given=False)
+    specs = device_specs(default, [("model.layers.0",)] * 2, "/run")
+    assert [(spec.cpus, spec.poll_s) for spec in specs] == [(None, 0.0)] * 2
+    assert front_cores(default) is None
+    polling = node_config(flag_values(name="w1", topology=topology, gpus="cpu:2", device_poll_ms=2.5),
+                          model_given=False)
+    assert [spec.poll_s for spec in device_specs(polling, [("model.layers.0",)] * 2, "/run")] == [0.0025] * 2
+
+
+def test_pinned_devices_get_cores_of_their_own_in_order_and_the_front_what_is_left(topology):
+    """--pin-cpus: --cpu-threads cores for each CPU device in turn, from the cores this process may
+    use; the front the rest (None when nothing is left); more threads than cores is a ConfigError."""
+    allowed = sorted(os.sched_getaffinity(0))
+    pinned = node_config(flag_values(name="w1", topology=topology, gpus="cpu:2", cpu_threads=1, pin_cpus=True),
+                         model_given=False)
+    specs = device_specs(pinned, [("model.layers.0",)] * 2, "/run")
+    if len(allowed) < 2:
+        pytest.skip("needs 2 cores")
+    assert [spec.cpus for spec in specs] == [(allowed[0],), (allowed[1],)]
+    assert front_cores(pinned) == (tuple(allowed[2:]) or None)
+    too_many = dataclasses.replace(pinned, cpu_threads=len(allowed))
+    with pytest.raises(ConfigError, match="--pin-cpus needs"):
+        device_specs(too_many, [("model.layers.0",)] * 2, "/run")
 
 
 def memory_available() -> int:
