@@ -1,7 +1,7 @@
 """Batching benchmark: aggregate decode rate of several sessions sharing one device.
 
     python -m bench.batching [--seconds 4] [--rounds 1] [--counts 1,2,4,8,16] [--threads 1]
-                             [--before DIR] [--steps 200] [--prefills 3] [--packing]
+                             [--before DIR] [--steps 200] [--prefills 3] [--packing] [--in-process]
 
 Writes a random Llama checkpoint with TinyLlama-1.1B's layer shape (hidden 2048, intermediate
 5632, 32 query heads on 4 kv heads of 64; 4 layers, f32, ~0.7 GB) and starts, side by side in
@@ -36,6 +36,11 @@ cakemp/model/packed.py), and one session's decode steps (--steps) and 128-token 
 (--prefills; the piece of a prompt a device runs per step) through BlockRunner.run are
 timed, the two alternating: what packing costs a session alone, without the node around it.
 
+With --in-process, the batched computation alone: BlockRunner.run_batch in this process, its
+f32 weights packed as the batched node's, over each count's sessions' one-token requests at
+once, step after step for --seconds; and the batched node's rate over it (the target: >= 0.85x
+at 8 sessions).
+
 One torch thread by default: on a small shared VM, torch's intra-op threads stall whenever
 another job takes a core (docs/benchmarks.md, Pool), which would drown the comparison.
 """
@@ -48,6 +53,7 @@ import os
 import platform
 import statistics
 import tempfile
+import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -55,7 +61,7 @@ from pathlib import Path
 import torch
 
 from bench.pool import LAYERS, MAX_POSITIONS, Session, alternate, free_port, start_cakemp, start_single, throughput
-from cakemp.compute.runner import BlockRunner
+from cakemp.compute.runner import BlockRunner, Request
 from tests.checkpoints import make_checkpoint
 
 HIDDEN = 2048
@@ -99,6 +105,32 @@ def sweep(ports: dict[str, int], metrics_port: int, counts: list[int], seconds: 
         if steps:
             per_step[count] = requests / steps
     return medians, per_step
+
+
+def in_process(model: Path, threads: int, counts: list[int], seconds: float) -> dict[int, float]:
+    """{count: tokens/s} of BlockRunner.run_batch in this process, as the batched node loads it (f32 weights
+    packed), over `count` sessions' one-token requests at once, step after step for `seconds` (after an
+    8-token prompt each, as the masters send): the same batched computation, without front, ZeroMQ or TCP."""
+    torch.set_num_threads(threads)
+    layers = [f"model.layers.{i}" for i in range(LAYERS)]
+    runner = BlockRunner.load(model, layers, "cpu", torch.float32, pack_weights=True, prefix_reuse=True)
+    rates = {}
+    for count in counts:
+        sessions = range(1, count + 1)
+        with torch.inference_mode():
+            for session in sessions:
+                runner.free_session(session)
+                runner.run(session, torch.randn(1, 8, HIDDEN), runner.ops([(layer, 0, i) for i, layer in enumerate(layers)]))
+            steps, position = 0, 8
+            start = time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                ops = runner.ops([(layer, position, i) for i, layer in enumerate(layers)])
+                runner.run_batch([Request(session, torch.randn(1, 1, HIDDEN), ops) for session in sessions])
+                steps, position = steps + 1, position + 1
+            rates[count] = steps * count / (time.perf_counter() - start)
+        for session in sessions:
+            runner.free_session(session)
+    return rates
 
 
 def in_ms(times: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -150,6 +182,9 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="checkout of the commit before batching (a git worktree)")
     parser.add_argument("--steps", type=int, default=200, help="decode steps of each node alone (with --before)")
     parser.add_argument("--prefills", type=int, default=3, help="512-token prompts of each node alone (with --before)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="also the batched node's computation alone: BlockRunner.run_batch in this process over the "
+                             "same sessions' one-token requests, and the node's rate over it")
     parser.add_argument("--packing", action="store_true",
                         help="also time one session in this process with the weights plain and packed (--steps, --prefills)")
     args = parser.parse_args()
@@ -184,7 +219,16 @@ def main() -> None:
                 process.wait()
         if args.packing:
             packed_decode, packed_chunk = asyncio.run(packing(model, args.threads, args.steps, args.prefills))
+        if args.in_process:
+            local = in_process(model, args.threads, counts, args.seconds)
     print_sweep(rates, batch, counts)
+    if args.in_process:
+        print(f"\nthe batched node against BlockRunner.run_batch in this process (packed weights, {args.threads} torch "
+              f"thread(s)) over the same sessions' one-token requests, {args.seconds:g} s each")
+        print(f"| sessions | in-process tokens/s | {BATCHED} | node / in-process |\n|---:|---:|---:|---:|")
+        for count in counts:
+            print(f"| {count} | {local[count]:.1f} | {rates[count][BATCHED]:.1f} | "
+                  f"{rates[count][BATCHED] / local[count]:.2f}x |")
     if args.before is not None:
         print_alone(decode, prefill, args)
     if args.packing:

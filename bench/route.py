@@ -1,6 +1,7 @@
 """Route benchmark: a Batch whose layers span two device processes, against one process.
 
     python -m bench.route [--base DIR] [--chunks 32,64,128] [--steps 200] [--prefills 3]
+    python -m bench.route --breakdown [--steps 200] [--prefills 5] [--node-args "..."]   (bench/breakdown.py)
 
 Writes a random 8-layer Llama checkpoint (hidden 1024, f32) and starts, side by side in one
 run: bench/single_worker.py (the same layers in one process, one torch thread: Cake's
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from bench import breakdown
 from bench.pool import alternate, busy, free_port, pct, raw, start_single, wait_listening
 from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 from cakemp.master.client import WorkerClient
@@ -187,6 +189,9 @@ def main() -> None:
     parser.add_argument("--prefills", type=int, default=3)
     parser.add_argument("--busy-us", type=float, default=12000.0, help="each echo device's busy time (part 3)")
     parser.add_argument("--hops-only", action="store_true", help="part 3 only")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead: where a decode Batch's time goes, stage by stage (bench/breakdown.py)")
+    parser.add_argument("--node-args", default="", help="more `cakemp run` flags for the node (with --breakdown)")
     args = parser.parse_args()
     here = Path(__file__).resolve().parent.parent
     print(f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
@@ -199,6 +204,10 @@ def main() -> None:
             return
         model = make_checkpoint(work, "llama", num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=2816,
                                 num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=MAX_POSITIONS)
+        if args.breakdown:
+            breakdown.run(model, work, args.steps, BLOCK, args.prefills, tuple(args.node_args.split()))
+            print(f"load average {os.getloadavg()[0]:.1f} at the end")
+            return
         try:
             single, single_port = start_single(model, threads=1, layers=LAYERS)
             processes.append(single)

@@ -21,12 +21,15 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from cakemp import log
 from cakemp.device.scheduler import Gathering, Scheduler
+from cakemp.ipc import trace
 from cakemp.ipc.spec import DeviceSpec
 from cakemp.ipc import (
+    Activation,
     Clear,
     DeviceChannel,
     End,
@@ -53,6 +56,8 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
     `generation`: which start of this device this is; `peers[i]`: device i's endpoint.
     """
     _die_with_parent(parent_pid)
+    if spec.cpus is not None:  # first: every thread started from here on (zmq's, torch's) inherits it
+        os.sched_setaffinity(0, spec.cpus)
     # Ctrl-C reaches the whole process group; the front decides when devices stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log.configure(spec.log_format, spec.log_level)
@@ -81,9 +86,10 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
     scheduler = Scheduler(spec.max_batch, spec.prefill_chunk)
     gathering = Gathering()
 
-    def take(timeout_s: float | None) -> bool:
-        """Queue what arrives within `timeout_s`, answering Pings at once; False once the parent is gone."""
-        messages = channel.receive(timeout_s)
+    def take(timeout_s: float | None, poll_s: float = 0.0) -> bool:
+        """Queue what arrives within `timeout_s` (looking without sleeping for `poll_s` first), answering
+        Pings at once; False once the parent is gone."""
+        messages = channel.receive(timeout_s, poll_s)
         if messages is None:
             return False
         now = time.monotonic()
@@ -91,6 +97,8 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
             if isinstance(message, Ping):
                 channel.send(Pong())
             elif isinstance(message, Hop | Clear | End):
+                if isinstance(message, Hop) and message.trace:
+                    message = replace(message, trace=(*message.trace, trace.now()))
                 gathering.arrived(message.session, now)
                 scheduler.add(message)
             else:
@@ -110,21 +118,25 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
             _report_prefixes(channel, service)  # before the answer, so the front counts it by then
             channel.send(done)
         if step.hops:
+            started = time.monotonic_ns()  # the same clock as time.monotonic(), in ns for the trace
             channel.send(StepReport(len(step.hops), step.tokens))
-            started = time.monotonic()
             replies = service.run_step(step.hops)
+            ran = time.monotonic_ns()
             _report_prefixes(channel, service)
-            for reply in replies:
+            for hop, reply in zip(step.hops, replies, strict=True):
+                if hop.trace and isinstance(reply, Hop | Activation):
+                    reply = replace(reply, trace=(*hop.trace, started, ran, trace.now()))
                 _send_on(spec, channel, reply)
             now = time.monotonic()
-            gathering.stepped({hop.session for hop in step.hops}, now - started, now)
+            gathering.stepped({hop.session for hop in step.hops}, now - started / 1e9, now)
         if service.poisoned is not None:
             # The CUDA context fails every call from now on: end, for the front to start afresh.
             logger.error("device fault; exiting so that the front restarts this device", device_label=spec.label,
                          error=service.poisoned)
             channel.close(linger_ms=5000)
             sys.exit(1)
-        alive = alive and take(0 if scheduler else None)
+        # Idle: a device owed a session's next request looks for it a while before it sleeps.
+        alive = alive and (take(0) if scheduler else take(None, spec.poll_s if gathering.owed() else 0.0))
     channel.close()
 
 

@@ -124,6 +124,10 @@ class Gathering:
         self.window_s = min(GATHER_FRACTION * step_s, GATHER_MAX_S)
         self._answered = dict.fromkeys(sessions, now)
 
+    def owed(self) -> bool:
+        """Whether a session of the last step has not come back yet (its next request is due)."""
+        return bool(self._answered)
+
     def ended(self, session: int) -> None:
         self._answered.pop(session, None)
         self._return_s.pop(session, None)

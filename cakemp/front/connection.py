@@ -35,10 +35,13 @@ from dataclasses import dataclass
 from cakemp import log
 from cakemp.errors import BadRequest, CakempError, InternalError, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
+from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
 from cakemp.front.session import Action, Clear, Close, Greet, Note, Refuse, Reply, Run, Session, SessionState
+from cakemp.front.tracing import TraceFile
+from cakemp.ipc import trace
 from cakemp.streams import read_payload
 from cakemp.wire import (
     HEADER_SIZE, LayerAssignment, LayerOp, Message, RawTensor, Revision, TensorMessage, WorkerError, WorkerInfo,
@@ -80,9 +83,11 @@ class Connection:
     what its `Session` (session.py), which holds the session's rules, calls for."""
 
     def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 pool: DevicePool, admission: Admission, limits: ConnectionLimits,
+                 pool: DevicePool, admission: Admission | ComponentAdmission, limits: ConnectionLimits,
                  budget: BufferBudget, metrics: Metrics, revision: Revision,
-                 worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None):
+                 worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None,
+                 trace_file: TraceFile | None = None):
+        """`trace_file`: where each request's stamps go (ipc/trace.py), when the front traces."""
         self.session_id = session  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
@@ -96,6 +101,8 @@ class Connection:
         self._owed: tuple[float, str] | None = None
         self._decode_limits = admission.decode_limits()
         self._frame_watch: asyncio.TimerHandle | None = None
+        self._trace_file = trace_file
+        self._stamps: list[int] | None = None  # the message being served's stamps, when traced
         self._ended = False  # the log has said why the connection ends
         peer = writer.get_extra_info("peername")
         self._log = log.get_logger(session=f"{peer[0]}:{peer[1]}" if peer else "?")
@@ -162,7 +169,10 @@ class Connection:
             return False
         message, _, read_s, size = received
         try:
-            await self._carry_out(self._session.received(message), read_s)
+            actions = self._session.received(message)
+            if self._stamps is not None:
+                self._stamps.append(trace.now())  # admitted
+            await self._carry_out(actions, read_s)
         finally:
             self._budget.give(size)  # the message is answered: its bytes are no longer held
         return True
@@ -190,7 +200,13 @@ class Connection:
         try:
             start = time.perf_counter()
             reply = await self._run(request.x, request.ops) if isinstance(request, Run) else self._refusal(request.error)
+            stamps = self._stamps
+            if stamps is not None:
+                stamps.append(trace.now())  # resumed
             await self._send(reply)
+            if stamps is not None and isinstance(reply, TensorMessage) and len(stamps) > len(trace.FRONT_IN) + 1:
+                stamps.append(trace.now())  # written
+                self._trace_file.write(stamps)
             self._metrics.requests.inc()
             if isinstance(reply, TensorMessage):  # x: [B, T, H]
                 x, ops = request.x, request.ops
@@ -208,7 +224,7 @@ class Connection:
             for device in route.devices:
                 if self._session.joined(device):
                     self._metrics.sessions.inc(device=self._pool.label(device))
-            return TensorMessage(await self._pool.run(self.session_id, x, route))
+            return TensorMessage(await self._pool.run(self.session_id, x, route, self._stamps))
         except RequestError as e:
             return self._refusal(e)
         except Exception as e:  # a bug on this request's path fails this request alone
@@ -241,6 +257,8 @@ class Connection:
         header = await self._next_header()
         if not header:
             return None
+        if self._trace_file is not None:
+            self._stamps = [trace.now()]  # read
         start = time.perf_counter()
         size = read_header(header, self._limits.max_payload)
         self._owed = None  # waiting for the budget is the node's doing, not the master's
@@ -250,6 +268,8 @@ class Connection:
         try:
             payload = await read_payload(self._reader, size)
             message = decode_payload(payload, self._revision, self._decode_limits)
+            if self._stamps is not None:
+                self._stamps.append(trace.now())  # decoded
         except BaseException:
             self._budget.give(size)
             raise

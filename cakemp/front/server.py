@@ -27,8 +27,9 @@ from cakemp import log
 from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.front.admission import Admission
+from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.buffer_budget import BufferBudget
-from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs
+from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs, front_cores
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
 from cakemp.front.handshakes import Handshakes
 from cakemp.front.listener import Listener
@@ -39,6 +40,7 @@ from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.setup.exchange import MAX_SETUP_FRAME, Setup
 from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
+from cakemp.front.tracing import TraceFile
 from cakemp.ipc import Ready
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.rss import resident_bytes
@@ -63,7 +65,7 @@ class Serving:
     zero-config mode from a setup's assignment (then rebuilt for the next, should they not load)."""
 
     config: NodeConfig  # the node's configuration, naming the layers served, their checkpoint and devices
-    admission: Admission
+    admission: Admission | ComponentAdmission
     limits: ConnectionLimits
     status: NodeStatus
     pool: DevicePool
@@ -88,6 +90,7 @@ class Front:
         self._stopping = asyncio.Event()
         self._connections: dict[Connection, asyncio.Task] = {}
         self._sessions = itertools.count(1)
+        self._trace_file = TraceFile.from_environment()  # None unless CAKEMP_TRACE names a file (bench/route.py)
         self._log = log.get_logger()
 
     def stop(self) -> None:
@@ -141,6 +144,8 @@ class Front:
             if self._discovery is not None:
                 self._discovery.close()
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
+            if self._trace_file is not None:
+                self._trace_file.close()
             for sig in _SIGNALS:
                 loop.remove_signal_handler(sig)
 
@@ -156,8 +161,11 @@ class Front:
     def _build(self, config: NodeConfig, served: LayerAssignment | None) -> Serving:
         """What serves `config`'s layers: what the front admits, from the model's config.json (read
         here, no torch), the connections' limits, the status, and the pool, not started yet."""
-        model = ModelConfig.from_dir(config.model_dir)
-        admission = Admission.for_model(model, config.layers, config.max_context)
+        if config.serves_images:
+            model, admission = None, ComponentAdmission.for_arch(config.image_arch, config.layers)
+        else:
+            model = ModelConfig.from_dir(config.model_dir)
+            admission = Admission.for_model(model, config.layers, config.max_context)
         max_payload = admission.max_payload()
         if max_payload > config.max_buffered_bytes:
             raise ConfigError(f"--max-buffered-mib {config.max_buffered_bytes / 2**20:g} is less than one "
@@ -173,9 +181,9 @@ class Front:
         )
         pool = DevicePool(specs, self._device_main, status=status, metrics=self.metrics,
                           request_timeout=config.request_timeout, restart_attempts=config.restart_attempts,
-                          prefill_chunk=config.prefill_chunk,
-                          recurrent=[any(model.layer_index(layer) in model.linear_layers for layer in spec.layers)
-                                     for spec in specs])
+                          prefill_chunk=None if model is None else config.prefill_chunk,
+                          recurrent=[model is not None and any(model.layer_index(layer) in model.linear_layers
+                                                               for layer in spec.layers) for spec in specs])
         return Serving(config, admission, limits, status, pool, served)
 
     def _bind(self) -> Listener:
@@ -206,7 +214,10 @@ class Front:
         await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if starting.done():
-            return serving, starting.result()
+            readies = starting.result()
+            if (cores := front_cores(config)) is not None:
+                _pin(cores)  # now: the devices were spawned with every core, each then pinned itself
+            return serving, readies
         starting.cancel()  # pool.start stops the processes it spawned
         await asyncio.gather(starting, return_exceptions=True)
         serving.status.stopping(0)
@@ -332,7 +343,7 @@ class Front:
         connection = Connection(
             next(self._sessions), reader, writer, pool=serving.pool, admission=serving.admission,
             limits=serving.limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
-            worker_info=self._worker_info, served=serving.served,
+            worker_info=self._worker_info, served=serving.served, trace_file=self._trace_file,
         )
         self._connections[connection] = asyncio.current_task()
         self.metrics.connections.inc()
@@ -367,3 +378,9 @@ class Front:
     def _device_specs(self, config: NodeConfig) -> list[DeviceSpec]:
         """What each device process serving `config`'s layers is told."""
         return device_specs(config, place_layers(config.layers, len(config.devices)), self._runtime_dir)
+
+
+def _pin(cores: tuple[int, ...]) -> None:
+    """Pin every thread of this process (the event loop's, ZeroMQ's I/O thread) to `cores`."""
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread), cores)

@@ -143,11 +143,19 @@ class DeviceChannel:
         self._poller.register(parent_fd, zmq.POLLIN)
         self.last_sent = time.monotonic()  # when the front last heard from us
 
-    def receive(self, timeout_s: float | None = None) -> list[Message] | None:
+    def receive(self, timeout_s: float | None = None, poll_s: float = 0.0) -> list[Message] | None:
         """Every message waiting, from the front and from peers, once one is there or `timeout_s`
         has passed (None: no limit; 0: at once); None once the parent is gone. A message that
         cannot be decoded goes to `on_garbage` (only the front writes here: a bug worth a log
-        line, not an end)."""
+        line, not an end).
+
+        `poll_s`: look at the sockets without sleeping for up to that long first (within
+        `timeout_s`), so that a message due soon finds this process running, not asleep in the
+        kernel (a wake-up from there costs tens to hundreds of µs)."""
+        if poll_s > 0 and timeout_s != 0:
+            until = time.monotonic() + (poll_s if timeout_s is None else min(poll_s, timeout_s))
+            while not self._poller.poll(0) and time.monotonic() < until:
+                pass
         ready = dict(self._poller.poll(None if timeout_s is None else math.ceil(timeout_s * 1000)))
         if self._parent_fd in ready:
             return None

@@ -88,7 +88,8 @@ class Hop:
     result to the next stage's device as a Hop (or, from the last stage, answer the front).
 
     `data` holds [1, T, H] little-endian elements of wire `dtype` (`shape`), chunk `chunk` of the
-    request's `chunks`; `kv` is the KV bytes reported by the stages already run, in route order.
+    request's `chunks`; `kv` is the KV bytes reported by the stages already run, in route order;
+    `trace` the request's stamps so far when the front traces it (ipc/trace.py; else empty).
     """
 
     session: U64
@@ -100,6 +101,7 @@ class Hop:
     chunk: U32 = 0
     chunks: U32 = 1
     kv: tuple[U64, ...] = ()
+    trace: tuple[U64, ...] = ()
 
 
 @message(Kind.CLEAR)
@@ -154,7 +156,8 @@ class Activation:
     """The last stage's answer to chunk `chunk` of a request: same dtype and shape as that chunk.
 
     `kv` is the KV cache size of every stage's device after the request, in route order, for
-    the front's metrics (it grows with every decode step, long before a Done would report it).
+    the front's metrics (it grows with every decode step, long before a Done would report it);
+    `trace` the Hop's stamps and the last device's (ipc/trace.py; empty untraced).
     """
 
     request_id: U64
@@ -163,6 +166,7 @@ class Activation:
     data: Body
     chunk: U32 = 0
     kv: tuple[U64, ...] = ()
+    trace: tuple[U64, ...] = ()
 
 
 @message(Kind.FAILURE)

@@ -17,6 +17,24 @@ MAX_BATCH = 32
 
 
 @dataclass(frozen=True)
+class ComponentFile:
+    """Where an image component's weights are, and its config.json (None: its version's standard one)."""
+
+    weights: str
+    config: str | None
+
+
+@dataclass(frozen=True)
+class ImageModel:
+    """What a device serving image components (`--model-type image-model`) loads: the arch and
+    version (Cake's --image-model-arch, --sd-version) and, per component it serves, its files."""
+
+    arch: str  # sd | flux | flux1
+    sd_version: str  # v1-5 | v2-1 | xl | turbo
+    files: tuple[tuple[str, ComponentFile], ...]  # (component name, its files), in the device's order
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     """One device process: which layers it loads, how, and where it listens for the front.
 
@@ -35,11 +53,14 @@ class DeviceSpec:
     max_batch: int = MAX_BATCH  # requests run together in one step at most
     prefill_chunk: int = PREFILL_CHUNK  # prefill tokens per step (beyond the first chunk); the front's chunk size
     threads: int | None = None  # torch intra-op threads (None: torch's default, one per core)
+    cpus: tuple[int, ...] | None = None  # the cores the process is pinned to (--pin-cpus; None: not pinned)
+    poll_s: float = 0.0  # owed a request, look at the socket this long before sleeping (--device-poll-ms)
     prefix_reuse: bool = True  # keep sessions' rows for requests that send them again (compute/prefix_cache.py)
     share_prefixes: bool = False  # ... reused by any session, not only the one they came from
     progress_s: float = 15.0  # a device busy this long on one step says so (Progress), so the front can tell busy from hung
     log_format: str = "auto"
     log_level: str = "info"
+    image: ImageModel | None = None  # image components instead of layers: `layers` names them
 
     @property
     def label(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import time
 
 import torch
 
@@ -149,3 +150,47 @@ def test_a_poisoned_context_fails_its_request_then_the_process_exits(tmp_path, c
     assert isinstance(failure, Failure) and (failure.request_id, failure.code) == (4, ErrorCode.DEVICE_LOST)
     assert "illegal memory access" in failure.message
     assert exitcode == 1
+
+
+def test_a_pinned_polling_device_answers_and_stamps_only_traced_hops(tmp_path, checkpoint):
+    """A device told to poll before sleeping (poll_s) and pinned to one core runs on that core alone,
+    answers a session's steps that come while it polls and after it has gone to sleep, like HF's
+    layer; a Hop carrying stamps comes back with the device's four (received, stepping, stepped,
+    sending) after them, in order, within the send and the answer; an untraced one with none."""
+    core = min(os.sched_getaffinity(0))
+    spec = DeviceSpec(0, None, ("model.layers.1",), str(checkpoint), "f32", f"ipc://{tmp_path}/device-0",
+                      threads=1, log_format="json", cpus=(core,), poll_s=0.05)
+    ref = HFLayers(checkpoint, [1], torch.float32)
+    xs = [torch.randn(1, 1, 64) for _ in range(3)]
+
+    async def step(front, position: int, stamps: tuple[int, ...]) -> tuple[Activation, int, int]:
+        sent = time.monotonic_ns()
+        await front.channel.send(Hop(1, position + 1, DType.F32, (1, 1, 64), (Stage(0, 1, (Op(0, position, 1),)),),
+                                     bytearray(xs[position].numpy().tobytes()), trace=stamps))
+        while not isinstance(reply := await front.receive(10), Activation):
+            pass
+        return reply, sent, time.monotonic_ns()
+
+    async def main():
+        front, child, parent_pipe = await spawn(spec)
+        while not isinstance(await front.receive(60), Ready):
+            pass
+        affinity = os.sched_getaffinity(child.pid)
+        traced = await step(front, 0, (7, 8))
+        untraced = await step(front, 1, ())  # within the 50 ms the device polls for
+        await asyncio.sleep(0.2)  # past it: the device sleeps until the next
+        late = await step(front, 2, ())
+        parent_pipe.close()
+        await join(child)
+        front.channel.close()
+        return affinity, traced, untraced, late
+
+    affinity, (traced, sent, got), untraced, late = asyncio.run(main())
+    assert affinity == {core}
+    assert traced.trace[:2] == (7, 8) and len(traced.trace) == 2 + 4
+    assert sent <= traced.trace[2] <= traced.trace[3] <= traced.trace[4] <= traced.trace[5] <= got
+    assert untraced[0].trace == () and late[0].trace == ()
+    # Three decode steps are HF's layer over the three tokens at once.
+    outputs = [torch.frombuffer(bytearray(a.data), dtype=torch.float32).view(1, 1, 64)
+               for a in (traced, untraced[0], late[0])]
+    assert_close(torch.cat(outputs, dim=1), ref(torch.cat(xs, dim=1), 0))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from cakemp.errors import RemoteWorkerError
+from cakemp.ipc import trace
 from cakemp.master.client import WorkerClient
 from tests.checkpoints import HFLayers
 from tests.front.master import CakeMaster, from_raw, to_raw
@@ -33,8 +34,10 @@ def run(coro):
 @pytest.fixture(scope="module")
 def node(checkpoint, tmp_path_factory):
     topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
+    stamps = tmp_path_factory.mktemp("trace") / "trace.txt"  # each request's stamps (cakemp/ipc/trace.py)
     running = RunningNode(checkpoint, topology, "--gpus", "cpu:3", "--dtype", "f32", "--cpu-threads", "1",
-                          "--prefill-chunk", str(CHUNK), timeout=180)
+                          "--prefill-chunk", str(CHUNK), timeout=180, env={trace.ENV: str(stamps)})
+    running.trace_file = stamps
     yield running
     running.kill()
 
@@ -69,6 +72,29 @@ def test_a_chunked_prefill_then_decode_match_hf(node, checkpoint):
         await master.close()
 
     run(main())
+
+
+def test_a_traced_node_writes_each_answered_requests_stamps_in_order(node, checkpoint):
+    """With CAKEMP_TRACE, a decode Batch through the three devices adds a line of the front's 4 stamps,
+    each device's 4 and the front's last 3, never going back, within the master's send and reply; a
+    refused request adds none."""
+    async def main():
+        async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+            await client.hello()
+            sent = trace.now()
+            await client.batch(to_raw(torch.randn(1, 1, HIDDEN)), [(f"model.layers.{i}", 0, i) for i in LAYERS])
+            got = trace.now()
+            with pytest.raises(RemoteWorkerError):
+                await client.batch(to_raw(torch.randn(1, 1, HIDDEN)), [("model.layers.0", 9, 0)])
+            # Its line was written before the refusal was served; earlier tests' lines start before `sent`.
+            lines = [line.split() for line in node.trace_file.read_text().splitlines()]
+            return [[int(value) for value in line] for line in lines if int(line[0]) >= sent], sent, got
+
+    lines, sent, got = run(main())
+    assert len(lines) == 1
+    stamps = lines[0]
+    assert len(trace.stamp_names(len(stamps))) == 4 + 3 * 4 + 3
+    assert [sent, *stamps, got] == sorted([sent, *stamps, got])
 
 
 def test_a_three_token_prompt_is_cut_and_still_matches_hf(node, checkpoint):

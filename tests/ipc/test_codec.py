@@ -123,15 +123,19 @@ def test_each_message_is_spelled_once_in_the_ipc_package():
 
 def test_the_header_is_the_kind_then_the_integers_then_the_tuples():
     """The layout the codec derives, spelled out for one Hop: kind, integers in declaration order,
-    each tuple as a count and its items (an Op's plain ints as u64s), the body as a frame of its own."""
+    each tuple as a count and its items (an Op's plain ints as u64s), the body as a frame of its own;
+    an untraced Hop's stamps are an empty tuple, a count of 0."""
     data = memoryview(bytearray(16))
     frames = encode(Hop(7, 42, 4, (1, 8), ROUTE, data, 2, 5, (123,)))
     expected = (struct.pack("<BQQBII", Kind.HOP, 7, 42, 4, 2, 5) + struct.pack("<I2Q", 2, 1, 8)
                 + struct.pack("<I", 2) + struct.pack("<III", 0, 3, 2) + struct.pack("<QQQ", 0, 5, 12)
                 + struct.pack("<QQQ", 1, 5, 13) + struct.pack("<III", 2, 1, 1) + struct.pack("<QQQ", 0, 5, 14)
                 + struct.pack("<IQ", 1, 123))
-    assert bytes(frames[0]) == expected
+    assert bytes(frames[0]) == expected + struct.pack("<I", 0)
     assert frames[1:] == [data]
+    traced = encode(Hop(7, 42, 4, (1, 8), ROUTE, data, 2, 5, (123,), trace=(10**18, 7)))
+    assert bytes(traced[0]) == expected + struct.pack("<I2Q", 2, 10**18, 7)
+    assert decode(traced).trace == (10**18, 7)
 
 
 def test_activation_bytes_are_handed_on_not_copied():
