@@ -1,4 +1,4 @@
-"""What a peer that sends no whole request can hold of `cakemp serve`: a few connections, for a few seconds.
+"""What a peer that is not a real client can hold of `cakemp serve`: a few connections, for a few seconds.
 
 An HTTP API has no handshake to tell a client from a flood: until a connection's request (its
 head and its body) has arrived, it is an *incomplete* connection. uvicorn holds such a connection
@@ -10,6 +10,10 @@ moment it connected or its previous answer ended (bytes trickling in do not exte
 (else the oldest). A real client sends its request as soon as it connects, so it is never the
 oldest for long, and its kept-alive connection between requests is closed only once no fresh
 connection is left to close; a flood of connections that never send a request closes its own.
+
+The other side of the same rule: a client that stops reading its answer (uvicorn pauses writing
+once 64 KiB wait in its buffer, past the kernel's) is aborted once writing has stayed paused for
+`deadline_s`; its request then sees the client gone (a generation halts).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.guard = guard
         self.served = False  # whether a request of this connection's was answered
+        self._stalled: asyncio.TimerHandle | None = None  # while writing is paused: the abort
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -72,7 +77,22 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.forget(self)
+        self._resumed()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.guard.deadline_s, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._resumed()
+
+    def _resumed(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
 
     def close(self) -> None:
         """Closes the connection (its deadline passed, or it was the oldest incomplete one)."""

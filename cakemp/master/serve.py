@@ -6,7 +6,8 @@ goes through cakemp's (its records are the root logger's); its access log is off
 request is logged once by the API with its figures.
 
 What a peer can hold is bounded: a connection whose request has not arrived whole is one of at
-most 64, for at most 10 seconds (`connection_guard.py`), and uvicorn answers 503 past
+most 64, for at most 10 seconds, and one that stops reading its answer is aborted after 10
+seconds of blocked writes (`connection_guard.py`); uvicorn answers 503 past
 `MOST_CONNECTIONS` connections or requests in progress.
 """
 
