@@ -14,8 +14,10 @@ first connects afresh to every worker (`Generator.reconnect`). A worker's own er
 
 A generation runs as a task of its own, never inside the HTTP handler: a client that leaves
 (mid-stream, or while it waits for a whole answer) sets the generation's `halt`, the generation
-ends after the step in flight and says Goodbye, and the next request takes the cluster with the connections in step. Request bodies
-are bounded (`max_body_bytes`, 413 past it); every refusal is OpenAI's JSON error object.
+ends after the step in flight and says Goodbye, and the next request takes the cluster with the
+connections in step. Request bodies are bounded (`max_body_bytes`, 413 past it); every refusal is
+OpenAI's JSON error object. What a connection may hold before and after its request is bounded
+by `connection_guard.py`.
 """
 
 from __future__ import annotations
@@ -155,7 +157,6 @@ class EventStream:
         finally:
             self.run.halt.set()
             watcher.cancel()
-
 
 
 async def _halt_when_gone(receive: Receive, run: Run) -> None:
