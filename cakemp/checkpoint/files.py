@@ -30,6 +30,12 @@ _LAYER_TENSOR = re.compile(r"(?P<prefix>(?:[A-Za-z0-9_]+\.)*layers)\.[0-9]+\.")
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 
 
+def is_gguf(model: str | Path) -> bool:
+    """Whether `--model` names a GGUF file (checkpoint/gguf.py) rather than a checkpoint directory:
+    its name ends in .gguf, as Cake decides it. The one place `--model` is told apart."""
+    return str(model).endswith(".gguf")
+
+
 def split_layer(name: str) -> tuple[str, int] | None:
     """"model.layers.7" -> ("model.layers", 7); None when `name` is not a layer's name."""
     match = _LAYER_NAME.fullmatch(name)

@@ -19,7 +19,7 @@ from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import CheckpointError, InternalError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model import attention, fp8, packed
 from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
-from cakemp.model.checkpoint import Checkpoint
+from cakemp.model.checkpoint import Checkpoint, open_checkpoint
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.deltanet import LinearState
 from cakemp.model.linear_block import LinearAttentionBlock
@@ -155,7 +155,7 @@ class BlockRunner:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
         config = ModelConfig.from_dir(model_dir)
-        checkpoint = Checkpoint(model_dir, config)
+        checkpoint = open_checkpoint(model_dir, config)
         plan = _LoadPlan.of(config, checkpoint, layers)
         weights = plan.read(checkpoint, device, dtype, on_layer)
         # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/packed.py says why).
