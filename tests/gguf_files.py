@@ -61,6 +61,8 @@ class GgufSpec:
     rope_theta: float = 10000.0
     types: dict[str, str] = field(default_factory=dict)
     seed: int = 0
+    metadata: dict[str, object] = field(default_factory=dict)  # more "<arch>." keys, or None to leave one out
+    extra_tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> shape, stored F32
 
     def layer_tensors(self) -> dict[str, tuple[int, ...]]:
         """Kind -> shape (row-major, as torch sees it) of one layer's tensors."""
@@ -86,7 +88,7 @@ class GgufSpec:
         for i in range(self.layers):
             for kind, shape in self.layer_tensors().items():
                 out[f"blk.{i}.{kind}" + ("" if "." in kind else ".weight")] = shape
-        return out
+        return out | self.extra_tensors
 
     def type_of(self, name: str, shape: tuple[int, ...]) -> str:
         kind = name.removeprefix("blk.").split(".", 1)[-1].removesuffix(".weight") if name.startswith("blk.") \
@@ -145,7 +147,7 @@ def _metadata(spec: GgufSpec) -> dict[str, object]:
     if spec.experts:
         meta |= {"expert_count": spec.experts, "expert_used_count": spec.top_k,
                  "expert_feed_forward_length": spec.expert_ffn}
-    return meta
+    return {key: value for key, value in (meta | spec.metadata).items() if value is not None}
 
 
 def _add(writer, key: str, value: object) -> None:
@@ -155,6 +157,8 @@ def _add(writer, key: str, value: object) -> None:
         writer.add_uint32(key, value)
     elif isinstance(value, float):
         writer.add_float32(key, value)
+    elif isinstance(value, list):
+        writer.add_array(key, value)
     else:
         writer.add_string(key, str(value))
 
