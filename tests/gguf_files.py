@@ -63,6 +63,7 @@ class GgufSpec:
     seed: int = 0
     metadata: dict[str, object] = field(default_factory=dict)  # more "<arch>." keys, or None to leave one out
     extra_tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> shape, stored F32
+    tokenizer: dict[str, object] = field(default_factory=dict)  # "tokenizer.ggml.*" keys, written as they are
 
     def layer_tensors(self) -> dict[str, tuple[int, ...]]:
         """Kind -> shape (row-major, as torch sees it) of one layer's tensors."""
@@ -104,6 +105,8 @@ def write_gguf(path: Path, spec: GgufSpec) -> Path:
     writer = gguf.GGUFWriter(str(path), spec.arch)
     for key, value in _metadata(spec).items():
         _add(writer, f"{spec.arch}.{key}", value)
+    for key, value in spec.tokenizer.items():
+        _add(writer, key, value)
     for name, shape in spec.tensors().items():
         kind = spec.type_of(name, shape)
         qtype = gguf.GGMLQuantizationType[kind]

@@ -28,8 +28,11 @@ from cakemp.compute.tensors import compute_dtype, from_raw, to_raw
 from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.master.address import dial
 from cakemp.master.client import WorkerClient
+from cakemp.master.gguf_tokenizer import gguf_eos_ids, gguf_tokenizer
 from cakemp.master.sampler import Sampler, SamplingParams
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.files import is_gguf
+from cakemp.checkpoint.gguf import GgufFile
 from cakemp.model.head import Head
 from cakemp.op import Op
 from cakemp.topology import Topology
@@ -151,7 +154,7 @@ class Generator:
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
         torch_dtype = compute_dtype(dtype)
-        tokenizer = _tokenizer(model_dir / "tokenizer.json")
+        tokenizer, eos_ids = _vocabulary(model_dir)
         head = Head.load(model_dir, config, device, torch_dtype)
         names = [config.layer_name(i) for i in range(config.num_hidden_layers)]
         runs = plan_runs(names, layer_hosts(topology))
@@ -171,7 +174,7 @@ class Generator:
             for client in clients.values():
                 await client.close()
             raise
-        return cls(head, tokenizer, runner, runs, clients, _eos_ids(model_dir), DType[dtype.upper()])
+        return cls(head, tokenizer, runner, runs, clients, eos_ids, DType[dtype.upper()])
 
     async def __aenter__(self) -> Generator:
         return self
@@ -266,6 +269,15 @@ class Generator:
             self.runner.free_session(_SESSION)
         for index in sorted(self.clients):
             await self.clients[index].goodbye()
+
+
+def _vocabulary(model: Path) -> tuple[Tokenizer, frozenset[int]]:
+    """The tokenizer and the ids that end a generation: a GGUF file's metadata, or a checkpoint
+    directory's tokenizer.json and config.json."""
+    if is_gguf(model):
+        gguf = GgufFile(model)
+        return gguf_tokenizer(gguf), gguf_eos_ids(gguf)
+    return _tokenizer(model / "tokenizer.json"), _eos_ids(model)
 
 
 def _tokenizer(path: Path) -> Tokenizer:
