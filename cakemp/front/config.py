@@ -94,7 +94,7 @@ class NodeConfig:
     devices: tuple[str | None, ...]
     # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
     setup: SetupConfig | None = None
-    model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None, "Model directory.")
+    model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None, "Model directory, or a .gguf file.")
     address: tuple[str, int] = knob("--address", "0.0.0.0:10128", None, "host:port to listen on.",
                                     convert=parse_address)
     cluster_key: str | None = knob(
