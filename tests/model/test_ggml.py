@@ -52,3 +52,21 @@ def test_the_types_refused_at_start_are_those_not_dequantized_here():
     assert set(DEQUANTIZED_TYPES) == set(ggml.DEQUANTIZERS) | {"F32", "F16", "BF16"}
     for kind, (block_bytes, _) in ggml.DEQUANTIZERS.items():
         assert next(t for t in GGML_TYPES.values() if t.name == kind).block_bytes == block_bytes
+
+
+@needs_gguf
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(ggml.DEQUANTIZERS) + ["F16", "BF16"])
+def test_on_a_gpu_the_bytes_dequantize_to_what_gguf_py_gives(kind):
+    """A GGUF tensor's bytes are dequantized where they are loaded: on CUDA, the same f32 values."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind in K_QUANT_SCALES:
+        raw = random_k_blocks(np.random.default_rng(3), kind, SHAPE)
+    else:
+        raw = gguf.quants.quantize((0.05 * np.random.default_rng(3).standard_normal(SHAPE)).astype(np.float32), qtype)
+    expected = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+    got = ggml.dequantize(torch.from_numpy(raw.view(np.uint8).reshape(-1).copy()).cuda(), kind, SHAPE)
+    assert got.device.type == "cuda"
+    np.testing.assert_array_equal(got.cpu().numpy(), expected)
