@@ -64,6 +64,7 @@ class GgufSpec:
     metadata: dict[str, object] = field(default_factory=dict)  # more "<arch>." keys, or None to leave one out
     extra_tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> shape, stored F32
     tokenizer: dict[str, object] = field(default_factory=dict)  # "tokenizer.ggml.*" keys, written as they are
+    omitted: frozenset[str] = frozenset()  # tensor names left out of the file
 
     def layer_tensors(self) -> dict[str, tuple[int, ...]]:
         """Kind -> shape (row-major, as torch sees it) of one layer's tensors."""
@@ -89,7 +90,7 @@ class GgufSpec:
         for i in range(self.layers):
             for kind, shape in self.layer_tensors().items():
                 out[f"blk.{i}.{kind}" + ("" if "." in kind else ".weight")] = shape
-        return out | self.extra_tensors
+        return {name: shape for name, shape in (out | self.extra_tensors).items() if name not in self.omitted}
 
     def type_of(self, name: str, shape: tuple[int, ...]) -> str:
         kind = name.removeprefix("blk.").split(".", 1)[-1].removesuffix(".weight") if name.startswith("blk.") \

@@ -8,7 +8,8 @@ One node at a time, each serving layers 1-3 of one file on one f32 CPU device:
 * Qwen3 with heads of 128 over a hidden size of 64 (attention.key_length, which Cake ignores):
   Q4_1, Q5_0, Q5_1, BF16, Q4_0, F16 and Q8_0 matrices, f32 q/k norms;
 * Qwen3-MoE, 8 experts of 768, 2 per token, tied embeddings: experts stacked as llama.cpp
-  stores them (gate Q8_0, up Q4_0, down Q4_K), the router Q8_0.
+  stores them (gate Q8_0, up Q4_0, down Q4_K), the router Q8_0;
+* Qwen2 (the family Cake's GGUF path computes right), q/k/v biases, one kv head: Q8_0 and F16.
 A prompt, 8 decode steps and (a second session) a prompt in 3-token chunks match HF to F32_REL
 (both sides compute the same f32 weights: ours are bit-equal to gguf-py's dequantization).
 Files cakemp does not take (an architecture, a ggml type, a malformed header) make the node
@@ -33,6 +34,7 @@ SPECS = {
         "ffn_up": "F16", "token_embd": "F16"}),
     "qwen3moe": GgufSpec("qwen3moe", ffn=0, experts=8, expert_ffn=768, tied=True, types={
         "ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q4_K"}),
+    "qwen2": GgufSpec("qwen2", kv_heads=1, rope_theta=1e6, types={"attn_v": "F16", "ffn_down": "F16"}),
 }
 
 
@@ -72,6 +74,13 @@ def test_a_ggml_type_not_dequantized_is_refused_at_start(tmp_path):
     path.write_bytes(bytes(data))
     out = refused_at_start(path, tmp_path)
     assert "tensor blk.2.attn_v.weight is IQ4_NL, which cakemp does not dequantize" in out
+
+
+@needs_gguf
+def test_a_served_layer_s_missing_tensor_is_refused_at_start(tmp_path):
+    """The front takes the file (its config is whole); the device's load names the tensor it lacks."""
+    path = write_gguf(tmp_path / "q.gguf", GgufSpec("qwen3", omitted=frozenset({"blk.2.ffn_up.weight"})))
+    assert "has no tensor for model.layers.2.mlp.up_proj.weight" in refused_at_start(path, tmp_path)
 
 
 def test_a_malformed_file_is_refused_at_start_in_one_line(tmp_path):
