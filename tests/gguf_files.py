@@ -6,9 +6,10 @@
 
 Tensors are named and shaped as llama.cpp's converter writes them (blk.N.attn_q.weight, ...),
 each drawn at random in f32 and stored in its ggml type by gguf-py's own quantizer
-(gguf.quants.quantize: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) or, for the K-quants, which
-gguf-py cannot quantize, as random but valid blocks: random code bytes with the block's f16
-scales set to finite values of a size that keeps the weights near 0.05. A Llama file's q/k rows
+(gguf.quants.quantize: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, TQ1_0, TQ2_0, BF16, F16) or, for the
+K-quants and IQ4_NL/IQ4_XS, which gguf-py cannot quantize, as random but valid blocks: random
+code bytes with the block's f16 scales set to finite values of a size that keeps the weights
+near 0.05. A Llama file's q/k rows
 are therefore in llama.cpp's permuted order by construction (the file is the truth; the
 oracle, transformers' GGUF loader, undoes the permutation with its own code).
 
@@ -29,16 +30,18 @@ import pytest
 HAVE_GGUF = importlib.util.find_spec("gguf") is not None
 needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="gguf (gguf-py, the GGUF writer and oracle) is not installed")
 
-# Each K-quant's f16 scale fields (byte offsets in its block) and the value they are set to,
-# which keeps its largest weight near 0.1 (codes and sub-block scales at their largest).
-K_QUANT_SCALES = {
-    "Q2_K": ((80, 2e-3), (82, 2e-3)),  # d, dmin: 15 * 3 * d
-    "Q3_K": ((108, 8e-4),),  # d: 32 * 4 * d
-    "Q4_K": ((0, 1e-4), (2, 5e-4)),  # d, dmin: 63 * 15 * d
-    "Q5_K": ((0, 5e-5), (2, 5e-4)),  # 63 * 31 * d
-    "Q6_K": ((208, 2.5e-5),),  # 128 * 32 * d
+# The types gguf-py cannot quantize, written as random blocks: (values, bytes) of a block, and
+# its f16 scale fields (byte offsets) with the size they are set to, which keeps its largest
+# weight near 0.1 (codes and sub-block scales at their largest).
+RANDOM_BLOCKS = {
+    "Q2_K": (256, 84, ((80, 2e-3), (82, 2e-3))),  # d, dmin: 15 * 3 * d
+    "Q3_K": (256, 110, ((108, 8e-4),)),  # d: 32 * 4 * d
+    "Q4_K": (256, 144, ((0, 1e-4), (2, 5e-4))),  # d, dmin: 63 * 15 * d
+    "Q5_K": (256, 176, ((0, 5e-5), (2, 5e-4))),  # 63 * 31 * d
+    "Q6_K": (256, 210, ((208, 2.5e-5),)),  # 128 * 32 * d
+    "IQ4_NL": (32, 18, ((0, 8e-4),)),  # 127 * d
+    "IQ4_XS": (256, 136, ((0, 2.5e-5),)),  # 32 * 127 * d
 }
-K_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 @dataclass(frozen=True)
@@ -111,8 +114,8 @@ def write_gguf(path: Path, spec: GgufSpec) -> Path:
     for name, shape in spec.tensors().items():
         kind = spec.type_of(name, shape)
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind in K_QUANT_SCALES:
-            writer.add_tensor(name, random_k_blocks(rng, kind, shape), raw_dtype=qtype)
+        if kind in RANDOM_BLOCKS:
+            writer.add_tensor(name, random_blocks(rng, kind, shape), raw_dtype=qtype)
             continue
         values = (1 + 0.1 * rng.standard_normal(shape) if "norm" in name else 0.05 * rng.standard_normal(shape))
         values = values.astype(np.float32)
@@ -127,14 +130,15 @@ def write_gguf(path: Path, spec: GgufSpec) -> Path:
     return path
 
 
-def random_k_blocks(rng: np.random.Generator, kind: str, shape: tuple[int, ...]) -> np.ndarray:
-    """uint8 [..., rows, blocks per row * block bytes]: random codes, finite scales (K_QUANT_SCALES)."""
+def random_blocks(rng: np.random.Generator, kind: str, shape: tuple[int, ...]) -> np.ndarray:
+    """uint8 [..., rows, blocks per row * block bytes]: random codes, finite scales (RANDOM_BLOCKS)."""
+    values, block_bytes, scales = RANDOM_BLOCKS[kind]
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, K_BLOCK_BYTES[kind]), dtype=np.uint8)
-    for at, size in K_QUANT_SCALES[kind]:
+    blocks = rng.integers(0, 256, size=(rows * cols // values, block_bytes), dtype=np.uint8)
+    for at, size in scales:
         scale = (size * rng.uniform(0.5, 1.0, size=blocks.shape[0])).astype(np.float16)
         blocks[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(*shape[:-1], cols // 256 * K_BLOCK_BYTES[kind])
+    return blocks.reshape(*shape[:-1], cols // values * block_bytes)
 
 
 def _metadata(spec: GgufSpec) -> dict[str, object]:

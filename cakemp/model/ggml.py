@@ -16,11 +16,18 @@ ggml-common.h declares them (bytes in order):
 | Q4_K | 256    | d, dmin, scales[12] (8 6-bit scales and mins), qs[128] 4-bit | d*sc * q - dmin*m       |
 | Q5_K | 256    | d, dmin, scales[12], qh[32], qs[128]                    | d*sc * q - dmin*m            |
 | Q6_K | 256    | ql[128], qh[64], scales i8[16], d                       | d*sc * (q - 32)              |
+| IQ4_NL | 32   | d, qs[16] as Q4_0                                       | d * IQ4_VALUES[q]            |
+| IQ4_XS | 256  | d, scales_h u16, scales_l[4], qs[128]: 8 sub-blocks as IQ4_NL's | d*sc * IQ4_VALUES[q]  |
+| TQ2_0 | 256   | qs[64] 2-bit as Q2_K's, d                               | d * (q - 1)                  |
+| TQ1_0 | 256   | qs[48] (5 base-3 digits a byte), qh[4] (4 a byte), d     | d * (digit - 1)              |
 
-K-quant blocks are 16 (Q2_K, Q3_K, Q6_K) or 8 (Q4_K, Q5_K) sub-blocks of one scale each. The
+K-quant blocks are 16 (Q2_K, Q3_K, Q6_K) or 8 (Q4_K, Q5_K, IQ4_XS) sub-blocks of one scale
+each; IQ4_XS's 6-bit scales (less 32) are a nibble of scales_l and 2 bits of scales_h each. The
 products are formed in the order ggml's own dequantizers form them (the scale times the
-sub-block scale first), so each value is the f32 ggml computes. Other types (Q8_1, Q8_K, the
-IQ and TQ families, MXFP4) are refused by name before a device starts
+sub-block scale first), so each value is the f32 ggml computes. TQ1_0 stores base-3 digits
+scaled to a byte: digit k of byte b is the top bits of 3 * (3^k b mod 256). Other types (Q8_1,
+Q8_K, the lattice IQ types IQ1_S..IQ3_S, whose codebooks are tables of hundreds of entries, and
+MXFP4) are refused by name before a device starts
 (checkpoint/gguf_model.py: DEQUANTIZED_TYPES, which tests/model/test_ggml.py keeps equal to
 DEQUANTIZERS' keys).
 """
@@ -32,6 +39,8 @@ from collections.abc import Callable
 import torch
 
 QK_K = 256
+# IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml-common.h kvalues_iq4nl), indexed by a 4-bit code.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def dequantize(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -156,8 +165,47 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * q).reshape(n, QK_K)
 
 
+def _iq4_levels(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8) -> IQ4_VALUES, f32."""
+    return torch.tensor(IQ4_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 0) * _iq4_levels(_nibbles(blocks[:, 2:]))
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    low = _nibbles(blocks[:, 4:8]).view(n, 2, 4).transpose(1, 2).reshape(n, 8)  # sub-block j: byte j // 2, low nibble first
+    high_word = blocks[:, 2:4].to(torch.int32)
+    high = ((high_word[:, :1] | (high_word[:, 1:] << 8)) >> torch.arange(0, 16, 2, device=blocks.device)) & 3  # [n, 8]
+    scale = (_f16(blocks, 0) * ((low.to(torch.int32) | (high << 4)) - 32).float()).unsqueeze(2)  # [n, 8, 1]
+    codes = torch.cat([blocks[:, 8:].reshape(n, 8, 16) & 0x0F, blocks[:, 8:].reshape(n, 8, 16) >> 4], dim=2)
+    return (scale * _iq4_levels(codes)).reshape(n, QK_K)
+
+
+def _tq2_0(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    q = (_bits(blocks[:, :64].reshape(n, 2, 32), [0, 2, 4, 6]) & 3).reshape(n, QK_K)
+    return _f16(blocks, 64) * (q.to(torch.int16) - 1).float()
+
+
+def _tq1_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Bytes 0-31 give 5 digits each (values 0-159, digit-major), bytes 32-47 five each (160-239),
+    the 4 qh bytes 4 each (240-255)."""
+    n = blocks.shape[0]
+
+    def digits(packed: torch.Tensor, count: int) -> torch.Tensor:  # [n, W] -> [n, count * W]
+        powers = torch.tensor([3**k for k in range(count)], dtype=torch.int32, device=packed.device).view(1, -1, 1)
+        return (((packed.to(torch.int32).unsqueeze(1) * powers) & 0xFF) * 3 >> 8).reshape(n, -1)
+
+    q = torch.cat([digits(blocks[:, :32], 5), digits(blocks[:, 32:48], 5), digits(blocks[:, 48:52], 4)], dim=1)
+    return _f16(blocks, 52) * (q - 1).float()
+
+
 # type name -> (bytes of one block, its dequantizer: uint8 [n, bytes] -> f32 [n, values]).
 DEQUANTIZERS: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "Q8_0": (34, _q8_0), "Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1), "Q5_0": (22, _q5_0), "Q5_1": (24, _q5_1),
     "Q2_K": (84, _q2_k), "Q3_K": (110, _q3_k), "Q4_K": (144, _q4_k), "Q5_K": (176, _q5_k), "Q6_K": (210, _q6_k),
+    "IQ4_NL": (18, _iq4_nl), "IQ4_XS": (136, _iq4_xs), "TQ1_0": (54, _tq1_0), "TQ2_0": (66, _tq2_0),
 }

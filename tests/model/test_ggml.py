@@ -1,8 +1,8 @@
 """model/ggml.py's dequantization against gguf-py's (gguf.quants.dequantize, numpy), bit for bit
-in f32: blocks quantized by gguf-py where it can (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16), and
-for the K-quants, which it cannot quantize, blocks whose every byte is random but the f16 scales
-(so every code, sub-block scale, min and high bit is drawn; tests/gguf_files.py), over 6 rows of
-2 (K-quants) or 16 blocks."""
+in f32: blocks quantized by gguf-py where it can (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, TQ1_0, TQ2_0,
+BF16, F16), and for the K-quants and IQ4_NL/IQ4_XS, which it cannot quantize, blocks whose every
+byte is random but the f16 scales (so every code, sub-block scale, min and high bit is drawn;
+tests/gguf_files.py), over 6 rows of 2 or 16 blocks."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from cakemp.checkpoint.gguf import GGML_TYPES
 from cakemp.checkpoint.gguf_model import DEQUANTIZED_TYPES
 from cakemp.model import ggml
-from tests.gguf_files import K_QUANT_SCALES, needs_gguf, random_k_blocks
+from tests.gguf_files import RANDOM_BLOCKS, needs_gguf, random_blocks
 
-QUANTIZED_BY_GGUF_PY = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16", "F32")
+QUANTIZED_BY_GGUF_PY = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0", "BF16", "F16", "F32")
 SHAPE = (6, 512)
 
 
@@ -29,7 +29,7 @@ def test_types_gguf_py_quantizes_dequantize_as_gguf_py_does(kind):
     import gguf
 
     values = (0.05 * np.random.default_rng(1).standard_normal(SHAPE)).astype(np.float32)
-    values[0, :32] = 0  # an all-zero block (scale 0)
+    values[0, :256] = 0  # an all-zero block (scale 0)
     qtype = gguf.GGMLQuantizationType[kind]
     raw = gguf.quants.quantize(values, qtype)
     expected = gguf.quants.dequantize(raw, qtype).astype(np.float32)
@@ -37,12 +37,12 @@ def test_types_gguf_py_quantizes_dequantize_as_gguf_py_does(kind):
 
 
 @needs_gguf
-@pytest.mark.parametrize("kind", list(K_QUANT_SCALES))
+@pytest.mark.parametrize("kind", list(RANDOM_BLOCKS))
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_k_quants_dequantize_as_gguf_py_does(kind, seed):
+def test_types_gguf_py_cannot_quantize_dequantize_as_gguf_py_does(kind, seed):
     import gguf
 
-    raw = random_k_blocks(np.random.default_rng(seed), kind, SHAPE)
+    raw = random_blocks(np.random.default_rng(seed), kind, SHAPE)
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])
     np.testing.assert_array_equal(_ours(raw, kind, SHAPE), expected)
 
@@ -62,8 +62,8 @@ def test_on_a_gpu_the_bytes_dequantize_to_what_gguf_py_gives(kind):
     import gguf
 
     qtype = gguf.GGMLQuantizationType[kind]
-    if kind in K_QUANT_SCALES:
-        raw = random_k_blocks(np.random.default_rng(3), kind, SHAPE)
+    if kind in RANDOM_BLOCKS:
+        raw = random_blocks(np.random.default_rng(3), kind, SHAPE)
     else:
         raw = gguf.quants.quantize((0.05 * np.random.default_rng(3).standard_normal(SHAPE)).astype(np.float32), qtype)
     expected = gguf.quants.dequantize(raw, qtype).astype(np.float32)
