@@ -224,6 +224,9 @@ class Checkpoint:
             raise CheckpointError(f"{name}: {exc}") from None
 
 
-def open_checkpoint(model: str | Path, config: ModelConfig) -> Checkpoint | GgufCheckpoint:
+AnyCheckpoint = Checkpoint | GgufCheckpoint
+
+
+def open_checkpoint(model: str | Path, config: ModelConfig) -> AnyCheckpoint:
     """The checkpoint `--model` names: a safetensors directory, or a GGUF file."""
     return GgufCheckpoint(model, config) if is_gguf(model) else Checkpoint(model, config)

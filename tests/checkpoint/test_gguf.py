@@ -88,6 +88,11 @@ HOSTILE = {
                                    "a metadata key's length 4611686018427387904 cannot fit"),
     "an array longer than the file": (_header(keys=1) + _string(b"k") + struct.pack("<IIQ", 9, 4, 1 << 40) + bytes(8),
                                       "k's length 1099511627776 cannot fit"),
+    "a string of an array past the end": (_header(keys=1) + _string(b"k") + struct.pack("<IIQ", 9, 8, 2)
+                                          + _string(b"ab") + struct.pack("<Q", 99) + bytes(8),
+                                          "string 1 of k runs past the end of the file"),
+    "a string of an array not UTF-8": (_header(keys=1) + _string(b"k") + struct.pack("<IIQ", 9, 8, 1) + _string(b"\xff")
+                                       + bytes(8), "a string of k is not UTF-8"),
     "arrays nested too deep": (_header(keys=1) + _string(b"k") + struct.pack("<IIQIQIQ", 9, 9, 1, 9, 1, 9, 1) + bytes(8),
                                "k has value type 9, which GGUF does not define here"),
     "an unknown value type": (_header(keys=1) + _string(b"k") + struct.pack("<I", 13) + bytes(8),
