@@ -164,6 +164,10 @@ class GgufFile:
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.path.stat().st_size else b""
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {self.path}: {exc}") from None
+        if isinstance(data, mmap.mmap):
+            # The header only: no read-around of MiBs of tensor data past it (the kernel's readahead,
+            # which would also run on into the first layers' bytes when the tensors are read later).
+            data.madvise(mmap.MADV_RANDOM)
         try:
             self.size = len(data)
             cursor = _Cursor(data, self.path)

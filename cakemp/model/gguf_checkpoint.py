@@ -2,8 +2,9 @@
 into the compute dtype, and nothing else.
 
 The file is memory-mapped for each load and only the byte ranges of the tensors asked for are
-touched (checkpoint/gguf.py says where each lies), so a node serving 4 layers of 80 reads 4
-layers' bytes; Cake dequantizes every tensor of the file to f32 on every node. Each tensor's
+read (checkpoint/gguf.py says where each lies; the kernel's read-around is switched off for the
+map and each range asked for ahead), so a node serving 4 layers of 80 reads 4 layers' bytes;
+Cake dequantizes every tensor of the file to f32 on every node. Each tensor's
 bytes go to the device as they are stored (a quarter of their f32 size or less for the
 quantized types) and are dequantized there in f32 (model/ggml.py), then cast; llama.cpp's Q/K
 row permutation (Llama family) is undone on the f32 rows, which quantization leaves whole
@@ -59,6 +60,9 @@ class GgufCheckpoint:
         with open(self.path, "rb") as f:
             # A private (copy-on-write) map: torch takes only writable buffers, and nothing writes to it.
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        # No read-around: the kernel would read up to read_ahead_kb (MiBs) about each page touched,
+        # other layers' bytes included; each tensor's own range is asked for ahead instead (_tensor).
+        data.madvise(mmap.MADV_RANDOM)
         try:
             return {key: self._group(data, members, device, dtype) for key, members in groups.items()}
         finally:
@@ -83,6 +87,8 @@ class GgufCheckpoint:
     def _tensor(self, data: mmap.mmap, name: str, device: torch.device) -> torch.Tensor:
         """HF tensor `name` in f32 on `device`, from its stored bytes."""
         info = self.file.tensors[self._gguf_name(name)]
+        first_page = info.start // mmap.PAGESIZE * mmap.PAGESIZE
+        data.madvise(mmap.MADV_WILLNEED, first_page, info.start + info.nbytes - first_page)  # one read of the range
         raw = torch.frombuffer(data, dtype=torch.uint8, count=info.nbytes, offset=info.start)
         tensor = ggml.dequantize(raw.to(device), info.type.name, info.shape)
         heads = permuted_heads(self.file, info.name, self.config.num_attention_heads, self.config.num_key_value_heads)
