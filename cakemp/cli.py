@@ -19,7 +19,6 @@ from cakemp.device import process as device_process
 from cakemp.front import Front
 from cakemp.front.config import RUN_FLAGS, Flag, device_environment, node_config, run_flag, scrub_cluster_key
 from cakemp.front.notify import Notifier
-from cakemp.topology import Topology
 from cakemp.wire import Revision
 
 EXIT_CONFIG = 78
@@ -81,7 +80,9 @@ def run(**flags) -> None:
 
 @cli.command()
 @_like_run("--model")
-@_flag("--topology", help="Cake topology YAML (without it every layer runs here).")
+@_flag("--topology", help="Cake topology YAML (default: a --model bundle's; without one every layer runs here).")
+@_like_run("--master-tflops", help="A topology whose nodes all list no layers: this master's TFLOPS its share is "
+           "weighed by (default: its own devices', as Cake's master counts them).")
 @_flag("--prompt", default="Once upon a time", help="Text to continue.")
 @_flag("--max-tokens", type=click.IntRange(min=1), default=128,
        help="Most tokens to generate (fewer when EOS comes first).")
@@ -103,12 +104,13 @@ def run(**flags) -> None:
        help="Seconds to collect discovery replies.")
 @_flag("--min-workers", type=click.IntRange(min=0), default=0,
        help="Stop collecting replies once this many workers answered (0: wait the whole timeout).")
-def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed,
-             cluster_key, dtype, protocol, discover, discovery_port, discovery_timeout, min_workers) -> None:
+def generate(model, topology, master_tflops, prompt, max_tokens, temperature, top_k, top_p, repeat_penalty,
+             repeat_last_n, seed, cluster_key, dtype, protocol, discover, discovery_port, discovery_timeout,
+             min_workers) -> None:
     """Generate text as a Cake master: this process runs the layers no worker serves."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 
-    from cakemp.master.cluster import discover_cluster
+    from cakemp.master.cluster import discover_cluster, master_checkpoint
     from cakemp.master.generator import Generator
     from cakemp.master.sampler import SamplingParams
 
@@ -117,8 +119,9 @@ def generate(model, topology, prompt, max_tokens, temperature, top_k, top_p, rep
         raise ConfigError("--discover and --topology exclude each other")
     if discover and not cluster_key:
         raise ConfigError("--discover needs --cluster-key (the cluster's workers answer only to its hash)")
-    layout = Topology.load(topology) if topology else Topology(())
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, layout = master_checkpoint(model, topology, master_tflops, on_gpu=device == "cuda",
+                                      every_layer=bool(discover), report=lambda line: click.echo(line, err=True))
 
     async def stream():
         nonlocal layout

@@ -13,6 +13,7 @@ import pytest
 
 from cakemp.front.config import KEY_PLACEHOLDER
 from tests.front.node import write_topology
+from tests.hub_cache import write_snapshot
 
 EX_CONFIG = 78
 
@@ -81,9 +82,10 @@ def test_an_empty_topology_exits_78(tmp_path):
     assert_config_error(cakemp_run("--name", "w1", "--topology", str(tmp_path / "empty.yml")), "empty")
 
 
-def test_an_entry_without_layers_exits_78(tmp_path):
-    """An entry that lists no layers gives the node nothing to serve."""
-    path = write_topology(tmp_path / "topology.yml", [], name="w1")
+def test_an_entry_without_layers_beside_one_with_exits_78(tmp_path):
+    """An entry that lists no layers, where another lists some (so none are assigned), gives the node nothing to serve."""
+    path = tmp_path / "topology.yml"
+    path.write_text("w1: {host: 'a:1', layers: []}\nw2: {host: 'b:1', layers: [model.layers.0]}\n")
     assert_config_error(cakemp_run("--name", "w1", "--topology", str(path)), "no layers")
 
 
@@ -166,3 +168,63 @@ def test_gpus_the_machine_lacks_exit_78_with_one_line(tmp_path, topology, listin
     result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", gpus,
                         env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     assert_config_error(result, words)
+
+
+def test_a_model_id_neither_cached_nor_downloadable_offline_exits_78_naming_it_and_the_cache(tmp_path, topology):
+    """HF_HUB_OFFLINE=1 and an empty cache: one line naming the id, the file and the cache searched."""
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--model", "tiny-org/absent",
+                        env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert_config_error(result, f"tiny-org/absent: config.json is not in the Hugging Face cache {tmp_path / 'hub'} "
+                                "and HF_HUB_OFFLINE is set")
+
+
+def test_a_cached_id_lacking_a_shard_of_this_nodes_layers_exits_78_offline_naming_the_shard(tmp_path, topology):
+    """The snapshot holds config and index but not the shard of layers 0-1 (w1's): offline, that shard
+    is named; the other shard, which w1 does not need, is never asked for."""
+    weight_map = {"model.layers.0.w": "a.safetensors", "model.layers.1.w": "a.safetensors",
+                  "model.layers.2.w": "b.safetensors"}
+    write_snapshot(tmp_path / "hub", "tiny-org/partial", {"config.json": "{}",
+                                                          "model.safetensors.index.json": json.dumps({"weight_map": weight_map})})
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--model", "tiny-org/partial@main",
+                        env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert_config_error(result, f"tiny-org/partial: a.safetensors is not in the Hugging Face cache {tmp_path / 'hub'}")
+
+
+def test_a_bundle_without_config_json_exits_78_saying_where_it_goes(tmp_path):
+    """`cake split` writes no config.json: the one line names the file the bundle lacks."""
+    bundle = tmp_path / "w1-node"
+    (bundle / "model").mkdir(parents=True)
+    write_topology(bundle / "topology.yml", ["model.layers.0-1"], name="w1")
+    result = cakemp_run("--name", "w1", "--model", str(bundle))
+    assert_config_error(result, f"bundle {bundle}: {bundle}/model/config.json is missing")
+
+
+TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+               "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
+
+
+def test_a_node_the_default_assignment_gives_no_layers_exits_78_saying_why(tmp_path):
+    """Bare nodes (no tflops, no vram_bytes) beside a master of 2 TFLOPS get round(0) = 0 layers."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_CONFIG))
+    topology = tmp_path / "topology.yml"
+    topology.write_text("w1: {host: 'a:1', layers: []}\nw2: {host: 'b:1', layers: []}\n")
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--model", str(tmp_path / "model"),
+                        "--master-tflops", "2")
+    assert_config_error(result, "the default assignment gives topology entry 'w1' no layers")
+
+
+def test_weighing_layers_by_memory_without_every_header_reads_the_hubs_and_offline_exits_78(tmp_path):
+    """An empty topology giving vram_bytes needs a layer's size from every shard's header: a snapshot
+    lacking a shard asks the hub for its header rather than download it; offline, one line says so."""
+    config = TINY_CONFIG
+    index = {"weight_map": {"model.layers.0.w": "a.safetensors", "model.layers.1.w": "b.safetensors"}}
+    write_snapshot(tmp_path / "hub", "tiny-org/partial", {"config.json": json.dumps(config),
+                                                          "model.safetensors.index.json": json.dumps(index)})
+    topology = tmp_path / "topology.yml"
+    topology.write_text("w1: {host: 'a:1', layers: [], tflops: 1, vram_bytes: 1000000}\n")
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--model", "tiny-org/partial",
+                        env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert_config_error(result, "tiny-org/partial: estimating a layer's size needs every weight file's header, "
+                                "and the hub's cannot be read")

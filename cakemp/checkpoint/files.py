@@ -11,9 +11,11 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from cakemp.checkpoint.gguf import GgufFile
+from cakemp.checkpoint.gguf_model import hf_names
 from cakemp.errors import CheckpointError
 
 CONFIG = "config.json"
@@ -107,3 +109,42 @@ def safetensors_whole(path: Path) -> bool:
     length, header = safetensors_header(path)
     ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
     return os.lstat(path).st_size == 8 + length + max(ends, default=0)
+
+
+def estimated_layer_bytes(model_dir: Path, num_layers: int, prefix: str) -> int:
+    """One decoder layer's size as Cake estimates it (`estimate_layer_size`): the bytes of the
+    tensors named "<prefix>.…" in the weight files' headers over `num_layers`; where a file named
+    by the index is missing or its header unreadable, or no tensor is a layer's, the files' sizes
+    over `num_layers`; 0 without weight files. A GGUF file: its layers' tensors as stored (so the
+    same estimate as Cake's for any quantized checkpoint: the bytes on disk, not once dequantized)."""
+    if num_layers <= 0:
+        return 0
+    if is_gguf(model_dir):
+        gguf = GgufFile(model_dir)
+        sizes = {name: gguf.tensors[stored].nbytes for name, stored in hf_names(gguf.tensors).items()}
+        return layer_bytes_of(sizes, num_layers, prefix)
+    try:
+        names = sorted(set(read_weight_map(model_dir / INDEX).values())) if (model_dir / INDEX).exists() else [SINGLE]
+    except CheckpointError:
+        names = [SINGLE]
+    present = [model_dir / name for name in names if (model_dir / name).is_file()]
+    try:
+        headers = [safetensors_header(path)[1] for path in present] if len(present) == len(names) else []
+    except (OSError, CheckpointError):
+        headers = []
+    in_layers = layer_bytes_of({name: _tensor_bytes(entry) for header in headers for name, entry in header.items()},
+                               num_layers, prefix)
+    return in_layers or sum(path.stat().st_size for path in present) // num_layers
+
+
+def layer_bytes_of(sizes: Mapping[str, int], num_layers: int, prefix: str) -> int:
+    """The bytes of the tensors named "<prefix>.…" among `sizes` (tensor name -> bytes) over `num_layers`."""
+    return sum(size for name, size in sizes.items() if name.startswith(prefix + ".")) // max(1, num_layers)
+
+
+def _tensor_bytes(entry: object) -> int:
+    """A header entry's size (its data_offsets' end less start); 0 for an entry without sound offsets."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        return 0
+    return max(0, offsets[1] - offsets[0])

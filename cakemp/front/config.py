@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from pathlib import Path
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +23,17 @@ import click
 from cakemp import gpus, log
 from cakemp.address import is_loopback, parse_address
 from cakemp.allow_list import AllowList
+from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint import hub
+from cakemp.checkpoint.files import in_layer
+from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
+from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, DeviceSpec
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
-from cakemp.topology import Topology
+from cakemp.topology import Topology, collapse_layers
 from cakemp.wire import Revision
 from cakemp.wire.discovery import DISCOVERY_PORT
 
@@ -94,7 +100,9 @@ class NodeConfig:
     devices: tuple[str | None, ...]
     # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
     setup: SetupConfig | None = None
-    model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None, "Model directory, or a .gguf file.")
+    model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None,
+                          "Model directory, .gguf file, `cake split` bundle (its model/ and topology.yml), or Hugging "
+                          "Face id org/name[@revision] (from the hub cache; this node's missing files are downloaded).")
     address: tuple[str, int] = knob("--address", "0.0.0.0:10128", None, "host:port to listen on.",
                                     convert=parse_address)
     cluster_key: str | None = knob(
@@ -189,8 +197,11 @@ def _knobs(values: Mapping[str, Any]) -> dict[str, Any]:
 # The flags that say what the node serves: read together, not one field each.
 NAME = Flag("--name", "This worker's entry in the topology; in zero-config mode its discovery name (default: the "
             "host name).")
-TOPOLOGY = Flag("--topology", "Cake topology YAML; without it and with --cluster-key, zero-config mode (the master "
-                "discovers the node and pushes the model).")
+TOPOLOGY = Flag("--topology", "Cake topology YAML (default: a --model bundle's); without it and with --cluster-key, "
+                "zero-config mode (the master discovers the node and pushes the model).")
+MASTER_TFLOPS = Flag("--master-tflops", "A topology whose nodes all list no layers: the master's TFLOPS its share is "
+                     "weighed by (default: this machine's devices', as Cake's workers count them; give the master's "
+                     "so that this node assigns what the master does).", None, click.FloatRange(min=0))
 GPUS = Flag("--gpus", "all | cpu | cpu:N | GPU indices (of the visible GPUs, PCI bus order) or GPU/MIG UUIDs, like 0,2.",
             "all")
 DISCOVERY_PORT_FLAG = Flag("--discovery-port", "Zero-config: UDP port answering the master's discovery.",
@@ -202,7 +213,7 @@ MAX_MODEL_GIB = Flag("--max-model-gib", "Zero-config: most GiB a master may push
 
 # Every `cakemp run` flag, in --help order.
 RUN_FLAGS: tuple[Flag, ...] = (
-    NAME, TOPOLOGY, GPUS,
+    NAME, TOPOLOGY, MASTER_TFLOPS, GPUS,
     *(field.metadata["flag"] for field in dataclasses.fields(NodeConfig) if "flag" in field.metadata),
     DISCOVERY_PORT_FLAG, DISCOVERY_BIND, MAX_MODEL_GIB,
 )
@@ -223,8 +234,11 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     if not values["cluster_key"] and knobs["allow_from"] is None and not is_loopback(knobs["address"][0]):
         logger.warning("any peer that reaches the port may use this node: give a cluster key or --allow-from",
                        address=values["address"])
-    if values["cluster_key"] and not values["topology"]:
-        # Cake's rule for zero-config: a key and no topology (--model has a default, so it cannot count).
+    source = locate(values["model"])
+    topology = values["topology"] or source.topology
+    if values["cluster_key"] and not topology:
+        # Cake's rule for zero-config: a key and no topology (a bundle's counts: it is a topology; --model
+        # itself has a default, so it cannot count).
         if model_given:
             logger.warning("--model is ignored in zero-config mode: the master pushes the model")
         served, layers = values["name"] or socket.gethostname(), ()
@@ -234,7 +248,7 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
                             max_model_bytes=None if max_model_gib is None else int(max_model_gib * (1 << 30)),
                             discovery_host=values["discovery_bind"], discovery_port=values["discovery_port"])
     else:
-        served, layers = _topology_entry(values["name"], values["topology"])
+        served, layers, knobs["model_dir"] = _topology_node(values, topology, source, knobs["model_dir"])
         setup = None
     devices = gpus.select_devices(values["gpus"])
     if values["gpus"].strip() == "all" and devices == (None,):
@@ -270,18 +284,61 @@ def scrub_cluster_key(environ: MutableMapping[str, str]) -> None:
                               "handshake")
 
 
-def _topology_entry(name: str | None, topology: str | None) -> tuple[str, tuple[str, ...]]:
-    """The entry of `topology` this worker serves (its name and layers)."""
+def _topology_node(values: Mapping[str, Any], topology: str | Path | None, source: ModelSource,
+                   model_dir: str) -> tuple[str, tuple[str, ...], str]:
+    """Topology mode: this node's name and layers, and the checkpoint directory it loads them
+    from (`model_dir` as given, or the folder a bundle or a repository id was found in), with the
+    files of a repository that it lacks fetched."""
+    source, fetched = fetch_metadata(source)
+    served, layers = _topology_entry(values["name"], topology, source, values["master_tflops"])
+    fetched += fetch_weights(source, lambda tensor: any(in_layer(tensor, layer) for layer in layers))
+    if fetched:
+        log.get_logger().info("downloaded from the hub", repository=str(source.repository), files=fetched)
+    if source.repository is not None or source.topology is not None:
+        model_dir = str(source.checkpoint())
+    return served, layers, model_dir
+
+
+def _topology_entry(name: str | None, topology: str | Path | None, source: ModelSource,
+                    master_tflops: float | None) -> tuple[str, tuple[str, ...]]:
+    """The entry of `topology` this worker serves (its name and layers); where no node lists a
+    layer, the layers Cake's default strategy gives it (`_assigned`)."""
     if not name:
         raise ConfigError("no --name provided for worker")
     if not topology:
         raise ConfigError("no --topology given (and no --cluster-key for zero-config setup)")
-    served, node = Topology.load(topology).worker(name)
+    layout = Topology.load(topology)
+    assigned = layout.needs_assignment
+    if assigned:
+        layout = _assigned(layout, source, master_tflops)
+    served, node = layout.worker(name)
     if served != name:
         log.get_logger().warning("worker name not in topology, serving its only entry", name=name, entry=served)
+    if not node.layers and assigned:
+        raise ConfigError(f"the default assignment gives topology entry '{served}' no layers (give the nodes tflops, "
+                          "or the master fewer with --master-tflops)")
     if not node.layers:
         raise ConfigError(f"topology entry '{served}' lists no layers")
+    if assigned:
+        log.get_logger().info("layers assigned", name=served, layers=list(collapse_layers(node.layers)),
+                              count=len(node.layers))
     return served, node.layers
+
+
+def _assigned(layout: Topology, source: ModelSource, master_tflops: float | None) -> Topology:
+    """`layout` (no node listing a layer) completed by Cake's default strategy, as Cake (HEAD)
+    completes it on every process: weighed by the master's TFLOPS (`master_tflops`, else this
+    machine's devices', as Cake's worker counts them) and, where nodes give `vram_bytes`, by one
+    layer's size estimated from every shard's header."""
+    config = ModelConfig.from_dir(source.checkpoint())
+    if master_tflops is None:
+        master_tflops = sum(device.tflops for device in gpus.describe(gpus.select_devices("all")))
+    layer_bytes = hub.layer_bytes(source, config.num_hidden_layers, config.layer_prefix) if layout.weighs_memory else 0
+    log.get_logger().warning(
+        "the topology lists no layers: every node and the master assign them on their own, by Cake's default "
+        "strategy, and agree only with the same topology, checkpoint and master TFLOPS (--master-tflops)",
+        master_tflops=master_tflops, layer_bytes=layer_bytes, num_layers=config.num_hidden_layers)
+    return layout.assigned(config.num_hidden_layers, config.layer_prefix, master_tflops, layer_bytes)
 
 
 def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runtime_dir: str) -> list[DeviceSpec]:

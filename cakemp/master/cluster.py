@@ -1,11 +1,15 @@
 """A zero-config cluster from the master's side: discovered workers, their layers, their setup.
 
-`assign_layers` splits the model's layers as Cake's default strategy does (spec §7.4): the
-workers, fastest first, get contiguous runs from layer 0 in proportion to their TFLOPS, the
-master's own TFLOPS counted in the total, each capped by what its devices' memory holds (less
-a reserve); the master keeps the rest. `set_up` runs the setup exchange with every worker at
-once, pushing the files it asks for, and returns the topology the generator then uses;
-`discover_cluster` is the three steps together, as `cakemp generate --discover` runs them.
+`assign_layers` splits the model's layers as Cake's default strategy does (spec §7.4,
+`topology.default_assignment`): the workers, fastest first, get contiguous runs from layer 0 in
+proportion to their TFLOPS, the master's own TFLOPS counted in the total, each capped by what
+its devices' memory holds (less a reserve); the master keeps the rest. `set_up` runs the setup
+exchange with every worker at once, pushing the files it asks for, and returns the topology the
+generator then uses; `discover_cluster` is the three steps together, as `cakemp generate
+--discover` runs them.
+`master_checkpoint` is where `cakemp generate` finds its checkpoint (`checkpoint.locate`) and its
+topology, one whose nodes list no layers completed as Cake's master completes it
+(`assigned_topology`).
 (Cake also hands layers the master cannot fit back to the workers; cakemp's master computes
 whatever is left, so that step is not reproduced.)
 """
@@ -13,23 +17,29 @@ whatever is left, so that step is not reproduced.)
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cakemp import gpus
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import is_gguf
+from cakemp.checkpoint import hub
+from cakemp.checkpoint.files import TOKENIZER, in_layer, is_gguf
+from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
+from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.errors import CakempError, ConfigError
 from cakemp.master.address import dial
 from cakemp.master.discovery import DiscoveredWorker, discover
 from cakemp.master.model_push import model_chunks, model_hash
-from cakemp.topology import Node, Topology
+from cakemp.topology import Capacity, Node, Topology, default_assignment, layer_names
 from cakemp.wire import Revision
 from cakemp.wire.discovery import GpuInfo
 
 _CUDA_RESERVE = (0.05, 768 << 20)  # fraction, floor in bytes: what a CUDA device keeps for itself
 _CPU_RESERVE = 0.20
+# What a master reads beside the weights when --model is a repository id: the tokenizer it needs,
+# and the files that say how to prompt the model, fetched with config.json where the repository has them.
+MASTER_OPTIONAL = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
 
 
 async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Sequence[str], *, port: int,
@@ -44,12 +54,51 @@ async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Seq
     if not workers:
         raise CakempError(f"no worker of this cluster answered at {', '.join(targets)} within {timeout:g} s")
     config = ModelConfig.from_dir(model_dir)
-    master_tflops = sum(device.tflops for device in gpus.describe(gpus.select_devices("all") if on_gpu else (None,)))
-    assignments = assign_layers(workers, config.num_hidden_layers, master_tflops,
+    assignments = assign_layers(workers, config.num_hidden_layers, own_tflops(on_gpu),
                                 layer_bytes(model_dir, config.num_hidden_layers), config.layer_prefix)
     for worker, layers in assignments:
         report(f"{worker.name} at {worker.address}: {layers[0]}..{layers[-1]} ({len(layers)} layers)")
     return await set_up(model_dir, assignments, cluster_key=cluster_key, revision=revision)
+
+
+def master_checkpoint(argument: str, topology: str | None, master_tflops: float | None, *, on_gpu: bool,
+                      every_layer: bool, report: Callable[[str], None]) -> tuple[Path, Topology]:
+    """The checkpoint directory `--model argument` names and the topology the master runs with
+    (`topology`, else a bundle's, else none; one whose nodes list no layers completed by
+    `assigned_topology`, weighing this master as `master_tflops`, else as `own_tflops(on_gpu)`).
+    A repository's missing files are fetched: config, index and tokenizer, and the shards of the
+    layers no worker serves, or of `every_layer` (a master that pushes)."""
+    source, fetched = fetch_metadata(locate(argument), (TOKENIZER,), MASTER_OPTIONAL)
+    topology = topology or source.topology
+    layout = Topology.load(topology) if topology else Topology(())
+    if layout.needs_assignment:
+        own = own_tflops(on_gpu) if master_tflops is None else master_tflops
+        layout = assigned_topology(source, layout, own, report)
+    remote = {layer for _, node in layout.nodes for layer in node.layers}
+    fetched += fetch_weights(source, lambda tensor: every_layer or not any(in_layer(tensor, layer) for layer in remote))
+    if fetched:
+        report(f"downloaded from {source.repository}: {', '.join(fetched)}")
+    return source.checkpoint(), layout
+
+
+def assigned_topology(source: ModelSource, layout: Topology, master_tflops: float,
+                      report: Callable[[str], None]) -> Topology:
+    """`layout`, whose nodes list no layers, completed as Cake's master completes it: by the default
+    strategy, `master_tflops` counted as this master's (Cake's: `own_tflops`), one layer's size
+    estimated from the shards' headers where nodes give `vram_bytes`. `report` is told each node's
+    layers, one line per node given some."""
+    config = ModelConfig.from_dir(source.checkpoint())
+    layer_bytes = hub.layer_bytes(source, config.num_hidden_layers, config.layer_prefix) if layout.weighs_memory else 0
+    done = layout.assigned(config.num_hidden_layers, config.layer_prefix, master_tflops, layer_bytes)
+    for name, node in done.nodes:
+        if node.layers:
+            report(f"{name} at {node.host}: {node.layers[0]}..{node.layers[-1]} ({len(node.layers)} layers)")
+    return done
+
+
+def own_tflops(on_gpu: bool) -> float:
+    """This master's TFLOPS as Cake counts its own: its GPUs' when `on_gpu`, else its CPU's."""
+    return sum(device.tflops for device in gpus.describe(gpus.select_devices("all") if on_gpu else (None,)))
 
 
 def max_layers(gpus: Sequence[GpuInfo], layer_bytes: int) -> int:
@@ -67,36 +116,12 @@ def max_layers(gpus: Sequence[GpuInfo], layer_bytes: int) -> int:
 
 def assign_layers(workers: Sequence[DiscoveredWorker], num_layers: int, master_tflops: float, layer_bytes: int,
                   prefix: str = "model.layers") -> list[tuple[DiscoveredWorker, tuple[str, ...]]]:
-    """Each worker given layers, with its contiguous run of layer names; workers given none are left out."""
-    if not workers or num_layers == 0:
-        return []
-    workers_tflops = sum(w.tflops for w in workers)
-    total_tflops = workers_tflops + master_tflops
-    if total_tflops <= 0:  # nothing to weigh by: half the layers, split evenly (Cake's fallback)
-        share = num_layers // 2 // len(workers)
-        counts = [share] * (len(workers) - 1) + [num_layers // 2 - share * (len(workers) - 1)]
-        ordered = list(workers)
-    else:
-        ordered = sorted(workers, key=lambda w: w.tflops, reverse=True)
-        remaining = min(_round(workers_tflops / total_tflops * num_layers), num_layers)
-        remaining_tflops = workers_tflops
-        counts = []
-        for position, worker in enumerate(ordered):
-            if position == len(ordered) - 1:
-                count = remaining
-            else:
-                count = min(max(_round(worker.tflops / remaining_tflops * remaining), 1), remaining)
-            if layer_bytes > 0:
-                count = min(count, max_layers(worker.announcement.gpus, layer_bytes))
-            counts.append(count)
-            remaining -= count
-            remaining_tflops -= worker.tflops
-    assignments, offset = [], 0
-    for worker, count in zip(ordered, counts):
-        if count > 0:
-            assignments.append((worker, tuple(f"{prefix}.{i}" for i in range(offset, offset + count))))
-        offset += count
-    return assignments
+    """Each worker given layers by Cake's default strategy, with its contiguous run of layer names;
+    workers given none are left out. Each is weighed by its devices' TFLOPS and capped by what
+    their memory holds (`max_layers`; no cap when `layer_bytes` is 0)."""
+    capacities = [Capacity(w.name, w.tflops, max_layers(w.announcement.gpus, layer_bytes) if layer_bytes > 0 else None)
+                  for w in workers]
+    return [(workers[i], layer_names(prefix, run)) for i, run in default_assignment(capacities, num_layers, master_tflops)]
 
 
 def layer_bytes(model_dir: str | Path, num_layers: int) -> int:
@@ -120,7 +145,3 @@ async def set_up(model_dir: str | Path, assignments: Sequence[tuple[DiscoveredWo
 
     return Topology(tuple(await asyncio.gather(*(one(worker, layers) for worker, layers in assignments))))
 
-
-def _round(x: float) -> int:
-    """Rust's f64::round: halves away from zero (Python's round() goes to even)."""
-    return math.floor(x + 0.5)

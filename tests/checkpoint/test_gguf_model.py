@@ -89,3 +89,15 @@ def test_what_cakemp_does_not_compute_is_refused_by_name(tmp_path, case):
     with pytest.raises(CheckpointError, match="m.gguf") as raised:
         ModelConfig.from_dir(path)
     assert message in str(raised.value)
+
+
+def test_a_layer_s_estimated_size_is_its_tensors_as_stored(tmp_path):
+    """What a topology completed by memory weighs a layer as (checkpoint/files.estimated_layer_bytes):
+    the layers' stored bytes over their count, as gguf-py's reader counts them."""
+    import gguf
+
+    from cakemp.checkpoint.files import estimated_layer_bytes
+
+    path = write_gguf(tmp_path / "m.gguf", GgufSpec("qwen3", types={"attn_q": "Q4_0", "ffn_up": "F16"}))
+    stored = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.name.startswith("blk."))
+    assert estimated_layer_bytes(path, 4, "model.layers") == stored // 4

@@ -40,7 +40,7 @@ def topology(tmp_path):
 def test_every_flag_is_declared_once_with_help():
     """No two flags share a name, and each but --log-level explains itself."""
     names = [flag.name for flag in RUN_FLAGS]
-    assert len(names) == len(set(names)) == 30
+    assert len(names) == len(set(names)) == 31
     assert [flag.name for flag in RUN_FLAGS if not flag.help] == ["--log-level"]
 
 
@@ -226,3 +226,20 @@ def test_a_cpu_device_without_a_budget_gets_its_share_of_half_the_memory_availab
     assert [spec.kv_budget_bytes for spec in device_specs(given, [("model.layers.0",)] * 2, "/run")] == [3 << 20] * 2
     on_gpus = dataclasses.replace(config, devices=("0", "1"))
     assert [spec.kv_budget_bytes for spec in device_specs(on_gpus, [("model.layers.0",)] * 2, "/run")] == [None] * 2
+
+
+def test_a_bundle_as_model_serves_its_entry_from_its_model_folder_unless_a_topology_is_given(tmp_path):
+    """`--model <worker>-node` (as `cake split` writes it, config.json copied in): the checkpoint is
+    its model/, the topology its topology.yml (so a cluster key does not make it zero-config); an
+    explicit --topology still wins."""
+    bundle = tmp_path / "w1-node"
+    (bundle / "model").mkdir(parents=True)
+    (bundle / "model" / "config.json").write_text("{}")
+    write_topology(bundle / "topology.yml", ["model.layers.2-3"], name="w1")
+    config = node_config(flag_values(name="w1", model=str(bundle), gpus="cpu"), model_given=True)
+    assert (config.model_dir, config.layers) == (str(bundle / "model"), ("model.layers.2", "model.layers.3"))
+    keyed = node_config(flag_values(name="w1", model=str(bundle), gpus="cpu", cluster_key=KEY), model_given=True)
+    assert (keyed.setup, keyed.layers) == (None, config.layers)  # the bundle's topology: not zero-config
+    other = write_topology(tmp_path / "other.yml", ["model.layers.5"], name="w1")
+    config = node_config(flag_values(name="w1", model=str(bundle), topology=str(other), gpus="cpu"), model_given=True)
+    assert config.layers == ("model.layers.5",)
