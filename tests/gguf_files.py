@@ -66,7 +66,7 @@ class GgufSpec:
     seed: int = 0
     metadata: dict[str, object] = field(default_factory=dict)  # more "<arch>." keys, or None to leave one out
     extra_tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> shape, stored F32
-    tokenizer: dict[str, object] = field(default_factory=dict)  # "tokenizer.ggml.*" keys, written as they are
+    global_metadata: dict[str, object] = field(default_factory=dict)  # keys written as they are ("tokenizer.ggml.*")
     omitted: frozenset[str] = frozenset()  # tensor names left out of the file
 
     def layer_tensors(self) -> dict[str, tuple[int, ...]]:
@@ -109,7 +109,7 @@ def write_gguf(path: Path, spec: GgufSpec) -> Path:
     writer = gguf.GGUFWriter(str(path), spec.arch)
     for key, value in _metadata(spec).items():
         _add(writer, f"{spec.arch}.{key}", value)
-    for key, value in spec.tokenizer.items():
+    for key, value in spec.global_metadata.items():
         _add(writer, key, value)
     for name, shape in spec.tensors().items():
         kind = spec.type_of(name, shape)

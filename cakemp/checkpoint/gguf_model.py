@@ -17,8 +17,9 @@ partial rotary here), rope.scaling.type ("linear" and its factor; yarn refused),
 and for MoE expert_count, expert_used_count, expert_feed_forward_length and
 expert_weights_norm (llama.cpp's qwen3moe renormalises the top-k weights when it is absent).
 Llama 3's rope scaling, which llama.cpp's converter stores as a `rope_freqs` tensor of
-per-frequency factors, is refused by name. Biases (Llama, Qwen3) follow the tensors present, as
-llama.cpp infers them, and a file without output.weight ties lm_head to the embeddings.
+per-frequency factors, is refused by name, and so is a file split in parts (`split.count`).
+Biases (Llama, Qwen3) follow the tensors present, as llama.cpp infers them, and a file without
+output.weight ties lm_head to the embeddings.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def hf_config(gguf: GgufFile) -> dict[str, Any]:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{gguf.path}: GGUF architecture {arch!r} is not supported by cakemp "
                               f"(supported: {', '.join(ARCHITECTURES)})")
+    split = gguf.metadata.get("split.count", 1)
+    if split != 1:
+        raise CheckpointError(f"{gguf.path}: a GGUF file split in {split!r} parts is not supported "
+                              "(merge them first: llama-gguf-split --merge)")
     if ROPE_FREQS in gguf.tensors:
         raise CheckpointError(f"{gguf.path}: per-frequency rope factors ({ROPE_FREQS}, Llama 3's rope scaling) "
                               "are not supported in GGUF files")

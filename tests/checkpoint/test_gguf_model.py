@@ -78,6 +78,7 @@ REFUSED = {
                         "num_key_value_heads [2, 2, 2, 2] is not a whole number"),
     "shared experts": (GgufSpec("qwen3moe", ffn=0, experts=4, expert_ffn=32, metadata={"expert_shared_count": 1}),
                        "shared experts are not supported for qwen3moe"),
+    "split": (GgufSpec("qwen2", global_metadata={"split.count": 3}), "a GGUF file split in 3 parts is not supported"),
     "bad head counts": (GgufSpec("qwen2", heads=4, kv_heads=3), "4 attention heads are not a multiple of 3"),
 }
 

@@ -12,8 +12,8 @@ One node at a time, each serving layers 1-3 of one file on one f32 CPU device:
 * Qwen2 (the family Cake's GGUF path computes right), q/k/v biases, one kv head: Q8_0 and F16.
 A prompt, 8 decode steps and (a second session) a prompt in 3-token chunks match HF to F32_REL
 (both sides compute the same f32 weights: ours are bit-equal to gguf-py's dequantization).
-Files cakemp does not take (an architecture, a ggml type, a malformed header) make the node
-exit 78 naming what it refused.
+Files cakemp does not take (an architecture, a ggml type, a malformed header, a served layer's
+missing tensor) make the node exit 78 naming what it refused.
 """
 
 from __future__ import annotations

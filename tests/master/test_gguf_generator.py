@@ -51,7 +51,7 @@ def _tokenizer_metadata() -> dict[str, object]:
 
 def _write(directory, tied: bool):
     metadata = _tokenizer_metadata()
-    spec = GgufSpec("llama", vocab=len(metadata["tokenizer.ggml.tokens"]), tied=tied, tokenizer=metadata,
+    spec = GgufSpec("llama", vocab=len(metadata["tokenizer.ggml.tokens"]), tied=tied, global_metadata=metadata,
                     types={"attn_q": "Q4_0", "attn_k": "Q5_1", "token_embd": "Q8_0", "output": "Q4_1"})
     return write_gguf(directory / "tiny-llama.gguf", spec)
 
@@ -134,9 +134,9 @@ def test_cakemp_generate_through_a_node_serving_the_file_prints_transformers_gre
 
 
 def test_a_tokenizer_not_built_is_refused_by_name(tmp_path):
-    spec = GgufSpec("llama", tokenizer={"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+    spec = GgufSpec("llama", global_metadata={"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(CheckpointError, match="tokenizer.ggml.model 'llama' is not supported"):
         gguf_tokenizer(GgufFile(write_gguf(tmp_path / "sp.gguf", spec)))
-    spec = GgufSpec("llama", tokenizer={**_tokenizer_metadata(), "tokenizer.ggml.pre": "chameleon"})
+    spec = GgufSpec("llama", global_metadata={**_tokenizer_metadata(), "tokenizer.ggml.pre": "chameleon"})
     with pytest.raises(CheckpointError, match="tokenizer.ggml.pre 'chameleon' is not supported"):
         gguf_tokenizer(GgufFile(write_gguf(tmp_path / "pre.gguf", spec)))
