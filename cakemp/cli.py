@@ -22,6 +22,7 @@ from cakemp.front.notify import Notifier
 from cakemp.wire import Revision
 
 EXIT_CONFIG = 78
+DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant."  # Cake's --system-prompt default (cake-core/src/lib.rs)
 
 
 def _env(flag: str) -> str:
@@ -78,66 +79,139 @@ def run(**flags) -> None:
     sys.exit(_run_or_exit(Front(config, device_process.main, notifier).run()))
 
 
-@cli.command()
-@_like_run("--model")
-@_flag("--topology", help="Cake topology YAML (default: a --model bundle's; without one every layer runs here).")
-@_like_run("--master-tflops", help="A topology whose nodes all list no layers: this master's TFLOPS its share is "
-           "weighed by (default: its own devices', as Cake's master counts them).")
-@_flag("--prompt", default="Once upon a time", help="Text to continue.")
-@_flag("--max-tokens", type=click.IntRange(min=1), default=128,
-       help="Most tokens to generate (fewer when EOS comes first).")
-@_flag("--temperature", type=float, default=1.0, help="0 or less: greedy.")
-@_flag("--top-k", type=click.IntRange(min=1), help="Sample among the k likeliest.")
-@_flag("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass.")
-@_flag("--repeat-penalty", type=click.FloatRange(0, min_open=True),
-       default=1.1, help="Penalty on recently generated tokens (1.0: none).")
-@_flag("--repeat-last-n", type=click.IntRange(min=0), default=128,
-       help="How many recent tokens the penalty looks at.")
-@_flag("--seed", type=int, default=299792458, help="Sampling seed.")
-@_like_run("--cluster-key", help="Shared key of the workers.")
-@_like_run("--dtype", help="Compute and wire dtype; must match the workers'.")
-@_like_run("--protocol", help="Cake revision the workers speak.")
-@_flag("--discover", help="Zero-config: find the cluster's workers at these comma-separated addresses "
-       "(broadcast like 255.255.255.255, or the workers' own), give them layers and push them the files.")
-@_like_run("--discovery-port", help="UDP port of the workers' discovery.", type=click.IntRange(1, 65535))
-@_flag("--discovery-timeout", type=click.FloatRange(0, min_open=True), default=10.0,
-       help="Seconds to collect discovery replies.")
-@_flag("--min-workers", type=click.IntRange(min=0), default=0,
-       help="Stop collecting replies once this many workers answered (0: wait the whole timeout).")
-def generate(model, topology, master_tflops, prompt, max_tokens, temperature, top_k, top_p, repeat_penalty,
-             repeat_last_n, seed, cluster_key, dtype, protocol, discover, discovery_port, discovery_timeout,
-             min_workers) -> None:
-    """Generate text as a Cake master: this process runs the layers no worker serves."""
+def _cluster_flags(command):
+    """The flags saying where a master's workers are and how to reach them (`generate`, `serve`)."""
+    flags = (
+        _like_run("--model"),
+        _flag("--topology", help="Cake topology YAML (default: a --model bundle's; without one every layer runs here)."),
+        _like_run("--master-tflops", help="A topology whose nodes all list no layers: this master's TFLOPS its share "
+                  "is weighed by (default: its own devices', as Cake's master counts them)."),
+        _like_run("--cluster-key", help="Shared key of the workers."),
+        _like_run("--dtype", help="Compute and wire dtype; must match the workers'."),
+        _like_run("--protocol", help="Cake revision the workers speak."),
+        _flag("--discover", help="Zero-config: find the cluster's workers at these comma-separated addresses "
+              "(broadcast like 255.255.255.255, or the workers' own), give them layers and push them the files."),
+        _like_run("--discovery-port", help="UDP port of the workers' discovery.", type=click.IntRange(1, 65535)),
+        _flag("--discovery-timeout", type=click.FloatRange(0, min_open=True), default=10.0,
+              help="Seconds to collect discovery replies."),
+        _flag("--min-workers", type=click.IntRange(min=0), default=0,
+              help="Stop collecting replies once this many workers answered (0: wait the whole timeout)."),
+    )
+    for flag in reversed(flags):
+        command = flag(command)
+    return command
+
+
+def _repeat_flags(command):
+    """Cake's repeat penalty, which OpenAI requests do not carry: a flag of `generate` and `serve`."""
+    command = _flag("--repeat-last-n", type=click.IntRange(min=0), default=128,
+                    help="How many recent tokens the penalty looks at.")(command)
+    return _flag("--repeat-penalty", type=click.FloatRange(0, min_open=True),
+                 default=1.1, help="Penalty on recently generated tokens (1.0: none).")(command)
+
+
+def _open_generator(model, topology, master_tflops, cluster_key, dtype, protocol, discover, discovery_port,
+                    discovery_timeout, min_workers):
+    """The flags of `_cluster_flags` checked; a coroutine opening the `Generator` over the cluster they name
+    (discovering it and pushing it the files first, with --discover)."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 
     from cakemp.master.cluster import discover_cluster, master_checkpoint
     from cakemp.master.generator import Generator
-    from cakemp.master.sampler import SamplingParams
 
-    sampling = SamplingParams(temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed)
     if discover and topology:
         raise ConfigError("--discover and --topology exclude each other")
     if discover and not cluster_key:
         raise ConfigError("--discover needs --cluster-key (the cluster's workers answer only to its hash)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    revision = Revision(int(protocol))
     model, layout = master_checkpoint(model, topology, master_tflops, on_gpu=device == "cuda",
                                       every_layer=bool(discover), report=lambda line: click.echo(line, err=True))
 
-    async def stream():
+    async def open_generator() -> Generator:
         nonlocal layout
         if discover:
             targets = [target.strip() for target in discover.split(",") if target.strip()]
             layout = await discover_cluster(model, cluster_key, targets, port=discovery_port, timeout=discovery_timeout,
-                                            min_workers=min_workers, revision=Revision(int(protocol)),
-                                            on_gpu=device == "cuda", report=lambda line: click.echo(line, err=True))
-        async with await Generator.open(model, layout, dtype=dtype, device=device, cluster_key=cluster_key or None,
-                                        revision=Revision(int(protocol))) as generator:
-            click.echo(prompt, nl=False)
-            done = await generator.generate(prompt, max_tokens, sampling, on_text=lambda t: click.echo(t, nl=False))
+                                            min_workers=min_workers, revision=revision, on_gpu=device == "cuda",
+                                            report=lambda line: click.echo(line, err=True))
+        return await Generator.open(model, layout, dtype=dtype, device=device, cluster_key=cluster_key or None,
+                                    revision=revision)
+
+    return open_generator()
+
+
+@cli.command()
+@_cluster_flags
+@_flag("--prompt", default="Once upon a time", help="The user's message (with --raw: the text to continue).")
+@_flag("--system-prompt", default=DEFAULT_SYSTEM_PROMPT,
+       help="The chat's system message, as Cake's default (empty: none).")
+@_flag("--raw", is_flag=True, help="Send the prompt as it is, without the checkpoint's chat template.")
+@_flag("--max-tokens", type=click.IntRange(min=1), default=128,
+       help="Most tokens to generate (fewer when an end token comes first).")
+@_flag("--temperature", type=float, default=1.0, help="0 or less: greedy.")
+@_flag("--top-k", type=click.IntRange(min=1), help="Sample among the k likeliest.")
+@_flag("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass.")
+@_repeat_flags
+@_flag("--seed", type=int, default=299792458, help="Sampling seed.")
+def generate(prompt, system_prompt, raw, max_tokens, temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed,
+             **cluster) -> None:
+    """Generate text as a Cake master: this process runs the layers no worker serves.
+
+    The prompt goes through the checkpoint's chat template (chat_template.jinja or tokenizer_config.json;
+    a GGUF file's tokenizer.chat_template) after the system prompt, unless --raw or the checkpoint has no
+    template; the answer is printed as it comes, and ends at the model's end tokens."""
+    from cakemp.master.chat import conversation
+    from cakemp.master.sampler import SamplingParams
+
+    sampling = SamplingParams(temperature, top_k, top_p, repeat_penalty, repeat_last_n, seed)
+    opening = _open_generator(**cluster)
+
+    async def stream():
+        async with await opening as generator:
+            if raw or generator.chat is None:
+                if not raw:
+                    click.echo("cakemp: the checkpoint has no chat template: the prompt goes raw", err=True)
+                request = prompt
+                click.echo(prompt, nl=False)
+            else:
+                request = generator.chat.encode(conversation(system_prompt, prompt))
+            done = await generator.generate(request, max_tokens, sampling, on_text=lambda t: click.echo(t, nl=False))
         click.echo()
         click.echo(done.summary(), err=True)
 
     _run_or_exit(stream())
+
+
+@cli.command()
+@_cluster_flags
+@_flag("--address", default="127.0.0.1:8080", envvar="CAKEMP_SERVE_ADDRESS",  # not `cakemp run`'s CAKEMP_ADDRESS
+       help="host:port the API listens on (port 0: any free one).")
+@_flag("--model-id", help="The model's name in the API (/v1/models, requests' `model`) [default: the model "
+       "directory's name, or the Hugging Face id --model gives].")
+@_flag("--max-tokens", type=click.IntRange(min=1), default=2048,
+       help="Most tokens a request generates when it names no max_tokens (cut to the context left).")
+@_repeat_flags
+@_flag("--max-body-kib", type=click.IntRange(min=1), default=1024, help="Largest request body accepted.")
+@_flag("--max-waiting", type=click.IntRange(min=0), default=16,
+       help="Requests that may wait for the cluster behind the one it runs; more get 503.")
+@_like_run("--log-format")
+@_like_run("--log-level")
+def serve(address, model_id, max_tokens, repeat_penalty, repeat_last_n, max_body_kib, max_waiting, log_format,
+          log_level, **cluster) -> None:
+    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health) over the
+    cluster, one request at a time; needs the `serve` extra (pip install 'cakemp[serve]')."""
+    from cakemp.master.serve import ServeOptions, serve_api
+
+    log.configure(log_format, log_level)
+    options = ServeOptions(address, model_id or _model_name(cluster["model"]), max_tokens, repeat_penalty,
+                           repeat_last_n, max_body_kib * 1024, max_waiting)
+    _run_or_exit(serve_api(_open_generator(**cluster), options))
+
+
+def _model_name(model: str) -> str:
+    """The API's name for `--model`: a directory's own name, or the Hugging Face id as given."""
+    return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
 
 
 @cli.command()

@@ -7,13 +7,16 @@ layer and says Hello on each. Each step walks the layers in order and sends ever
 of consecutive layers on one worker as one `Batch`, on the connection of the run's first
 layer (spec cake-model §5.2). The prompt is one prefill at position 0, then one token per step;
 after the last step every connection gets `Goodbye`, which clears the workers' caches so the
-next generation prefills afresh.
+next generation prefills afresh (a worker that keeps retired prefixes answers the rows it kept
+for the same prefix). A generation ends at `max_tokens`, at an end token (`chat.end_token_ids`),
+or once the caller sets its `halt` event (a stop string, a client gone): after the step in
+flight, so the connections stay in step with the workers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,8 +30,9 @@ from cakemp.compute.runner import BlockRunner
 from cakemp.compute.tensors import compute_dtype, from_raw, to_raw
 from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.master.address import dial
+from cakemp.master.chat import ChatTemplate, end_token_ids
 from cakemp.master.client import WorkerClient
-from cakemp.master.gguf_tokenizer import gguf_eos_ids, gguf_tokenizer
+from cakemp.master.gguf_tokenizer import gguf_chat_template, gguf_eos_ids, gguf_tokenizer
 from cakemp.master.sampler import Sampler, SamplingParams
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.files import is_gguf
@@ -69,6 +73,7 @@ class Generation:
     text: str  # the generated text, EOS excluded
     latencies: tuple[float, ...]  # seconds per generated token; the first one includes the prefill
     stopped_at_eos: bool
+    halted: bool = False  # ended because the caller set `halt`
 
     @property
     def decode_latencies(self) -> tuple[float, ...]:
@@ -114,6 +119,33 @@ def layer_hosts(topology: Topology) -> dict[str, str]:
     return hosts
 
 
+@dataclass(frozen=True)
+class Dialer:
+    """How the master reaches its workers: the cluster's key, the protocol revision, the connect timeout."""
+
+    cluster_key: str | None = None
+    revision: Revision = Revision.V2
+    timeout: float = 10.0
+
+    async def connect(self, runs: Sequence[LayerRun]) -> dict[int, WorkerClient]:
+        """A connection per remote layer (block index → it), each said Hello, one after another in layer
+        order as Cake connects; none is left open when one fails."""
+        clients: dict[int, WorkerClient] = {}
+        try:
+            for run in runs:
+                if run.host is None:
+                    continue
+                for _, index in run.layers:
+                    clients[index] = await dial(run.host, cluster_key=self.cluster_key, revision=self.revision,
+                                                timeout=self.timeout)
+                    await clients[index].hello()
+        except BaseException:
+            for client in clients.values():
+                await client.close()
+            raise
+        return clients
+
+
 class Generator:
     """A master for one checkpoint and topology: open it, generate any number of times, close it."""
 
@@ -126,6 +158,9 @@ class Generator:
         clients: dict[int, WorkerClient],
         eos_ids: frozenset[int],
         wire_dtype: DType,
+        chat: ChatTemplate | None = None,
+        context_length: int | None = None,
+        dialer: Dialer = Dialer(),
     ) -> None:
         self.head = head
         self.tokenizer = tokenizer
@@ -137,6 +172,9 @@ class Generator:
         self.clients = clients  # block index → its connection, one per remote layer
         self.eos_ids = eos_ids
         self.wire_dtype = wire_dtype
+        self.chat = chat  # the checkpoint's chat template; None for a model without one
+        self.context_length = context_length  # positions the model takes (max_position_embeddings)
+        self.dialer = dialer
 
     @classmethod
     async def open(
@@ -154,27 +192,16 @@ class Generator:
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
         torch_dtype = compute_dtype(dtype)
-        tokenizer, eos_ids = _vocabulary(model_dir)
+        tokenizer, end_ids, chat = _vocabulary(model_dir)
         head = Head.load(model_dir, config, device, torch_dtype)
         names = [config.layer_name(i) for i in range(config.num_hidden_layers)]
         runs = plan_runs(names, layer_hosts(topology))
         local = [name for run in runs if run.host is None for name, _ in run.layers]
         runner = BlockRunner.load(model_dir, local, device, torch_dtype) if local else None
-        clients: dict[int, WorkerClient] = {}
-        try:
-            # Cake connects to the remote layers one after another, in layer order.
-            for run in runs:
-                if run.host is None:
-                    continue
-                for _, index in run.layers:
-                    client = await dial(run.host, cluster_key=cluster_key, revision=revision, timeout=timeout)
-                    clients[index] = client
-                    await client.hello()
-        except BaseException:
-            for client in clients.values():
-                await client.close()
-            raise
-        return cls(head, tokenizer, runner, runs, clients, eos_ids, DType[dtype.upper()])
+        dialer = Dialer(cluster_key, revision, timeout)
+        clients = await dialer.connect(runs)
+        return cls(head, tokenizer, runner, runs, clients, end_ids, DType[dtype.upper()], chat,
+                   config.max_position_embeddings, dialer)
 
     async def __aenter__(self) -> Generator:
         return self
@@ -187,24 +214,38 @@ class Generator:
         for client in self.clients.values():
             await client.close()
 
+    async def reconnect(self) -> None:
+        """Close every connection and connect afresh, as `open` did: after a connection broke (a worker
+        restarted, say), so that the next generation starts on connections in step with the workers."""
+        await self.close()
+        self.clients = {}
+        self.clients = await self.dialer.connect(self.runs)
+
+    def encode(self, prompt: str | Sequence[int]) -> tuple[int, ...]:
+        """A prompt's token ids: text is encoded with the tokenizer's own special tokens (BOS where it
+        adds one); ids (a chat template's rendering, say) are taken as they are."""
+        prompt_tokens = tuple(self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else prompt)
+        if not prompt_tokens:
+            raise ConfigError("the prompt encodes to no tokens")
+        return prompt_tokens
+
     async def generate(
         self,
-        prompt: str,
+        prompt: str | Sequence[int],
         max_tokens: int,
         sampling: SamplingParams = SamplingParams(),
         on_text: Callable[[str], None] | None = None,
         trace: list[RemoteCall] | None = None,
+        halt: asyncio.Event | None = None,
     ) -> Generation:
-        """Generate up to `max_tokens` tokens after `prompt`, stopping early at EOS.
+        """Generate up to `max_tokens` tokens after `prompt` (text or ids, see `encode`), stopping early
+        at an end token, or once `halt` is set (checked before each step).
 
-        The prompt is encoded with the tokenizer's own special tokens (BOS where it adds one).
         `on_text` gets the text as it grows; `trace`, when given, receives every Batch round trip.
         """
         if max_tokens < 1:
             raise ConfigError(f"max tokens must be at least 1, got {max_tokens}")
-        prompt_tokens = tuple(self.tokenizer.encode(prompt).ids)
-        if not prompt_tokens:
-            raise ConfigError("the prompt encodes to no tokens")
+        prompt_tokens = self.encode(prompt)
         sampler = Sampler(sampling)
         tokens: list[int] = []
         latencies: list[float] = []
@@ -212,7 +253,7 @@ class Generator:
         index_pos = 0
         feed = list(prompt_tokens)
         try:
-            while len(tokens) < max_tokens:
+            while len(tokens) < max_tokens and not (halt is not None and halt.is_set()):
                 start = time.perf_counter()
                 x = await self._forward(self.head.embed(feed), index_pos, trace)  # [1, T, H]
                 token = sampler.sample(self.head.logits(x), tokens)
@@ -234,7 +275,8 @@ class Generator:
         text = self.tokenizer.decode(tokens[:-1] if stopped else tokens)
         if on_text is not None and text.startswith(shown) and len(text) > len(shown):
             on_text(text[len(shown):])  # a tail that waited for a character's last byte
-        return Generation(prompt_tokens, tuple(tokens), text, tuple(latencies), stopped)
+        halted = not stopped and len(tokens) < max_tokens
+        return Generation(prompt_tokens, tuple(tokens), text, tuple(latencies), stopped, halted)
 
     async def _forward(self, x: torch.Tensor, index_pos: int, trace: list[RemoteCall] | None) -> torch.Tensor:
         """x [1, T, H] at positions index_pos.. through every layer -> [1, T, H]."""
@@ -271,13 +313,15 @@ class Generator:
             await self.clients[index].goodbye()
 
 
-def _vocabulary(model: Path) -> tuple[Tokenizer, frozenset[int]]:
-    """The tokenizer and the ids that end a generation: a GGUF file's metadata, or a checkpoint
-    directory's tokenizer.json and config.json."""
+def _vocabulary(model: Path) -> tuple[Tokenizer, frozenset[int], ChatTemplate | None]:
+    """The tokenizer, the ids that end a generation and the chat template: a GGUF file's metadata,
+    or a checkpoint directory's tokenizer.json and configs."""
     if is_gguf(model):
         gguf = GgufFile(model)
-        return gguf_tokenizer(gguf), gguf_eos_ids(gguf)
-    return _tokenizer(model / "tokenizer.json"), _eos_ids(model)
+        tokenizer = gguf_tokenizer(gguf)
+        return tokenizer, gguf_eos_ids(gguf), gguf_chat_template(gguf, tokenizer)
+    tokenizer = _tokenizer(model / "tokenizer.json")
+    return tokenizer, end_token_ids(model, tokenizer), ChatTemplate.load(model, tokenizer)
 
 
 def _tokenizer(path: Path) -> Tokenizer:
@@ -288,10 +332,3 @@ def _tokenizer(path: Path) -> Tokenizer:
     except Exception as exc:  # the tokenizers package raises plain Exception for a bad file
         raise CheckpointError(f"{path} is not a usable tokenizer: {exc}") from None
 
-
-def _eos_ids(model_dir: Path) -> frozenset[int]:
-    """The ids that end a generation: config.json's `eos_token_id` (one id or a list)."""
-    eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
-    if eos is None:
-        return frozenset()
-    return frozenset(eos if isinstance(eos, list) else [eos])

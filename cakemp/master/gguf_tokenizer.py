@@ -7,7 +7,8 @@ of `tokenizer.ggml.pre`, the pre-tokenizer llama.cpp names (the patterns are tho
 own, as their tokenizer.json files carry them); an unknown name is refused rather than split
 wrongly. Tokens typed CONTROL (3) are special, USER_DEFINED (4) added, both matched whole.
 `tokenizer.ggml.add_bos_token` puts the BOS token first, as llama.cpp does. SentencePiece
-("llama") and other tokenizer models are refused by name.
+("llama") and other tokenizer models are refused by name. The chat template is the file's
+`tokenizer.chat_template`, rendered with its BOS and EOS tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.errors import CheckpointError
+from cakemp.master.chat import ChatTemplate
 
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -69,6 +71,20 @@ def gguf_eos_ids(gguf: GgufFile) -> frozenset[int]:
     count = len(gguf.metadata.get("tokenizer.ggml.tokens") or [])
     return frozenset(_token_id(gguf, key, count) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                      if key in gguf.metadata)
+
+
+def gguf_chat_template(gguf: GgufFile, tokenizer: Tokenizer) -> ChatTemplate | None:
+    """`tokenizer.chat_template` (llama.cpp's copy of the model's template), with the file's BOS and
+    EOS tokens as the template's bos_token and eos_token; None for a file without one."""
+    source = gguf.metadata.get("tokenizer.chat_template")
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise CheckpointError(f"{gguf.path}: GGUF metadata tokenizer.chat_template is not a string")
+    tokens = _strings(gguf, "tokenizer.ggml.tokens")
+    special = {name: tokens[_token_id(gguf, f"tokenizer.ggml.{name}_id", len(tokens))]
+               for name in ("bos_token", "eos_token") if f"tokenizer.ggml.{name}_id" in gguf.metadata}
+    return ChatTemplate(source, special, tokenizer)
 
 
 def _strings(gguf: GgufFile, key: str) -> list[str]:

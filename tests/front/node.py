@@ -123,21 +123,17 @@ def write_topology(path: Path, layers: list[str], name: str = "worker") -> Path:
     return path
 
 
-class RunningNode:
-    """A `cakemp run` process whose JSON log lines are collected as they come."""
+class LoggedProcess:
+    """A `cakemp` command as a subprocess whose JSON log lines are collected as they come."""
 
-    def __init__(self, model: Path | None, topology: Path | None, *args: str, env: dict[str, str] | None = None,
-                 timeout: float = 60.0, ready: str = LISTENING, name: str | None = "worker",
+    def __init__(self, command: list[str], ready: str, env: dict[str, str] | None = None, timeout: float = 60.0,
                  nofile: int | None = None):
-        """Start the node and wait for its event starting with `ready` (which carries its TCP port);
-        without `model` and `topology` it starts in zero-config mode (give it a cluster key).
-        `nofile`: the file descriptor limit it runs under (ulimit -n), soft and hard."""
-        where = [] if topology is None else ["--model", str(model), "--topology", str(topology)]
-        command = [sys.executable, "-m", "cakemp", "run", *(["--name", name] if name else []), *where,
-                   "--address", "127.0.0.1:0", "--log-format", "json", *args]
+        """Start `python -m cakemp *command` and wait for its event starting with `ready` (which carries
+        its port). `nofile`: the file descriptor limit it runs under (ulimit -n), soft and hard."""
         limit = None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env={**os.environ, **(env or {})}, preexec_fn=limit)
+        self.process = subprocess.Popen([sys.executable, "-m", "cakemp", *command], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+                                        preexec_fn=limit)
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._collect, daemon=True)
@@ -181,8 +177,35 @@ class RunningNode:
                         return event
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._reader.is_alive():
-                    raise AssertionError("node never logged the awaited event; output:\n" + "\n".join(self.lines[-40:]))
+                    raise AssertionError("the process never logged the awaited event; output:\n"
+                                         + "\n".join(self.lines[-40:]))
                 self._changed.wait(min(remaining, 0.2))
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=30)
+
+    def kill(self) -> None:
+        """SIGKILL the process if it still runs, and reap it: a teardown that does not judge how it ends
+        (a node's device processes die with it)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+class RunningNode(LoggedProcess):
+    """A `cakemp run` process whose JSON log lines are collected as they come."""
+
+    def __init__(self, model: Path | None, topology: Path | None, *args: str, env: dict[str, str] | None = None,
+                 timeout: float = 60.0, ready: str = LISTENING, name: str | None = "worker",
+                 nofile: int | None = None):
+        """Start the node and wait for its event starting with `ready` (which carries its TCP port);
+        without `model` and `topology` it starts in zero-config mode (give it a cluster key).
+        `nofile`: the file descriptor limit it runs under (ulimit -n), soft and hard."""
+        where = [] if topology is None else ["--model", str(model), "--topology", str(topology)]
+        super().__init__(["run", *(["--name", name] if name else []), *where, "--address", "127.0.0.1:0",
+                          "--log-format", "json", *args], ready, env, timeout, nofile)
 
     def device_pid(self, index: int) -> int:
         """The pid of device `index`'s current process (its latest "device ready")."""
@@ -192,18 +215,6 @@ class RunningNode:
     def metrics_port(self) -> int:
         """The port of the metrics endpoint (started with --metrics-address)."""
         return self.wait_for(lambda e: e.get("event") == "metrics endpoint")["port"]
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=30)
-
-    def kill(self) -> None:
-        """SIGKILL the front if it still runs, and reap it: a teardown that does not judge how it ends
-        (its device processes die with it)."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
 
 
 class ZeroConfigNode(RunningNode):

@@ -14,13 +14,14 @@ import yaml
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
-from cakemp.cli import cli
+from cakemp.cli import DEFAULT_SYSTEM_PROMPT, cli
 from cakemp.errors import RemoteWorkerError, WorkerUnreachable
 from cakemp.demo.local_node import LocalNode, free_port
 from cakemp.master.generator import Generation, Generator, LayerRun, layer_hosts, plan_runs
 from cakemp.master.sampler import SamplingParams
 from cakemp.demo.synthetic import write_checkpoint
 from cakemp.topology import Topology
+from tests.master.chat_templates import CHATML, with_template
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,6 +40,12 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("synthetic")
     write_checkpoint(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def chat_model(checkpoint, tmp_path_factory):
+    """The synthetic checkpoint with a ChatML template in chat_template.jinja (same weights)."""
+    return with_template(checkpoint, tmp_path_factory.mktemp("chat") / "ckpt", CHATML, in_jinja_file=True)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +142,38 @@ def test_cakemp_generate_prints_transformers_greedy_text(checkpoint, hf_model, n
     assert "tokens/s" in result.stderr and "ms/token" in result.stderr
 
 
+def cli_generate(model, *args):
+    """`cakemp generate` greedy on `model`, f32, for STEPS tokens; its result."""
+    result = CliRunner().invoke(cli, [
+        "generate", "--model", str(model), "--prompt", PROMPT, "--max-tokens", str(STEPS), "--temperature", "0",
+        "--repeat-penalty", "1", "--dtype", "f32", *args,
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_cakemp_generate_answers_the_chat_templates_prompt(chat_model, hf_model, node):
+    """Without --raw, `cakemp generate` prompts with apply_chat_template's ids for Cake's default system
+    prompt and the prompt, and prints only HF's greedy answer to them, up to its end token."""
+    _, topology = node
+    result = cli_generate(chat_model, "--topology", str(topology))
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(chat_model)
+    messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": PROMPT}]
+    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = [t for t in hf_greedy(hf_model, ids, STEPS) if t != hf_tokenizer.eos_token_id]
+    tokenizer = Tokenizer.from_file(str(chat_model / "tokenizer.json"))
+    assert result.stdout == tokenizer.decode(expected) + "\n"
+    assert "the prompt goes raw" not in result.stderr
+
+
+def test_raw_and_a_checkpoint_without_template_send_the_prompt_as_it_is(checkpoint, chat_model):
+    """--raw on the chat checkpoint prints what the template-less checkpoint prints (which says so)."""
+    raw = cli_generate(chat_model, "--raw")
+    plain = cli_generate(checkpoint)
+    assert raw.stdout == plain.stdout and raw.stdout.startswith(PROMPT)
+    assert "the prompt goes raw" in plain.stderr and "the prompt goes raw" not in raw.stderr
+
+
 def test_sampling_is_reproducible_and_streamed(checkpoint, node):
     """Two seeded generations on one Generator agree, and the streamed pieces add up to the text."""
     _, topology = node
@@ -153,15 +192,17 @@ def test_sampling_is_reproducible_and_streamed(checkpoint, node):
     assert len(pieces) > 1
 
 
-def test_generation_stops_at_eos(checkpoint, tmp_path):
-    """A token listed as EOS in config.json ends the generation and is left out of the text."""
+@pytest.mark.parametrize("listed_in", ["config.json", "generation_config.json"])
+def test_generation_stops_at_eos(checkpoint, tmp_path, listed_in):
+    """A token listed as EOS in config.json, or in generation_config.json, ends the generation and is left
+    out of the text."""
     free_run = generate(checkpoint, Topology(()))
     k = next(i for i, t in enumerate(free_run.tokens) if i > 0 and t not in free_run.tokens[:i])
     for path in checkpoint.iterdir():
         (tmp_path / path.name).symlink_to(path)
-    config = json.loads((checkpoint / "config.json").read_text())
-    (tmp_path / "config.json").unlink()
-    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [999, free_run.tokens[k]]}))
+    config = json.loads((checkpoint / listed_in).read_text()) if listed_in == "config.json" else {}
+    (tmp_path / listed_in).unlink(missing_ok=True)
+    (tmp_path / listed_in).write_text(json.dumps({**config, "eos_token_id": [999, free_run.tokens[k]]}))
     stopped = generate(tmp_path, Topology(()))
     assert stopped.tokens == free_run.tokens[: k + 1]
     assert stopped.stopped_at_eos and not free_run.stopped_at_eos

@@ -5,7 +5,7 @@ own GGUF loading of the same file: its tokenizer (AutoTokenizer with gguf_file=)
 The file (tests/gguf_files.py, written by gguf-py) is a tiny Llama with q/k rows in llama.cpp's
 permuted order and a byte-level BPE tokenizer in its metadata: GPT-2's 256 byte tokens, 13
 merges, <|endoftext|> as a CONTROL token and the EOS, and Qwen2's split regex
-(tokenizer.ggml.pre "qwen2"). The master keeps embeddings, final norm and head from the file; all
+(tokenizer.ggml.pre "qwen2"), and a chat template (tokenizer.chat_template). The master keeps embeddings, final norm and head from the file; all
 layers local (also for the same model with tied embeddings: no output.weight, whose random
 greedy text repeats one token, but must be HF's token), then layers 1-2 on a live node serving
 the same file.
@@ -24,7 +24,7 @@ from cakemp.cli import cli
 from cakemp.demo.local_node import LocalNode, free_port
 from cakemp.errors import CheckpointError
 from cakemp.master.generator import Generator
-from cakemp.master.gguf_tokenizer import gguf_eos_ids, gguf_tokenizer
+from cakemp.master.gguf_tokenizer import gguf_chat_template, gguf_eos_ids, gguf_tokenizer
 from cakemp.master.sampler import SamplingParams
 from cakemp.topology import Topology
 from tests.gguf_files import GgufSpec, needs_gguf, write_gguf
@@ -37,6 +37,9 @@ EOS = "<|endoftext|>"
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 PROMPT = "Once upon a time"
 STEPS = 12
+# A ChatML-like template that also uses the file's eos_token (and bos_token, when the caller has one).
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}{{ eos_token }}")
 TEXTS = ["Once upon a time", f"the time is up{EOS}in 12345 words\n\n  x", "héllo wörld — it's 3.14!", "    "]
 
 
@@ -46,7 +49,8 @@ def _tokenizer_metadata() -> dict[str, object]:
     tokens = list(bytes_to_unicode().values()) + [m.replace(" ", "") for m in MERGES] + [EOS]
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.merges": MERGES, "tokenizer.ggml.token_type": [1] * (len(tokens) - 1) + [3],
-            "tokenizer.ggml.eos_token_id": len(tokens) - 1, "tokenizer.ggml.bos_token_id": len(tokens) - 1}
+            "tokenizer.ggml.eos_token_id": len(tokens) - 1, "tokenizer.ggml.bos_token_id": len(tokens) - 1,
+            "tokenizer.chat_template": TEMPLATE}
 
 
 def _write(directory, tied: bool):
@@ -100,6 +104,16 @@ def test_the_tokenizer_is_transformers_reading_of_the_file(path, hf):
     assert gguf_eos_ids(GgufFile(path)) == {theirs.convert_tokens_to_ids(EOS)}
 
 
+def test_the_chat_template_renders_as_transformers_renders_it(path, hf):
+    _, theirs = hf
+    file = GgufFile(path)
+    chat = gguf_chat_template(file, gguf_tokenizer(file))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the time?"}]
+    expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.render(messages) == expected
+    assert chat.encode(messages) == theirs.encode(expected, add_special_tokens=False)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_all_local_greedy_equals_transformers_generate(tmp_path, tied):
     path = _write(tmp_path, tied)
@@ -121,7 +135,7 @@ def test_cakemp_generate_through_a_node_serving_the_file_prints_transformers_gre
         run(node.wait_ready())
         result = CliRunner().invoke(cli, [
             "generate", "--model", str(path), "--topology", str(topology), "--prompt", PROMPT,
-            "--max-tokens", str(STEPS), "--temperature", "0", "--repeat-penalty", "1", "--dtype", "f32",
+            "--max-tokens", str(STEPS), "--temperature", "0", "--repeat-penalty", "1", "--dtype", "f32", "--raw",
         ])  # fmt: skip
     finally:
         assert node.stop() == 0

@@ -1,0 +1,288 @@
+"""`cakemp serve`: an OpenAI-compatible HTTP API over one `Generator` (its workers and local layers).
+
+Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events, or not),
+GET /v1/models and /health. The cluster runs one generation at a time, as Cake's API does (its
+master is behind one lock): a Cake master's connections carry one request each, and a
+`Generator` holds one set of them. Requests wait their turn in arrival order, at most
+`max_waiting` of them; past that they are refused with 503. Each generation ends with Goodbye
+on every connection (the generator's rule), so a worker keeping retired prefixes answers the
+next request's shared prefix (a system prompt, a chat's history) from what it kept.
+
+A connection that broke (a worker restarted, say) fails its request with 502; the next request
+first connects afresh to every worker (`Generator.reconnect`). A worker's own error answer
+(WorkerError) leaves the connections as they are.
+
+A generation runs as a task of its own, never inside the HTTP handler: a client that leaves
+mid-stream sets the generation's `halt`, the generation ends after the step in flight and says
+Goodbye, and the next request takes the cluster with the connections in step. Request bodies
+are bounded (`max_body_bytes`, 413 past it); every refusal is OpenAI's JSON error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from cakemp import log
+from cakemp.errors import CakempError, RemoteWorkerError
+from cakemp.master.generator import Generation, Generator
+from cakemp.master.openai_request import ApiError, Completion, RequestReader
+from cakemp.master.stop_strings import StopStrings
+
+MAX_BODY_BYTES = 1 << 20
+MAX_WAITING = 16
+
+
+class Run:
+    """One request's generation: its text pieces as they come, then its outcome."""
+
+    def __init__(self, completion: Completion) -> None:
+        self.completion = completion
+        self.halt = asyncio.Event()  # set by a stop sequence reached, or a client gone
+        self.generation: Generation | None = None
+        self.error: Exception | None = None
+        self._stops = StopStrings(completion.stops)
+        self._pieces: asyncio.Queue[str | None] = asyncio.Queue()  # None: the generation ended
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's: "stop" at an end token or a stop sequence, else "length"."""
+        ended = self.generation is not None and self.generation.stopped_at_eos
+        return "stop" if ended or self._stops.reached else "length"
+
+    async def texts(self) -> AsyncIterator[str]:
+        """The answer's text as it comes; raises what failed the generation, at its end."""
+        while (piece := await self._pieces.get()) is not None:
+            yield piece
+        if self.error is not None:
+            raise self.error
+
+    async def text(self) -> str:
+        return "".join([piece async for piece in self.texts()])
+
+    def on_text(self, piece: str) -> None:
+        """The generator's text callback: shows what no stop sequence may still claim, halts at one."""
+        shown = self._stops.feed(piece)
+        if self._stops.reached:
+            self.halt.set()
+        if shown:
+            self._pieces.put_nowait(shown)
+
+    def ended(self, generation: Generation | None, error: Exception | None) -> None:
+        self.generation, self.error = generation, error
+        if error is None and (tail := self._stops.flush()):
+            self._pieces.put_nowait(tail)
+        self._pieces.put_nowait(None)
+
+
+class Turns:
+    """The cluster's generations, one at a time, in the order they were asked for."""
+
+    def __init__(self, generator: Generator, max_waiting: int = MAX_WAITING) -> None:
+        self.generator = generator
+        self.max_waiting = max_waiting
+        self.admitted = 0  # requests running or waiting
+        self.broken = False  # a connection may be out of step with its worker: reconnect before the next
+        self._turn = asyncio.Lock()  # fair: waiters take it in arrival order
+        self._tasks: set[asyncio.Task] = set()  # strong references to the running generations
+
+    def start(self, completion: Completion) -> Run:
+        """`completion`'s generation, started (or queued); 503 when too many already wait."""
+        if self.admitted > self.max_waiting:
+            raise ApiError(503, f"{self.max_waiting} requests already wait for the cluster; try again later",
+                           type="server_error", code="overloaded")
+        run = Run(completion)
+        self.admitted += 1
+        task = asyncio.create_task(self._generate(run))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return run
+
+    async def _generate(self, run: Run) -> None:
+        c, started = run.completion, time.perf_counter()
+        generation, error = None, None
+        try:
+            async with self._turn:
+                if not run.halt.is_set():  # a client that left while waiting costs the cluster nothing
+                    if self.broken:
+                        await self.generator.reconnect()
+                        self.broken = False
+                    generation = await self.generator.generate(c.prompt, c.max_tokens, c.sampling,
+                                                               on_text=run.on_text, halt=run.halt)
+        except Exception as exc:  # the request's failure, told to its client; the server goes on
+            error = exc
+            self.broken = not isinstance(exc, RemoteWorkerError)
+            log.get_logger().warning("request failed", kind=c.kind, error=str(exc))
+        finally:
+            self.admitted -= 1
+            run.ended(generation, error)
+        if generation is not None:
+            log.get_logger().info("request served", kind=c.kind, prompt_tokens=len(c.prompt),
+                                  completion_tokens=len(generation.tokens), finish=run.finish_reason,
+                                  halted=generation.halted,
+                                  seconds=round(time.perf_counter() - started, 3))
+
+
+class EventStream:
+    """An ASGI response of server-sent events; the client leaving (or a write failing) halts the run."""
+
+    def __init__(self, events: AsyncIterator[str], run: Run) -> None:
+        self.events, self.run = events, run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.create_task(self._watch(receive))
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                    (b"cache-control", b"no-cache")]})
+            async with contextlib.aclosing(self.events) as events:
+                async for event in events:
+                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client left while we wrote
+        finally:
+            self.run.halt.set()
+            watcher.cancel()
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.run.halt.set()
+
+
+class Api:
+    """The routes, over one generator's turns."""
+
+    def __init__(self, generator: Generator, reader: RequestReader, *, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_waiting: int = MAX_WAITING) -> None:
+        self.reader = reader
+        self.turns = Turns(generator, max_waiting)
+        self.max_body_bytes = max_body_bytes
+
+    def app(self) -> Starlette:
+        routes = [Route("/v1/chat/completions", self._endpoint(self.reader.chat), methods=["POST"]),
+                  Route("/v1/completions", self._endpoint(self.reader.text), methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"])]
+        return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+
+    async def models(self, request: Request) -> JSONResponse:
+        model = {"id": self.reader.model_id, "object": "model", "created": 0, "owned_by": "cakemp"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "model": self.reader.model_id, "requests": self.turns.admitted,
+                             "connections": "broken: the next request reconnects" if self.turns.broken else "ok"})
+
+    def _endpoint(self, read: Callable[[object], Completion]) -> Callable[[Request], Awaitable[object]]:
+        async def endpoint(request: Request) -> object:
+            try:
+                run = self.turns.start(read(await self._body(request)))
+            except ApiError as exc:
+                return _error(exc)
+            answer = Answer(run, self.reader.model_id)
+            if run.completion.stream:
+                return EventStream(answer.events(), run)
+            return await answer.response()
+        return endpoint
+
+    async def _body(self, request: Request) -> object:
+        """The request's JSON, read no further than `max_body_bytes`."""
+        length = request.headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > self.max_body_bytes:
+            raise ApiError(413, f"request bodies are limited to {self.max_body_bytes} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise ApiError(413, f"request bodies are limited to {self.max_body_bytes} bytes")
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError):  # not UTF-8 JSON, or nested past the parser's depth
+            raise ApiError(400, "the request body is not a JSON document") from None
+
+
+class Answer:
+    """A run told to its client in OpenAI's shapes: one JSON object, or chunks as events."""
+
+    def __init__(self, run: Run, model_id: str) -> None:
+        self.run, self.model_id = run, model_id
+        chat = run.completion.kind == "chat"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.chat = chat
+
+    async def response(self) -> JSONResponse:
+        try:
+            text = await self.run.text()
+        except Exception as exc:  # the run's failure, raised at its end
+            return _error(_failure(exc))
+        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        choice = {"index": 0, **content, "logprobs": None, "finish_reason": self.run.finish_reason}
+        return JSONResponse({**self._envelope(chunk=False), "choices": [choice], "usage": self._usage()})
+
+    async def events(self) -> AsyncIterator[str]:
+        if self.chat:
+            yield self._chunk({"role": "assistant", "content": ""}, None)
+        try:
+            async for piece in self.run.texts():
+                yield self._chunk({"content": piece} if self.chat else piece, None)
+        except Exception as exc:  # the run's failure, raised at its end
+            yield _event(_failure(exc).body())
+            return
+        yield self._chunk({} if self.chat else "", self.run.finish_reason)
+        if self.run.completion.include_usage:
+            yield _event({**self._envelope(chunk=True), "choices": [], "usage": self._usage()})
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, delta: dict | str, finish_reason: str | None) -> str:
+        content = {"delta": delta} if self.chat else {"text": delta}
+        choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+        return _event({**self._envelope(chunk=True), "choices": [choice]})
+
+    def _envelope(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id}
+
+    def _usage(self) -> dict:
+        prompt = len(self.run.completion.prompt)
+        completion = 0 if self.run.generation is None else len(self.run.generation.tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _failure(exc: Exception) -> ApiError:
+    """A failed generation: the cluster's (a worker's error, a lost connection: 502) or a bug here (500)."""
+    if isinstance(exc, CakempError | OSError):
+        return ApiError(502, f"the cluster failed the request: {exc}", type="server_error", code="cluster_error")
+    return ApiError(500, "internal error", type="server_error")
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own refusals (an unknown path, a wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    return _error(ApiError(exc.status_code, f"{request.method} {request.url.path[:200]}: {exc.detail}"))
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.get_logger().error("request crashed", path=request.url.path, error=repr(exc))
+    return _error(ApiError(500, "internal error", type="server_error"))

@@ -1,0 +1,86 @@
+"""`cakemp serve`'s process: open the generator, then run the API on uvicorn until a signal stops it.
+
+uvicorn serves the Starlette app (`api.py`) on a socket bound here, so that port 0 gets a free
+port and the "api listening" event can name it before the first request. uvicorn's own logging
+goes through cakemp's (its records are the root logger's); its access log is off, since every
+request is logged once by the API with its figures.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+from cakemp import log
+from cakemp.address import parse_address
+from cakemp.errors import ConfigError
+from cakemp.master.generator import Generator
+from cakemp.master.openai_request import RequestReader
+
+try:
+    import uvicorn
+
+    from cakemp.master.api import Api
+except ImportError as exc:  # the optional extra is missing
+    _MISSING: ImportError | None = exc
+else:
+    _MISSING = None
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`cakemp serve`'s flags, past those naming the cluster."""
+
+    address: str  # host:port
+    model_id: str
+    max_tokens: int
+    repeat_penalty: float
+    repeat_last_n: int
+    max_body_bytes: int
+    max_waiting: int
+
+
+async def serve_api(opening: Awaitable[Generator], options: ServeOptions) -> None:
+    """Open the generator (`opening`), then serve the API over it until SIGINT or SIGTERM."""
+    if _MISSING is not None:
+        opening.close()  # never awaited: nothing was opened
+        raise ConfigError(f"cakemp serve needs the serve extra (pip install 'cakemp[serve]'): {_MISSING}")
+    try:
+        listener = _listen(options.address)
+    except ConfigError:
+        opening.close()
+        raise
+    with listener:
+        await _serve(await opening, listener, options)
+
+
+async def _serve(generator: Generator, listener: socket.socket, options: ServeOptions) -> None:
+    async with generator:
+        reader = RequestReader(options.model_id, generator, options.max_tokens, options.repeat_penalty,
+                               options.repeat_last_n)
+        api = Api(generator, reader, max_body_bytes=options.max_body_bytes, max_waiting=options.max_waiting)
+        config = uvicorn.Config(api.app(), log_config=None, access_log=False, lifespan="off")
+        host, port = listener.getsockname()[:2]
+        log.get_logger().info("api listening", url=f"http://{host}:{port}/v1", port=port, model=options.model_id)
+        _ignore_repeated_signals()
+        await uvicorn.Server(config).serve(sockets=[listener])
+
+
+def _ignore_repeated_signals() -> None:
+    """uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again under the handler
+    it found, to die by it. That second delivery finds these, which ignore it: `cakemp serve` then
+    closes its connections and exits 0, as `cakemp run` does."""
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda *_: None)
+
+
+def _listen(address: str) -> socket.socket:
+    """A TCP socket listening on `address` (host:port), bound before any weights are loaded."""
+    host, port = parse_address(address)
+    try:
+        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {address}: {exc}") from None
+    return listener
