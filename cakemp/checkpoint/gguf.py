@@ -14,8 +14,9 @@ count and the elements. ne[0] is the fastest-varying dimension, so a tensor is t
 array of shape reversed(ne), and its quantization blocks run along ne[0] (within a row).
 
 The file may come from anywhere: every count, length and offset is checked against the bytes
-that remain before anything is allocated from it, and whatever is wrong is a CheckpointError
-naming the file (exit 78), never a crash or a huge allocation.
+that remain before anything is allocated from it (and the counts that become Python objects
+against fixed caps), and whatever is wrong is a CheckpointError naming the file (exit 78),
+never a crash or a huge allocation.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_ALIGNMENT = 1 << 16
 _MAX_NESTING = 2  # an array of arrays at most (nothing llama.cpp writes nests deeper)
 _MAX_ELEMENTS = 1 << 42  # of one tensor: past any model's, and its byte count stays exact in a float
+# Counts that become Python objects, beyond what fits in the file: each costs tens of bytes in
+# memory where it took a few on disk. Far past what llama.cpp writes (a few thousand tensors, a
+# few dozen keys, vocabularies of 262k tokens at most).
+_MAX_TENSORS = 1 << 18
+_MAX_KEYS = 1 << 16
+_MAX_ARRAY = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -101,11 +108,14 @@ class _Cursor:
     def scalar(self, fmt: str, what: str):
         return struct.unpack_from("<" + fmt, self.data, self.take(struct.calcsize(fmt), what))[0]
 
-    def count(self, what: str, min_bytes_each: int) -> int:
-        """A u64 count of items that take at least `min_bytes_each` bytes each: no more than fit in what is left."""
+    def count(self, what: str, min_bytes_each: int, most: int | None = None) -> int:
+        """A u64 count of items that take at least `min_bytes_each` bytes each: no more than fit in what
+        is left, nor than `most`."""
         n = self.scalar("Q", what)
         if n * min_bytes_each > len(self.data) - self.pos:
             raise self.fail(f"{what} {n} cannot fit in the file")
+        if most is not None and n > most:
+            raise self.fail(f"{what} {n} is over {most}")
         return n
 
     def string(self, what: str) -> str:
@@ -126,9 +136,9 @@ class _Cursor:
         element = self.scalar("I", f"{what}'s element type")
         if element in _SCALARS:  # numbers: one unpack of the whole run
             fmt = _SCALARS[element]
-            n = self.count(f"{what}'s length", struct.calcsize(fmt))
+            n = self.count(f"{what}'s length", struct.calcsize(fmt), _MAX_ARRAY)
             return list(struct.unpack_from(f"<{n}{fmt}", self.data, self.take(n * struct.calcsize(fmt), what)))
-        n = self.count(f"{what}'s length", 8)  # strings and arrays start with a u64
+        n = self.count(f"{what}'s length", 8, _MAX_ARRAY)  # strings and arrays start with a u64
         if element == _STRING:
             return self.strings(n, what)
         return [self.value(element, what, depth + 1) for _ in range(n)]
@@ -189,7 +199,7 @@ class GgufFile:
         if version not in VERSIONS:
             raise cursor.fail(f"GGUF version {version} is not supported (only {' and '.join(map(str, VERSIONS))})")
         # A tensor info takes at least 8 + 4 + 8 + 4 + 8 bytes, a metadata entry 8 + 4 + 1.
-        return version, cursor.count("the tensor count", 32), cursor.count("the metadata count", 13)
+        return version, cursor.count("the tensor count", 32, _MAX_TENSORS), cursor.count("the metadata count", 13, _MAX_KEYS)
 
     @staticmethod
     def _metadata(cursor: _Cursor, keys: int) -> dict[str, Any]:

@@ -84,6 +84,10 @@ HOSTILE = {
     "version 1": (_header(version=1) + bytes(32), "GGUF version 1 is not supported"),
     "2^60 tensors": (_header(tensors=1 << 60) + bytes(64), "the tensor count 1152921504606846976 cannot fit"),
     "2^60 keys": (_header(keys=1 << 60) + bytes(64), "the metadata count 1152921504606846976 cannot fit"),
+    "2^18 + 1 tensors": (_header(tensors=(1 << 18) + 1) + bytes(33 << 18), "the tensor count 262145 is over 262144"),
+    "2^16 + 1 keys": (_header(keys=(1 << 16) + 1) + bytes(14 << 16), "the metadata count 65537 is over 65536"),
+    "an array of 2^22 + 1 numbers": (_header(keys=1) + _string(b"k") + struct.pack("<IIQ", 9, 0, (1 << 22) + 1)
+                                     + bytes((1 << 22) + 8), "k's length 4194305 is over 4194304"),
     "a key longer than the file": (_header(keys=1) + struct.pack("<Q", 1 << 62) + bytes(16),
                                    "a metadata key's length 4611686018427387904 cannot fit"),
     "an array longer than the file": (_header(keys=1) + _string(b"k") + struct.pack("<IIQ", 9, 4, 1 << 40) + bytes(8),

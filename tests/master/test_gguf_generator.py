@@ -4,11 +4,11 @@ own GGUF loading of the same file: its tokenizer (AutoTokenizer with gguf_file=)
 
 The file (tests/gguf_files.py, written by gguf-py) is a tiny Llama with q/k rows in llama.cpp's
 permuted order and a byte-level BPE tokenizer in its metadata: GPT-2's 256 byte tokens, 13
-merges, <|endoftext|> as a CONTROL token and the EOS, and Qwen2's split regex
-(tokenizer.ggml.pre "qwen2"), and a chat template (tokenizer.chat_template). The master keeps embeddings, final norm and head from the file; all
-layers local (also for the same model with tied embeddings: no output.weight, whose random
-greedy text repeats one token, but must be HF's token), then layers 1-2 on a live node serving
-the same file.
+merges, <|endoftext|> as a CONTROL token and the EOS, Qwen2's split regex (tokenizer.ggml.pre
+"qwen2"), and a chat template (tokenizer.chat_template). The master keeps embeddings, final norm
+and head from the file; all layers local (also for the same model with tied embeddings: no
+output.weight, whose random greedy text repeats one token, but must be HF's token), then layers
+1-2 on a live node serving the same file.
 """
 
 from __future__ import annotations
