@@ -43,6 +43,7 @@ _MAX_ELEMENTS = 1 << 42  # of one tensor: past any model's, and its byte count s
 _MAX_TENSORS = 1 << 18
 _MAX_KEYS = 1 << 16
 _MAX_ARRAY = 1 << 22
+_MAX_STRING = 1 << 24  # bytes (chat templates, the longest strings written, are tens of KiB)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class _Cursor:
         return n
 
     def string(self, what: str) -> str:
-        n = self.count(f"{what}'s length", 1)
+        n = self.count(f"{what}'s length", 1, _MAX_STRING)
         start = self.take(n, what)
         try:
             return self.data[start : start + n].decode("utf-8")
@@ -151,7 +152,7 @@ class _Cursor:
                 if end - pos < 8:
                     break
                 (length,) = struct.unpack_from("<Q", data, pos)
-                if length > end - pos - 8:
+                if length > min(end - pos - 8, _MAX_STRING):
                     break
                 out.append(data[pos + 8 : pos + 8 + length].decode("utf-8"))
                 pos += 8 + length
@@ -160,7 +161,7 @@ class _Cursor:
             raise self.fail(f"a string of {what} is not UTF-8") from None
         self.pos = pos
         if len(out) < n:
-            raise self.fail(f"string {len(out)} of {what} runs past the end of the file")
+            raise self.fail(f"string {len(out)} of {what} runs past the end of the file or is over {_MAX_STRING} bytes")
         return out
 
 

@@ -88,6 +88,8 @@ HOSTILE = {
     "2^16 + 1 keys": (_header(keys=(1 << 16) + 1) + bytes(14 << 16), "the metadata count 65537 is over 65536"),
     "an array of 2^22 + 1 numbers": (_header(keys=1) + _string(b"k") + struct.pack("<IIQ", 9, 0, (1 << 22) + 1)
                                      + bytes((1 << 22) + 8), "k's length 4194305 is over 4194304"),
+    "a key of 2^24 + 1 bytes": (_header(keys=1) + struct.pack("<Q", (1 << 24) + 1) + bytes((1 << 24) + 16),
+                                "a metadata key's length 16777217 is over 16777216"),
     "a key longer than the file": (_header(keys=1) + struct.pack("<Q", 1 << 62) + bytes(16),
                                    "a metadata key's length 4611686018427387904 cannot fit"),
     "an array longer than the file": (_header(keys=1) + _string(b"k") + struct.pack("<IIQ", 9, 4, 1 << 40) + bytes(8),
