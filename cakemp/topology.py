@@ -50,15 +50,16 @@ class Topology:
     nodes: tuple[tuple[str, Node], ...]
 
     @classmethod
-    def load(cls, path: str | Path) -> Topology:
+    def load(cls, path: str | Path, expand: bool = True) -> Topology:
+        """`expand`: expand layer ranges (text models; image components are names, taken as written)."""
         try:
             text = Path(path).read_text()
         except OSError as e:
             raise ConfigError(f"cannot read topology {path}: {e.strerror}") from None
-        return cls.parse(text, source=str(path))
+        return cls.parse(text, source=str(path), expand=expand)
 
     @classmethod
-    def parse(cls, text: str, source: str = "topology") -> Topology:
+    def parse(cls, text: str, source: str = "topology", expand: bool = True) -> Topology:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -67,7 +68,7 @@ class Topology:
             data = {}
         if not isinstance(data, dict):
             raise ConfigError(f"{source} must map worker names to nodes")
-        return cls(tuple((str(name), _node(str(name), entry, source)) for name, entry in data.items()))
+        return cls(tuple((str(name), _node(str(name), entry, source, expand)) for name, entry in data.items()))
 
     @property
     def needs_assignment(self) -> bool:
@@ -105,7 +106,7 @@ class Topology:
         return self.nodes[0]
 
 
-def _node(name: str, entry: object, source: str) -> Node:
+def _node(name: str, entry: object, source: str, expand: bool = True) -> Node:
     if not isinstance(entry, dict):
         raise ConfigError(f"{source}: node {name!r} must be a mapping")
     if "host" not in entry or "layers" not in entry:
@@ -116,7 +117,7 @@ def _node(name: str, entry: object, source: str) -> Node:
     try:
         return Node(
             host=str(entry["host"]),
-            layers=expand_layers([str(layer) for layer in layers]),
+            layers=(expand_layers if expand else tuple)([str(layer) for layer in layers]),
             description=None if entry.get("description") is None else str(entry["description"]),
             vram_bytes=int(entry.get("vram_bytes", 0)),
             tflops=float(entry.get("tflops", 0.0)),

@@ -44,9 +44,10 @@ def test_no_package_imports_what_its_rule_forbids():
 
 def test_front_and_setup_load_no_device_model_or_torch():
     """A fresh interpreter that imports cakemp.front and cakemp.setup has loaded no cakemp.device,
-    cakemp.model or cakemp.compute module, and no torch."""
-    code = ("import sys, cakemp.front, cakemp.setup, cakemp.checkpoint.config; "
-            "print(' '.join(sorted(m for m in sys.modules if m == 'torch' or "
+    cakemp.model or cakemp.compute module, and no torch, diffusers or transformers (the image
+    components' admission, flags and file location included)."""
+    code = ("import sys, cakemp.front, cakemp.setup, cakemp.checkpoint.config, cakemp.front.component_admission; "
+            "print(' '.join(sorted(m for m in sys.modules if m in ('torch', 'diffusers', 'transformers') or "
             "m.startswith(('cakemp.device', 'cakemp.model', 'cakemp.compute')))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""

@@ -24,12 +24,14 @@ import torch
 
 from cakemp import log
 from cakemp.compute import tensors
+from cakemp.compute.components import Call, ComponentRunner
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.device import fault
 from cakemp.ipc.spec import DeviceSpec
 from cakemp.errors import BadTensor, ConfigError, InternalError, RequestError
 from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, PrefixReport, error_code
 from cakemp.rss import resident_bytes
+from cakemp.wire import RawTensor
 
 def _no_progress(request_id: int) -> None:
     pass
@@ -39,7 +41,7 @@ def _no_progress(request_id: int) -> None:
 class DeviceService:
     """One device's runner behind the ipc contract: messages in, at most one message out each."""
 
-    runner: BlockRunner  # the front's ops index its `layers`
+    runner: BlockRunner | ComponentRunner  # the front's ops index its `layers` (or its image components)
     index: int = 0  # this device's place in the node, as routes name it
     generation: int = 0  # which start of this device this process is; a route names the one it expects
     label: str = "cpu:0"
@@ -60,6 +62,10 @@ class DeviceService:
         if spec.gpu is not None and not torch.cuda.is_available():
             build = "this torch build has no CUDA" if torch.version.cuda is None else "CUDA finds no such GPU"
             raise ConfigError(f"device {spec.label}: cannot use GPU {spec.gpu}: {build}")
+        if spec.image is not None:
+            runner = ComponentRunner.load(spec.image.arch, spec.image.sd_version, spec.image.files, device,
+                                          tensors.compute_dtype(spec.dtype), on_layer)
+            return cls(runner, spec.index, generation, spec.label, progress)
         runner = BlockRunner.load(
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
@@ -106,7 +112,7 @@ class DeviceService:
                 replies[i] = self._failed_chunk(hop, earlier)
                 continue
             try:
-                batch.append((i, Request(hop.session, self._input(hop), stage.ops)))
+                batch.append((i, self._request(hop, stage.ops)))
             except Exception as e:
                 replies[i] = self._failed_chunk(hop, self._failure(hop.request_id, hop.chunk, e))
         if not batch:
@@ -146,13 +152,24 @@ class DeviceService:
         return Failure(hop.request_id, failure.code, failure.message, hop.chunk)
 
     def _onward(self, hop: Hop, y: torch.Tensor) -> Hop | Activation:
-        """The hand-off of `y` to the route's next stage, or from the last, the answer to the front."""
-        data = tensors.to_bytes(y, hop.dtype)
+        """The hand-off of `y` to the route's next stage, or from the last, the answer to the front:
+        of the hop's dtype and shape, or an image component's reply as it is (its dtype, its shape)."""
+        dtype, shape = hop.dtype, hop.shape
+        if isinstance(self.runner, ComponentRunner):
+            dtype, shape = tensors.wire_dtype(y.dtype), tuple(y.shape)
+        data = tensors.to_bytes(y, dtype)
         kv = hop.kv + (self.runner.kv_bytes(),)
         rest = hop.stages[1:]
         if rest:
-            return Hop(hop.session, hop.request_id, hop.dtype, hop.shape, rest, data, hop.chunk, hop.chunks, kv)
-        return Activation(hop.request_id, hop.dtype, hop.shape, data, hop.chunk, kv)
+            return Hop(hop.session, hop.request_id, dtype, shape, rest, data, hop.chunk, hop.chunks, kv)
+        return Activation(hop.request_id, dtype, shape, data, hop.chunk, kv)
+
+    def _request(self, hop: Hop, ops) -> Request | Call:
+        """What the runner computes for the hop: its activation through `ops`, or one component's call
+        over the master's tensor as it came (the component runner reads its packing)."""
+        if isinstance(self.runner, ComponentRunner):
+            return Call(hop.session, RawTensor(hop.data, hop.dtype, hop.shape), ops[0].layer, ops[0].index_pos)
+        return Request(hop.session, self._input(hop), ops)
 
     def _input(self, hop: Hop) -> torch.Tensor:
         """The hop's activation [1, T, H] on this device, in its compute dtype."""

@@ -42,6 +42,7 @@ class Admission:
     # The KV slots a request may name: the served layers' numbers, which is what Cake's masters send
     # as block_idx. So one session holds at most one slot per served layer (not one per layer of the model).
     blocks: frozenset[int]
+    takes_batch = True  # a text master sends Batch and SingleOp alike
 
     @classmethod
     def for_model(cls, model: ModelConfig, layers: Sequence[str], max_context: int | None) -> Admission:

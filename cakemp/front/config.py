@@ -30,7 +30,9 @@ from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
 from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
-from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, DeviceSpec
+from cakemp.checkpoint import components as image_components
+from cakemp.checkpoint import flux_files, sd_files
+from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, ComponentFile, DeviceSpec, ImageModel
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
 from cakemp.topology import Topology, collapse_layers
@@ -96,13 +98,30 @@ class NodeConfig:
     """Everything the front needs; `devices` holds one CUDA_VISIBLE_DEVICES value per GPU, or None per CPU slot."""
 
     name: str
-    layers: tuple[str, ...]
+    layers: tuple[str, ...]  # image models: the component names
     devices: tuple[str | None, ...]
+    # --model-type image-model: each component's files (from the flags, or the HF cache).
+    component_files: tuple[tuple[str, ComponentFile], ...] = ()
     # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
     setup: SetupConfig | None = None
     model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None,
                           "Model directory, .gguf file, `cake split` bundle (its model/ and topology.yml), or Hugging "
-                          "Face id org/name[@revision] (from the hub cache; this node's missing files are downloaded).")
+                          "Face id org/name[@revision] (from the hub cache; this node's missing files are downloaded). Image "
+                          "models: Stable Diffusion's HF cache root (holding hub/), FLUX.2's repository id or directory.")
+    model_type: str = knob("--model-type", "text-model", click.Choice(image_components.MODEL_TYPES),
+                           "image-model: serve the image components the topology entry names (clip, unet, ...).")
+    image_arch: str = knob("--image-model-arch", "sd", click.Choice(image_components.ARCHS),
+                           "Image model the components belong to (with --model-type image-model).")
+    sd_version: str = knob("--sd-version", "v1-5", click.Choice(sd_files.SD_VERSIONS), "Stable Diffusion version "
+                           "(as the master's): picks the hub repository and the standard architecture.")
+    sd_unet: str | None = knob("--sd-unet", None, None, "UNet weights file (default: from the HF cache).")
+    sd_vae: str | None = knob("--sd-vae", None, None, "VAE weights file (default: from the HF cache).")
+    sd_clip: str | None = knob("--sd-clip", None, None, "CLIP text encoder weights file (default: from the HF cache).")
+    sd_clip2: str | None = knob("--sd-clip2", None, None, "Second (SDXL) text encoder weights file (default: from "
+                                "the HF cache).")
+    sd_config_dir: str | None = knob(
+        "--sd-config-dir", None, None, "Directory laid out like a snapshot (unet/config.json, vae/config.json, "
+        "text_encoder/config.json, text_encoder_2/config.json): the architecture where the snapshot has none.")
     address: tuple[str, int] = knob("--address", "0.0.0.0:10128", None, "host:port to listen on.",
                                     convert=parse_address)
     cluster_key: str | None = knob(
@@ -172,6 +191,10 @@ class NodeConfig:
                                  "Seconds between throughput log lines (none while nothing is served).")
 
     @property
+    def serves_images(self) -> bool:
+        return self.model_type == "image-model"
+
+    @property
     def host(self) -> str:
         return self.address[0]
 
@@ -234,6 +257,12 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     if not values["cluster_key"] and knobs["allow_from"] is None and not is_loopback(knobs["address"][0]):
         logger.warning("any peer that reaches the port may use this node: give a cluster key or --allow-from",
                        address=values["address"])
+    if knobs["model_type"] == "image-model":  # --model is no text checkpoint: none of its rules apply
+        if values["cluster_key"] and not values["topology"]:
+            raise ConfigError("an image model needs --topology: zero-config setup serves text models only (as Cake)")
+        served, layers = _component_entry(values["name"], values["topology"])
+        knobs["component_files"] = _component_files(layers, knobs)
+        return _placed(values, served, layers, None, knobs)
     source = locate(values["model"])
     topology = values["topology"] or source.topology
     if values["cluster_key"] and not topology:
@@ -250,6 +279,13 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     else:
         served, layers, knobs["model_dir"] = _topology_node(values, topology, source, knobs["model_dir"])
         setup = None
+    return _placed(values, served, layers, setup, knobs)
+
+
+def _placed(values: Mapping[str, Any], served: str, layers: tuple[str, ...], setup: SetupConfig | None,
+            knobs: dict[str, Any]) -> NodeConfig:
+    """The node serving `layers` as `served` on the devices --gpus names (no more than it has layers)."""
+    logger = log.get_logger()
     devices = gpus.select_devices(values["gpus"])
     if values["gpus"].strip() == "all" and devices == (None,):
         logger.warning("no CUDA device found; serving on one CPU device")
@@ -282,6 +318,38 @@ def scrub_cluster_key(environ: MutableMapping[str, str]) -> None:
         if name in environ and not environ.pop(name).strip():
             raise ConfigError(f"{name} is set but empty: set a key (openssl rand -hex 32), or unset it for no "
                               "handshake")
+
+
+def _component_entry(name: str | None, topology: str | None) -> tuple[str, tuple[str, ...]]:
+    """The image components of this worker's topology entry: names taken as written (no range expansion)."""
+    if not name:
+        raise ConfigError("no --name provided for worker")
+    if not topology:
+        raise ConfigError("no --topology given: an image node serves the components its entry names")
+    served, node = Topology.load(topology, expand=False).worker(name)
+    if served != name:
+        log.get_logger().warning("worker name not in topology, serving its only entry", name=name, entry=served)
+    if not node.layers:
+        raise ConfigError(f"topology entry '{served}' lists no components")
+    return served, node.layers
+
+
+def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[tuple[str, ComponentFile], ...]:
+    """Each image component's files, logged with where its architecture comes from. Raises ConfigError."""
+    image_components.check_components(knobs["image_arch"], names, knobs["sd_version"])
+    files = []
+    for name in names:
+        if knobs["image_arch"] == "flux":  # a directory of shards, with its config.json
+            folder = flux_files.locate(name, knobs["model_dir"])
+            located = sd_files.Located(folder, folder / "config.json", "snapshot")
+        else:
+            located = sd_files.locate(name, knobs["sd_version"], knobs["model_dir"], knobs[f"sd_{name}"],
+                                      knobs["sd_config_dir"])
+        log.get_logger().info("component files", component=name, weights=str(located.weights),
+                              config=str(located.config) if located.config else f"{knobs['sd_version']} standard "
+                              "(as Cake hard-codes it)", config_from=located.config_source)
+        files.append((name, ComponentFile(str(located.weights), None if located.config is None else str(located.config))))
+    return tuple(files)
 
 
 def _topology_node(values: Mapping[str, Any], topology: str | Path | None, source: ModelSource,
@@ -368,9 +436,18 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             progress_s=config.request_timeout / 4,
             log_format=config.log_format,
             log_level=config.log_level,
+            image=_image_model(config, layers),
         )
         for i, (gpu, layers) in enumerate(zip(config.devices, placement))
     ]
+
+
+def _image_model(config: NodeConfig, components: tuple[str, ...]) -> ImageModel | None:
+    """What a device serving `components` of the node's image model loads (None: a text node)."""
+    if not config.serves_images:
+        return None
+    files = dict(config.component_files)
+    return ImageModel(config.image_arch, config.sd_version, tuple((name, files[name]) for name in components))
 
 
 def _cpu_kv_budget(cpu_processes: int) -> int | None:

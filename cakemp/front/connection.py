@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from cakemp import log
 from cakemp.errors import BadRequest, CakempError, InternalError, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
+from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
@@ -80,7 +81,7 @@ class Connection:
     what its `Session` (session.py), which holds the session's rules, calls for."""
 
     def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 pool: DevicePool, admission: Admission, limits: ConnectionLimits,
+                 pool: DevicePool, admission: Admission | ComponentAdmission, limits: ConnectionLimits,
                  budget: BufferBudget, metrics: Metrics, revision: Revision,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None):
         self.session_id = session  # the id devices know the session by; logs name it by its peer address

@@ -70,15 +70,16 @@ class _Pending:
 
     future: asyncio.Future
     devices: tuple[int, ...]  # the route, in order
-    outputs: list = field(default_factory=list)  # (chunk, bytes) of each answered chunk
+    outputs: list = field(default_factory=list)  # (chunk, (bytes, dtype, shape)) of each answered chunk
     reply: Done | None = None
 
 
 class DevicePool:
     def __init__(self, specs: Sequence[DeviceSpec], device_main: DeviceMain, *, status: NodeStatus, metrics: Metrics,
-                 request_timeout: float, restart_attempts: int, prefill_chunk: int,
+                 request_timeout: float, restart_attempts: int, prefill_chunk: int | None,
                  recurrent: Sequence[bool] = ()):
-        """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind."""
+        """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind.
+        `prefill_chunk` None: image components, whose requests keep no state and are never cut."""
         self.specs = tuple(specs)
         self._router = Router([spec.layers for spec in self.specs])
         self._device_main = device_main  # the spawn target: the front never imports the device package
@@ -127,11 +128,15 @@ class DevicePool:
 
     async def run(self, session: int, x: RawTensor, route: Route) -> RawTensor:
         """Run `route` over the admitted activation x ([1, T, H]); the result, as bytes of x's dtype
-        and shape (never a tensor here). Raises the failing device's RequestError, or DeviceLost."""
+        and shape (an image component's: of the dtype and shape its device answered), never a
+        tensor here. Raises the failing device's RequestError, or DeviceLost."""
         if not route.stages:  # no layers: nothing to compute
             return x
         devices = route.devices
-        self._state.admit(session, devices, [any(op.index_pos > 0 for op in stage.ops) for stage in route.stages])
+        # Components keep nothing between calls (FLUX.2's text encoder's index_pos is a token count).
+        stateful = self._prefill_chunk is not None
+        self._state.admit(session, devices, [stateful and any(op.index_pos > 0 for op in stage.ops)
+                                             for stage in route.stages])
         chunks = list(self._chunks(x))
         request_id = next(self._request_ids)
         messages = [Hop(session, request_id, x.dtype, chunk_shape, route.shifted(first), chunk_data, i, len(chunks))
@@ -148,7 +153,10 @@ class DevicePool:
         elapsed = self._loop.time() - start
         for device in passed:
             self._metrics.device_request_seconds.observe(elapsed, device=self.label(device))
-        return RawTensor(outputs[0] if len(outputs) == 1 else b"".join(outputs), x.dtype, x.shape)
+        if len(outputs) == 1:
+            data, dtype, shape = outputs[0]
+            return RawTensor(data, dtype, shape)
+        return RawTensor(b"".join(data for data, _, _ in outputs), x.dtype, x.shape)
 
     async def clear(self, device: int, session: int) -> Done:
         """Goodbye: drop the session's caches on `device` (a fresh start, so a lost state no longer matters)."""
@@ -198,7 +206,7 @@ class DevicePool:
         """(first token, shape, bytes) of each chunk of x ([1, T, H], admitted): the whole request
         unless it is longer than one chunk."""
         shape = x.shape
-        if shape[1] <= self._prefill_chunk:
+        if self._prefill_chunk is None or shape[1] <= self._prefill_chunk:
             yield 0, shape, x.data
             return
         view = memoryview(x.data).cast("B")
@@ -256,7 +264,7 @@ class DevicePool:
         if isinstance(msg, Activation):
             pending = self._pending.get(msg.request_id)
             if pending is not None:
-                pending.outputs.append((msg.chunk, msg.data))
+                pending.outputs.append((msg.chunk, (msg.data, msg.dtype, msg.shape)))
                 for stage_device, kv_bytes in zip(pending.devices, msg.kv):
                     self._metrics.kv_bytes.set(kv_bytes, device=self.label(stage_device))
             self._act(self._state.answered(device, msg.request_id, now))
@@ -382,7 +390,7 @@ class DevicePool:
         elif pending.reply is not None:
             pending.future.set_result(pending.reply)
         else:
-            pending.future.set_result([data for _, data in sorted(pending.outputs, key=lambda output: output[0])])
+            pending.future.set_result([answer for _, answer in sorted(pending.outputs, key=lambda output: output[0])])
 
     def _spawn(self, device: int, generation: int) -> None:
         """Start a process for `device`; its Ready then comes over its socket. A process that cannot

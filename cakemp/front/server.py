@@ -27,6 +27,7 @@ from cakemp import log
 from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.front.admission import Admission
+from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
@@ -63,7 +64,7 @@ class Serving:
     zero-config mode from a setup's assignment (then rebuilt for the next, should they not load)."""
 
     config: NodeConfig  # the node's configuration, naming the layers served, their checkpoint and devices
-    admission: Admission
+    admission: Admission | ComponentAdmission
     limits: ConnectionLimits
     status: NodeStatus
     pool: DevicePool
@@ -156,8 +157,11 @@ class Front:
     def _build(self, config: NodeConfig, served: LayerAssignment | None) -> Serving:
         """What serves `config`'s layers: what the front admits, from the model's config.json (read
         here, no torch), the connections' limits, the status, and the pool, not started yet."""
-        model = ModelConfig.from_dir(config.model_dir)
-        admission = Admission.for_model(model, config.layers, config.max_context)
+        if config.serves_images:
+            model, admission = None, ComponentAdmission.for_arch(config.image_arch, config.layers)
+        else:
+            model = ModelConfig.from_dir(config.model_dir)
+            admission = Admission.for_model(model, config.layers, config.max_context)
         max_payload = admission.max_payload()
         if max_payload > config.max_buffered_bytes:
             raise ConfigError(f"--max-buffered-mib {config.max_buffered_bytes / 2**20:g} is less than one "
@@ -173,9 +177,9 @@ class Front:
         )
         pool = DevicePool(specs, self._device_main, status=status, metrics=self.metrics,
                           request_timeout=config.request_timeout, restart_attempts=config.restart_attempts,
-                          prefill_chunk=config.prefill_chunk,
-                          recurrent=[any(model.layer_index(layer) in model.linear_layers for layer in spec.layers)
-                                     for spec in specs])
+                          prefill_chunk=None if model is None else config.prefill_chunk,
+                          recurrent=[model is not None and any(model.layer_index(layer) in model.linear_layers
+                                                               for layer in spec.layers) for spec in specs])
         return Serving(config, admission, limits, status, pool, served)
 
     def _bind(self) -> Listener:

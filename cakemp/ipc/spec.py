@@ -17,6 +17,24 @@ MAX_BATCH = 32
 
 
 @dataclass(frozen=True)
+class ComponentFile:
+    """Where an image component's weights are, and its config.json (None: its version's standard one)."""
+
+    weights: str
+    config: str | None
+
+
+@dataclass(frozen=True)
+class ImageModel:
+    """What a device serving image components (`--model-type image-model`) loads: the arch and
+    version (Cake's --image-model-arch, --sd-version) and, per component it serves, its files."""
+
+    arch: str  # sd | flux | flux1
+    sd_version: str  # v1-5 | v2-1 | xl | turbo
+    files: tuple[tuple[str, ComponentFile], ...]  # (component name, its files), in the device's order
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     """One device process: which layers it loads, how, and where it listens for the front.
 
@@ -40,6 +58,7 @@ class DeviceSpec:
     progress_s: float = 15.0  # a device busy this long on one step says so (Progress), so the front can tell busy from hung
     log_format: str = "auto"
     log_level: str = "info"
+    image: ImageModel | None = None  # image components instead of layers: `layers` names them
 
     @property
     def label(self) -> str:

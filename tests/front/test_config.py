@@ -40,7 +40,7 @@ def topology(tmp_path):
 def test_every_flag_is_declared_once_with_help():
     """No two flags share a name, and each but --log-level explains itself."""
     names = [flag.name for flag in RUN_FLAGS]
-    assert len(names) == len(set(names)) == 31
+    assert len(names) == len(set(names)) == 39
     assert [flag.name for flag in RUN_FLAGS if not flag.help] == ["--log-level"]
 
 
@@ -243,3 +243,67 @@ def test_a_bundle_as_model_serves_its_entry_from_its_model_folder_unless_a_topol
     other = write_topology(tmp_path / "other.yml", ["model.layers.5"], name="w1")
     config = node_config(flag_values(name="w1", model=str(bundle), topology=str(other), gpus="cpu"), model_given=True)
     assert config.layers == ("model.layers.5",)
+
+
+# -- image components (--model-type image-model)
+
+def _image_cache(root) -> None:
+    """An HF cache under `root` holding SD 1.5's unet and vae f16 files (empty: only their place matters
+    here), the unet's snapshot with its config.json."""
+    snapshot = root / "hub" / "models--runwayml--stable-diffusion-v1-5" / "snapshots" / "abc"
+    for sub, file in (("unet", "diffusion_pytorch_model.fp16.safetensors"),
+                      ("vae", "diffusion_pytorch_model.fp16.safetensors")):
+        (snapshot / sub).mkdir(parents=True)
+        (snapshot / sub / file).write_bytes(b"")
+    (snapshot / "unet" / "config.json").write_text("{}")
+
+
+def _image_node(tmp_path, components, **changes):
+    topology = str(write_topology(tmp_path / "topology.yml", components, name="w1"))
+    return node_config(flag_values(name="w1", topology=topology, gpus="cpu:2", model_type="image-model",
+                                   model=str(tmp_path), **changes), model_given=True)
+
+
+def test_an_image_node_serves_its_entrys_components_as_named_each_from_the_hf_cache(tmp_path):
+    """Components are names (no range expansion), placed by topology order; each device is told its
+    components' files: the unet's config from its snapshot, the vae's (none there) the standard one."""
+    _image_cache(tmp_path)
+    config = _image_node(tmp_path, ["unet", "vae"])
+    assert config.layers == ("unet", "vae")
+    specs = device_specs(config, [("unet",), ("vae",)], "/run")
+    snapshot = tmp_path / "hub" / "models--runwayml--stable-diffusion-v1-5" / "snapshots" / "abc"
+    unet, vae = specs[0].image.files[0][1], specs[1].image.files[0][1]
+    assert unet.weights == str(snapshot / "unet" / "diffusion_pytorch_model.fp16.safetensors")
+    assert unet.config == str(snapshot / "unet" / "config.json")
+    assert (vae.config, specs[1].image.arch, specs[1].image.sd_version) == (None, "sd", "v1-5")
+
+
+def test_explicit_component_files_take_their_config_from_the_config_dir(tmp_path):
+    """--sd-unet names the weights; --sd-config-dir's unet/config.json then gives the architecture."""
+    weights = tmp_path / "my-unet.safetensors"
+    weights.write_bytes(b"")
+    (tmp_path / "configs" / "unet").mkdir(parents=True)
+    (tmp_path / "configs" / "unet" / "config.json").write_text("{}")
+    config = _image_node(tmp_path, ["unet"], sd_unet=str(weights), sd_config_dir=str(tmp_path / "configs"))
+    assert dict(config.component_files)["unet"].config == str(tmp_path / "configs" / "unet" / "config.json")
+
+
+@pytest.mark.parametrize(("components", "changes", "words"), [
+    (["unet", "model.layers.0-3"], {}, "Model name not recognized: 'model.layers.0-3'"),
+    (["clip2"], {}, "--sd-version v1-5 has none"),
+    (["flux1_transformer"], {"image_model_arch": "flux1"}, "flux1_transformer (--image-model-arch flux1) is not served"),
+    (["clip"], {}, "runwayml/stable-diffusion-v1-5/text_encoder/model.fp16.safetensors is not in the HF cache"),
+    (["unet"], {"sd_unet": "/nonexistent.safetensors"}, "--sd-unet /nonexistent.safetensors: no such file"),
+])
+def test_an_image_node_refuses_what_it_cannot_serve_at_start(tmp_path, components, changes, words):
+    """A name that is no component of the arch, SD 1.5's missing second encoder, FLUX (not served
+    yet), a file not in the cache (never downloaded) and a missing explicit file are ConfigErrors."""
+    _image_cache(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        _image_node(tmp_path, components, **changes)
+
+
+def test_zero_config_cannot_serve_an_image_model():
+    """Cake's zero-config setup needs a text model's config.json: an image node needs --topology."""
+    with pytest.raises(ConfigError, match="an image model needs --topology"):
+        node_config(flag_values(name="w1", cluster_key=KEY, model_type="image-model"), model_given=False)

@@ -1,0 +1,133 @@
+"""The compute of a device serving image components instead of layers: no KV cache, no session
+state, one call per SingleOp (the components themselves are in cakemp/model/image/).
+
+A plain class, like BlockRunner beside it, with the part of its interface the device service
+uses: `run_batch` answers each call (or the exception that failed it alone), the session
+methods are no-ops. A call's input is the wire tensor as the master sent it: token ids
+(U32 [b, L]) or Cake's packed vector (F32 [total], wire/packing.py), turned into tensors here
+with every count checked before anything is allocated. Calls of one component whose inputs
+have equal shapes (but for the batch) are computed together: two masters' UNet steps are one
+pass over the UNet. Each component replies as Cake's does: SD's in the node's --dtype, FLUX.2's
+text encoder a packed F32 vector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from cakemp.errors import BadTensor, ConfigError
+from cakemp.wire import DType, RawTensor
+from cakemp.wire.packing import unpack_layout
+
+EXTRA = "cakemp[image]"
+
+
+class Call(NamedTuple):
+    """One component call: its session, the master's wire tensor, and which of the runner's components."""
+
+    session: int
+    x: RawTensor
+    component: int
+    index_pos: int = 0  # FLUX.2's text encoder: the prompt's real token count
+
+
+class ComponentRunner:
+    """A device's image components (`layers`: their names, in the order ops index them)."""
+
+    prefixes = None  # no prefix reuse: nothing is kept between calls
+
+    def __init__(self, components: Sequence[tuple[str, object]], device: torch.device, dtype: torch.dtype):
+        self.layers = tuple(name for name, _ in components)
+        self.components = tuple(component for _, component in components)
+        self.device, self.dtype = device, dtype
+
+    @classmethod
+    def load(cls, arch: str, version: str, files: Sequence[tuple[str, object]], device: str | torch.device,
+             dtype: torch.dtype, on_layer: Callable[[int], None] | None = None) -> ComponentRunner:
+        """Build and load each named component of `arch` from its files (`.weights`, `.config`);
+        `on_layer(n)` once n are on the device. Raises ConfigError without the image extra."""
+        try:
+            from cakemp.model.image import flux, sd
+        except ImportError as e:
+            raise ConfigError(f"image components need the optional extra {EXTRA} (pip install '{EXTRA}'): "
+                              f"{e}") from None
+        classes = {"sd": sd.COMPONENTS, "flux": flux.COMPONENTS}.get(arch, {})
+        device = torch.device(device)
+        loaded = []
+        for name, component_files in files:
+            if name not in classes:
+                raise ConfigError(f"{name} (--image-model-arch {arch}) is not served by this version of cakemp")
+            loaded.append((name, classes[name](name, component_files, version, device, dtype)))
+            if on_layer is not None:
+                on_layer(len(loaded))
+        return cls(loaded, device, dtype)
+
+    def run_batch(self, calls: Sequence[Call], between_ops: Callable[[], None] | None = None
+                  ) -> list[torch.Tensor | Exception]:
+        """Each call's reply (in its component's reply dtype), or the exception that failed it; the calls of
+        a group (one component, equal shapes) fail together if their computation does."""
+        results: list[torch.Tensor | Exception | None] = [None] * len(calls)
+        groups: dict[tuple, list[tuple[int, tuple[torch.Tensor, ...]]]] = {}
+        for i, call in enumerate(calls):
+            component = self.components[call.component]
+            try:
+                tensors = self._tensors(call.x, self.layers[call.component])
+                if getattr(component, "uses_index_pos", False):
+                    prepared = component.prepare(*tensors, index_pos=call.index_pos)
+                else:
+                    prepared = component.prepare(*tensors)
+            except Exception as e:
+                results[i] = e
+                continue
+            groups.setdefault((call.component, component.group(prepared)), []).append((i, prepared))
+        # A UNet step or a VAE decode of a large image can take longer on a CPU than the front's
+        # watchdog waits: after every module, the device may say it is still busy.
+        hook = None if between_ops is None else torch.nn.modules.module.register_module_forward_hook(
+            lambda module, inputs, output: between_ops())
+        try:
+            for (index, _), members in groups.items():
+                self._run_group(index, members, results)
+        finally:
+            if hook is not None:
+                hook.remove()
+        return results
+
+    def _run_group(self, index: int, members: list[tuple[int, tuple[torch.Tensor, ...]]], results: list) -> None:
+        """Compute one group's calls together; each member's reply, or the error that failed them all."""
+        try:
+            with torch.inference_mode():
+                outputs = self.components[index].run([prepared for _, prepared in members])
+            for (i, _), output in zip(members, outputs, strict=True):
+                results[i] = output
+        except Exception as e:
+            for i, _ in members:
+                results[i] = e
+
+    @staticmethod
+    def _tensors(x: RawTensor, name: str) -> list[torch.Tensor]:
+        """The call's tensors on the CPU: token ids as int64, or each tensor of the pack (views, f32)."""
+        count = memoryview(x.data).nbytes // 4
+        if x.dtype == DType.U32:
+            # Read as int32: an id of 2^31 or more turns negative and is refused as outside the vocabulary.
+            ids = torch.frombuffer(x.data, dtype=torch.int32, count=count)
+            return [ids.view(tuple(x.shape)).long()]
+        if x.dtype != DType.F32:
+            raise BadTensor(f"{name} takes U32 token ids or a packed F32 vector")
+        layout = unpack_layout(x.data, name)  # every count checked before anything is allocated
+        vector = torch.frombuffer(x.data, dtype=torch.float32, count=count)
+        return [vector[packed.start:packed.start + packed.count].view(packed.shape) for packed in layout]
+
+    def clear_session(self, session: int) -> None:
+        """Goodbye: components keep nothing of a session."""
+
+    def free_session(self, session: int) -> None:
+        """A closed connection: nothing to free."""
+
+    def kv_bytes(self) -> int:
+        return 0
+
+    def session_count(self) -> int:
+        return 0
