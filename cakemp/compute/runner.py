@@ -19,7 +19,7 @@ from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import CheckpointError, InternalError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model import attention, fp8, packed
 from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
-from cakemp.model.checkpoint import Checkpoint
+from cakemp.model.checkpoint import AnyCheckpoint, Checkpoint, open_checkpoint
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.deltanet import LinearState
 from cakemp.model.linear_block import LinearAttentionBlock
@@ -155,7 +155,7 @@ class BlockRunner:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
         config = ModelConfig.from_dir(model_dir)
-        checkpoint = Checkpoint(model_dir, config)
+        checkpoint = open_checkpoint(model_dir, config)
         plan = _LoadPlan.of(config, checkpoint, layers)
         weights = plan.read(checkpoint, device, dtype, on_layer)
         # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/packed.py says why).
@@ -393,7 +393,7 @@ class _LoadPlan:
     shapes: dict[str, dict[str, tuple[int, ...]]]
 
     @classmethod
-    def of(cls, config: ModelConfig, checkpoint: Checkpoint, layers: Sequence[str]) -> _LoadPlan:
+    def of(cls, config: ModelConfig, checkpoint: AnyCheckpoint, layers: Sequence[str]) -> _LoadPlan:
         kinds, groups, shapes = {}, {}, {}
         for layer in layers:
             index = config.layer_index(layer)
@@ -409,11 +409,12 @@ class _LoadPlan:
             shapes[layer] = kind.weight_shapes(config, index, stored)
         return cls(config, tuple(layers), kinds, groups, shapes)
 
-    def read(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+    def read(self, checkpoint: AnyCheckpoint, device: torch.device, dtype: torch.dtype,
              on_layer: Callable[[int], None] | None) -> dict[tuple[str, str], torch.Tensor]:
         """(layer, key) -> its tensor on `device`, one layer at a time (`on_layer(n)` after n),
         after checking on a GPU that they fit; each checked against the shape config.json implies."""
-        self._check_quantized_shapes(checkpoint)
+        if isinstance(checkpoint, Checkpoint):  # a GGUF file is never pushed: the operator's own
+            self._check_quantized_shapes(checkpoint)
         wanted = [self._wanted(layer) for layer in self.layers]
         keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
         needed = self.nbytes(checkpoint, dtype, keep_fp8)
@@ -460,7 +461,7 @@ class _LoadPlan:
                     raise CheckpointError(f"{layer}: {read} (dequantized) cannot make the shape config.json "
                                           f"implies, {self.shapes[layer][key]}")
 
-    def nbytes(self, checkpoint: Checkpoint, dtype: torch.dtype, keep_fp8: bool = False) -> int:
+    def nbytes(self, checkpoint: AnyCheckpoint, dtype: torch.dtype, keep_fp8: bool = False) -> int:
         """The bytes the layers take once loaded (quantized formats counted as what they are loaded as)."""
         return sum(checkpoint.nbytes(kept, dtype, keep_fp8) + checkpoint.nbytes(plain, dtype)
                    for kept, plain in map(self._wanted, self.layers))

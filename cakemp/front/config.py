@@ -108,8 +108,8 @@ class NodeConfig:
     # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
     setup: SetupConfig | None = None
     model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None,
-                          "Model directory, `cake split` bundle (its model/ and topology.yml), or Hugging Face id "
-                          "org/name[@revision] (from the hub cache; this node's missing files are downloaded). Image "
+                          "Model directory, .gguf file, `cake split` bundle (its model/ and topology.yml), or Hugging "
+                          "Face id org/name[@revision] (from the hub cache; this node's missing files are downloaded). Image "
                           "models: Stable Diffusion's HF cache root (holding hub/), FLUX.2's repository id or directory.")
     model_type: str = knob("--model-type", "text-model", click.Choice(image_components.MODEL_TYPES),
                            "image-model: serve the image components the topology entry names (clip, unet, ...).")

@@ -19,11 +19,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import INDEX, SINGLE, read_weight_map
+from cakemp.checkpoint.files import INDEX, SINGLE, is_gguf, read_weight_map
 from cakemp.checkpoint.layout import LINEAR_CONV
 from cakemp.checkpoint.quantization import Gptq, GptqParts, MlxAffine, MlxParts, dequantized_shape, norms_carry_one
 from cakemp.errors import CheckpointError
 from cakemp.model import fp8, gptq, mlx
+from cakemp.model.gguf_checkpoint import GgufCheckpoint
+from cakemp.model.stacking import stack_rows
 
 
 K = TypeVar("K")
@@ -95,19 +97,7 @@ class Checkpoint:
                                                     torch.cat([s.to(device) for _, s in stored]))
                     continue
                 sources = [self._source(files, name, device) for name in members]
-                if len({t.shape[1:] for t in sources}) > 1:
-                    shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(members, sources))
-                    raise CheckpointError(f"tensors that should stack along dim 0 do not: {shapes}")
-                shape = (sum(t.shape[0] for t in sources), *sources[0].shape[1:])
-                out[key] = torch.empty(shape, dtype=torch.float32 if key in plus_one else dtype, device=device)
-                row = 0
-                for t in sources:
-                    if key in plus_one:
-                        t = t.to(device=device, dtype=torch.float32) + 1
-                    if t.device != device and t.dtype != dtype:
-                        t = t.to(device)  # cast on the accelerator, not in torch's slow CPU cast
-                    out[key][row : row + t.shape[0]].copy_(t)
-                    row += t.shape[0]
+                out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
             return out
 
     def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False) -> int:
@@ -249,3 +239,11 @@ class Checkpoint:
             return fp8.dequantize(tensor.to(device), f.get_tensor(scale_name).to(device), self.config.fp8_block)
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None
+
+
+AnyCheckpoint = Checkpoint | GgufCheckpoint
+
+
+def open_checkpoint(model: str | Path, config: ModelConfig) -> AnyCheckpoint:
+    """The checkpoint `--model` names: a safetensors directory, or a GGUF file."""
+    return GgufCheckpoint(model, config) if is_gguf(model) else Checkpoint(model, config)
