@@ -38,6 +38,8 @@ from collections.abc import Callable
 
 import torch
 
+from cakemp.model import int4
+
 QK_K = 256
 # IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml-common.h kvalues_iq4nl), indexed by a 4-bit code.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -51,6 +53,30 @@ def dequantize(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> torch.Te
         return raw.view(torch.float16 if kind == "F16" else torch.bfloat16).float().view(shape)
     block_bytes, dequantize_blocks = DEQUANTIZERS[kind]
     return dequantize_blocks(raw.view(-1, block_bytes)).view(shape)
+
+
+INT4_TYPES = ("Q4_0", "Q4_1")  # 32-value blocks of 4-bit codes: torch's int4 matmul takes them (model/int4.py)
+_INT4_BLOCK = 32
+
+
+def int4_group(kind: str, shape: tuple[int, ...]) -> int | str:
+    """The group size torch's int4 matmul can take a tensor of `kind` and `shape` in, or why not."""
+    if kind not in INT4_TYPES:
+        return f"GGUF {kind} tensors"
+    if len(shape) != 2:
+        return f"GGUF {kind} tensors of shape {shape}"
+    return int4.unfit_reason(shape[0], shape[1], _INT4_BLOCK) or _INT4_BLOCK
+
+
+def int4_parts(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> int4.Int4Parts:
+    """A Q4_0 or Q4_1 matrix `int4_group` accepted, in torch's int4 convention: Q4_0's d * (q - 8)
+    is it with zero 0; Q4_1's d * q + m = (q - 8) * d + (m + 8 d)."""
+    rows, cols = shape
+    blocks = raw.view(-1, DEQUANTIZERS[kind][0])  # [rows * cols / 32, block bytes]
+    d = _f16(blocks, 0).view(rows, cols // _INT4_BLOCK)
+    zeros = torch.zeros_like(d) if kind == "Q4_0" else _f16(blocks, 2).view(rows, -1) + 8 * d
+    codes = _nibbles(blocks[:, 2 if kind == "Q4_0" else 4:]).view(rows, cols)
+    return int4.Int4Parts(codes, d, zeros, _INT4_BLOCK)
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
