@@ -2,7 +2,8 @@
 
     python bench/gpu_check.py [--out FILE] [--rehearse]
 
-About five minutes on one GPU (Python 3.12, torch 2.11 or 2.13). Each section records its
+About five to six minutes on one GPU (Python 3.12, torch 2.11 or 2.13; sections 7-9 estimated
+at ~1.5 minutes together, none of it measured yet). Each section records its
 findings, or the error that stopped it, and the next one runs regardless:
 
 1. machine: torch, CUDA and driver versions, the GPU, `nvidia-smi -L`, and
@@ -34,6 +35,10 @@ findings, or the error that stopped it, and the next one runs regardless:
 8. dequantize (~15 s): GPTQ (4-bit, 3-bit act-order, 8-bit), MLX (4-, 3- and 8-bit) and every
    ggml type dequantized on the GPU against the same bytes dequantized on the CPU (the largest
    difference, 0 when bit-equal).
+9. image (~40 s): the tiny Stable Diffusion 1.5 components of tests/image.py (clip, unet, vae)
+   served by `cakemp run --gpus all --model-type image-model --dtype f32`, each component's
+   reply against the same modules run in this process on the GPU in f32 (the largest
+   difference), and whether the node logged an error.
 
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
 ./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
@@ -46,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fnmatch
+import functools
 import json
 import math
 import os
@@ -170,6 +176,10 @@ def main() -> None:
     @section("dequantize")
     def dequantize_section():
         check_dequantize(device, rehearse)
+
+    @section("image")
+    def image_section():
+        asyncio.run(check_image(device, rehearse))
 
     finding("total_seconds", round(time.monotonic() - started, 1))
     Path(args.out).write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
@@ -487,8 +497,12 @@ def int4_checkpoints(tmp: Path, rehearse: bool) -> dict[str, Path]:
     spec = GgufSpec("llama", hidden=hidden, ffn=inter, layers=1, heads=heads, kv_heads=kv,
                     types={"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_0",
                            "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_1"})
-    return {"gptq": random_gptq(tmp / "gptq", plain, 128), "mlx": random_mlx(tmp / "mlx", plain, 128),
-            "gguf": write_gguf(tmp / "llama.gguf", spec)}
+    paths = {"gptq": random_gptq(tmp / "gptq", plain, 128), "mlx": random_mlx(tmp / "mlx", plain, 128)}
+    try:
+        paths["gguf"] = write_gguf(tmp / "llama.gguf", spec)
+    except ImportError as e:  # gguf-py writes the file: a machine without it checks the other two
+        finding("int4.gguf", f"skipped: {e}")
+    return paths
 
 
 def load_layer(path: Path, device: torch.device, keep_int4: bool):
@@ -589,16 +603,20 @@ def dequantize_cases(rehearse: bool):
         yield f"mlx_{bits}bit", lambda device, stored=stored, bits=bits: mlx.dequantize(
             *(t.to(device) for t in stored), bits, 64)
     rng = np.random.default_rng(0)
-    for kind in ggml.DEQUANTIZERS:
+
+    def stored_bytes(kind: str) -> torch.Tensor:
         if kind in RANDOM_BLOCKS:
             raw = random_blocks(rng, kind, (rows, cols))
         else:
-            import gguf
+            import gguf  # gguf-py quantizes these (a machine without it records the ImportError per type)
 
             values = (0.05 * rng.standard_normal((rows, cols))).astype(np.float32)
             raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
-        raw = torch.from_numpy(raw.view(np.uint8).reshape(-1).copy())
-        yield f"ggml_{kind}", lambda device, raw=raw, kind=kind: ggml.dequantize(raw.to(device), kind, (rows, cols))
+        return torch.from_numpy(raw.view(np.uint8).reshape(-1).copy())
+
+    for kind in ggml.DEQUANTIZERS:
+        raw = functools.cache(functools.partial(stored_bytes, kind))  # drawn once, for both devices
+        yield f"ggml_{kind}", lambda device, raw=raw, kind=kind: ggml.dequantize(raw().to(device), kind, (rows, cols))
 
 
 def check_dequantize(device: torch.device, rehearse: bool) -> None:
@@ -610,6 +628,53 @@ def check_dequantize(device: torch.device, rehearse: bool) -> None:
         except Exception as e:  # one case's failure is its finding; the others still run
             differences[name] = f"error: {type(e).__name__}: {e}"[:200]
     finding("dequantize.max_abs_difference_vs_cpu", differences)
+
+
+# --- 9. image components through a node ---------------------------------------------------
+
+async def check_image(device: torch.device, rehearse: bool) -> None:
+    from cakemp.master.client import WorkerClient
+    from cakemp.wire import DType
+    from tests.front.node import RunningNode, write_topology
+    from tests.image import LATENT, f32, oracle, pack, token_ids, write_cache
+
+    def from_raw(raw) -> torch.Tensor:
+        assert raw.dtype == DType.F32, raw.dtype
+        return torch.frombuffer(bytearray(raw.data), dtype=torch.float32).view(raw.shape)
+
+    generator = torch.Generator().manual_seed(0)
+    ids = [0, 17, 256, 999, 2]
+    latents, text = torch.randn(2, *LATENT, generator=generator), torch.randn(2, 77, 32, generator=generator)
+    image_latents = latents[:1]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "hf"
+        snapshot = write_cache(root)
+        topology = write_topology(Path(tmp) / "topology.yml", ["clip", "vae", "unet"])
+        node = RunningNode(root, topology, "--gpus", "cpu" if rehearse else "all", "--dtype", "f32",
+                           "--model-type", "image-model", "--sd-version", "v1-5", timeout=180)
+        try:
+            async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+                info = await client.hello()
+                finding("image.worker_info", f"device {info.device} {info.device_idx}, dtype {info.dtype}")
+                served = {
+                    "clip": from_raw(await client.single_op("clip", token_ids(ids), 0, 0)),
+                    "unet": from_raw(await client.single_op("unet", f32(pack(latents, text, torch.tensor([101.0]))), 0, 0)),
+                    "vae": from_raw(await client.single_op("vae", f32(pack(torch.tensor([0.0]), image_latents)), 0, 0)),
+                }
+        finally:
+            node.kill()
+            errors = [e for e in node.events() if e.get("level") == "error"]
+            finding("image.node_errors", [str(e)[:300] for e in errors[:5]])
+        modules = {name: module.to(device) for name, module in oracle(snapshot).items()}
+    with torch.no_grad():
+        padded = torch.tensor([ids + [ids[-1]] * (77 - len(ids))], device=device)
+        here = {"clip": modules["clip"](input_ids=padded).last_hidden_state,
+                "unet": modules["unet"](latents.to(device), torch.tensor(101.0, device=device),
+                                        encoder_hidden_states=text.to(device)).sample,
+                "vae": modules["vae"].decode(image_latents.to(device)).sample}
+    finding("image.max_abs_diff_node_vs_in_process", {
+        name: (served[name] - here[name].float().cpu()).abs().max().item() if served[name].shape == here[name].shape
+        else f"shape {tuple(served[name].shape)} vs {tuple(here[name].shape)}" for name in here})
 
 
 if __name__ == "__main__":
