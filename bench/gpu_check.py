@@ -27,7 +27,7 @@ findings, or the error that stopped it, and the next one runs regardless:
    out-of-memory request (this process takes all but a few MiB of the GPU) is answered with
    WorkerError, and the node serves again once the memory is back.
 7. int4 (~40 s): one Llama-3-8B-shaped layer as GPTQ (group 128), MLX affine (group 128) and
-   GGUF (Q4_0 attention, Q4_1 MLP) checkpoints of random 4-bit codes, loaded with the 4-bit
+   GGUF (Q4_0 attention, Q4_K gate/up, Q4_1 down) checkpoints of random 4-bit codes, loaded with the 4-bit
    matrices kept int4 (torch's int4 matmul, model/int4.py) and dequantized to bf16: resident
    weight bytes of each (held, and as the fit check counts them), the int4 layer's output error
    against the dequantized one (prefill of 64, decode), and decode time per layer of each;
@@ -496,7 +496,7 @@ def int4_checkpoints(tmp: Path, rehearse: bool) -> dict[str, Path]:
                             num_attention_heads=heads, num_key_value_heads=kv, num_hidden_layers=1, head_dim=128)
     spec = GgufSpec("llama", hidden=hidden, ffn=inter, layers=1, heads=heads, kv_heads=kv,
                     types={"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_0",
-                           "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_1"})
+                           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q4_1"})
     paths = {"gptq": random_gptq(tmp / "gptq", plain, 128), "mlx": random_mlx(tmp / "mlx", plain, 128)}
     try:
         paths["gguf"] = write_gguf(tmp / "llama.gguf", spec)

@@ -149,7 +149,7 @@ class BlockRunner:
         copy (model/packed.py): batched decode steps and prompt chunks then cost far less, at
         twice the weights' memory.
 
-        `keep_int4`: on a GPU computing in bf16, keep 4-bit matrices (GPTQ, MLX, GGUF Q4_0/Q4_1)
+        `keep_int4`: on a GPU computing in bf16, keep 4-bit matrices (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K)
         4-bit for torch's int4 matmul where it takes them (model/int4.py); False dequantizes
         them, as everywhere else (--dequantize-4bit).
 

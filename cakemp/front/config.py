@@ -195,7 +195,7 @@ class NodeConfig:
         "--share-prefixes", False, None, "Reuse kept rows across master connections, not only on the connection "
         "they came from (a hit shows in latency: each connection's masters should trust each other).", is_flag=True)
     keep_int4: bool = knob(
-        "--dequantize-4bit", False, None, "On a GPU, dequantize 4-bit weights (GPTQ, MLX, GGUF Q4_0/Q4_1) at load "
+        "--dequantize-4bit", False, None, "On a GPU, dequantize 4-bit weights (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K) at load "
         "into the compute dtype instead of keeping them 4-bit for torch's int4 matmul (bf16 only; a CPU always "
         "dequantizes).", convert=lambda off: not off, is_flag=True)
     session_idle_timeout: float | None = knob(

@@ -8,9 +8,9 @@ Cake dequantizes every tensor of the file to f32 on every node. Each tensor's
 bytes go to the device as they are stored (a quarter of their f32 size or less for the
 quantized types) and are dequantized there in f32 (model/ggml.py), then cast; llama.cpp's Q/K
 row permutation (Llama family) is undone on the f32 rows, which quantization leaves whole
-(its blocks run along a row). With `keep_int4` (a GPU), Q4_0 and Q4_1 matrices stay 4-bit
-instead, repacked for torch's int4 matmul (model/int4.py; their 32-value blocks are its groups
-of 32), the permutation undone on their code and scale rows alike.
+(its blocks run along a row). With `keep_int4` (a GPU), Q4_0, Q4_1 and Q4_K matrices stay
+4-bit instead, repacked for torch's int4 matmul (model/int4.py; their 32-value blocks, Q4_K's
+sub-blocks, are its groups of 32), the permutation undone on their code and scale rows alike.
 
 Same interface as the safetensors Checkpoint (has, load, nbytes, norms_need_one), so BlockRunner
 and Head take either (model/checkpoint.py: open_checkpoint).
@@ -46,7 +46,7 @@ class GgufCheckpoint:
 
     @property
     def stores_4bit(self) -> bool:
-        """Whether the file holds Q4_0 or Q4_1 matrices, which may stay int4 on a GPU."""
+        """Whether the file holds matrices of ggml.INT4_TYPES, which may stay int4 on a GPU."""
         return any(info.type.name in ggml.INT4_TYPES for info in self.file.tensors.values())
 
     def has(self, name: str) -> bool:
@@ -62,7 +62,7 @@ class GgufCheckpoint:
         keep_int4: bool = False,
     ) -> dict[K, torch.Tensor | int4.Int4Weight]:
         """One `dtype` tensor on `device` per group: its tensors (HF names) dequantized and stacked
-        along dim 0, or with `keep_int4` an `int4.Int4Weight` for a group of Q4_0/Q4_1 matrices.
+        along dim 0, or with `keep_int4` an `int4.Int4Weight` for a group of Q4_0/Q4_1/Q4_K matrices.
         keep_fp8 and plus_one never apply to a GGUF file's tensors."""
         for name in (name for members in groups.values() for name in members):
             self._gguf_name(name)  # every name checked before the file is mapped
@@ -111,7 +111,7 @@ class GgufCheckpoint:
         return tensor if heads is None else unpermute(tensor, heads)
 
     def _int4_parts(self, data: mmap.mmap, name: str, device: torch.device) -> int4.Int4Parts:
-        """HF matrix `name` (Q4_0 or Q4_1) in torch's int4 convention on `device`, rows in HF's order."""
+        """HF matrix `name` (of ggml.INT4_TYPES) in torch's int4 convention on `device`, rows in HF's order."""
         info, raw = self._raw(data, name, device)
         parts = ggml.int4_parts(raw, info.type.name, info.shape)
         heads = permuted_heads(self.file, info.name, self.config.num_attention_heads, self.config.num_key_value_heads)
@@ -126,7 +126,7 @@ class GgufCheckpoint:
 
 
 def _int4_shapes(infos: list) -> list[tuple[tuple[int, int], int]] | None:
-    """(shape, group size) of each tensor if the group can stay int4: every one a Q4_0/Q4_1 matrix
+    """(shape, group size) of each tensor if the group can stay int4: every one a ggml.INT4_TYPES matrix
     torch's int4 matmul takes; else None (logged once why, for a group of quantized matrices)."""
     shapes = []
     for info in infos:

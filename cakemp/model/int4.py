@@ -15,6 +15,7 @@ scales and zeros are rewritten (in f32, then rounded once to bf16):
 | MLX affine  | q * s + b        | s     | b + 8 s    |
 | GGUF Q4_0   | d * (q - 8)      | d     | 0          |
 | GGUF Q4_1   | d * q + m        | d     | m + 8 d    |
+| GGUF Q4_K   | d sc * q - dmin m | d sc | 8 d sc - dmin m |
 
 The format modules (gptq.py, mlx.py, ggml.py) make `Int4Parts`; `Int4Weight.create` packs them
 for the device's kernel. Only the packing differs between devices: CUDA's takes [N, K/2] uint8
@@ -117,7 +118,7 @@ def dequantized(reason: str) -> None:
     """Log, once per process and reason, why a 4-bit matrix is dequantized instead of kept int4."""
     if reason not in _logged:
         _logged.add(reason)
-        log.get_logger().info("4-bit weight dequantized, not kept int4", reason=reason)
+        log.get_logger().info("quantized weight dequantized, not kept int4", reason=reason)
 
 
 def _inner_k_tiles(cols: int) -> int:

@@ -24,7 +24,7 @@ from cakemp.model.checkpoint import Checkpoint
 from cakemp.model.gguf_checkpoint import GgufCheckpoint
 from cakemp.model.linear import linear
 from tests.checkpoints import make_checkpoint
-from tests.gguf_files import GgufSpec, needs_gguf, write_gguf
+from tests.gguf_files import RANDOM_BLOCKS, GgufSpec, needs_gguf, random_blocks, write_gguf
 from tests.int4_checkpoints import random_gptq, random_mlx
 
 OUT, IN = 96, 512
@@ -61,11 +61,17 @@ def mlx_tensors(group_size: int, seed: int = 0):
 
 
 def ggml_bytes(kind: str) -> torch.Tensor:
+    """[OUT, IN] of `kind` as stored: quantized by gguf-py where it can (Q4_0, Q4_1), else random
+    blocks with finite scales (Q4_K: tests/gguf_files.py)."""
     import gguf
 
-    values = (0.05 * np.random.default_rng(1).standard_normal((OUT, IN))).astype(np.float32)
-    values[0, :64] = 0  # all-zero blocks (scale 0)
-    raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
+    rng = np.random.default_rng(1)
+    if kind in RANDOM_BLOCKS:
+        raw = random_blocks(rng, kind, (OUT, IN))
+    else:
+        values = (0.05 * rng.standard_normal((OUT, IN))).astype(np.float32)
+        values[0, :64] = 0  # all-zero blocks (scale 0)
+        raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
     return torch.from_numpy(raw.view(np.uint8).reshape(-1).copy())
 
 
@@ -89,7 +95,7 @@ def test_mlx_codes_through_the_int4_kernel_give_the_dequantized_product(group_si
 
 @needs_gguf
 @pytest.mark.parametrize("kind", ggml.INT4_TYPES)
-def test_gguf_q4_blocks_through_the_int4_kernel_give_the_dequantized_product(kind):
+def test_gguf_4_bit_blocks_through_the_int4_kernel_give_the_dequantized_product(kind):
     raw = ggml_bytes(kind)
     assert ggml.int4_group(kind, (OUT, IN)) == 32
     assert_product_matches(ggml.int4_parts(raw, kind, (OUT, IN)), ggml.dequantize(raw, kind, (OUT, IN)))
@@ -108,8 +114,8 @@ def test_what_torch_s_int4_kernel_cannot_take_is_dequantized():
     assert "no multiple of 8" in gptq.int4_group(Gptq(4, 128, False, True, True), 100, IN, 4, None)
     assert "8-bit" in mlx.int4_group((OUT, IN // 4), 8, 64)
     assert "stacked" in mlx.int4_group((4, OUT, IN // 8), 4, 64)
-    assert "Q4_K" in ggml.int4_group("Q4_K", (OUT, IN))
-    assert "Q8_0" in ggml.int4_group("Q8_0", (OUT, IN))
+    for kind in ("Q5_K", "Q8_0", "IQ4_NL"):  # IQ4_NL: 4-bit codes, but into a table of 16 levels, not affine
+        assert kind in ggml.int4_group(kind, (OUT, IN))
     with pytest.raises(ValueError, match="groups of 16"):
         int4.Int4Weight.create(int4.Int4Parts(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 4),
                                               torch.zeros(8, 4), 16))
@@ -208,7 +214,7 @@ def test_on_a_gpu_each_format_s_codes_give_the_dequantized_product(group_size):
 @needs_gguf
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ggml.INT4_TYPES)
-def test_on_a_gpu_gguf_q4_blocks_give_the_dequantized_product(kind):
+def test_on_a_gpu_gguf_4_bit_blocks_give_the_dequantized_product(kind):
     raw = ggml_bytes(kind)
     assert_product_matches(ggml.int4_parts(raw.cuda(), kind, (OUT, IN)), ggml.dequantize(raw, kind, (OUT, IN)), "cuda")
 
