@@ -28,6 +28,7 @@ Resident: N K / 2 bytes of codes and 4 N K / g of scales and zeros (0.27 of bf16
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,7 @@ class Int4Parts:
         return Int4Parts(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                          torch.cat([p.zeros for p in parts]), parts[0].group_size)
 
-    def rows(self, reorder) -> Int4Parts:
+    def rows(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> Int4Parts:
         """The same weight with its rows reordered by `reorder` ([N, ...] -> [N, ...], e.g. GGUF's unpermute)."""
         return Int4Parts(reorder(self.codes), reorder(self.scales), reorder(self.zeros), self.group_size)
 
