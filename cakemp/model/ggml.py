@@ -38,6 +38,8 @@ from collections.abc import Callable
 
 import torch
 
+from cakemp.model import int4
+
 QK_K = 256
 # IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml-common.h kvalues_iq4nl), indexed by a 4-bit code.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -51,6 +53,37 @@ def dequantize(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> torch.Te
         return raw.view(torch.float16 if kind == "F16" else torch.bfloat16).float().view(shape)
     block_bytes, dequantize_blocks = DEQUANTIZERS[kind]
     return dequantize_blocks(raw.view(-1, block_bytes)).view(shape)
+
+
+# Affine 4-bit codes in groups of 32 (Q4_K: the sub-blocks of its 256-value blocks): torch's int4 matmul takes them.
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+_INT4_BLOCK = 32
+
+
+def int4_group(kind: str, shape: tuple[int, ...]) -> int | str:
+    """The group size torch's int4 matmul can take a tensor of `kind` and `shape` in, or why not."""
+    if kind not in INT4_TYPES:
+        return f"GGUF {kind} tensors (torch's int4 matmul takes {', '.join(INT4_TYPES)})"
+    if len(shape) != 2:
+        return f"GGUF {kind} tensors of shape {shape}"
+    return int4.unfit_reason(shape[0], shape[1], _INT4_BLOCK) or _INT4_BLOCK
+
+
+def int4_parts(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> int4.Int4Parts:
+    """A matrix of an INT4_TYPES type `int4_group` accepted, in torch's int4 convention, group by
+    group of 32: Q4_0's d * (q - 8) is it with zero 0; Q4_1's d * q + m = (q - 8) * d + (m + 8 d);
+    Q4_K's sub-block scale * q - min = (q - 8) * scale + (8 scale - min)."""
+    rows, cols = shape
+    groups = (rows, cols // _INT4_BLOCK)
+    blocks = raw.view(-1, DEQUANTIZERS[kind][0])  # [rows * cols / values per block, block bytes]
+    if kind == "Q4_K":
+        scale, low, q = _q4_k_fields(blocks)
+        scale, low = scale.reshape(groups), low.reshape(groups)
+        return int4.Int4Parts(q.reshape(rows, cols), scale, 8 * scale - low, _INT4_BLOCK)
+    d = _f16(blocks, 0).view(groups)
+    zeros = torch.zeros_like(d) if kind == "Q4_0" else _f16(blocks, 2).view(groups) + 8 * d
+    codes = _nibbles(blocks[:, 2 if kind == "Q4_0" else 4:]).view(rows, cols)
+    return int4.Int4Parts(codes, d, zeros, _INT4_BLOCK)
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -137,12 +170,18 @@ def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    scale, low, q = _q4_k_fields(blocks)
+    return (scale.unsqueeze(2) * q.float() - low.unsqueeze(2)).reshape(-1, QK_K)
+
+
+def _q4_k_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks [n, 144] -> each sub-block's scale d * sc and min dmin * m (f32 [n, 8]) and its
+    32 codes (uint8 [n, 8, 32]): value = scale * q - min."""
     n = blocks.shape[0]
     sc, m = _k4_scales(blocks[:, 4:16])
-    scale, low = (_f16(blocks, 0) * sc).unsqueeze(2), (_f16(blocks, 2) * m).unsqueeze(2)
     # Four chunks of 32 bytes: each gives sub-block 2c (low nibbles) and 2c + 1 (high nibbles).
-    q = (_bits(blocks[:, 16:].reshape(n, 4, 32), [0, 4]) & 0x0F).reshape(n, 8, 32).float()
-    return (scale * q - low).reshape(n, QK_K)
+    q = (_bits(blocks[:, 16:].reshape(n, 4, 32), [0, 4]) & 0x0F).reshape(n, 8, 32)
+    return _f16(blocks, 0) * sc, _f16(blocks, 2) * m, q
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
