@@ -134,7 +134,7 @@ def _open_generator(model, topology, master_tflops, cluster_key, dtype, protocol
             targets = [target.strip() for target in discover.split(",") if target.strip()]
             layout = await discover_cluster(model, cluster_key, targets, port=discovery_port, timeout=discovery_timeout,
                                             min_workers=min_workers, revision=revision, on_gpu=device == "cuda",
-                                            report=lambda line: click.echo(line, err=True))
+                                            dtype=dtype, report=lambda line: click.echo(line, err=True))
         return await Generator.open(model, layout, dtype=dtype, device=device, cluster_key=cluster_key or None,
                                     revision=revision)
 

@@ -107,6 +107,36 @@ def gptq_checkpoints(tmp_path: Path, specs: dict[str, GptqSpec]) -> dict[str, tu
     return out
 
 
+def gptq_part_shapes(out_features: int, in_features: int, bits: int, group_size: int,
+                     desc_act: bool) -> dict[str, tuple[int, ...]]:
+    """The stored parts of a GPTQ [out, in] matrix and their shapes, as GPTQ's packers lay them out
+    (AutoGPTQ's and GPTQModel's QuantLinear buffers): suffix -> shape."""
+    groups = -(-in_features // (in_features if group_size == -1 else group_size))
+    shapes = {"qweight": (-(-in_features * bits // 32), out_features),
+              "qzeros": (groups, -(-out_features * bits // 32)), "scales": (groups, out_features)}
+    return shapes | ({"g_idx": (in_features,)} if desc_act else {})
+
+
+def gptq_shaped(tmp_path: Path, family: str, spec: GptqSpec, shapes: dict[str, tuple[int, int]] | None = None) -> Path:
+    """A GPTQ checkpoint of `family` whose quantized parts have GPTQ's shapes and zeros for codes (for
+    what a checkpoint's shapes decide: sizes, refusals; no oracle needed). `shapes`: modules whose
+    matrix is claimed to be another [out, in] than the plain checkpoint's."""
+    plain = make_checkpoint(tmp_path / "plain", family, **dict(spec.overrides))
+    tensors = load_file(plain / "model.safetensors")
+    stored = {}
+    for name, tensor in tensors.items():
+        if not layer_matrix(name, tensor):
+            stored[name] = tensor.half()
+            continue
+        module = name.removesuffix(".weight")
+        out_features, in_features = (shapes or {}).get(module, tuple(tensor.shape))
+        for part, shape in gptq_part_shapes(out_features, in_features, spec.bits, spec.group_size,
+                                            spec.desc_act).items():
+            stored[f"{module}.{part}"] = (torch.ones(shape, dtype=torch.float16) if part == "scales"
+                                          else torch.zeros(shape, dtype=torch.int32))
+    return _write_like(plain, tmp_path / "gptq", stored, {"quantization_config": spec.config()})
+
+
 def mlx_checkpoint(tmp_path: Path, family: str, *, bits: int = 4, group_size: int = 64, shards: int = 1,
                    **overrides) -> tuple[Path, Path]:
     """(an mlx-lm-style MLX affine checkpoint of `family`, its reference)."""

@@ -21,12 +21,14 @@ and 128 (what mx.quantize takes).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from cakemp.checkpoint.values import as_list, mapping, shown, whole
 
+Shape = tuple[int, ...]
 GPTQ_BITS = frozenset({2, 3, 4, 8})
 MLX_BITS = frozenset({2, 3, 4, 5, 6, 8})
 MLX_GROUP_SIZES = frozenset({32, 64, 128})
@@ -67,6 +69,23 @@ class GptqParts(NamedTuple):
     scales: str  # f16 [groups, out]
     g_idx: str | None  # int32 [in]: each input's group; None: input i is in group i // group_size
 
+    def matrix_shape(self, shape: Callable[[str], Shape], spec: Gptq) -> tuple[int, int]:
+        """[out, in] of the matrix the parts dequantize into, from their stored shapes (`shape(part)`),
+        read before any value is; ValueError naming the part whose shape does not fit the others'."""
+        scales = _ranked(self.scales, shape(self.scales), 2)
+        groups, out_features = scales
+        if self.g_idx is not None:
+            in_features = math.prod(shape(self.g_idx))
+        else:
+            in_features = _ranked(self.qweight, shape(self.qweight), 2)[0] * 32 // spec.bits
+            size = in_features if spec.group_size == -1 else spec.group_size
+            if groups != -(-in_features // size):
+                raise ValueError(f"{groups} groups of scales for {in_features} inputs in groups of {size} "
+                                 f"(expected {-(-in_features // size)})")
+        _expect(self.qweight, shape(self.qweight), (-(-in_features * spec.bits // 32), out_features))
+        _expect(self.qzeros, shape(self.qzeros), (groups, -(-out_features * spec.bits // 32)))
+        return out_features, in_features
+
 
 @dataclass(frozen=True)
 class MlxAffine:
@@ -95,8 +114,46 @@ class MlxParts(NamedTuple):
     bits: int
     group_size: int
 
+    def matrix_shape(self, shape: Callable[[str], Shape]) -> Shape:
+        """[..., rows, cols] of the matrices the parts dequantize into, from their stored shapes
+        (`shape(part)`), read before any value is; ValueError naming the part that does not fit."""
+        weight = shape(self.weight)
+        *lead, words = _ranked(self.weight, weight, 2, at_least=True)
+        cols = words * 32 // self.bits
+        if words * 32 % self.bits or cols % self.group_size:
+            raise ValueError(f"{self.weight}: a row of {words} words is no whole number of {self.group_size}-column "
+                             f"groups of {self.bits}-bit codes")
+        groups = (*lead, cols // self.group_size)
+        for part in (self.scales, self.biases):
+            if tuple(shape(part)) != groups:
+                raise ValueError(f"{part} has shape {tuple(shape(part))}, expected {groups} for a weight of {weight}")
+        return (*lead, cols)
+
 
 Quantization = Fp8 | Gptq | MlxAffine
+
+
+def dequantized_shape(parts: GptqParts | MlxParts, shape: Callable[[str], Shape], quantization: Quantization) -> Shape:
+    """The shape of the matrix `parts` dequantize into, from their stored shapes (`shape(part)`)."""
+    if isinstance(parts, GptqParts):
+        assert isinstance(quantization, Gptq)
+        return parts.matrix_shape(shape, quantization)
+    return parts.matrix_shape(shape)
+
+
+def read_shapes(stored: Mapping[str, Shape], quantization: Quantization | None) -> dict[str, Shape]:
+    """The tensors a node reads from these stored ones (name -> stored shape), each with its shape once
+    read: a GPTQ or MLX weight as the matrix it is dequantized into (its parts not counted on their
+    own), every other tensor as it is stored; ValueError naming a quantized part that does not fit."""
+    read, parts_of = {}, set()
+    if isinstance(quantization, Gptq | MlxAffine):
+        for weight in dict.fromkeys(f"{name.rpartition('.')[0]}.weight" for name in stored if "." in name):
+            parts = quantization.parts(weight, stored.__contains__)
+            if parts is None:
+                continue
+            read[weight] = dequantized_shape(parts, stored.__getitem__, quantization)
+            parts_of.update(part for part in parts if isinstance(part, str))
+    return read | {name: shape for name, shape in stored.items() if name not in parts_of and name not in read}
 
 
 def parse(d: dict[str, Any]) -> Quantization | None:
@@ -181,6 +238,18 @@ def _mlx_params(name: str, quant: dict[str, Any]) -> tuple[int, int]:
     if group_size not in MLX_GROUP_SIZES:
         raise ValueError(f"MLX affine group_size {group_size} is not supported (only 32, 64 and 128)")
     return bits, group_size
+
+
+def _ranked(name: str, shape: Shape, rank: int, at_least: bool = False) -> Shape:
+    """`shape` if it has `rank` dimensions (or more, `at_least`); else ValueError naming the tensor."""
+    if len(shape) < rank or len(shape) > rank and not at_least:
+        raise ValueError(f"{name} has shape {tuple(shape)}, expected {rank}{' or more' if at_least else ''} dimensions")
+    return tuple(shape)
+
+
+def _expect(name: str, shape: Shape, expected: Shape) -> None:
+    if tuple(shape) != expected:
+        raise ValueError(f"{name} has shape {tuple(shape)}, expected {expected}")
 
 
 def _module(weight: str) -> str | None:

@@ -19,7 +19,7 @@ from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import CheckpointError, InternalError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model import attention, fp8, int4, packed
 from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
-from cakemp.model.checkpoint import AnyCheckpoint, open_checkpoint
+from cakemp.model.checkpoint import AnyCheckpoint, Checkpoint, open_checkpoint
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.deltanet import LinearState
 from cakemp.model.linear_block import LinearAttentionBlock
@@ -419,6 +419,8 @@ class _LoadPlan:
         """(layer, key) -> its tensor on `device`, one layer at a time (`on_layer(n)` after n),
         after checking on a GPU that they fit (counting what stays FP8 or int4 as such); each
         checked against the shape config.json implies."""
+        if isinstance(checkpoint, Checkpoint):  # a GGUF file is never pushed: the operator's own
+            self._check_quantized_shapes(checkpoint)
         wanted = [self._wanted(layer) for layer in self.layers]
         keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
         needed = self.nbytes(checkpoint, dtype, keep_fp8, keep_int4)
@@ -451,6 +453,20 @@ class _LoadPlan:
                     f"config.json implies {self.shapes[layer][key]}"
                 )
         return weights
+
+    def _check_quantized_shapes(self, checkpoint: Checkpoint) -> None:
+        """Each group holding a GPTQ or MLX weight checked, from the shards' headers, to make the shape
+        config.json implies, before any is read: dequantized first, a matrix past it would cost 8 times
+        its stored bytes (4-bit codes in f32) before the check after loading saw it."""
+        for layer in self.layers:
+            groups = {key: [f"{layer}.{name}" for name in members] for key, members in self.groups[layer].items()}
+            quantized = {key: names for key, names in groups.items() if any(map(checkpoint.quantized, names))}
+            for key, shapes in checkpoint.shapes(quantized).items():
+                if len({shape[1:] for shape in shapes}) > 1 or \
+                        (sum(shape[0] for shape in shapes), *shapes[0][1:]) != self.shapes[layer][key]:
+                    read = " + ".join(f"{name} {shape}" for name, shape in zip(quantized[key], shapes))
+                    raise CheckpointError(f"{layer}: {read} (dequantized) cannot make the shape config.json "
+                                          f"implies, {self.shapes[layer][key]}")
 
     def nbytes(self, checkpoint: AnyCheckpoint, dtype: torch.dtype, keep_fp8: bool = False,
                keep_int4: bool = False) -> int:

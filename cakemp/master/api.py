@@ -13,9 +13,11 @@ first connects afresh to every worker (`Generator.reconnect`). A worker's own er
 (WorkerError) leaves the connections as they are.
 
 A generation runs as a task of its own, never inside the HTTP handler: a client that leaves
-mid-stream sets the generation's `halt`, the generation ends after the step in flight and says
-Goodbye, and the next request takes the cluster with the connections in step. Request bodies
-are bounded (`max_body_bytes`, 413 past it); every refusal is OpenAI's JSON error object.
+(mid-stream, or while it waits for a whole answer) sets the generation's `halt`, the generation
+ends after the step in flight and says Goodbye, and the next request takes the cluster with the
+connections in step. Request bodies are bounded (`max_body_bytes`, 413 past it); every refusal is
+OpenAI's JSON error object. What a connection may hold before and after its request is bounded
+by `connection_guard.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -141,7 +143,7 @@ class EventStream:
         self.events, self.run = events, run
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.create_task(self._watch(receive))
+        watcher = asyncio.create_task(_halt_when_gone(receive, self.run))
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -156,10 +158,12 @@ class EventStream:
             self.run.halt.set()
             watcher.cancel()
 
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.run.halt.set()
+
+async def _halt_when_gone(receive: Receive, run: Run) -> None:
+    """Halts `run` when its client disconnects (read once its request body has been)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    run.halt.set()
 
 
 class Api:
@@ -195,7 +199,11 @@ class Api:
             answer = Answer(run, self.reader.model_id)
             if run.completion.stream:
                 return EventStream(answer.events(), run)
-            return await answer.response()
+            watcher = asyncio.create_task(_halt_when_gone(request.receive, run))
+            try:
+                return await answer.response()
+            finally:
+                watcher.cancel()
         return endpoint
 
     async def _body(self, request: Request) -> object:
@@ -204,10 +212,13 @@ class Api:
         if not length.isdigit() or int(length) > self.max_body_bytes:
             raise ApiError(413, f"request bodies are limited to {self.max_body_bytes} bytes")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise ApiError(413, f"request bodies are limited to {self.max_body_bytes} bytes")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.max_body_bytes:
+                    raise ApiError(413, f"request bodies are limited to {self.max_body_bytes} bytes")
+        except ClientDisconnect:  # it left, or was closed (connection_guard.py), before its body arrived
+            raise ApiError(400, "the client left before its request body arrived") from None
         try:
             return json.loads(body)
         except (ValueError, RecursionError):  # not UTF-8 JSON, or nested past the parser's depth

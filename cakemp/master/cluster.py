@@ -23,9 +23,10 @@ from pathlib import Path
 from cakemp import gpus
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint import hub
-from cakemp.checkpoint.files import TOKENIZER, in_layer, is_gguf
+from cakemp.checkpoint.files import TOKENIZER, in_layer, is_gguf, resident_layer_bytes
 from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
 from cakemp.checkpoint.locate import ModelSource, locate
+from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import CakempError, ConfigError
 from cakemp.master.address import dial
 from cakemp.master.discovery import DiscoveredWorker, discover
@@ -43,19 +44,21 @@ MASTER_OPTIONAL = ("tokenizer_config.json", "generation_config.json", "chat_temp
 
 
 async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Sequence[str], *, port: int,
-                           timeout: float, min_workers: int, revision: Revision, on_gpu: bool,
+                           timeout: float, min_workers: int, revision: Revision, on_gpu: bool, dtype: str,
                            report: Callable[[str], None]) -> Topology:
     """Discover the cluster's workers at `targets`, give them layers as Cake does, push them the files;
     the topology they then serve. The master's own share is weighed by its devices: its GPUs when
-    `on_gpu`, else its CPU. `report` is told each worker's layers, one line per worker."""
+    `on_gpu`, else its CPU; a layer by what a worker computing in `dtype` (--dtype, the cluster's) holds
+    of it. `report` is told each worker's layers, one line per worker."""
     if is_gguf(model_dir):  # as in Cake: a GGUF file is served in topology mode only, from each node's own copy
         raise ConfigError(f"{model_dir}: a .gguf model cannot be pushed to zero-config workers; give --topology")
     workers = await discover(cluster_key, targets, port=port, timeout=timeout, min_workers=min_workers)
     if not workers:
         raise CakempError(f"no worker of this cluster answered at {', '.join(targets)} within {timeout:g} s")
     config = ModelConfig.from_dir(model_dir)
-    assignments = assign_layers(workers, config.num_hidden_layers, own_tflops(on_gpu),
-                                layer_bytes(model_dir, config.num_hidden_layers), config.layer_prefix)
+    held = resident_layer_bytes(Path(model_dir), config.num_hidden_layers, config.layer_prefix, config.quantization,
+                                COMPUTE_DTYPES[dtype].itemsize)
+    assignments = assign_layers(workers, config.num_hidden_layers, own_tflops(on_gpu), held, config.layer_prefix)
     for worker, layers in assignments:
         report(f"{worker.name} at {worker.address}: {layers[0]}..{layers[-1]} ({len(layers)} layers)")
     return await set_up(model_dir, assignments, cluster_key=cluster_key, revision=revision)
@@ -122,14 +125,6 @@ def assign_layers(workers: Sequence[DiscoveredWorker], num_layers: int, master_t
     capacities = [Capacity(w.name, w.tflops, max_layers(w.announcement.gpus, layer_bytes) if layer_bytes > 0 else None)
                   for w in workers]
     return [(workers[i], layer_names(prefix, run)) for i, run in default_assignment(capacities, num_layers, master_tflops)]
-
-
-def layer_bytes(model_dir: str | Path, num_layers: int) -> int:
-    """A layer's size, over-estimated as all weight files over the layer count (embeddings included)."""
-    files = list(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{model_dir} has no .safetensors file")
-    return sum(f.stat().st_size for f in files) // max(1, num_layers)
 
 
 async def set_up(model_dir: str | Path, assignments: Sequence[tuple[DiscoveredWorker, tuple[str, ...]]], *,

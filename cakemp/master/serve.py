@@ -4,10 +4,16 @@ uvicorn serves the Starlette app (`api.py`) on a socket bound here, so that port
 port and the "api listening" event can name it before the first request. uvicorn's own logging
 goes through cakemp's (its records are the root logger's); its access log is off, since every
 request is logged once by the API with its figures.
+
+What a peer can hold is bounded: a connection whose request has not arrived whole is one of at
+most 64, for at most 10 seconds, and one that stops reading its answer is aborted after 10
+seconds of blocked writes (`connection_guard.py`); uvicorn answers 503 past
+`MOST_CONNECTIONS` connections or requests in progress.
 """
 
 from __future__ import annotations
 
+import functools
 import signal
 import socket
 from collections.abc import Awaitable
@@ -23,10 +29,13 @@ try:
     import uvicorn
 
     from cakemp.master.api import Api
+    from cakemp.master.connection_guard import GuardedH11Protocol, IncompleteConnections
 except ImportError as exc:  # the optional extra is missing
     _MISSING: ImportError | None = exc
 else:
     _MISSING = None
+
+MOST_CONNECTIONS = 256  # uvicorn's limit_concurrency: connections and requests in progress, each counted
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,9 @@ async def _serve(generator: Generator, listener: socket.socket, options: ServeOp
         reader = RequestReader(options.model_id, generator, options.max_tokens, options.repeat_penalty,
                                options.repeat_last_n)
         api = Api(generator, reader, max_body_bytes=options.max_body_bytes, max_waiting=options.max_waiting)
-        config = uvicorn.Config(api.app(), log_config=None, access_log=False, lifespan="off")
+        guarded = functools.partial(GuardedH11Protocol, guard=IncompleteConnections())
+        config = uvicorn.Config(api.app(), http=guarded, limit_concurrency=MOST_CONNECTIONS, log_config=None,
+                                access_log=False, lifespan="off")
         host, port = listener.getsockname()[:2]
         log.get_logger().info("api listening", url=f"http://{host}:{port}/v1", port=port, model=options.model_id)
         _ignore_repeated_signals()

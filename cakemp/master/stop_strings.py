@@ -2,7 +2,8 @@
 
 Text arrives in pieces (one token's worth each). A stop sequence can span pieces, so the tail of
 the text that could still begin one is held back until the next piece decides it; when one
-appears, the text before it is the last shown and the generation should end. The sequence
+appears (the first to end, where several do), the text before it is the last shown and the
+generation should end. The sequence
 itself is never shown, as OpenAI's API leaves it out.
 """
 
@@ -24,10 +25,12 @@ class StopStrings:
         if self.reached:
             return ""
         text = self._held + piece
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        # The sequence that ends first is the one the generation reached (it halts there, so a longer
+        # one that began earlier never completes); it is cut where it begins, however the text was pieced.
+        found = [(at + len(s), at) for s in self.stops if (at := text.find(s)) >= 0]
+        if found:
             self.reached, self._held = True, ""
-            return text[:cut]
+            return text[:min(found)[1]]
         keep = max((_overlap(text, s) for s in self.stops), default=0)
         self._held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.files import INDEX, SINGLE, is_gguf, read_weight_map
 from cakemp.checkpoint.layout import LINEAR_CONV
-from cakemp.checkpoint.quantization import Gptq, GptqParts, MlxAffine, MlxParts, norms_carry_one
+from cakemp.checkpoint.quantization import Gptq, GptqParts, MlxAffine, MlxParts, dequantized_shape, norms_carry_one
 from cakemp.errors import CheckpointError
 from cakemp.model import fp8, gptq, int4, mlx
 from cakemp.model.gguf_checkpoint import GgufCheckpoint
@@ -125,6 +125,17 @@ class Checkpoint:
                 total += sum(self._numel(files, name) for name in members) * (1 if kept else dtype.itemsize)
             return total
 
+    def quantized(self, name: str) -> bool:
+        """Whether `name` is stored as GPTQ or MLX parts (read dequantized)."""
+        return self._parts(name) is not None
+
+    def shapes(self, groups: dict[K, list[str]]) -> dict[K, list[tuple[int, ...]]]:
+        """The shape each group's tensors have once read, from the shards' headers alone, no value read:
+        a GPTQ or MLX weight's is the matrix it is dequantized into (the parts checked to fit)."""
+        with ExitStack() as stack:
+            files = self._open(stack, groups)
+            return {key: [self._shape(files, name) for name in members] for key, members in groups.items()}
+
     @property
     def stores_4bit(self) -> bool:
         """Whether the checkpoint may hold matrices of 4-bit codes (GPTQ, MLX) to keep int4 on a GPU."""
@@ -191,15 +202,21 @@ class Checkpoint:
 
     def _numel(self, files: dict[str, tuple], name: str) -> int:
         """How many values `name` has once read (dequantized where it is quantized)."""
+        return math.prod(self._shape(files, name))
+
+    def _shape(self, files: dict[str, tuple], name: str) -> tuple[int, ...]:
+        """The shape `name` has once read, from the shards' headers: a quantized weight's is the matrix
+        it is dequantized into, its parts' shapes checked to fit (CheckpointError naming the one that does not)."""
+        def stored(part: str) -> tuple[int, ...]:
+            return tuple(self._get(files, part).get_slice(part).get_shape())
+
         parts = self._parts(name)
-        if isinstance(parts, GptqParts):
-            in_features = (math.prod(self._get(files, parts.g_idx).get_slice(parts.g_idx).get_shape()) if parts.g_idx
-                           else self._get(files, parts.qweight).get_slice(parts.qweight).get_shape()[0] * 32
-                           // self.config.quantization.bits)
-            return in_features * self._get(files, parts.scales).get_slice(parts.scales).get_shape()[-1]
-        if isinstance(parts, MlxParts):
-            return math.prod(self._get(files, parts.weight).get_slice(parts.weight).get_shape()) * 32 // parts.bits
-        return math.prod(self._get(files, name).get_slice(name).get_shape())
+        if parts is None:
+            return stored(name)
+        try:
+            return dequantized_shape(parts, stored, self.config.quantization)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
 
     def _int4_shapes(self, files: dict[str, tuple], members: list[str]) -> list[tuple[int, int, int]] | None:
         """(rows, cols, group size) of each member if the group can stay int4: every member a 4-bit

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from cakemp.checkpoint.quantization import Gptq
+from cakemp.checkpoint.quantization import Gptq, GptqParts
 from cakemp.model import bitfields, int4
 
 _VALUES_PER_STEP = 1 << 20
@@ -30,10 +30,10 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                spec: Gptq) -> torch.Tensor:
     """The stored tensors (GptqParts' shapes) -> W: [out, in] f32; ValueError if they do not fit together."""
     bits = spec.bits
-    groups, out_features = scales.shape
-    in_features = g_idx.numel() if g_idx is not None else qweight.shape[0] * 32 // bits
-    _check_shape("qweight", qweight, (-(-in_features * bits // 32), out_features))
-    _check_shape("qzeros", qzeros, (groups, -(-out_features * bits // 32)))
+    stored = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+    parts = GptqParts("qweight", "qzeros", "scales", None if g_idx is None else "g_idx")
+    out_features, in_features = parts.matrix_shape(lambda part: tuple(stored[part].shape), spec)
+    groups = scales.shape[0]
     group = _groups(g_idx, in_features, groups, spec.group_size).to(qweight.device)
     zeros = _zero_points(qzeros, bits, out_features, spec.v1)  # [groups, out]
     words = qweight.t().contiguous()  # [out, in * bits / 32]: each output's codes, row by row
@@ -93,13 +93,10 @@ def _zero_points(qzeros: torch.Tensor, bits: int, count: int, v1: bool) -> torch
 
 
 def _groups(g_idx: torch.Tensor | None, in_features: int, groups: int, group_size: int) -> torch.Tensor:
-    """Each input's group: [in] int64, checked to index the scales' `groups` rows."""
+    """Each input's group: [in] int64, checked to index the scales' `groups` rows (their count
+    checked against the inputs without g_idx: GptqParts.matrix_shape)."""
     if g_idx is None:
-        size = in_features if group_size == -1 else group_size
-        expected = -(-in_features // size)
-        if groups != expected:
-            raise ValueError(f"{groups} groups of scales for {in_features} inputs in groups of {size} (expected {expected})")
-        return torch.arange(in_features) // size
+        return torch.arange(in_features) // (in_features if group_size == -1 else group_size)
     group = g_idx.to(torch.int64).reshape(-1)
     if group.numel() and (group.min() < 0 or group.max() >= groups):
         raise ValueError(f"g_idx names groups outside 0..{groups - 1}")

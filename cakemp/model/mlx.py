@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from cakemp.checkpoint.quantization import MlxParts
 from cakemp.model import bitfields, int4
 
 _VALUES_PER_STEP = 1 << 20
@@ -19,15 +20,11 @@ _VALUES_PER_STEP = 1 << 20
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
                group_size: int) -> torch.Tensor:
     """The stored tensors (MlxParts' shapes) -> W: [..., rows, cols] f32; ValueError if they do not fit together."""
-    *lead, words = weight.shape
-    cols = words * 32 // bits
-    if words * 32 % bits or cols % group_size:
-        raise ValueError(f"a row of {words} words is no whole number of {group_size}-column groups of {bits}-bit codes")
+    stored = {"weight": weight, "scales": scales, "biases": biases}
+    *lead, cols = MlxParts("weight", "scales", "biases", bits, group_size).matrix_shape(
+        lambda part: tuple(stored[part].shape))
     groups = (*lead, cols // group_size)
-    for name, tensor in (("scales", scales), ("biases", biases)):
-        if tuple(tensor.shape) != groups:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {groups} for a weight of {tuple(weight.shape)}")
-    words = weight.reshape(-1, words)  # [R, cols * bits / 32]
+    words = weight.reshape(-1, weight.shape[-1])  # [R, cols * bits / 32]
     scales, biases = scales.reshape(-1, groups[-1]).float(), biases.reshape(-1, groups[-1]).float()
     out = torch.empty(words.shape[0], cols, dtype=torch.float32, device=weight.device)
     # A few rows at a time: the temporaries stay small (in cache, no fresh pages to fault in).

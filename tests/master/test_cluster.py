@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
+from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.files import estimated_layer_bytes, resident_layer_bytes
 from cakemp.cli import cli
 from cakemp.demo.synthetic import write_checkpoint
 from cakemp.master.cluster import assign_layers, max_layers
 from cakemp.master.discovery import DiscoveredWorker
 from cakemp.wire.discovery import Announcement, GpuInfo
+from safetensors import safe_open
+
 from tests.front.node import ZeroConfigNode
+from tests.quantized import GptqSpec, gptq_checkpoints, gptq_shaped, mlx_checkpoint, needs_gptqmodel, needs_mlx
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,6 +52,52 @@ def test_a_worker_gets_no_more_layers_than_its_memory_holds():
 def test_without_tflops_the_workers_split_half_the_layers():
     a, b = worker("a", ("A", 80 * GIB, 0.0)), worker("b", ("B", 80 * GIB, 0.0))
     assert [len(layers) for _, layers in assign_layers([a, b], 9, 0.0, 0)] == [2, 2]
+
+
+def values_per_layer(plain, prefix="model.layers"):
+    """The oracle: how many values one layer of the plain (HF-layout, dequantized) checkpoint has."""
+    config = ModelConfig.from_dir(plain)
+    with safe_open(plain / "model.safetensors", framework="pt") as f:
+        total = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys() if name.startswith(prefix + "."))
+    return total // config.num_hidden_layers
+
+
+def held_and_on_disk(path, itemsize):
+    """(resident_layer_bytes, Cake's estimate from the bytes on disk) of a quantized checkpoint."""
+    config = ModelConfig.from_dir(path)
+    args = (path, config.num_hidden_layers, config.layer_prefix)
+    return resident_layer_bytes(*args, config.quantization, itemsize), estimated_layer_bytes(*args)
+
+
+@needs_mlx
+def test_an_mlx_layer_is_sized_as_the_node_holds_it_dequantized(tmp_path):
+    """A 4-bit MLX Llama (mx.quantize's codes): a layer counts every value of its dequantized matrices
+    at the compute dtype's size, as the reference checkpoint (mx.dequantize's matrices) has them:
+    well over 3 times the bytes on disk in f16, the master's former estimate."""
+    path, reference = mlx_checkpoint(tmp_path, "llama", bits=4, group_size=32)
+    for itemsize in (2, 4):
+        held, on_disk = held_and_on_disk(path, itemsize)
+        assert held == values_per_layer(reference) * itemsize
+        print(f"MLX 4-bit, {itemsize}-byte dtype: held / on disk = {held / on_disk:.2f}")
+    assert held_and_on_disk(path, 2)[0] > 3 * held_and_on_disk(path, 2)[1]
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_a_gptq_layer_is_sized_as_the_node_holds_it_dequantized(tmp_path, desc_act):
+    """A 4-bit GPTQ Llama (parts in GPTQ's layout, act-order's g_idx or not): a layer counts its
+    dequantized matrices' values at the compute dtype's size, as the plain checkpoint has them."""
+    spec = GptqSpec("llama", bits=4, group_size=32, desc_act=desc_act)
+    path = gptq_shaped(tmp_path, "llama", spec)
+    held, on_disk = held_and_on_disk(path, 2)
+    assert held == values_per_layer(tmp_path / "plain" / "llama-0") * 2
+    assert held > 3 * on_disk
+
+
+@needs_gptqmodel
+def test_a_gptqmodel_packed_layer_is_sized_as_its_reference(tmp_path):
+    """The same, for a checkpoint GPTQModel packed, against its dequantized reference."""
+    (path, reference), = gptq_checkpoints(tmp_path, {"llama": GptqSpec("llama")}).values()
+    assert held_and_on_disk(path, 4)[0] == values_per_layer(reference) * 4
 
 
 @pytest.fixture(scope="module")

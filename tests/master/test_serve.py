@@ -9,6 +9,8 @@ generate`'s over the same node; prefix reuse is read from the node's /metrics.
 
 import json
 import os
+import select
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -22,7 +24,7 @@ from click.testing import CliRunner
 from cakemp.cli import DEFAULT_SYSTEM_PROMPT, cli
 from cakemp.demo.local_node import free_port
 from cakemp.demo.synthetic import write_checkpoint
-from tests.front.node import LoggedProcess, RunningNode, scrape, waiting
+from tests.front.node import LoggedProcess, RunningNode, answered, scrape, wait_until, waiting
 from tests.master.chat_templates import CHATML, with_template
 
 NODE_LAYERS = ["model.layers.1-3", "model.layers.5"]
@@ -237,6 +239,83 @@ def test_bad_requests_and_a_client_leaving_mid_stream_leave_the_stream_and_the_c
     assert served["halted"] and served["completion_tokens"] < 1500
     metrics = scrape(running.metrics_port())
     assert all(waiting(metrics, device) == 0 for device in DEVICES)
+    assert client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content == expected
+
+
+def closed_by_server(sockets):
+    """The sockets of `sockets` that the server has closed (reading finds the end, or a reset)."""
+    closed = []
+    for sock in sockets:
+        if select.select([sock], [], [], 0)[0]:
+            try:
+                if sock.recv(1) == b"":
+                    closed.append(sock)
+            except ConnectionError:
+                closed.append(sock)
+    return closed
+
+
+def health(server):
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_a_flood_of_connections_sending_no_whole_request_leaves_a_real_client_answered(client, server):
+    """210 connections that never send a whole request (150 idle, then 50 that send half a request head
+    and 10 a head and the start of a body, then a byte every 50 ms) do not stop the openai client's
+    request from being answered, nor close its kept-alive connection. The server holds at most 64 of
+    them: the oldest are closed as new ones come (at least 136 of the idle ones), and every other one by
+    its deadline, trickling included; a request whose body never came is no crash."""
+    expected = client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content
+    address = ("127.0.0.1", server.port)
+    idle = [socket.create_connection(address) for _ in range(150)]
+    mark = server.mark()
+    slow = [socket.create_connection(address) for _ in range(60)]
+    for sock in slow[:50]:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    for sock in slow[50:]:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{")
+    try:
+        assert client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content \
+            == expected
+        wait_until(lambda: len(closed_by_server(idle)) >= 136, what="closing the oldest idle connections")
+        open_slow = set(slow)
+
+        def trickled_until_closed():
+            for sock in list(open_slow):
+                try:
+                    sock.sendall(b"X")
+                except OSError:  # closed by the server
+                    open_slow.discard(sock)
+            open_slow.difference_update(closed_by_server(open_slow))
+            return not open_slow and len(closed_by_server(idle)) == len(idle)
+
+        wait_until(trickled_until_closed, timeout=60, what="closing every incomplete connection by its deadline")
+    finally:
+        for sock in idle + slow:
+            sock.close()
+    assert health(server)["status"] == "ok"
+    assert not [e for e in server.events(mark) if e.get("event") == "request crashed"]
+
+
+def test_a_client_that_leaves_before_its_whole_answer_frees_the_cluster(client, server, node):
+    """A non-streaming client that disconnects while its answer is generated halts the generation after the
+    step in flight (it says Goodbye), far short of its max_tokens, with no request left waiting on the node's
+    devices; the next request is served with the greedy answer."""
+    running, _ = node
+    expected = client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content
+    before = answered(scrape(running.metrics_port()), DEVICES[0])
+    mark = server.mark()
+    body = json.dumps({"model": MODEL_ID, "messages": chat(), "temperature": 0, "max_tokens": 1500}).encode()
+    leaving = socket.create_connection(("127.0.0.1", server.port))
+    leaving.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    wait_until(lambda: answered(scrape(running.metrics_port()), DEVICES[0]) >= before + 3,
+               what="the generation's first steps on the node")
+    leaving.close()
+    served = server.wait_for(lambda e: e.get("event") == "request served", timeout=120, after=mark)
+    assert served["halted"] and served["completion_tokens"] < 1500
+    assert all(waiting(scrape(running.metrics_port()), device) == 0 for device in DEVICES)
     assert client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content == expected
 
 

@@ -17,12 +17,16 @@ def shown(pieces, stops):
 
 @given(st.lists(letters, max_size=8), st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=4))
 def test_the_shown_text_is_the_text_before_the_first_stop_sequence(pieces, stops):
-    """However the text is cut into pieces, what is shown is the text up to where a stop sequence first
-    begins (all of it when none occurs)."""
+    """However the text is cut into pieces, what is shown is the text up to where the stop sequence that
+    ends first begins (a generation halts there: a longer one begun earlier never completes), all of it
+    when none occurs."""
     text = "".join(pieces)
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
-    expected = text if first is None else text[:first]
-    assert shown(pieces, stops) == (expected, first is not None)
+    ends = [end for end in range(1, len(text) + 1) if any(text[:end].endswith(s) for s in stops)]
+    if not ends:
+        assert shown(pieces, stops) == (text, False)
+        return
+    first = min(ends[0] - len(s) for s in stops if text[:ends[0]].endswith(s))
+    assert shown(pieces, stops) == (text[:first], True)
 
 
 def test_a_possible_beginning_is_held_back_until_the_next_piece_decides():

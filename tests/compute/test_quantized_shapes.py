@@ -1,0 +1,95 @@
+"""Quantized weights whose parts claim a matrix config.json does not imply: refused by name from the
+shards' headers, before any value is dequantized.
+
+Dequantized first, such a weight would cost its matrix in f32 (8 times the bytes of its 4-bit codes)
+before the check after loading saw it. Each load runs in a process of its own, whose peak resident
+memory (ru_maxrss) is read before and after: the claimed matrix, 256 MiB in f32, never appears.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.quantized import GptqSpec, gptq_part_shapes, gptq_shaped, mlx_checkpoint, needs_mlx
+
+HUGE = 8192  # the claimed matrix: [8192, 8192], 256 MiB in f32, 32 MiB of 4-bit codes
+LAYER = "model.layers.1"
+MODULE = f"{LAYER}.mlp.down_proj"  # config.json implies [64, 128]
+LOAD = """
+import json, resource, sys
+import torch
+from cakemp.compute.runner import BlockRunner
+from cakemp.errors import CheckpointError
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    BlockRunner.load(sys.argv[1], [sys.argv[2]], "cpu", torch.float32)
+    error = None
+except CheckpointError as e:
+    error = str(e)
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+print(json.dumps({"error": error, "grown": grown}))
+"""
+
+
+def load_in_a_process(path):
+    """Load LAYER of `path` in a fresh process: (its CheckpointError's text or None, peak RSS growth in bytes)."""
+    result = subprocess.run([sys.executable, "-c", LOAD, str(path), LAYER], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    return outcome["error"], outcome["grown"]
+
+
+def rewritten(path, replace):
+    """`path`'s one model.safetensors with `replace(tensors)`'s tensors written over it."""
+    tensors = load_file(path / "model.safetensors")
+    save_file(tensors | replace(tensors), path / "model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_a_gptq_weight_claiming_a_huge_matrix_is_refused_by_name_before_it_is_dequantized(tmp_path, desc_act):
+    """down_proj's qweight, qzeros, scales (and g_idx) agree with each other on [8192, 8192]; config.json
+    implies [64, 128]: a CheckpointError naming the weight and both shapes, and the process's peak memory
+    grows by far less than the matrix's 256 MiB. The same checkpoint with the config's shape loads."""
+    spec = GptqSpec("llama", bits=4, group_size=32, desc_act=desc_act)
+    assert load_in_a_process(gptq_shaped(tmp_path / "good", "llama", spec))[0] is None
+    path = gptq_shaped(tmp_path / "bad", "llama", spec, shapes={MODULE: (HUGE, HUGE)})
+    error, grown = load_in_a_process(path)
+    assert error is not None and f"{MODULE}.weight ({HUGE}, {HUGE})" in error and "(64, 128)" in error
+    assert grown < (HUGE * HUGE * 4) // 8
+
+
+def test_gptq_scales_that_claim_more_than_the_qweight_holds_are_refused_naming_the_qweight(tmp_path):
+    """scales and g_idx claim [8192, 8192] over the config's qweight: the qweight is named, nothing read."""
+    spec = GptqSpec("llama", bits=4, group_size=32, desc_act=True)
+    claimed = gptq_part_shapes(HUGE, HUGE, 4, 32, desc_act=True)
+    path = rewritten(gptq_shaped(tmp_path, "llama", spec), lambda _: {
+        f"{MODULE}.scales": torch.ones(claimed["scales"], dtype=torch.float16),
+        f"{MODULE}.g_idx": torch.zeros(claimed["g_idx"], dtype=torch.int32)})
+    error, grown = load_in_a_process(path)
+    assert error is not None and error.startswith(f"{MODULE}.qweight has shape")
+    assert grown < (HUGE * HUGE * 4) // 8
+
+
+@needs_mlx
+def test_an_mlx_weight_claiming_a_huge_matrix_is_refused_by_name_before_it_is_dequantized(tmp_path):
+    """An MLX checkpoint (mx.quantize's) whose down_proj weight, scales and biases agree on [8192, 8192]:
+    refused naming the weight, the peak memory far below the matrix's; scales alone claiming more rows
+    than the weight has: refused naming the scales."""
+    path, _ = mlx_checkpoint(tmp_path / "huge", "llama", bits=4, group_size=32)
+    rewritten(path, lambda t: {f"{MODULE}.weight": torch.zeros(HUGE, HUGE * 4 // 32, dtype=torch.uint32),
+                               **{f"{MODULE}.{p}": torch.ones(HUGE, HUGE // 32, dtype=torch.bfloat16)
+                                  for p in ("scales", "biases")}})
+    error, grown = load_in_a_process(path)
+    assert error is not None and f"{MODULE}.weight ({HUGE}, {HUGE})" in error and "(64, 128)" in error
+    assert grown < (HUGE * HUGE * 4) // 8
+    path, _ = mlx_checkpoint(tmp_path / "scales", "llama", bits=4, group_size=32)
+    rewritten(path, lambda t: {f"{MODULE}.scales": torch.ones(HUGE, 4, dtype=torch.bfloat16)})
+    error, _ = load_in_a_process(path)
+    assert error is not None and error.startswith(f"{MODULE}.scales has shape")

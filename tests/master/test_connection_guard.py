@@ -1,0 +1,149 @@
+"""The API's connection guard on a real uvicorn server and real sockets, in this process, with a small
+cap and a short deadline (tests/master/test_serve.py shows the defaults against `cakemp serve`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import socket
+
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn")
+
+from cakemp.master.connection_guard import GuardedH11Protocol, IncompleteConnections  # noqa: E402
+
+MOST, DEADLINE_S = 4, 2.0
+ANSWER = b"ok"
+STREAMED = 64 << 20  # far more than the kernel's and uvicorn's buffers hold
+
+
+class App:
+    """GET /: a short answer; GET /stream: STREAMED bytes in 64 KiB chunks, noting how the stream ended."""
+
+    def __init__(self) -> None:
+        self.stream_ended = asyncio.Event()
+        self.streamed = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/stream":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(ANSWER)).encode())]})
+            await send({"type": "http.response.body", "body": ANSWER})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        gone = asyncio.create_task(receive())  # the request has no body: the next message is the disconnect
+        chunk = b"x" * (64 << 10)
+        while self.streamed < STREAMED and not gone.done():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.streamed += len(chunk)
+        gone.cancel()
+        self.stream_ended.set()
+
+
+@contextlib.asynccontextmanager
+async def guarded_server(app):
+    """A uvicorn server of `app` with the guard, listening on a free port: yields (host, port)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    guarded = functools.partial(GuardedH11Protocol, guard=IncompleteConnections(MOST, DEADLINE_S))
+    server = uvicorn.Server(uvicorn.Config(app, http=guarded, log_config=None, lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[listener]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield listener.getsockname()
+    finally:
+        server.should_exit = True
+        await task
+        listener.close()
+
+
+async def connect(address, receive_buffer: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, address)
+    return sock
+
+
+async def closed(sock: socket.socket, timeout: float = 10.0) -> bool:
+    """Whether the server closes `sock` (read to its end, or reset) within `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(timeout):
+            while await loop.sock_recv(sock, 1 << 16):
+                pass
+    except ConnectionError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+async def still_open(sock: socket.socket) -> bool:
+    return not await closed(sock, timeout=0.05)
+
+
+async def get(sock: socket.socket, path: str = "/") -> bytes:
+    """A keep-alive GET on `sock`: the answer's bytes, read until the answer's body is in."""
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(sock, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    answer = b""
+    while not answer.endswith(ANSWER):
+        answer += await loop.sock_recv(sock, 4096)
+    return answer
+
+
+def test_past_the_cap_the_oldest_fresh_connection_closes_and_a_served_one_outlives_them():
+    """A client served once keeps its connection while 6 fresh idle ones come: the 3 oldest fresh ones
+    close at once (cap 4, the kept-alive one among them), and its next request on that connection is answered."""
+    async def run():
+        async with guarded_server(App()) as address:
+            client = await connect(address)
+            assert (await get(client)).startswith(b"HTTP/1.1 200")
+            idle = [await connect(address) for _ in range(6)]
+            assert [await closed(s, timeout=DEADLINE_S / 4) for s in idle[:3]] == [True, True, True]
+            assert [await still_open(s) for s in idle[3:]] == [True, True, True]
+            assert (await get(client)).startswith(b"HTTP/1.1 200")
+            for sock in [client, *idle]:
+                sock.close()
+
+    asyncio.run(run())
+
+
+def test_an_incomplete_request_is_closed_at_its_deadline_though_it_trickles():
+    """Half a request head, then a byte every tenth of the deadline: closed by the deadline all the same."""
+    async def run():
+        async with guarded_server(App()) as address:
+            loop = asyncio.get_running_loop()
+            sock = await connect(address)
+            await loop.sock_sendall(sock, b"GET / HTTP/1.1\r\n")
+            with pytest.raises(ConnectionError):
+                async with asyncio.timeout(20 * DEADLINE_S):
+                    while True:
+                        await loop.sock_sendall(sock, b"X")
+                        await asyncio.sleep(DEADLINE_S / 10)
+            sock.close()
+
+    asyncio.run(run())
+
+
+def test_a_client_that_stops_reading_is_aborted_and_its_answer_ends():
+    """A client asks for a long stream and reads none of it: once the buffers are full and writing has
+    stayed paused for the deadline, the connection is aborted and the app's stream ends (far short)."""
+    async def run():
+        app = App()
+        async with guarded_server(app) as address:
+            sock = await connect(address, receive_buffer=4096)
+            await asyncio.get_running_loop().sock_sendall(sock, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            async with asyncio.timeout(30):
+                await app.stream_ended.wait()
+            assert app.streamed < STREAMED
+            assert await closed(sock)
+            sock.close()
+
+    asyncio.run(run())
