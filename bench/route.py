@@ -244,6 +244,9 @@ def main() -> None:
         ratio = statistics.median(mine / theirs for mine, theirs in zip(prefill[name], single_prompts))
         print(f"| {name} | {pct(steps_ms, 50):.2f} | {pct(steps_ms, 99):.2f} | {extra:+.2f} | "
               f"{cpu[name] / len(steps_ms) * 1e3:.1f} | {statistics.median(prefill[name]):.0f} | {ratio:.2f}x |")
+    for name in list(ports)[1:]:
+        rounds = " ".join(f"{mine / theirs:.3f}" for mine, theirs in zip(prefill[name], single_prompts))
+        print(f"prefill rounds, {name} / single process: {rounds}")
     with tempfile.TemporaryDirectory() as tmp:
         print_hops(asyncio.run(hops(Path(tmp), args.steps, args.busy_us / 1e6)), args)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
