@@ -2,7 +2,8 @@
 
     python bench/gpu_check.py [--out FILE] [--rehearse]
 
-About five minutes on one GPU (Python 3.12, torch 2.11 or 2.13). Each section records its
+About five to six minutes on one GPU (Python 3.12, torch 2.11 or 2.13; sections 7-9 estimated
+at ~1.5 minutes together, none of it measured yet). Each section records its
 findings, or the error that stopped it, and the next one runs regardless:
 
 1. machine: torch, CUDA and driver versions, the GPU, `nvidia-smi -L`, and
@@ -25,6 +26,19 @@ findings, or the error that stopped it, and the next one runs regardless:
    context (the front maps no CUDA library), its output matches the same layers run here, an
    out-of-memory request (this process takes all but a few MiB of the GPU) is answered with
    WorkerError, and the node serves again once the memory is back.
+7. int4 (~40 s): one Llama-3-8B-shaped layer as GPTQ (group 128), MLX affine (group 128) and
+   GGUF (Q4_0 attention, Q4_K gate/up, Q4_1 down) checkpoints of random 4-bit codes, loaded with the 4-bit
+   matrices kept int4 (torch's int4 matmul, model/int4.py) and dequantized to bf16: resident
+   weight bytes of each (held, and as the fit check counts them), the int4 layer's output error
+   against the dequantized one (prefill of 64, decode), and decode time per layer of each;
+   whether BlockRunner.load itself keeps them int4 here. Rehearsal: the CPU's int4 kernel;
+8. dequantize (~15 s): GPTQ (4-bit, 3-bit act-order, 8-bit), MLX (4-, 3- and 8-bit) and every
+   ggml type dequantized on the GPU against the same bytes dequantized on the CPU (the largest
+   difference, 0 when bit-equal).
+9. image (~40 s): the tiny Stable Diffusion 1.5 components of tests/image.py (clip, unet, vae)
+   served by `cakemp run --gpus all --model-type image-model --dtype f32`, each component's
+   reply against the same modules run in this process on the GPU in f32 (the largest
+   difference), and whether the node logged an error.
 
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
 ./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
@@ -37,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fnmatch
+import functools
 import json
 import math
 import os
@@ -153,6 +168,18 @@ def main() -> None:
     @section("node")
     def node():
         asyncio.run(check_node(device, rehearse))
+
+    @section("int4")
+    def int4_section():
+        check_int4(device, rehearse)
+
+    @section("dequantize")
+    def dequantize_section():
+        check_dequantize(device, rehearse)
+
+    @section("image")
+    def image_section():
+        asyncio.run(check_image(device, rehearse))
 
     finding("total_seconds", round(time.monotonic() - started, 1))
     Path(args.out).write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
@@ -454,6 +481,200 @@ def take_gpu_memory() -> list[torch.Tensor]:
                 break
     finding("node.free_mib_left_for_oom", round(torch.cuda.mem_get_info()[0] / 2**20, 1))
     return hog
+
+
+# --- 7. 4-bit weights kept int4 ----------------------------------------------------------
+
+def int4_checkpoints(tmp: Path, rehearse: bool) -> dict[str, Path]:
+    """One Llama-3-8B-shaped layer (rehearsal: a small one) as GPTQ, MLX and GGUF checkpoints of random 4-bit codes."""
+    from tests.checkpoints import make_checkpoint  # transformers: only these sections need it
+    from tests.gguf_files import GgufSpec, write_gguf
+    from tests.int4_checkpoints import random_gptq, random_mlx
+
+    hidden, inter, heads, kv = (512, 1792, 4, 1) if rehearse else (4096, 14336, 32, 8)
+    plain = make_checkpoint(tmp / "plain", "llama", dtype=torch.bfloat16, hidden_size=hidden, intermediate_size=inter,
+                            num_attention_heads=heads, num_key_value_heads=kv, num_hidden_layers=1, head_dim=128)
+    spec = GgufSpec("llama", hidden=hidden, ffn=inter, layers=1, heads=heads, kv_heads=kv,
+                    types={"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_0",
+                           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q4_1"})
+    paths = {"gptq": random_gptq(tmp / "gptq", plain, 128), "mlx": random_mlx(tmp / "mlx", plain, 128)}
+    try:
+        paths["gguf"] = write_gguf(tmp / "llama.gguf", spec)
+    except ImportError as e:  # gguf-py writes the file: a machine without it checks the other two
+        finding("int4.gguf", f"skipped: {e}")
+    return paths
+
+
+def load_layer(path: Path, device: torch.device, keep_int4: bool):
+    """(a BlockRunner of the checkpoint's one layer, its weights kept int4 or dequantized to bf16 as
+    `keep_int4` says, on any device (the CPU's int4 kernel in a rehearsal); the bytes the fit check counts)."""
+    from cakemp.checkpoint.config import ModelConfig
+    from cakemp.compute.runner import BlockRunner, _LoadPlan
+    from cakemp.model.checkpoint import open_checkpoint
+
+    config = ModelConfig.from_dir(path)
+    checkpoint = open_checkpoint(path, config)
+    plan = _LoadPlan.of(config, checkpoint, ["model.layers.0"])
+    weights = plan.read(checkpoint, device, torch.bfloat16, None, keep_int4)
+    blocks = {layer: plan.kinds[layer](config, 0, {key: weights[layer, key] for key in plan.groups[layer]})
+              for layer in plan.layers}
+    counted = plan.nbytes(checkpoint, torch.bfloat16, keep_int4=keep_int4)
+    return BlockRunner(config, blocks, device, torch.bfloat16, kv_budget_bytes=None, max_context=4096), counted
+
+
+def held_bytes(runner) -> int:
+    block = runner.blocks[0]
+    return sum(w.nbytes for w in (block.w_qkv, block.w_o, block.mlp.w_gate_up, block.mlp.w_down))
+
+
+def decode_ms(runner, device: torch.device, steps: int) -> float:
+    """Median time of one decode step of the layer after a 64-token prefill."""
+    hidden = runner.config.hidden_size
+    runner.run(7, torch.randn(1, 64, hidden, device=device, dtype=torch.bfloat16), runner.ops([("model.layers.0", 0, 0)]))
+    x = torch.randn(1, 1, hidden, device=device, dtype=torch.bfloat16)
+    times = [1e3 * timed(lambda step=step: runner.run(7, x, runner.ops([("model.layers.0", 64 + step, 0)])), device)
+             for step in range(steps)]
+    return sorted(times)[len(times) // 2]
+
+
+def check_int4(device: torch.device, rehearse: bool) -> None:
+    from cakemp.compute.runner import BlockRunner
+    from cakemp.model import int4
+
+    finding("int4.kernel_works", int4.kernel_works(device))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path in int4_checkpoints(Path(tmp), rehearse).items():
+            if device.type == "cuda":
+                loaded = BlockRunner.load(path, ["model.layers.0"], device, torch.bfloat16)
+                finding(f"int4.{name}.runner_load_keeps_int4", isinstance(loaded.blocks[0].w_qkv, int4.Int4Weight))
+                loaded = None
+            kept, kept_counted = load_layer(path, device, keep_int4=True)
+            plain, plain_counted = load_layer(path, device, keep_int4=False)
+            generator = torch.Generator().manual_seed(0)
+            worst = 0.0
+            for position, T in ((0, 64), (64, 1)):
+                x = torch.randn(1, T, kept.config.hidden_size, generator=generator).to(device, torch.bfloat16)
+                ops = [("model.layers.0", position, 0)]
+                ours, theirs = (r.run(1, x, r.ops(ops)).float() for r in (kept, plain))
+                worst = max(worst, ((ours - theirs).norm() / theirs.norm()).item())
+            steps = 5 if rehearse else 30
+            kept_ms, plain_ms = decode_ms(kept, device, steps), decode_ms(plain, device, steps)
+            finding(f"int4.{name}", {
+                "kept_int4": {key: isinstance(w, int4.Int4Weight) for key, w in
+                              (("w_qkv", kept.blocks[0].w_qkv), ("w_down", kept.blocks[0].mlp.w_down))},
+                "int4_mib_held": round(held_bytes(kept) / 2**20, 1), "int4_mib_counted": round(kept_counted / 2**20, 1),
+                "bf16_mib_held": round(held_bytes(plain) / 2**20, 1), "bf16_mib_counted": round(plain_counted / 2**20, 1),
+                "relative_error_vs_dequantized_bf16": worst,
+                "decode_ms_int4": round(kept_ms, 4), "decode_ms_bf16": round(plain_ms, 4),
+                "int4_time_ratio_to_bf16": round(kept_ms / plain_ms, 2),
+            })
+            kept = plain = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+# --- 8. dequantization on the GPU against the CPU -----------------------------------------
+
+def dequantize_cases(rehearse: bool):
+    """(name, a function of the device giving the f32 dequantized weight), for GPTQ, MLX and every ggml type."""
+    import numpy as np
+
+    from cakemp.checkpoint.quantization import Gptq
+    from cakemp.model import ggml, gptq, mlx
+    from tests.gguf_files import RANDOM_BLOCKS, random_blocks
+
+    rows, cols = (64, 512) if rehearse else (4096, 4096)
+    generator = torch.Generator().manual_seed(0)
+
+    def words(*shape):
+        return torch.randint(-2**31, 2**31 - 1, shape, generator=generator, dtype=torch.int64).to(torch.int32)
+
+    for bits, act in ((4, False), (3, True), (8, False)):
+        spec = Gptq(bits, 128, act, False, True)
+        stored = (words(-(-cols * bits // 32), rows), words(cols // 128, -(-rows * bits // 32)),
+                  (torch.rand(cols // 128, rows, generator=generator) / 64).half(),
+                  (torch.randperm(cols, generator=generator) // 128 if act else torch.arange(cols) // 128).to(torch.int32))
+        yield f"gptq_{bits}bit{'_act_order' if act else ''}", \
+            lambda device, stored=stored, spec=spec: gptq.dequantize(*(t.to(device) for t in stored), spec)
+    for bits in (4, 3, 8):
+        stored = (words(rows, cols * bits // 32).view(torch.uint32),
+                  (torch.rand(rows, cols // 64, generator=generator) / 64).bfloat16(),
+                  torch.randn(rows, cols // 64, generator=generator).bfloat16())
+        yield f"mlx_{bits}bit", lambda device, stored=stored, bits=bits: mlx.dequantize(
+            *(t.to(device) for t in stored), bits, 64)
+    rng = np.random.default_rng(0)
+
+    def stored_bytes(kind: str) -> torch.Tensor:
+        if kind in RANDOM_BLOCKS:
+            raw = random_blocks(rng, kind, (rows, cols))
+        else:
+            import gguf  # gguf-py quantizes these (a machine without it records the ImportError per type)
+
+            values = (0.05 * rng.standard_normal((rows, cols))).astype(np.float32)
+            raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
+        return torch.from_numpy(raw.view(np.uint8).reshape(-1).copy())
+
+    for kind in ggml.DEQUANTIZERS:
+        raw = functools.cache(functools.partial(stored_bytes, kind))  # drawn once, for both devices
+        yield f"ggml_{kind}", lambda device, raw=raw, kind=kind: ggml.dequantize(raw().to(device), kind, (rows, cols))
+
+
+def check_dequantize(device: torch.device, rehearse: bool) -> None:
+    differences = {}
+    for name, dequantize in dequantize_cases(rehearse):
+        try:
+            here, cpu = dequantize(device).cpu(), dequantize(torch.device("cpu"))
+            differences[name] = "bit-equal" if torch.equal(here, cpu) else (here - cpu).abs().max().item()
+        except Exception as e:  # one case's failure is its finding; the others still run
+            differences[name] = f"error: {type(e).__name__}: {e}"[:200]
+    finding("dequantize.max_abs_difference_vs_cpu", differences)
+
+
+# --- 9. image components through a node ---------------------------------------------------
+
+async def check_image(device: torch.device, rehearse: bool) -> None:
+    from cakemp.master.client import WorkerClient
+    from cakemp.wire import DType
+    from tests.front.node import RunningNode, write_topology
+    from tests.image import LATENT, f32, oracle, pack, token_ids, write_cache
+
+    def from_raw(raw) -> torch.Tensor:
+        assert raw.dtype == DType.F32, raw.dtype
+        return torch.frombuffer(bytearray(raw.data), dtype=torch.float32).view(raw.shape)
+
+    generator = torch.Generator().manual_seed(0)
+    ids = [0, 17, 256, 999, 2]
+    latents, text = torch.randn(2, *LATENT, generator=generator), torch.randn(2, 77, 32, generator=generator)
+    image_latents = latents[:1]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "hf"
+        snapshot = write_cache(root)
+        topology = write_topology(Path(tmp) / "topology.yml", ["clip", "vae", "unet"])
+        node = RunningNode(root, topology, "--gpus", "cpu" if rehearse else "all", "--dtype", "f32",
+                           "--model-type", "image-model", "--sd-version", "v1-5", timeout=180)
+        try:
+            async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+                info = await client.hello()
+                finding("image.worker_info", f"device {info.device} {info.device_idx}, dtype {info.dtype}")
+                served = {
+                    "clip": from_raw(await client.single_op("clip", token_ids(ids), 0, 0)),
+                    "unet": from_raw(await client.single_op("unet", f32(pack(latents, text, torch.tensor([101.0]))), 0, 0)),
+                    "vae": from_raw(await client.single_op("vae", f32(pack(torch.tensor([0.0]), image_latents)), 0, 0)),
+                }
+        finally:
+            node.kill()
+            errors = [e for e in node.events() if e.get("level") == "error"]
+            finding("image.node_errors", [str(e)[:300] for e in errors[:5]])
+        modules = {name: module.to(device) for name, module in oracle(snapshot).items()}
+    with torch.no_grad():
+        padded = torch.tensor([ids + [ids[-1]] * (77 - len(ids))], device=device)
+        here = {"clip": modules["clip"](input_ids=padded).last_hidden_state,
+                "unet": modules["unet"](latents.to(device), torch.tensor(101.0, device=device),
+                                        encoder_hidden_states=text.to(device)).sample,
+                "vae": modules["vae"].decode(image_latents.to(device)).sample}
+    finding("image.max_abs_diff_node_vs_in_process", {
+        name: (served[name] - here[name].float().cpu()).abs().max().item() if served[name].shape == here[name].shape
+        else f"shape {tuple(served[name].shape)} vs {tuple(here[name].shape)}" for name in here})
 
 
 if __name__ == "__main__":

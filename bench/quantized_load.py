@@ -1,4 +1,4 @@
-"""Load time and resident memory of the same layers stored plain (bf16), as GPTQ and as MLX affine.
+"""Load time and resident memory of the same layers stored plain (bf16), as GPTQ, as MLX affine and as GGUF.
 
     python bench/quantized_load.py [--layers 4] [--repeats 3] [--dtype bf16] [--threads 2]
 
@@ -6,6 +6,9 @@ The checkpoints hold Llama layers of TinyLlama-1.1B's shape (hidden 2048, 32 que
 kv heads, intermediate 5632): plain bf16; GPTQ 4-bit, groups of 128, v1, f16 scales; GPTQ
 8-bit act-order (g_idx); MLX affine 4-bit, groups of 64, bf16 scales and biases. The packed
 codes are random words: any word is a valid code, and a load benchmark needs no quantizer.
+GGUF files (written by gguf-py, tests/gguf_files.py) hold every matrix as Q8_0 or Q4_K, and a
+third one the Q4_K layers four times over (4x --layers layers) of which only the first
+--layers are loaded: a node reads only the layers it serves (Cake dequantizes the whole file).
 
 Each load runs in a fresh process (as a device process starting up) from a warm page cache:
 BlockRunner.load of every layer onto the CPU in the compute dtype. Reported per format: the
@@ -33,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cakemp.checkpoint.config import ModelConfig  # noqa: E402
 from cakemp.compute.runner import BlockRunner, _LoadPlan  # noqa: E402
-from cakemp.model.checkpoint import Checkpoint  # noqa: E402
+from cakemp.model.checkpoint import open_checkpoint  # noqa: E402
 from cakemp.rss import resident_bytes  # noqa: E402
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
@@ -48,7 +51,11 @@ FORMATS = {
     "gptq 8-bit act-order g128": {"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": True, "sym": False,
                                   "checkpoint_format": "gptq_v2"},
     "mlx 4-bit g64": {"bits": 4, "group_size": 64, "mode": "affine"},
+    "gguf Q8_0": ("Q8_0", 1),
+    "gguf Q4_K": ("Q4_K", 1),
+    "gguf Q4_K, 1/4 of the file's layers": ("Q4_K", 4),
 }
+GGUF_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def random_words(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -80,7 +87,18 @@ def layer_tensors(layer: int, quantization: dict | None, generator: torch.Genera
     return tensors
 
 
-def write(directory: Path, layers: int, quantization: dict | None) -> Path:
+def write_gguf_file(directory: Path, layers: int, kind: str, times: int) -> Path:
+    from tests.gguf_files import GgufSpec, write_gguf
+
+    directory.mkdir()
+    spec = GgufSpec("llama", hidden=2048, ffn=5632, heads=32, kv_heads=4, layers=layers * times, vocab=256,
+                    types=dict.fromkeys(GGUF_MATRICES, kind) | {"token_embd": "F16", "output": "F16"})
+    return write_gguf(directory / "model.gguf", spec)
+
+
+def write(directory: Path, layers: int, quantization: dict | tuple | None) -> Path:
+    if isinstance(quantization, tuple):
+        return write_gguf_file(directory, layers, *quantization)
     config = transformers.LlamaConfig(**SHAPE, num_hidden_layers=layers)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(directory)
@@ -96,11 +114,11 @@ def write(directory: Path, layers: int, quantization: dict | None) -> Path:
     return directory
 
 
-def once(path: Path, dtype: torch.dtype) -> dict[str, float]:
-    """One load in this (fresh) process: seconds, resident growth and counted bytes."""
+def once(path: Path, dtype: torch.dtype, served: int) -> dict[str, float]:
+    """One load of the first `served` layers in this (fresh) process: seconds, resident growth and counted bytes."""
     config = ModelConfig.from_dir(path)
-    layers = [config.layer_name(i) for i in range(config.num_hidden_layers)]
-    checkpoint = Checkpoint(path, config)
+    layers = [config.layer_name(i) for i in range(served)]
+    checkpoint = open_checkpoint(path, config)
     counted = _LoadPlan.of(config, checkpoint, layers).nbytes(checkpoint, dtype)
     before = resident_bytes()
     start = time.perf_counter()
@@ -121,22 +139,24 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.once:
-        print(json.dumps(once(args.once, DTYPES[args.dtype])))
+        print(json.dumps(once(args.once, DTYPES[args.dtype], args.layers)))
         return
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, quantization in FORMATS.items():
-            path = write(Path(tmp) / name.replace(" ", "-"), args.layers, quantization)
-            disk = (path / "model.safetensors").stat().st_size
-            (path / "model.safetensors").read_bytes()  # warm the page cache
-            command = [sys.executable, __file__, "--once", str(path), "--dtype", args.dtype, "--threads", str(args.threads)]
+            path = write(Path(tmp) / name.replace(" ", "-").replace(",", "").replace("/", "-"), args.layers, quantization)
+            stored = path if path.is_file() else path / "model.safetensors"
+            disk = stored.stat().st_size
+            stored.read_bytes()  # warm the page cache
+            command = [sys.executable, __file__, "--once", str(path), "--dtype", args.dtype, "--threads", str(args.threads),
+                       "--layers", str(args.layers)]
             runs = [json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
                     for _ in range(args.repeats)]
             rows[name] = (disk, min(r["seconds"] for r in runs), min(r["resident"] for r in runs), runs[0]["counted"])
     base = rows["bf16"]
     print(f"{args.layers} layers of TinyLlama-1.1B's shape, loaded in {args.dtype} on the CPU ({args.threads} threads), "
           f"fresh process each, best of {args.repeats}")
-    print("| stored as | disk MiB | load ms | vs bf16 | resident MiB | vs bf16 | counted MiB |")
+    print("| stored as | file MiB | load ms | vs bf16 | resident MiB | vs bf16 | counted MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, (disk, seconds, resident, counted) in rows.items():
         print(f"| {name} | {disk / 2**20:.0f} | {seconds * 1e3:.0f} | {seconds / base[1]:.2f} | "

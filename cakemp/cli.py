@@ -158,9 +158,9 @@ def generate(prompt, system_prompt, raw, max_tokens, temperature, top_k, top_p, 
              **cluster) -> None:
     """Generate text as a Cake master: this process runs the layers no worker serves.
 
-    The prompt goes through the checkpoint's chat template (chat_template.jinja or tokenizer_config.json)
-    after the system prompt, unless --raw or the checkpoint has no template; the answer is printed as it
-    comes, and ends at the model's end tokens."""
+    The prompt goes through the checkpoint's chat template (chat_template.jinja or tokenizer_config.json;
+    a GGUF file's tokenizer.chat_template) after the system prompt, unless --raw or the checkpoint has no
+    template; the answer is printed as it comes, and ends at the model's end tokens."""
     from cakemp.master.chat import conversation
     from cakemp.master.sampler import SamplingParams
 

@@ -46,7 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from cakemp.checkpoint import quantization
-from cakemp.checkpoint.files import CONFIG, layer_prefix, split_layer, stored_names
+from cakemp.checkpoint.files import CONFIG, is_gguf, layer_prefix, split_layer, stored_names
+from cakemp.checkpoint.gguf import GgufFile
+from cakemp.checkpoint.gguf_model import hf_config
 from cakemp.errors import CheckpointError
 from cakemp.checkpoint.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, QWEN3_5, BlockLayout
 from cakemp.checkpoint.quantization import Quantization
@@ -198,6 +200,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """The config of the checkpoint `--model` names: a directory's config.json, or a GGUF file's metadata."""
+        if is_gguf(model_dir):
+            return cls.from_dict(hf_config(GgufFile(model_dir)), source=str(model_dir))
         path = Path(model_dir) / CONFIG
         try:
             raw = json.loads(path.read_text())

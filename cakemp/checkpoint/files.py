@@ -14,6 +14,8 @@ import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from cakemp.checkpoint.gguf import GgufFile
+from cakemp.checkpoint.gguf_model import hf_names
 from cakemp.errors import CheckpointError
 
 CONFIG = "config.json"
@@ -28,6 +30,12 @@ _LAYER_NAME = re.compile(r"(?P<prefix>[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*)\.(?P<in
 # A layer's tensor: "<prefix>.layers.<N>.<rest>".
 _LAYER_TENSOR = re.compile(r"(?P<prefix>(?:[A-Za-z0-9_]+\.)*layers)\.[0-9]+\.")
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+
+
+def is_gguf(model: str | Path) -> bool:
+    """Whether `--model` names a GGUF file (checkpoint/gguf.py) rather than a checkpoint directory:
+    its name ends in .gguf, as Cake decides it. The one place `--model` is told apart."""
+    return str(model).endswith(".gguf")
 
 
 def split_layer(name: str) -> tuple[str, int] | None:
@@ -107,9 +115,14 @@ def estimated_layer_bytes(model_dir: Path, num_layers: int, prefix: str) -> int:
     """One decoder layer's size as Cake estimates it (`estimate_layer_size`): the bytes of the
     tensors named "<prefix>.…" in the weight files' headers over `num_layers`; where a file named
     by the index is missing or its header unreadable, or no tensor is a layer's, the files' sizes
-    over `num_layers`; 0 without weight files."""
+    over `num_layers`; 0 without weight files. A GGUF file: its layers' tensors as stored (so the
+    same estimate as Cake's for any quantized checkpoint: the bytes on disk, not once dequantized)."""
     if num_layers <= 0:
         return 0
+    if is_gguf(model_dir):
+        gguf = GgufFile(model_dir)
+        sizes = {name: gguf.tensors[stored].nbytes for name, stored in hf_names(gguf.tensors).items()}
+        return layer_bytes_of(sizes, num_layers, prefix)
     try:
         names = sorted(set(read_weight_map(model_dir / INDEX).values())) if (model_dir / INDEX).exists() else [SINGLE]
     except CheckpointError:

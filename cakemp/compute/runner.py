@@ -17,9 +17,9 @@ from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import CheckpointError, InternalError, PositionGap, RecurrentRewind, UnknownLayer
-from cakemp.model import attention, fp8, packed
+from cakemp.model import attention, fp8, int4, packed
 from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
-from cakemp.model.checkpoint import Checkpoint
+from cakemp.model.checkpoint import AnyCheckpoint, open_checkpoint
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.deltanet import LinearState
 from cakemp.model.linear_block import LinearAttentionBlock
@@ -141,12 +141,17 @@ class BlockRunner:
         pack_weights: bool = True,
         prefix_reuse: bool = False,
         share_prefixes: bool = False,
+        keep_int4: bool = True,
     ) -> BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
 
         `pack_weights`: on the CPU, keep f32 matrices packed for MKL's GEMM beside their plain
         copy (model/packed.py): batched decode steps and prompt chunks then cost far less, at
         twice the weights' memory.
+
+        `keep_int4`: on a GPU computing in bf16, keep 4-bit matrices (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K)
+        4-bit for torch's int4 matmul where it takes them (model/int4.py); False dequantizes
+        them, as everywhere else (--dequantize-4bit).
 
         `on_layer(n)` is called once `n` of them are on the device (the device process reports
         it, so that a load of minutes shows progress).
@@ -155,9 +160,9 @@ class BlockRunner:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
         config = ModelConfig.from_dir(model_dir)
-        checkpoint = Checkpoint(model_dir, config)
+        checkpoint = open_checkpoint(model_dir, config)
         plan = _LoadPlan.of(config, checkpoint, layers)
-        weights = plan.read(checkpoint, device, dtype, on_layer)
+        weights = plan.read(checkpoint, device, dtype, on_layer, keep_int4 and _int4_kept(checkpoint, device, dtype))
         # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/packed.py says why).
         for (layer, key), tensor in weights.items():
             if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
@@ -393,7 +398,7 @@ class _LoadPlan:
     shapes: dict[str, dict[str, tuple[int, ...]]]
 
     @classmethod
-    def of(cls, config: ModelConfig, checkpoint: Checkpoint, layers: Sequence[str]) -> _LoadPlan:
+    def of(cls, config: ModelConfig, checkpoint: AnyCheckpoint, layers: Sequence[str]) -> _LoadPlan:
         kinds, groups, shapes = {}, {}, {}
         for layer in layers:
             index = config.layer_index(layer)
@@ -409,13 +414,14 @@ class _LoadPlan:
             shapes[layer] = kind.weight_shapes(config, index, stored)
         return cls(config, tuple(layers), kinds, groups, shapes)
 
-    def read(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
-             on_layer: Callable[[int], None] | None) -> dict[tuple[str, str], torch.Tensor]:
+    def read(self, checkpoint: AnyCheckpoint, device: torch.device, dtype: torch.dtype,
+             on_layer: Callable[[int], None] | None, keep_int4: bool = False) -> dict[tuple[str, str], torch.Tensor]:
         """(layer, key) -> its tensor on `device`, one layer at a time (`on_layer(n)` after n),
-        after checking on a GPU that they fit; each checked against the shape config.json implies."""
+        after checking on a GPU that they fit (counting what stays FP8 or int4 as such); each
+        checked against the shape config.json implies."""
         wanted = [self._wanted(layer) for layer in self.layers]
         keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
-        needed = self.nbytes(checkpoint, dtype, keep_fp8)
+        needed = self.nbytes(checkpoint, dtype, keep_fp8, keep_int4)
         free = None
         if device.type == "cuda":
             attention.use_fused_kernels()
@@ -428,7 +434,8 @@ class _LoadPlan:
         # Opening a shard again per layer costs only its header (the file is memory-mapped).
         try:
             for loaded, (kept, plain) in enumerate(wanted, 1):
-                weights.update(checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys()))
+                weights.update(checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys(),
+                                               keep_int4=keep_int4))
                 weights.update(checkpoint.load(plain, device, dtype))
                 if on_layer is not None:
                     on_layer(loaded)
@@ -445,9 +452,10 @@ class _LoadPlan:
                 )
         return weights
 
-    def nbytes(self, checkpoint: Checkpoint, dtype: torch.dtype, keep_fp8: bool = False) -> int:
+    def nbytes(self, checkpoint: AnyCheckpoint, dtype: torch.dtype, keep_fp8: bool = False,
+               keep_int4: bool = False) -> int:
         """The bytes the layers take once loaded (quantized formats counted as what they are loaded as)."""
-        return sum(checkpoint.nbytes(kept, dtype, keep_fp8) + checkpoint.nbytes(plain, dtype)
+        return sum(checkpoint.nbytes(kept, dtype, keep_fp8, keep_int4) + checkpoint.nbytes(plain, dtype)
                    for kept, plain in map(self._wanted, self.layers))
 
     def _wanted(self, layer: str) -> tuple[dict, dict]:
@@ -456,6 +464,20 @@ class _LoadPlan:
         named = {(layer, key): [f"{layer}.{name}" for name in members] for key, members in self.groups[layer].items()}
         return ({k: v for k, v in named.items() if k[1] not in STACKED},
                 {k: v for k, v in named.items() if k[1] in STACKED})
+
+
+def _int4_kept(checkpoint: AnyCheckpoint, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether 4-bit matrices may stay int4 here: on a GPU, in bf16, where torch's int4 matmul
+    works (for a checkpoint with 4-bit matrices on a GPU, why not is logged once)."""
+    if device.type != "cuda" or not checkpoint.stores_4bit:
+        return False
+    if dtype != torch.bfloat16:
+        int4.dequantized(f"compute dtype {dtype} (torch's int4 matmul takes bf16 activations)")
+        return False
+    if not int4.kernel_works(device):
+        int4.dequantized(f"torch's int4 matmul does not run, or miscomputes, on {device}")
+        return False
+    return True
 
 
 def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

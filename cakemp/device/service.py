@@ -70,7 +70,7 @@ class DeviceService:
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
             pack_weights=spec.max_batch > 1,  # twice the weight memory, worth it only where steps batch
-            prefix_reuse=spec.prefix_reuse, share_prefixes=spec.share_prefixes,
+            prefix_reuse=spec.prefix_reuse, share_prefixes=spec.share_prefixes, keep_int4=spec.keep_int4,
         )
         return cls(runner, spec.index, generation, spec.label, progress)
 

@@ -108,8 +108,8 @@ class NodeConfig:
     # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
     setup: SetupConfig | None = None
     model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None,
-                          "Model directory, `cake split` bundle (its model/ and topology.yml), or Hugging Face id "
-                          "org/name[@revision] (from the hub cache; this node's missing files are downloaded). Image "
+                          "Model directory, .gguf file, `cake split` bundle (its model/ and topology.yml), or Hugging "
+                          "Face id org/name[@revision] (from the hub cache; this node's missing files are downloaded). Image "
                           "models: Stable Diffusion's HF cache root (holding hub/), FLUX.2's repository id or directory.")
     model_type: str = knob("--model-type", "text-model", click.Choice(image_components.MODEL_TYPES),
                            "image-model: serve the image components the topology entry names (clip, unet, ...).")
@@ -194,6 +194,10 @@ class NodeConfig:
     share_prefixes: bool = knob(
         "--share-prefixes", False, None, "Reuse kept rows across master connections, not only on the connection "
         "they came from (a hit shows in latency: each connection's masters should trust each other).", is_flag=True)
+    keep_int4: bool = knob(
+        "--dequantize-4bit", False, None, "On a GPU, dequantize 4-bit weights (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K) at load "
+        "into the compute dtype instead of keeping them 4-bit for torch's int4 matmul (bf16 only; a CPU always "
+        "dequantizes).", convert=lambda off: not off, is_flag=True)
     session_idle_timeout: float | None = knob(
         "--session-idle-timeout", None, click.FloatRange(min=0, min_open=True),
         "Seconds a session may sit idle before its KV cache is freed (default: never, as Cake).")
@@ -447,6 +451,7 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             poll_s=config.device_poll_s,
             prefix_reuse=config.prefix_reuse,
             share_prefixes=config.share_prefixes,
+            keep_int4=config.keep_int4,
             # Well inside the request timeout, which counts a device silent that long as hung.
             progress_s=config.request_timeout / 4,
             log_format=config.log_format,

@@ -23,7 +23,7 @@ from pathlib import Path
 from cakemp import gpus
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint import hub
-from cakemp.checkpoint.files import TOKENIZER, in_layer
+from cakemp.checkpoint.files import TOKENIZER, in_layer, is_gguf
 from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
 from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.errors import CakempError, ConfigError
@@ -48,6 +48,8 @@ async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Seq
     """Discover the cluster's workers at `targets`, give them layers as Cake does, push them the files;
     the topology they then serve. The master's own share is weighed by its devices: its GPUs when
     `on_gpu`, else its CPU. `report` is told each worker's layers, one line per worker."""
+    if is_gguf(model_dir):  # as in Cake: a GGUF file is served in topology mode only, from each node's own copy
+        raise ConfigError(f"{model_dir}: a .gguf model cannot be pushed to zero-config workers; give --topology")
     workers = await discover(cluster_key, targets, port=port, timeout=timeout, min_workers=min_workers)
     if not workers:
         raise CakempError(f"no worker of this cluster answered at {', '.join(targets)} within {timeout:g} s")

@@ -32,8 +32,11 @@ from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.master.address import dial
 from cakemp.master.chat import ChatTemplate, end_token_ids
 from cakemp.master.client import WorkerClient
+from cakemp.master.gguf_tokenizer import gguf_chat_template, gguf_eos_ids, gguf_tokenizer
 from cakemp.master.sampler import Sampler, SamplingParams
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.files import is_gguf
+from cakemp.checkpoint.gguf import GgufFile
 from cakemp.model.head import Head
 from cakemp.op import Op
 from cakemp.topology import Topology
@@ -189,7 +192,7 @@ class Generator:
         model_dir = Path(model_dir)
         config = ModelConfig.from_dir(model_dir)
         torch_dtype = compute_dtype(dtype)
-        tokenizer = _tokenizer(model_dir / "tokenizer.json")
+        tokenizer, end_ids, chat = _vocabulary(model_dir)
         head = Head.load(model_dir, config, device, torch_dtype)
         names = [config.layer_name(i) for i in range(config.num_hidden_layers)]
         runs = plan_runs(names, layer_hosts(topology))
@@ -197,8 +200,8 @@ class Generator:
         runner = BlockRunner.load(model_dir, local, device, torch_dtype) if local else None
         dialer = Dialer(cluster_key, revision, timeout)
         clients = await dialer.connect(runs)
-        return cls(head, tokenizer, runner, runs, clients, end_token_ids(model_dir, tokenizer), DType[dtype.upper()],
-                   ChatTemplate.load(model_dir, tokenizer), config.max_position_embeddings, dialer)
+        return cls(head, tokenizer, runner, runs, clients, end_ids, DType[dtype.upper()], chat,
+                   config.max_position_embeddings, dialer)
 
     async def __aenter__(self) -> Generator:
         return self
@@ -308,6 +311,17 @@ class Generator:
             self.runner.free_session(_SESSION)
         for index in sorted(self.clients):
             await self.clients[index].goodbye()
+
+
+def _vocabulary(model: Path) -> tuple[Tokenizer, frozenset[int], ChatTemplate | None]:
+    """The tokenizer, the ids that end a generation and the chat template: a GGUF file's metadata,
+    or a checkpoint directory's tokenizer.json and configs."""
+    if is_gguf(model):
+        gguf = GgufFile(model)
+        tokenizer = gguf_tokenizer(gguf)
+        return tokenizer, gguf_eos_ids(gguf), gguf_chat_template(gguf, tokenizer)
+    tokenizer = _tokenizer(model / "tokenizer.json")
+    return tokenizer, end_token_ids(model, tokenizer), ChatTemplate.load(model, tokenizer)
 
 
 def _tokenizer(path: Path) -> Tokenizer:

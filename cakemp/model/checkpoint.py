@@ -2,9 +2,10 @@
 
 A weight is read as stored, or dequantized into the compute dtype where the checkpoint is
 quantized (checkpoint/quantization.py names the stored parts: FP8 e4m3 with block scales,
-GPTQ's qweight/qzeros/scales/g_idx, MLX's packed weight/scales/biases). FP8 alone may stay
-quantized on a GPU that multiplies it (model/fp8.py); GPTQ and MLX weights are dequantized
-wherever they go, in f32 on the device, then cast.
+GPTQ's qweight/qzeros/scales/g_idx, MLX's packed weight/scales/biases). FP8 may stay quantized
+on a GPU that multiplies it (model/fp8.py), and so may 4-bit GPTQ and MLX matrices whose groups
+torch's int4 matmul takes (model/int4.py); everything else is dequantized where it goes, in f32
+on the device, then cast.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import INDEX, SINGLE, read_weight_map
+from cakemp.checkpoint.files import INDEX, SINGLE, is_gguf, read_weight_map
 from cakemp.checkpoint.layout import LINEAR_CONV
 from cakemp.checkpoint.quantization import Gptq, GptqParts, MlxAffine, MlxParts, norms_carry_one
 from cakemp.errors import CheckpointError
-from cakemp.model import fp8, gptq, mlx
+from cakemp.model import fp8, gptq, int4, mlx
+from cakemp.model.gguf_checkpoint import GgufCheckpoint
+from cakemp.model.stacking import stack_rows
 
 
 K = TypeVar("K")
@@ -69,7 +72,8 @@ class Checkpoint:
         dtype: torch.dtype,
         keep_fp8: bool = False,
         plus_one: frozenset[K] = frozenset(),
-    ) -> dict[K, torch.Tensor | fp8.Fp8Weight]:
+        keep_int4: bool = False,
+    ) -> dict[K, torch.Tensor | fp8.Fp8Weight | int4.Int4Weight]:
         """One `dtype` tensor on `device` per group: its tensors concatenated along dim 0.
 
         Groups in `plus_one` are norm weights stored as w - 1 (Qwen3.5, Gemma 3): 1 is added
@@ -82,7 +86,9 @@ class Checkpoint:
         never opened. Every destination is allocated once and filled by one copy_ per source
         tensor, which casts on the way, so fused weights (q/k/v) cost no extra pass over the
         bytes. FP8 weights are dequantized (in f32, on `device`) first, unless `keep_fp8` and
-        the group is FP8 in 128x128 blocks: then it stays FP8, an `fp8.Fp8Weight`.
+        the group is FP8 in 128x128 blocks: then it stays FP8, an `fp8.Fp8Weight`. Likewise with
+        `keep_int4`, a group of 4-bit matrices torch's int4 matmul takes stays 4-bit, an
+        `int4.Int4Weight` (others are dequantized, and why is logged once).
         """
         with ExitStack() as stack:
             files = self._open(stack, groups)
@@ -94,32 +100,35 @@ class Checkpoint:
                     out[key] = fp8.Fp8Weight.create(torch.cat([w.to(device) for w, _ in stored]),
                                                     torch.cat([s.to(device) for _, s in stored]))
                     continue
+                if keep_int4 and self._int4_shapes(files, members):
+                    parts = [self._int4_parts(files, name, device) for name in members]
+                    out[key] = int4.Int4Weight.create(int4.Int4Parts.cat(parts))
+                    continue
                 sources = [self._source(files, name, device) for name in members]
-                if len({t.shape[1:] for t in sources}) > 1:
-                    shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(members, sources))
-                    raise CheckpointError(f"tensors that should stack along dim 0 do not: {shapes}")
-                shape = (sum(t.shape[0] for t in sources), *sources[0].shape[1:])
-                out[key] = torch.empty(shape, dtype=torch.float32 if key in plus_one else dtype, device=device)
-                row = 0
-                for t in sources:
-                    if key in plus_one:
-                        t = t.to(device=device, dtype=torch.float32) + 1
-                    if t.device != device and t.dtype != dtype:
-                        t = t.to(device)  # cast on the accelerator, not in torch's slow CPU cast
-                    out[key][row : row + t.shape[0]].copy_(t)
-                    row += t.shape[0]
+                out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
             return out
 
-    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False) -> int:
+    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
+               keep_int4: bool = False) -> int:
         """Bytes `load` would allocate for these groups on the device (read from the shards' headers):
-        a GPTQ or MLX weight counts as the plain matrix it is dequantized into."""
+        a GPTQ or MLX weight counts as what it is loaded as: int4 codes and scales where kept, else
+        the plain matrix it is dequantized into."""
         with ExitStack() as stack:
             files = self._open(stack, groups)
             total = 0
             for members in groups.values():
+                shapes = keep_int4 and self._int4_shapes(files, members)
+                if shapes:
+                    total += sum(int4.resident_bytes(*shape) for shape in shapes)
+                    continue
                 kept = keep_fp8 and self._kept_fp8(files, members)
                 total += sum(self._numel(files, name) for name in members) * (1 if kept else dtype.itemsize)
             return total
+
+    @property
+    def stores_4bit(self) -> bool:
+        """Whether the checkpoint may hold matrices of 4-bit codes (GPTQ, MLX) to keep int4 on a GPU."""
+        return isinstance(self.config.quantization, Gptq | MlxAffine)
 
     @functools.cached_property
     def norms_need_one(self) -> bool:
@@ -192,6 +201,61 @@ class Checkpoint:
             return math.prod(self._get(files, parts.weight).get_slice(parts.weight).get_shape()) * 32 // parts.bits
         return math.prod(self._get(files, name).get_slice(name).get_shape())
 
+    def _int4_shapes(self, files: dict[str, tuple], members: list[str]) -> list[tuple[int, int, int]] | None:
+        """(rows, cols, group size) of each member if the group can stay int4: every member a 4-bit
+        GPTQ or MLX matrix torch's int4 matmul takes, all in one group size; else None (logged
+        once why, for a quantized group)."""
+        shapes = []
+        for name in members:
+            parts = self._parts(name)
+            if parts is None:
+                return None
+            shape = self._int4_shape(files, parts)
+            if isinstance(shape, str):
+                int4.dequantized(shape)
+                return None
+            shapes.append(shape)
+        if len({shape[2] for shape in shapes}) != 1:
+            int4.dequantized("matrices fused together in different group sizes")
+            return None
+        return shapes
+
+    def _int4_shape(self, files: dict[str, tuple], parts: GptqParts | MlxParts) -> tuple[int, int, int] | str:
+        """(rows, cols, group size) of a quantized matrix torch's int4 matmul takes, or why not (headers only,
+        and a GPTQ g_idx, [in] int32, to see its groups are in input order)."""
+        def shape(name: str) -> list[int]:
+            return self._get(files, name).get_slice(name).get_shape()
+
+        if isinstance(parts, MlxParts):
+            stored = tuple(shape(parts.weight))
+            size = mlx.int4_group(stored, parts.bits, parts.group_size)
+            return size if isinstance(size, str) else (stored[0], stored[-1] * 32 // parts.bits, size)
+        spec = self.config.quantization
+        groups, out_features = shape(parts.scales)
+        g_idx = self._get(files, parts.g_idx).get_tensor(parts.g_idx) if parts.g_idx else None
+        in_features = g_idx.numel() if g_idx is not None else shape(parts.qweight)[0] * 32 // spec.bits
+        size = gptq.int4_group(spec, out_features, in_features, groups, g_idx)
+        return size if isinstance(size, str) else (out_features, in_features, size)
+
+    def _int4_parts(self, files: dict[str, tuple], name: str, device: torch.device) -> int4.Int4Parts:
+        """A matrix `_int4_shapes` accepted, as torch's int4 convention on `device`."""
+        parts = self._parts(name)
+        stored = self._stored_on(files, name, device)
+        try:
+            if isinstance(parts, GptqParts):
+                groups = stored[parts.scales].shape[0]
+                in_features = stored[parts.qweight].shape[0] * 32 // 4
+                return gptq.int4_parts(stored[parts.qweight], stored[parts.qzeros], stored[parts.scales],
+                                       self.config.quantization, in_features // groups)
+            return mlx.int4_parts(stored[parts.weight], stored[parts.scales], stored[parts.biases], parts.group_size)
+        except ValueError as exc:
+            raise CheckpointError(f"{name}: {exc}") from None
+
+    def _stored_on(self, files: dict[str, tuple], name: str, device: torch.device) -> dict[str, torch.Tensor]:
+        """The stored tensors that make quantized `name`, on `device`: the packed codes are a quarter
+        (or less) of its f32 size, so they are dequantized or repacked there."""
+        return {part: self._get(files, part).get_tensor(part).to(device) for part in self._stored(name)}
+
     def _kept_fp8(self, files: dict[str, tuple], members: list[str]) -> bool:
         """Whether a group can stay FP8: every member stored e4m3 with its scales, in 128x128 blocks."""
         if self.config.fp8_block != (fp8.BLOCK, fp8.BLOCK):
@@ -209,8 +273,7 @@ class Checkpoint:
         """The stored tensor (a view of the mapped file), or its f32 dequantization on `device`."""
         parts = self._parts(name)
         if parts is not None:
-            # Dequantize where the weight goes: the packed codes are a quarter (or less) of its f32 size.
-            stored = {part: self._get(files, part).get_tensor(part).to(device) for part in self._stored(name)}
+            stored = self._stored_on(files, name, device)
             try:
                 if isinstance(parts, GptqParts):
                     return gptq.dequantize(*(stored.get(part) for part in parts), self.config.quantization)
@@ -232,3 +295,11 @@ class Checkpoint:
             return fp8.dequantize(tensor.to(device), f.get_tensor(scale_name).to(device), self.config.fp8_block)
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None
+
+
+AnyCheckpoint = Checkpoint | GgufCheckpoint
+
+
+def open_checkpoint(model: str | Path, config: ModelConfig) -> AnyCheckpoint:
+    """The checkpoint `--model` names: a safetensors directory, or a GGUF file."""
+    return GgufCheckpoint(model, config) if is_gguf(model) else Checkpoint(model, config)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from cakemp.checkpoint.quantization import Gptq
-from cakemp.model import bitfields
+from cakemp.model import bitfields, int4
 
 _VALUES_PER_STEP = 1 << 20
 
@@ -54,6 +54,33 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
             codes.sub_(zeros[rows].index_select(1, group)).mul_(scales[rows].index_select(1, group))
         weight[rows] = codes
     return weight
+
+
+def int4_group(spec: Gptq, out_features: int, in_features: int, groups: int, g_idx: torch.Tensor | None) -> int | str:
+    """The group size torch's int4 matmul can take this weight in (model/int4.py), or why not:
+    4 bits, groups of one size in input order (act-order's g_idx puts them out of order)."""
+    if spec.bits != 4:
+        return f"GPTQ {spec.bits}-bit weights"
+    if groups == 0 or in_features % groups:
+        return f"GPTQ groups of unequal size ({in_features} inputs in {groups} groups)"
+    size = in_features // groups
+    if g_idx is not None and not torch.equal(g_idx.to(torch.int64).reshape(-1).cpu(), torch.arange(in_features) // size):
+        return "GPTQ act-order (g_idx puts inputs in groups out of order)"
+    return int4.unfit_reason(out_features, in_features, size) or size
+
+
+def int4_parts(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, spec: Gptq,
+               group_size: int) -> int4.Int4Parts:
+    """A 4-bit GPTQ weight whose groups `int4_group` accepted, in torch's int4 convention:
+    s * (q - z) = (q - 8) * s + s * (8 - z), the codes as stored."""
+    groups, out_features = scales.shape
+    in_features = groups * group_size
+    _check_shape("qweight", qweight, (in_features * 4 // 32, out_features))
+    _check_shape("qzeros", qzeros, (groups, -(-out_features * 4 // 32)))
+    codes = bitfields.unpack(qweight.t().contiguous(), 4, in_features).to(torch.uint8)  # [out, in]
+    zeros = _zero_points(qzeros, 4, out_features, spec.v1).t().float()  # [out, groups]
+    scale = scales.t().float()  # [out, groups]
+    return int4.Int4Parts(codes, scale, scale * (8 - zeros), group_size)
 
 
 def _zero_points(qzeros: torch.Tensor, bits: int, count: int, v1: bool) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.model.block import rms_norm
-from cakemp.model.checkpoint import Checkpoint
+from cakemp.model.checkpoint import open_checkpoint
 from cakemp.checkpoint.config import ModelConfig
 
 LM_HEAD = "lm_head.weight"
@@ -55,7 +55,7 @@ class Head:
         tied = config.tie_word_embeddings
         model = config.layer_prefix.rpartition(".")[0]  # "model.layers" -> "model"
         embed, norm = f"{model}.embed_tokens.weight", f"{model}.norm.weight"
-        checkpoint = Checkpoint(model_dir, config)
+        checkpoint = open_checkpoint(model_dir, config)
         # mlx-lm's Qwen3.5 conversions keep lm_head beside their "language_model.model".
         outer = model.rpartition(".")[0]
         head = f"{outer}.{LM_HEAD}" if outer and checkpoint.has(f"{outer}.{LM_HEAD}") else LM_HEAD

@@ -6,16 +6,17 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.model.fp8 import Fp8Weight
+from cakemp.model.int4 import Int4Weight
 from cakemp.model.packed import PackedWeight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight | PackedWeight,
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight | Int4Weight | PackedWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over a plain weight, the block-scaled FP8 matmul for one kept as FP8, or MKL's
-    packed GEMM for one packed at load."""
+    """F.linear over a plain weight, the block-scaled FP8 matmul for one kept as FP8, torch's int4
+    matmul for one kept 4-bit, or MKL's packed GEMM for one packed at load."""
     if isinstance(weight, PackedWeight):
         return weight.matmul(x, bias)
-    if isinstance(weight, Fp8Weight):
+    if isinstance(weight, Fp8Weight | Int4Weight):
         out = weight.matmul(x)
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cakemp.model import bitfields
+from cakemp.model import bitfields, int4
 
 _VALUES_PER_STEP = 1 << 20
 
@@ -37,3 +37,26 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
         # q * scale + bias in f32, each rounded once, as mx.dequantize computes in f32.
         out[rows] = torch.addcmul(biases[rows, :, None], codes, scales[rows, :, None]).view(-1, cols)
     return out.view(*lead, cols)
+
+
+def int4_group(shape: tuple[int, ...], bits: int, group_size: int) -> int | str:
+    """The group size torch's int4 matmul can take a weight stored as `shape` (u32 words) in
+    (model/int4.py), or why not: one matrix of 4-bit codes."""
+    if bits != 4:
+        return f"MLX {bits}-bit weights"
+    if len(shape) != 2:
+        return f"MLX stacked weights of shape {shape}"
+    return int4.unfit_reason(shape[0], shape[1] * 32 // bits, group_size) or group_size
+
+
+def int4_parts(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int) -> int4.Int4Parts:
+    """A 4-bit MLX matrix `int4_group` accepted, in torch's int4 convention: q * s + b = (q - 8) * s + (b + 8 s)."""
+    rows, words = weight.shape
+    cols = words * 8
+    groups = (rows, cols // group_size)
+    for name, tensor in (("scales", scales), ("biases", biases)):
+        if tuple(tensor.shape) != groups:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {groups} for a weight of {tuple(weight.shape)}")
+    scales = scales.float()
+    return int4.Int4Parts(bitfields.unpack(weight, 4, cols).to(torch.uint8), scales, biases.float() + 8 * scales,
+                          group_size)

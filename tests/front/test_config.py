@@ -42,7 +42,7 @@ def topology(tmp_path):
 def test_every_flag_is_declared_once_with_help():
     """No two flags share a name, and each but --log-level explains itself."""
     names = [flag.name for flag in RUN_FLAGS]
-    assert len(names) == len(set(names)) == 41
+    assert len(names) == len(set(names)) == 42
     assert [flag.name for flag in RUN_FLAGS if not flag.help] == ["--log-level"]
 
 
@@ -206,6 +206,14 @@ def test_prefix_reuse_is_on_per_connection_unless_told_otherwise(topology):
     assert (changed.prefix_reuse, changed.share_prefixes) == (False, True)
     specs = device_specs(changed, [("model.layers.0",)] * 2, "/run")
     assert [(spec.prefix_reuse, spec.share_prefixes) for spec in specs] == [(False, True)] * 2
+
+
+def test_4_bit_weights_stay_int4_on_a_gpu_unless_told_otherwise(topology):
+    """By default devices keep 4-bit weights int4 where they can (a GPU in bf16); --dequantize-4bit tells every device not to."""
+    default = node_config(flag_values(name="w1", topology=topology, gpus="cpu"), model_given=False)
+    assert default.keep_int4 and device_specs(default, [("model.layers.0",)], "/run")[0].keep_int4
+    changed = node_config(flag_values(name="w1", topology=topology, gpus="cpu:2", dequantize_4bit=True), model_given=False)
+    assert [spec.keep_int4 for spec in device_specs(changed, [("model.layers.0",)] * 2, "/run")] == [False, False]
 
 
 def test_devices_are_unpinned_and_sleep_at_once_unless_told_otherwise(topology):

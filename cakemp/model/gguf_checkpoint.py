@@ -1,0 +1,148 @@
+"""A GGUF file read as a checkpoint: the tensors asked for, under their HF names, dequantized
+into the compute dtype, and nothing else.
+
+The file is memory-mapped for each load and only the byte ranges of the tensors asked for are
+read (checkpoint/gguf.py says where each lies; the kernel's read-around is switched off for the
+map and each range asked for ahead), so a node serving 4 layers of 80 reads 4 layers' bytes;
+Cake dequantizes every tensor of the file to f32 on every node. Each tensor's
+bytes go to the device as they are stored (a quarter of their f32 size or less for the
+quantized types) and are dequantized there in f32 (model/ggml.py), then cast; llama.cpp's Q/K
+row permutation (Llama family) is undone on the f32 rows, which quantization leaves whole
+(its blocks run along a row). With `keep_int4` (a GPU), Q4_0, Q4_1 and Q4_K matrices stay
+4-bit instead, repacked for torch's int4 matmul (model/int4.py; their 32-value blocks, Q4_K's
+sub-blocks, are its groups of 32), the permutation undone on their code and scale rows alike.
+
+Same interface as the safetensors Checkpoint (has, load, nbytes, norms_need_one), so BlockRunner
+and Head take either (model/checkpoint.py: open_checkpoint).
+"""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.gguf import GgufFile
+from cakemp.checkpoint.gguf_model import hf_names, permuted_heads
+from cakemp.errors import CheckpointError
+from cakemp.model import ggml, int4
+from cakemp.model.stacking import stack_rows
+
+K = TypeVar("K")
+
+
+class GgufCheckpoint:
+    # No family read from GGUF stores (1 + w) norms (checkpoint/gguf_model.py: llama, qwen2, qwen3, qwen3moe).
+    norms_need_one = False
+
+    def __init__(self, path: str | Path, config: ModelConfig):
+        self.path = Path(path)
+        self.config = config
+        self.file = GgufFile(self.path)
+        self.names = hf_names(self.file.tensors)  # HF name -> GGUF name
+
+    @property
+    def stores_4bit(self) -> bool:
+        """Whether the file holds matrices of ggml.INT4_TYPES, which may stay int4 on a GPU."""
+        return any(info.type.name in ggml.INT4_TYPES for info in self.file.tensors.values())
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def load(
+        self,
+        groups: dict[K, list[str]],
+        device: torch.device,
+        dtype: torch.dtype,
+        keep_fp8: bool = False,
+        plus_one: frozenset[K] = frozenset(),
+        keep_int4: bool = False,
+    ) -> dict[K, torch.Tensor | int4.Int4Weight]:
+        """One `dtype` tensor on `device` per group: its tensors (HF names) dequantized and stacked
+        along dim 0, or with `keep_int4` an `int4.Int4Weight` for a group of Q4_0/Q4_1/Q4_K matrices.
+        keep_fp8 and plus_one never apply to a GGUF file's tensors."""
+        for name in (name for members in groups.values() for name in members):
+            self._gguf_name(name)  # every name checked before the file is mapped
+        with open(self.path, "rb") as f:
+            # A private (copy-on-write) map: torch takes only writable buffers, and nothing writes to it.
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        # No read-around: the kernel would read up to read_ahead_kb (MiBs) about each page touched,
+        # other layers' bytes included; each tensor's own range is asked for ahead instead (_tensor).
+        data.madvise(mmap.MADV_RANDOM)
+        try:
+            return {key: self._group(data, members, device, dtype, keep_int4) for key, members in groups.items()}
+        finally:
+            try:
+                data.close()  # the views of it are gone: each was copied into its group's tensor
+            except BufferError:  # an error's traceback still holds one: the map goes with it
+                pass
+
+    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
+               keep_int4: bool = False) -> int:
+        """Bytes `load` would allocate for these groups on the device: int4 codes and scales where
+        kept (`keep_int4`), every other tensor dequantized."""
+        total = 0
+        for members in groups.values():
+            infos = [self.file.tensors[self._gguf_name(name)] for name in members]
+            shapes = keep_int4 and _int4_shapes(infos)
+            total += (sum(int4.resident_bytes(*shape, size) for shape, size in shapes) if shapes
+                      else sum(info.numel for info in infos) * dtype.itemsize)
+        return total
+
+    def _group(self, data: mmap.mmap, members: list[str], device: torch.device, dtype: torch.dtype,
+               keep_int4: bool) -> torch.Tensor | int4.Int4Weight:
+        if keep_int4 and _int4_shapes([self.file.tensors[self._gguf_name(name)] for name in members]):
+            return int4.Int4Weight.create(int4.Int4Parts.cat([self._int4_parts(data, name, device) for name in members]))
+        return stack_rows(members, [self._tensor(data, name, device) for name in members], dtype, device)
+
+    def _gguf_name(self, name: str) -> str:
+        if name not in self.names:
+            raise CheckpointError(f"{self.path} has no tensor for {name}")
+        return self.names[name]
+
+    def _tensor(self, data: mmap.mmap, name: str, device: torch.device) -> torch.Tensor:
+        """HF tensor `name` in f32 on `device`, from its stored bytes."""
+        info, raw = self._raw(data, name, device)
+        tensor = ggml.dequantize(raw, info.type.name, info.shape)
+        heads = permuted_heads(self.file, info.name, self.config.num_attention_heads, self.config.num_key_value_heads)
+        return tensor if heads is None else unpermute(tensor, heads)
+
+    def _int4_parts(self, data: mmap.mmap, name: str, device: torch.device) -> int4.Int4Parts:
+        """HF matrix `name` (of ggml.INT4_TYPES) in torch's int4 convention on `device`, rows in HF's order."""
+        info, raw = self._raw(data, name, device)
+        parts = ggml.int4_parts(raw, info.type.name, info.shape)
+        heads = permuted_heads(self.file, info.name, self.config.num_attention_heads, self.config.num_key_value_heads)
+        return parts if heads is None else parts.rows(lambda rows: unpermute(rows, heads))
+
+    def _raw(self, data: mmap.mmap, name: str, device: torch.device):
+        """(its TensorInfo, its stored bytes: uint8 [nbytes] on `device`) of HF tensor `name`."""
+        info = self.file.tensors[self._gguf_name(name)]
+        first_page = info.start // mmap.PAGESIZE * mmap.PAGESIZE
+        data.madvise(mmap.MADV_WILLNEED, first_page, info.start + info.nbytes - first_page)  # one read of the range
+        return info, torch.frombuffer(data, dtype=torch.uint8, count=info.nbytes, offset=info.start).to(device)
+
+
+def _int4_shapes(infos: list) -> list[tuple[tuple[int, int], int]] | None:
+    """(shape, group size) of each tensor if the group can stay int4: every one a ggml.INT4_TYPES matrix
+    torch's int4 matmul takes; else None (logged once why, for a group of quantized matrices)."""
+    shapes = []
+    for info in infos:
+        size = ggml.int4_group(info.type.name, info.shape)
+        if isinstance(size, str):
+            if info.type.name not in ("F32", "F16", "BF16"):  # a plain tensor (a norm) is no 4-bit one
+                int4.dequantized(size)
+            return None
+        shapes.append((info.shape, size))
+    return shapes
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's converter's reordering of q/k rows. HF's rotary pairs dimension i with
+    i + D/2 of each head; llama.cpp's rotates adjacent pairs (2i, 2i + 1), so its converter
+    stores each head's rows as [r0, r_{D/2}, r1, r_{D/2+1}, ...]. w: [heads * D, ...] in that
+    order -> HF's [heads * D, ...] (a weight [rows, H] or a bias [rows])."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

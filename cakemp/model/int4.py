@@ -1,0 +1,158 @@
+"""4-bit weights kept 4-bit: torch's int4 weight-only matmul (tinygemm), on a GPU.
+
+torch's kernels (CUDA: `_weight_int4pack_mm`; CPU: `_weight_int4pack_mm_for_cpu`) take one
+convention for an [N, K] weight in groups of g consecutive inputs (g in 32, 64, 128, 256):
+
+    W[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n]
+
+q: unsigned 4-bit codes 0..15; scales_and_zeros [K/g, N, 2] bf16 ([..., 0] the scale, [..., 1]
+the zero, a value, not a code). Each format's 4-bit codes map onto it unchanged; only the
+scales and zeros are rewritten (in f32, then rounded once to bf16):
+
+| format      | stored value     | scale | zero       |
+|-------------|------------------|-------|------------|
+| GPTQ        | s * (q - z)      | s     | s * (8 - z) |
+| MLX affine  | q * s + b        | s     | b + 8 s    |
+| GGUF Q4_0   | d * (q - 8)      | d     | 0          |
+| GGUF Q4_1   | d * q + m        | d     | m + 8 d    |
+| GGUF Q4_K   | d sc * q - dmin m | d sc | 8 d sc - dmin m |
+
+The format modules (gptq.py, mlx.py, ggml.py) make `Int4Parts`; `Int4Weight.create` packs them
+for the device's kernel. Only the packing differs between devices: CUDA's takes [N, K/2] uint8
+(two codes a byte, the even input in the high nibble) and lays them out for its tensor cores
+(int32 [N/8, K/(16 t), 32, t/2], t the inner K tiles); the CPU's takes the int32 [N, K] codes.
+Resident: N K / 2 bytes of codes and 4 N K / g of scales and zeros (0.27 of bf16 at g = 128).
+`kernel_works` tries the kernel on the device against this formula before any weight uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cakemp import log
+
+GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's kernels take
+_OFFSET = 8  # the kernel's codes are q - 8
+_ROWS_PER_TILE = 8  # CUDA's layout takes N in tiles of 8 rows
+_logged: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Int4Parts:
+    """An [N, K] 4-bit weight in torch's convention, unpacked: W = (codes - 8) * scales + zeros,
+    scales and zeros broadcast over each group of `group_size` inputs."""
+
+    codes: torch.Tensor  # [N, K] uint8, 0..15
+    scales: torch.Tensor  # [N, K/g] f32
+    zeros: torch.Tensor  # [N, K/g] f32
+    group_size: int
+
+    @staticmethod
+    def cat(parts: list[Int4Parts]) -> Int4Parts:
+        """Matrices of one K and group size stacked along the outputs (fused q/k/v, gate/up)."""
+        if len({(p.codes.shape[1], p.group_size) for p in parts}) != 1:
+            raise ValueError("int4 matrices stacked together need one input size and group size")
+        return Int4Parts(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                         torch.cat([p.zeros for p in parts]), parts[0].group_size)
+
+    def rows(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> Int4Parts:
+        """The same weight with its rows reordered by `reorder` ([N, ...] -> [N, ...], e.g. GGUF's unpermute)."""
+        return Int4Parts(reorder(self.codes), reorder(self.scales), reorder(self.zeros), self.group_size)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """An [N, K] weight packed for torch's int4 matmul on its device; `linear` multiplies by it."""
+
+    packed: torch.Tensor  # CUDA: int32 [N/8, K/(16 t), 32, t/2]; CPU: uint8 [N, K/2]
+    scales_and_zeros: torch.Tensor  # [K/g, N, 2] bf16
+    group_size: int
+    shape: torch.Size  # (N, K)
+
+    @classmethod
+    def create(cls, parts: Int4Parts) -> Int4Weight:
+        rows, cols = parts.codes.shape
+        reason = unfit_reason(rows, cols, parts.group_size)
+        if reason is not None:
+            raise ValueError(reason)
+        codes = parts.codes
+        if codes.device.type == "cuda":
+            pairs = (codes[:, ::2] << 4) | codes[:, 1::2]  # [N, K/2] uint8
+            packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), _inner_k_tiles(cols))
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), _inner_k_tiles(cols))
+        scales_and_zeros = torch.stack([parts.scales, parts.zeros], dim=-1).transpose(0, 1)  # [K/g, N, 2]
+        return cls(packed, scales_and_zeros.to(torch.bfloat16).contiguous(), parts.group_size, torch.Size((rows, cols)))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., K] bf16 -> x @ W^T: [..., N] bf16."""
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        op = torch.ops.aten._weight_int4pack_mm if flat.device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
+        return op(flat, self.packed, self.group_size, self.scales_and_zeros).view(*x.shape[:-1], self.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+def resident_bytes(rows: int, cols: int, group_size: int) -> int:
+    """What an `Int4Weight` of [rows, cols] in groups of `group_size` holds: codes and bf16 scales and zeros."""
+    return rows * cols // 2 + cols // group_size * rows * 2 * torch.bfloat16.itemsize
+
+
+def unfit_reason(rows: int, cols: int, group_size: int) -> str | None:
+    """Why torch's kernel cannot take an [rows, cols] weight in groups of `group_size`, or None."""
+    if group_size not in GROUP_SIZES:
+        return f"groups of {group_size} inputs (torch's int4 matmul takes {', '.join(map(str, GROUP_SIZES))})"
+    if cols % group_size:
+        return f"{cols} inputs are no whole number of {group_size}-input groups"
+    if rows % _ROWS_PER_TILE:
+        return f"{rows} outputs are no multiple of {_ROWS_PER_TILE}"
+    return None
+
+
+def dequantized(reason: str) -> None:
+    """Log, once per process and reason, why a 4-bit matrix is dequantized instead of kept int4."""
+    if reason not in _logged:
+        _logged.add(reason)
+        log.get_logger().info("quantized weight dequantized, not kept int4", reason=reason)
+
+
+def _inner_k_tiles(cols: int) -> int:
+    """The most inner K tiles (of 16 inputs) that divide K: 8, 4 or 2 (K is a multiple of 32)."""
+    return next(tiles for tiles in (8, 4, 2) if cols % (16 * tiles) == 0)
+
+
+@functools.cache
+def kernel_works(device: torch.device) -> bool:
+    """Whether torch's int4 matmul runs on `device` with bf16 activations and computes the formula
+    above (tried, not inferred: torch builds differ; a CPU answers for its own kernel)."""
+    generator = torch.Generator().manual_seed(0)
+    rows, cols, group = 64, 256, 128
+    parts = Int4Parts(torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8),
+                      torch.rand(rows, cols // group, generator=generator) / 16 + 1e-3,
+                      torch.randn(rows, cols // group, generator=generator) / 16, group)
+    try:
+        weight = Int4Weight.create(Int4Parts(parts.codes.to(device), parts.scales.to(device),
+                                             parts.zeros.to(device), group))
+        for count in (1, 5):  # a decode step and a ragged prefill
+            x = torch.randn(count, cols, generator=generator).to(torch.bfloat16)
+            got = weight.matmul(x.to(device)).float().cpu()
+            expected = x.float() @ reference_weight(parts).t()
+            if not torch.allclose(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item()):
+                return False
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def reference_weight(parts: Int4Parts) -> torch.Tensor:
+    """The [N, K] f32 weight `parts` stands for, with the scales and zeros rounded to bf16 as the
+    kernel holds them: the convention written out, to check that a kernel follows it."""
+    scales = parts.scales.to(torch.bfloat16).float().repeat_interleave(parts.group_size, dim=1)
+    zeros = parts.zeros.to(torch.bfloat16).float().repeat_interleave(parts.group_size, dim=1)
+    return (parts.codes.float() - _OFFSET) * scales + zeros
