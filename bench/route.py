@@ -15,7 +15,7 @@ workers alternating:
    process; and the CPU time its processes spent per step (user + system, from /proc: what
    the machine's load does not inflate much, unlike wall time);
 2. prefill: a 512-token Batch at position 0 through all 8 layers, --prefills times each,
-   median; and its ratio to the single process;
+   median; and its ratio to the single process (the median over rounds, then each round's);
 3. the hops alone: two echoing device processes (no torch) that each busy-wait `--busy-us`
    per request, a [1, 1, 1024] f32 activation sent through both as a route (front → 0 → 1 →
    front, three one-way hops) and as two requests one after the other (front → 0 → front → 1
