@@ -15,7 +15,7 @@ workers alternating:
    process; and the CPU time its processes spent per step (user + system, from /proc: what
    the machine's load does not inflate much, unlike wall time);
 2. prefill: a 512-token Batch at position 0 through all 8 layers, --prefills times each,
-   median; and its ratio to the single process;
+   median; and its ratio to the single process (the median over rounds, then each round's);
 3. the hops alone: two echoing device processes (no torch) that each busy-wait `--busy-us`
    per request, a [1, 1, 1024] f32 activation sent through both as a route (front → 0 → 1 →
    front, three one-way hops) and as two requests one after the other (front → 0 → front → 1
@@ -244,6 +244,9 @@ def main() -> None:
         ratio = statistics.median(mine / theirs for mine, theirs in zip(prefill[name], single_prompts))
         print(f"| {name} | {pct(steps_ms, 50):.2f} | {pct(steps_ms, 99):.2f} | {extra:+.2f} | "
               f"{cpu[name] / len(steps_ms) * 1e3:.1f} | {statistics.median(prefill[name]):.0f} | {ratio:.2f}x |")
+    for name in list(ports)[1:]:
+        rounds = " ".join(f"{mine / theirs:.3f}" for mine, theirs in zip(prefill[name], single_prompts))
+        print(f"prefill rounds, {name} / single process: {rounds}")
     with tempfile.TemporaryDirectory() as tmp:
         print_hops(asyncio.run(hops(Path(tmp), args.steps, args.busy_us / 1e6)), args)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

@@ -48,3 +48,17 @@ def test_a_chunk_later_in_the_prompt_runs_every_op_shifted_by_its_start():
 def test_a_prompt_is_cut_into_the_fewest_even_chunks(tokens, chunk, bounds):
     """Chunks cover the prompt in order, none longer than `chunk`, as few as that allows, sizes within one token."""
     assert chunk_bounds(tokens, chunk) == bounds
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 16, 100, 128])
+def test_every_prompt_length_is_covered_in_order_by_the_fewest_chunks_within_one_token(chunk):
+    """For each length up to 600: the chunks tile [0, tokens) in order, none over `chunk`, as few as
+    ceil(tokens / chunk), their sizes within one token; a prompt of at most `chunk` is one chunk."""
+    for tokens in range(1, 601):
+        bounds = chunk_bounds(tokens, chunk)
+        sizes = [end - start for start, end in bounds]
+        assert [start for start, _ in bounds] == [0, *(end for _, end in bounds[:-1])]
+        assert bounds[-1][1] == tokens and sum(sizes) == tokens
+        assert max(sizes) <= chunk and max(sizes) - min(sizes) <= 1
+        assert len(bounds) == -(-tokens // chunk)
+        assert (len(bounds) == 1) == (tokens <= chunk)
