@@ -248,10 +248,12 @@ class Checkpoint:
             size = mlx.int4_group(stored, parts.bits, parts.group_size)
             return size if isinstance(size, str) else (stored[0], stored[-1] * 32 // parts.bits, size)
         spec = self.config.quantization
-        groups, out_features = shape(parts.scales)
+        try:
+            out_features, in_features = parts.matrix_shape(lambda part: tuple(shape(part)), spec)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
         g_idx = self._get(files, parts.g_idx).get_tensor(parts.g_idx) if parts.g_idx else None
-        in_features = g_idx.numel() if g_idx is not None else shape(parts.qweight)[0] * 32 // spec.bits
-        size = gptq.int4_group(spec, out_features, in_features, groups, g_idx)
+        size = gptq.int4_group(spec, out_features, in_features, shape(parts.scales)[0], g_idx)
         return size if isinstance(size, str) else (out_features, in_features, size)
 
     def _int4_parts(self, files: dict[str, tuple], name: str, device: torch.device) -> int4.Int4Parts:
