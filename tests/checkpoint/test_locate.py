@@ -63,8 +63,8 @@ def test_an_id_is_its_refs_snapshot_and_a_revision_picks_another(cache):
     main = write_snapshot(cache, "org/name", {CONFIG: "{}"})
     tagged = write_snapshot(cache, "org/name", {CONFIG: "{}"}, commit=OTHER, ref="v2")
     assert locate("org/name") == ModelSource(main, repository=Repository("org/name", "main", cache))
-    assert locate("org/name@v2").directory == tagged
-    assert locate(f"org/name@{OTHER}").directory == tagged
+    assert locate("org/name@v2").path == tagged
+    assert locate(f"org/name@{OTHER}").path == tagged
 
 
 def test_an_existing_path_wins_over_an_id_of_the_same_spelling(cache, tmp_path, monkeypatch):
@@ -75,9 +75,9 @@ def test_an_existing_path_wins_over_an_id_of_the_same_spelling(cache, tmp_path, 
     assert locate("org/name") == ModelSource(Path("org/name"))
 
 
-def test_an_id_the_cache_lacks_has_no_directory_and_says_which_cache_was_searched(cache):
+def test_an_id_the_cache_lacks_has_no_path_and_says_which_cache_was_searched(cache):
     source = locate("org/absent")
-    assert source.directory is None and source.repository == Repository("org/absent", "main", cache)
+    assert source.path is None and source.repository == Repository("org/absent", "main", cache)
     with pytest.raises(ConfigError, match=f"org/absent is not in the Hugging Face cache {cache}$"):
         source.checkpoint()
 
@@ -128,7 +128,7 @@ def test_a_snapshot_holding_what_a_node_needs_fetches_nothing(cache):
     snapshot = write_snapshot(cache, "org/name", {CONFIG: "{}", INDEX: json.dumps({"weight_map": WEIGHT_MAP}),
                                                   "model-00002-of-00003.safetensors": ""})
     source, fetched = fetch_metadata(locate("org/name"))
-    assert (source.directory, fetched) == (snapshot, [])
+    assert (source.path, fetched) == (snapshot, [])
     assert fetch_weights(source, lambda tensor: in_layer(tensor, "model.layers.1")) == []
     assert fetch_weights(ModelSource(Path("/no/such/dir")), lambda tensor: True) == []  # a path is never fetched
 
