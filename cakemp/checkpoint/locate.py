@@ -15,7 +15,8 @@ The rule, in order:
    way GGUF models are published: one repository, a file per quantization), spelt as
    huggingface_hub's HfFileSystem spells a file (`hf://org/name@revision/path`); the revision
    is then one segment (a branch, tag or commit without "/") or, as HfFileSystem reads it, a
-   pull request's `refs/pr/N`. It is that file of the snapshot.
+   pull request's `refs/pr/N`. It is that file of the snapshot. (Tried before 2, which would
+   read `@v1/file.gguf` as a revision with a slash.)
    Cake takes no such id (its `looks_like_hf_repo` wants exactly one slash). One part of a split
    GGUF (`name-00001-of-00003.gguf`) is refused by its name, before anything is fetched.
 4. Anything else is a path, which does not exist: it fails where the checkpoint is first read
@@ -107,13 +108,17 @@ def locate(argument: str) -> ModelSource:
     if path.exists():
         return _bundle(path) if (path / BUNDLE_MODEL).is_dir() and (path / BUNDLE_TOPOLOGY).is_file() \
             else ModelSource(path)
+    in_repository = parse_repository_file(argument)  # first: org/name@rev/file.gguf would pass as a revision
+    if in_repository is not None:
+        return _repository_file(*in_repository)
     repository = parse_repository(argument)
-    if repository is not None:
-        return ModelSource(repository.snapshot(), repository=repository)
-    in_repository = parse_repository_file(argument)
-    if in_repository is None:
+    if repository is None:
         return ModelSource(path)
-    repository, filename = in_repository
+    return ModelSource(repository.snapshot(), repository=repository)
+
+
+def _repository_file(repository: Repository, filename: str) -> ModelSource:
+    """A GGUF file of `repository`: the snapshot's when the cache holds it; one part of a split file refused."""
     if _SPLIT_PART.search(filename):
         raise ConfigError(f"{repository}: {filename} is one part of a split GGUF file, which cakemp does not load "
                           "(merge the parts first: llama-gguf-split --merge)")
