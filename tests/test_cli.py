@@ -245,3 +245,12 @@ def test_weighing_layers_by_memory_without_every_header_reads_the_hubs_and_offli
                         env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
     assert_config_error(result, "tiny-org/partial: estimating a layer's size needs every weight file's header, "
                                 "and the hub's cannot be read")
+
+
+def test_discover_refuses_a_gguf_id_before_fetching_it(tmp_path):
+    """Zero-config cannot push a GGUF file: `generate --discover` says so before any download (the
+    cache is empty; offline, a fetch would have been the one-line 'not in the cache' instead)."""
+    result = cakemp("generate", "--model", "tiny-org/gguf/model.gguf", "--discover", "127.0.0.1",
+                    "--cluster-key", "a long enough cluster key for this test", "--prompt", "hi",
+                    env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert_config_error(result, "tiny-org/gguf/model.gguf: a .gguf model cannot be pushed to zero-config workers")
