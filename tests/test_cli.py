@@ -18,10 +18,14 @@ from tests.hub_cache import write_snapshot
 EX_CONFIG = 78
 
 
-def cakemp_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def cakemp(command: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CAKEMP_", "CAKE_"))}
-    return subprocess.run([sys.executable, "-m", "cakemp", "run", "--log-format", "json", *args],
-                          capture_output=True, text=True, timeout=120, env={**environ, **(env or {})})
+    return subprocess.run([sys.executable, "-m", "cakemp", command, *args], capture_output=True, text=True,
+                          timeout=120, env={**environ, **(env or {})})
+
+
+def cakemp_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return cakemp("run", "--log-format", "json", *args, env=env)
 
 
 @pytest.fixture
@@ -178,6 +182,19 @@ def test_a_model_id_neither_cached_nor_downloadable_offline_exits_78_naming_it_a
                                 "and HF_HUB_OFFLINE is set")
 
 
+@pytest.mark.parametrize("command", ["run", "generate"])
+def test_a_gguf_file_of_a_repository_neither_cached_nor_downloadable_offline_exits_78_naming_it(tmp_path, topology,
+                                                                                                command):
+    """`org/name/file.gguf` with HF_HUB_OFFLINE=1 and a snapshot lacking that file (it holds another
+    quantization): a node and a master alike exit with one line naming the id, the file and the cache."""
+    write_snapshot(tmp_path / "hub", "tiny-org/gguf", {"model-Q8_0.gguf": "GGUF"})
+    args = ["--name", "w1"] if command == "run" else ["--prompt", "hi"]
+    result = cakemp(command, *args, "--topology", str(topology), "--model", "tiny-org/gguf/model-Q4_K_M.gguf",
+                    env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert_config_error(result, f"tiny-org/gguf: model-Q4_K_M.gguf is not in the Hugging Face cache "
+                                f"{tmp_path / 'hub'} and HF_HUB_OFFLINE is set")
+
+
 def test_a_cached_id_lacking_a_shard_of_this_nodes_layers_exits_78_offline_naming_the_shard(tmp_path, topology):
     """The snapshot holds config and index but not the shard of layers 0-1 (w1's): offline, that shard
     is named; the other shard, which w1 does not need, is never asked for."""
@@ -228,3 +245,12 @@ def test_weighing_layers_by_memory_without_every_header_reads_the_hubs_and_offli
                         env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
     assert_config_error(result, "tiny-org/partial: estimating a layer's size needs every weight file's header, "
                                 "and the hub's cannot be read")
+
+
+def test_discover_refuses_a_gguf_id_before_fetching_it(tmp_path):
+    """Zero-config cannot push a GGUF file: `generate --discover` says so before any download (the
+    cache is empty; offline, a fetch would have been the one-line 'not in the cache' instead)."""
+    result = cakemp("generate", "--model", "tiny-org/gguf/model.gguf", "--discover", "127.0.0.1",
+                    "--cluster-key", "a long enough cluster key for this test", "--prompt", "hi",
+                    env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert_config_error(result, "tiny-org/gguf/model.gguf: a .gguf model cannot be pushed to zero-config workers")

@@ -199,10 +199,15 @@ class ModelConfig:
     moe: MoeConfig | None = None
 
     @classmethod
+    def from_gguf(cls, gguf: GgufFile) -> ModelConfig:
+        """The config of a parsed GGUF file, from its metadata."""
+        return cls.from_dict(hf_config(gguf), source=str(gguf.path))
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """The config of the checkpoint `--model` names: a directory's config.json, or a GGUF file's metadata."""
         if is_gguf(model_dir):
-            return cls.from_dict(hf_config(GgufFile(model_dir)), source=str(model_dir))
+            return cls.from_gguf(GgufFile(model_dir))
         path = Path(model_dir) / CONFIG
         try:
             raw = json.loads(path.read_text())

@@ -7,6 +7,10 @@ same cache `locate` reads, so they honour what it honours: HF_HUB_OFFLINE, HF_TO
 token, HF_ENDPOINT. Every file is fetched at the commit the snapshot is of, so all of them land
 in one snapshot folder. Whatever goes wrong is one ConfigError line naming the repository and
 the cache.
+
+A GGUF file of a repository (`org/name/file.gguf`) is fetched whole, by master and worker alike:
+it is one file, its config and tokenizer in its header, so there are no shards to choose among
+(a node still reads only its own layers' bytes of it, through a memory map).
 """
 
 from __future__ import annotations
@@ -27,10 +31,17 @@ def fetch_metadata(source: ModelSource, required: Iterable[str] = (),
     """`source` with config.json, the index (or, where a repository has none, its one weight file)
     and `required` (a master's tokenizer) in its snapshot, and, when config.json had to be fetched
     (the repository is new here), `optional` where the repository has them; the names downloaded.
-    A source that is no repository is returned as it is."""
-    repository, snapshot = source.repository, source.directory
+    A repository's GGUF file is fetched alone, whole (its header holds the config and the
+    tokenizer, so `required` and `optional` do not apply). A source that is no repository is
+    returned as it is."""
+    repository, snapshot = source.repository, source.path
     if repository is None:
         return source, []
+    if source.filename is not None:  # one GGUF file, the whole checkpoint
+        if snapshot is not None:
+            return source, []
+        path = _download(repository, source.filename, repository.commit() or repository.revision)
+        return replace(source, path=path), [source.filename]
     fetched: list[str] = []
     if snapshot is None or not (snapshot / CONFIG).is_file():
         snapshot = _download(repository, CONFIG, repository.commit() or repository.revision).parent
@@ -44,13 +55,14 @@ def fetch_metadata(source: ModelSource, required: Iterable[str] = (),
     for name, may_lack in wanted:
         if not (snapshot / name).is_file() and _download(repository, name, snapshot.name, optional=may_lack):
             fetched.append(name)
-    return replace(source, directory=snapshot), fetched
+    return replace(source, path=snapshot), fetched
 
 
 def fetch_weights(source: ModelSource, wanted: Callable[[str], bool]) -> list[str]:
     """Download the weight files holding a tensor `wanted` picks that `source`'s snapshot lacks
-    (after `fetch_metadata`); the names downloaded. Nothing for a source that is no repository."""
-    if source.repository is None:
+    (after `fetch_metadata`); the names downloaded. Nothing for a source that is no repository,
+    nor for a repository's GGUF file (`fetch_metadata` fetched it whole)."""
+    if source.repository is None or source.filename is not None:
         return []
     snapshot = source.checkpoint()
     files = shards_for(read_weight_map(snapshot / INDEX), wanted) if (snapshot / INDEX).is_file() else {SINGLE}
@@ -65,8 +77,10 @@ def layer_bytes(source: ModelSource, num_layers: int, prefix: str) -> int:
     snapshot lacks some weight file, from the hub's copies of the headers (read by range requests,
     so a node that weighs the layers by memory still downloads only its own shards)."""
     snapshot = source.checkpoint()
+    if source.repository is None or source.filename is not None:  # a path, or a GGUF file (here whole)
+        return estimated_layer_bytes(snapshot, num_layers, prefix)
     files = set(read_weight_map(snapshot / INDEX).values()) if (snapshot / INDEX).is_file() else {SINGLE}
-    if source.repository is None or all((snapshot / name).is_file() for name in files):
+    if all((snapshot / name).is_file() for name in files):
         return estimated_layer_bytes(snapshot, num_layers, prefix)
     try:
         import huggingface_hub

@@ -159,8 +159,8 @@ class BlockRunner:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
-        config = ModelConfig.from_dir(model_dir)
-        checkpoint = open_checkpoint(model_dir, config)
+        checkpoint = open_checkpoint(model_dir)  # and its config, a GGUF file's header parsed once for both
+        config = checkpoint.config
         plan = _LoadPlan.of(config, checkpoint, layers)
         weights = plan.read(checkpoint, device, dtype, on_layer, keep_int4 and _int4_kept(checkpoint, device, dtype))
         # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/packed.py says why).

@@ -50,8 +50,7 @@ async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Seq
     the topology they then serve. The master's own share is weighed by its devices: its GPUs when
     `on_gpu`, else its CPU; a layer by what a worker computing in `dtype` (--dtype, the cluster's) holds
     of it. `report` is told each worker's layers, one line per worker."""
-    if is_gguf(model_dir):  # as in Cake: a GGUF file is served in topology mode only, from each node's own copy
-        raise ConfigError(f"{model_dir}: a .gguf model cannot be pushed to zero-config workers; give --topology")
+    check_pushable(model_dir)
     workers = await discover(cluster_key, targets, port=port, timeout=timeout, min_workers=min_workers)
     if not workers:
         raise CakempError(f"no worker of this cluster answered at {', '.join(targets)} within {timeout:g} s")
@@ -64,13 +63,22 @@ async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Seq
     return await set_up(model_dir, assignments, cluster_key=cluster_key, revision=revision)
 
 
+def check_pushable(model: str | Path) -> None:
+    """Refuse (ConfigError) a model zero-config setup cannot push: as in Cake, a GGUF file is served
+    in topology mode only, from each node's own copy."""
+    if is_gguf(model):
+        raise ConfigError(f"{model}: a .gguf model cannot be pushed to zero-config workers; give --topology")
+
+
 def master_checkpoint(argument: str, topology: str | None, master_tflops: float | None, *, on_gpu: bool,
                       every_layer: bool, report: Callable[[str], None]) -> tuple[Path, Topology]:
-    """The checkpoint directory `--model argument` names and the topology the master runs with
+    """The checkpoint (a directory or a GGUF file) `--model argument` names and the topology the master runs with
     (`topology`, else a bundle's, else none; one whose nodes list no layers completed by
     `assigned_topology`, weighing this master as `master_tflops`, else as `own_tflops(on_gpu)`).
     A repository's missing files are fetched: config, index and tokenizer, and the shards of the
-    layers no worker serves, or of `every_layer` (a master that pushes)."""
+    layers no worker serves, or of `every_layer` (a master that pushes, refused a GGUF before it is fetched)."""
+    if every_layer:
+        check_pushable(argument)
     source, fetched = fetch_metadata(locate(argument), (TOKENIZER,), MASTER_OPTIONAL)
     topology = topology or source.topology
     layout = Topology.load(topology) if topology else Topology(())

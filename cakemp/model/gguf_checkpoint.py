@@ -38,10 +38,11 @@ class GgufCheckpoint:
     # No family read from GGUF stores (1 + w) norms (checkpoint/gguf_model.py: llama, qwen2, qwen3, qwen3moe).
     norms_need_one = False
 
-    def __init__(self, path: str | Path, config: ModelConfig):
+    def __init__(self, path: str | Path, config: ModelConfig, file: GgufFile | None = None):
+        """`file`: the file at `path` already parsed, else parsed here."""
         self.path = Path(path)
         self.config = config
-        self.file = GgufFile(self.path)
+        self.file = GgufFile(self.path) if file is None else file
         self.names = hf_names(self.file.tensors)  # HF name -> GGUF name
 
     @property

@@ -1,6 +1,6 @@
-"""What a --model argument names: a path, a `cake split` bundle, or a Hugging Face id in the hub
-cache (its layout built here as huggingface_hub writes it); which files a node fetches; a layer's
-estimated size. No network: every file a test asks for is in its cache."""
+"""What a --model argument names: a path, a `cake split` bundle, a Hugging Face id in the hub
+cache (its layout built here as huggingface_hub writes it) or a GGUF file of one; which files a
+node fetches; a layer's estimated size. No network: every file a test asks for is in its cache."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from cakemp.checkpoint.files import CONFIG, INDEX, estimated_layer_bytes, in_layer
+from cakemp.checkpoint import hub
 from cakemp.checkpoint.hub import fetch_metadata, fetch_weights, shards_for
-from cakemp.checkpoint.locate import ModelSource, Repository, hub_cache, locate, parse_repository
+from cakemp.checkpoint.locate import ModelSource, Repository, hub_cache, locate, parse_repository, parse_repository_file
 from cakemp.errors import CheckpointError, ConfigError
+from tests.gguf_files import GgufSpec, needs_gguf, write_gguf
 from tests.hub_cache import COMMIT, write_snapshot
 
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
@@ -63,8 +65,8 @@ def test_an_id_is_its_refs_snapshot_and_a_revision_picks_another(cache):
     main = write_snapshot(cache, "org/name", {CONFIG: "{}"})
     tagged = write_snapshot(cache, "org/name", {CONFIG: "{}"}, commit=OTHER, ref="v2")
     assert locate("org/name") == ModelSource(main, repository=Repository("org/name", "main", cache))
-    assert locate("org/name@v2").directory == tagged
-    assert locate(f"org/name@{OTHER}").directory == tagged
+    assert locate("org/name@v2").path == tagged
+    assert locate(f"org/name@{OTHER}").path == tagged
 
 
 def test_an_existing_path_wins_over_an_id_of_the_same_spelling(cache, tmp_path, monkeypatch):
@@ -75,9 +77,9 @@ def test_an_existing_path_wins_over_an_id_of_the_same_spelling(cache, tmp_path, 
     assert locate("org/name") == ModelSource(Path("org/name"))
 
 
-def test_an_id_the_cache_lacks_has_no_directory_and_says_which_cache_was_searched(cache):
+def test_an_id_the_cache_lacks_has_no_path_and_says_which_cache_was_searched(cache):
     source = locate("org/absent")
-    assert source.directory is None and source.repository == Repository("org/absent", "main", cache)
+    assert source.path is None and source.repository == Repository("org/absent", "main", cache)
     with pytest.raises(ConfigError, match=f"org/absent is not in the Hugging Face cache {cache}$"):
         source.checkpoint()
 
@@ -128,7 +130,7 @@ def test_a_snapshot_holding_what_a_node_needs_fetches_nothing(cache):
     snapshot = write_snapshot(cache, "org/name", {CONFIG: "{}", INDEX: json.dumps({"weight_map": WEIGHT_MAP}),
                                                   "model-00002-of-00003.safetensors": ""})
     source, fetched = fetch_metadata(locate("org/name"))
-    assert (source.directory, fetched) == (snapshot, [])
+    assert (source.path, fetched) == (snapshot, [])
     assert fetch_weights(source, lambda tensor: in_layer(tensor, "model.layers.1")) == []
     assert fetch_weights(ModelSource(Path("/no/such/dir")), lambda tensor: True) == []  # a path is never fetched
 
@@ -147,3 +149,56 @@ def test_a_layers_size_is_its_tensors_bytes_from_the_headers_and_else_the_files_
     (tmp_path / "b.safetensors").unlink()
     assert estimated_layer_bytes(tmp_path, 2, "model.layers") == (tmp_path / "a.safetensors").stat().st_size // 2
     assert estimated_layer_bytes(tmp_path / "empty", 2, "model.layers") == 0
+
+
+@pytest.mark.parametrize("argument, expected", [
+    ("org/name/model-Q4_K_M.gguf", ("org/name", "main", "model-Q4_K_M.gguf")),
+    ("org/name@v2/model.gguf", ("org/name", "v2", "model.gguf")),
+    (f"org/name@{COMMIT}/q8/model.gguf", ("org/name", COMMIT, "q8/model.gguf")),  # a file in a folder
+    ("org/name@refs/pr/3/model.gguf", ("org/name", "refs/pr/3", "model.gguf")),  # as HfFileSystem reads it
+    ("org/name/model.safetensors", None),  # only a GGUF file is named inside a repository
+    ("org/name/../model.gguf", None),
+    ("org/name//model.gguf", None),
+    ("org/name@../model.gguf", None),
+    ("./org/name/model.gguf", None),  # the path rules of an id apply to its repository part
+    ("/models/org/model.gguf", None),
+    ("~/org/model.gguf", None),
+    ("org/name/my model.gguf", None),
+])
+def test_a_gguf_file_of_a_repository_is_the_id_then_its_path_in_the_repository(argument, expected):
+    named = parse_repository_file(argument)
+    assert (None if named is None else (named[0].repo_id, named[0].revision, named[1])) == expected
+
+
+def test_a_gguf_id_is_that_file_of_the_snapshot_and_missing_says_the_id_the_file_and_the_cache(cache):
+    snapshot = write_snapshot(cache, "org/gguf", {"model-Q8_0.gguf": "GGUF"})
+    assert locate("org/gguf/model-Q8_0.gguf") == ModelSource(
+        snapshot / "model-Q8_0.gguf", repository=Repository("org/gguf", "main", cache), filename="model-Q8_0.gguf")
+    assert locate(f"org/gguf@{COMMIT}/model-Q8_0.gguf").path == snapshot / "model-Q8_0.gguf"
+    for absent in ("org/gguf/model-Q4_0.gguf", "org/gguf@v9/model-Q8_0.gguf", "org/none/model-Q8_0.gguf"):
+        source = locate(absent)
+        assert source.path is None and source.filename is not None
+        with pytest.raises(ConfigError, match=f": {source.filename} is not in the Hugging Face cache {cache}$"):
+            source.checkpoint()
+
+
+def test_a_cached_gguf_id_fetches_nothing_more(cache):
+    """The file is the whole checkpoint: no config.json, index, tokenizer or shard is asked for (none
+    could be: huggingface_hub is never called)."""
+    snapshot = write_snapshot(cache, "org/gguf", {"model.gguf": "GGUF"})
+    source, fetched = fetch_metadata(locate("org/gguf/model.gguf"), ("tokenizer.json",), ("chat_template.jinja",))
+    assert (source.path, fetched) == (snapshot / "model.gguf", [])
+    assert fetch_weights(source, lambda tensor: True) == []
+
+
+@needs_gguf
+def test_a_cached_gguf_id_weighs_a_layer_from_its_file(cache, tmp_path):
+    """A topology completed by memory weighs a GGUF id's layer from the cached file, never asking the hub."""
+    path = write_gguf(tmp_path / "m.gguf", GgufSpec("qwen3"))
+    write_snapshot(cache, "org/gguf", {"m.gguf": path})
+    assert hub.layer_bytes(locate("org/gguf/m.gguf"), 4, "model.layers") == estimated_layer_bytes(path, 4, "model.layers")
+
+
+def test_one_part_of_a_split_gguf_is_refused_by_its_name_before_any_fetch(cache):
+    with pytest.raises(ConfigError, match="org/gguf: q8/model-00001-of-00003.gguf is one part of a split GGUF file"):
+        locate("org/gguf/q8/model-00001-of-00003.gguf")

@@ -20,10 +20,11 @@ LAYERS = [1, 2, 3]
 EXIT_CONFIG = 78
 
 
-def start(path: Path, tmp: Path) -> RunningNode:
+def start(path: Path, tmp: Path, model: str | None = None, env: dict[str, str] | None = None) -> RunningNode:
+    """The node over `path`, named by `model` (a Hugging Face id for it; default: the path), under `env`."""
     prefix = ModelConfig.from_dir(path).layer_prefix
     topology = write_topology(tmp / "topology.yml", [f"{prefix}.1-3"])
-    return RunningNode(path, topology, "--gpus", "cpu", "--dtype", "f32")
+    return RunningNode(model or path, topology, "--gpus", "cpu", "--dtype", "f32", env=env)
 
 
 async def check_session(port: int, path: Path, reference: Path, chunks: list[int]) -> list[float]:

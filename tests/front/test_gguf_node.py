@@ -9,7 +9,9 @@ One node at a time, each serving layers 1-3 of one file on one f32 CPU device:
   Q4_1, Q5_0, Q5_1, BF16, Q4_0, F16 and IQ4_NL matrices, f32 q/k norms;
 * Qwen3-MoE, 8 experts of 768, 2 per token, tied embeddings: experts stacked as llama.cpp
   stores them (gate Q8_0, up Q4_0, down TQ1_0), the router Q8_0;
-* Qwen2 (the family Cake's GGUF path computes right), q/k/v biases, one kv head: Q8_0 and F16.
+* Qwen2 (the family Cake's GGUF path computes right), q/k/v biases, one kv head: Q8_0 and F16;
+  then the same file again, the node started by id (`--model org/name/file.gguf`) from a
+  temporary hub cache holding it, offline (HF_HUB_OFFLINE=1).
 A prompt, 8 decode steps and (a second session) a prompt in 3-token chunks match HF to F32_REL
 (both sides compute the same f32 weights: ours are bit-equal to gguf-py's dequantization).
 Files cakemp does not take (an architecture, a ggml type, a malformed header, a served layer's
@@ -24,6 +26,7 @@ import pytest
 
 from tests.front.quantized_node import check_prompt_decode_and_chunks, refused_at_start, start
 from tests.gguf_files import GgufSpec, hf_reference, needs_gguf, write_gguf
+from tests.hub_cache import write_snapshot
 
 SPECS = {
     "llama": GgufSpec("llama", hidden=256, ffn=512, types={
@@ -38,12 +41,24 @@ SPECS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
+# The Qwen2 file once more, its node started by Hugging Face id from a hub cache that holds it, offline.
+BY_ID = "qwen2-by-id"
+REPO = "tiny-org/qwen2-gguf"
+
+
+@pytest.fixture(scope="module", params=[*SPECS, BY_ID])
 def served(request, tmp_path_factory):
+    arch = "qwen2" if request.param == BY_ID else request.param
     tmp = tmp_path_factory.mktemp(request.param)
-    path = write_gguf(tmp / f"{request.param}.gguf", SPECS[request.param])
+    path = write_gguf(tmp / f"{arch}.gguf", SPECS[arch])
     reference = hf_reference(path, tmp / "reference")
-    node = start(path, tmp)
+    if request.param == BY_ID:
+        snapshot = write_snapshot(tmp / "hub", REPO, {path.name: path})
+        path.unlink()  # only the cache's copy remains
+        path = snapshot / path.name
+        node = start(path, tmp, f"{REPO}/{path.name}", env={"HF_HUB_CACHE": str(tmp / "hub"), "HF_HUB_OFFLINE": "1"})
+    else:
+        node = start(path, tmp)
     yield node, path, reference
     assert node.stop() == 0
 
