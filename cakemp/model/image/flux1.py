@@ -27,7 +27,8 @@ import torch
 from diffusers import FluxTransformer2DModel
 from safetensors import SafetensorError, safe_open
 
-from cakemp.errors import BadTensor, CheckpointError
+from cakemp.errors import CheckpointError
+from cakemp.model.image.flux import FluxTransformer, _check
 
 PREFIX = "model.diffusion_model."  # the transformer's tensors in Comfy's single-file checkpoint
 HEAD_DIM = 128
@@ -55,11 +56,6 @@ SINGLE = {"modulation.lin": "norm.linear", "linear2": "proj_out",
 FUSED_DOUBLE = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
                 "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
 FUSED_SINGLE = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise BadTensor(message)
 
 
 def _renamed(name: str, table: dict[str, str], prefix: str) -> str | None:
@@ -136,7 +132,7 @@ def _config(bfl: dict[str, torch.Tensor], path: Path) -> dict:
                   "num_layers": 1 + max(int(k.split(".")[1]) for k in bfl if k.startswith("double_blocks.")),
                   "num_single_layers": 1 + max(int(k.split(".")[1]) for k in bfl if k.startswith("single_blocks."))}
     except (KeyError, ValueError, IndexError) as e:
-        raise CheckpointError(f"{path} holds no FLUX.1 transformer (under {PREFIX}): {e!r} missing") from None
+        raise CheckpointError(f"{path} holds no FLUX.1 transformer (under {PREFIX}): {e!r}") from None
     if head != HEAD_DIM or width % head or mlp != MLP_RATIO * width:
         raise CheckpointError(f"{path}: heads {head} wide (FLUX.1's are {HEAD_DIM}), width {width}, MLP {mlp} "
                               f"(FLUX.1's is {MLP_RATIO} times the width)")
@@ -186,15 +182,11 @@ class Flux1Transformer:
         return (img.to(**to), img_ids[0].to(self.device), txt.to(**to), txt_ids[0].to(self.device),
                 timesteps.reshape(1).to(**to), y.to(**to), kept.reshape(1).to(**to))
 
-    @staticmethod
-    def group(call: tuple[torch.Tensor, ...]) -> tuple:
-        """Shapes and the position ids themselves: diffusers takes one set of ids for the whole batch."""
-        img, img_ids, txt, txt_ids, *_ = call
-        return (tuple(img.shape), tuple(txt.shape), img_ids.cpu().numpy().tobytes(), txt_ids.cpu().numpy().tobytes())
+    group = staticmethod(FluxTransformer.group)  # shapes and position ids, as FLUX.2's: one set of ids per batch
 
     def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-        img, _, txt, _, timesteps, y, guidance = (torch.cat(parts) if i not in (1, 3) else None
-                                                  for i, parts in enumerate(zip(*calls)))
+        # The batch's img [b, S, C], txt [b, L, T], timesteps [b], y [b, P], guidance [b]; one set of ids (group).
+        img, txt, timesteps, y, guidance = (torch.cat([call[i] for call in calls]) for i in (0, 2, 4, 5, 6))
         velocity = self.module(hidden_states=img, encoder_hidden_states=txt, pooled_projections=y,
                                timestep=timesteps, img_ids=calls[0][1], txt_ids=calls[0][3],
                                guidance=guidance if self.config.guidance_embeds else None).sample
