@@ -280,13 +280,15 @@ def flux_text_oracle(folder: Path):
 FLUX1 = {"width": 128, "channels": 16, "text": 32, "pooled": 24, "double": 2, "single": 2}
 
 
-def _flux1_shapes() -> dict[str, tuple[int, ...]]:
-    """Every tensor of BFL's FLUX.1 transformer (prefix model.diffusion_model.), with its shape."""
+def _flux1_shapes(guidance: bool) -> dict[str, tuple[int, ...]]:
+    """Every tensor of BFL's FLUX.1 transformer (prefix model.diffusion_model.), with its shape; `guidance`:
+    with dev's guidance embedder (schnell has none)."""
     w, mlp = FLUX1["width"], 4 * FLUX1["width"]
     linears = {"img_in": (w, FLUX1["channels"]), "txt_in": (w, FLUX1["text"]), "time_in.in_layer": (w, 256),
                "time_in.out_layer": (w, w), "vector_in.in_layer": (w, FLUX1["pooled"]), "vector_in.out_layer": (w, w),
-               "guidance_in.in_layer": (w, 256), "guidance_in.out_layer": (w, w),
                "final_layer.linear": (FLUX1["channels"], w), "final_layer.adaLN_modulation.1": (2 * w, w)}
+    if guidance:
+        linears |= {"guidance_in.in_layer": (w, 256), "guidance_in.out_layer": (w, w)}
     norms = {}
     for i in range(FLUX1["double"]):
         for stream in ("img", "txt"):
@@ -304,12 +306,12 @@ def _flux1_shapes() -> dict[str, tuple[int, ...]]:
     return {"model.diffusion_model." + name: shape for name, shape in shapes.items()}
 
 
-def write_flux1_checkpoint(path: Path) -> Path:
+def write_flux1_checkpoint(path: Path, guidance: bool = True) -> Path:
     """The tiny FLUX.1 as one file: matrices float8_e4m3fn without scales (as flux1-dev-fp8), biases and
     norm scales bf16, beside other components' tensors (Comfy's file holds CLIP, T5 and the VAE too)."""
     generator = torch.Generator().manual_seed(5)
     state = {}
-    for name, shape in _flux1_shapes().items():
+    for name, shape in _flux1_shapes(guidance).items():
         values = torch.randn(shape, generator=generator)
         if name.endswith(".scale"):
             state[name] = (1 + 0.1 * values).to(torch.bfloat16)
@@ -336,23 +338,23 @@ def _flux1_converter():
     return namespace["convert_flux_transformer_checkpoint_to_diffusers"]
 
 
-def flux1_transformer_oracle(path: Path):
+def flux1_transformer_oracle(path: Path, guidance: bool = True):
     """diffusers' FluxTransformer2DModel in f32 from the file, converted by diffusers' converter and
-    called as FluxPipeline calls it (timestep the sigma, guidance the scale, ids [S, 3] and [L, 3])."""
+    called as FluxPipeline calls it (timestep the sigma, guidance the scale or None, ids [S, 3] and [L, 3])."""
     from diffusers import FluxTransformer2DModel
 
     stored = {k: v.float() for k, v in load_file(path).items() if k.startswith("model.diffusion_model.")}
     model = FluxTransformer2DModel(in_channels=FLUX1["channels"], num_layers=FLUX1["double"],
                                    num_single_layers=FLUX1["single"], attention_head_dim=128,
                                    num_attention_heads=FLUX1["width"] // 128, joint_attention_dim=FLUX1["text"],
-                                   pooled_projection_dim=FLUX1["pooled"], guidance_embeds=True).eval()
+                                   pooled_projection_dim=FLUX1["pooled"], guidance_embeds=guidance).eval()
     model.load_state_dict(_flux1_converter()(stored))
 
-    def velocity(img, img_ids, txt, txt_ids, t: float, y, guidance: float) -> torch.Tensor:
+    def velocity(img, img_ids, txt, txt_ids, t: float, y, scale: float | None) -> torch.Tensor:
         with torch.no_grad():
             return model(hidden_states=img, encoder_hidden_states=txt, pooled_projections=y,
-                         timestep=torch.tensor([t]), guidance=torch.tensor([guidance]), img_ids=img_ids[0],
-                         txt_ids=txt_ids[0]).sample
+                         timestep=torch.tensor([t]), guidance=None if scale is None else torch.tensor([scale]),
+                         img_ids=img_ids[0], txt_ids=txt_ids[0]).sample
 
     return velocity
 

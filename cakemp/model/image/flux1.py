@@ -113,6 +113,8 @@ def _read(path: Path, device: torch.device, dtype: torch.dtype) -> dict[str, tor
         with safe_open(path, "pt") as stored:
             keys = list(stored.keys())
             prefix = PREFIX if any(key.startswith(PREFIX) for key in keys) else ""
+            if prefix + "img_in.weight" not in keys:  # refused before reading what may be another model's gigabytes
+                raise CheckpointError(f"{path} holds no FLUX.1 transformer (no {PREFIX}img_in.weight)")
             return {key[len(prefix):]: stored.get_tensor(key).to(device).to(dtype)
                     for key in keys if key.startswith(prefix)}
     except (OSError, SafetensorError) as e:
