@@ -278,25 +278,26 @@ def flux_text_oracle(folder: Path):
 # A tiny FLUX.1-dev in BFL's names, as Comfy's single file stores it: FLUX.1's 128-wide heads (one
 # of them), 16 latent channels, text 32 wide, pooled 24, guidance embedded; two blocks of each kind.
 FLUX1 = {"width": 128, "channels": 16, "text": 32, "pooled": 24, "double": 2, "single": 2}
+FLUX1_DEV = {"width": 3072, "channels": 64, "text": 4096, "pooled": 768, "double": 19, "single": 38}  # the real one
 
 
-def _flux1_shapes(guidance: bool) -> dict[str, tuple[int, ...]]:
+def flux1_shapes(guidance: bool, sizes: dict = FLUX1) -> dict[str, tuple[int, ...]]:
     """Every tensor of BFL's FLUX.1 transformer (prefix model.diffusion_model.), with its shape; `guidance`:
     with dev's guidance embedder (schnell has none)."""
-    w, mlp = FLUX1["width"], 4 * FLUX1["width"]
-    linears = {"img_in": (w, FLUX1["channels"]), "txt_in": (w, FLUX1["text"]), "time_in.in_layer": (w, 256),
-               "time_in.out_layer": (w, w), "vector_in.in_layer": (w, FLUX1["pooled"]), "vector_in.out_layer": (w, w),
-               "final_layer.linear": (FLUX1["channels"], w), "final_layer.adaLN_modulation.1": (2 * w, w)}
+    w, mlp = sizes["width"], 4 * sizes["width"]
+    linears = {"img_in": (w, sizes["channels"]), "txt_in": (w, sizes["text"]), "time_in.in_layer": (w, 256),
+               "time_in.out_layer": (w, w), "vector_in.in_layer": (w, sizes["pooled"]), "vector_in.out_layer": (w, w),
+               "final_layer.linear": (sizes["channels"], w), "final_layer.adaLN_modulation.1": (2 * w, w)}
     if guidance:
         linears |= {"guidance_in.in_layer": (w, 256), "guidance_in.out_layer": (w, w)}
     norms = {}
-    for i in range(FLUX1["double"]):
+    for i in range(sizes["double"]):
         for stream in ("img", "txt"):
             block = f"double_blocks.{i}.{stream}_"
             linears |= {block + "mod.lin": (6 * w, w), block + "attn.qkv": (3 * w, w), block + "attn.proj": (w, w),
                         block + "mlp.0": (mlp, w), block + "mlp.2": (w, mlp)}
             norms |= {block + "attn.norm.query_norm.scale": (128,), block + "attn.norm.key_norm.scale": (128,)}
-    for i in range(FLUX1["single"]):
+    for i in range(sizes["single"]):
         block = f"single_blocks.{i}."
         linears |= {block + "modulation.lin": (3 * w, w), block + "linear1": (3 * w + mlp, w),
                     block + "linear2": (w, w + mlp)}
@@ -311,7 +312,7 @@ def write_flux1_checkpoint(path: Path, guidance: bool = True) -> Path:
     norm scales bf16, beside other components' tensors (Comfy's file holds CLIP, T5 and the VAE too)."""
     generator = torch.Generator().manual_seed(5)
     state = {}
-    for name, shape in _flux1_shapes(guidance).items():
+    for name, shape in flux1_shapes(guidance).items():
         values = torch.randn(shape, generator=generator)
         if name.endswith(".scale"):
             state[name] = (1 + 0.1 * values).to(torch.bfloat16)
@@ -325,7 +326,7 @@ def write_flux1_checkpoint(path: Path, guidance: bool = True) -> Path:
     return path
 
 
-def _flux1_converter():
+def flux1_converter():
     """diffusers' own BFL -> diffusers conversion, its hard-coded FLUX.1 width (3072, a local) set to the tiny one's."""
     import inspect
 
@@ -348,7 +349,7 @@ def flux1_transformer_oracle(path: Path, guidance: bool = True):
                                    num_single_layers=FLUX1["single"], attention_head_dim=128,
                                    num_attention_heads=FLUX1["width"] // 128, joint_attention_dim=FLUX1["text"],
                                    pooled_projection_dim=FLUX1["pooled"], guidance_embeds=guidance).eval()
-    model.load_state_dict(_flux1_converter()(stored))
+    model.load_state_dict(flux1_converter()(stored))
 
     def velocity(img, img_ids, txt, txt_ids, t: float, y, scale: float | None) -> torch.Tensor:
         with torch.no_grad():

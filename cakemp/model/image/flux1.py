@@ -73,6 +73,9 @@ def _split(name: str, tensor: torch.Tensor, table: dict[str, tuple[str, ...]], p
         if name.startswith(bfl + "."):
             kind = name[len(bfl):]  # .weight or .bias
             sizes = [width] * 3 + [tensor.shape[0] - 3 * width] * (len(parts) - 3)
+            if min(sizes) <= 0 or sum(sizes) != tensor.shape[0]:
+                raise CheckpointError(f"FLUX.1 checkpoint: {name} has {tensor.shape[0]} rows, not {len(parts)} "
+                                      f"projections of a {width}-wide model")
             return {prefix + part + kind: piece for part, piece in zip(parts, tensor.split(sizes), strict=True)}
     return None
 
@@ -101,7 +104,7 @@ def diffusers_state(bfl: dict[str, torch.Tensor], width: int) -> dict[str, torch
         else:
             renamed = _renamed(name, EMBEDDERS, "")
         if renamed is None:
-            raise CheckpointError(f"FLUX.1 checkpoint: no FluxTransformer2DModel tensor for {PREFIX}{name}")
+            raise CheckpointError(f"FLUX.1 checkpoint: no FluxTransformer2DModel tensor for {name}")
         state[renamed] = tensor
     return state
 
