@@ -273,3 +273,95 @@ def flux_text_oracle(folder: Path):
         return torch.cat([hidden[9], hidden[18], hidden[27]], dim=-1)
 
     return encode
+
+
+# A tiny FLUX.1-dev in BFL's names, as Comfy's single file stores it: FLUX.1's 128-wide heads (one
+# of them), 16 latent channels, text 32 wide, pooled 24, guidance embedded; two blocks of each kind.
+FLUX1 = {"width": 128, "channels": 16, "text": 32, "pooled": 24, "double": 2, "single": 2}
+FLUX1_DEV = {"width": 3072, "channels": 64, "text": 4096, "pooled": 768, "double": 19, "single": 38}  # the real one
+
+
+def flux1_shapes(guidance: bool, sizes: dict = FLUX1) -> dict[str, tuple[int, ...]]:
+    """Every tensor of BFL's FLUX.1 transformer (prefix model.diffusion_model.), with its shape; `guidance`:
+    with dev's guidance embedder (schnell has none)."""
+    w, mlp = sizes["width"], 4 * sizes["width"]
+    linears = {"img_in": (w, sizes["channels"]), "txt_in": (w, sizes["text"]), "time_in.in_layer": (w, 256),
+               "time_in.out_layer": (w, w), "vector_in.in_layer": (w, sizes["pooled"]), "vector_in.out_layer": (w, w),
+               "final_layer.linear": (sizes["channels"], w), "final_layer.adaLN_modulation.1": (2 * w, w)}
+    if guidance:
+        linears |= {"guidance_in.in_layer": (w, 256), "guidance_in.out_layer": (w, w)}
+    norms = {}
+    for i in range(sizes["double"]):
+        for stream in ("img", "txt"):
+            block = f"double_blocks.{i}.{stream}_"
+            linears |= {block + "mod.lin": (6 * w, w), block + "attn.qkv": (3 * w, w), block + "attn.proj": (w, w),
+                        block + "mlp.0": (mlp, w), block + "mlp.2": (w, mlp)}
+            norms |= {block + "attn.norm.query_norm.scale": (128,), block + "attn.norm.key_norm.scale": (128,)}
+    for i in range(sizes["single"]):
+        block = f"single_blocks.{i}."
+        linears |= {block + "modulation.lin": (3 * w, w), block + "linear1": (3 * w + mlp, w),
+                    block + "linear2": (w, w + mlp)}
+        norms |= {block + "norm.query_norm.scale": (128,), block + "norm.key_norm.scale": (128,)}
+    shapes = {f"{name}.weight": shape for name, shape in linears.items()}
+    shapes |= {f"{name}.bias": shape[:1] for name, shape in linears.items()} | norms
+    return {"model.diffusion_model." + name: shape for name, shape in shapes.items()}
+
+
+def write_flux1_checkpoint(path: Path, guidance: bool = True) -> Path:
+    """The tiny FLUX.1 as one file: matrices float8_e4m3fn without scales (as flux1-dev-fp8), biases and
+    norm scales bf16, beside other components' tensors (Comfy's file holds CLIP, T5 and the VAE too)."""
+    generator = torch.Generator().manual_seed(5)
+    state = {}
+    for name, shape in flux1_shapes(guidance).items():
+        values = torch.randn(shape, generator=generator)
+        if name.endswith(".scale"):
+            state[name] = (1 + 0.1 * values).to(torch.bfloat16)
+        elif len(shape) == 2:
+            state[name] = (values / shape[1] ** 0.5).to(torch.float8_e4m3fn)
+        else:
+            state[name] = (0.1 * values).to(torch.bfloat16)
+    state["text_encoders.clip_l.transformer.text_model.final_layer_norm.weight"] = torch.ones(8)
+    state["vae.decoder.conv_in.weight"] = torch.ones(4, 4, 3, 3)
+    save_file(state, path)
+    return path
+
+
+def flux1_converter():
+    """diffusers' own BFL -> diffusers conversion, its hard-coded FLUX.1 width (3072, a local) set to the tiny one's."""
+    import inspect
+
+    from diffusers.loaders import single_file_utils
+
+    source = inspect.getsource(single_file_utils.convert_flux_transformer_checkpoint_to_diffusers)
+    assert "    inner_dim = 3072\n" in source
+    namespace = dict(vars(single_file_utils))
+    exec(source.replace("inner_dim = 3072", f"inner_dim = {FLUX1['width']}"), namespace)
+    return namespace["convert_flux_transformer_checkpoint_to_diffusers"]
+
+
+def flux1_transformer_oracle(path: Path, guidance: bool = True):
+    """diffusers' FluxTransformer2DModel in f32 from the file, converted by diffusers' converter and
+    called as FluxPipeline calls it (timestep the sigma, guidance the scale or None, ids [S, 3] and [L, 3])."""
+    from diffusers import FluxTransformer2DModel
+
+    stored = {k: v.float() for k, v in load_file(path).items() if k.startswith("model.diffusion_model.")}
+    model = FluxTransformer2DModel(in_channels=FLUX1["channels"], num_layers=FLUX1["double"],
+                                   num_single_layers=FLUX1["single"], attention_head_dim=128,
+                                   num_attention_heads=FLUX1["width"] // 128, joint_attention_dim=FLUX1["text"],
+                                   pooled_projection_dim=FLUX1["pooled"], guidance_embeds=guidance).eval()
+    model.load_state_dict(flux1_converter()(stored))
+
+    def velocity(img, img_ids, txt, txt_ids, t: float, y, scale: float | None) -> torch.Tensor:
+        with torch.no_grad():
+            return model(hidden_states=img, encoder_hidden_states=txt, pooled_projections=y,
+                         timestep=torch.tensor([t]), guidance=None if scale is None else torch.tensor([scale]),
+                         img_ids=img_ids[0], txt_ids=txt_ids[0]).sample
+
+    return velocity
+
+
+def flux1_ids(h: int, w: int, text: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cake's FLUX.1 master's position ids: the image's (0, row, column) [1, h·w, 3], the text's zeros [1, L, 3]."""
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    img_ids = torch.stack([torch.zeros(h * w), rows.reshape(-1).float(), cols.reshape(-1).float()], dim=1)[None]
+    return img_ids, torch.zeros(1, text, 3)

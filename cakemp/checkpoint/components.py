@@ -64,21 +64,15 @@ COMPONENTS: dict[str, dict[str, Input]] = {
                                     ("img", "img_ids", "txt", "txt_ids", "timesteps", "y", "guidance")),
     },
 }
-# What this node computes today, per arch (the others are refused at start, by name).
-IMPLEMENTED = {"sd": frozenset(COMPONENTS["sd"]), "flux": frozenset(COMPONENTS["flux"]), "flux1": frozenset()}
 
 
 def check_components(arch: str, names: tuple[str, ...], sd_version: str) -> None:
     """Refuse (ConfigError) a topology entry naming what `arch` has no component for, as Cake's
-    worker refuses it at load ("Model name not recognized"), or a component not served yet."""
+    worker refuses it at load ("Model name not recognized")."""
     known = COMPONENTS[arch]
     for name in names:
         if name not in known:
             raise ConfigError(f"Model name not recognized: {name!r} is no {arch} component (they are: "
                               f"{', '.join(known)})")
-        if name not in IMPLEMENTED[arch]:
-            served = ", ".join(sorted(IMPLEMENTED[arch])) or "none"
-            raise ConfigError(f"{name} (--image-model-arch {arch}) is not served by this version of cakemp (of "
-                              f"{arch}'s components it serves: {served}); see README, 'Image components'")
     if "clip2" in names and sd_version not in ("xl", "turbo"):
         raise ConfigError(f"clip2 is the second text encoder of SDXL and Turbo; --sd-version {sd_version} has none")

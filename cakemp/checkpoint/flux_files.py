@@ -1,4 +1,9 @@
-"""Where a FLUX.2-klein component's files are (torch-free).
+"""Where a FLUX component's files are (torch-free).
+
+FLUX.1 (`flux1_checkpoint`): Cake's worker takes --model as the single-file checkpoint itself
+(flux1-dev-fp8.safetensors) and never downloads it; so does cakemp.
+
+FLUX.2-klein (`locate`):
 
 Cake's worker takes `--model` as the hub repository (black-forest-labs/FLUX.2-klein-4B) and
 reads it from the cache `dirs::cache_dir()/hub`, which on Linux is `~/.cache/hub`, not HF's own
@@ -41,3 +46,11 @@ def locate(component: str, model: str) -> Path:
     roots = " or ".join(str(root) for root in cache_roots())
     raise ConfigError(f"{model}/{marker} is neither a directory's nor in the HF cache at {roots} (a cakemp node "
                       f"never downloads: fetch it with `hf download {model} --include '{folder}/*'`)")
+
+
+def flux1_checkpoint(model: str) -> Path:
+    """The single-file FLUX.1 checkpoint --model names. Raises ConfigError."""
+    if not Path(model).is_file():
+        raise ConfigError(f"--model {model}: no such file (FLUX.1's transformer is read from the single-file "
+                          "checkpoint, such as flux1-dev-fp8.safetensors, that --model names, as Cake's worker)")
+    return Path(model)

@@ -50,11 +50,11 @@ class ComponentRunner:
         """Build and load each named component of `arch` from its files (`.weights`, `.config`);
         `on_layer(n)` once n are on the device. Raises ConfigError without the image extra."""
         try:
-            from cakemp.model.image import flux, sd
+            from cakemp.model.image import flux, flux1, sd
         except ImportError as e:
             raise ConfigError(f"image components need the optional extra {EXTRA} (pip install '{EXTRA}'): "
                               f"{e}") from None
-        classes = {"sd": sd.COMPONENTS, "flux": flux.COMPONENTS}.get(arch, {})
+        classes = {"sd": sd.COMPONENTS, "flux": flux.COMPONENTS, "flux1": flux1.COMPONENTS}.get(arch, {})
         device = torch.device(device)
         loaded = []
         for name, component_files in files:

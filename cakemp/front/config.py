@@ -351,6 +351,13 @@ def _component_entry(name: str | None, topology: str | None) -> tuple[str, tuple
     return served, node.layers
 
 
+def _standard(knobs: Mapping[str, Any]) -> str:
+    """Where a component without a config.json has its architecture from, for the log."""
+    if knobs["image_arch"] == "flux1":
+        return "the checkpoint's tensor shapes, heads and RoPE axes as Cake's Config::dev"
+    return f"{knobs['sd_version']} standard (as Cake hard-codes it)"
+
+
 def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[tuple[str, ComponentFile], ...]:
     """Each image component's files, logged with where its architecture comes from. Raises ConfigError."""
     image_components.check_components(knobs["image_arch"], names, knobs["sd_version"])
@@ -359,12 +366,14 @@ def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[
         if knobs["image_arch"] == "flux":  # a directory of shards, with its config.json
             folder = flux_files.locate(name, knobs["model_dir"])
             located = sd_files.Located(folder, folder / "config.json", "snapshot")
+        elif knobs["image_arch"] == "flux1":  # one file: the architecture comes from its tensors' shapes
+            located = sd_files.Located(flux_files.flux1_checkpoint(knobs["model_dir"]), None, "tensor shapes")
         else:
             located = sd_files.locate(name, knobs["sd_version"], knobs["model_dir"], knobs[f"sd_{name}"],
                                       knobs["sd_config_dir"])
         log.get_logger().info("component files", component=name, weights=str(located.weights),
-                              config=str(located.config) if located.config else f"{knobs['sd_version']} standard "
-                              "(as Cake hard-codes it)", config_from=located.config_source)
+                              config=str(located.config) if located.config else _standard(knobs),
+                              config_from=located.config_source)
         files.append((name, ComponentFile(str(located.weights), None if located.config is None else str(located.config))))
     return tuple(files)
 

@@ -8,8 +8,11 @@ import torch
 
 from cakemp.checkpoint.sd_files import locate
 from cakemp.compute.components import Call, ComponentRunner
-from cakemp.errors import BadTensor
-from tests.image import LATENT, f32, oracle, pack, token_ids, write_cache, write_xl_cache, xl_oracle
+from cakemp.errors import BadTensor, CheckpointError
+from tests.image import (
+    FLUX1, LATENT, f32, flux1_ids, flux1_transformer_oracle, oracle, pack, token_ids, write_cache, write_flux1_checkpoint,
+    write_xl_cache, xl_oracle,
+)
 
 F32_ATOL = 1e-5
 
@@ -95,3 +98,30 @@ def test_sdxl_components_drop_the_added_conditioning_and_the_projection(tmp_path
         torch.testing.assert_close(hidden, expected, atol=F32_ATOL, rtol=0)
         expected = ref["unet"](latents, torch.tensor(300.0), encoder_hidden_states=text).sample
         torch.testing.assert_close(noise, expected, atol=F32_ATOL, rtol=0)
+
+
+def test_a_flux1_schnell_checkpoint_embeds_no_guidance_and_ignores_one(tmp_path):
+    """A FLUX.1 file without guidance_in (schnell) computes diffusers' guidance-free velocity, with or
+    without a guidance tensor in the pack (Cake's master may send one)."""
+    path = write_flux1_checkpoint(tmp_path / "flux1-schnell.safetensors", guidance=False)
+    runner = ComponentRunner.load("flux1", "", [("flux1_transformer", _Flux1File(path))], "cpu", torch.float32)
+    img_ids, txt_ids = flux1_ids(2, 2, 3)
+    img, txt, y = torch.randn(1, 4, FLUX1["channels"]), torch.randn(1, 3, FLUX1["text"]), torch.randn(1, FLUX1["pooled"])
+    steps = [pack(img, img_ids, txt, txt_ids, torch.tensor([0.5]), y),
+             pack(img, img_ids, txt, txt_ids, torch.tensor([0.5]), y, torch.tensor([3.5]))]
+    replies = runner.run_batch([Call(session, f32(x), 0) for session, x in enumerate(steps)])
+    expected = flux1_transformer_oracle(path, guidance=False)(img, img_ids, txt, txt_ids, 0.5, y, None)
+    for reply in replies:
+        torch.testing.assert_close(reply.float(), expected.to(torch.bfloat16).float(), atol=1e-5, rtol=8 * 2**-8)
+
+
+def test_a_file_that_is_no_flux1_transformer_is_refused_at_load(snapshot):
+    """The SD UNet's file has no FLUX.1 tensors: a CheckpointError naming the file, not a crash."""
+    unet = snapshot[1] / "unet" / "diffusion_pytorch_model.fp16.safetensors"
+    with pytest.raises(CheckpointError, match="holds no FLUX.1 transformer"):
+        ComponentRunner.load("flux1", "", [("flux1_transformer", _Flux1File(unet))], "cpu", torch.float32)
+
+
+class _Flux1File:
+    def __init__(self, path):
+        self.weights, self.config = str(path), None

@@ -328,13 +328,13 @@ def test_explicit_component_files_take_their_config_from_the_config_dir(tmp_path
 @pytest.mark.parametrize(("components", "changes", "words"), [
     (["unet", "model.layers.0-3"], {}, "Model name not recognized: 'model.layers.0-3'"),
     (["clip2"], {}, "--sd-version v1-5 has none"),
-    (["flux1_transformer"], {"image_model_arch": "flux1"}, "flux1_transformer (--image-model-arch flux1) is not served"),
+    (["flux1_transformer"], {"image_model_arch": "flux1"}, "no such file (FLUX.1's transformer is read from"),
     (["clip"], {}, "runwayml/stable-diffusion-v1-5/text_encoder/model.fp16.safetensors is not in the HF cache"),
     (["unet"], {"sd_unet": "/nonexistent.safetensors"}, "--sd-unet /nonexistent.safetensors: no such file"),
 ])
 def test_an_image_node_refuses_what_it_cannot_serve_at_start(tmp_path, components, changes, words):
-    """A name that is no component of the arch, SD 1.5's missing second encoder, FLUX (not served
-    yet), a file not in the cache (never downloaded) and a missing explicit file are ConfigErrors."""
+    """A name that is no component of the arch, SD 1.5's missing second encoder, a FLUX.1
+    --model that is no file, a file not in the cache (never downloaded) and a missing explicit file are ConfigErrors."""
     _image_cache(tmp_path)
     with pytest.raises(ConfigError, match=re.escape(words)):
         _image_node(tmp_path, components, **changes)

@@ -172,7 +172,7 @@ class FluxTransformer:
     @staticmethod
     def group(call: tuple[torch.Tensor, ...]) -> tuple:
         """Shapes and the position ids themselves: diffusers takes one set of ids for the whole batch."""
-        img, img_ids, txt, txt_ids, _ = call
+        img, img_ids, txt, txt_ids, *_ = call  # FLUX.1's calls carry y and guidance after them
         return (tuple(img.shape), tuple(txt.shape), img_ids.cpu().numpy().tobytes(), txt_ids.cpu().numpy().tobytes())
 
     def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
