@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -60,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from bench.pool import LAYERS, MAX_POSITIONS, Session, alternate, free_port, start_cakemp, start_single, throughput
+from bench.pool import LAYERS, MAX_POSITIONS, Session, alternate, free_port, machine_line, start_cakemp, start_single, throughput
 from cakemp.compute.runner import BlockRunner, Request
 from tests.checkpoints import make_checkpoint
 
@@ -189,8 +188,7 @@ def main() -> None:
                         help="also time one session in this process with the weights plain and packed (--steps, --prefills)")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
-    print(f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
+    print(machine_line())
     threads = ("--cpu-threads", str(args.threads))
     processes = []
     with tempfile.TemporaryDirectory() as tmp:

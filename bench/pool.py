@@ -50,6 +50,12 @@ PREFILL = 8
 MAX_POSITIONS = 4096
 
 
+def machine_line() -> str:
+    """What a benchmark's figures were taken on: Python, torch, the machine and its load as it starts."""
+    return (f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
+            f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

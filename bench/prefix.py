@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -43,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from bench.pool import LAYERS, MAX_POSITIONS, free_port, raw, start_cakemp
+from bench.pool import LAYERS, MAX_POSITIONS, free_port, machine_line, raw, start_cakemp
 from cakemp.compute.runner import BlockRunner
 from cakemp.front.router import chunk_bounds
 from cakemp.ipc.spec import PREFILL_CHUNK
@@ -159,8 +158,7 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=1024, help="rows of history turn 2 sends again")
     parser.add_argument("--new", type=int, default=32, help="generated rows of turn 1, new rows of turn 2")
     args = parser.parse_args()
-    print(f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
+    print(machine_line())
     threads = ("--cpu-threads", str(args.threads))
     processes = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import torch
 import yaml
 
 from bench import breakdown
-from bench.pool import alternate, busy, free_port, pct, raw, start_single, wait_listening
+from bench.pool import alternate, busy, free_port, machine_line, pct, raw, start_single, wait_listening
 from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 from cakemp.master.client import WorkerClient
 from tests.checkpoints import make_checkpoint
@@ -194,8 +193,7 @@ def main() -> None:
     parser.add_argument("--node-args", default="", help="more `cakemp run` flags for the node (with --breakdown)")
     args = parser.parse_args()
     here = Path(__file__).resolve().parent.parent
-    print(f"python {platform.python_version()} torch {torch.__version__} on {platform.machine()}, "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
+    print(machine_line())
     processes = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
