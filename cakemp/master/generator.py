@@ -34,9 +34,7 @@ from cakemp.master.chat import ChatTemplate, end_token_ids
 from cakemp.master.client import WorkerClient
 from cakemp.master.gguf_tokenizer import gguf_chat_template, gguf_eos_ids, gguf_tokenizer
 from cakemp.master.sampler import Sampler, SamplingParams
-from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import is_gguf
-from cakemp.checkpoint.gguf import GgufFile
+from cakemp.model.checkpoint import AnyCheckpoint, GgufCheckpoint, open_checkpoint
 from cakemp.model.head import Head
 from cakemp.op import Op
 from cakemp.topology import Topology
@@ -190,10 +188,11 @@ class Generator:
     ) -> Generator:
         """Load the master's weights and local layers, then connect to every remote layer."""
         model_dir = Path(model_dir)
-        config = ModelConfig.from_dir(model_dir)
+        checkpoint = open_checkpoint(model_dir)  # a GGUF file's header parsed once, for all three
+        config = checkpoint.config
         torch_dtype = compute_dtype(dtype)
-        tokenizer, end_ids, chat = _vocabulary(model_dir)
-        head = Head.load(model_dir, config, device, torch_dtype)
+        tokenizer, end_ids, chat = _vocabulary(checkpoint)
+        head = Head.from_checkpoint(checkpoint, device, torch_dtype)
         names = [config.layer_name(i) for i in range(config.num_hidden_layers)]
         runs = plan_runs(names, layer_hosts(topology))
         local = [name for run in runs if run.host is None for name, _ in run.layers]
@@ -313,13 +312,14 @@ class Generator:
             await self.clients[index].goodbye()
 
 
-def _vocabulary(model: Path) -> tuple[Tokenizer, frozenset[int], ChatTemplate | None]:
+def _vocabulary(checkpoint: AnyCheckpoint) -> tuple[Tokenizer, frozenset[int], ChatTemplate | None]:
     """The tokenizer, the ids that end a generation and the chat template: a GGUF file's metadata,
     or a checkpoint directory's tokenizer.json and configs."""
-    if is_gguf(model):
-        gguf = GgufFile(model)
+    if isinstance(checkpoint, GgufCheckpoint):
+        gguf = checkpoint.file
         tokenizer = gguf_tokenizer(gguf)
         return tokenizer, gguf_eos_ids(gguf), gguf_chat_template(gguf, tokenizer)
+    model = checkpoint.dir
     tokenizer = _tokenizer(model / "tokenizer.json")
     return tokenizer, end_token_ids(model, tokenizer), ChatTemplate.load(model, tokenizer)
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.model.block import rms_norm
-from cakemp.model.checkpoint import open_checkpoint
+from cakemp.model.checkpoint import AnyCheckpoint, open_checkpoint
 from cakemp.checkpoint.config import ModelConfig
 
 LM_HEAD = "lm_head.weight"
@@ -47,15 +47,20 @@ class Head:
     def load(
         cls, model_dir: str | Path, config: ModelConfig, device: torch.device | str, dtype: torch.dtype
     ) -> Head:
-        """Read the three tensors (two when tied) from the checkpoint, cast to `dtype`.
+        """Read the three tensors (two when tied) from the checkpoint at `model_dir`, cast to `dtype`."""
+        return cls.from_checkpoint(open_checkpoint(model_dir, config), device, dtype)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: AnyCheckpoint, device: torch.device | str, dtype: torch.dtype) -> Head:
+        """Read the three tensors (two when tied) from an open checkpoint, cast to `dtype`.
 
         They sit beside the decoder layers (`model.` or Qwen3.5's `model.language_model.`); a
         (1 + w) family's final norm gets its 1 added as its layers' norms do.
         """
+        config = checkpoint.config
         tied = config.tie_word_embeddings
         model = config.layer_prefix.rpartition(".")[0]  # "model.layers" -> "model"
         embed, norm = f"{model}.embed_tokens.weight", f"{model}.norm.weight"
-        checkpoint = open_checkpoint(model_dir, config)
         # mlx-lm's Qwen3.5 conversions keep lm_head beside their "language_model.model".
         outer = model.rpartition(".")[0]
         head = f"{outer}.{LM_HEAD}" if outer and checkpoint.has(f"{outer}.{LM_HEAD}") else LM_HEAD
