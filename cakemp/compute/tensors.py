@@ -32,8 +32,7 @@ def to_tensor(data: bytes | bytearray | memoryview, dtype: int, shape: tuple[int
     """A CPU tensor over `data` (no copy when the buffer is writable). Raises BadTensor."""
     torch_dtype = _WIRE_TO_TORCH.get(dtype)
     if torch_dtype is None:
-        name = DType(dtype).name if dtype in DType._value2member_map_ else f"tag {dtype}"
-        raise BadTensor(f"unsupported dtype {name}: activations must be F16, BF16 or F32")
+        raise BadTensor(f"unsupported dtype {DType.describe(dtype)}: activations must be F16, BF16 or F32")
     expected = math.prod(shape) * torch_dtype.itemsize
     if len(memoryview(data).cast("B")) != expected:
         raise BadTensor(

@@ -69,8 +69,7 @@ class Admission:
 
     def _check_tensor(self, x: RawTensor) -> None:
         if x.dtype not in ACTIVATION_DTYPES:
-            name = DType(x.dtype).name if x.dtype in DType._value2member_map_ else f"tag {x.dtype}"
-            raise BadTensor(f"unsupported dtype {name}: activations must be F16, BF16 or F32")
+            raise BadTensor(f"unsupported dtype {DType.describe(x.dtype)}: activations must be F16, BF16 or F32")
         # Each dim is checked on its own before anything is multiplied: no product can wrap.
         shape = x.shape
         if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != self.hidden_size:

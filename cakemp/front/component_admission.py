@@ -64,7 +64,7 @@ class ComponentAdmission:
 
 def _check_tokens(name: str, x: RawTensor) -> None:
     if x.dtype != DType.U32:
-        raise BadTensor(f"{name} takes U32 token ids, got {_dtype_name(x.dtype)}")
+        raise BadTensor(f"{name} takes U32 token ids, got {DType.describe(x.dtype)}")
     shape = x.shape
     if len(shape) != 2 or not 1 <= shape[0] <= MAX_TOKEN_ROWS or not 1 <= shape[1] <= MAX_TOKENS:
         raise BadTensor(f"{name} takes token ids [b, L] with 1 <= b <= {MAX_TOKEN_ROWS} and 1 <= L <= {MAX_TOKENS}, "
@@ -75,7 +75,7 @@ def _check_tokens(name: str, x: RawTensor) -> None:
 def _check_pack(name: str, wanted: Packed, x: RawTensor) -> None:
     if x.dtype != DType.F32 or len(x.shape) != 1:
         raise BadTensor(f"{name} takes one packed F32 vector [total] (Cake's pack_tensors of "
-                        f"{wanted.describe()}), got {_dtype_name(x.dtype)} of {len(x.shape)} dimensions")
+                        f"{wanted.describe()}), got {DType.describe(x.dtype)} of {len(x.shape)} dimensions")
     _check_bytes(name, x, x.shape[0] * 4)
     ranks = tuple(len(tensor.shape) for tensor in unpack_layout(x.data, name))
     if ranks not in wanted.ranks:
@@ -87,7 +87,3 @@ def _check_pack(name: str, wanted: Packed, x: RawTensor) -> None:
 def _check_bytes(name: str, x: RawTensor, expected: int) -> None:
     if memoryview(x.data).nbytes != expected:
         raise BadTensor(f"{name}: tensor data is {memoryview(x.data).nbytes} bytes, its shape needs {expected}")
-
-
-def _dtype_name(tag: int) -> str:
-    return DType(tag).name if tag in DType._value2member_map_ else f"tag {tag}"

@@ -45,6 +45,11 @@ class DType(IntEnum):
         """Bytes per element."""
         return _ITEMSIZE[self]
 
+    @classmethod
+    def describe(cls, tag: int) -> str:
+        """A tag as an error message names it: its dtype's name, or "tag N" for a tag Cake has not."""
+        return cls(tag).name if tag in cls._value2member_map_ else f"tag {tag}"
+
 
 _ITEMSIZE = {
     DType.U8: 1,
