@@ -19,7 +19,7 @@ import pytest
 
 from tests.checkpoints import make_checkpoint
 from tests.front.quantized_node import check_prompt_decode_and_chunks, refused_at_start, start
-from tests.quantized import GptqSpec, gptq_checkpoints, needs_gptqmodel
+from tests.quantized import GptqSpec, gptq_checkpoints, gptq_shaped, needs_gptqmodel
 
 
 SPECS = {
@@ -55,3 +55,14 @@ def test_a_gptq_variant_not_computed_is_refused_at_start(tmp_path):
     config["quantization_config"] = {"quant_method": "gptq", "bits": 5, "group_size": 32}
     (path / "config.json").write_text(json.dumps(config))
     assert "GPTQ with 5 bits is not supported" in refused_at_start(path, tmp_path)
+
+
+def test_a_gptq_weight_claiming_a_matrix_the_config_does_not_imply_stops_the_node_naming_it(tmp_path):
+    """down_proj's parts agree with each other on [8192, 8192] where config.json implies [64, 128] (a
+    pushed or downloaded file can say so): the node exits 78 naming the weight and both shapes, checked
+    from the headers before any device dequantizes it (tests/compute/test_quantized_shapes.py measures
+    the memory that is never taken)."""
+    path = gptq_shaped(tmp_path / "bad", "llama", GptqSpec("llama", bits=4, group_size=32),
+                       shapes={"model.layers.1.mlp.down_proj": (8192, 8192)})
+    output = refused_at_start(path, tmp_path)
+    assert "model.layers.1.mlp.down_proj.weight (8192, 8192)" in output and "(64, 128)" in output
