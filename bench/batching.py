@@ -32,7 +32,7 @@ back). A session alone must be no slower than before (5% allowed).
 
 With --packing, the same layers are also loaded into this process twice, the f32 weights
 plain (as `--max-batch 1` keeps them) and packed for MKL's GEMM (as a batching node does,
-cakemp/model/packed.py), and one session's decode steps (--steps) and 128-token prompt chunks
+cakemp/model/weights/packed.py), and one session's decode steps (--steps) and 128-token prompt chunks
 (--prefills; the piece of a prompt a device runs per step) through BlockRunner.run are
 timed, the two alternating: what packing costs a session alone, without the node around it.
 

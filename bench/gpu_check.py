@@ -28,7 +28,7 @@ findings, or the error that stopped it, and the next one runs regardless:
    WorkerError, and the node serves again once the memory is back.
 7. int4 (~40 s): one Llama-3-8B-shaped layer as GPTQ (group 128), MLX affine (group 128) and
    GGUF (Q4_0 attention, Q4_K gate/up, Q4_1 down) checkpoints of random 4-bit codes, loaded with the 4-bit
-   matrices kept int4 (torch's int4 matmul, model/int4.py) and dequantized to bf16: resident
+   matrices kept int4 (torch's int4 matmul, model/weights/int4.py) and dequantized to bf16: resident
    weight bytes of each (held, and as the fit check counts them), the int4 layer's output error
    against the dequantized one (prefill of 64, decode), and decode time per layer of each;
    whether BlockRunner.load itself keeps them int4 here. Rehearsal: the CPU's int4 kernel;
@@ -74,7 +74,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from blocks import timed  # noqa: E402  (bench/, this script's folder)
 
-from cakemp.model import attention, fp8  # noqa: E402
+from cakemp.model import attention  # noqa: E402
+from cakemp.model.weights import fp8  # noqa: E402
 
 FINDINGS: dict[str, object] = {}
 
@@ -510,7 +511,7 @@ def load_layer(path: Path, device: torch.device, keep_int4: bool):
     `keep_int4` says, on any device (the CPU's int4 kernel in a rehearsal); the bytes the fit check counts)."""
     from cakemp.checkpoint.config import ModelConfig
     from cakemp.compute.runner import BlockRunner, _LoadPlan
-    from cakemp.model.checkpoint import open_checkpoint
+    from cakemp.model.weights.safetensors import open_checkpoint
 
     config = ModelConfig.from_dir(path)
     checkpoint = open_checkpoint(path, config)
@@ -539,7 +540,7 @@ def decode_ms(runner, device: torch.device, steps: int) -> float:
 
 def check_int4(device: torch.device, rehearse: bool) -> None:
     from cakemp.compute.runner import BlockRunner
-    from cakemp.model import int4
+    from cakemp.model.weights import int4
 
     finding("int4.kernel_works", int4.kernel_works(device))
     with tempfile.TemporaryDirectory() as tmp:
@@ -580,7 +581,7 @@ def dequantize_cases(rehearse: bool):
     import numpy as np
 
     from cakemp.checkpoint.quantization import Gptq
-    from cakemp.model import ggml, gptq, mlx
+    from cakemp.model.weights import ggml, gptq, mlx
     from tests.gguf_files import RANDOM_BLOCKS, random_blocks
 
     rows, cols = (64, 512) if rehearse else (4096, 4096)

@@ -2,7 +2,7 @@
 belong to a layer, what a layer is called, and a safetensors file's header (read without torch).
 
 The front (setup, admission), the master (pushes, assignment) and the torch loader
-(`model/checkpoint.py`) all ask these questions; this is the one place each is answered.
+(`model/weights/safetensors.py`) all ask these questions; this is the one place each is answered.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A GGUF file (llama.cpp's container), parsed without torch: its metadata and where each
 tensor's bytes lie. The bytes themselves are read later, through a memory map, one tensor at a
-time (model/gguf_checkpoint.py), so a node reads only the tensors of the layers it serves.
+time (model/weights/gguf.py), so a node reads only the tensors of the layers it serves.
 
 The layout (GGUF versions 2 and 3, little-endian; version 1's 32-bit counts are refused):
 
@@ -56,7 +56,7 @@ class GgmlType:
 
 
 # The ggml types by their number in a tensor info (ggml.h's enum ggml_type), with their block
-# sizes; which of them are dequantized is model/ggml.py's to say.
+# sizes; which of them are dequantized is model/weights/ggml.py's to say.
 GGML_TYPES = {
     0: GgmlType("F32", 1, 4), 1: GgmlType("F16", 1, 2),
     2: GgmlType("Q4_0", 32, 18), 3: GgmlType("Q4_1", 32, 20),

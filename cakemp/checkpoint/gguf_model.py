@@ -36,7 +36,7 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 _PERMUTED = frozenset({"llama"})
-# The ggml types model/ggml.py dequantizes; a file with another among its tensors is refused here,
+# The ggml types model/weights/ggml.py dequantizes; a file with another among its tensors is refused here,
 # before any device starts.
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                      "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")

@@ -1,6 +1,6 @@
 """How a checkpoint's weights are quantized, read from its config.json, and which stored
 tensors make each quantized weight. No torch: the front refuses a format here, before any
-device starts; model/fp8.py, model/gptq.py and model/mlx.py dequantize.
+device starts; model/weights/fp8.py, model/weights/gptq.py and model/weights/mlx.py dequantize.
 
 | format     | config.json                                            | a weight `P.weight` is stored as          |
 |------------|--------------------------------------------------------|-------------------------------------------|

@@ -17,9 +17,10 @@ from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import CheckpointError, InternalError, PositionGap, RecurrentRewind, UnknownLayer
-from cakemp.model import attention, fp8, int4, packed
+from cakemp.model import attention
+from cakemp.model.weights import fp8, int4, packed
 from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
-from cakemp.model.checkpoint import AnyCheckpoint, Checkpoint, open_checkpoint
+from cakemp.model.weights.safetensors import AnyCheckpoint, Checkpoint, open_checkpoint
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.deltanet import LinearState
 from cakemp.model.linear_block import LinearAttentionBlock
@@ -146,11 +147,11 @@ class BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
 
         `pack_weights`: on the CPU, keep f32 matrices packed for MKL's GEMM beside their plain
-        copy (model/packed.py): batched decode steps and prompt chunks then cost far less, at
+        copy (model/weights/packed.py): batched decode steps and prompt chunks then cost far less, at
         twice the weights' memory.
 
         `keep_int4`: on a GPU computing in bf16, keep 4-bit matrices (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K)
-        4-bit for torch's int4 matmul where it takes them (model/int4.py); False dequantizes
+        4-bit for torch's int4 matmul where it takes them (model/weights/int4.py); False dequantizes
         them, as everywhere else (--dequantize-4bit).
 
         `on_layer(n)` is called once `n` of them are on the device (the device process reports
@@ -163,7 +164,7 @@ class BlockRunner:
         config = checkpoint.config
         plan = _LoadPlan.of(config, checkpoint, layers)
         weights = plan.read(checkpoint, device, dtype, on_layer, keep_int4 and _int4_kept(checkpoint, device, dtype))
-        # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/packed.py says why).
+        # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/weights/packed.py says why).
         for (layer, key), tensor in weights.items():
             if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
                 weights[layer, key] = packed.PackedWeight.create(tensor)

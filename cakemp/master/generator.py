@@ -34,7 +34,7 @@ from cakemp.master.chat import ChatTemplate, end_token_ids
 from cakemp.master.client import WorkerClient
 from cakemp.master.gguf_tokenizer import gguf_chat_template, gguf_eos_ids, gguf_tokenizer
 from cakemp.master.sampler import Sampler, SamplingParams
-from cakemp.model.checkpoint import AnyCheckpoint, GgufCheckpoint, open_checkpoint
+from cakemp.model.weights.safetensors import AnyCheckpoint, GgufCheckpoint, open_checkpoint
 from cakemp.model.head import Head
 from cakemp.op import Op
 from cakemp.topology import Topology

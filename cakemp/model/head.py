@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.model.block import rms_norm
-from cakemp.model.checkpoint import AnyCheckpoint, open_checkpoint
+from cakemp.model.weights.safetensors import AnyCheckpoint, open_checkpoint
 from cakemp.checkpoint.config import ModelConfig
 
 LM_HEAD = "lm_head.weight"

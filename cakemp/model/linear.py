@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cakemp.model.fp8 import Fp8Weight
-from cakemp.model.int4 import Int4Weight
-from cakemp.model.packed import PackedWeight
+from cakemp.model.weights.fp8 import Fp8Weight
+from cakemp.model.weights.int4 import Int4Weight
+from cakemp.model.weights.packed import PackedWeight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight | Int4Weight | PackedWeight,

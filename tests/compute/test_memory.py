@@ -9,9 +9,9 @@ from cakemp.compute import memory
 from cakemp.compute.memory import GIB
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import ConfigError
-from cakemp.model import fp8
+from cakemp.model.weights import fp8
 from cakemp.model.block import DecoderBlock
-from cakemp.model.checkpoint import Checkpoint
+from cakemp.model.weights.safetensors import Checkpoint
 from cakemp.checkpoint.config import ModelConfig
 from tests.checkpoints import make_checkpoint
 

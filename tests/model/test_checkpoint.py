@@ -9,9 +9,9 @@ from safetensors.torch import save_file
 
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import CheckpointError
-from cakemp.model import fp8
+from cakemp.model.weights import fp8
 from cakemp.model.block import DecoderBlock
-from cakemp.model.checkpoint import Checkpoint
+from cakemp.model.weights.safetensors import Checkpoint
 from cakemp.checkpoint.config import ModelConfig
 from tests.checkpoints import make_checkpoint
 from tests.families import HUB_FAMILIES

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cakemp.model import fp8
+from cakemp.model.weights import fp8
 from cakemp.model.linear import linear
 
 

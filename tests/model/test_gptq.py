@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.quantization import Gptq
 from cakemp.compute.runner import BlockRunner
-from cakemp.model import bitfields, gptq
-from cakemp.model.checkpoint import Checkpoint
+from cakemp.model.weights import bitfields, gptq
+from cakemp.model.weights.safetensors import Checkpoint
 from tests.quantized import ORACLE, GptqSpec, gptq_checkpoints, needs_gptqmodel
 
 pytestmark = needs_gptqmodel

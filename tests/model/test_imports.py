@@ -8,7 +8,7 @@ import sys
 forbidden = ("zmq", "asyncio", "transformers")
 import torch, safetensors.torch  # torch itself imports asyncio: that is the baseline
 baseline = {m for m in forbidden if m in sys.modules}
-import cakemp.model.block, cakemp.model.checkpoint, cakemp.compute.runner
+import cakemp.model.block, cakemp.model.weights.safetensors, cakemp.compute.runner
 print(" ".join(m for m in forbidden if m in sys.modules and m not in baseline))
 """
 

@@ -1,4 +1,4 @@
-"""4-bit weights kept int4 (model/int4.py): each format's codes, scales and zeros rewritten into
+"""4-bit weights kept int4 (model/weights/int4.py): each format's codes, scales and zeros rewritten into
 torch's int4 convention, checked with torch's own CPU int4 kernel (`_weight_int4pack_mm_for_cpu`,
 which takes the CUDA kernel's scales_and_zeros convention) against x @ W^T with W the project's
 dequantization of the same stored tensors (itself checked against GPTQModel, MLX and gguf-py:
@@ -19,9 +19,9 @@ import torch
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.quantization import Gptq
 from cakemp.compute.runner import BlockRunner
-from cakemp.model import ggml, gptq, int4, mlx
-from cakemp.model.checkpoint import Checkpoint
-from cakemp.model.gguf_checkpoint import GgufCheckpoint
+from cakemp.model.weights import ggml, gptq, int4, mlx
+from cakemp.model.weights.safetensors import Checkpoint
+from cakemp.model.weights.gguf import GgufCheckpoint
 from cakemp.model.linear import linear
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import RANDOM_BLOCKS, GgufSpec, needs_gguf, random_blocks, write_gguf

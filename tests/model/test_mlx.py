@@ -11,8 +11,8 @@ import torch
 
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute.runner import BlockRunner
-from cakemp.model import mlx
-from cakemp.model.checkpoint import Checkpoint
+from cakemp.model.weights import mlx
+from cakemp.model.weights.safetensors import Checkpoint
 from tests.quantized import HAVE_MLX, mlx_checkpoint, needs_mlx
 
 pytestmark = needs_mlx

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cakemp.model import packed
+from cakemp.model.weights import packed
 from cakemp.model.linear import linear
 from tests.tolerance import assert_close
 

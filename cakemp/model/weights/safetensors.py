@@ -3,8 +3,8 @@
 A weight is read as stored, or dequantized into the compute dtype where the checkpoint is
 quantized (checkpoint/quantization.py names the stored parts: FP8 e4m3 with block scales,
 GPTQ's qweight/qzeros/scales/g_idx, MLX's packed weight/scales/biases). FP8 may stay quantized
-on a GPU that multiplies it (model/fp8.py), and so may 4-bit GPTQ and MLX matrices whose groups
-torch's int4 matmul takes (model/int4.py); everything else is dequantized where it goes, in f32
+on a GPU that multiplies it (model/weights/fp8.py), and so may 4-bit GPTQ and MLX matrices whose groups
+torch's int4 matmul takes (model/weights/int4.py); everything else is dequantized where it goes, in f32
 on the device, then cast.
 """
 
@@ -25,9 +25,9 @@ from cakemp.checkpoint.gguf import GgufFile
 from cakemp.checkpoint.layout import LINEAR_CONV
 from cakemp.checkpoint.quantization import Gptq, GptqParts, MlxAffine, MlxParts, dequantized_shape, norms_carry_one
 from cakemp.errors import CheckpointError
-from cakemp.model import fp8, gptq, int4, mlx
-from cakemp.model.gguf_checkpoint import GgufCheckpoint
-from cakemp.model.stacking import stack_rows
+from cakemp.model.weights import fp8, gptq, int4, mlx
+from cakemp.model.weights.gguf import GgufCheckpoint
+from cakemp.model.weights.stacking import stack_rows
 
 
 K = TypeVar("K")

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from cakemp.model import int4
+from cakemp.model.weights import int4
 
 QK_K = 256
 # IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml-common.h kvalues_iq4nl), indexed by a 4-bit code.

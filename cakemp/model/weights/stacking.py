@@ -1,5 +1,5 @@
 """One weight made of several stored tensors stacked along dim 0 (q/k/v, gate/up, experts), as
-both checkpoint readers (model/checkpoint.py, model/gguf_checkpoint.py) build it."""
+both checkpoint readers (model/weights/safetensors.py, model/weights/gguf.py) build it."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from cakemp.checkpoint.quantization import MlxParts
-from cakemp.model import bitfields, int4
+from cakemp.model.weights import bitfields, int4
 
 _VALUES_PER_STEP = 1 << 20
 
@@ -38,7 +38,7 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
 
 def int4_group(shape: tuple[int, ...], bits: int, group_size: int) -> int | str:
     """The group size torch's int4 matmul can take a weight stored as `shape` (u32 words) in
-    (model/int4.py), or why not: one matrix of 4-bit codes."""
+    (model/weights/int4.py), or why not: one matrix of 4-bit codes."""
     if bits != 4:
         return f"MLX {bits}-bit weights"
     if len(shape) != 2:

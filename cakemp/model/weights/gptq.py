@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from cakemp.checkpoint.quantization import Gptq, GptqParts
-from cakemp.model import bitfields, int4
+from cakemp.model.weights import bitfields, int4
 
 _VALUES_PER_STEP = 1 << 20
 
@@ -57,7 +57,7 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
 
 def int4_group(spec: Gptq, out_features: int, in_features: int, groups: int, g_idx: torch.Tensor | None) -> int | str:
-    """The group size torch's int4 matmul can take this weight in (model/int4.py), or why not:
+    """The group size torch's int4 matmul can take this weight in (model/weights/int4.py), or why not:
     4 bits, groups of one size in input order (act-order's g_idx puts them out of order)."""
     if spec.bits != 4:
         return f"GPTQ {spec.bits}-bit weights"

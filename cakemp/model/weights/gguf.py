@@ -6,14 +6,14 @@ read (checkpoint/gguf.py says where each lies; the kernel's read-around is switc
 map and each range asked for ahead), so a node serving 4 layers of 80 reads 4 layers' bytes;
 Cake dequantizes every tensor of the file to f32 on every node. Each tensor's
 bytes go to the device as they are stored (a quarter of their f32 size or less for the
-quantized types) and are dequantized there in f32 (model/ggml.py), then cast; llama.cpp's Q/K
+quantized types) and are dequantized there in f32 (model/weights/ggml.py), then cast; llama.cpp's Q/K
 row permutation (Llama family) is undone on the f32 rows, which quantization leaves whole
 (its blocks run along a row). With `keep_int4` (a GPU), Q4_0, Q4_1 and Q4_K matrices stay
-4-bit instead, repacked for torch's int4 matmul (model/int4.py; their 32-value blocks, Q4_K's
+4-bit instead, repacked for torch's int4 matmul (model/weights/int4.py; their 32-value blocks, Q4_K's
 sub-blocks, are its groups of 32), the permutation undone on their code and scale rows alike.
 
 Same interface as the safetensors Checkpoint (has, load, nbytes, norms_need_one), so BlockRunner
-and Head take either (model/checkpoint.py: open_checkpoint).
+and Head take either (model/weights/safetensors.py: open_checkpoint).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.checkpoint.gguf_model import hf_names, permuted_heads
 from cakemp.errors import CheckpointError
-from cakemp.model import ggml, int4
-from cakemp.model.stacking import stack_rows
+from cakemp.model.weights import ggml, int4
+from cakemp.model.weights.stacking import stack_rows
 
 K = TypeVar("K")
 
