@@ -511,7 +511,7 @@ def load_layer(path: Path, device: torch.device, keep_int4: bool):
     `keep_int4` says, on any device (the CPU's int4 kernel in a rehearsal); the bytes the fit check counts)."""
     from cakemp.checkpoint.config import ModelConfig
     from cakemp.compute.runner import BlockRunner, _LoadPlan
-    from cakemp.model.weights.safetensors import open_checkpoint
+    from cakemp.model.weights.readers import open_checkpoint
 
     config = ModelConfig.from_dir(path)
     checkpoint = open_checkpoint(path, config)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cakemp.checkpoint.config import ModelConfig  # noqa: E402
 from cakemp.compute.runner import BlockRunner, _LoadPlan  # noqa: E402
-from cakemp.model.weights.safetensors import open_checkpoint  # noqa: E402
+from cakemp.model.weights.readers import open_checkpoint  # noqa: E402
 from cakemp.rss import resident_bytes  # noqa: E402
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,

@@ -20,7 +20,8 @@ from cakemp.errors import CheckpointError, InternalError, PositionGap, Recurrent
 from cakemp.model import attention
 from cakemp.model.weights import fp8, int4, packed
 from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
-from cakemp.model.weights.safetensors import AnyCheckpoint, Checkpoint, open_checkpoint
+from cakemp.model.weights.readers import open_checkpoint
+from cakemp.model.weights.source import WeightSource
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.deltanet import LinearState
 from cakemp.model.linear_block import LinearAttentionBlock
@@ -399,7 +400,7 @@ class _LoadPlan:
     shapes: dict[str, dict[str, tuple[int, ...]]]
 
     @classmethod
-    def of(cls, config: ModelConfig, checkpoint: AnyCheckpoint, layers: Sequence[str]) -> _LoadPlan:
+    def of(cls, config: ModelConfig, checkpoint: WeightSource, layers: Sequence[str]) -> _LoadPlan:
         kinds, groups, shapes = {}, {}, {}
         for layer in layers:
             index = config.layer_index(layer)
@@ -415,13 +416,12 @@ class _LoadPlan:
             shapes[layer] = kind.weight_shapes(config, index, stored)
         return cls(config, tuple(layers), kinds, groups, shapes)
 
-    def read(self, checkpoint: AnyCheckpoint, device: torch.device, dtype: torch.dtype,
+    def read(self, checkpoint: WeightSource, device: torch.device, dtype: torch.dtype,
              on_layer: Callable[[int], None] | None, keep_int4: bool = False) -> dict[tuple[str, str], torch.Tensor]:
         """(layer, key) -> its tensor on `device`, one layer at a time (`on_layer(n)` after n),
         after checking on a GPU that they fit (counting what stays FP8 or int4 as such); each
         checked against the shape config.json implies."""
-        if isinstance(checkpoint, Checkpoint):  # a GGUF file is never pushed: the operator's own
-            self._check_quantized_shapes(checkpoint)
+        self._check_quantized_shapes(checkpoint)
         wanted = [self._wanted(layer) for layer in self.layers]
         keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
         needed = self.nbytes(checkpoint, dtype, keep_fp8, keep_int4)
@@ -455,21 +455,20 @@ class _LoadPlan:
                 )
         return weights
 
-    def _check_quantized_shapes(self, checkpoint: Checkpoint) -> None:
+    def _check_quantized_shapes(self, checkpoint: WeightSource) -> None:
         """Each group holding a GPTQ or MLX weight checked, from the shards' headers, to make the shape
         config.json implies, before any is read: dequantized first, a matrix past it would cost 8 times
         its stored bytes (4-bit codes in f32) before the check after loading saw it."""
         for layer in self.layers:
             groups = {key: [f"{layer}.{name}" for name in members] for key, members in self.groups[layer].items()}
-            quantized = {key: names for key, names in groups.items() if any(map(checkpoint.quantized, names))}
-            for key, shapes in checkpoint.shapes(quantized).items():
+            for key, shapes in checkpoint.dequantized_shapes(groups).items():
                 if len({shape[1:] for shape in shapes}) > 1 or \
                         (sum(shape[0] for shape in shapes), *shapes[0][1:]) != self.shapes[layer][key]:
-                    read = " + ".join(f"{name} {shape}" for name, shape in zip(quantized[key], shapes))
+                    read = " + ".join(f"{name} {shape}" for name, shape in zip(groups[key], shapes))
                     raise CheckpointError(f"{layer}: {read} (dequantized) cannot make the shape config.json "
                                           f"implies, {self.shapes[layer][key]}")
 
-    def nbytes(self, checkpoint: AnyCheckpoint, dtype: torch.dtype, keep_fp8: bool = False,
+    def nbytes(self, checkpoint: WeightSource, dtype: torch.dtype, keep_fp8: bool = False,
                keep_int4: bool = False) -> int:
         """The bytes the layers take once loaded (quantized formats counted as what they are loaded as)."""
         return sum(checkpoint.nbytes(kept, dtype, keep_fp8, keep_int4) + checkpoint.nbytes(plain, dtype)
@@ -483,7 +482,7 @@ class _LoadPlan:
                 {k: v for k, v in named.items() if k[1] in STACKED})
 
 
-def _int4_kept(checkpoint: AnyCheckpoint, device: torch.device, dtype: torch.dtype) -> bool:
+def _int4_kept(checkpoint: WeightSource, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether 4-bit matrices may stay int4 here: on a GPU, in bf16, where torch's int4 matmul
     works (for a checkpoint with 4-bit matrices on a GPU, why not is logged once)."""
     if device.type != "cuda" or not checkpoint.stores_4bit:

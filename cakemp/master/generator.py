@@ -34,7 +34,9 @@ from cakemp.master.chat import ChatTemplate, end_token_ids
 from cakemp.master.client import WorkerClient
 from cakemp.master.gguf_tokenizer import gguf_chat_template, gguf_eos_ids, gguf_tokenizer
 from cakemp.master.sampler import Sampler, SamplingParams
-from cakemp.model.weights.safetensors import AnyCheckpoint, GgufCheckpoint, open_checkpoint
+from cakemp.model.weights.gguf import GgufCheckpoint
+from cakemp.model.weights.readers import open_checkpoint
+from cakemp.model.weights.source import WeightSource
 from cakemp.model.head import Head
 from cakemp.op import Op
 from cakemp.topology import Topology
@@ -312,7 +314,7 @@ class Generator:
             await self.clients[index].goodbye()
 
 
-def _vocabulary(checkpoint: AnyCheckpoint) -> tuple[Tokenizer, frozenset[int], ChatTemplate | None]:
+def _vocabulary(checkpoint: WeightSource) -> tuple[Tokenizer, frozenset[int], ChatTemplate | None]:
     """The tokenizer, the ids that end a generation and the chat template: a GGUF file's metadata,
     or a checkpoint directory's tokenizer.json and configs."""
     if isinstance(checkpoint, GgufCheckpoint):

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from cakemp.model.block import rms_norm
-from cakemp.model.weights.safetensors import AnyCheckpoint, open_checkpoint
+from cakemp.model.weights.readers import open_checkpoint
+from cakemp.model.weights.source import WeightSource
 from cakemp.checkpoint.config import ModelConfig
 
 LM_HEAD = "lm_head.weight"
@@ -51,7 +52,7 @@ class Head:
         return cls.from_checkpoint(open_checkpoint(model_dir, config), device, dtype)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: AnyCheckpoint, device: torch.device | str, dtype: torch.dtype) -> Head:
+    def from_checkpoint(cls, checkpoint: WeightSource, device: torch.device | str, dtype: torch.dtype) -> Head:
         """Read the three tensors (two when tied) from an open checkpoint, cast to `dtype`.
 
         They sit beside the decoder layers (`model.` or Qwen3.5's `model.language_model.`); a

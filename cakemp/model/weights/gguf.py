@@ -12,13 +12,14 @@ row permutation (Llama family) is undone on the f32 rows, which quantization lea
 4-bit instead, repacked for torch's int4 matmul (model/weights/int4.py; their 32-value blocks, Q4_K's
 sub-blocks, are its groups of 32), the permutation undone on their code and scale rows alike.
 
-Same interface as the safetensors Checkpoint (has, load, nbytes, norms_need_one), so BlockRunner
-and Head take either (model/weights/safetensors.py: open_checkpoint).
+A WeightSource (source.py), whose group loop it shares with the safetensors Checkpoint, so the
+loaders take either (readers.py: open_checkpoint).
 """
 
 from __future__ import annotations
 
 import mmap
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TypeVar
 
@@ -29,14 +30,21 @@ from cakemp.checkpoint.gguf import GgufFile
 from cakemp.checkpoint.gguf_model import hf_names, permuted_heads
 from cakemp.errors import CheckpointError
 from cakemp.model.weights import ggml, int4
-from cakemp.model.weights.stacking import stack_rows
+from cakemp.model.weights.source import Reader
 
 K = TypeVar("K")
 
 
-class GgufCheckpoint:
+class GgufCheckpoint(Reader):
     # No family read from GGUF stores (1 + w) norms (checkpoint/gguf_model.py: llama, qwen2, qwen3, qwen3moe).
     norms_need_one = False
+
+    @classmethod
+    def open(cls, path: str | Path, config: ModelConfig | None = None) -> GgufCheckpoint:
+        """The GGUF file at `path`, its config read unless given from the same parse of its header
+        as the checkpoint's (tenths of a second for a vocabulary of 152k tokens)."""
+        file = GgufFile(path)
+        return cls(path, ModelConfig.from_gguf(file) if config is None else config, file)
 
     def __init__(self, path: str | Path, config: ModelConfig, file: GgufFile | None = None):
         """`file`: the file at `path` already parsed, else parsed here."""
@@ -53,58 +61,39 @@ class GgufCheckpoint:
     def has(self, name: str) -> bool:
         return name in self.names
 
-    def load(
-        self,
-        groups: dict[K, list[str]],
-        device: torch.device,
-        dtype: torch.dtype,
-        keep_fp8: bool = False,
-        plus_one: frozenset[K] = frozenset(),
-        keep_int4: bool = False,
-    ) -> dict[K, torch.Tensor | int4.Int4Weight]:
-        """One `dtype` tensor on `device` per group: its tensors (HF names) dequantized and stacked
-        along dim 0, or with `keep_int4` an `int4.Int4Weight` for a group of Q4_0/Q4_1/Q4_K matrices.
-        keep_fp8 and plus_one never apply to a GGUF file's tensors."""
+    def dequantized_shapes(self, groups: dict[K, list[str]]) -> dict[K, list[tuple[int, ...]]]:
+        """None: a GGUF file is never pushed (it is the operator's own), so its tensors' shapes are
+        checked once loaded only."""
+        return {}
+
+    def _headers(self, stack: ExitStack, groups: dict[K, list[str]]) -> None:
         for name in (name for members in groups.values() for name in members):
             self._gguf_name(name)  # every name checked before the file is mapped
+
+    def _opened(self, stack: ExitStack, groups: dict[K, list[str]]) -> mmap.mmap:
+        """The file mapped for reading the groups' tensors, unmapped as `stack` closes."""
+        self._headers(stack, groups)
         with open(self.path, "rb") as f:
             # A private (copy-on-write) map: torch takes only writable buffers, and nothing writes to it.
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         # No read-around: the kernel would read up to read_ahead_kb (MiBs) about each page touched,
-        # other layers' bytes included; each tensor's own range is asked for ahead instead (_tensor).
+        # other layers' bytes included; each tensor's own range is asked for ahead instead (_raw).
         data.madvise(mmap.MADV_RANDOM)
-        try:
-            return {key: self._group(data, members, device, dtype, keep_int4) for key, members in groups.items()}
-        finally:
-            try:
-                data.close()  # the views of it are gone: each was copied into its group's tensor
-            except BufferError:  # an error's traceback still holds one: the map goes with it
-                pass
+        stack.callback(_unmap, data)
+        return data
 
-    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
-               keep_int4: bool = False) -> int:
-        """Bytes `load` would allocate for these groups on the device: int4 codes and scales where
-        kept (`keep_int4`), every other tensor dequantized."""
-        total = 0
-        for members in groups.values():
-            infos = [self.file.tensors[self._gguf_name(name)] for name in members]
-            shapes = keep_int4 and _int4_shapes(infos)
-            total += (sum(int4.resident_bytes(*shape, size) for shape, size in shapes) if shapes
-                      else sum(info.numel for info in infos) * dtype.itemsize)
-        return total
+    def _int4_shapes(self, data: mmap.mmap | None, members: list[str]) -> list[tuple[int, int, int]] | None:
+        return _int4_shapes([self.file.tensors[self._gguf_name(name)] for name in members])
 
-    def _group(self, data: mmap.mmap, members: list[str], device: torch.device, dtype: torch.dtype,
-               keep_int4: bool) -> torch.Tensor | int4.Int4Weight:
-        if keep_int4 and _int4_shapes([self.file.tensors[self._gguf_name(name)] for name in members]):
-            return int4.Int4Weight.create(int4.Int4Parts.cat([self._int4_parts(data, name, device) for name in members]))
-        return stack_rows(members, [self._tensor(data, name, device) for name in members], dtype, device)
+    def _numel(self, data: mmap.mmap | None, name: str) -> int:
+        return self.file.tensors[self._gguf_name(name)].numel
 
     def _gguf_name(self, name: str) -> str:
         if name not in self.names:
             raise CheckpointError(f"{self.path} has no tensor for {name}")
         return self.names[name]
 
-    def _tensor(self, data: mmap.mmap, name: str, device: torch.device) -> torch.Tensor:
+    def _source(self, data: mmap.mmap, name: str, device: torch.device) -> torch.Tensor:
         """HF tensor `name` in f32 on `device`, from its stored bytes."""
         info, raw = self._raw(data, name, device)
         tensor = ggml.dequantize(raw, info.type.name, info.shape)
@@ -126,8 +115,15 @@ class GgufCheckpoint:
         return info, torch.frombuffer(data, dtype=torch.uint8, count=info.nbytes, offset=info.start).to(device)
 
 
-def _int4_shapes(infos: list) -> list[tuple[tuple[int, int], int]] | None:
-    """(shape, group size) of each tensor if the group can stay int4: every one a ggml.INT4_TYPES matrix
+def _unmap(data: mmap.mmap) -> None:
+    try:
+        data.close()  # the views of it are gone: each was copied into its group's tensor
+    except BufferError:  # an error's traceback still holds one: the map goes with it
+        pass
+
+
+def _int4_shapes(infos: list) -> list[tuple[int, int, int]] | None:
+    """(rows, cols, group size) of each tensor if the group can stay int4: every one a ggml.INT4_TYPES matrix
     torch's int4 matmul takes; else None (logged once why, for a group of quantized matrices)."""
     shapes = []
     for info in infos:
@@ -136,7 +132,7 @@ def _int4_shapes(infos: list) -> list[tuple[tuple[int, int], int]] | None:
             if info.type.name not in ("F32", "F16", "BF16"):  # a plain tensor (a norm) is no 4-bit one
                 int4.dequantized(size)
             return None
-        shapes.append((info.shape, size))
+        shapes.append((*info.shape, size))
     return shapes
 
 

@@ -5,7 +5,8 @@ quantized (checkpoint/quantization.py names the stored parts: FP8 e4m3 with bloc
 GPTQ's qweight/qzeros/scales/g_idx, MLX's packed weight/scales/biases). FP8 may stay quantized
 on a GPU that multiplies it (model/weights/fp8.py), and so may 4-bit GPTQ and MLX matrices whose groups
 torch's int4 matmul takes (model/weights/int4.py); everything else is dequantized where it goes, in f32
-on the device, then cast.
+on the device, then cast. A WeightSource (source.py), whose group loop it shares with the GGUF
+reader; how a shard is opened and a stored tensor read is its own.
 """
 
 from __future__ import annotations
@@ -20,21 +21,24 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import INDEX, SINGLE, is_gguf, read_weight_map
-from cakemp.checkpoint.gguf import GgufFile
+from cakemp.checkpoint.files import INDEX, SINGLE, read_weight_map
 from cakemp.checkpoint.layout import LINEAR_CONV
 from cakemp.checkpoint.quantization import Gptq, GptqParts, MlxAffine, MlxParts, dequantized_shape, norms_carry_one
 from cakemp.errors import CheckpointError
 from cakemp.model.weights import fp8, gptq, int4, mlx
-from cakemp.model.weights.gguf import GgufCheckpoint
-from cakemp.model.weights.stacking import stack_rows
+from cakemp.model.weights.source import Reader
 
 
 K = TypeVar("K")
 
 
-class Checkpoint:
+class Checkpoint(Reader):
     """Where each tensor lives: the sharded index's weight_map, or the one model.safetensors."""
+
+    @classmethod
+    def open(cls, model_dir: str | Path, config: ModelConfig | None = None) -> Checkpoint:
+        """The checkpoint directory `model_dir`, its config.json read unless given."""
+        return cls(model_dir, ModelConfig.from_dir(model_dir) if config is None else config)
 
     def __init__(self, model_dir: str | Path, config: ModelConfig):
         self.dir = Path(model_dir)
@@ -66,76 +70,14 @@ class Checkpoint:
                 raise CheckpointError(f"cannot read {self.dir / SINGLE}: {exc}") from None
         return name in self._single_names
 
-    def load(
-        self,
-        groups: dict[K, list[str]],
-        device: torch.device,
-        dtype: torch.dtype,
-        keep_fp8: bool = False,
-        plus_one: frozenset[K] = frozenset(),
-        keep_int4: bool = False,
-    ) -> dict[K, torch.Tensor | fp8.Fp8Weight | int4.Int4Weight]:
-        """One `dtype` tensor on `device` per group: its tensors concatenated along dim 0.
-
-        Groups in `plus_one` are norm weights stored as w - 1 (Qwen3.5, Gemma 3): 1 is added
-        here, in f32, and they stay f32, so their norm is an ordinary RMSNorm with weight 1 + w,
-        as HF computes it (1 + w in f32 on every call). Rounded to bf16, 1 + w would scale each
-        channel by up to 2^-9 off, the same way at every position, and such systematic errors
-        add up over layers (Cake at the seed adds the 1 in f16).
-
-        Each shard holding one of the names is opened once (memory-mapped); other shards are
-        never opened. Every destination is allocated once and filled by one copy_ per source
-        tensor, which casts on the way, so fused weights (q/k/v) cost no extra pass over the
-        bytes. FP8 weights are dequantized (in f32, on `device`) first, unless `keep_fp8` and
-        the group is FP8 in 128x128 blocks: then it stays FP8, an `fp8.Fp8Weight`. Likewise with
-        `keep_int4`, a group of 4-bit matrices torch's int4 matmul takes stays 4-bit, an
-        `int4.Int4Weight` (others are dequantized, and why is logged once).
-        """
+    def dequantized_shapes(self, groups: dict[K, list[str]]) -> dict[K, list[tuple[int, ...]]]:
+        """The groups holding a GPTQ or MLX weight, each member's shape once read, from the shards'
+        headers alone, no value read: a quantized weight's is the matrix it is dequantized into (the
+        parts checked to fit)."""
+        quantized = {key: names for key, names in groups.items() if any(self._parts(name) is not None for name in names)}
         with ExitStack() as stack:
-            files = self._open(stack, groups)
-            out = {}
-            for key, members in groups.items():
-                if keep_fp8 and self._kept_fp8(files, members):
-                    stored = [(files[self.file_of(name)][0].get_tensor(name),
-                               files[self.file_of(name)][0].get_tensor(name + "_scale_inv")) for name in members]
-                    out[key] = fp8.Fp8Weight.create(torch.cat([w.to(device) for w, _ in stored]),
-                                                    torch.cat([s.to(device) for _, s in stored]))
-                    continue
-                if keep_int4 and self._int4_shapes(files, members):
-                    parts = [self._int4_parts(files, name, device) for name in members]
-                    out[key] = int4.Int4Weight.create(int4.Int4Parts.cat(parts))
-                    continue
-                sources = [self._source(files, name, device) for name in members]
-                out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
-            return out
-
-    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
-               keep_int4: bool = False) -> int:
-        """Bytes `load` would allocate for these groups on the device (read from the shards' headers):
-        a GPTQ or MLX weight counts as what it is loaded as: int4 codes and scales where kept, else
-        the plain matrix it is dequantized into."""
-        with ExitStack() as stack:
-            files = self._open(stack, groups)
-            total = 0
-            for members in groups.values():
-                shapes = keep_int4 and self._int4_shapes(files, members)
-                if shapes:
-                    total += sum(int4.resident_bytes(*shape) for shape in shapes)
-                    continue
-                kept = keep_fp8 and self._kept_fp8(files, members)
-                total += sum(self._numel(files, name) for name in members) * (1 if kept else dtype.itemsize)
-            return total
-
-    def quantized(self, name: str) -> bool:
-        """Whether `name` is stored as GPTQ or MLX parts (read dequantized)."""
-        return self._parts(name) is not None
-
-    def shapes(self, groups: dict[K, list[str]]) -> dict[K, list[tuple[int, ...]]]:
-        """The shape each group's tensors have once read, from the shards' headers alone, no value read:
-        a GPTQ or MLX weight's is the matrix it is dequantized into (the parts checked to fit)."""
-        with ExitStack() as stack:
-            files = self._open(stack, groups)
-            return {key: [self._shape(files, name) for name in members] for key, members in groups.items()}
+            files = self._open(stack, quantized)
+            return {key: [self._shape(files, name) for name in members] for key, members in quantized.items()}
 
     @property
     def stores_4bit(self) -> bool:
@@ -177,6 +119,13 @@ class Checkpoint:
         if isinstance(parts, MlxParts):
             return [parts.weight, parts.scales, parts.biases]
         return [name]
+
+    def _headers(self, stack: ExitStack, groups: dict[K, list[str]]) -> dict[str, tuple]:
+        """file -> (open handle, names it holds), for each file holding one of the groups' tensors:
+        each shard holding one of the names is opened once (memory-mapped), other shards never."""
+        return self._open(stack, groups)
+
+    _opened = _headers
 
     def _open(self, stack: ExitStack, groups: dict[K, list[str]]) -> dict[str, tuple]:
         """file -> (open handle, names it holds), for each file holding one of the groups' tensors."""
@@ -276,6 +225,12 @@ class Checkpoint:
         (or less) of its f32 size, so they are dequantized or repacked there."""
         return {part: self._get(files, part).get_tensor(part).to(device) for part in self._stored(name)}
 
+    def _fp8_weight(self, files: dict[str, tuple], members: list[str], device: torch.device) -> fp8.Fp8Weight:
+        stored = [(files[self.file_of(name)][0].get_tensor(name),
+                   files[self.file_of(name)][0].get_tensor(name + "_scale_inv")) for name in members]
+        return fp8.Fp8Weight.create(torch.cat([w.to(device) for w, _ in stored]),
+                                    torch.cat([s.to(device) for _, s in stored]))
+
     def _kept_fp8(self, files: dict[str, tuple], members: list[str]) -> bool:
         """Whether a group can stay FP8: every member stored e4m3 with its scales, in 128x128 blocks."""
         if self.config.fp8_block != (fp8.BLOCK, fp8.BLOCK):
@@ -315,16 +270,3 @@ class Checkpoint:
             return fp8.dequantize(tensor.to(device), f.get_tensor(scale_name).to(device), self.config.fp8_block)
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None
-
-
-AnyCheckpoint = Checkpoint | GgufCheckpoint
-
-
-def open_checkpoint(model: str | Path, config: ModelConfig | None = None) -> AnyCheckpoint:
-    """The checkpoint `--model` names: a safetensors directory, or a GGUF file. Without `config`
-    (the model's, where the caller has it) it is read here, a GGUF file's from the same parse of
-    its header as the checkpoint's (tenths of a second for a vocabulary of 152k tokens)."""
-    if not is_gguf(model):
-        return Checkpoint(model, ModelConfig.from_dir(model) if config is None else config)
-    gguf = GgufFile(model)
-    return GgufCheckpoint(model, ModelConfig.from_gguf(gguf) if config is None else config, gguf)

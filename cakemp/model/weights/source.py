@@ -1,0 +1,138 @@
+"""What a layer's weights are read from, declared once: `WeightSource`, the surface the loaders
+(compute/loading.py, model/head.py, master/generator.py) call, and `Reader`, the one loop over
+weight groups both readers (safetensors.py, gguf.py) share, each supplying how it opens its
+files and reads one stored tensor.
+
+A group is one weight made of several stored tensors stacked along dim 0 (q/k/v, gate/up,
+experts): it stays FP8 where the reader and the device keep it so, stays 4-bit where torch's
+int4 matmul takes every member, and is otherwise stacked into one plain tensor (stacking.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from cakemp.checkpoint.config import ModelConfig
+from cakemp.model.weights import fp8, int4
+from cakemp.model.weights.stacking import stack_rows
+
+K = TypeVar("K")
+Shape = tuple[int, ...]
+Loaded = torch.Tensor | fp8.Fp8Weight | int4.Int4Weight
+
+
+class WeightSource(Protocol):
+    """A checkpoint a node reads layers of, whatever holds it (model/weights/readers.py picks one)."""
+
+    config: ModelConfig
+
+    @property
+    def stores_4bit(self) -> bool:
+        """Whether it may hold matrices of 4-bit codes, which may stay int4 on a GPU."""
+
+    @property
+    def norms_need_one(self) -> bool:
+        """Whether a (1 + w) family's norms are stored as w, so that loading adds the 1."""
+
+    def has(self, name: str) -> bool:
+        """Whether it holds tensor `name` (HF's name), to tell one storage layout from another."""
+
+    def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
+             plus_one: frozenset[K] = frozenset(), keep_int4: bool = False) -> dict[K, Loaded]:
+        """One `dtype` tensor on `device` per group (or one kept FP8 or int4: `Reader.load`)."""
+
+    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
+               keep_int4: bool = False) -> int:
+        """Bytes `load` would allocate for these groups on the device, from headers alone."""
+
+    def dequantized_shapes(self, groups: dict[K, list[str]]) -> dict[K, list[Shape]]:
+        """The groups holding a weight dequantized from parts whose stored shapes are checked before
+        any value is read (a push's weights), each member's shape once read; other groups left out."""
+
+
+class Reader:
+    """`load` and `nbytes` over weight groups, once for every reader. A subclass says how its files
+    are opened (`_headers`, `_opened`, entered on an ExitStack) and how one stored tensor is read."""
+
+    def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
+             plus_one: frozenset[K] = frozenset(), keep_int4: bool = False) -> dict[K, Loaded]:
+        """One `dtype` tensor on `device` per group: its tensors concatenated along dim 0.
+
+        Groups in `plus_one` are norm weights stored as w - 1 (Qwen3.5, Gemma 3): 1 is added
+        here, in f32, and they stay f32, so their norm is an ordinary RMSNorm with weight 1 + w,
+        as HF computes it (1 + w in f32 on every call). Rounded to bf16, 1 + w would scale each
+        channel by up to 2^-9 off, the same way at every position, and such systematic errors
+        add up over layers (Cake at the seed adds the 1 in f16).
+
+        Every destination is allocated once and filled by one copy_ per source tensor, which
+        casts on the way, so fused weights (q/k/v) cost no extra pass over the bytes. Quantized
+        weights are dequantized (in f32, on `device`) first, unless `keep_fp8` and the group is
+        FP8 in 128x128 blocks: then it stays FP8, an `fp8.Fp8Weight`. Likewise with `keep_int4`,
+        a group of 4-bit matrices torch's int4 matmul takes stays 4-bit, an `int4.Int4Weight`
+        (others are dequantized, and why is logged once).
+        """
+        with ExitStack() as stack:
+            store = self._opened(stack, groups)
+            out = {}
+            for key, members in groups.items():
+                if keep_fp8 and self._kept_fp8(store, members):
+                    out[key] = self._fp8_weight(store, members, device)
+                elif keep_int4 and self._int4_shapes(store, members):
+                    out[key] = int4.Int4Weight.create(int4.Int4Parts.cat(
+                        [self._int4_parts(store, name, device) for name in members]))
+                else:
+                    sources = [self._source(store, name, device) for name in members]
+                    out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
+            return out
+
+    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
+               keep_int4: bool = False) -> int:
+        """Bytes `load` would allocate for these groups on the device (from the headers): a quantized
+        weight counts as what it is loaded as: FP8 bytes or int4 codes and scales where kept, else
+        the plain matrix it is dequantized into."""
+        with ExitStack() as stack:
+            store = self._headers(stack, groups)
+            total = 0
+            for members in groups.values():
+                shapes = keep_int4 and self._int4_shapes(store, members)
+                if shapes:
+                    total += sum(int4.resident_bytes(*shape) for shape in shapes)
+                    continue
+                kept = keep_fp8 and self._kept_fp8(store, members)
+                total += sum(self._numel(store, name) for name in members) * (1 if kept else dtype.itemsize)
+            return total
+
+    def _headers(self, stack: ExitStack, groups: dict[K, list[str]]) -> Any:
+        """What reading the groups' headers needs (every name checked to be stored)."""
+        raise NotImplementedError
+
+    def _opened(self, stack: ExitStack, groups: dict[K, list[str]]) -> Any:
+        """What reading the groups' values needs (every name checked before any file is read)."""
+        raise NotImplementedError
+
+    def _kept_fp8(self, store: Any, members: list[str]) -> bool:
+        """Whether a group can stay FP8 (a container without FP8 weights: never)."""
+        return False
+
+    def _fp8_weight(self, store: Any, members: list[str], device: torch.device) -> fp8.Fp8Weight:
+        """A group `_kept_fp8` accepted, stacked as stored on `device`."""
+        raise NotImplementedError
+
+    def _int4_shapes(self, store: Any, members: list[str]) -> list[tuple[int, int, int]] | None:
+        """(rows, cols, group size) of each member if the group can stay int4, else None (logged once why)."""
+        raise NotImplementedError
+
+    def _int4_parts(self, store: Any, name: str, device: torch.device) -> int4.Int4Parts:
+        """A matrix `_int4_shapes` accepted, as torch's int4 convention on `device`."""
+        raise NotImplementedError
+
+    def _source(self, store: Any, name: str, device: torch.device) -> torch.Tensor:
+        """Tensor `name` as stored (a view of the mapped file) or dequantized in f32 on `device`."""
+        raise NotImplementedError
+
+    def _numel(self, store: Any, name: str) -> int:
+        """How many values `name` has once read (dequantized where it is quantized)."""
+        raise NotImplementedError
