@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from cakemp.checkpoint import quantization
-from cakemp.checkpoint.files import CONFIG, is_gguf, layer_prefix, split_layer, stored_names
+from cakemp.checkpoint.files import CONFIG, container_of, layer_prefix, split_layer, stored_names
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.checkpoint.gguf_model import hf_config
 from cakemp.errors import CheckpointError
@@ -206,8 +206,8 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """The config of the checkpoint `--model` names: a directory's config.json, or a GGUF file's metadata."""
-        if is_gguf(model_dir):
-            return cls.from_gguf(GgufFile(model_dir))
+        if (read := container_of(model_dir).hf_config) is not None:
+            return cls.from_dict(read(Path(model_dir)), source=str(Path(model_dir)))
         path = Path(model_dir) / CONFIG
         try:
             raw = json.loads(path.read_text())

@@ -12,11 +12,13 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cakemp.checkpoint.gguf import GgufFile
-from cakemp.checkpoint.gguf_model import hf_names
+from cakemp.checkpoint.gguf_model import hf_config, hf_names
 from cakemp.checkpoint.quantization import Quantization, read_shapes
 from cakemp.errors import CheckpointError
 
@@ -34,10 +36,39 @@ _LAYER_TENSOR = re.compile(r"(?P<prefix>(?:[A-Za-z0-9_]+\.)*layers)\.[0-9]+\.")
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 
 
-def is_gguf(model: str | Path) -> bool:
-    """Whether `--model` names a GGUF file (checkpoint/gguf.py) rather than a checkpoint directory:
-    its name ends in .gguf, as Cake decides it. The one place `--model` is told apart."""
-    return str(model).endswith(".gguf")
+@dataclass(frozen=True)
+class Container:
+    """What holds a checkpoint on disk: one row of CONTAINERS, picked by `container_of`. A file
+    container carries its config and its tensors' sizes in its own header (`hf_config`,
+    `tensor_bytes`: what a directory's config.json and safetensors headers say); a directory
+    (`suffix` "") has config.json and safetensors files."""
+
+    name: str  # as a message names it
+    suffix: str  # a `--model` whose name ends so is one; "": any other (a directory)
+    pushable: bool  # zero-config setup may push it to workers (Cake serves a GGUF file in topology mode only)
+    hf_config: Callable[[Path], dict[str, Any]] | None = None  # a file's config, as config.json would hold it
+    tensor_bytes: Callable[[Path], dict[str, int]] | None = None  # a file's tensors (HF names) -> bytes stored
+
+    @property
+    def is_file(self) -> bool:
+        return bool(self.suffix)
+
+
+def _gguf_tensor_bytes(path: Path) -> dict[str, int]:
+    gguf = GgufFile(path)
+    return {name: gguf.tensors[stored].nbytes for name, stored in hf_names(gguf.tensors).items()}
+
+
+DIRECTORY = Container("safetensors", "", pushable=True)
+GGUF = Container(".gguf", ".gguf", pushable=False, hf_config=lambda path: hf_config(GgufFile(path)),
+                 tensor_bytes=_gguf_tensor_bytes)
+CONTAINERS = (GGUF, DIRECTORY)  # the first whose suffix `--model` ends with; the directory last
+
+
+def container_of(model: str | Path) -> Container:
+    """What holds the checkpoint `--model` names: a GGUF file (checkpoint/gguf.py) when its name ends
+    in .gguf, as Cake decides it, else a checkpoint directory. The one place `--model` is told apart."""
+    return next(container for container in CONTAINERS if str(model).endswith(container.suffix))
 
 
 def split_layer(name: str) -> tuple[str, int] | None:
@@ -121,10 +152,9 @@ def estimated_layer_bytes(model_dir: Path, num_layers: int, prefix: str) -> int:
     same estimate as Cake's for any quantized checkpoint: the bytes on disk, not once dequantized)."""
     if num_layers <= 0:
         return 0
-    if is_gguf(model_dir):
-        gguf = GgufFile(model_dir)
-        sizes = {name: gguf.tensors[stored].nbytes for name, stored in hf_names(gguf.tensors).items()}
-        return layer_bytes_of(sizes, num_layers, prefix)
+    tensor_bytes = container_of(model_dir).tensor_bytes
+    if tensor_bytes is not None:
+        return layer_bytes_of(tensor_bytes(model_dir), num_layers, prefix)
     try:
         names = weight_files(model_dir)
     except CheckpointError:

@@ -5,7 +5,7 @@ The rule, in order:
 1. An existing path is a path, whatever it looks like (as Cake and transformers decide): a
    directory holding both `model/` and `topology.yml` is a `cake split` bundle (the checkpoint
    is `model/`, the topology `topology.yml`); any other directory is the checkpoint itself. (A
-   file is passed on as it is: a `.gguf` file is told apart by `files.is_gguf`.)
+   file is passed on as it is: a `.gguf` file is told apart by `files.container_of`.)
 2. Otherwise `org/name` or `org/name@revision` (exactly one slash, neither part empty nor
    starting with "." or "~", as Cake's `looks_like_hf_repo`) is a Hugging Face repository id:
    its snapshot is looked up in the hub cache as huggingface_hub lays it out,
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cakemp.errors import ConfigError
-from cakemp.checkpoint.files import CONFIG, is_gguf
+from cakemp.checkpoint.files import CONFIG, container_of
 
 BUNDLE_MODEL = "model"  # what `cake split` names a bundle's checkpoint folder and topology file
 BUNDLE_TOPOLOGY = "topology.yml"
@@ -158,7 +158,7 @@ def parse_repository_file(argument: str) -> tuple[Repository, str] | None:
         return None
     repository = parse_repository(match["repository"])
     filename = match["file"]
-    if repository is None or not is_gguf(filename) or any(part in ("", ".", "..") for part in filename.split("/")) \
+    if repository is None or not container_of(filename).is_file or any(part in ("", ".", "..") for part in filename.split("/")) \
             or "\\" in filename or any(c.isspace() for c in filename):
         return None
     return repository, filename

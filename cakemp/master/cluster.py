@@ -23,7 +23,7 @@ from pathlib import Path
 from cakemp import gpus
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint import hub
-from cakemp.checkpoint.files import TOKENIZER, in_layer, is_gguf, resident_layer_bytes
+from cakemp.checkpoint.files import TOKENIZER, container_of, in_layer, resident_layer_bytes
 from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
 from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
@@ -66,8 +66,8 @@ async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Seq
 def check_pushable(model: str | Path) -> None:
     """Refuse (ConfigError) a model zero-config setup cannot push: as in Cake, a GGUF file is served
     in topology mode only, from each node's own copy."""
-    if is_gguf(model):
-        raise ConfigError(f"{model}: a .gguf model cannot be pushed to zero-config workers; give --topology")
+    if not (container := container_of(model)).pushable:
+        raise ConfigError(f"{model}: a {container.name} model cannot be pushed to zero-config workers; give --topology")
 
 
 def master_checkpoint(argument: str, topology: str | None, master_tflops: float | None, *, on_gpu: bool,

@@ -26,6 +26,7 @@ from statistics import median
 import torch
 from tokenizers import Tokenizer
 
+from cakemp.checkpoint.files import DIRECTORY, GGUF, Container
 from cakemp.compute.runner import BlockRunner
 from cakemp.compute.tensors import compute_dtype, from_raw, to_raw
 from cakemp.errors import CakempError, CheckpointError, ConfigError
@@ -35,6 +36,7 @@ from cakemp.master.client import WorkerClient
 from cakemp.master.gguf_tokenizer import gguf_chat_template, gguf_eos_ids, gguf_tokenizer
 from cakemp.master.sampler import Sampler, SamplingParams
 from cakemp.model.weights.gguf import GgufCheckpoint
+from cakemp.model.weights.safetensors import Checkpoint
 from cakemp.model.weights.readers import open_checkpoint
 from cakemp.model.weights.source import WeightSource
 from cakemp.model.head import Head
@@ -315,15 +317,26 @@ class Generator:
 
 
 def _vocabulary(checkpoint: WeightSource) -> tuple[Tokenizer, frozenset[int], ChatTemplate | None]:
-    """The tokenizer, the ids that end a generation and the chat template: a GGUF file's metadata,
-    or a checkpoint directory's tokenizer.json and configs."""
-    if isinstance(checkpoint, GgufCheckpoint):
-        gguf = checkpoint.file
-        tokenizer = gguf_tokenizer(gguf)
-        return tokenizer, gguf_eos_ids(gguf), gguf_chat_template(gguf, tokenizer)
+    """The tokenizer, the ids that end a generation and the chat template, from where the checkpoint's
+    container keeps them (one row of _VOCABULARIES each)."""
+    return _VOCABULARIES[checkpoint.container](checkpoint)
+
+
+def _file_vocabulary(checkpoint: GgufCheckpoint) -> tuple[Tokenizer, frozenset[int], ChatTemplate | None]:
+    """A GGUF file's: its metadata, from the header the checkpoint parsed."""
+    gguf = checkpoint.file
+    tokenizer = gguf_tokenizer(gguf)
+    return tokenizer, gguf_eos_ids(gguf), gguf_chat_template(gguf, tokenizer)
+
+
+def _directory_vocabulary(checkpoint: Checkpoint) -> tuple[Tokenizer, frozenset[int], ChatTemplate | None]:
+    """A checkpoint directory's: its tokenizer.json and configs."""
     model = checkpoint.dir
     tokenizer = _tokenizer(model / "tokenizer.json")
     return tokenizer, end_token_ids(model, tokenizer), ChatTemplate.load(model, tokenizer)
+
+
+_VOCABULARIES: dict[Container, Callable] = {DIRECTORY: _directory_vocabulary, GGUF: _file_vocabulary}
 
 
 def _tokenizer(path: Path) -> Tokenizer:

@@ -26,6 +26,7 @@ from typing import TypeVar
 import torch
 
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.files import GGUF
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.checkpoint.gguf_model import hf_names, permuted_heads
 from cakemp.errors import CheckpointError
@@ -36,6 +37,7 @@ K = TypeVar("K")
 
 
 class GgufCheckpoint(Reader):
+    container = GGUF
     # No family read from GGUF stores (1 + w) norms (checkpoint/gguf_model.py: llama, qwen2, qwen3, qwen3moe).
     norms_need_one = False
 

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import INDEX, SINGLE, read_weight_map
+from cakemp.checkpoint.files import DIRECTORY, INDEX, SINGLE, read_weight_map
 from cakemp.checkpoint.layout import LINEAR_CONV
 from cakemp.checkpoint.quantization import Gptq, GptqParts, MlxAffine, MlxParts, dequantized_shape, norms_carry_one
 from cakemp.errors import CheckpointError
@@ -34,6 +34,8 @@ K = TypeVar("K")
 
 class Checkpoint(Reader):
     """Where each tensor lives: the sharded index's weight_map, or the one model.safetensors."""
+
+    container = DIRECTORY
 
     @classmethod
     def open(cls, model_dir: str | Path, config: ModelConfig | None = None) -> Checkpoint:

@@ -11,11 +11,12 @@ int4 matmul takes every member, and is otherwise stacked into one plain tensor (
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.files import Container
 from cakemp.model.weights import fp8, int4
 from cakemp.model.weights.stacking import stack_rows
 
@@ -27,6 +28,7 @@ Loaded = torch.Tensor | fp8.Fp8Weight | int4.Int4Weight
 class WeightSource(Protocol):
     """A checkpoint a node reads layers of, whatever holds it (model/weights/readers.py picks one)."""
 
+    container: ClassVar[Container]  # what holds it (checkpoint/files.py)
     config: ModelConfig
 
     @property
