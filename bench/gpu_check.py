@@ -510,12 +510,13 @@ def load_layer(path: Path, device: torch.device, keep_int4: bool):
     """(a BlockRunner of the checkpoint's one layer, its weights kept int4 or dequantized to bf16 as
     `keep_int4` says, on any device (the CPU's int4 kernel in a rehearsal); the bytes the fit check counts)."""
     from cakemp.checkpoint.config import ModelConfig
-    from cakemp.compute.runner import BlockRunner, _LoadPlan
+    from cakemp.compute.loading import LoadPlan
+    from cakemp.compute.runner import BlockRunner
     from cakemp.model.weights.readers import open_checkpoint
 
     config = ModelConfig.from_dir(path)
     checkpoint = open_checkpoint(path, config)
-    plan = _LoadPlan.of(config, checkpoint, ["model.layers.0"])
+    plan = LoadPlan.of(config, checkpoint, ["model.layers.0"])
     weights = plan.read(checkpoint, device, torch.bfloat16, None, keep_int4)
     blocks = {layer: plan.kinds[layer](config, 0, {key: weights[layer, key] for key in plan.groups[layer]})
               for layer in plan.layers}

@@ -35,7 +35,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cakemp.checkpoint.config import ModelConfig  # noqa: E402
-from cakemp.compute.runner import BlockRunner, _LoadPlan  # noqa: E402
+from cakemp.compute.loading import LoadPlan  # noqa: E402
+from cakemp.compute.runner import BlockRunner  # noqa: E402
 from cakemp.model.weights.readers import open_checkpoint  # noqa: E402
 from cakemp.rss import resident_bytes  # noqa: E402
 
@@ -119,7 +120,7 @@ def once(path: Path, dtype: torch.dtype, served: int) -> dict[str, float]:
     config = ModelConfig.from_dir(path)
     layers = [config.layer_name(i) for i in range(served)]
     checkpoint = open_checkpoint(path, config)
-    counted = _LoadPlan.of(config, checkpoint, layers).nbytes(checkpoint, dtype)
+    counted = LoadPlan.of(config, checkpoint, layers).nbytes(checkpoint, dtype)
     before = resident_bytes()
     start = time.perf_counter()
     runner = BlockRunner.load(path, layers, "cpu", dtype, pack_weights=False)

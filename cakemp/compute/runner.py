@@ -15,21 +15,16 @@ import torch
 
 from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
+from cakemp.compute.loading import Block, LoadPlan, int4_kept
 from cakemp.compute.prefix_cache import Begun, PrefixCache
-from cakemp.errors import CheckpointError, InternalError, PositionGap, RecurrentRewind, UnknownLayer
-from cakemp.model import attention
-from cakemp.model.weights import fp8, int4, packed
-from cakemp.model.block import MATRICES, NORMS, DecoderBlock, Span
+from cakemp.errors import InternalError, PositionGap, RecurrentRewind, UnknownLayer
+from cakemp.model.weights import packed
+from cakemp.model.block import MATRICES, Span
 from cakemp.model.weights.readers import open_checkpoint
-from cakemp.model.weights.source import WeightSource
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.deltanet import LinearState
-from cakemp.model.linear_block import LinearAttentionBlock
-from cakemp.model.moe import STACKED
 from cakemp.model.rotary import Rotary
 from cakemp.op import Op
-
-Block = DecoderBlock | LinearAttentionBlock
 
 # Ops between two calls of run_batch's `between_ops` (the device's progress reports).
 _OPS_BETWEEN_CALLS = 16
@@ -87,11 +82,6 @@ class _Planned:
     def install(self, cache: KVCache) -> None:
         for block_idx, (state, consumed) in self.computed.items():
             cache.linear_slot(self.session, block_idx).install(state.conv, state.recurrent, consumed)
-
-
-def block_type(config: ModelConfig, index: int) -> type[Block]:
-    """The class of layer `index`: Qwen3.5's linear-attention layers, or an attention layer."""
-    return LinearAttentionBlock if index in config.linear_layers else DecoderBlock
 
 
 class BlockRunner:
@@ -163,8 +153,8 @@ class BlockRunner:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
         checkpoint = open_checkpoint(model_dir)  # and its config, a GGUF file's header parsed once for both
         config = checkpoint.config
-        plan = _LoadPlan.of(config, checkpoint, layers)
-        weights = plan.read(checkpoint, device, dtype, on_layer, keep_int4 and _int4_kept(checkpoint, device, dtype))
+        plan = LoadPlan.of(config, checkpoint, layers)
+        weights = plan.read(checkpoint, device, dtype, on_layer, keep_int4 and int4_kept(checkpoint, device, dtype))
         # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/weights/packed.py says why).
         for (layer, key), tensor in weights.items():
             if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
@@ -386,114 +376,6 @@ class BlockRunner:
 
     def session_count(self) -> int:
         return self.cache.session_count()
-
-
-@dataclass(frozen=True)
-class _LoadPlan:
-    """What loading some layers reads: each layer's block class, its weight groups (key -> the
-    checkpoint names stored for it) and the shape config.json implies for each group."""
-
-    config: ModelConfig
-    layers: tuple[str, ...]
-    kinds: dict[str, type[Block]]
-    groups: dict[str, dict[str, list[str]]]
-    shapes: dict[str, dict[str, tuple[int, ...]]]
-
-    @classmethod
-    def of(cls, config: ModelConfig, checkpoint: WeightSource, layers: Sequence[str]) -> _LoadPlan:
-        kinds, groups, shapes = {}, {}, {}
-        for layer in layers:
-            index = config.layer_index(layer)
-            if index is None:
-                raise CheckpointError(f"layer {layer!r} is not one of "
-                                      f"{config.layer_name(0)}..{config.layer_name(config.num_hidden_layers - 1)}")
-            kinds[layer] = kind = block_type(config, index)
-
-            def stored(name: str, layer: str = layer) -> bool:
-                return checkpoint.has(f"{layer}.{name}")
-
-            groups[layer] = kind.weight_groups(config, index, stored)
-            shapes[layer] = kind.weight_shapes(config, index, stored)
-        return cls(config, tuple(layers), kinds, groups, shapes)
-
-    def read(self, checkpoint: WeightSource, device: torch.device, dtype: torch.dtype,
-             on_layer: Callable[[int], None] | None, keep_int4: bool = False) -> dict[tuple[str, str], torch.Tensor]:
-        """(layer, key) -> its tensor on `device`, one layer at a time (`on_layer(n)` after n),
-        after checking on a GPU that they fit (counting what stays FP8 or int4 as such); each
-        checked against the shape config.json implies."""
-        self._check_quantized_shapes(checkpoint)
-        wanted = [self._wanted(layer) for layer in self.layers]
-        keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
-        needed = self.nbytes(checkpoint, dtype, keep_fp8, keep_int4)
-        free = None
-        if device.type == "cuda":
-            attention.use_fused_kernels()
-            free = torch.cuda.mem_get_info(device)[0]
-            memory.check_fits(needed, free, str(device))
-        # A (1 + w) family's norms get their 1 added at load, in f32 (Checkpoint.load), unless stored with it.
-        plus_one = frozenset((layer, key) for layer in self.layers for key in self.groups[layer]
-                             if checkpoint.norms_need_one and key in NORMS)
-        weights = {}
-        # Opening a shard again per layer costs only its header (the file is memory-mapped).
-        try:
-            for loaded, (kept, plain) in enumerate(wanted, 1):
-                weights.update(checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys(),
-                                               keep_int4=keep_int4))
-                weights.update(checkpoint.load(plain, device, dtype))
-                if on_layer is not None:
-                    on_layer(loaded)
-        except torch.OutOfMemoryError:
-            if free is None:
-                raise
-            # Past the estimate (another process took memory meanwhile, say): as much a configuration error.
-            raise memory.too_big(needed, free, str(device), "ran out of memory while loading") from None
-        for (layer, key), tensor in weights.items():
-            if tuple(tensor.shape) != self.shapes[layer][key]:
-                raise CheckpointError(
-                    f"{layer}: {' + '.join(self.groups[layer][key])} give shape {tuple(tensor.shape)}, "
-                    f"config.json implies {self.shapes[layer][key]}"
-                )
-        return weights
-
-    def _check_quantized_shapes(self, checkpoint: WeightSource) -> None:
-        """Each group holding a GPTQ or MLX weight checked, from the shards' headers, to make the shape
-        config.json implies, before any is read: dequantized first, a matrix past it would cost 8 times
-        its stored bytes (4-bit codes in f32) before the check after loading saw it."""
-        for layer in self.layers:
-            groups = {key: [f"{layer}.{name}" for name in members] for key, members in self.groups[layer].items()}
-            for key, shapes in checkpoint.dequantized_shapes(groups).items():
-                if len({shape[1:] for shape in shapes}) > 1 or \
-                        (sum(shape[0] for shape in shapes), *shapes[0][1:]) != self.shapes[layer][key]:
-                    read = " + ".join(f"{name} {shape}" for name, shape in zip(groups[key], shapes))
-                    raise CheckpointError(f"{layer}: {read} (dequantized) cannot make the shape config.json "
-                                          f"implies, {self.shapes[layer][key]}")
-
-    def nbytes(self, checkpoint: WeightSource, dtype: torch.dtype, keep_fp8: bool = False,
-               keep_int4: bool = False) -> int:
-        """The bytes the layers take once loaded (quantized formats counted as what they are loaded as)."""
-        return sum(checkpoint.nbytes(kept, dtype, keep_fp8, keep_int4) + checkpoint.nbytes(plain, dtype)
-                   for kept, plain in map(self._wanted, self.layers))
-
-    def _wanted(self, layer: str) -> tuple[dict, dict]:
-        """The layer's groups that may stay FP8, and those that must be plain tensors (stacked
-        experts, viewed as [E, rows, cols]): (layer, key) -> checkpoint names, each."""
-        named = {(layer, key): [f"{layer}.{name}" for name in members] for key, members in self.groups[layer].items()}
-        return ({k: v for k, v in named.items() if k[1] not in STACKED},
-                {k: v for k, v in named.items() if k[1] in STACKED})
-
-
-def _int4_kept(checkpoint: WeightSource, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether 4-bit matrices may stay int4 here: on a GPU, in bf16, where torch's int4 matmul
-    works (for a checkpoint with 4-bit matrices on a GPU, why not is logged once)."""
-    if device.type != "cuda" or not checkpoint.stores_4bit:
-        return False
-    if dtype != torch.bfloat16:
-        int4.dequantized(f"compute dtype {dtype} (torch's int4 matmul takes bf16 activations)")
-        return False
-    if not int4.kernel_works(device):
-        int4.dequantized(f"torch's int4 matmul does not run, or miscomputes, on {device}")
-        return False
-    return True
 
 
 def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.compute.runner import BlockRunner, block_type
+from cakemp.compute.loading import block_type
+from cakemp.compute.runner import BlockRunner
 from cakemp.errors import CheckpointError
 from tests.checkpoints import make_config
 

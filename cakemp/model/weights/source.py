@@ -82,7 +82,7 @@ class Reader:
             for key, members in groups.items():
                 if keep_fp8 and self._kept_fp8(store, members):
                     out[key] = self._fp8_weight(store, members, device)
-                elif keep_int4 and self._int4_shapes(store, members):
+                elif self._kept_int4(store, members, keep_int4):
                     out[key] = int4.Int4Weight.create(int4.Int4Parts.cat(
                         [self._int4_parts(store, name, device) for name in members]))
                 else:
@@ -99,13 +99,19 @@ class Reader:
             store = self._headers(stack, groups)
             total = 0
             for members in groups.values():
-                shapes = keep_int4 and self._int4_shapes(store, members)
+                shapes = self._kept_int4(store, members, keep_int4)
                 if shapes:
                     total += sum(int4.resident_bytes(*shape) for shape in shapes)
                     continue
                 kept = keep_fp8 and self._kept_fp8(store, members)
                 total += sum(self._numel(store, name) for name in members) * (1 if kept else dtype.itemsize)
             return total
+
+    def _kept_int4(self, store: Any, members: list[str], keep_int4: bool) -> list[tuple[int, int, int]] | None:
+        """The one decision per weight group, for `load` and `nbytes` alike: kept 4-bit (each member's
+        (rows, cols, group size)) where the device keeps int4 (`keep_int4`: compute/loading.int4_kept)
+        and torch's int4 matmul takes every member, else None: dequantized."""
+        return self._int4_shapes(store, members) if keep_int4 else None
 
     def _headers(self, stack: ExitStack, groups: dict[K, list[str]]) -> Any:
         """What reading the groups' headers needs (every name checked to be stored)."""
