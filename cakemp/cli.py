@@ -116,8 +116,9 @@ def _open_generator(model, topology, master_tflops, cluster_key, dtype, protocol
     (discovering it and pushing it the files first, with --discover)."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 
-    from cakemp.master.cluster import discover_cluster, master_checkpoint
+    from cakemp.master.cluster import discover_cluster
     from cakemp.master.generator import Generator
+    from cakemp.placement import master_checkpoint
 
     if discover and topology:
         raise ConfigError("--discover and --topology exclude each other")

@@ -20,13 +20,9 @@ from typing import Any
 
 import click
 
-from cakemp import gpus, log
+from cakemp import gpus, log, placement
 from cakemp.address import is_loopback, parse_address
 from cakemp.allow_list import AllowList
-from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint import hub
-from cakemp.checkpoint.files import in_layer
-from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
 from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
@@ -35,7 +31,7 @@ from cakemp.checkpoint import flux_files, sd_files
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, ComponentFile, DeviceSpec, ImageModel
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
-from cakemp.topology import Topology, collapse_layers
+from cakemp.topology import Topology
 from cakemp.wire import Revision
 from cakemp.wire.discovery import DISCOVERY_PORT
 
@@ -380,59 +376,15 @@ def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[
 
 def _topology_node(values: Mapping[str, Any], topology: str | Path | None, source: ModelSource,
                    model_dir: str) -> tuple[str, tuple[str, ...], str]:
-    """Topology mode: this node's name and layers, and the checkpoint directory it loads them
-    from (`model_dir` as given, or the folder a bundle or a repository id was found in), with the
-    files of a repository that it lacks fetched."""
-    source, fetched = fetch_metadata(source)
-    served, layers = _topology_entry(values["name"], topology, source, values["master_tflops"])
-    fetched += fetch_weights(source, lambda tensor: any(in_layer(tensor, layer) for layer in layers))
-    if fetched:
-        log.get_logger().info("downloaded from the hub", repository=str(source.repository), files=fetched)
-    if source.repository is not None or source.topology is not None:
-        model_dir = str(source.checkpoint())
-    return served, layers, model_dir
-
-
-def _topology_entry(name: str | None, topology: str | Path | None, source: ModelSource,
-                    master_tflops: float | None) -> tuple[str, tuple[str, ...]]:
-    """The entry of `topology` this worker serves (its name and layers); where no node lists a
-    layer, the layers Cake's default strategy gives it (`_assigned`)."""
-    if not name:
+    """Topology mode: this node's name and layers (`placement.worker_placement`), and the checkpoint
+    directory it loads them from (`model_dir` as given, or the folder a bundle or a repository id
+    was found in)."""
+    if not values["name"]:
         raise ConfigError("no --name provided for worker")
     if not topology:
         raise ConfigError("no --topology given (and no --cluster-key for zero-config setup)")
-    layout = Topology.load(topology)
-    assigned = layout.needs_assignment
-    if assigned:
-        layout = _assigned(layout, source, master_tflops)
-    served, node = layout.worker(name)
-    if served != name:
-        log.get_logger().warning("worker name not in topology, serving its only entry", name=name, entry=served)
-    if not node.layers and assigned:
-        raise ConfigError(f"the default assignment gives topology entry '{served}' no layers (give the nodes tflops, "
-                          "or the master fewer with --master-tflops)")
-    if not node.layers:
-        raise ConfigError(f"topology entry '{served}' lists no layers")
-    if assigned:
-        log.get_logger().info("layers assigned", name=served, layers=list(collapse_layers(node.layers)),
-                              count=len(node.layers))
-    return served, node.layers
-
-
-def _assigned(layout: Topology, source: ModelSource, master_tflops: float | None) -> Topology:
-    """`layout` (no node listing a layer) completed by Cake's default strategy, as Cake (HEAD)
-    completes it on every process: weighed by the master's TFLOPS (`master_tflops`, else this
-    machine's devices', as Cake's worker counts them) and, where nodes give `vram_bytes`, by one
-    layer's size estimated from every shard's header."""
-    config = ModelConfig.from_dir(source.checkpoint())
-    if master_tflops is None:
-        master_tflops = sum(device.tflops for device in gpus.describe(gpus.select_devices("all")))
-    layer_bytes = hub.layer_bytes(source, config.num_hidden_layers, config.layer_prefix) if layout.weighs_memory else 0
-    log.get_logger().warning(
-        "the topology lists no layers: every node and the master assign them on their own, by Cake's default "
-        "strategy, and agree only with the same topology, checkpoint and master TFLOPS (--master-tflops)",
-        master_tflops=master_tflops, layer_bytes=layer_bytes, num_layers=config.num_hidden_layers)
-    return layout.assigned(config.num_hidden_layers, config.layer_prefix, master_tflops, layer_bytes)
+    served, layers, checkpoint = placement.worker_placement(values["name"], topology, source, values["master_tflops"])
+    return served, layers, model_dir if checkpoint is None else str(checkpoint)
 
 
 def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runtime_dir: str) -> list[DeviceSpec]:
