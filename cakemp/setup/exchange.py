@@ -42,10 +42,10 @@ from cakemp.checkpoint.files import PUSH_CHUNK_BYTES, split_layer
 from cakemp.errors import BadTensor, ProtocolError, SetupError
 from cakemp.setup.cache import ModelCache, ModelPush
 from cakemp.setup.state import SetupPhase, SetupState
-from cakemp.streams import read_payload
+from cakemp.streams import FrameReader
 from cakemp.wire import (
-    HEADER_SIZE, LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
-    WorkerError, WorkerReady, decode_payload, encode_frame, read_header,
+    LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
+    WorkerError, WorkerReady, encode_frame,
 )
 from cakemp.wire.discovery import cluster_hash
 
@@ -314,7 +314,7 @@ class _Frames:
 
     def __init__(self, reader: asyncio.StreamReader, revision: Revision, budget: Budget, idle_timeout: float,
                  frame_timeout: float):
-        self._reader, self._revision, self._budget = reader, revision, budget
+        self._frames, self._budget = FrameReader(reader, revision), budget
         self._idle_timeout, self._frame_timeout = idle_timeout, frame_timeout
         self._held = 0  # bytes of the budget the last message holds
 
@@ -324,22 +324,18 @@ class _Frames:
         self.release()
         try:
             async with asyncio.timeout(self._idle_timeout):
-                header = await self._reader.readexactly(HEADER_SIZE)
+                size = await self._frames.header(max_payload)
         except TimeoutError:
             raise SetupError(f"no frame within {self._idle_timeout:g} s") from None
-        except asyncio.IncompleteReadError as e:
-            if e.partial:
-                raise
+        if size is None:
             return None
-        size = read_header(header, max_payload)
         await self._budget.take(size)
         self._held = size
         try:
             async with asyncio.timeout(self._frame_timeout):
-                payload = await read_payload(self._reader, size)
+                return await self._frames.message()
         except TimeoutError:
             raise SetupError(f"a frame did not arrive within {self._frame_timeout:g} s of its header") from None
-        return decode_payload(payload, self._revision)
 
     def release(self) -> None:
         """Give back the budget the last message holds (it is done with)."""
