@@ -17,7 +17,8 @@ from cakemp import __version__, log
 from cakemp.errors import CakempError, ConfigError
 from cakemp.device import process as device_process
 from cakemp.front import Front
-from cakemp.front.config import RUN_FLAGS, Flag, device_environment, node_config, run_flag, scrub_cluster_key
+from cakemp.front.config import RUN_FLAGS, Flag, node_config, run_flag, scrub_cluster_key
+from cakemp.front.devices import device_environment
 from cakemp.front.notify import Notifier
 from cakemp.wire import Revision
 
@@ -116,8 +117,9 @@ def _open_generator(model, topology, master_tflops, cluster_key, dtype, protocol
     (discovering it and pushing it the files first, with --discover)."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 
-    from cakemp.master.cluster import discover_cluster, master_checkpoint
+    from cakemp.master.cluster import discover_cluster
     from cakemp.master.generator import Generator
+    from cakemp.placement import master_checkpoint
 
     if discover and topology:
         raise ConfigError("--discover and --topology exclude each other")

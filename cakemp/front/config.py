@@ -1,5 +1,6 @@
-"""The node's configuration: every `cakemp run` flag written once, the NodeConfig they make, and
-the DeviceSpec each device process is told.
+"""The node's configuration: every `cakemp run` flag written once, and the NodeConfig they make
+(what a --model and a topology mean is `cakemp.placement`'s; what each device process is told,
+`front/devices.py`'s).
 
 A flag that sets one NodeConfig field is declared on that field (`knob`): its name, default,
 click type and help. cli.py makes the click options of `RUN_FLAGS` (each also reads
@@ -11,45 +12,31 @@ own, read by `node_config`. Adding a knob touches its field here and the code th
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 from pathlib import Path
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import click
 
-from cakemp import gpus, log
+from cakemp import gpus, log, placement
 from cakemp.address import is_loopback, parse_address
 from cakemp.allow_list import AllowList
-from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint import hub
-from cakemp.checkpoint.files import in_layer
-from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
 from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
 from cakemp.checkpoint import components as image_components
 from cakemp.checkpoint import flux_files, sd_files
-from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, ComponentFile, DeviceSpec, ImageModel
+from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, ComponentFile
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
-from cakemp.topology import Topology, collapse_layers
+from cakemp.topology import Topology
 from cakemp.wire import Revision
 from cakemp.wire.discovery import DISCOVERY_PORT
 
 # Cake's WorkerInfo.dtype spelling (candle's Debug names) for each --dtype value.
 WIRE_DTYPE_NAMES = {name: tag.name for name, tag in COMPUTE_DTYPES.items()}
-# torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
-# per core in each of several such processes only contends for the cores.
-GPU_DEVICE_THREADS = 2
-# The cores this node may use, as it started: with --pin-cpus the front then pins itself to the
-# cores its devices leave, and a later start (zero-config's next setup) still shares out all of them.
-NODE_CORES = tuple(sorted(os.sched_getaffinity(0)))
-# The CPU devices given no --kv-budget-mib may together hold this share of the memory available
-# when the node starts in KV caches; the rest is for their weights, activations and the host.
-CPU_KV_SHARE = 0.5
 
 # The variables --cluster-key is read from: Cake's, then cakemp's CAKEMP_<FLAG>.
 KEY_VARIABLES = ("CAKE_CLUSTER_KEY", "CAKEMP_CLUSTER_KEY")
@@ -380,154 +367,12 @@ def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[
 
 def _topology_node(values: Mapping[str, Any], topology: str | Path | None, source: ModelSource,
                    model_dir: str) -> tuple[str, tuple[str, ...], str]:
-    """Topology mode: this node's name and layers, and the checkpoint directory it loads them
-    from (`model_dir` as given, or the folder a bundle or a repository id was found in), with the
-    files of a repository that it lacks fetched."""
-    source, fetched = fetch_metadata(source)
-    served, layers = _topology_entry(values["name"], topology, source, values["master_tflops"])
-    fetched += fetch_weights(source, lambda tensor: any(in_layer(tensor, layer) for layer in layers))
-    if fetched:
-        log.get_logger().info("downloaded from the hub", repository=str(source.repository), files=fetched)
-    if source.repository is not None or source.topology is not None:
-        model_dir = str(source.checkpoint())
-    return served, layers, model_dir
-
-
-def _topology_entry(name: str | None, topology: str | Path | None, source: ModelSource,
-                    master_tflops: float | None) -> tuple[str, tuple[str, ...]]:
-    """The entry of `topology` this worker serves (its name and layers); where no node lists a
-    layer, the layers Cake's default strategy gives it (`_assigned`)."""
-    if not name:
+    """Topology mode: this node's name and layers (`placement.worker_placement`), and the checkpoint
+    directory it loads them from (`model_dir` as given, or the folder a bundle or a repository id
+    was found in)."""
+    if not values["name"]:
         raise ConfigError("no --name provided for worker")
     if not topology:
         raise ConfigError("no --topology given (and no --cluster-key for zero-config setup)")
-    layout = Topology.load(topology)
-    assigned = layout.needs_assignment
-    if assigned:
-        layout = _assigned(layout, source, master_tflops)
-    served, node = layout.worker(name)
-    if served != name:
-        log.get_logger().warning("worker name not in topology, serving its only entry", name=name, entry=served)
-    if not node.layers and assigned:
-        raise ConfigError(f"the default assignment gives topology entry '{served}' no layers (give the nodes tflops, "
-                          "or the master fewer with --master-tflops)")
-    if not node.layers:
-        raise ConfigError(f"topology entry '{served}' lists no layers")
-    if assigned:
-        log.get_logger().info("layers assigned", name=served, layers=list(collapse_layers(node.layers)),
-                              count=len(node.layers))
-    return served, node.layers
-
-
-def _assigned(layout: Topology, source: ModelSource, master_tflops: float | None) -> Topology:
-    """`layout` (no node listing a layer) completed by Cake's default strategy, as Cake (HEAD)
-    completes it on every process: weighed by the master's TFLOPS (`master_tflops`, else this
-    machine's devices', as Cake's worker counts them) and, where nodes give `vram_bytes`, by one
-    layer's size estimated from every shard's header."""
-    config = ModelConfig.from_dir(source.checkpoint())
-    if master_tflops is None:
-        master_tflops = sum(device.tflops for device in gpus.describe(gpus.select_devices("all")))
-    layer_bytes = hub.layer_bytes(source, config.num_hidden_layers, config.layer_prefix) if layout.weighs_memory else 0
-    log.get_logger().warning(
-        "the topology lists no layers: every node and the master assign them on their own, by Cake's default "
-        "strategy, and agree only with the same topology, checkpoint and master TFLOPS (--master-tflops)",
-        master_tflops=master_tflops, layer_bytes=layer_bytes, num_layers=config.num_hidden_layers)
-    return layout.assigned(config.num_hidden_layers, config.layer_prefix, master_tflops, layer_bytes)
-
-
-def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runtime_dir: str) -> list[DeviceSpec]:
-    """What each device process is told: device i serves `placement[i]` on `config.devices[i]`,
-    listening for the front in `runtime_dir`."""
-    cpu_processes = sum(1 for gpu in config.devices if gpu is None)
-    threads = _device_threads(config)
-    cores = device_cores(threads) if config.pin_cpus else [None] * len(threads)
-    # Without a budget a CPU device's caches grow until the host runs out and the OOM killer ends one.
-    cpu_kv_budget = config.kv_budget_bytes or _cpu_kv_budget(cpu_processes)
-    return [
-        DeviceSpec(
-            index=i,
-            gpu=gpu,
-            layers=layers,
-            model_dir=config.model_dir,
-            dtype=config.dtype,
-            endpoint=f"ipc://{runtime_dir}/device-{i}",
-            kv_budget_bytes=cpu_kv_budget if gpu is None else config.kv_budget_bytes,
-            max_context=config.max_context,
-            max_batch=config.max_batch,
-            prefill_chunk=config.prefill_chunk,
-            threads=threads[i],
-            cpus=cores[i],
-            poll_s=config.device_poll_s,
-            prefix_reuse=config.prefix_reuse,
-            share_prefixes=config.share_prefixes,
-            keep_int4=config.keep_int4,
-            # Well inside the request timeout, which counts a device silent that long as hung.
-            progress_s=config.request_timeout / 4,
-            log_format=config.log_format,
-            log_level=config.log_level,
-            image=_image_model(config, layers),
-        )
-        for i, (gpu, layers) in enumerate(zip(config.devices, placement))
-    ]
-
-
-def _image_model(config: NodeConfig, components: tuple[str, ...]) -> ImageModel | None:
-    """What a device serving `components` of the node's image model loads (None: a text node)."""
-    if not config.serves_images:
-        return None
-    files = dict(config.component_files)
-    return ImageModel(config.image_arch, config.sd_version, tuple((name, files[name]) for name in components))
-
-
-def device_cores(threads: Sequence[int]) -> list[tuple[int, ...]]:
-    """--pin-cpus: the cores of each device process, `threads[i]` of them for device i, in order from
-    the cores this process may use. ConfigError if there are not that many."""
-    allowed = NODE_CORES
-    if sum(threads) > len(allowed):
-        raise ConfigError(f"--pin-cpus needs {sum(threads)} cores for the device processes' threads, and this "
-                          f"process may use {len(allowed)}: lower --cpu-threads, or leave the processes unpinned")
-    starts = [sum(threads[:i]) for i in range(len(threads))]
-    return [tuple(allowed[start:start + count]) for start, count in zip(starts, threads)]
-
-
-def front_cores(config: NodeConfig) -> tuple[int, ...] | None:
-    """--pin-cpus: the cores the devices leave to the front (None: none left, or not pinned: all of them)."""
-    if not config.pin_cpus:
-        return None
-    taken = {core for cores in device_cores(_device_threads(config)) for core in cores}
-    left = tuple(core for core in NODE_CORES if core not in taken)
-    return left or None
-
-
-def _device_threads(config: NodeConfig) -> list[int]:
-    """torch threads of each device process of `config`: CPU processes share the cores rather than
-    oversubscribe them."""
-    cpu_processes = sum(1 for gpu in config.devices if gpu is None)
-    cpu_threads = config.cpu_threads or max(1, len(NODE_CORES) // max(1, cpu_processes))
-    return [cpu_threads if gpu is None else GPU_DEVICE_THREADS for gpu in config.devices]
-
-
-def _cpu_kv_budget(cpu_processes: int) -> int | None:
-    """Each CPU device's share of CPU_KV_SHARE of the memory available now (/proc/meminfo's
-    MemAvailable); None without CPU devices or where /proc/meminfo cannot be read."""
-    if not cpu_processes:
-        return None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-    return int(kib * 1024 * CPU_KV_SHARE) // cpu_processes
-
-
-def device_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """Variables the front sets for the device processes it spawns (they inherit its environment).
-
-    CUDA_DEVICE_ORDER=PCI_BUS_ID: GPUs numbered as nvidia-smi lists them, as `gpus.parse_gpus`
-    counts them. Unless the operator configured torch's allocator: expandable segments, so that KV
-    caches growing by doubling and requests of every size strand less memory between segments.
-    """
-    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    return env
+    served, layers, checkpoint = placement.worker_placement(values["name"], topology, source, values["master_tflops"])
+    return served, layers, model_dir if checkpoint is None else str(checkpoint)

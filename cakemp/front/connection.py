@@ -42,10 +42,10 @@ from cakemp.front.pool import DevicePool
 from cakemp.front.session import Action, Clear, Close, Greet, Note, Refuse, Reply, Run, Session, SessionState
 from cakemp.front.tracing import TraceFile
 from cakemp.ipc import trace
-from cakemp.streams import read_payload
+from cakemp.streams import FrameReader
 from cakemp.wire import (
     HEADER_SIZE, LayerAssignment, LayerOp, Message, RawTensor, Revision, TensorMessage, WorkerError, WorkerInfo,
-    decode_payload, encode_frame, read_header,
+    encode_frame,
 )
 
 # Keepalive probes after this long without traffic, then every _KEEPALIVE_INTERVAL_S, up to
@@ -91,7 +91,7 @@ class Connection:
         self.session_id = session  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
-        self._reader, self._writer = reader, writer
+        self._writer = writer
         self._pool, self._metrics = pool, metrics
         self._limits, self._budget = limits, budget
         self._revision = revision
@@ -99,7 +99,7 @@ class Connection:
         self._session = Session(admission, served=served, idle_timeout=limits.session_idle_timeout)
         # What the master owes within the frame timeout, since when: (loop time, reason if late); None: nothing.
         self._owed: tuple[float, str] | None = None
-        self._decode_limits = admission.decode_limits()
+        self._frames = FrameReader(reader, revision, max_payload=limits.max_payload, limits=admission.decode_limits())
         self._frame_watch: asyncio.TimerHandle | None = None
         self._trace_file = trace_file
         self._stamps: list[int] | None = None  # the message being served's stamps, when traced
@@ -254,20 +254,18 @@ class Connection:
         Raises ProtocolError when the frame is not Cake protocol, BadTensor or BadOps for a sound
         frame with a bad tensor (its budget then already given back).
         """
-        header = await self._next_header()
-        if not header:
+        size = await self._next_header()
+        if size is None:
             return None
         if self._trace_file is not None:
             self._stamps = [trace.now()]  # read
         start = time.perf_counter()
-        size = read_header(header, self._limits.max_payload)
         self._owed = None  # waiting for the budget is the node's doing, not the master's
         await self._budget.take(size)
         # The peer has frame_timeout from now for the payload.
         self._owed = (asyncio.get_running_loop().time(), _FRAME_LATE)
         try:
-            payload = await read_payload(self._reader, size)
-            message = decode_payload(payload, self._revision, self._decode_limits)
+            message = await self._frames.message()
             if self._stamps is not None:
                 self._stamps.append(trace.now())  # decoded
         except BaseException:
@@ -278,25 +276,19 @@ class Connection:
         self._metrics.bytes_received.inc(HEADER_SIZE + size)
         return message, HEADER_SIZE + size, time.perf_counter() - start, size
 
-    async def _next_header(self) -> bytes:
-        """The next frame header (b"" at EOF between frames), however long the master stays idle
-        before it; past the session idle timeout the session's KV state is freed meanwhile."""
+    async def _next_header(self) -> int | None:
+        """The next frame's payload length, once its header is in (None at EOF between frames),
+        however long the master stays idle before it; past the session idle timeout the
+        session's KV state is freed meanwhile. ProtocolError for a header that is not Cake's or
+        announces more than the model can need."""
         idle = self._session.idle_after()
         if idle is not None:
             try:
                 async with asyncio.timeout(idle):
-                    return await self._header()
+                    return await self._frames.header()
             except TimeoutError:
                 await self._carry_out(self._session.idle())
-        return await self._header()
-
-    async def _header(self) -> bytes:
-        try:
-            return await self._reader.readexactly(HEADER_SIZE)
-        except asyncio.IncompleteReadError as e:
-            if e.partial:
-                raise
-            return b""
+        return await self._frames.header()
 
     def _watch_frames(self) -> None:
         """Close the connection once what the master owes (Hello first, then a frame's payload, or

@@ -29,12 +29,14 @@ from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.front.admission import Admission
 from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.buffer_budget import BufferBudget
-from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs, front_cores
+from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
+from cakemp.front.devices import device_specs, front_cores
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
 from cakemp.front.handshakes import Handshakes
 from cakemp.front.listener import Listener
 from cakemp.setup.discovery import DiscoveryResponder, announcement_for
-from cakemp.front.metrics import Metrics, start_metrics_server
+from cakemp.front.metrics import Metrics
+from cakemp.front.metrics_server import start_metrics_server
 from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
 from cakemp.setup.exchange import MAX_SETUP_FRAME, Setup

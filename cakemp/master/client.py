@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 
 from cakemp.auth import authenticate_worker
 from cakemp.errors import BadTensor, ProtocolError, RemoteWorkerError
+from cakemp.streams import FrameReader
 from cakemp.wire import (
-    HEADER_SIZE,
     Batch,
     Goodbye,
     Hello,
@@ -32,9 +32,7 @@ from cakemp.wire import (
     WorkerError,
     WorkerInfo,
     WorkerReady,
-    decode_payload,
     encode_frame,
-    read_header,
 )
 
 
@@ -47,7 +45,7 @@ class WorkerClient:
     ) -> None:
         self.revision = Revision(revision)
         self.address = address
-        self._reader = reader
+        self._frames = FrameReader(reader, revision)
         self._writer = writer
         self._lock = asyncio.Lock()
 
@@ -99,13 +97,11 @@ class WorkerClient:
     async def receive(self) -> Message:
         """Read one frame; ProtocolError when it is malformed or the worker closed the stream."""
         try:
-            header = await self._reader.readexactly(HEADER_SIZE)
-            payload = await self._reader.readexactly(read_header(header))
-        except asyncio.IncompleteReadError as exc:
-            state = "between frames" if not exc.partial else "in the middle of a frame"
-            raise ProtocolError(f"worker {self.address} closed the connection {state}") from None
-        try:
-            return decode_payload(payload, self.revision)
+            if await self._frames.header() is None:
+                raise ProtocolError(f"worker {self.address} closed the connection between frames")
+            return await self._frames.message()
+        except asyncio.IncompleteReadError:
+            raise ProtocolError(f"worker {self.address} closed the connection in the middle of a frame") from None
         except BadTensor as exc:  # a worker's unusable tensor is no request to answer, here: not Cake protocol
             raise ProtocolError(str(exc)) from None
 

@@ -7,9 +7,6 @@ its devices' memory holds (less a reserve); the master keeps the rest. `set_up` 
 exchange with every worker at once, pushing the files it asks for, and returns the topology the
 generator then uses; `discover_cluster` is the three steps together, as `cakemp generate
 --discover` runs them.
-`master_checkpoint` is where `cakemp generate` finds its checkpoint (`checkpoint.locate`) and its
-topology, one whose nodes list no layers completed as Cake's master completes it
-(`assigned_topology`).
 (Cake also hands layers the master cannot fit back to the workers; cakemp's master computes
 whatever is left, so that step is not reproduced.)
 """
@@ -20,27 +17,20 @@ import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cakemp import gpus
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint import hub
-from cakemp.checkpoint.files import TOKENIZER, container_of, in_layer, resident_layer_bytes
-from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
-from cakemp.checkpoint.locate import ModelSource, locate
+from cakemp.checkpoint.files import resident_layer_bytes
 from cakemp.dtypes import COMPUTE_DTYPES
-from cakemp.errors import CakempError, ConfigError
+from cakemp.errors import CakempError
 from cakemp.master.address import dial
 from cakemp.master.discovery import DiscoveredWorker, discover
 from cakemp.master.model_push import model_chunks, model_hash
+from cakemp.placement import check_pushable, own_tflops
 from cakemp.topology import Capacity, Node, Topology, default_assignment, layer_names
 from cakemp.wire import Revision
 from cakemp.wire.discovery import GpuInfo
 
 _CUDA_RESERVE = (0.05, 768 << 20)  # fraction, floor in bytes: what a CUDA device keeps for itself
 _CPU_RESERVE = 0.20
-# What a master reads beside the weights when --model is a repository id: the tokenizer it needs,
-# and the files that say how to prompt the model, fetched with config.json where the repository has them.
-MASTER_OPTIONAL = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja",
-                   "special_tokens_map.json")
 
 
 async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Sequence[str], *, port: int,
@@ -61,55 +51,6 @@ async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Seq
     for worker, layers in assignments:
         report(f"{worker.name} at {worker.address}: {layers[0]}..{layers[-1]} ({len(layers)} layers)")
     return await set_up(model_dir, assignments, cluster_key=cluster_key, revision=revision)
-
-
-def check_pushable(model: str | Path) -> None:
-    """Refuse (ConfigError) a model zero-config setup cannot push: as in Cake, a GGUF file is served
-    in topology mode only, from each node's own copy."""
-    if not (container := container_of(model)).pushable:
-        raise ConfigError(f"{model}: a {container.name} model cannot be pushed to zero-config workers; give --topology")
-
-
-def master_checkpoint(argument: str, topology: str | None, master_tflops: float | None, *, on_gpu: bool,
-                      every_layer: bool, report: Callable[[str], None]) -> tuple[Path, Topology]:
-    """The checkpoint (a directory or a GGUF file) `--model argument` names and the topology the master runs with
-    (`topology`, else a bundle's, else none; one whose nodes list no layers completed by
-    `assigned_topology`, weighing this master as `master_tflops`, else as `own_tflops(on_gpu)`).
-    A repository's missing files are fetched: config, index and tokenizer, and the shards of the
-    layers no worker serves, or of `every_layer` (a master that pushes, refused a GGUF before it is fetched)."""
-    if every_layer:
-        check_pushable(argument)
-    source, fetched = fetch_metadata(locate(argument), (TOKENIZER,), MASTER_OPTIONAL)
-    topology = topology or source.topology
-    layout = Topology.load(topology) if topology else Topology(())
-    if layout.needs_assignment:
-        own = own_tflops(on_gpu) if master_tflops is None else master_tflops
-        layout = assigned_topology(source, layout, own, report)
-    remote = {layer for _, node in layout.nodes for layer in node.layers}
-    fetched += fetch_weights(source, lambda tensor: every_layer or not any(in_layer(tensor, layer) for layer in remote))
-    if fetched:
-        report(f"downloaded from {source.repository}: {', '.join(fetched)}")
-    return source.checkpoint(), layout
-
-
-def assigned_topology(source: ModelSource, layout: Topology, master_tflops: float,
-                      report: Callable[[str], None]) -> Topology:
-    """`layout`, whose nodes list no layers, completed as Cake's master completes it: by the default
-    strategy, `master_tflops` counted as this master's (Cake's: `own_tflops`), one layer's size
-    estimated from the shards' headers where nodes give `vram_bytes`. `report` is told each node's
-    layers, one line per node given some."""
-    config = ModelConfig.from_dir(source.checkpoint())
-    layer_bytes = hub.layer_bytes(source, config.num_hidden_layers, config.layer_prefix) if layout.weighs_memory else 0
-    done = layout.assigned(config.num_hidden_layers, config.layer_prefix, master_tflops, layer_bytes)
-    for name, node in done.nodes:
-        if node.layers:
-            report(f"{name} at {node.host}: {node.layers[0]}..{node.layers[-1]} ({len(node.layers)} layers)")
-    return done
-
-
-def own_tflops(on_gpu: bool) -> float:
-    """This master's TFLOPS as Cake counts its own: its GPUs' when `on_gpu`, else its CPU's."""
-    return sum(device.tflops for device in gpus.describe(gpus.select_devices("all") if on_gpu else (None,)))
 
 
 def max_layers(gpus: Sequence[GpuInfo], layer_bytes: int) -> int:

@@ -32,8 +32,6 @@ Every connection's end is logged with its reason.
 from __future__ import annotations
 
 import asyncio
-import enum
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,10 +41,11 @@ from cakemp import log
 from cakemp.checkpoint.files import PUSH_CHUNK_BYTES, split_layer
 from cakemp.errors import BadTensor, ProtocolError, SetupError
 from cakemp.setup.cache import ModelCache, ModelPush
-from cakemp.streams import read_payload
+from cakemp.setup.state import SetupPhase, SetupState
+from cakemp.streams import FrameReader
 from cakemp.wire import (
-    HEADER_SIZE, LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
-    WorkerError, WorkerReady, decode_payload, encode_frame, read_header,
+    LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
+    WorkerError, WorkerReady, encode_frame,
 )
 from cakemp.wire.discovery import cluster_hash
 
@@ -114,77 +113,6 @@ class Assignment:
             self.cache.invalidate(remove_files=self.needed_data)
         await self._connection.send_quietly(WorkerError(reason))
         self.answered.set()
-
-
-class SetupPhase(enum.Enum):
-    WAITING = "waiting"  # for a setup: none holds the node
-    PUSHING = "pushing"  # a setup is between its LayerAssignment and the end of its push
-    LOADING = "loading"  # a setup's files are whole and its layers load; it is answered once they have
-    SERVING = "serving"  # a setup's layers loaded: the node serves them, later connections are not setups
-
-
-class SetupState:
-    """Which setup connection holds the node, with no I/O (connections are any hashable names).
-
-    The newest LayerAssignment takes the setup at once, replacing one still pushing (a master that
-    reconnected must not wait for its stale push); the connections it replaced are told so. A
-    connection begins its exchange (the Ack, the push) only once no other connection's exchange
-    still runs, since that one may hold files of the same cache open. Everything is decided when
-    it happens: nothing waits for a replaced connection to clear a flag, so no sequence of
-    connections, however they overlap, end or are cancelled, keeps the next from its turn.
-    """
-
-    def __init__(self) -> None:
-        self.phase = SetupPhase.WAITING
-        self._holder: Hashable | None = None  # the connection whose setup is PUSHING or LOADING
-        self._exchanging: set[Hashable] = set()  # connections whose exchange runs (they may hold files open)
-
-    def assigned(self, connection: Hashable) -> Hashable | None:
-        """`connection` sent a LayerAssignment and holds the setup now; returns the connection it
-        replaced, if one was pushing. SetupError when no setup may start: one's layers load, or the
-        node serves already."""
-        if self.phase is SetupPhase.SERVING:
-            raise SetupError("this node has just been set up: connect again")
-        if self.phase is SetupPhase.LOADING:
-            raise SetupError("another setup is loading its layers")
-        replaced, self._holder, self.phase = self._holder, connection, SetupPhase.PUSHING
-        return replaced
-
-    def holds(self, connection: Hashable) -> bool:
-        return self._holder == connection
-
-    def may_exchange(self, connection: Hashable) -> bool:
-        """Whether `connection` may begin its exchange now: it holds the setup and no exchange runs."""
-        return self.holds(connection) and not self._exchanging
-
-    def exchanging(self, connection: Hashable) -> None:
-        """`connection`'s exchange begins (`may_exchange` said it may)."""
-        self._exchanging.add(connection)
-
-    def exchanged(self, connection: Hashable) -> None:
-        """`connection`'s exchange ended (whatever its outcome), its files closed."""
-        self._exchanging.discard(connection)
-
-    def pushed(self, connection: Hashable) -> bool:
-        """`connection`'s files are whole in the cache; True if it still holds the setup (its
-        layers load next), False if a newer one replaced it meanwhile."""
-        if not self.holds(connection):
-            return False
-        self.phase = SetupPhase.LOADING
-        return True
-
-    def closed(self, connection: Hashable) -> None:
-        """`connection` is done (refused, replaced, lost, or its load answered): a setup it held
-        and that did not make the node serve is over."""
-        self._exchanging.discard(connection)
-        if self.holds(connection):
-            self._holder = None
-            if self.phase is not SetupPhase.SERVING:
-                self.phase = SetupPhase.WAITING
-
-    def serving(self) -> None:
-        """The held setup's layers loaded: the node serves them."""
-        self.phase = SetupPhase.SERVING
 
 
 class Setup:
@@ -386,7 +314,7 @@ class _Frames:
 
     def __init__(self, reader: asyncio.StreamReader, revision: Revision, budget: Budget, idle_timeout: float,
                  frame_timeout: float):
-        self._reader, self._revision, self._budget = reader, revision, budget
+        self._frames, self._budget = FrameReader(reader, revision), budget
         self._idle_timeout, self._frame_timeout = idle_timeout, frame_timeout
         self._held = 0  # bytes of the budget the last message holds
 
@@ -396,22 +324,18 @@ class _Frames:
         self.release()
         try:
             async with asyncio.timeout(self._idle_timeout):
-                header = await self._reader.readexactly(HEADER_SIZE)
+                size = await self._frames.header(max_payload)
         except TimeoutError:
             raise SetupError(f"no frame within {self._idle_timeout:g} s") from None
-        except asyncio.IncompleteReadError as e:
-            if e.partial:
-                raise
+        if size is None:
             return None
-        size = read_header(header, max_payload)
         await self._budget.take(size)
         self._held = size
         try:
             async with asyncio.timeout(self._frame_timeout):
-                payload = await read_payload(self._reader, size)
+                return await self._frames.message()
         except TimeoutError:
             raise SetupError(f"a frame did not arrive within {self._frame_timeout:g} s of its header") from None
-        return decode_payload(payload, self._revision)
 
     def release(self) -> None:
         """Give back the budget the last message holds (it is done with)."""

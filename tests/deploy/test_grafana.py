@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cakemp.front.metrics import Histogram, Metrics
+from cakemp.front.metrics import Metrics
+from cakemp.front.prometheus import Histogram
 
 promql = pytest.importorskip("promql_parser")
 

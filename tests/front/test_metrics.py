@@ -13,7 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import cakemp
 from cakemp.cli import cli
 from cakemp.compute.kv_cache import MIN_CAPACITY
-from cakemp.front.metrics import Counter, Histogram, Metrics, start_metrics_server
+from cakemp.front.metrics import Metrics
+from cakemp.front.metrics_server import start_metrics_server
+from cakemp.front.prometheus import Counter, Histogram
 from cakemp.wire import Batch, LayerOp, Revision, TensorMessage, encode_frame
 from tests.checkpoints import TINY
 from tests.front.master import CakeMaster, to_raw

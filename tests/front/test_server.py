@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cakemp.front import NodeConfig
-from cakemp.front.config import GPU_DEVICE_THREADS, device_specs
+from cakemp.front.devices import GPU_DEVICE_THREADS, device_specs
 from cakemp.topology import place_layers
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from cakemp.wire import (
     Batch,
     DType,
+    HEADER_SIZE,
     FrameDecoder,
     LayerOp,
     RawTensor,
@@ -139,3 +140,21 @@ def test_decoded_tensors_survive_later_feeds(together):
     decoder.feed(stream_of([second], Revision.V2))
     assert drain(decoder) == ([second, second] if together else [second])
     assert got == first
+
+
+def test_the_header_alone_tells_the_size_and_the_payload_is_counted_down_as_it_comes():
+    """A reader that acts between header and payload: `frame_size` once the 8 header bytes are in,
+    `missing` and `received` as the payload comes in pieces, and the next frame's bytes after it kept."""
+    msg = TensorMessage(RawTensor(bytes(range(200)), DType.F16, (1, 100)))
+    stream = stream_of([msg], Revision.V2)
+    size = len(stream) - HEADER_SIZE
+    decoder = FrameDecoder(Revision.V2)
+    decoder.feed(stream[:5])
+    assert (decoder.frame_size(), decoder.missing()) == (None, HEADER_SIZE - 5)
+    decoder.feed(stream[5:HEADER_SIZE])
+    assert (decoder.frame_size(), decoder.missing(), decoder.received()) == (size, size, b"")
+    decoder.feed(stream[HEADER_SIZE:HEADER_SIZE + 10])
+    assert (decoder.missing(), decoder.received()) == (size - 10, stream[HEADER_SIZE:HEADER_SIZE + 10])
+    decoder.feed(stream[HEADER_SIZE + 10:] + stream)
+    assert decoder.missing() == 0
+    assert drain(decoder) == [msg, msg]

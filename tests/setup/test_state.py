@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cakemp.errors import SetupError
-from cakemp.setup.exchange import SetupPhase, SetupState
+from cakemp.setup.state import SetupPhase, SetupState
 
 
 def exchange(state: SetupState, connection: str) -> None:
