@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from cakemp.model.block import rms_norm
 from cakemp.model.checkpoint import AnyCheckpoint, open_checkpoint
-from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.config import FAMILIES, ModelConfig
 
 LM_HEAD = "lm_head.weight"
 
@@ -68,8 +68,8 @@ class Head:
         plus_one = frozenset({norm}) if checkpoint.norms_need_one else frozenset()
         tensors = checkpoint.load({name: [name] for name in names}, torch.device(device), dtype, plus_one=plus_one)
         lm_head = tensors[embed] if tied else tensors[head]
-        gemma = config.family == "gemma3"
-        return cls(tensors[embed], tensors[norm], lm_head, config.rms_norm_eps, config.hidden_size**0.5 if gemma else 1.0)
+        scaled = FAMILIES[config.family].embed_scale
+        return cls(tensors[embed], tensors[norm], lm_head, config.rms_norm_eps, config.hidden_size**0.5 if scaled else 1.0)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Token ids [T] -> hidden states [1, T, H]."""
