@@ -1,6 +1,6 @@
 """The two ends of a model that a Cake master keeps: token embeddings, and final norm + lm_head.
 
-Cake never shards these (spec cake-model §5.1): the master embeds the tokens, sends the hidden
+Cake never shards these (docs/models.md, What the master keeps): the master embeds the tokens, sends the hidden
 states through the decoder layers, normalises the last position and projects it onto the
 vocabulary. A tied checkpoint reuses the embedding matrix as lm_head. Gemma 3 scales the
 embeddings by sqrt(H) (rounded to the dtype, as transformers does); Gemma 3 and Qwen3.5 store
