@@ -1,4 +1,4 @@
-"""The prepared GPU check: what the first session with a lent GPU runs to see cakemp's CUDA path work.
+"""Acceptance check on a CUDA machine: cakemp's GPU path runs, matches its references, recovers from OOM.
 
     python bench/gpu_check.py [--out FILE] [--rehearse]
 

@@ -1,4 +1,4 @@
-"""Cake's cluster-key handshake: mutual HMAC-SHA256 challenge-response (spec §5).
+"""Cake's cluster-key handshake: mutual HMAC-SHA256 challenge-response (docs/protocol.md, Handshake).
 
 It runs on the raw TCP stream right after connect, before any frame, and only when a cluster
 key is configured. The master speaks first:

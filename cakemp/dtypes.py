@@ -1,5 +1,5 @@
 """The compute dtypes a node can run its layers in, by their `--dtype` names, with the wire tag of
-each: the floating types a hidden state can have on Cake's wire (spec §3.2). Torch-free, for
+each: the floating types a hidden state can have on Cake's wire (docs/protocol.md, Tensors and dtypes). Torch-free, for
 the CLI, the front and the compute layer alike."""
 
 from __future__ import annotations

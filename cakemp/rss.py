@@ -1,4 +1,4 @@
-"""The resident memory of this process (the seed's `mem:` figure)."""
+"""The resident memory of this process, as the node's logs and metrics report it."""
 
 from __future__ import annotations
 

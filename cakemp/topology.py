@@ -1,10 +1,10 @@
 """Cake's topology file and where this worker's layers go (pure functions, no I/O but `load`).
 
-The file is a YAML map from worker name to node (spec §8). This worker serves the layers of its
+The file is a YAML map from worker name to node (docs/protocol.md, Topology files). This worker serves the layers of its
 own entry, expanded as Cake expands them, split into contiguous runs across its devices.
 
-Cake's default strategy (spec §7.4, `sharding/default.rs` at HEAD) is here too, for both sides
-that assign layers: `default_assignment` splits a model's layers among workers in proportion to
+Cake's default strategy (docs/protocol.md, Layer assignment; Cake's `sharding/default.rs`) is
+here too, for both sides that assign layers: `default_assignment` splits a model's layers among workers in proportion to
 their TFLOPS, the master's own counted in the total, fastest first, in contiguous runs from layer
 0, each capped by what its memory holds; the master keeps the rest. A zero-config master weighs
 discovered workers by it; a topology whose nodes all list no layers is completed by it
@@ -172,7 +172,7 @@ def collapse_layers(layers: Sequence[str]) -> tuple[str, ...]:
 
 
 def device_of(position: int, num_layers: int, num_devices: int) -> int:
-    """Device of the layer at `position` of `num_layers`: i·D//n, as the seed splits them."""
+    """Device of the layer at `position` of `num_layers`: i·D//n, as Cake's multi-GPU worker splits them."""
     return position * num_devices // num_layers
 
 

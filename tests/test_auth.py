@@ -113,8 +113,8 @@ def test_worker_rejects_a_master_with_a_wrong_proof():
     assert isinstance(outcome, AuthError) and "master authentication failed: invalid HMAC" in str(outcome)
 
 
-def test_worker_answers_the_spec_test_vector():
-    """The worker's first 32 bytes are HMAC-SHA256("mysecret", 00..1f), the spec §5 vector."""
+def test_worker_answers_the_handshake_check_value():
+    """The worker's first 32 bytes are HMAC-SHA256("mysecret", 00..1f), docs/protocol.md, Handshake."""
 
     async def main():
         server, port, _ = await start_worker("mysecret")

@@ -95,7 +95,7 @@ def test_a_missing_file_is_a_config_error(tmp_path):
     (2, 4, [[0], [], [1], []]),
 ])
 def test_layer_i_of_n_goes_to_device_i_times_d_over_n(layers, devices, expected):
-    """Placement is contiguous, with layer i of n on device i*D//n, as the seed splits them."""
+    """Placement is contiguous, with layer i of n on device i*D//n, as Cake's multi-GPU worker splits them."""
     names = [f"model.layers.{i}" for i in range(layers)]
     assert place_layers(names, devices) == tuple(tuple(names[i] for i in run) for run in expected)
 
@@ -113,7 +113,7 @@ def test_collapse_layers_writes_consecutive_layers_as_ranges(layers, expected):
     assert expand_layers(collapse_layers(layers)) == tuple(layers)
 
 
-# Cake's default strategy (spec §7.4; HEAD sharding/default.rs), worked by hand from the rule:
+# Cake's default strategy (docs/protocol.md, Layer assignment), worked by hand from the rule:
 # workers together get round(workers' TFLOPS / all TFLOPS x layers), halves away from zero; each
 # in turn (fastest first) round(its TFLOPS / the TFLOPS left x the layers left), at least one,
 # capped by its memory; the last what is left; the master keeps the rest.

@@ -3,7 +3,7 @@ name (as topology entries spell it) and the input its SingleOp carries (torch-fr
 
 A component takes either token ids (`Tokens`: U32 [b, L]) or Cake's `pack_tensors` vector
 (`Packed`: F32 [total], wire/packing.py) of a fixed number of tensors with fixed ranks, as
-Cake's master packs them (../shared/spec/cake-breadth.md §1):
+Cake's master packs them (docs/models.md, Image components):
 
 | arch  | component          | input                                                              |
 |-------|--------------------|--------------------------------------------------------------------|

@@ -1,6 +1,7 @@
 """What a worker needs to know about a checkpoint, read once from its config.json.
 
-These families share one decoder block and differ only in switches (norm placement: layout.py):
+These families share one decoder block and differ only in switches, one `Family` row each in
+FAMILIES (norm placement: layout.py):
 
 | family  | architectures[0]    | q/k/v bias | q/k norm          | sliding window        | rotary per layer        |
 |---------|---------------------|------------|-------------------|-----------------------|-------------------------|
@@ -54,24 +55,60 @@ from cakemp.checkpoint.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, QWEN3_5,
 from cakemp.checkpoint.quantization import Quantization
 from cakemp.checkpoint.values import as_list, mapping, real, shown, whole
 
-FAMILIES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
-    "Gemma3ForCausalLM": "gemma3",
-    "Phi3ForCausalLM": "phi3",
-    "Olmo2ForCausalLM": "olmo2",
-    "Exaone4ForCausalLM": "exaone4",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-}
-# Families whose config.json wraps the text model's keys in `text_config`.
-_WRAPPED = ("qwen3_5", "qwen3_5_moe")
-LAYOUTS = {
-    "gemma3": GEMMA3, "phi3": PHI3, "olmo2": POST_NORM, "exaone4": POST_NORM, "qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5,
-}
+
+@dataclass(frozen=True)
+class Family:
+    """One text family's switches: what reading its config.json (and embedding its tokens) does
+    differently from Llama's defaults. A family that reuses existing switches is one row of FAMILIES."""
+
+    name: str  # ModelConfig.family
+    architecture: str  # config.json's architectures[0]
+    layout: BlockLayout = PRE_NORM  # where the block's norms sit and what its weights are called
+    # Qwen3.5: the text model's keys inside `text_config`, Gated DeltaNet layers among the attending ones.
+    hybrid: bool = False
+    attention_bias: bool = False  # config.json's attention_bias biases q, k, v and o
+    qkv_bias: bool = False  # q, k and v always biased, o never (Qwen2)
+    qk_norm: str | None = None  # "head" (q_norm/k_norm [D] per head) or "projection" ([H_q * D], all heads)
+    activation_key: str = "hidden_act"  # the key naming the MLP gate's activation
+    activation: str = "silu"  # the activation when that key is absent
+    tied: bool = False  # tie_word_embeddings when config.json leaves it out
+    query_pre_attn_scalar: bool = False  # scores scaled by query_pre_attn_scalar ** -0.5 (default 256)
+    embed_scale: bool = False  # the embeddings multiplied by sqrt(hidden_size)
+    longrope_aliases: bool = False  # rope types "su" and "yarn" mean longrope (older Phi-3 configs)
+    # Which layers a sliding window applies to: "never", "every" layer, "enabled" (use_sliding_window,
+    # then layer_types or max_window_layers mark the sliding ones) or "typed" (the layer types below).
+    windows: str = "enabled"
+    default_window: int | None = None  # sliding_window when config.json leaves it out
+    # Layer types (sliding or full attention) from layer_types, else sliding_window_pattern, else
+    # every global_every-th layer global; None: the family has no layer types.
+    global_every: int | None = None
+    all_global_unwindowed: bool = False  # sliding_window: null makes every layer global
+    # Which rotary a layer gets: "uniform" (the main one everywhere), "local_base" (sliding layers
+    # their own unscaled base, rope_local_base_freq; the main one keyed by layer type in transformers
+    # 5) or "sliding_only" (with a window configured, global layers rotate nothing).
+    rotary: str = "uniform"
+    # None, "routed" (router and experts; dense layers by mlp_only_layers and decoder_sparse_step;
+    # norm_topk_prob) or "shared_expert" (every layer sparse, always renormalised, a shared expert).
+    moe: str | None = None
+
+
+FAMILIES = {family.name: family for family in (
+    Family("llama", "LlamaForCausalLM", attention_bias=True, windows="never"),
+    Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
+    Family("qwen3", "Qwen3ForCausalLM", attention_bias=True, qk_norm="head"),
+    Family("mistral", "MistralForCausalLM", windows="every"),
+    Family("gemma3", "Gemma3ForCausalLM", GEMMA3, attention_bias=True, qk_norm="head",
+           activation_key="hidden_activation", activation="gelu_pytorch_tanh", tied=True, query_pre_attn_scalar=True,
+           embed_scale=True, windows="typed", default_window=4096, global_every=6, rotary="local_base"),
+    Family("phi3", "Phi3ForCausalLM", PHI3, windows="every", longrope_aliases=True),
+    Family("olmo2", "Olmo2ForCausalLM", POST_NORM, attention_bias=True, qk_norm="projection", windows="never"),
+    Family("exaone4", "Exaone4ForCausalLM", POST_NORM, qk_norm="head", windows="typed", default_window=4096,
+           global_every=4, all_global_unwindowed=True, rotary="sliding_only"),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", attention_bias=True, qk_norm="head", moe="routed"),
+    Family("qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5, hybrid=True, qk_norm="head"),
+    Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5, hybrid=True, qk_norm="head",
+           moe="shared_expert"),
+)}
 # The MLP activations served, by their transformers name (Gemma calls the key hidden_activation).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -226,14 +263,14 @@ class ModelConfig:
             raise CheckpointError(f"{source}: not a JSON object but {type(d).__name__}")
         architectures = d.get("architectures")
         architecture = architectures[0] if isinstance(architectures, list) and architectures else architectures
-        family = FAMILIES.get(architecture) if isinstance(architecture, str) else None
+        family = next((f for f in FAMILIES.values() if f.architecture == architecture), None)
         if family is None:
-            supported = ", ".join(FAMILIES)
+            supported = ", ".join(f.architecture for f in FAMILIES.values())
             raise CheckpointError(
                 f"{source}: architecture {shown(architecture)} is not supported by cakemp (supported: {supported})"
             )
         try:
-            config = cls._parse_hybrid(d, family, architecture) if family in _WRAPPED else cls._parse(d, family, architecture)
+            config = cls._parse_hybrid(d, family) if family.hybrid else cls._parse(d, family)
             _check_shapes(config)
             return config
         except KeyError as exc:
@@ -244,7 +281,7 @@ class ModelConfig:
             raise CheckpointError(f"{source}: bad {architecture} config: {type(exc).__name__}: {exc}") from None
 
     @classmethod
-    def _parse(cls, d: dict[str, Any], family: str, architecture: str) -> ModelConfig:
+    def _parse(cls, d: dict[str, Any], family: Family) -> ModelConfig:
         hidden = whole("hidden_size", d["hidden_size"], 1, MAX_WIDTH)
         heads = whole("num_attention_heads", d["num_attention_heads"], 1, MAX_HEADS)
         kv_heads = whole("num_key_value_heads", d.get("num_key_value_heads") or heads, 1, heads)
@@ -253,26 +290,25 @@ class ModelConfig:
         layers = whole("num_hidden_layers", d["num_hidden_layers"], 1, MAX_LAYERS)
         head_dim = whole("head_dim", d.get("head_dim") or hidden // heads, 1, MAX_HEAD_DIM)
         rope = mapping("rope_parameters", d.get("rope_parameters") or mapping("rope_scaling", d.get("rope_scaling")))
-        if family == "gemma3":
-            rope = _gemma3_global_rope(d)
+        if family.rotary == "local_base":
+            rope = _global_rope_by_type(d)
         rope_theta = real("rope_theta", rope.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA)))
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias is not supported")
-        act_key = "hidden_activation" if family == "gemma3" else "hidden_act"
-        activation = d.get(act_key) or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
+        activation = d.get(family.activation_key) or family.activation
         if activation not in ACTIVATIONS:
-            raise ValueError(f"{act_key} {shown(activation)} is not supported (only {', '.join(ACTIVATIONS)})")
+            raise ValueError(f"{family.activation_key} {shown(activation)} is not supported (only {', '.join(ACTIVATIONS)})")
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
-        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma3", "olmo2") and bool(d.get("attention_bias", False))
+        attention_bias = family.attention_bias and bool(d.get("attention_bias", False))
         partial = real("partial_rotary_factor", rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
         rotary_dim = int(head_dim * partial)
         main_rope = Rope(rope_theta, rotary_dim, _rope_scaling(rope, d, family, rotary_dim))
         types = _layer_types(d, family, layers)
         windows = _layer_windows(d, family, layers, types)
         return cls(
-            family=family,
-            architecture=architecture,
+            family=family.name,
+            architecture=family.architecture,
             hidden_size=hidden,
             intermediate_size=whole("intermediate_size", d["intermediate_size"], 0, MAX_WIDTH),
             num_hidden_layers=layers,
@@ -283,23 +319,23 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=main_rope.scaling,
             max_position_embeddings=whole("max_position_embeddings", d["max_position_embeddings"], 1, MAX_POSITIONS),
-            qkv_bias=family == "qwen2" or attention_bias,
+            qkv_bias=family.qkv_bias or attention_bias,
             o_bias=attention_bias,
-            qk_norm=_QK_NORM.get(family),
+            qk_norm=family.qk_norm,
             layer_windows=windows,
             layer_ropes=_layer_ropes(d, family, main_rope, types, windows),
-            attention_scale=real("query_pre_attn_scalar", d.get("query_pre_attn_scalar", 256) if family == "gemma3"
+            attention_scale=real("query_pre_attn_scalar", d.get("query_pre_attn_scalar", 256) if family.query_pre_attn_scalar
                                   else head_dim) ** -0.5,
             activation=ACTIVATIONS[activation],
-            layout=LAYOUTS.get(family, PRE_NORM),
+            layout=family.layout,
             # Gemma 3's hub configs leave the key out and mean True (transformers' default for it).
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family.tied)),
             quantization=_quantization(d),
             moe=_moe(d, family, layers),
         )
 
     @classmethod
-    def _parse_hybrid(cls, d: dict[str, Any], family: str, architecture: str) -> ModelConfig:
+    def _parse_hybrid(cls, d: dict[str, Any], family: Family) -> ModelConfig:
         """Qwen3.5 / Qwen3.5-MoE: the text model's keys from `text_config` (a quantization_config
         may sit at either level); rope settings from `rope_parameters` or the classic keys."""
         text = dict(mapping("text_config", d["text_config"]))
@@ -310,14 +346,14 @@ class ModelConfig:
         # mrope_section only matters for image/video positions; text positions are equal on its axes.
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
-            raise ValueError(f"rope type {shown(kind)} is not supported for {architecture} (only default)")
+            raise ValueError(f"rope type {shown(kind)} is not supported for {family.architecture} (only default)")
         text["rope_parameters"] = {
             "rope_theta": rope.get("rope_theta", text.get("rope_theta", _DEFAULT_ROPE_THETA)),
             "partial_rotary_factor": rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
         }
         if "tie_word_embeddings" in d:  # the outer config's word wins, as transformers reads it
             text["tie_word_embeddings"] = d["tie_word_embeddings"]
-        base = cls._parse({**text, "use_sliding_window": False}, family, architecture)
+        base = cls._parse({**text, "use_sliding_window": False}, family)
         layers = base.num_hidden_layers
         interval = whole("full_attention_interval", text.get("full_attention_interval", 4), 1, MAX_LAYERS)
         types = text.get("layer_types") or [
@@ -360,15 +396,9 @@ class ModelConfig:
         return split[1]
 
 
-_QK_NORM = {
-    "qwen3": "head", "qwen3_moe": "head", "qwen3_5": "head", "qwen3_5_moe": "head",
-    "gemma3": "head", "exaone4": "head", "olmo2": "projection",
-}
-
-
-def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], family: str, rotary_dim: int) -> RopeScaling | None:
+def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], family: Family, rotary_dim: int) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if family == "phi3" and kind in ("su", "yarn"):
+    if family.longrope_aliases and kind in ("su", "yarn"):
         kind = "longrope"  # older Phi-3 names for it, mapped as transformers maps them
     if kind == "default":
         return None
@@ -407,20 +437,20 @@ def _longrope(rope: dict[str, Any], d: dict[str, Any], rotary_dim: int) -> LongR
     return LongRopeScaling(short, long, original, real("attention_factor", attention_factor))
 
 
-def _layer_types(d: dict[str, Any], family: str, layers: int) -> tuple[str, ...] | None:
+def _layer_types(d: dict[str, Any], family: Family, layers: int) -> tuple[str, ...] | None:
     """Gemma 3 / EXAONE 4: "sliding_attention" or "full_attention" per layer, from `layer_types`
     or, in configs without it, `sliding_window_pattern` (every pattern-th layer global; EXAONE
     may spell it as a string of L and G, whose last layer is always global). None otherwise."""
-    if family not in ("gemma3", "exaone4"):
+    if family.global_every is None:
         return None
-    if family == "exaone4" and d.get("sliding_window", 4096) is None:
+    if family.all_global_unwindowed and d.get("sliding_window", family.default_window) is None:
         return ("full_attention",) * layers
     if d.get("layer_types"):
         types = tuple(as_list("layer_types", d["layer_types"]))
         if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
             raise ValueError(f"layer_types must name sliding_attention or full_attention for each of {layers} layers")
         return types
-    pattern = d.get("sliding_window_pattern", 6 if family == "gemma3" else 4)
+    pattern = d.get("sliding_window_pattern", family.global_every)
     if isinstance(pattern, str):
         if not pattern or set(pattern) - {"L", "G"}:
             raise ValueError(f"sliding_window_pattern {shown(pattern)} is not a string of L and G")
@@ -432,15 +462,15 @@ def _layer_types(d: dict[str, Any], family: str, layers: int) -> tuple[str, ...]
 
 
 def _layer_windows(
-    d: dict[str, Any], family: str, layers: int, types: tuple[str, ...] | None
+    d: dict[str, Any], family: Family, layers: int, types: tuple[str, ...] | None
 ) -> tuple[int | None, ...]:
-    window = d.get("sliding_window", 4096 if family in ("gemma3", "exaone4") else None)
-    if family in ("llama", "olmo2") or window is None:
+    window = d.get("sliding_window", family.default_window)
+    if family.windows == "never" or window is None:
         return (None,) * layers
     window = whole("sliding_window", window, 1, MAX_POSITIONS)
-    if family in ("mistral", "phi3"):
+    if family.windows == "every":
         return (window,) * layers
-    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"):
+    if family.windows == "enabled":
         # Qwen2/3: the window applies only when enabled, to the layers marked sliding.
         if not d.get("use_sliding_window", False):
             return (None,) * layers
@@ -450,7 +480,7 @@ def _layer_windows(
     return tuple(window if t == "sliding_attention" else None for t in as_list("layer_types", types))
 
 
-def _gemma3_global_rope(d: dict[str, Any]) -> dict[str, Any]:
+def _global_rope_by_type(d: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's global rotary: transformers 5 keys it by layer type, hub configs keep rope_theta
     (default 1e6) and rope_scaling (linear on 4B+) at the top level."""
     by_type = mapping("rope_parameters", d.get("rope_parameters")).get("full_attention")
@@ -460,29 +490,29 @@ def _gemma3_global_rope(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layer_ropes(
-    d: dict[str, Any], family: str, main: Rope, types: tuple[str, ...] | None, windows: tuple[int | None, ...]
+    d: dict[str, Any], family: Family, main: Rope, types: tuple[str, ...] | None, windows: tuple[int | None, ...]
 ) -> tuple[Rope | None, ...]:
-    if family == "gemma3":
+    if family.rotary == "local_base":
         # Local layers rotate with their own base (rope_local_base_freq, default 1e4), unscaled.
         by_type = mapping("rope_parameters.sliding_attention",
                            mapping("rope_parameters", d.get("rope_parameters")).get("sliding_attention"))
         local = Rope(real("rope_local_base_freq", by_type.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))),
                      main.dim)
         return tuple(local if t == "sliding_attention" else main for t in types)
-    if family == "exaone4" and any(w is not None for w in windows):
+    if family.rotary == "sliding_only" and any(w is not None for w in windows):
         # With a sliding window configured, EXAONE 4's global layers use no rotary at all.
         return tuple(main if t == "sliding_attention" else None for t in types)
     return (main,) * len(windows)
 
 
-def _moe(d: dict[str, Any], family: str, layers: int) -> MoeConfig | None:
-    if family not in ("qwen3_moe", "qwen3_5_moe"):
+def _moe(d: dict[str, Any], family: Family, layers: int) -> MoeConfig | None:
+    if family.moe is None:
         return None
     # Hub configs name the count num_experts; transformers 5 writes num_local_experts.
     experts = whole("num_experts", d.get("num_experts") or d["num_local_experts"], 1, MAX_EXPERTS)
     top_k = whole("num_experts_per_tok", d["num_experts_per_tok"], 1, experts)
     intermediate = whole("moe_intermediate_size", d["moe_intermediate_size"], 1, MAX_WIDTH)
-    if family == "qwen3_5_moe":
+    if family.moe == "shared_expert":
         shared = whole("shared_expert_intermediate_size", d["shared_expert_intermediate_size"], 0, MAX_WIDTH)
         return MoeConfig(experts, top_k, intermediate, True, shared, (True,) * layers)
     dense = set(as_list("mlp_only_layers", d.get("mlp_only_layers") or []))

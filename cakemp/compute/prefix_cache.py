@@ -52,7 +52,7 @@ from cakemp.op import Op
 
 # Retired prefixes kept at most, whatever the budget (none may be unbounded, and a lookup scans them).
 MAX_RETIRED = 256
-# Rows a request must reuse for a hit (ISSUE-NOTES: blocks of 16 rows): fewer save next to nothing.
+# Rows a request must reuse for a hit (one block of 16 rows): fewer save next to nothing.
 MIN_REUSE = 16
 MIN_OUTPUT_ROWS = 256
 SHARED = -1  # the domain of every session when prefixes are shared

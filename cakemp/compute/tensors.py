@@ -1,8 +1,8 @@
 """Activation bytes with a wire dtype tag ⇄ torch tensors: the one conversion the device
 process, the master, the benchmarks and the tests use.
 
-Wire tensors are little-endian, row-major and contiguous (spec §3.2); only the floating dtypes
-a hidden state can have are accepted.
+Wire tensors are little-endian, row-major and contiguous (docs/protocol.md, Tensors and
+dtypes); only the floating dtypes a hidden state can have are accepted.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the front checks of a request to an image component node (pure: no I/O, no torch).
 
 The counterpart of admission.py for `--model-type image-model`. A Cake image master sends each
-component call as one SingleOp naming the component (cake-breadth.md §1.0), so a request is
+component call as one SingleOp naming the component (docs/models.md, Image components), so a request is
 admitted only if it names one served component and carries that component's input:
 
 * token ids (clip, clip2, flux_text_encoder): U32 [b, L], 1 <= b <= 8, 1 <= L <= 1024, of the

@@ -1,7 +1,7 @@
-"""The seed's throughput line, by time: what the whole node served since the previous line.
+"""Cake's worker's throughput line, by time: what the whole node served since the previous line.
 
-The seed logs ops/s and read/write bytes/s every five requests of each connection, which at
-decode rates floods the journal. Here one line comes every `interval` seconds, and only when
+Cake's worker logs ops/s and read/write bytes/s every five requests of each connection
+(`cake/worker.rs@fa7d08a`), which at decode rates floods the journal. Here one line comes every `interval` seconds, and only when
 something was served in it; its figures are differences of the metrics' own counters, so the
 line and /metrics never disagree.
 """

@@ -1,8 +1,8 @@
 """A protocol-level Cake master: one TCP connection to one worker, as Cake's `Client` holds it.
 
 Cake's master opens one connection per remote layer, says Hello, then sends one request at a
-time and waits for its reply (spec §6). `WorkerClient` does the same and turns the replies
-into return values or exceptions; `cakemp probe`, `cakemp generate`, the benchmarks and the
+time and waits for its reply (docs/protocol.md, Sessions and connections). `WorkerClient` does
+the same and turns the replies into return values or exceptions; `cakemp probe`, `cakemp generate`, the benchmarks and the
 tests drive workers through it.
 """
 
@@ -139,7 +139,7 @@ class WorkerClient:
     async def assign_layers(
         self, layers: Sequence[str], model_hash: str, chunks: Iterable[ModelDataChunk] = ()
     ) -> bool:
-        """The setup exchange (spec §7.2) on a fresh connection: LayerAssignment → Ack, then
+        """The setup exchange (docs/protocol.md, Setup exchange) on a fresh connection: LayerAssignment → Ack, then
         `chunks` and ModelDataDone if the worker asked for data, then WorkerReady.
 
         Returns whether the worker needed the data. The worker closes the connection after.

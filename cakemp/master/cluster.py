@@ -1,6 +1,6 @@
 """A zero-config cluster from the master's side: discovered workers, their layers, their setup.
 
-`assign_layers` splits the model's layers as Cake's default strategy does (spec §7.4,
+`assign_layers` splits the model's layers as Cake's default strategy does (docs/protocol.md, Layer assignment;
 `topology.default_assignment`): the workers, fastest first, get contiguous runs from layer 0 in
 proportion to their TFLOPS, the master's own TFLOPS counted in the total, each capped by what
 its devices' memory holds (less a reserve); the master keeps the rest. `set_up` runs the setup

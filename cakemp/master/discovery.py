@@ -1,6 +1,6 @@
 """The master's half of discovery: probe for a cluster's workers and collect their replies.
 
-As Cake's master (spec §7.1): every second a `CAKE{"cluster_hash":…}` probe goes to each
+As Cake's master (docs/protocol.md, Discovery): every second a `CAKE{"cluster_hash":…}` probe goes to each
 target (a broadcast address such as 255.255.255.255, or a worker's own address), and replies
 are collected until `timeout` passes or `min_workers` have answered. A worker is reached at
 the reply's source address and its advertised port; replies are deduplicated by worker name

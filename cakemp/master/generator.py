@@ -5,7 +5,7 @@ decoder layer it asks the topology who serves it: a layer named by no node runs 
 cakemp's own blocks; a remote layer gets its own connection, as Cake opens one per remote
 layer and says Hello on each. Each step walks the layers in order and sends every maximal run
 of consecutive layers on one worker as one `Batch`, on the connection of the run's first
-layer (spec cake-model §5.2). The prompt is one prefill at position 0, then one token per step;
+layer (docs/models.md, Grouping layers into a Batch). The prompt is one prefill at position 0, then one token per step;
 after the last step every connection gets `Goodbye`, which clears the workers' caches so the
 next generation prefills afresh (a worker that keeps retired prefixes answers the rows it kept
 for the same prefix). A generation ends at `max_tokens`, at an end token (`chat.end_token_ids`),

@@ -1,6 +1,6 @@
 """The master's half of a zero-config push: which files a worker gets, cut into ModelDataChunks.
 
-As Cake's master sends them (spec §7.2, §7.5): `config.json`, `tokenizer.json` (Cake aborts
+As Cake's master sends them (docs/protocol.md, Setup exchange): `config.json`, `tokenizer.json` (Cake aborts
 without it), then either `model.safetensors` or the index rewritten to the worker's layers
 (serde's pretty form: sorted keys, 2-space indent, no final newline) followed by each whole
 shard holding one of them. At revision 2 a chunk is zstd-compressed (level 1, no content

@@ -1,6 +1,6 @@
 """The two ends of a model that a Cake master keeps: token embeddings, and final norm + lm_head.
 
-Cake never shards these (spec cake-model §5.1): the master embeds the tokens, sends the hidden
+Cake never shards these (docs/models.md, What the master keeps): the master embeds the tokens, sends the hidden
 states through the decoder layers, normalises the last position and projects it onto the
 vocabulary. A tied checkpoint reuses the embedding matrix as lm_head. Gemma 3 scales the
 embeddings by sqrt(H) (rounded to the dtype, as transformers does); Gemma 3 and Qwen3.5 store
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from cakemp.model.block import rms_norm
 from cakemp.model.weights.readers import open_checkpoint
 from cakemp.model.weights.source import WeightSource
-from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.config import FAMILIES, ModelConfig
 
 LM_HEAD = "lm_head.weight"
 
@@ -69,8 +69,8 @@ class Head:
         plus_one = frozenset({norm}) if checkpoint.norms_need_one else frozenset()
         tensors = checkpoint.load({name: [name] for name in names}, torch.device(device), dtype, plus_one=plus_one)
         lm_head = tensors[embed] if tied else tensors[head]
-        gemma = config.family == "gemma3"
-        return cls(tensors[embed], tensors[norm], lm_head, config.rms_norm_eps, config.hidden_size**0.5 if gemma else 1.0)
+        scaled = FAMILIES[config.family].embed_scale
+        return cls(tensors[embed], tensors[norm], lm_head, config.rms_norm_eps, config.hidden_size**0.5 if scaled else 1.0)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
         """Token ids [T] -> hidden states [1, T, H]."""

@@ -1,10 +1,10 @@
 """Cake's model cache on a zero-config node: where pushed files live, and a push written into it.
 
-The directory is Cake's own (spec §7.3): `$XDG_CACHE_HOME/cake/<cluster hash>-<model hash>/`
+The directory is Cake's own (docs/protocol.md, Cache directory): `$XDG_CACHE_HOME/cake/<cluster hash>-<model hash>/`
 (`~/.cache` without XDG_CACHE_HOME; `<cluster hash>` alone when an old master sends no model
 hash), so a machine keeps one cache per cluster and model.
 
-Unlike Cake, a cache counts only once a push completed (spec §7.5 lists what Cake trusts):
+Unlike Cake, a cache counts only once a push completed (docs/protocol.md, Cache directory, says what Cake trusts):
 every file is written beside its final name (`.<name>.partial`) and moved into place when
 whole, the push ends by recording each file's size in a marker (`.cakemp-complete`, written
 the same way) once config.json is a model cakemp runs (ModelConfig) with every assigned

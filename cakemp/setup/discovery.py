@@ -1,4 +1,4 @@
-"""The zero-config node's UDP discovery responder, and what it advertises (spec §7.1).
+"""The zero-config node's UDP discovery responder, and what it advertises (docs/protocol.md, Discovery).
 
 A probe carrying this cluster's hash is answered, unicast to its sender, with a reply built
 once at start (the name, the TCP port the setup listener really bound, the devices). Every

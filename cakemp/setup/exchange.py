@@ -1,4 +1,5 @@
-"""Zero-config setup on the node's TCP listener, before it serves (spec §7.2, §7.3).
+"""Zero-config setup on the node's TCP listener, before it serves (docs/protocol.md, Setup
+exchange and Cache directory).
 
     master → node   auth, LayerAssignment{layers, model_hash}
     node → master   LayerAssignmentAck{needs_data}     (needs_data: the cache does not cover them)

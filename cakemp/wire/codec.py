@@ -1,7 +1,7 @@
 """Speedy's BigEndian payload codec for the messages declared in `cakemp.wire.messages`.
 
 The encoding is speedy 0.8.7's default for Cake's `#[derive(Readable, Writable)]` types
-(spec §1, §3): enum tag u32, String = u32 length + UTF-8, Vec<T> = u32 count + elements,
+(docs/protocol.md, Encoding and Messages): enum tag u32, String = u32 length + UTF-8, Vec<T> = u32 count + elements,
 usize = u64, u128 = 16 bytes, bool = 1 byte, every integer big-endian. Tensor element bytes
 are the exception: they are the tensor's raw little-endian memory, passed through untouched.
 
@@ -390,7 +390,7 @@ def decode_payload(payload: Buffer, revision: Revision, limits: dict[str, int] |
     `limits` bounds the Vecs whose `Bound` names one ("ops": the layers a node serves); a count
     past its bound is refused before any of its items is built.
 
-    Like speedy's `read_from_buffer` (spec §1), bytes after the message are ignored: Cake
+    Like speedy's `read_from_buffer` (docs/protocol.md, Encoding), bytes after the message are ignored: Cake
     accepts them, and being as liberal as Cake keeps cakemp a drop-in for any master that
     Cake itself accepts.
 

@@ -1,4 +1,4 @@
-"""Cake's UDP discovery datagrams with no I/O: `CAKE` followed by compact JSON (spec §7.1).
+"""Cake's UDP discovery datagrams with no I/O: `CAKE` followed by compact JSON (docs/protocol.md, Discovery).
 
 The master broadcasts `CAKE{"cluster_hash":"<h>"}` to port 10127; a worker of that cluster
 answers with its name, TCP port and devices. The cluster hash is the lowercase hex of the
@@ -36,7 +36,8 @@ class GpuInfo:
     @property
     def is_cpu(self) -> bool:
         """A CPU rather than a GPU. The reply says so only by the name, "CPU (<arch>)" from Cake's
-        and cakemp's workers alike; Cake's master tests that it starts with "cpu" (spec §7.4)."""
+        and cakemp's workers alike; Cake's master tests that it starts with "cpu" (docs/protocol.md,
+        Layer assignment)."""
         return self.name.lower().startswith("cpu")
 
 

@@ -1,6 +1,6 @@
 """Cake's framing: an 8-byte header (u32 BE magic, u32 BE payload length) before each payload.
 
-One TCP stream carries frame after frame with no other delimiter (spec §2). `FrameDecoder`
+One TCP stream carries frame after frame with no other delimiter (docs/protocol.md, Frames). `FrameDecoder`
 is sans-I/O in the manner of h11: feed it whatever bytes arrived, take out whole messages
 (`cakemp.streams.FrameReader` is the asyncio reader around it, for every stream).
 """

@@ -22,14 +22,14 @@ from cakemp.errors import BadOps, BadTensor, ProtocolError
 
 
 class Revision(IntEnum):
-    """Which Cake `Message` enum is on the wire; they differ from tag 8 on (spec §3.1)."""
+    """Which Cake `Message` enum is on the wire; they differ from tag 8 on (docs/protocol.md, Messages)."""
 
     V1 = 1  # Cake fa7d08a: WorkerReady 10, WorkerError 11, ModelDataChunk without compression
     V2 = 2  # Cake HEAD (after 6ec79c2): ModelDataResume 10, WorkerReady 11, WorkerError 12
 
 
 class DType(IntEnum):
-    """Cake's u8 dtype tags for `RawTensor.dtype` (spec §3.2)."""
+    """Cake's u8 dtype tags for `RawTensor.dtype` (docs/protocol.md, Tensors and dtypes)."""
 
     U8 = 0
     U32 = 1
@@ -161,7 +161,7 @@ class Hello:
 
 @message
 class WorkerInfo:
-    """Worker → master, answer to Hello and Goodbye; the master only logs it (spec §3.3)."""
+    """Worker → master, answer to Hello and Goodbye; the master only logs it (docs/protocol.md, WorkerInfo)."""
 
     version: String
     dtype: String

@@ -1,12 +1,13 @@
 """ModelConfig from config.json: one set of switches per family, refusals named."""
 
+import dataclasses
 import json
 import math
 
 import pytest
 
 from cakemp.errors import CheckpointError
-from cakemp.checkpoint.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, Rope
+from cakemp.checkpoint.config import FAMILIES, LinearRopeScaling, Llama3RopeScaling, ModelConfig, Rope
 from tests.checkpoints import make_config
 
 
@@ -20,6 +21,15 @@ def test_llama_has_no_biases_no_qk_norm_no_window():
     assert (c.family, c.head_dim, c.num_attention_heads, c.num_key_value_heads) == ("llama", 16, 4, 2)
     assert not c.qkv_bias and not c.o_bias and not c.qk_norm
     assert c.layer_windows == (None,) * 4 and c.rope_scaling is None and c.fp8_block is None
+
+
+def test_a_family_that_reuses_switches_is_one_row(monkeypatch):
+    """A new architecture with Llama's switches needs only its row in FAMILIES to parse as Llama does."""
+    monkeypatch.setitem(FAMILIES, "llama_like", dataclasses.replace(FAMILIES["llama"], name="llama_like",
+                                                                     architecture="LlamaLikeForCausalLM"))
+    raw = make_config("llama", attention_bias=True, sliding_window=8).to_dict()
+    ours = ModelConfig.from_dict({**raw, "architectures": ["LlamaLikeForCausalLM"]})
+    assert dataclasses.replace(ours, family="llama", architecture="LlamaForCausalLM") == ModelConfig.from_dict(raw)
 
 
 def test_qwen2_always_has_qkv_biases_but_no_o_bias():

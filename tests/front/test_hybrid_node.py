@@ -2,9 +2,9 @@
 
 Layers 0-3 (linear, linear, linear, full attention; every layer MoE) are split over two CPU
 device processes, 0-1 and 2-3, so each request crosses the device boundary and both layer
-kinds run. One node, at protocol revision 2 (Cake's, since Qwen3.5-MoE came after the seed):
+kinds run. One node, at protocol revision 2 (Cake's, since Qwen3.5-MoE came after fa7d08a):
 the revisions differ only in tags the wire tests cover, and a node costs ~30 s to start on a
-loaded machine (ISSUE-NOTES: revisions x dtypes at the block level, not a node per combination).
+loaded machine (revisions x dtypes are covered at the block level, not by a node per combination).
 """
 
 from __future__ import annotations

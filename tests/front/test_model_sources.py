@@ -8,7 +8,7 @@ tiny-org/llama4` from a full cache, with the same topology, computes the same as
 generates HF's greedy text through the node. A second node, started only for the last test, is
 `cakemp run --model <bundle>` with a bundle as `cake split` writes it (config.json copied in).
 
-The assignment, worked by hand from Cake's rule (spec §7.4): 4 layers, the node 2 TFLOPS, the
+The assignment, worked by hand from Cake's rule (docs/protocol.md, Layer assignment): 4 layers, the node 2 TFLOPS, the
 master 2 (a CPU as Cake counts one): the workers get round(2/4 x 4) = 2 layers, the node being
 the only one takes them from layer 0 (model.layers.0-1), the master keeps 2-3.
 """

@@ -21,7 +21,7 @@ def test_each_message_is_spelled_once_in_the_wire_package():
 
 
 def test_the_variants_are_cakes_enum_at_each_revision():
-    """The declaration order and `since` give both revisions' tag tables (spec §3.1): the two enums
+    """The declaration order and `since` give both revisions' tag tables (docs/protocol.md, Messages): the two enums
     agree up to ModelDataDone, and V2 has ModelDataResume at tag 10 before WorkerReady and WorkerError."""
     names = {revision: [v.cls.__name__ for v in VARIANTS if v.since <= revision] for revision in cakemp.wire.Revision}
     common = ["Hello", "WorkerInfo", "SingleOp", "Batch", "TensorMessage", "Goodbye", "LayerAssignment",

@@ -1,4 +1,5 @@
-"""Spec §4's worked examples, byte for byte, at both protocol revisions."""
+"""Whole frames as Cake's speedy encoder writes them, byte for byte, at both protocol revisions
+(docs/protocol.md, Worked examples)."""
 
 from __future__ import annotations
 

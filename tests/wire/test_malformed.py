@@ -146,7 +146,7 @@ def test_structural_fault_wins_over_a_bad_tensor():
 
 
 def test_trailing_bytes_are_ignored_like_speedy():
-    """Bytes after a complete message are ignored, as speedy's read_from_buffer does (spec §1)."""
+    """Bytes after a complete message are ignored, as speedy's read_from_buffer does (docs/protocol.md, Encoding)."""
     assert decode_payload(bytes.fromhex("00000000ffff"), V2) == Hello()
 
 

@@ -67,7 +67,7 @@ class Reader:
         here, in f32, and they stay f32, so their norm is an ordinary RMSNorm with weight 1 + w,
         as HF computes it (1 + w in f32 on every call). Rounded to bf16, 1 + w would scale each
         channel by up to 2^-9 off, the same way at every position, and such systematic errors
-        add up over layers (Cake at the seed adds the 1 in f16).
+        add up over layers (Cake at fa7d08a adds the 1 in f16).
 
         Every destination is allocated once and filled by one copy_ per source tensor, which
         casts on the way, so fused weights (q/k/v) cost no extra pass over the bytes. Quantized
