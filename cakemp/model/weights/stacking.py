@@ -1,5 +1,5 @@
 """One weight made of several stored tensors stacked along dim 0 (q/k/v, gate/up, experts), as
-both checkpoint readers (model/weights/safetensors.py, model/weights/gguf.py) build it."""
+both checkpoint readers (model/weights/safetensors.py, model/weights/gguf.py) build it in Reader.load (source.py)."""
 
 from __future__ import annotations
 
