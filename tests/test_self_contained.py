@@ -36,7 +36,8 @@ def headings(markdown: str) -> set[str]:
 
 
 def test_no_tracked_text_points_outside_the_repository():
-    """No spec section numbers, spec file names, notes files or ../shared paths in any tracked text."""
+    """No spec section numbers, spec file names, notes files or paths into a sibling shared folder in
+    any tracked text."""
     found = [f"{name}:{number}: {line.strip()}"
              for name, text in tracked_texts().items()
              for number, line in enumerate(text.splitlines(), 1) if OUTSIDE.search(line)]
@@ -48,8 +49,8 @@ def test_the_protocol_and_model_documents_exist():
 
 
 def test_every_cited_docs_section_exists():
-    """Each "docs/X.md, Heading" citation names a file of docs/ and the start of one of its headings,
-    or of two ("docs/protocol.md, Setup exchange and Cache directory")."""
+    """Each citation of a docs/ section (the file, a comma, the heading) names a file of docs/ and the
+    start of one of its headings, or of two joined by "and" (Setup exchange and Cache directory)."""
     missing = []
     for name, text in tracked_texts().items():
         joined = re.sub(r"\s*\n\s*(?:#\s*)?", " ", text)  # a citation may wrap onto a comment's next line
