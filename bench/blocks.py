@@ -1,6 +1,6 @@
 """Block and loading benchmark: cakemp's decoder layer against HF transformers' on the same weights.
 
-    python bench/blocks.py [--threads N] [--device cpu|cuda] [--dtypes f32,bf16]
+    python -m bench.blocks [--threads N] [--device cpu|cuda] [--dtypes f32,bf16]
 
 Writes a random Llama checkpoint (hidden 2048, 16 heads on 4 kv heads, intermediate 5632:
 TinyLlama-1.1B's layer shape; 8 layers, bf16, 4 shards) to a temp dir, then in one process,
@@ -287,7 +287,8 @@ def load_times(path: Path, device: torch.device, repeats: int = 3) -> dict[str, 
     runs = {"pread": ("pread", "bf16"), "load bf16": ("load", "bf16"), "load f16 (cast)": ("load", "f16")}
     best = {}
     for name, (what, dtype) in runs.items():
-        command = [sys.executable, __file__, "--once", what, "--model", str(path), "--dtypes", dtype, "--device", str(device)]
+        command = [sys.executable, "-m", "bench.blocks", "--once", what, "--model", str(path), "--dtypes", dtype,
+                   "--device", str(device)]
         outputs = [subprocess.run(command, capture_output=True, text=True, check=True).stdout for _ in range(repeats)]
         best[name] = min(float(out) for out in outputs)
     return best

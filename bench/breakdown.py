@@ -28,10 +28,10 @@ import torch
 import zmq
 
 from bench.pool import pct, start_single
+from bench.route_node import HIDDEN, LAYERS, Master, start_node
 from cakemp.compute.runner import BlockRunner
 from cakemp.ipc import trace
 
-HIDDEN = 1024
 ECHO_BYTES = HIDDEN * 4
 IDLE_S = 0.01  # about one device's decode step here: how long a device sleeps before its hop comes
 
@@ -120,8 +120,6 @@ async def decode_rounds(masters: dict, echo: Echo, local: InProcess, steps: int,
 
 
 async def measure(ports: dict[str, int], model: Path, workdir: Path, steps: int, block: int, prompts: int):
-    from bench.route import Master  # route.py's master (one session, every layer as one Batch)
-
     masters = {name: await Master.open(port) for name, port in ports.items()}
     for master in masters.values():  # warm-up: a prompt and a few steps
         await master.prompt()
@@ -157,10 +155,8 @@ def stages(lines: list[list[int]], sent_got: list[tuple[int, int]]) -> dict[str,
 
 
 def run(model: Path, workdir: Path, steps: int, block: int, prompts: int, extra: tuple[str, ...] = ()) -> None:
-    from bench.route import start_node
-
     trace_path = workdir / "trace.txt"
-    single, single_port = start_single(model, threads=1, layers=8)
+    single, single_port = start_single(model, threads=1, layers=LAYERS)
     os.environ[trace.ENV] = str(trace_path)
     try:
         node, node_port = start_node(model, workdir, Path(__file__).resolve().parent.parent, *extra)

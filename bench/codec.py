@@ -1,6 +1,6 @@
 """Codec benchmark: encode and decode of a decode-size and a prefill-size Batch.
 
-    python bench/codec.py
+    python -m bench.codec
 
 Both Batches carry 16 layer ops (one worker serving 16 layers): the decode step's hidden
 state is [1, 1, 4096] f16 (8 KiB), the prefill's [1, 512, 4096] f16 (4 MiB). The decode

@@ -1,6 +1,6 @@
 """Gemma 3 layers: cakemp's decoder block against HF transformers' Gemma3DecoderLayer, same weights.
 
-    python bench/gemma3.py [--threads N] [--dtypes f32,bf16] [--steps 20]
+    python -m bench.gemma3 [--threads N] [--dtypes f32,bf16] [--steps 20]
 
 Writes a random Gemma3ForCausalLM checkpoint with gemma-3-1b's layer shape (hidden 1152,
 4 query heads on 1 kv head, head_dim 256, intermediate 6912, window 512) and 6 layers, the
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 import transformers
-import blocks
-from blocks import measure
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from bench import blocks
+from bench.blocks import measure
 from cakemp.compute.runner import BlockRunner
 
 SHAPE = dict(

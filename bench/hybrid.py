@@ -1,6 +1,6 @@
 """Qwen3.5 and Qwen3-MoE layers: cakemp's BlockRunner against HF transformers' layers, same weights.
 
-    python bench/hybrid.py [--threads N] [--dtype f32|bf16] [--steps N]
+    python -m bench.hybrid [--threads N] [--dtype f32|bf16] [--steps N]
 
 Writes three random checkpoints at shapes scaled down from the real ones (Qwen3.5-9B:
 hidden 4096, 16 x 256 gated attention heads on 4 kv heads, linear attention 16 key heads x
@@ -29,16 +29,12 @@ built inside the timed call, as cakemp's are.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from blocks import timed  # bench/, this script's folder
-
+from bench.blocks import timed
 from cakemp.compute.runner import BlockRunner
 from tests.checkpoints import HFLayers, make_checkpoint
 

@@ -7,8 +7,8 @@ Writes a random 8-layer Llama checkpoint (hidden 1024, f32) and starts, side by 
 run: bench/single_worker.py (the same layers in one process, one torch thread: Cake's
 design), `cakemp run --gpus cpu:2 --cpu-threads 1` from this tree once per --prefill-chunk
 value, and, with --base, the same command from another checkout (a git worktree of the
-commit before the change) for "today's" figures. A Cake-style master then measures, the
-workers alternating:
+commit before the change) for "today's" figures (node and master: bench/route_node.py). A
+Cake-style master then measures, the workers alternating:
 
 1. decode: round trip of a [1, 1, 1024] Batch through all 8 layers (4 per device), p50 and
    p99 over --steps steps each, in blocks of 25; each worker's p50 extra over the single
@@ -29,71 +29,16 @@ import asyncio
 import multiprocessing
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch
-import yaml
-
 from bench import breakdown
-from bench.pool import alternate, busy, free_port, machine_line, pct, raw, start_single, wait_listening
+from bench.pool import alternate, busy, machine_line, pct, start_single
+from bench.route_node import HIDDEN, LAYERS, MAX_POSITIONS, PROMPT, Master, start_node
 from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
-from cakemp.master.client import WorkerClient
 from tests.checkpoints import make_checkpoint
 
-LAYERS = 8
-HIDDEN = 1024
 BLOCK = 25
-PROMPT = 512
-MAX_POSITIONS = 4096
-
-
-def start_node(model: Path, workdir: Path, source: Path, *extra: str) -> tuple[subprocess.Popen, int]:
-    """`cakemp run --gpus cpu:2 --cpu-threads 1` over all layers, run from the checkout at `source`."""
-    topology = workdir / "topology.yml"
-    topology.write_text(yaml.safe_dump({"w": {"host": "x:1", "layers": [f"model.layers.0-{LAYERS - 1}"]}}))
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cakemp", "run", "--name", "w", "--model", str(model), "--topology", str(topology),
-         "--address", f"127.0.0.1:{port}", "--gpus", "cpu:2", "--cpu-threads", "1", "--dtype", "f32",
-         "--log-level", "warning", *extra],
-        stdout=subprocess.DEVNULL, cwd=source, env={**os.environ, "PYTHONPATH": str(source)})
-    wait_listening(port, process, timeout=600)
-    return process, port
-
-
-class Master:
-    """One session: decode steps and prompts through every layer as one Batch."""
-
-    def __init__(self, client: WorkerClient):
-        self.client, self.position = client, 0
-
-    @classmethod
-    async def open(cls, port: int) -> Master:
-        client = await WorkerClient.connect("127.0.0.1", port)
-        await client.hello()
-        return cls(client)
-
-    async def batch(self, tokens: int) -> float:
-        """Seconds for one Batch of `tokens` at the session's next position."""
-        if self.position + tokens > MAX_POSITIONS:
-            await self.client.goodbye()
-            self.position = 0
-        ops = [(f"model.layers.{i}", self.position, i) for i in range(LAYERS)]
-        x = raw(torch.randn(1, tokens, HIDDEN))
-        start = time.perf_counter()
-        await self.client.batch(x, ops)
-        elapsed = time.perf_counter() - start
-        self.position += tokens
-        return elapsed
-
-    async def prompt(self) -> float:
-        await self.client.goodbye()
-        self.position = 0
-        return await self.batch(PROMPT)
 
 
 def cpu_seconds(pid: int) -> float:
