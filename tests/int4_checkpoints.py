@@ -1,5 +1,5 @@
 """GPTQ and MLX checkpoints of random 4-bit codes, for the int4 path (tests/model/test_int4.py,
-bench/gpu_check.py).
+tools/gpu_check.py).
 
     path = random_gptq(tmp_path / "gptq", plain, group_size=128)   # plain: a make_checkpoint directory
 

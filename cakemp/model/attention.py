@@ -18,7 +18,7 @@ A windowed prefill thus never holds more than [window, 2 * window] of mask and s
 time, whatever the prompt length. cuDNN attention is switched off on CUDA (`use_fused_kernels`):
 SDPA tries it first on sm90, and it builds an execution graph per sequence length, i.e. at
 every decode step. `backends_used` says which kernel really ran for a call: the choice is
-verified (tests, bench/gpu_check.py), not assumed.
+verified (tests, tools/gpu_check.py), not assumed.
 """
 
 from __future__ import annotations

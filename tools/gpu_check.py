@@ -1,6 +1,6 @@
 """Acceptance check on a CUDA machine: cakemp's GPU path runs, matches its references, recovers from OOM.
 
-    python bench/gpu_check.py [--out FILE] [--rehearse]
+    python -m tools.gpu_check [--out FILE] [--rehearse]
 
 About five to six minutes on one GPU (Python 3.12, torch 2.11 or 2.13; sections 7-9 estimated
 at ~1.5 minutes together, none of it measured yet). Each section records its
@@ -63,19 +63,15 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.blocks import timed
+from cakemp.model import attention
+from cakemp.model.weights import fp8
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-# The node and pytest are subprocesses: they find cakemp (and the carried wheels) the same way.
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-from blocks import timed  # noqa: E402  (bench/, this script's folder)
-
-from cakemp.model import attention  # noqa: E402
-from cakemp.model.weights import fp8  # noqa: E402
 
 FINDINGS: dict[str, object] = {}
 
@@ -123,6 +119,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(out_dir) / "gpu_check.json") if out_dir else "gpu_check.json")
     parser.add_argument("--rehearse", action="store_true", help="run on the CPU at small sizes")
     args = parser.parse_args()
+    # The node and pytest are subprocesses: they find cakemp (and the carried wheels) the same way.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     rehearse = args.rehearse
     device = torch.device("cpu" if rehearse else "cuda", None if rehearse else 0)
     if not rehearse and not torch.cuda.is_available():
