@@ -1,4 +1,5 @@
-"""The package rules of docs/architecture.md, checked on the import statements and in a fresh interpreter."""
+"""The package rules of docs/architecture.md, checked on the import statements and in a fresh interpreter;
+and that document's floors and "may import" column, drawn from the same import statements."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import cakemp
 
 PACKAGE = Path(cakemp.__file__).parent
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 # package -> the cakemp packages it must never import (front and device are siblings joined by ipc).
 NEVER = {
     "checkpoint": {"model", "compute", "device", "front", "setup", "master", "ipc", "wire", "demo"},
@@ -24,14 +26,71 @@ NEVER = {
 }
 
 
+def units() -> dict[str, str]:
+    """cakemp's packages and top-level modules (not __init__.py: the package itself), each name -> how
+    docs/architecture.md writes it: {"front": "front/", "cli": "cli.py", ...}."""
+    return {path.stem: path.name if path.is_file() else f"{path.name}/"
+            for path in PACKAGE.iterdir() if path.name != "__init__.py"
+            and (path.suffix == ".py" or (path / "__init__.py").is_file())}
+
+
 def cakemp_imports(path: Path) -> set[str]:
-    """The top-level cakemp packages (or modules) an import statement in `path` names."""
+    """The top-level cakemp packages (or modules) an import statement in `path` names, in either form:
+    `import cakemp.wire.codec`, `from cakemp.wire import codec`, `from cakemp import log`."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules = [f"cakemp.{a.name}" for a in node.names] if node.module == "cakemp" else [node.module or ""]
+        else:
+            modules = []
         names |= {m.split(".")[1] for m in modules if m.startswith("cakemp.")}
-    return names
+    return names & set(units())  # `from cakemp import __version__` names no unit
+
+
+def imports() -> dict[str, set[str]]:
+    """Each unit -> the other units its modules import."""
+    graph: dict[str, set[str]] = {}
+    for name, written in units().items():
+        paths = (PACKAGE / name).rglob("*.py") if written.endswith("/") else [PACKAGE / written]
+        graph[name] = set().union(*map(cakemp_imports, paths)) - {name}
+    return graph
+
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each unit's floor: 1 if it imports no other unit, else 1 + the highest floor of those it imports."""
+    floor: dict[str, int] = {}
+    while len(floor) < len(graph):
+        ready = {name: 1 + max((floor[d] for d in deps), default=0)
+                 for name, deps in graph.items() if name not in floor and deps <= floor.keys()}
+        assert ready, f"an import cycle among {sorted(graph.keys() - floor.keys())}"
+        floor |= ready
+    return floor
+
+
+def doc_rows() -> dict[str, dict[str, str]]:
+    """The rows of docs/architecture.md's tables that have a "may import" column: the unit a row's first
+    cell names (`front/`, `cli.py`) -> its cells by column heading. A unit in two rows is an error."""
+    rows: dict[str, dict[str, str]] = {}
+    table: list[list[str]] = []
+    for line in [*ARCHITECTURE.read_text().splitlines(), ""]:
+        if line.startswith("|"):
+            table.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+            continue
+        if table and "may import" in table[0]:
+            for cells in table[2:]:  # past the heading and the |---| line
+                name = cells[0].strip("`").removesuffix("/").removesuffix(".py")
+                assert name not in rows, f"docs/architecture.md: {cells[0]} has two rows"
+                rows[name] = dict(zip(table[0], cells))
+        table = []
+    return rows
+
+
+def listed(cell: str) -> set[str]:
+    """The units a "may import" cell names: `errors, op`; `—` for none."""
+    names = {n.strip(" `").removesuffix("/").removesuffix(".py") for n in cell.split(",")}
+    return names - {"—"}
 
 
 def test_no_package_imports_what_its_rule_forbids():
@@ -60,3 +119,39 @@ def test_no_function_in_the_package_is_over_60_lines():
             for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 60]
     assert long == []
+
+
+def test_architecture_draws_the_floors_the_imports_make():
+    """docs/architecture.md's floors block is the one the import statements give: each package and
+    module one floor above the highest of what it imports (so nothing imports upward or in a circle)."""
+    written, floor = units(), floors(imports())
+    drawn = [f"floor {n}   " + "  ".join(sorted(written[name] for name in floor if floor[name] == n))
+             for n in range(max(floor.values()), 0, -1)]
+    in_doc = [line.strip() for line in ARCHITECTURE.read_text().splitlines() if line.strip().startswith("floor ")]
+    assert in_doc == drawn, "docs/architecture.md's floors block should read:\n" + "\n".join(drawn)
+
+
+def test_architecture_may_import_is_what_each_unit_imports():
+    """Every cakemp package and top-level module has one row in docs/architecture.md's tables, and its
+    "may import" cell names exactly the packages and modules it imports: a new import, or one dropped,
+    changes the document too."""
+    rows, graph = doc_rows(), imports()
+    differ = [f"{name}: no row" for name in sorted(graph.keys() - rows.keys())]
+    differ += [f"{name}: a row, but no such package or module" for name in sorted(rows.keys() - graph.keys())]
+    for name in sorted(graph.keys() & rows.keys()):
+        cell = listed(rows[name]["may import"])
+        if graph[name] - cell:
+            differ.append(f"{name}: imports {', '.join(sorted(graph[name] - cell))}, not in its may-import cell")
+        if cell - graph[name]:
+            differ.append(f"{name}: its may-import cell lists {', '.join(sorted(cell - graph[name]))}, never imported")
+    assert not differ, "docs/architecture.md's tables differ from the imports:\n" + "\n".join(differ)
+
+
+def test_architecture_names_each_subpackage_in_its_row():
+    """A package's sub-packages (model/weights/, model/image/, ...) are each named, as `name/`, in what
+    its row in docs/architecture.md says it owns."""
+    rows = doc_rows()
+    unnamed = [f"{sub.relative_to(PACKAGE)}/" for package in PACKAGE.iterdir() if package.name in rows
+               for sub in package.iterdir() if (sub / "__init__.py").is_file()
+               and f"`{sub.name}/`" not in rows[package.name]["owns"]]
+    assert not unnamed, "not named in their package's row of docs/architecture.md: " + ", ".join(unnamed)
