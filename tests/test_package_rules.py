@@ -155,3 +155,79 @@ def test_architecture_names_each_subpackage_in_its_row():
                for sub in package.iterdir() if (sub / "__init__.py").is_file()
                and f"`{sub.name}/`" not in rows[package.name]["owns"]]
     assert not unnamed, "not named in their package's row of docs/architecture.md: " + ", ".join(unnamed)
+
+
+# A variant (text or image, a container, a quantized format) is told apart in the one module that picks
+# it; everywhere else the code names the protocol, never the union. What telling apart looks like:
+VARIANT_TYPES = {"Checkpoint", "GgufCheckpoint", "BlockRunner", "ComponentRunner", "LayerAdmission", "Admission",
+                 "ComponentAdmission", "GptqParts", "MlxParts", "Gptq", "MlxAffine"}  # isinstance(x, T), type(x) is T
+VARIANT_SIGNALS = {"is_gguf", "serves_images"}  # read or called
+# The modules that pick a variant, and by what.
+PICKS = {
+    "front/server.py": {"serves_images"},  # the admission: text layers' or image components'
+    "front/devices.py": {"serves_images"},  # what a device loads: the image model's components, or none
+}
+# Branches on a variant outside the module that picks it, still in the package: each is to go, and
+# leaves this table when it does (the test fails on an entry no longer true, as on a branch not listed).
+STILL_BRANCHING = {
+    "checkpoint/quantization.py": {"isinstance Gptq", "isinstance MlxAffine", "isinstance GptqParts"},
+    "device/service.py": {"isinstance ComponentRunner"},
+    "front/pool.py": {"prefill_chunk is None"},  # None stands for "image components": stateless, never chunked
+    "model/weights/safetensors.py": {"isinstance Gptq", "isinstance MlxAffine", "isinstance GptqParts",
+                                     "isinstance MlxParts"},
+}
+
+
+def _name(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _listed_types(node: ast.AST) -> list[str]:
+    """The names isinstance's second argument lists: T, (A, B) or A | B."""
+    if isinstance(node, ast.Tuple):
+        return [name for element in node.elts for name in _listed_types(element)]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _listed_types(node.left) + _listed_types(node.right)
+    return [name] if (name := _name(node)) else []
+
+
+def container_rows() -> set[str]:
+    """The names of checkpoint/files.py's Container rows (GGUF, DIRECTORY, ...)."""
+    tree = ast.parse((PACKAGE / "checkpoint" / "files.py").read_text())
+    return {target.id for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            and _name(node.value.func) == "Container" for target in node.targets if isinstance(target, ast.Name)}
+
+
+def variant_branches(path: Path, rows: set[str]) -> set[str]:
+    """How the module at `path` tells variants apart: "isinstance T", "is T" (a type or a Container row
+    compared), "serves_images", "is_gguf", "prefill_chunk is None" (or is not)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and _name(node.func) == "isinstance" and len(node.args) == 2:
+            found |= {f"isinstance {name}" for name in _listed_types(node.args[1]) if name in VARIANT_TYPES}
+        elif isinstance(node, ast.Name | ast.Attribute) and _name(node) in VARIANT_SIGNALS:
+            found.add(_name(node))
+        elif isinstance(node, ast.Compare) and all(isinstance(op, ast.Is | ast.IsNot | ast.Eq | ast.NotEq)
+                                                   for op in node.ops):
+            names = {_name(operand) for operand in (node.left, *node.comparators)}
+            found |= {f"is {name}" for name in names & (VARIANT_TYPES | rows)}
+            if any(isinstance(o, ast.Constant) and o.value is None for o in (node.left, *node.comparators)) \
+                    and any(name and name.endswith("prefill_chunk") for name in names):
+                found.add("prefill_chunk is None")
+    return found
+
+
+def test_variants_are_told_apart_only_where_they_are_picked():
+    """No module branches on a variant (an isinstance on a reader, runner, admission or quantization
+    type, a Container row compared, is_gguf, serves_images, prefill_chunk is None) but those in PICKS
+    and, until they stop, STILL_BRANCHING."""
+    rows = container_rows()
+    found = {str(path.relative_to(PACKAGE)): kinds for path in sorted(PACKAGE.rglob("*.py"))
+             if (kinds := variant_branches(path, rows))}
+    allowed = {module: PICKS.get(module, set()) | STILL_BRANCHING.get(module, set())
+               for module in PICKS.keys() | STILL_BRANCHING.keys()}
+    differ = [f"{module}: {', '.join(sorted(kinds - allowed.get(module, set())))}, outside the module that picks"
+              for module, kinds in found.items() if kinds - allowed.get(module, set())]
+    differ += [f"{module}: listed for {', '.join(sorted(kinds - found.get(module, set())))}, which it no longer does"
+               for module, kinds in allowed.items() if kinds - found.get(module, set())]
+    assert not differ, "variant branches differ from PICKS and STILL_BRANCHING:\n" + "\n".join(differ)
