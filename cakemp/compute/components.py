@@ -31,7 +31,8 @@ class Call(NamedTuple):
     session: int
     x: RawTensor
     component: int
-    index_pos: int = 0  # FLUX.2's text encoder: the prompt's real token count
+    # FLUX.2's text encoder: the prompt's real token count, which Cake's master sends as the op's index_pos.
+    token_count: int = 0
 
 
 class ComponentRunner:
@@ -75,8 +76,8 @@ class ComponentRunner:
             component = self.components[call.component]
             try:
                 tensors = self._tensors(call.x, self.layers[call.component])
-                if getattr(component, "uses_index_pos", False):
-                    prepared = component.prepare(*tensors, index_pos=call.index_pos)
+                if getattr(component, "uses_token_count", False):
+                    prepared = component.prepare(*tensors, token_count=call.token_count)
                 else:
                     prepared = component.prepare(*tensors)
             except Exception as e:

@@ -32,7 +32,7 @@ from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
 from cakemp.checkpoint import components as image_components
 from cakemp.checkpoint import flux_files, sd_files
-from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, ComponentFile, DeviceSpec, ImageModel
+from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, TEXT, ComponentFile, DeviceSpec, ImageModel, Workload
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
 from cakemp.topology import Topology, collapse_layers
@@ -208,8 +208,10 @@ class NodeConfig:
                                  "Seconds between throughput log lines (none while nothing is served).")
 
     @property
-    def serves_images(self) -> bool:
-        return self.model_type == "image-model"
+    def workload(self) -> Workload:
+        """What the node serves (a text model's layers or an image model's components): every other part
+        of the node reads this, not the flags."""
+        return _workload(self.model_type, self.image_arch, self.sd_version)
 
     @property
     def host(self) -> str:
@@ -218,6 +220,11 @@ class NodeConfig:
     @property
     def port(self) -> int:
         return self.address[1]
+
+
+def _workload(model_type: str, image_arch: str, sd_version: str) -> Workload:
+    """What --model-type and the image model's flags say the node serves: the one place they are read."""
+    return Workload(ImageModel(image_arch, sd_version)) if model_type == "image-model" else TEXT
 
 
 def _knobs(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -274,7 +281,8 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     if not values["cluster_key"] and knobs["allow_from"] is None and not is_loopback(knobs["address"][0]):
         logger.warning("any peer that reaches the port may use this node: give a cluster key or --allow-from",
                        address=values["address"])
-    if knobs["model_type"] == "image-model":  # --model is no text checkpoint: none of its rules apply
+    if _workload(knobs["model_type"], knobs["image_arch"], knobs["sd_version"]).image is not None:
+        # --model is no text checkpoint: none of its rules apply
         if values["cluster_key"] and not values["topology"]:
             raise ConfigError("an image model needs --topology: zero-config setup serves text models only (as Cake)")
         served, layers = _component_entry(values["name"], values["topology"])
@@ -465,18 +473,19 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             progress_s=config.request_timeout / 4,
             log_format=config.log_format,
             log_level=config.log_level,
-            image=_image_model(config, layers),
+            workload=config.workload,
+            component_files=_component_files_of(config, layers),
         )
         for i, (gpu, layers) in enumerate(zip(config.devices, placement))
     ]
 
 
-def _image_model(config: NodeConfig, components: tuple[str, ...]) -> ImageModel | None:
-    """What a device serving `components` of the node's image model loads (None: a text node)."""
-    if not config.serves_images:
-        return None
+def _component_files_of(config: NodeConfig, components: tuple[str, ...]) -> tuple[tuple[str, ComponentFile], ...]:
+    """The files of a device's image components, in its order (none for a text model's layers)."""
+    if config.workload.image is None:
+        return ()
     files = dict(config.component_files)
-    return ImageModel(config.image_arch, config.sd_version, tuple((name, files[name]) for name in components))
+    return tuple((name, files[name]) for name in components)
 
 
 def device_cores(threads: Sequence[int]) -> list[tuple[int, ...]]:

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cakemp import log
-from cakemp.ipc.spec import DeviceMain, DeviceSpec
+from cakemp.ipc.spec import DeviceMain, DeviceSpec, Workload
 from cakemp.errors import BadIpcMessage, CakempError, InternalError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
@@ -78,10 +78,10 @@ class _Pending:
 
 class DevicePool:
     def __init__(self, specs: Sequence[DeviceSpec], device_main: DeviceMain, *, status: NodeStatus, metrics: Metrics,
-                 request_timeout: float, restart_attempts: int, prefill_chunk: int | None,
+                 request_timeout: float, restart_attempts: int, workload: Workload, prefill_chunk: int,
                  recurrent: Sequence[bool] = ()):
         """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind.
-        `prefill_chunk` None: image components, whose requests keep no state and are never cut."""
+        `workload`: whether requests keep state and are cut into chunks of `prefill_chunk` tokens."""
         self.specs = tuple(specs)
         self._router = Router([spec.layers for spec in self.specs])
         self._device_main = device_main  # the spawn target: the front never imports the device package
@@ -89,6 +89,7 @@ class DevicePool:
         self.failure: str | None = None
         self._status, self._metrics = status, metrics
         self._request_timeout = request_timeout
+        self._workload = workload
         self._prefill_chunk = prefill_chunk
         self._state = PoolState([spec.label for spec in self.specs], request_timeout=request_timeout,
                                 load_silence=LOAD_SILENCE_S, restart_attempts=restart_attempts, recurrent=recurrent)
@@ -137,8 +138,8 @@ class DevicePool:
         if not route.stages:  # no layers: nothing to compute
             return x
         devices = route.devices
-        # Components keep nothing between calls (FLUX.2's text encoder's index_pos is a token count).
-        stateful = self._prefill_chunk is not None
+        # Image components keep nothing between calls (FLUX.2's text encoder's index_pos is a token count).
+        stateful = self._workload.stateful
         self._state.admit(session, devices, [stateful and any(op.index_pos > 0 for op in stage.ops)
                                              for stage in route.stages])
         chunks = list(self._chunks(x))
@@ -214,7 +215,7 @@ class DevicePool:
         """(first token, shape, bytes) of each chunk of x ([1, T, H], admitted): the whole request
         unless it is longer than one chunk."""
         shape = x.shape
-        if self._prefill_chunk is None or shape[1] <= self._prefill_chunk:
+        if not self._workload.chunked or shape[1] <= self._prefill_chunk:
             yield 0, shape, x.data
             return
         view = memoryview(x.data).cast("B")
