@@ -1,9 +1,9 @@
 """The compute of a device serving image components instead of layers: no KV cache, no session
 state, one call per SingleOp (the components themselves are in cakemp/model/image/).
 
-A plain class, like BlockRunner beside it, with the part of its interface the device service
-uses: `run_batch` answers each call (or the exception that failed it alone), the session
-methods are no-ops. A call's input is the wire tensor as the master sent it: token ids
+A plain class implementing the Runner protocol (compute/runner.py), as BlockRunner does:
+`run_batch` answers each call (or the exception that failed it alone); the session methods the
+protocol asks for have nothing to do. A call's input is the wire tensor as the master sent it: token ids
 (U32 [b, L]) or Cake's packed vector (F32 [total], wire/packing.py), turned into tensors here
 with every count checked before anything is allocated. Calls of one component whose inputs
 have equal shapes (but for the batch) are computed together: two masters' UNet steps are one
@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from cakemp.errors import BadTensor, ConfigError
+from cakemp.model.image.component import Component
 from cakemp.wire import DType, RawTensor
 from cakemp.wire.packing import unpack_layout
 
@@ -38,9 +39,9 @@ class Call(NamedTuple):
 class ComponentRunner:
     """A device's image components (`layers`: their names, in the order ops index them)."""
 
-    prefixes = None  # no prefix reuse: nothing is kept between calls
+    prefixes = None  # the Runner protocol's: no prefix reuse, nothing is kept between calls
 
-    def __init__(self, components: Sequence[tuple[str, object]], device: torch.device, dtype: torch.dtype):
+    def __init__(self, components: Sequence[tuple[str, Component]], device: torch.device, dtype: torch.dtype):
         self.layers = tuple(name for name, _ in components)
         self.components = tuple(component for _, component in components)
         self.device, self.dtype = device, dtype
@@ -76,7 +77,7 @@ class ComponentRunner:
             component = self.components[call.component]
             try:
                 tensors = self._tensors(call.x, self.layers[call.component])
-                if getattr(component, "uses_token_count", False):
+                if component.uses_token_count:
                     prepared = component.prepare(*tensors, token_count=call.token_count)
                 else:
                     prepared = component.prepare(*tensors)
@@ -121,14 +122,19 @@ class ComponentRunner:
         vector = torch.frombuffer(x.data, dtype=torch.float32, count=count)
         return [vector[packed.start:packed.start + packed.count].view(packed.shape) for packed in layout]
 
+    # The Runner protocol's session methods: a component keeps nothing of a session, so the
+    # front's Goodbye and closed connections find nothing here to clear, free or count.
+
     def clear_session(self, session: int) -> None:
-        """Goodbye: components keep nothing of a session."""
+        """Goodbye: nothing to clear."""
 
     def free_session(self, session: int) -> None:
         """A closed connection: nothing to free."""
 
     def kv_bytes(self) -> int:
+        """No session state: 0 bytes."""
         return 0
 
     def session_count(self) -> int:
+        """No session holds state: 0."""
         return 0

@@ -25,7 +25,7 @@ import torch
 from cakemp import log
 from cakemp.compute import tensors
 from cakemp.compute.components import Call, ComponentRunner
-from cakemp.compute.runner import BlockRunner, Request
+from cakemp.compute.runner import BlockRunner, Request, Runner
 from cakemp.device import fault
 from cakemp.ipc.spec import TEXT, DeviceSpec, Workload
 from cakemp.errors import BadTensor, ConfigError, InternalError, RequestError
@@ -41,7 +41,7 @@ def _no_progress(request_id: int) -> None:
 class DeviceService:
     """One device's runner behind the ipc contract: messages in, at most one message out each."""
 
-    runner: BlockRunner | ComponentRunner  # the front's ops index its `layers` (or its image components)
+    runner: Runner  # the front's ops index its `layers` (a text model's layers, or image components)
     workload: Workload = TEXT  # what the hops are: a text model's activations, or image components' calls
     index: int = 0  # this device's place in the node, as routes name it
     generation: int = 0  # which start of this device this process is; a route names the one it expects
@@ -102,7 +102,7 @@ class DeviceService:
 
     def run_step(self, hops: Sequence[Hop]) -> list[Hop | Activation | Failure | None]:
         """Run this device's stage of each hop (of distinct sessions) as one batch
-        (BlockRunner.run_batch); the message each becomes, in order, as `handle` says."""
+        (the runner's run_batch); the message each becomes, in order, as `handle` says."""
         replies: list[Hop | Activation | Failure | None] = [None] * len(hops)
         batch: list[tuple[int, Request]] = []
         for i, hop in enumerate(hops):

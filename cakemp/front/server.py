@@ -26,7 +26,7 @@ import cakemp
 from cakemp import log
 from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.errors import CakempError, CheckpointError, ConfigError
-from cakemp.front.admission import Admission
+from cakemp.front.admission import Admission, LayerAdmission
 from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig, device_specs, front_cores
@@ -65,7 +65,7 @@ class Serving:
     zero-config mode from a setup's assignment (then rebuilt for the next, should they not load)."""
 
     config: NodeConfig  # the node's configuration, naming the layers served, their checkpoint and devices
-    admission: Admission | ComponentAdmission
+    admission: Admission
     limits: ConnectionLimits
     status: NodeStatus
     pool: DevicePool
@@ -375,7 +375,7 @@ class Front:
         return device_specs(config, place_layers(config.layers, len(config.devices)), self._runtime_dir)
 
 
-def _judge(config: NodeConfig) -> tuple[Admission | ComponentAdmission, frozenset[str]]:
+def _judge(config: NodeConfig) -> tuple[Admission, frozenset[str]]:
     """What admits a request to `config`'s layers (from the model's config.json, read here without
     torch) or image components, and which of the layers keep a recurrent state (linear attention)."""
     image = config.workload.image
@@ -383,7 +383,7 @@ def _judge(config: NodeConfig) -> tuple[Admission | ComponentAdmission, frozense
         return ComponentAdmission.for_arch(image.arch, config.layers), frozenset()
     model = ModelConfig.from_dir(config.model_dir)
     recurrent = frozenset(layer for layer in config.layers if model.layer_index(layer) in model.linear_layers)
-    return Admission.for_model(model, config.layers, config.max_context), recurrent
+    return LayerAdmission.for_model(model, config.layers, config.max_context), recurrent
 
 
 def _pin(cores: tuple[int, ...]) -> None:

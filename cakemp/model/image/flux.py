@@ -37,6 +37,7 @@ from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
 from cakemp.errors import BadTensor, CheckpointError
+from cakemp.model.image.component import Component, Files
 
 OUTPUT_LAYERS = (8, 17, 26)  # FLUX.2-klein's text conditioning: these layers' outputs, concatenated
 
@@ -62,12 +63,12 @@ def _weights(folder: Path, layers: int) -> dict[str, torch.Tensor]:
     return state
 
 
-class FluxTextEncoder:
+class FluxTextEncoder(Component):
     """`flux_text_encoder`: ids [b, L] (and the real token count) -> pack([hidden [b, L, 3·H]]) in F32."""
 
     uses_token_count = True
 
-    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, name: str, files: Files, version: str, device: torch.device, dtype: torch.dtype):
         try:
             config = json.loads(Path(files.config).read_text())
         except (OSError, ValueError) as e:
@@ -141,10 +142,10 @@ def _diffusers_module(cls, files, what: str, device: torch.device) -> torch.nn.M
     return module
 
 
-class FluxTransformer:
+class FluxTransformer(Component):
     """`flux_transformer`: (img, img_ids, txt, txt_ids, timestep) -> velocity [b, S, C] in BF16."""
 
-    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, name: str, files: Files, version: str, device: torch.device, dtype: torch.dtype):
         self.module = _diffusers_module(Flux2Transformer2DModel, files, "transformer", device)
         self.dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
         torch.nn.Module.to(self.module, device, self.dtype).eval()
@@ -184,10 +185,10 @@ class FluxTransformer:
         return list(velocity.to(torch.bfloat16).split(1))
 
 
-class FluxVae:
+class FluxVae(Component):
     """`flux_vae`: (dims [2], latents [b, h·w, 4·C]) or (direction [1] = 0, latents [b, C, H, W]) -> image."""
 
-    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, name: str, files: Files, version: str, device: torch.device, dtype: torch.dtype):
         self.module = _diffusers_module(AutoencoderKLFlux2, files, "VAE", device)
         torch.nn.Module.to(self.module, device, torch.float32).eval()  # Cake's VAE always runs in f32
         self.channels = self.module.config.latent_channels
