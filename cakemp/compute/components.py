@@ -13,13 +13,15 @@ text encoder a packed F32 vector.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
+from cakemp.checkpoint.image.archs import ARCHS
 from cakemp.errors import BadTensor, ConfigError
-from cakemp.model.image.component import Component
+from cakemp.model.image.component import Component, Files
 from cakemp.wire import DType, RawTensor
 from cakemp.wire.packing import unpack_layout
 
@@ -47,21 +49,14 @@ class ComponentRunner:
         self.device, self.dtype = device, dtype
 
     @classmethod
-    def load(cls, arch: str, version: str, files: Sequence[tuple[str, object]], device: str | torch.device,
+    def load(cls, arch: str, version: str, files: Sequence[tuple[str, Files]], device: str | torch.device,
              dtype: torch.dtype, on_layer: Callable[[int], None] | None = None) -> ComponentRunner:
         """Build and load each named component of `arch` from its files (`.weights`, `.config`);
         `on_layer(n)` once n are on the device. Raises ConfigError without the image extra."""
-        try:
-            from cakemp.model.image import flux, flux1, sd
-        except ImportError as e:
-            raise ConfigError(f"image components need the optional extra {EXTRA} (pip install '{EXTRA}'): "
-                              f"{e}") from None
-        classes = {"sd": sd.COMPONENTS, "flux": flux.COMPONENTS, "flux1": flux1.COMPONENTS}.get(arch, {})
+        classes = _classes(arch, [name for name, _ in files])
         device = torch.device(device)
         loaded = []
         for name, component_files in files:
-            if name not in classes:
-                raise ConfigError(f"{name} (--image-model-arch {arch}) is not served by this version of cakemp")
             loaded.append((name, classes[name](name, component_files, version, device, dtype)))
             if on_layer is not None:
                 on_layer(len(loaded))
@@ -138,3 +133,18 @@ class ComponentRunner:
     def session_count(self) -> int:
         """No session holds state: 0."""
         return 0
+
+
+def _classes(arch: str, names: Sequence[str]) -> dict[str, type[Component]]:
+    """The class computing each of `names`, from `arch`'s row (its model module imported here, with
+    torch's image libraries). Raises ConfigError for a name it has not, or without the image extra."""
+    row = ARCHS.get(arch)
+    for name in names:
+        if row is None or name not in row.components:
+            raise ConfigError(f"{name} (--image-model-arch {arch}) is not served by this version of cakemp")
+    try:
+        module = importlib.import_module(row.module)
+    except ImportError as e:
+        raise ConfigError(f"image components need the optional extra {EXTRA} (pip install '{EXTRA}'): "
+                          f"{e}") from None
+    return {name: getattr(module, row.components[name].cls) for name in names}

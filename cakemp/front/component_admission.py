@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cakemp.checkpoint.components import COMPONENTS, MAX_TOKEN_ROWS, MAX_TOKENS, Packed, Tokens
+from cakemp.checkpoint.image.archs import ARCHS, MAX_TOKEN_ROWS, MAX_TOKENS, Packed, Tokens
 from cakemp.errors import BadOps, BadTensor, UnknownLayer
 from cakemp.front.admission import shown
 from cakemp.wire import DType, LayerOp, RawTensor
@@ -39,7 +39,7 @@ class ComponentAdmission:
 
     @classmethod
     def for_arch(cls, arch: str, names: Sequence[str]) -> ComponentAdmission:
-        return cls({name: COMPONENTS[arch][name] for name in names})
+        return cls({name: ARCHS[arch].components[name].input for name in names})
 
     def decode_limits(self) -> dict[str, int]:
         return {"ops": 1}

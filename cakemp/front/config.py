@@ -30,8 +30,9 @@ from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
 from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
-from cakemp.checkpoint import components as image_components
-from cakemp.checkpoint import flux_files, sd_files
+from cakemp.checkpoint.image import archs as image_archs
+from cakemp.checkpoint.image import sd_files
+from cakemp.checkpoint.image.locator import ImageFlags
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, TEXT, ComponentFile, DeviceSpec, ImageModel, Workload
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
@@ -111,9 +112,9 @@ class NodeConfig:
                           "Model directory, .gguf file, `cake split` bundle (its model/ and topology.yml), or Hugging "
                           "Face id org/name[@revision] (from the hub cache; this node's missing files are downloaded). Image "
                           "models: Stable Diffusion's HF cache root (holding hub/), FLUX.2's repository id or directory.")
-    model_type: str = knob("--model-type", "text-model", click.Choice(image_components.MODEL_TYPES),
+    model_type: str = knob("--model-type", "text-model", click.Choice(image_archs.MODEL_TYPES),
                            "image-model: serve the image components the topology entry names (clip, unet, ...).")
-    image_arch: str = knob("--image-model-arch", "sd", click.Choice(image_components.ARCHS),
+    image_arch: str = knob("--image-model-arch", "sd", click.Choice(list(image_archs.ARCHS)),
                            "Image model the components belong to (with --model-type image-model).")
     sd_version: str = knob("--sd-version", "v1-5", click.Choice(sd_files.SD_VERSIONS), "Stable Diffusion version "
                            "(as the master's): picks the hub repository and the standard architecture.")
@@ -359,28 +360,17 @@ def _component_entry(name: str | None, topology: str | None) -> tuple[str, tuple
     return served, node.layers
 
 
-def _standard(knobs: Mapping[str, Any]) -> str:
-    """Where a component without a config.json has its architecture from, for the log."""
-    if knobs["image_arch"] == "flux1":
-        return "the checkpoint's tensor shapes, heads and RoPE axes as Cake's Config::dev"
-    return f"{knobs['sd_version']} standard (as Cake hard-codes it)"
-
-
 def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[tuple[str, ComponentFile], ...]:
     """Each image component's files, logged with where its architecture comes from. Raises ConfigError."""
-    image_components.check_components(knobs["image_arch"], names, knobs["sd_version"])
+    arch, version = image_archs.ARCHS[knobs["image_arch"]], knobs["sd_version"]
+    image_archs.check_components(arch.name, names, version)
+    flags = ImageFlags(knobs["model_dir"], version, {name: knobs[f"sd_{name}"] for name in sd_files.FILES},
+                       knobs["sd_config_dir"])
     files = []
     for name in names:
-        if knobs["image_arch"] == "flux":  # a directory of shards, with its config.json
-            folder = flux_files.locate(name, knobs["model_dir"])
-            located = sd_files.Located(folder, folder / "config.json", "snapshot")
-        elif knobs["image_arch"] == "flux1":  # one file: the architecture comes from its tensors' shapes
-            located = sd_files.Located(flux_files.flux1_checkpoint(knobs["model_dir"]), None, "tensor shapes")
-        else:
-            located = sd_files.locate(name, knobs["sd_version"], knobs["model_dir"], knobs[f"sd_{name}"],
-                                      knobs["sd_config_dir"])
+        located = arch.locate(name, flags)
         log.get_logger().info("component files", component=name, weights=str(located.weights),
-                              config=str(located.config) if located.config else _standard(knobs),
+                              config=str(located.config) if located.config else arch.standard.format(version=version),
                               config_from=located.config_source)
         files.append((name, ComponentFile(str(located.weights), None if located.config is None else str(located.config))))
     return tuple(files)

@@ -224,5 +224,3 @@ class FluxVae(Component):
         image = self.module.decode(torch.cat([latents for (latents,) in calls])).sample
         return list(image.split([call[0].shape[0] for call in calls]))
 
-
-COMPONENTS = {"flux_text_encoder": FluxTextEncoder, "flux_transformer": FluxTransformer, "flux_vae": FluxVae}

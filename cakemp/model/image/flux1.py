@@ -198,5 +198,3 @@ class Flux1Transformer(Component):
                                guidance=guidance if self.config.guidance_embeds else None).sample
         return list(velocity.to(torch.bfloat16).split(1))
 
-
-COMPONENTS = {"flux1_transformer": Flux1Transformer}

@@ -30,7 +30,7 @@ from diffusers.models.activations import GEGLU
 from safetensors.torch import load_file
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from cakemp.checkpoint import sd_configs
+from cakemp.checkpoint.image import sd_configs
 from cakemp.errors import BadTensor, CheckpointError
 from cakemp.model.image.component import Component, Files
 
@@ -206,5 +206,3 @@ class Vae(Component):
             y = self.module.decode(x).sample
         return list(y.split([x.shape[0] for _, x in calls]))
 
-
-COMPONENTS = {"clip": Clip, "clip2": Clip, "unet": UNet, "vae": Vae}
