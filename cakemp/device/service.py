@@ -104,7 +104,7 @@ class DeviceService:
         """Run this device's stage of each hop (of distinct sessions) as one batch
         (the runner's run_batch); the message each becomes, in order, as `handle` says."""
         replies: list[Hop | Activation | Failure | None] = [None] * len(hops)
-        batch: list[tuple[int, Request]] = []
+        batch: list[tuple[int, Request | Call]] = []
         for i, hop in enumerate(hops):
             stage = hop.stages[0] if hop.stages else None
             if stage is None or stage.device != self.index or stage.generation != self.generation:

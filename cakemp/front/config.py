@@ -464,13 +464,13 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             log_format=config.log_format,
             log_level=config.log_level,
             workload=config.workload,
-            component_files=_component_files_of(config, layers),
+            component_files=_device_component_files(config, layers),
         )
         for i, (gpu, layers) in enumerate(zip(config.devices, placement))
     ]
 
 
-def _component_files_of(config: NodeConfig, components: tuple[str, ...]) -> tuple[tuple[str, ComponentFile], ...]:
+def _device_component_files(config: NodeConfig, components: tuple[str, ...]) -> tuple[tuple[str, ComponentFile], ...]:
     """The files of a device's image components, in its order (none for a text model's layers)."""
     if config.workload.image is None:
         return ()
