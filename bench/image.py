@@ -38,7 +38,8 @@ import yaml
 
 from bench.batching import batch_size_totals
 from bench.pool import alternate, free_port, wait_listening
-from cakemp.checkpoint.sd_files import locate
+from cakemp.checkpoint.image.locator import ImageFlags
+from cakemp.checkpoint.image.sd_files import locate
 from cakemp.compute.components import Call, ComponentRunner
 from cakemp.master.client import WorkerClient
 from tests.image import f32, pack, write_cache
@@ -125,7 +126,7 @@ async def main_async(args) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-image-"))
     write_cache(root)
     torch.set_num_threads(args.threads)
-    files = [(name, _Files(locate(name, "v1-5", str(root), None, None))) for name in ("unet", "vae")]
+    files = [(name, _Files(locate(name, ImageFlags(str(root), "v1-5")))) for name in ("unet", "vae")]
     runner = ComponentRunner.load("sd", "v1-5", files, "cpu", torch.float32)
     packed = calls(args.side)
     batched = start_node(root, args.threads)

@@ -163,16 +163,11 @@ VARIANT_TYPES = {"Checkpoint", "GgufCheckpoint", "BlockRunner", "ComponentRunner
                  "ComponentAdmission", "GptqParts", "MlxParts", "Gptq", "MlxAffine"}  # isinstance(x, T), type(x) is T
 VARIANT_SIGNALS = {"is_gguf", "serves_images"}  # read or called
 # The modules that pick a variant, and by what.
-PICKS = {
-    "front/server.py": {"serves_images"},  # the admission: text layers' or image components'
-    "front/devices.py": {"serves_images"},  # what a device loads: the image model's components, or none
-}
+PICKS: dict[str, set[str]] = {}  # the modules that pick a variant by one of these branches (none today: rows and protocols)
 # Branches on a variant outside the module that picks it, still in the package: each is to go, and
 # leaves this table when it does (the test fails on an entry no longer true, as on a branch not listed).
 STILL_BRANCHING = {
     "checkpoint/quantization.py": {"isinstance Gptq", "isinstance MlxAffine", "isinstance GptqParts"},
-    "device/service.py": {"isinstance ComponentRunner"},
-    "front/pool.py": {"prefill_chunk is None"},  # None stands for "image components": stateless, never chunked
     "model/weights/safetensors.py": {"isinstance Gptq", "isinstance MlxAffine", "isinstance GptqParts",
                                      "isinstance MlxParts"},
 }

@@ -1,9 +1,9 @@
 """The compute of a device serving image components instead of layers: no KV cache, no session
 state, one call per SingleOp (the components themselves are in cakemp/model/image/).
 
-A plain class, like BlockRunner beside it, with the part of its interface the device service
-uses: `run_batch` answers each call (or the exception that failed it alone), the session
-methods are no-ops. A call's input is the wire tensor as the master sent it: token ids
+A plain class implementing the Runner protocol (compute/runner.py), as BlockRunner does:
+`run_batch` answers each call (or the exception that failed it alone); the session methods the
+protocol asks for have nothing to do. A call's input is the wire tensor as the master sent it: token ids
 (U32 [b, L]) or Cake's packed vector (F32 [total], wire/packing.py), turned into tensors here
 with every count checked before anything is allocated. Calls of one component whose inputs
 have equal shapes (but for the batch) are computed together: two masters' UNet steps are one
@@ -13,12 +13,15 @@ text encoder a packed F32 vector.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
+from cakemp.checkpoint.image.archs import ARCHS
 from cakemp.errors import BadTensor, ConfigError
+from cakemp.model.image.component import Component, Files
 from cakemp.wire import DType, RawTensor
 from cakemp.wire.packing import unpack_layout
 
@@ -31,35 +34,29 @@ class Call(NamedTuple):
     session: int
     x: RawTensor
     component: int
-    index_pos: int = 0  # FLUX.2's text encoder: the prompt's real token count
+    # FLUX.2's text encoder: the prompt's real token count, which Cake's master sends as the op's index_pos.
+    token_count: int = 0
 
 
 class ComponentRunner:
     """A device's image components (`layers`: their names, in the order ops index them)."""
 
-    prefixes = None  # no prefix reuse: nothing is kept between calls
+    prefixes = None  # the Runner protocol's: no prefix reuse, nothing is kept between calls
 
-    def __init__(self, components: Sequence[tuple[str, object]], device: torch.device, dtype: torch.dtype):
+    def __init__(self, components: Sequence[tuple[str, Component]], device: torch.device, dtype: torch.dtype):
         self.layers = tuple(name for name, _ in components)
         self.components = tuple(component for _, component in components)
         self.device, self.dtype = device, dtype
 
     @classmethod
-    def load(cls, arch: str, version: str, files: Sequence[tuple[str, object]], device: str | torch.device,
+    def load(cls, arch: str, version: str, files: Sequence[tuple[str, Files]], device: str | torch.device,
              dtype: torch.dtype, on_layer: Callable[[int], None] | None = None) -> ComponentRunner:
         """Build and load each named component of `arch` from its files (`.weights`, `.config`);
         `on_layer(n)` once n are on the device. Raises ConfigError without the image extra."""
-        try:
-            from cakemp.model.image import flux, flux1, sd
-        except ImportError as e:
-            raise ConfigError(f"image components need the optional extra {EXTRA} (pip install '{EXTRA}'): "
-                              f"{e}") from None
-        classes = {"sd": sd.COMPONENTS, "flux": flux.COMPONENTS, "flux1": flux1.COMPONENTS}.get(arch, {})
+        classes = _classes(arch, [name for name, _ in files])
         device = torch.device(device)
         loaded = []
         for name, component_files in files:
-            if name not in classes:
-                raise ConfigError(f"{name} (--image-model-arch {arch}) is not served by this version of cakemp")
             loaded.append((name, classes[name](name, component_files, version, device, dtype)))
             if on_layer is not None:
                 on_layer(len(loaded))
@@ -75,8 +72,8 @@ class ComponentRunner:
             component = self.components[call.component]
             try:
                 tensors = self._tensors(call.x, self.layers[call.component])
-                if getattr(component, "uses_index_pos", False):
-                    prepared = component.prepare(*tensors, index_pos=call.index_pos)
+                if component.uses_token_count:
+                    prepared = component.prepare(*tensors, token_count=call.token_count)
                 else:
                     prepared = component.prepare(*tensors)
             except Exception as e:
@@ -120,14 +117,34 @@ class ComponentRunner:
         vector = torch.frombuffer(x.data, dtype=torch.float32, count=count)
         return [vector[packed.start:packed.start + packed.count].view(packed.shape) for packed in layout]
 
+    # The Runner protocol's session methods: a component keeps nothing of a session, so the
+    # front's Goodbye and closed connections find nothing here to clear, free or count.
+
     def clear_session(self, session: int) -> None:
-        """Goodbye: components keep nothing of a session."""
+        """Goodbye: nothing to clear."""
 
     def free_session(self, session: int) -> None:
         """A closed connection: nothing to free."""
 
     def kv_bytes(self) -> int:
+        """No session state: 0 bytes."""
         return 0
 
     def session_count(self) -> int:
+        """No session holds state: 0."""
         return 0
+
+
+def _classes(arch: str, names: Sequence[str]) -> dict[str, type[Component]]:
+    """The class computing each of `names`, from `arch`'s row (its model module imported here, with
+    torch's image libraries). Raises ConfigError for a name it has not, or without the image extra."""
+    row = ARCHS.get(arch)
+    for name in names:
+        if row is None or name not in row.components:
+            raise ConfigError(f"{name} (--image-model-arch {arch}) is not served by this version of cakemp")
+    try:
+        module = importlib.import_module(row.module)
+    except ImportError as e:
+        raise ConfigError(f"image components need the optional extra {EXTRA} (pip install '{EXTRA}'): "
+                          f"{e}") from None
+    return {name: getattr(module, row.components[name].cls) for name in names}

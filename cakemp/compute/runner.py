@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -37,6 +37,32 @@ class Request(NamedTuple):
     session: int
     x: torch.Tensor
     ops: Sequence[Op]
+
+
+class Runner(Protocol):
+    """What a device service calls of the compute it serves: BlockRunner (a text model's layers,
+    below) and ComponentRunner (an image model's components, compute/components.py) implement it."""
+
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype
+    prefixes: PrefixCache | None  # the rows prefix reuse keeps, and its counts (None: no reuse)
+
+    def run_batch(self, requests: Sequence[Any], between_ops: Callable[[], None] | None = None
+                  ) -> list[torch.Tensor | Exception]:
+        """Each request's result, in order, or the exception that failed it alone; `between_ops` is
+        called now and then while a long step computes. BlockRunner takes `Request`s, ComponentRunner `Call`s."""
+
+    def clear_session(self, session: int) -> None:
+        """Goodbye: the session starts afresh (what it ran may be kept for reuse)."""
+
+    def free_session(self, session: int) -> None:
+        """The session's connection closed: nothing of it is kept."""
+
+    def kv_bytes(self) -> int:
+        """Bytes of session state held."""
+
+    def session_count(self) -> int:
+        """Sessions holding state."""
 
 
 @dataclass

@@ -25,9 +25,9 @@ import torch
 from cakemp import log
 from cakemp.compute import tensors
 from cakemp.compute.components import Call, ComponentRunner
-from cakemp.compute.runner import BlockRunner, Request
+from cakemp.compute.runner import BlockRunner, Request, Runner
 from cakemp.device import fault
-from cakemp.ipc.spec import DeviceSpec
+from cakemp.ipc.spec import TEXT, DeviceSpec, Workload
 from cakemp.errors import BadTensor, ConfigError, InternalError, RequestError
 from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, PrefixReport, error_code
 from cakemp.rss import resident_bytes
@@ -41,7 +41,8 @@ def _no_progress(request_id: int) -> None:
 class DeviceService:
     """One device's runner behind the ipc contract: messages in, at most one message out each."""
 
-    runner: BlockRunner | ComponentRunner  # the front's ops index its `layers` (or its image components)
+    runner: Runner  # the front's ops index its `layers` (a text model's layers, or image components)
+    workload: Workload = TEXT  # what the hops are: a text model's activations, or image components' calls
     index: int = 0  # this device's place in the node, as routes name it
     generation: int = 0  # which start of this device this process is; a route names the one it expects
     label: str = "cpu:0"
@@ -62,17 +63,18 @@ class DeviceService:
         if spec.gpu is not None and not torch.cuda.is_available():
             build = "this torch build has no CUDA" if torch.version.cuda is None else "CUDA finds no such GPU"
             raise ConfigError(f"device {spec.label}: cannot use GPU {spec.gpu}: {build}")
-        if spec.image is not None:
-            runner = ComponentRunner.load(spec.image.arch, spec.image.sd_version, spec.image.files, device,
+        image = spec.workload.image
+        if image is not None:
+            runner = ComponentRunner.load(image.arch, image.sd_version, spec.component_files, device,
                                           tensors.compute_dtype(spec.dtype), on_layer)
-            return cls(runner, spec.index, generation, spec.label, progress)
+            return cls(runner, spec.workload, spec.index, generation, spec.label, progress)
         runner = BlockRunner.load(
             spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
             pack_weights=spec.max_batch > 1,  # twice the weight memory, worth it only where steps batch
             prefix_reuse=spec.prefix_reuse, share_prefixes=spec.share_prefixes, keep_int4=spec.keep_int4,
         )
-        return cls(runner, spec.index, generation, spec.label, progress)
+        return cls(runner, spec.workload, spec.index, generation, spec.label, progress)
 
     def threads(self) -> int:
         """torch's intra-op threads in this process (--cpu-threads, or the CPU devices' share of the cores)."""
@@ -100,9 +102,9 @@ class DeviceService:
 
     def run_step(self, hops: Sequence[Hop]) -> list[Hop | Activation | Failure | None]:
         """Run this device's stage of each hop (of distinct sessions) as one batch
-        (BlockRunner.run_batch); the message each becomes, in order, as `handle` says."""
+        (the runner's run_batch); the message each becomes, in order, as `handle` says."""
         replies: list[Hop | Activation | Failure | None] = [None] * len(hops)
-        batch: list[tuple[int, Request]] = []
+        batch: list[tuple[int, Request | Call]] = []
         for i, hop in enumerate(hops):
             stage = hop.stages[0] if hop.stages else None
             if stage is None or stage.device != self.index or stage.generation != self.generation:
@@ -155,7 +157,7 @@ class DeviceService:
         """The hand-off of `y` to the route's next stage, or from the last, the answer to the front:
         of the hop's dtype and shape, or an image component's reply as it is (its dtype, its shape)."""
         dtype, shape = hop.dtype, hop.shape
-        if isinstance(self.runner, ComponentRunner):
+        if not self.workload.same_reply_shape:
             dtype, shape = tensors.wire_dtype(y.dtype), tuple(y.shape)
         data = tensors.to_bytes(y, dtype)
         kv = hop.kv + (self.runner.kv_bytes(),)
@@ -167,7 +169,7 @@ class DeviceService:
     def _request(self, hop: Hop, ops) -> Request | Call:
         """What the runner computes for the hop: its activation through `ops`, or one component's call
         over the master's tensor as it came (the component runner reads its packing)."""
-        if isinstance(self.runner, ComponentRunner):
+        if self.workload.image is not None:  # one op: the component, and in index_pos a token count
             return Call(hop.session, RawTensor(hop.data, hop.dtype, hop.shape), ops[0].layer, ops[0].index_pos)
         return Request(hop.session, self._input(hop), ops)
 

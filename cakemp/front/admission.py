@@ -1,4 +1,6 @@
-"""What the front checks of a request before any of it reaches a device (pure: no I/O, no torch).
+"""What the front checks of a request before any of it reaches a device (pure: no I/O, no torch):
+the `Admission` protocol, and `LayerAdmission`, which implements it for a text model's layers
+(component_admission.py's for an image model's components).
 
 A device refuses most bad requests too, but only after the bytes crossed ipc and the request
 was owed to the front; some it cannot refuse cleanly at all (a shape of 256 dimensions, a
@@ -15,8 +17,9 @@ involved).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from cakemp.errors import BadOps, BadTensor, ContextLimitExceeded, UnknownLayer
 from cakemp.checkpoint.config import ModelConfig
@@ -32,9 +35,25 @@ _MAX_NAME = 256
 _SHOWN_CHARS = 64
 
 
+class Admission(Protocol):
+    """The one judge of whether a peer's request fits what this node's devices serve."""
+
+    def decode_limits(self) -> dict[str, int]:
+        """The bounds `wire.decode_payload` checks before it builds a frame's items."""
+
+    def max_payload(self) -> int:
+        """The largest frame payload a master can need (a bigger frame is refused before it is read)."""
+
+    def check_batch(self) -> None:
+        """Raise the BadOps that refuses a Batch message (rather than SingleOp) here, if any."""
+
+    def check(self, x: RawTensor, ops: Sequence[LayerOp]) -> None:
+        """Raise the BadRequest that refuses running `ops` over `x`, if any."""
+
+
 @dataclass(frozen=True)
-class Admission:
-    """What this node's devices can serve, and the one judge of whether a peer's request fits it."""
+class LayerAdmission:
+    """The Admission of a text model's layers: what this node's devices serve, and the judge of a request to them."""
 
     layers: frozenset[str]  # every layer this node serves
     hidden_size: int
@@ -42,10 +61,9 @@ class Admission:
     # The KV slots a request may name: the served layers' numbers, which is what Cake's masters send
     # as block_idx. So one session holds at most one slot per served layer (not one per layer of the model).
     blocks: frozenset[int]
-    takes_batch = True  # a text master sends Batch and SingleOp alike
 
     @classmethod
-    def for_model(cls, model: ModelConfig, layers: Sequence[str], max_context: int | None) -> Admission:
+    def for_model(cls, model: ModelConfig, layers: Sequence[str], max_context: int | None) -> LayerAdmission:
         return cls(frozenset(layers), model.hidden_size, max_context or model.max_position_embeddings,
                    frozenset(model.layer_index(layer) for layer in layers))
 
@@ -61,6 +79,9 @@ class Admission:
         ops = len(self.layers) * (4 + _MAX_NAME + 16)  # name length, name, index_pos, block_idx
         activation = self.max_context * self.hidden_size * DType.F32.itemsize
         return min(MAX_PAYLOAD, activation + ops + _FRAME_OVERHEAD)
+
+    def check_batch(self) -> None:
+        """A text master sends Batch and SingleOp alike: never refused."""
 
     def check(self, x: RawTensor, ops: Sequence[LayerOp]) -> None:
         """Raise the BadRequest that refuses running `ops` over `x`, if any."""

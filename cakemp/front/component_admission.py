@@ -10,7 +10,7 @@ admitted only if it names one served component and carries that component's inpu
   (wire/packing.py) is sound, naming the component's number of tensors with their ranks.
 
 Whether the sizes fit the component's architecture (channels, text width, vocabulary) the
-device checks, against the config it loaded. A Batch is refused (`takes_batch`): Cake never
+device checks, against the config it loaded. A Batch is refused (`check_batch`): Cake never
 sends one to an image component, and a text master's Batch here is a misconfigured cluster.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cakemp.checkpoint.components import COMPONENTS, MAX_TOKEN_ROWS, MAX_TOKENS, Packed, Tokens
+from cakemp.checkpoint.image.archs import ARCHS, MAX_TOKEN_ROWS, MAX_TOKENS, Packed, Tokens
 from cakemp.errors import BadOps, BadTensor, UnknownLayer
 from cakemp.front.admission import shown
 from cakemp.wire import DType, LayerOp, RawTensor
@@ -32,20 +32,25 @@ MAX_COMPONENT_PAYLOAD = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class ComponentAdmission:
-    """The components this node serves (by name, with their inputs), and the judge of a request to one."""
+    """The Admission (admission.py) of an image model's components: the ones this node serves (by name,
+    with their inputs), and the judge of a request to one."""
 
     components: dict[str, Tokens | Packed]
-    takes_batch = False  # image components are called with SingleOp only
 
     @classmethod
     def for_arch(cls, arch: str, names: Sequence[str]) -> ComponentAdmission:
-        return cls({name: COMPONENTS[arch][name] for name in names})
+        return cls({name: ARCHS[arch].components[name].input for name in names})
 
     def decode_limits(self) -> dict[str, int]:
         return {"ops": 1}
 
     def max_payload(self) -> int:
         return MAX_COMPONENT_PAYLOAD
+
+    def check_batch(self) -> None:
+        """Image components are called with SingleOp only."""
+        raise BadOps("this node serves image components, which a Cake master calls with SingleOp; a Batch of "
+                     "layers is a text model's (check the master's --model-type)")
 
     def check(self, x: RawTensor, ops: Sequence[LayerOp]) -> None:
         """Raise the BadRequest that refuses running the op over `x`, if any."""

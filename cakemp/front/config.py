@@ -26,9 +26,10 @@ from cakemp.allow_list import AllowList
 from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
-from cakemp.checkpoint import components as image_components
-from cakemp.checkpoint import flux_files, sd_files
-from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, ComponentFile
+from cakemp.checkpoint.image import archs as image_archs
+from cakemp.checkpoint.image import sd_files
+from cakemp.checkpoint.image.locator import ImageFlags
+from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, TEXT, ComponentFile, ImageModel, Workload
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
 from cakemp.topology import Topology
@@ -98,9 +99,9 @@ class NodeConfig:
                           "Model directory, .gguf file, `cake split` bundle (its model/ and topology.yml), or Hugging "
                           "Face id org/name[@revision] (from the hub cache; this node's missing files are downloaded). Image "
                           "models: Stable Diffusion's HF cache root (holding hub/), FLUX.2's repository id or directory.")
-    model_type: str = knob("--model-type", "text-model", click.Choice(image_components.MODEL_TYPES),
+    model_type: str = knob("--model-type", "text-model", click.Choice(image_archs.MODEL_TYPES),
                            "image-model: serve the image components the topology entry names (clip, unet, ...).")
-    image_arch: str = knob("--image-model-arch", "sd", click.Choice(image_components.ARCHS),
+    image_arch: str = knob("--image-model-arch", "sd", click.Choice(list(image_archs.ARCHS)),
                            "Image model the components belong to (with --model-type image-model).")
     sd_version: str = knob("--sd-version", "v1-5", click.Choice(sd_files.SD_VERSIONS), "Stable Diffusion version "
                            "(as the master's): picks the hub repository and the standard architecture.")
@@ -195,8 +196,10 @@ class NodeConfig:
                                  "Seconds between throughput log lines (none while nothing is served).")
 
     @property
-    def serves_images(self) -> bool:
-        return self.model_type == "image-model"
+    def workload(self) -> Workload:
+        """What the node serves (a text model's layers or an image model's components): every other part
+        of the node reads this, not the flags."""
+        return _workload(self.model_type, self.image_arch, self.sd_version)
 
     @property
     def host(self) -> str:
@@ -205,6 +208,11 @@ class NodeConfig:
     @property
     def port(self) -> int:
         return self.address[1]
+
+
+def _workload(model_type: str, image_arch: str, sd_version: str) -> Workload:
+    """What --model-type and the image model's flags say the node serves: the one place they are read."""
+    return Workload(ImageModel(image_arch, sd_version)) if model_type == "image-model" else TEXT
 
 
 def _knobs(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -261,7 +269,8 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     if not values["cluster_key"] and knobs["allow_from"] is None and not is_loopback(knobs["address"][0]):
         logger.warning("any peer that reaches the port may use this node: give a cluster key or --allow-from",
                        address=values["address"])
-    if knobs["model_type"] == "image-model":  # --model is no text checkpoint: none of its rules apply
+    if _workload(knobs["model_type"], knobs["image_arch"], knobs["sd_version"]).image is not None:
+        # --model is no text checkpoint: none of its rules apply
         if values["cluster_key"] and not values["topology"]:
             raise ConfigError("an image model needs --topology: zero-config setup serves text models only (as Cake)")
         served, layers = _component_entry(values["name"], values["topology"])
@@ -338,28 +347,17 @@ def _component_entry(name: str | None, topology: str | None) -> tuple[str, tuple
     return served, node.layers
 
 
-def _standard(knobs: Mapping[str, Any]) -> str:
-    """Where a component without a config.json has its architecture from, for the log."""
-    if knobs["image_arch"] == "flux1":
-        return "the checkpoint's tensor shapes, heads and RoPE axes as Cake's Config::dev"
-    return f"{knobs['sd_version']} standard (as Cake hard-codes it)"
-
-
 def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[tuple[str, ComponentFile], ...]:
     """Each image component's files, logged with where its architecture comes from. Raises ConfigError."""
-    image_components.check_components(knobs["image_arch"], names, knobs["sd_version"])
+    arch, version = image_archs.ARCHS[knobs["image_arch"]], knobs["sd_version"]
+    image_archs.check_components(arch.name, names, version)
+    flags = ImageFlags(knobs["model_dir"], version, {name: knobs[f"sd_{name}"] for name in sd_files.FILES},
+                       knobs["sd_config_dir"])
     files = []
     for name in names:
-        if knobs["image_arch"] == "flux":  # a directory of shards, with its config.json
-            folder = flux_files.locate(name, knobs["model_dir"])
-            located = sd_files.Located(folder, folder / "config.json", "snapshot")
-        elif knobs["image_arch"] == "flux1":  # one file: the architecture comes from its tensors' shapes
-            located = sd_files.Located(flux_files.flux1_checkpoint(knobs["model_dir"]), None, "tensor shapes")
-        else:
-            located = sd_files.locate(name, knobs["sd_version"], knobs["model_dir"], knobs[f"sd_{name}"],
-                                      knobs["sd_config_dir"])
+        located = arch.locate(name, flags)
         log.get_logger().info("component files", component=name, weights=str(located.weights),
-                              config=str(located.config) if located.config else _standard(knobs),
+                              config=str(located.config) if located.config else arch.standard.format(version=version),
                               config_from=located.config_source)
         files.append((name, ComponentFile(str(located.weights), None if located.config is None else str(located.config))))
     return tuple(files)

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from cakemp import log
 from cakemp.errors import BadRequest, CakempError, InternalError, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
-from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
@@ -83,7 +82,7 @@ class Connection:
     what its `Session` (session.py), which holds the session's rules, calls for."""
 
     def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 pool: DevicePool, admission: Admission | ComponentAdmission, limits: ConnectionLimits,
+                 pool: DevicePool, admission: Admission, limits: ConnectionLimits,
                  budget: BufferBudget, metrics: Metrics, revision: Revision,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None,
                  trace_file: TraceFile | None = None):

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from cakemp.errors import ConfigError
 from cakemp.front.config import NodeConfig
-from cakemp.ipc.spec import DeviceSpec, ImageModel
+from cakemp.ipc.spec import ComponentFile, DeviceSpec
 
 # torch threads of a GPU device process: its CPU work is host copies and Python, and one thread
 # per core in each of several such processes only contends for the cores.
@@ -54,18 +54,19 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             progress_s=config.request_timeout / 4,
             log_format=config.log_format,
             log_level=config.log_level,
-            image=_image_model(config, layers),
+            workload=config.workload,
+            component_files=_component_files(config, layers),
         )
         for i, (gpu, layers) in enumerate(zip(config.devices, placement))
     ]
 
 
-def _image_model(config: NodeConfig, components: tuple[str, ...]) -> ImageModel | None:
-    """What a device serving `components` of the node's image model loads (None: a text node)."""
-    if not config.serves_images:
-        return None
+def _component_files(config: NodeConfig, components: tuple[str, ...]) -> tuple[tuple[str, ComponentFile], ...]:
+    """The files of a device's image components, in its order (none for a text model's layers)."""
+    if config.workload.image is None:
+        return ()
     files = dict(config.component_files)
-    return ImageModel(config.image_arch, config.sd_version, tuple((name, files[name]) for name in components))
+    return tuple((name, files[name]) for name in components)
 
 
 def device_cores(threads: Sequence[int]) -> list[tuple[int, ...]]:

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cakemp import log
-from cakemp.ipc.spec import DeviceMain, DeviceSpec
+from cakemp.ipc.spec import DeviceMain, DeviceSpec, Workload
 from cakemp.errors import BadIpcMessage, CakempError, InternalError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
@@ -71,17 +71,17 @@ class _Pending:
 
     future: asyncio.Future
     devices: tuple[int, ...]  # the route, in order
-    outputs: list = field(default_factory=list)  # (chunk, (bytes, dtype, shape)) of each answered chunk
+    outputs: list[tuple[int, RawTensor]] = field(default_factory=list)  # (chunk, its answer) of each answered chunk
     reply: Done | None = None
     stamps: list[int] | None = None  # the request's stamps when traced (ipc/trace.py): the answer's go here
 
 
 class DevicePool:
     def __init__(self, specs: Sequence[DeviceSpec], device_main: DeviceMain, *, status: NodeStatus, metrics: Metrics,
-                 request_timeout: float, restart_attempts: int, prefill_chunk: int | None,
+                 request_timeout: float, restart_attempts: int, workload: Workload, prefill_chunk: int,
                  recurrent: Sequence[bool] = ()):
         """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind.
-        `prefill_chunk` None: image components, whose requests keep no state and are never cut."""
+        `workload`: whether requests keep state and are cut into chunks of `prefill_chunk` tokens."""
         self.specs = tuple(specs)
         self._router = Router([spec.layers for spec in self.specs])
         self._device_main = device_main  # the spawn target: the front never imports the device package
@@ -89,6 +89,7 @@ class DevicePool:
         self.failure: str | None = None
         self._status, self._metrics = status, metrics
         self._request_timeout = request_timeout
+        self._workload = workload
         self._prefill_chunk = prefill_chunk
         self._state = PoolState([spec.label for spec in self.specs], request_timeout=request_timeout,
                                 load_silence=LOAD_SILENCE_S, restart_attempts=restart_attempts, recurrent=recurrent)
@@ -137,8 +138,8 @@ class DevicePool:
         if not route.stages:  # no layers: nothing to compute
             return x
         devices = route.devices
-        # Components keep nothing between calls (FLUX.2's text encoder's index_pos is a token count).
-        stateful = self._prefill_chunk is not None
+        # Image components keep nothing between calls (FLUX.2's text encoder's index_pos is a token count).
+        stateful = self._workload.stateful
         self._state.admit(session, devices, [stateful and any(op.index_pos > 0 for op in stage.ops)
                                              for stage in route.stages])
         chunks = list(self._chunks(x))
@@ -162,9 +163,8 @@ class DevicePool:
         for device in passed:
             self._metrics.device_request_seconds.observe(elapsed, device=self.label(device))
         if len(outputs) == 1:
-            data, dtype, shape = outputs[0]
-            return RawTensor(data, dtype, shape)
-        return RawTensor(b"".join(data for data, _, _ in outputs), x.dtype, x.shape)
+            return outputs[0]
+        return RawTensor(b"".join(output.data for output in outputs), x.dtype, x.shape)
 
     async def clear(self, device: int, session: int) -> Done:
         """Goodbye: drop the session's caches on `device` (a fresh start, so a lost state no longer matters)."""
@@ -214,7 +214,7 @@ class DevicePool:
         """(first token, shape, bytes) of each chunk of x ([1, T, H], admitted): the whole request
         unless it is longer than one chunk."""
         shape = x.shape
-        if self._prefill_chunk is None or shape[1] <= self._prefill_chunk:
+        if not self._workload.chunked or shape[1] <= self._prefill_chunk:
             yield 0, shape, x.data
             return
         view = memoryview(x.data).cast("B")
@@ -226,7 +226,7 @@ class DevicePool:
         return await self._request(session, Route((Stage(device, self._state.generation(device), ()),)), [msg])
 
     async def _request(self, session: int, route: Route, messages: list[Hop | Clear | End],
-                       stamps: list[int] | None = None):
+                       stamps: list[int] | None = None) -> list[RawTensor] | Done:
         """Send `messages` (a request's chunks, or one control message) to the first device of
         `route`; the chunks' outputs once every one is answered (a control message's Done)."""
         devices = route.devices
@@ -270,49 +270,50 @@ class DevicePool:
 
     def _on_message(self, device: int, msg: Message) -> None:
         now = self._loop.time()
-        if isinstance(msg, Activation):
-            pending = self._pending.get(msg.request_id)
-            if pending is not None:
-                pending.outputs.append((msg.chunk, (msg.data, msg.dtype, msg.shape)))
-                if pending.stamps is not None and msg.trace:
-                    pending.stamps[:] = (*msg.trace, trace.now())  # answered
-                for stage_device, kv_bytes in zip(pending.devices, msg.kv):
-                    self._metrics.kv_bytes.set(kv_bytes, device=self.label(stage_device))
-            self._act(self._state.answered(device, msg.request_id, now))
-        elif isinstance(msg, Failure):
-            error = error_from(msg.code, msg.message)
-            if not isinstance(error, RequestError):  # a start code on a request: the device's own fault
-                error = InternalError(msg.message)
-            self._act(self._state.answered(device, msg.request_id, now, error, msg.chunk))
-        elif isinstance(msg, Done):
-            pending = self._pending.get(msg.request_id)
-            if pending is not None:
-                pending.reply = msg
-                self._metrics.kv_bytes.set(msg.kv_bytes, device=self.label(device))
-            self._act(self._state.answered(device, msg.request_id, now))
-        elif isinstance(msg, Progress):
-            self._state.progressed(device, msg.request_id, now)
-        elif isinstance(msg, StepReport):
-            self._state.heard(device, now)
-            label = self.label(device)
-            self._metrics.batch_requests.set(msg.requests, device=label)
-            self._metrics.batch_size.observe(msg.requests, device=label)
-            self._metrics.step_tokens.observe(msg.tokens, device=label)
-        elif isinstance(msg, PrefixReport):
-            self._state.heard(device, now)
-            self._metrics.prefixes(self.label(device), msg.hits, msg.tokens, msg.evictions, msg.retired_bytes,
-                                   msg.kept_bytes)
-        elif isinstance(msg, Loaded):
-            self._state.heard(device, now)
-            self._status.loaded(device, msg.layers)
-        elif isinstance(msg, Ready):
-            self._readies[device] = msg
-            self._metrics.device_loaded(self.label(device), msg.memory_bytes, self.specs[device].kv_budget_bytes)
-            self._act(self._state.ready(device, now))
-        elif isinstance(msg, StartFailure):
-            self._act(self._state.start_failed(device, now, error_from(msg.code, msg.message)))
-        else:  # Pong
-            self._state.heard(device, now)
+        match msg:
+            case Activation():
+                pending = self._pending.get(msg.request_id)
+                if pending is not None:
+                    pending.outputs.append((msg.chunk, RawTensor(msg.data, msg.dtype, msg.shape)))
+                    if pending.stamps is not None and msg.trace:
+                        pending.stamps[:] = (*msg.trace, trace.now())  # answered
+                    for stage_device, kv_bytes in zip(pending.devices, msg.kv):
+                        self._metrics.kv_bytes.set(kv_bytes, device=self.label(stage_device))
+                self._act(self._state.answered(device, msg.request_id, now))
+            case Failure():
+                error = error_from(msg.code, msg.message)
+                if not isinstance(error, RequestError):  # a start code on a request: the device's own fault
+                    error = InternalError(msg.message)
+                self._act(self._state.answered(device, msg.request_id, now, error, msg.chunk))
+            case Done():
+                pending = self._pending.get(msg.request_id)
+                if pending is not None:
+                    pending.reply = msg
+                    self._metrics.kv_bytes.set(msg.kv_bytes, device=self.label(device))
+                self._act(self._state.answered(device, msg.request_id, now))
+            case Progress():
+                self._state.progressed(device, msg.request_id, now)
+            case StepReport():
+                self._state.heard(device, now)
+                label = self.label(device)
+                self._metrics.batch_requests.set(msg.requests, device=label)
+                self._metrics.batch_size.observe(msg.requests, device=label)
+                self._metrics.step_tokens.observe(msg.tokens, device=label)
+            case PrefixReport():
+                self._state.heard(device, now)
+                self._metrics.prefixes(self.label(device), msg.hits, msg.tokens, msg.evictions, msg.retired_bytes,
+                                       msg.kept_bytes)
+            case Loaded():
+                self._state.heard(device, now)
+                self._status.loaded(device, msg.layers)
+            case Ready():
+                self._readies[device] = msg
+                self._metrics.device_loaded(self.label(device), msg.memory_bytes, self.specs[device].kv_budget_bytes)
+                self._act(self._state.ready(device, now))
+            case StartFailure():
+                self._act(self._state.start_failed(device, now, error_from(msg.code, msg.message)))
+            case _:  # Pong
+                self._state.heard(device, now)
 
     def _on_garbage(self, device: int, error: BadIpcMessage) -> None:
         self._log.error("bad ipc reply", device=device, error=str(error))
@@ -346,46 +347,50 @@ class DevicePool:
 
     def _act(self, actions: Sequence[ps.Action]) -> None:
         for action in actions:
-            if isinstance(action, ps.Complete):
-                self._complete(action)
-            elif isinstance(action, ps.Spawn):
-                self._spawn(action.device, action.generation)
-            elif isinstance(action, ps.Kill):
-                process = self._processes[action.device]
-                if process is not None and process.exitcode is None:
-                    process.kill()  # its sentinel then reports the exit, with this reason
-            elif isinstance(action, ps.Ping):
-                self._channels[action.device].try_send(encode(Ping()))
-            elif isinstance(action, ps.Forget):
-                # Its Done is answered to no one. Should the socket not take it, the session is
-                # still told once that its state is lost; the device keeps the state meanwhile.
-                self._channels[action.device].try_send(encode(Clear(action.session, next(self._request_ids))))
-            elif isinstance(action, ps.Started):
-                if not self._started.done():
-                    self._started.set_result(None)
-            elif isinstance(action, ps.StartFailed):
-                if not self._started.done():
-                    self._started.set_exception(action.error)
-            elif isinstance(action, ps.Restarting):
-                label = self.label(action.device)
-                self._log.error("device failed; restarting it", device=action.device, device_label=label,
-                                reason=action.reason)
-                self._metrics.device_restarts.inc(device=label)
-                self._metrics.kv_bytes.set(0, device=label)
-                self._metrics.prefix_retired_bytes.set(0, device=label)
-                self._metrics.prefix_kept_bytes.set(0, device=label)
-                self._status.restarting(action.device, action.reason)
-            elif isinstance(action, ps.RestartFailed):
-                self._log.error("device restart failed", device=action.device, device_label=self.label(action.device),
-                                attempt=action.attempt, error=action.error)
-            elif isinstance(action, ps.Restarted):
-                self._status.restarted(action.device)
-                self._log.info("device restarted", device=action.device, device_label=self.label(action.device),
-                               pid=self._processes[action.device].pid)
-            elif isinstance(action, ps.GiveUp):
-                self.failure = action.reason
-                self.failed.set()
+            match action:
+                case ps.Complete():
+                    self._complete(action)
+                case ps.Spawn(device=device, generation=generation):
+                    self._spawn(device, generation)
+                case ps.Kill(device=device):
+                    process = self._processes[device]
+                    if process is not None and process.exitcode is None:
+                        process.kill()  # its sentinel then reports the exit, with this reason
+                case ps.Ping(device=device):
+                    self._channels[device].try_send(encode(Ping()))
+                case ps.Forget(device=device, session=session):
+                    # Its Done is answered to no one. Should the socket not take it, the session is
+                    # still told once that its state is lost; the device keeps the state meanwhile.
+                    self._channels[device].try_send(encode(Clear(session, next(self._request_ids))))
+                case ps.Started():
+                    if not self._started.done():
+                        self._started.set_result(None)
+                case ps.StartFailed(error=error):
+                    if not self._started.done():
+                        self._started.set_exception(error)
+                case ps.Restarting(device=device, reason=reason):
+                    self._restarting(device, reason)
+                case ps.RestartFailed(device=device, attempt=attempt, error=error):
+                    self._log.error("device restart failed", device=device, device_label=self.label(device),
+                                    attempt=attempt, error=error)
+                case ps.Restarted(device=device):
+                    self._status.restarted(device)
+                    self._log.info("device restarted", device=device, device_label=self.label(device),
+                                   pid=self._processes[device].pid)
+                case ps.GiveUp(reason=reason):
+                    self.failure = reason
+                    self.failed.set()
         self._arm()
+
+    def _restarting(self, device: int, reason: str) -> None:
+        """A device failed and restarts: say so, and zero what it held."""
+        label = self.label(device)
+        self._log.error("device failed; restarting it", device=device, device_label=label, reason=reason)
+        self._metrics.device_restarts.inc(device=label)
+        self._metrics.kv_bytes.set(0, device=label)
+        self._metrics.prefix_retired_bytes.set(0, device=label)
+        self._metrics.prefix_kept_bytes.set(0, device=label)
+        self._status.restarting(device, reason)
 
     def _complete(self, action: ps.Complete) -> None:
         pending = self._pending.pop(action.request_id, None)

@@ -26,7 +26,7 @@ import cakemp
 from cakemp import log
 from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.errors import CakempError, CheckpointError, ConfigError
-from cakemp.front.admission import Admission
+from cakemp.front.admission import Admission, LayerAdmission
 from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
@@ -67,7 +67,7 @@ class Serving:
     zero-config mode from a setup's assignment (then rebuilt for the next, should they not load)."""
 
     config: NodeConfig  # the node's configuration, naming the layers served, their checkpoint and devices
-    admission: Admission | ComponentAdmission
+    admission: Admission
     limits: ConnectionLimits
     status: NodeStatus
     pool: DevicePool
@@ -163,11 +163,7 @@ class Front:
     def _build(self, config: NodeConfig, served: LayerAssignment | None) -> Serving:
         """What serves `config`'s layers: what the front admits, from the model's config.json (read
         here, no torch), the connections' limits, the status, and the pool, not started yet."""
-        if config.serves_images:
-            model, admission = None, ComponentAdmission.for_arch(config.image_arch, config.layers)
-        else:
-            model = ModelConfig.from_dir(config.model_dir)
-            admission = Admission.for_model(model, config.layers, config.max_context)
+        admission, recurrent_layers = _judge(config)
         max_payload = admission.max_payload()
         if max_payload > config.max_buffered_bytes:
             raise ConfigError(f"--max-buffered-mib {config.max_buffered_bytes / 2**20:g} is less than one "
@@ -183,9 +179,8 @@ class Front:
         )
         pool = DevicePool(specs, self._device_main, status=status, metrics=self.metrics,
                           request_timeout=config.request_timeout, restart_attempts=config.restart_attempts,
-                          prefill_chunk=None if model is None else config.prefill_chunk,
-                          recurrent=[model is not None and any(model.layer_index(layer) in model.linear_layers
-                                                               for layer in spec.layers) for spec in specs])
+                          workload=config.workload, prefill_chunk=config.prefill_chunk,
+                          recurrent=[not recurrent_layers.isdisjoint(spec.layers) for spec in specs])
         return Serving(config, admission, limits, status, pool, served)
 
     def _bind(self) -> Listener:
@@ -380,6 +375,17 @@ class Front:
     def _device_specs(self, config: NodeConfig) -> list[DeviceSpec]:
         """What each device process serving `config`'s layers is told."""
         return device_specs(config, place_layers(config.layers, len(config.devices)), self._runtime_dir)
+
+
+def _judge(config: NodeConfig) -> tuple[Admission, frozenset[str]]:
+    """What admits a request to `config`'s layers (from the model's config.json, read here without
+    torch) or image components, and which of the layers keep a recurrent state (linear attention)."""
+    image = config.workload.image
+    if image is not None:
+        return ComponentAdmission.for_arch(image.arch, config.layers), frozenset()
+    model = ModelConfig.from_dir(config.model_dir)
+    recurrent = frozenset(layer for layer in config.layers if model.layer_index(layer) in model.linear_layers)
+    return LayerAdmission.for_model(model, config.layers, config.max_context), recurrent
 
 
 def _pin(cores: tuple[int, ...]) -> None:

@@ -23,9 +23,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cakemp.errors import BadOps, InternalError, RequestError, SessionExpired
+from cakemp.errors import InternalError, RequestError, SessionExpired
 from cakemp.front.admission import Admission
-from cakemp.front.component_admission import ComponentAdmission
 from cakemp.wire import (
     Batch, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, Message, RawTensor, SingleOp, WorkerError,
     WorkerReady,
@@ -91,7 +90,7 @@ Action = Greet | Reply | Run | Refuse | Clear | Note | Close
 class Session:
     """One master session's rules: which messages it may send when, and what each calls for."""
 
-    def __init__(self, admission: Admission | ComponentAdmission, *, served: LayerAssignment | None = None,
+    def __init__(self, admission: Admission, *, served: LayerAssignment | None = None,
                  idle_timeout: float | None = None):
         """`served`: a zero-config node's setup, which a re-setup must match; `idle_timeout`: seconds
         idle after which the session's state is freed (None: never)."""
@@ -124,9 +123,10 @@ class Session:
             self._expired = False  # a fresh start: nothing to be told
             return [Clear(self.devices), Greet()]
         if isinstance(message, Batch):
-            if not self._admission.takes_batch:
-                return [Refuse(BadOps("this node serves image components, which a Cake master calls with SingleOp; "
-                                      "a Batch of layers is a text model's (check the master's --model-type)"))]
+            try:
+                self._admission.check_batch()  # an image node takes none
+            except RequestError as e:
+                return [Refuse(e)]
             return [self._request(message.x, message.batch)]
         if isinstance(message, SingleOp):
             return [self._request(message.x, (LayerOp(message.layer_name, message.index_pos, message.block_idx),))]

@@ -26,12 +26,46 @@ class ComponentFile:
 
 @dataclass(frozen=True)
 class ImageModel:
-    """What a device serving image components (`--model-type image-model`) loads: the arch and
-    version (Cake's --image-model-arch, --sd-version) and, per component it serves, its files."""
+    """The image model a node serves components of (`--model-type image-model`): the arch and
+    version, as Cake's --image-model-arch and --sd-version spell them."""
 
     arch: str  # sd | flux | flux1
     sd_version: str  # v1-5 | v2-1 | xl | turbo
-    files: tuple[tuple[str, ComponentFile], ...]  # (component name, its files), in the device's order
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a node's requests are, decided once from its flags (front/config.py, `NodeConfig.workload`)
+    and carried to each device (`DeviceSpec.workload`); what differs between the two kinds is read here.
+
+    A text model's layers (`image` None): a request is a hidden state [1, T, H] through a run of
+    layers, a session's KV state lives on between its requests, a prompt longer than --prefill-chunk
+    is cut into chunks, and the reply has the request's dtype and shape.
+
+    An image model's components (`image` set): a request is one component's call (a SingleOp) over
+    token ids or a packed vector; nothing is kept between calls, a call is never cut, and the reply
+    has the dtype and shape the component answers in.
+    """
+
+    image: ImageModel | None = None
+
+    @property
+    def stateful(self) -> bool:
+        """A session's requests build on its earlier ones (the KV state a failed request may have lost)."""
+        return self.image is None
+
+    @property
+    def chunked(self) -> bool:
+        """A request longer than --prefill-chunk tokens is cut into chunks that follow each other down the route."""
+        return self.image is None
+
+    @property
+    def same_reply_shape(self) -> bool:
+        """The reply has the request's dtype and shape (a hidden state in, a hidden state out)."""
+        return self.image is None
+
+
+TEXT = Workload()
 
 
 @dataclass(frozen=True)
@@ -61,7 +95,8 @@ class DeviceSpec:
     progress_s: float = 15.0  # a device busy this long on one step says so (Progress), so the front can tell busy from hung
     log_format: str = "auto"
     log_level: str = "info"
-    image: ImageModel | None = None  # image components instead of layers: `layers` names them
+    workload: Workload = TEXT  # an image model's: `layers` names its components, `component_files` has their files
+    component_files: tuple[tuple[str, ComponentFile], ...] = ()  # (component name, its files), in `layers`' order
 
     @property
     def label(self) -> str:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cakemp.checkpoint.sd_files import locate
+from cakemp.checkpoint.image.locator import ImageFlags
+from cakemp.checkpoint.image.sd_files import locate
 from cakemp.compute.components import Call, ComponentRunner
 from cakemp.errors import BadTensor, CheckpointError
 from tests.image import (
@@ -25,7 +26,7 @@ def snapshot(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(snapshot):
-    files = [(name, locate(name, "v1-5", str(snapshot[0]), None, None)) for name in ("clip", "unet", "vae")]
+    files = [(name, locate(name, ImageFlags(str(snapshot[0]), "v1-5"))) for name in ("clip", "unet", "vae")]
     return ComponentRunner.load("sd", "v1-5", [(name, _Files(located)) for name, located in files], "cpu",
                                 torch.float32)
 
@@ -76,7 +77,7 @@ def test_a_bad_call_fails_alone_and_shapes_that_differ_run_apart(runner):
 
 
 def test_replies_are_in_the_runners_dtype(snapshot):
-    files = [("vae", _Files(locate("vae", "v1-5", str(snapshot[0]), None, None)))]
+    files = [("vae", _Files(locate("vae", ImageFlags(str(snapshot[0]), "v1-5"))))]
     runner = ComponentRunner.load("sd", "v1-5", files, "cpu", torch.bfloat16)
     (image,) = runner.run_batch([Call(1, f32(pack(torch.tensor([0.0]), torch.randn(1, *LATENT))), 0)])
     assert image.dtype == torch.bfloat16 and image.shape == (1, 3, 16, 16)
@@ -87,7 +88,7 @@ def test_sdxl_components_drop_the_added_conditioning_and_the_projection(tmp_path
     without it (Cake's master never sends it), and clip2 (a CLIP with projection) answers its
     text model's last hidden state, as the oracle built without them."""
     snapshot = write_xl_cache(tmp_path)
-    files = [(name, _Files(locate(name, "xl", str(tmp_path), None, None))) for name in ("clip2", "unet")]
+    files = [(name, _Files(locate(name, ImageFlags(str(tmp_path), "xl")))) for name in ("clip2", "unet")]
     runner = ComponentRunner.load("sd", "xl", files, "cpu", torch.float32)
     ref = xl_oracle(snapshot)
     latents, text = torch.randn(2, *LATENT), torch.randn(2, 77, 32)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from cakemp.errors import BadOps, BadTensor, ContextLimitExceeded, PeerFault, UnknownLayer
-from cakemp.front.admission import Admission, shown
+from cakemp.front.admission import LayerAdmission, shown
 from cakemp.wire import MAX_PAYLOAD, DType, LayerOp, RawTensor
 
 HIDDEN = 8
-ADMISSION = Admission(frozenset(f"model.layers.{i}" for i in range(4)), HIDDEN, max_context=32,
+ADMISSION = LayerAdmission(frozenset(f"model.layers.{i}" for i in range(4)), HIDDEN, max_context=32,
                       blocks=frozenset(range(4)))
 
 
@@ -78,5 +78,5 @@ def test_the_largest_frame_fits_the_longest_activation_and_no_more_than_cakes_ca
     """max_payload holds a context-long f32 activation and a run over every layer, and never passes Cake's 512 MiB."""
     assert ADMISSION.max_payload() >= 32 * HIDDEN * 4 + 4 * (4 + len("model.layers.0") + 16)
     assert ADMISSION.max_payload() < 1 << 20
-    huge = Admission(ADMISSION.layers, 8192, max_context=131072, blocks=ADMISSION.blocks)
+    huge = LayerAdmission(ADMISSION.layers, 8192, max_context=131072, blocks=ADMISSION.blocks)
     assert huge.max_payload() == MAX_PAYLOAD

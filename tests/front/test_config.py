@@ -306,10 +306,10 @@ def test_an_image_node_serves_its_entrys_components_as_named_each_from_the_hf_ca
     assert config.layers == ("unet", "vae")
     specs = device_specs(config, [("unet",), ("vae",)], "/run")
     snapshot = tmp_path / "hub" / "models--runwayml--stable-diffusion-v1-5" / "snapshots" / "abc"
-    unet, vae = specs[0].image.files[0][1], specs[1].image.files[0][1]
+    unet, vae = specs[0].component_files[0][1], specs[1].component_files[0][1]
     assert unet.weights == str(snapshot / "unet" / "diffusion_pytorch_model.fp16.safetensors")
     assert unet.config == str(snapshot / "unet" / "config.json")
-    assert (vae.config, specs[1].image.arch, specs[1].image.sd_version) == (None, "sd", "v1-5")
+    assert (vae.config, specs[1].workload.image.arch, specs[1].workload.image.sd_version) == (None, "sd", "v1-5")
 
 
 def test_explicit_component_files_take_their_config_from_the_config_dir(tmp_path):

@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from cakemp.errors import BadRequest, ProtocolError
-from cakemp.front.admission import Admission
+from cakemp.front.admission import LayerAdmission
 from cakemp.wire import (
     HEADER_SIZE, MAGIC, Batch, DType, FrameDecoder, Goodbye, Hello, LayerAssignment, LayerOp, ModelDataDone,
     RawTensor, Revision, SingleOp, TensorMessage, WorkerError, WorkerInfo, WorkerReady, decode_payload, encode_frame,
@@ -57,7 +57,7 @@ RSS_GROWTH_BOUND = 64 << 20
 BUFFER_BUDGET = 1 << 20
 FRAME_TIMEOUT_S = 10
 SLOW_READERS = 8
-ADMISSION = Admission(frozenset(NAMES), HIDDEN, MAX_CONTEXT, frozenset(LAYERS))
+ADMISSION = LayerAdmission(frozenset(NAMES), HIDDEN, MAX_CONTEXT, frozenset(LAYERS))
 MAX_PAYLOAD = ADMISSION.max_payload()
 U64 = 2**64 - 1
 

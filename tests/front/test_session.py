@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cakemp.errors import BadTensor, InternalError, SessionExpired, UnknownLayer
-from cakemp.front.admission import Admission
+from cakemp.front.admission import LayerAdmission
 from cakemp.front.session import Clear, Close, Greet, Note, Refuse, Reply, Run, Session, SessionState
 from cakemp.wire import (
     Batch, DType, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, RawTensor, SingleOp, WorkerError,
@@ -14,7 +14,7 @@ from cakemp.wire import (
 
 LAYERS = ("model.layers.0", "model.layers.1")
 HIDDEN = 4
-ADMISSION = Admission(frozenset(LAYERS), hidden_size=HIDDEN, max_context=16, blocks=frozenset({0, 1}))
+ADMISSION = LayerAdmission(frozenset(LAYERS), hidden_size=HIDDEN, max_context=16, blocks=frozenset({0, 1}))
 SERVED = LayerAssignment(LAYERS, "0123abcd")
 IDLE = 30.0
 

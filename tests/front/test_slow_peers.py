@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from cakemp.auth import authenticate_worker
-from cakemp.front.admission import Admission
+from cakemp.front.admission import LayerAdmission
 from cakemp.master.client import WorkerClient
 from cakemp.wire import (
     HEADER_SIZE, MAGIC, Batch, DType, Hello, RawTensor, Revision, WorkerInfo, WorkerReady, decode_payload,
@@ -38,7 +38,7 @@ HIDDEN = 64
 LAYERS = [0, 1]
 CONTEXT = 8192  # a full-context f32 frame is 2 MiB
 BUDGET = 8 << 20  # three of them (each is a little over 2 MiB)
-MAX_PAYLOAD = Admission(frozenset(f"model.layers.{i}" for i in LAYERS), HIDDEN, CONTEXT, frozenset(LAYERS)).max_payload()
+MAX_PAYLOAD = LayerAdmission(frozenset(f"model.layers.{i}" for i in LAYERS), HIDDEN, CONTEXT, frozenset(LAYERS)).max_payload()
 FRAME_TIMEOUT_S = 3
 MAX_CONNECTIONS = 16
 NOFILE = 256  # the node's ulimit -n: fewer descriptors than the idle connects below

@@ -3,8 +3,8 @@
 `flux_text_encoder`: transformers' Qwen3Model over token ids [b, 512], the hidden states after
 layers 8, 17 and 26 (0-based) concatenated on the features (3 x 2560 = 7680 for klein-4B), no
 final norm; replied as Cake's `pack_tensors` of that one tensor, an F32 vector. As Cake's
-worker: attention is causal, and `index_pos` carries the prompt's real token count, so keys
-past it (the padding) are masked when 0 < index_pos < L.
+worker: attention is causal, and the SingleOp's `index_pos` carries the prompt's real token count
+(a call's `token_count` here), so keys past it (the padding) are masked when 0 < count < L.
 
 `flux_transformer`: diffusers' Flux2Transformer2DModel over [img [b, S, 128], img_ids [b, S, 4],
 txt [b, L, 7680], txt_ids [b, L, 4], timestep [1]] (the timestep a sigma in [0, 1], scaled by
@@ -37,6 +37,7 @@ from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
 from cakemp.errors import BadTensor, CheckpointError
+from cakemp.model.image.component import Component, Files
 
 OUTPUT_LAYERS = (8, 17, 26)  # FLUX.2-klein's text conditioning: these layers' outputs, concatenated
 
@@ -62,12 +63,12 @@ def _weights(folder: Path, layers: int) -> dict[str, torch.Tensor]:
     return state
 
 
-class FluxTextEncoder:
+class FluxTextEncoder(Component):
     """`flux_text_encoder`: ids [b, L] (and the real token count) -> pack([hidden [b, L, 3·H]]) in F32."""
 
-    uses_index_pos = True
+    uses_token_count = True
 
-    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, name: str, files: Files, version: str, device: torch.device, dtype: torch.dtype):
         try:
             config = json.loads(Path(files.config).read_text())
         except (OSError, ValueError) as e:
@@ -92,15 +93,15 @@ class FluxTextEncoder:
         for index in OUTPUT_LAYERS:
             self.module.layers[index].register_forward_hook(lambda module, inputs, output: self._outputs.append(output))
 
-    def prepare(self, ids: torch.Tensor, index_pos: int = 0) -> tuple[torch.Tensor, ...]:
-        """ids [b, L] and the mask of its real tokens (all real unless 0 < index_pos < L, as Cake)."""
+    def prepare(self, ids: torch.Tensor, token_count: int = 0) -> tuple[torch.Tensor, ...]:
+        """ids [b, L] and the mask of its real tokens (all real unless 0 < token_count < L, as Cake)."""
         _check(bool(((ids >= 0) & (ids < self.config.vocab_size)).all()),
                f"{self.name}: a token id is outside the vocabulary of {self.config.vocab_size}")
         _check(ids.shape[1] <= self.config.max_position_embeddings,
                f"{self.name}: {ids.shape[1]} tokens, at most {self.config.max_position_embeddings}")
         mask = torch.ones(ids.shape, dtype=torch.long)
-        if 0 < index_pos < ids.shape[1]:
-            mask[:, index_pos:] = 0
+        if 0 < token_count < ids.shape[1]:
+            mask[:, token_count:] = 0
         return ids.to(self.device), mask.to(self.device)
 
     @staticmethod
@@ -141,10 +142,10 @@ def _diffusers_module(cls, files, what: str, device: torch.device) -> torch.nn.M
     return module
 
 
-class FluxTransformer:
+class FluxTransformer(Component):
     """`flux_transformer`: (img, img_ids, txt, txt_ids, timestep) -> velocity [b, S, C] in BF16."""
 
-    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, name: str, files: Files, version: str, device: torch.device, dtype: torch.dtype):
         self.module = _diffusers_module(Flux2Transformer2DModel, files, "transformer", device)
         self.dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
         torch.nn.Module.to(self.module, device, self.dtype).eval()
@@ -184,10 +185,10 @@ class FluxTransformer:
         return list(velocity.to(torch.bfloat16).split(1))
 
 
-class FluxVae:
+class FluxVae(Component):
     """`flux_vae`: (dims [2], latents [b, h·w, 4·C]) or (direction [1] = 0, latents [b, C, H, W]) -> image."""
 
-    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, name: str, files: Files, version: str, device: torch.device, dtype: torch.dtype):
         self.module = _diffusers_module(AutoencoderKLFlux2, files, "VAE", device)
         torch.nn.Module.to(self.module, device, torch.float32).eval()  # Cake's VAE always runs in f32
         self.channels = self.module.config.latent_channels
@@ -223,5 +224,3 @@ class FluxVae:
         image = self.module.decode(torch.cat([latents for (latents,) in calls])).sample
         return list(image.split([call[0].shape[0] for call in calls]))
 
-
-COMPONENTS = {"flux_text_encoder": FluxTextEncoder, "flux_transformer": FluxTransformer, "flux_vae": FluxVae}

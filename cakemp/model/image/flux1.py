@@ -28,6 +28,7 @@ from diffusers import FluxTransformer2DModel
 from safetensors import SafetensorError, safe_open
 
 from cakemp.errors import CheckpointError
+from cakemp.model.image.component import Component, Files
 from cakemp.model.image.flux import FluxTransformer, _check
 
 PREFIX = "model.diffusion_model."  # the transformer's tensors in Comfy's single-file checkpoint
@@ -144,10 +145,10 @@ def _config(bfl: dict[str, torch.Tensor], path: Path) -> dict:
     return config
 
 
-class Flux1Transformer:
+class Flux1Transformer(Component):
     """`flux1_transformer`: (img, img_ids, txt, txt_ids, timesteps, y[, guidance]) -> velocity [1, S, C] in BF16."""
 
-    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, name: str, files: Files, version: str, device: torch.device, dtype: torch.dtype):
         self.dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
         path = Path(files.weights)
         bfl = _read(path, device, self.dtype)
@@ -197,5 +198,3 @@ class Flux1Transformer:
                                guidance=guidance if self.config.guidance_embeds else None).sample
         return list(velocity.to(torch.bfloat16).split(1))
 
-
-COMPONENTS = {"flux1_transformer": Flux1Transformer}

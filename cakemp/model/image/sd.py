@@ -30,8 +30,9 @@ from diffusers.models.activations import GEGLU
 from safetensors.torch import load_file
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from cakemp.checkpoint import sd_configs
+from cakemp.checkpoint.image import sd_configs
 from cakemp.errors import BadTensor, CheckpointError
+from cakemp.model.image.component import Component, Files
 
 # The largest image side a call may ask for, in pixels: a bound on one call's compute and memory.
 MAX_SIDE = 4096
@@ -79,10 +80,10 @@ def _text_model(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key.removeprefix("text_model."): value for key, value in state.items()}
 
 
-class Clip:
+class Clip(Component):
     """`clip`/`clip2`: token ids [b, L] -> last hidden state after the final norm [b, L, D]."""
 
-    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, name: str, files: Files, version: str, device: torch.device, dtype: torch.dtype):
         config = _config(files.config, sd_configs.CLIP2 if name == "clip2" else sd_configs.CLIPS[version])
         if config.get("hidden_act") == "gelu":  # candle's Activation::Gelu is the tanh approximation
             config["hidden_act"] = "gelu_pytorch_tanh"
@@ -112,10 +113,10 @@ class Clip:
         return list(hidden.split([call[0].shape[0] for call in calls]))
 
 
-class UNet:
+class UNet(Component):
     """`unet`: (latents [B, C, h, w], text embeddings [B, L, D], timestep [1]) -> noise [B, C, h, w]."""
 
-    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, name: str, files: Files, version: str, device: torch.device, dtype: torch.dtype):
         config = _config(files.config, sd_configs.UNETS[version])
         config["addition_embed_type"] = None  # Cake's master sends no added conditioning
         with device:
@@ -167,10 +168,10 @@ def _modern_attention_names(state: dict[str, torch.Tensor]) -> dict[str, torch.T
     return renamed
 
 
-class Vae:
+class Vae(Component):
     """`vae`: (direction [1], x): 1 encodes an image [b, 3, H, W] to sampled latents, 0 decodes latents."""
 
-    def __init__(self, name: str, files, version: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, name: str, files: Files, version: str, device: torch.device, dtype: torch.dtype):
         with device:
             self.module = AutoencoderKL.from_config(_config(files.config, sd_configs.VAES[version]))
         _load(self.module, files.weights, (), _modern_attention_names)
@@ -205,5 +206,3 @@ class Vae:
             y = self.module.decode(x).sample
         return list(y.split([x.shape[0] for _, x in calls]))
 
-
-COMPONENTS = {"clip": Clip, "clip2": Clip, "unet": UNet, "vae": Vae}

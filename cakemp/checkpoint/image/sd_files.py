@@ -14,9 +14,9 @@ configuration as Cake hard-codes it (sd_configs.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+from cakemp.checkpoint.image.locator import ImageFlags, Located
 from cakemp.errors import ConfigError
 
 SD_VERSIONS = ("v1-5", "v2-1", "xl", "turbo")  # --sd-version, as Cake spells it
@@ -37,29 +37,19 @@ FILES = {
 STANDARD = "standard"  # the config source when a version's hard-coded configuration is used
 
 
-@dataclass(frozen=True)
-class Located:
-    """A component's weight file and its config.json (None: the version's standard one), and
-    where the config came from: "snapshot", "--sd-config-dir" or STANDARD."""
-
-    weights: Path
-    config: Path | None
-    config_source: str
-
-
-def locate(component: str, version: str, model_dir: str, explicit: str | None,
-           config_dir: str | None) -> Located:
-    """Where `component` of SD `version` is: from the flag's `explicit` file, else the HF cache
-    under `model_dir`. Raises ConfigError naming what is missing."""
+def locate(component: str, flags: ImageFlags) -> Located:
+    """Where `component` of SD's --sd-version is: from its --sd-<component> file, else the HF cache
+    under --model. Raises ConfigError naming what is missing."""
     subfolder, _ = FILES[component]
+    explicit, config_dir = flags.weights.get(component), flags.config_dir
     if explicit:
         weights = Path(explicit)
         if not weights.is_file():
             raise ConfigError(f"--sd-{component} {explicit}: no such file")
         own = None
     else:
-        repository, path = hub_file(component, version)
-        weights = cached_file(Path(model_dir) / "hub", repository, path)
+        repository, path = hub_file(component, flags.sd_version)
+        weights = cached_file(Path(flags.model) / "hub", repository, path)
         own = weights.parent / "config.json"
     if own is not None and own.is_file():
         return Located(weights, own, "snapshot")

@@ -1,6 +1,6 @@
 """Where a FLUX component's files are (torch-free).
 
-FLUX.1 (`flux1_checkpoint`): Cake's worker takes --model as the single-file checkpoint itself
+FLUX.1 (`locate_flux1`): Cake's worker takes --model as the single-file checkpoint itself
 (flux1-dev-fp8.safetensors) and never downloads it; so does cakemp.
 
 FLUX.2-klein (`locate`):
@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cakemp.checkpoint.sd_files import snapshot_holding
+from cakemp.checkpoint.image.locator import ImageFlags, Located
+from cakemp.checkpoint.image.sd_files import snapshot_holding
 from cakemp.errors import ConfigError
 
 # component -> (the file whose presence marks a snapshot holding it, the directory its weights are in)
@@ -34,23 +35,31 @@ def cache_roots() -> tuple[Path, ...]:
     return cache / "hub", hf
 
 
-def locate(component: str, model: str) -> Path:
-    """The directory holding `component`'s weights and config.json. Raises ConfigError."""
+def locate(component: str, flags: ImageFlags) -> Located:
+    """FLUX.2's `component` of --model: the directory holding its weights (shards) and its config.json.
+    Raises ConfigError."""
     marker, folder = FILES[component]
+    model = flags.model
     if (Path(model) / marker).is_file():
-        return Path(model) / folder
+        return _snapshot_folder(Path(model) / folder)
     for hub in cache_roots():
         snapshot = snapshot_holding(hub, model, marker)
         if snapshot is not None:
-            return snapshot / folder
+            return _snapshot_folder(snapshot / folder)
     roots = " or ".join(str(root) for root in cache_roots())
     raise ConfigError(f"{model}/{marker} is neither a directory's nor in the HF cache at {roots} (a cakemp node "
                       f"never downloads: fetch it with `hf download {model} --include '{folder}/*'`)")
 
 
-def flux1_checkpoint(model: str) -> Path:
-    """The single-file FLUX.1 checkpoint --model names. Raises ConfigError."""
+def _snapshot_folder(folder: Path) -> Located:
+    return Located(folder, folder / "config.json", "snapshot")
+
+
+def locate_flux1(component: str, flags: ImageFlags) -> Located:
+    """The single-file FLUX.1 checkpoint --model names; the architecture comes from its tensors'
+    shapes. Raises ConfigError."""
+    model = flags.model
     if not Path(model).is_file():
         raise ConfigError(f"--model {model}: no such file (FLUX.1's transformer is read from the single-file "
                           "checkpoint, such as flux1-dev-fp8.safetensors, that --model names, as Cake's worker)")
-    return Path(model)
+    return Located(Path(model), None, "tensor shapes")
