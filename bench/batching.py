@@ -61,7 +61,7 @@ import torch
 
 from bench.pool import LAYERS, MAX_POSITIONS, Session, alternate, free_port, machine_line, start_cakemp, start_single, throughput
 from cakemp.compute.runner import BlockRunner, Request
-from tests.checkpoints import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
 
 HIDDEN = 2048
 SHAPE = dict(hidden_size=HIDDEN, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, head_dim=64,

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from cakemp.compute.runner import BlockRunner
-from tests.checkpoints import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
 
 PROMPT = 512
 HIDDEN = 1024

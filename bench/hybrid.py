@@ -20,7 +20,7 @@ and times, in one process with the same thread count for both, per layer:
   reported: the machine may be shared, and interference only ever adds time;
 * prefill: 512 tokens into an empty session, the same way.
 
-HF runs its layer as tests/checkpoints.py's HFLayers does (HF's own cache classes, eager
+HF runs its layer as tests/support/checkpoints.py's HFLayers does (HF's own cache classes, eager
 attention; its Gated DeltaNet falls back to its torch chunked/recurrent forms, since
 flash-linear-attention and causal-conv1d are not installed here); its mask and cos/sin are
 built inside the timed call, as cakemp's are.
@@ -36,7 +36,7 @@ import torch
 
 from bench.blocks import timed
 from cakemp.compute.runner import BlockRunner
-from tests.checkpoints import HFLayers, make_checkpoint
+from tests.support.checkpoints import HFLayers, make_checkpoint
 
 CPU = torch.device("cpu")
 

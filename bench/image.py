@@ -3,7 +3,7 @@ UNet steps batched against one after another.
 
     python -m bench.image [--steps 200] [--seconds 4] [--side 8] [--threads 1]
 
-Writes tests/image.py's tiny SD 1.5 components (random weights, HF cache layout) and starts,
+Writes tests/support/image.py's tiny SD 1.5 components (random weights, HF cache layout) and starts,
 side by side in one run, each with --threads torch threads per device:
 
 * `cakemp run --gpus cpu:1 --model-type image-model` serving unet and vae (batching on:
@@ -42,7 +42,7 @@ from cakemp.checkpoint.image.locator import ImageFlags
 from cakemp.checkpoint.image.sd_files import locate
 from cakemp.compute.components import Call, ComponentRunner
 from cakemp.master.client import WorkerClient
-from tests.image import f32, pack, write_cache
+from tests.support.image import f32, pack, write_cache
 
 BATCHED, ALONE = "cakemp batched", "cakemp --max-batch 1"
 

@@ -42,7 +42,7 @@ import yaml
 from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
-from tests.checkpoints import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
 
 LAYERS = 4
 BLOCK = 50  # decode steps per block when alternating between the two workers

@@ -47,7 +47,7 @@ from cakemp.compute.runner import BlockRunner
 from cakemp.front.router import chunk_bounds
 from cakemp.ipc.spec import PREFILL_CHUNK
 from cakemp.master.client import WorkerClient
-from tests.checkpoints import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
 
 HIDDEN = 2048
 SHAPE = dict(hidden_size=HIDDEN, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, head_dim=64,

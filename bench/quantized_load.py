@@ -6,7 +6,7 @@ The checkpoints hold Llama layers of TinyLlama-1.1B's shape (hidden 2048, 32 que
 kv heads, intermediate 5632): plain bf16; GPTQ 4-bit, groups of 128, v1, f16 scales; GPTQ
 8-bit act-order (g_idx); MLX affine 4-bit, groups of 64, bf16 scales and biases. The packed
 codes are random words: any word is a valid code, and a load benchmark needs no quantizer.
-GGUF files (written by gguf-py, tests/gguf_files.py) hold every matrix as Q8_0 or Q4_K, and a
+GGUF files (written by gguf-py, tests/support/gguf_files.py) hold every matrix as Q8_0 or Q4_K, and a
 third one the Q4_K layers four times over (4x --layers layers) of which only the first
 --layers are loaded: a node reads only the layers it serves (Cake dequantizes the whole file).
 
@@ -89,7 +89,7 @@ def layer_tensors(layer: int, quantization: dict | None, generator: torch.Genera
 
 
 def write_gguf_file(directory: Path, layers: int, kind: str, times: int) -> Path:
-    from tests.gguf_files import GgufSpec, write_gguf
+    from tests.support.gguf_files import GgufSpec, write_gguf
 
     directory.mkdir()
     spec = GgufSpec("llama", hidden=2048, ffn=5632, heads=32, kv_heads=4, layers=layers * times, vocab=256,

@@ -36,7 +36,7 @@ from bench import breakdown
 from bench.pool import alternate, busy, machine_line, pct, start_single
 from bench.route_node import HIDDEN, LAYERS, MAX_POSITIONS, PROMPT, Master, start_node
 from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
-from tests.checkpoints import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
 
 BLOCK = 25
 

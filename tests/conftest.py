@@ -14,8 +14,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny random Llama checkpoint (tests/checkpoints.py), one per test module; modules that need
+    """A tiny random Llama checkpoint (tests/support/checkpoints.py), one per test module; modules that need
     another define their own `checkpoint`."""
-    from tests.checkpoints import make_checkpoint  # transformers: imported only by the modules that use it
+    from tests.support.checkpoints import make_checkpoint  # transformers: imported only by the modules that use it
 
     return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from cakemp.front.config import KEY_PLACEHOLDER
-from tests.front.node import write_topology
-from tests.hub_cache import write_snapshot
+from tests.support.node import write_topology
+from tests.support.hub_cache import write_snapshot
 
 EX_CONFIG = 78
 

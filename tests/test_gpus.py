@@ -1,5 +1,5 @@
 """The GPU inventory from nvidia-smi (no torch, no GPU): `--gpus` selections against `nvidia-smi -L`,
-and the devices a discovery reply describes, from a stand-in nvidia-smi on PATH (tests/nvidia_smi.py)."""
+and the devices a discovery reply describes, from a stand-in nvidia-smi on PATH (tests/support/nvidia_smi.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from cakemp import gpus
 from cakemp.errors import ConfigError
 from cakemp.gpus import parse_gpu_list, parse_gpus
 from cakemp.wire.discovery import GpuInfo
-from tests.nvidia_smi import fake_nvidia_smi
+from tests.support.nvidia_smi import fake_nvidia_smi
 
 
 # What `nvidia-smi -L` prints on a machine with two whole GPUs and a third split into two MIG instances.
@@ -104,7 +104,7 @@ GIB = 1 << 30
 
 @pytest.fixture
 def nvidia_smi(tmp_path, monkeypatch):
-    """Puts an nvidia-smi printing the given listings (tests/nvidia_smi.py) first on PATH."""
+    """Puts an nvidia-smi printing the given listings (tests/support/nvidia_smi.py) first on PATH."""
     def install(listing: str = NVIDIA_SMI_L, query: str = QUERY, **statuses: int) -> None:
         bin_dir = fake_nvidia_smi(tmp_path / "bin", listing, query, **statuses)
         monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")

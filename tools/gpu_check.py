@@ -35,7 +35,7 @@ findings, or the error that stopped it, and the next one runs regardless:
 8. dequantize (~15 s): GPTQ (4-bit, 3-bit act-order, 8-bit), MLX (4-, 3- and 8-bit) and every
    ggml type dequantized on the GPU against the same bytes dequantized on the CPU (the largest
    difference, 0 when bit-equal).
-9. image (~40 s): the tiny Stable Diffusion 1.5 components of tests/image.py (clip, unet, vae)
+9. image (~40 s): the tiny Stable Diffusion 1.5 components of tests/support/image.py (clip, unet, vae)
    served by `cakemp run --gpus all --model-type image-model --dtype f32`, each component's
    reply against the same modules run in this process on the GPU in f32 (the largest
    difference), and whether the node logged an error.
@@ -286,7 +286,7 @@ def cudnn_decode_recompiles(device: torch.device, length: int) -> None:
 
 def check_fp8(device: torch.device, rehearse: bool) -> None:
     from cakemp.compute.runner import BlockRunner
-    from tests.checkpoints import make_checkpoint  # transformers: only this section needs it
+    from tests.support.checkpoints import make_checkpoint  # transformers: only this section needs it
 
     works = fp8.scaled_mm_works(device, torch.bfloat16)
     finding("fp8.scaled_mm_works_bf16", works)
@@ -486,9 +486,9 @@ def take_gpu_memory() -> list[torch.Tensor]:
 
 def int4_checkpoints(tmp: Path, rehearse: bool) -> dict[str, Path]:
     """One Llama-3-8B-shaped layer (rehearsal: a small one) as GPTQ, MLX and GGUF checkpoints of random 4-bit codes."""
-    from tests.checkpoints import make_checkpoint  # transformers: only these sections need it
-    from tests.gguf_files import GgufSpec, write_gguf
-    from tests.int4_checkpoints import random_gptq, random_mlx
+    from tests.support.checkpoints import make_checkpoint  # transformers: only these sections need it
+    from tests.support.gguf_files import GgufSpec, write_gguf
+    from tests.support.int4_checkpoints import random_gptq, random_mlx
 
     hidden, inter, heads, kv = (512, 1792, 4, 1) if rehearse else (4096, 14336, 32, 8)
     plain = make_checkpoint(tmp / "plain", "llama", dtype=torch.bfloat16, hidden_size=hidden, intermediate_size=inter,
@@ -581,7 +581,7 @@ def dequantize_cases(rehearse: bool):
 
     from cakemp.checkpoint.quantization import Gptq
     from cakemp.model.weights import ggml, gptq, mlx
-    from tests.gguf_files import RANDOM_BLOCKS, random_blocks
+    from tests.support.gguf_files import RANDOM_BLOCKS, random_blocks
 
     rows, cols = (64, 512) if rehearse else (4096, 4096)
     generator = torch.Generator().manual_seed(0)
@@ -635,8 +635,8 @@ def check_dequantize(device: torch.device, rehearse: bool) -> None:
 async def check_image(device: torch.device, rehearse: bool) -> None:
     from cakemp.master.client import WorkerClient
     from cakemp.wire import DType
-    from tests.front.node import RunningNode, write_topology
-    from tests.image import LATENT, f32, oracle, pack, token_ids, write_cache
+    from tests.support.node import RunningNode, write_topology
+    from tests.support.image import LATENT, f32, oracle, pack, token_ids, write_cache
 
     def from_raw(raw) -> torch.Tensor:
         assert raw.dtype == DType.F32, raw.dtype

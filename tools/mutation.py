@@ -49,12 +49,12 @@ class Mutant:
 # are dropped; a subset left with no test leaves the mutant alive. A -k applies to every path
 # of its subset, so subsets with one are not added to others.
 WIRE = ("tests/wire",)
-AUTH = ("tests/test_auth.py", "tests/front/test_node.py", "-k", "key or proof or auth")
-ROUTER = ("tests/front/test_node.py",)
-POOL = ("tests/front/test_node.py", "tests/front/test_node_flags.py")
+AUTH = ("tests/test_auth.py", "tests/node/test_node.py", "-k", "key or proof or auth")
+ROUTER = ("tests/node/test_node.py",)
+POOL = ("tests/node/test_node.py", "tests/node/test_node_flags.py")
 RUNNER = ("tests/compute", "tests/device/test_service.py")
 KV = ("tests/compute/test_kv_cache.py", "tests/compute/test_runner.py", "tests/device/test_service.py",
-      "tests/front/test_node_flags.py")
+      "tests/node/test_node_flags.py")
 BLOCK = ("tests/model/test_block.py", "tests/compute/test_runner_parity.py", "-k", "f32 or block")
 GENERATION = ("tests/master/test_generator.py", "-k", "greedy")
 
@@ -80,7 +80,7 @@ MUTANTS = (
     # The same bug as above, against the node-level tests alone (the issue: one unit test only).
     Mutant("worker-accepts-any-master-proof/node", "cakemp/auth.py",
            "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:",
-           ("tests/front/test_node.py", "-k", "key or proof")),
+           ("tests/node/test_node.py", "-k", "key or proof")),
     Mutant("master-accepts-any-worker-proof", "cakemp/auth.py",
            "if not hmac.compare_digest(reply[:HMAC_SIZE], _mac(key, nonce_m)):", "if False:", AUTH),
     Mutant("worker-signs-its-own-nonce", "cakemp/auth.py",
@@ -101,17 +101,17 @@ MUTANTS = (
     Mutant("kv-gauge-not-recorded", "cakemp/front/pool.py",
            "self._metrics.kv_bytes.set(msg.kv_bytes, device=self.label(device))", "pass", POOL),
     Mutant("lost-session-not-told", "cakemp/front/session.py",
-           "if any(op.index_pos > 0 for op in ops):", "if False:", ("tests/front/test_device_loss.py",)),
+           "if any(op.index_pos > 0 for op in ops):", "if False:", ("tests/node/test_device_loss.py",)),
     Mutant("drain-never-times-out", "cakemp/front/server.py",
            "_, pending = await asyncio.wait(tasks, timeout=self.config.drain_timeout)",
-           "_, pending = await asyncio.wait(tasks)", ("tests/front/test_node_flags.py", "-k", "drain")),
+           "_, pending = await asyncio.wait(tasks)", ("tests/node/test_node_flags.py", "-k", "drain")),
     Mutant("cpu-threads-ignored", "cakemp/front/devices.py",
-           "cpu_threads = config.cpu_threads or", "cpu_threads = None or", ("tests/front/test_node_flags.py",)),
+           "cpu_threads = config.cpu_threads or", "cpu_threads = None or", ("tests/node/test_node_flags.py",)),
     Mutant("kv-budget-not-passed", "cakemp/front/devices.py",
-           "cpu_kv_budget = config.kv_budget_bytes or", "cpu_kv_budget = None or", ("tests/front/test_node_flags.py",)),
+           "cpu_kv_budget = config.kv_budget_bytes or", "cpu_kv_budget = None or", ("tests/node/test_node_flags.py",)),
     Mutant("default-dtype-f32", "cakemp/front/config.py",
            'dtype: str = knob("--dtype", "f16",', 'dtype: str = knob("--dtype", "f32",',
-           ("tests/front/test_node_flags.py", "tests/test_cli.py")),
+           ("tests/node/test_node_flags.py", "tests/test_cli.py")),
     # --- runner
     Mutant("rotary-offset-dropped", "cakemp/compute/runner.py",
            "tables = [rotary.cos_sin(start, T, self.dtype) for start, T in zip(starts, lengths, strict=True)]",

@@ -8,7 +8,7 @@ import pytest
 
 from cakemp.errors import CheckpointError
 from cakemp.checkpoint.config import FAMILIES, LinearRopeScaling, Llama3RopeScaling, ModelConfig, Rope
-from tests.checkpoints import make_config
+from tests.support.checkpoints import make_config
 
 
 def parsed(family, **overrides):
@@ -179,7 +179,7 @@ def test_qwen3_moe_sparse_layers_follow_mlp_only_layers_and_step():
 
 
 def hub(family, **keys):
-    """A hub-keyed config.json dict (classic keys, as tests/families.py writes them)."""
+    """A hub-keyed config.json dict (classic keys, as tests/support/families.py writes them)."""
     architecture = {"gemma3": "Gemma3ForCausalLM", "exaone4": "Exaone4ForCausalLM", "phi3": "Phi3ForCausalLM",
                     "olmo2": "Olmo2ForCausalLM"}[family]
     return {"architectures": [architecture], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,

@@ -16,7 +16,7 @@ from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute.loading import block_type
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import CheckpointError
-from tests.checkpoints import make_config
+from tests.support.checkpoints import make_config
 
 LONGROPE = {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7, 2.3, 3.1],
             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.errors import CheckpointError
-from tests.gguf_files import GgufSpec, needs_gguf, write_gguf
+from tests.support.gguf_files import GgufSpec, needs_gguf, write_gguf
 
 SPEC = GgufSpec("qwen3", layers=2, types={"attn_q": "Q4_0", "attn_k": "Q6_K", "ffn_up": "F16"}, hidden=256)
 

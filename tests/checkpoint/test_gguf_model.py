@@ -8,7 +8,7 @@ import pytest
 from cakemp.checkpoint.config import LinearRopeScaling, ModelConfig
 from cakemp.checkpoint.gguf_model import hf_names
 from cakemp.errors import CheckpointError
-from tests.gguf_files import GgufSpec, needs_gguf, write_gguf
+from tests.support.gguf_files import GgufSpec, needs_gguf, write_gguf
 
 pytestmark = needs_gguf
 

@@ -16,8 +16,8 @@ from cakemp.checkpoint import hub
 from cakemp.checkpoint.hub import fetch_metadata, fetch_weights, shards_for
 from cakemp.checkpoint.locate import ModelSource, Repository, hub_cache, locate, parse_repository, parse_repository_file
 from cakemp.errors import CheckpointError, ConfigError
-from tests.gguf_files import GgufSpec, needs_gguf, write_gguf
-from tests.hub_cache import COMMIT, write_snapshot
+from tests.support.gguf_files import GgufSpec, needs_gguf, write_gguf
+from tests.support.hub_cache import COMMIT, write_snapshot
 
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
 

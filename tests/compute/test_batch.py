@@ -3,7 +3,7 @@ gives alone, and one request's error fails that request alone.
 
 "Alone" is a second runner on the same checkpoint serving the same requests one at a time
 (`run`). Batched GEMMs may round differently from one-row ones, so the two are compared
-within tests/tolerance.py's f32 bound, not bit for bit.
+within tests/support/tolerance.py's f32 bound, not bit for bit.
 """
 
 import pytest
@@ -12,8 +12,8 @@ import torch
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import CacheBudgetExceeded, InternalError, PositionGap, RecurrentRewind
 from cakemp.op import Op
-from tests.checkpoints import make_checkpoint
-from tests.tolerance import assert_close
+from tests.support.checkpoints import make_checkpoint
+from tests.support.tolerance import assert_close
 
 # family -> (the layer names' prefix, the layers served)
 FAMILIES = {

@@ -1,6 +1,6 @@
 """BlockRunner on Qwen3.5, Qwen3.5-MoE and Qwen3-MoE against HF transformers' own layers.
 
-Checkpoints are written as the hub ships them (tests/checkpoints.py): the ConditionalGeneration
+Checkpoints are written as the hub ships them (tests/support/checkpoints.py): the ConditionalGeneration
 wrapper with `text_config` beside a vision config, vision and `mtp.*` tensors in the shards,
 layers under `model.language_model.layers`, experts fused (Qwen3.5-MoE) or one set per expert
 (Qwen3-MoE), two shard files. Layers 1-3 are served: for Qwen3.5 both layer kinds (linear,
@@ -12,7 +12,7 @@ The requests: a prompt in 3-token chunks (each continuing the linear layers' con
 recurrent state), 8 decode steps, then 70 tokens (two chunks of the parallel form, from a
 non-zero state).
 
-Bounds (tests/tolerance.py): cakemp and HF's layers in the test's dtype are both compared with
+Bounds (tests/support/tolerance.py): cakemp and HF's layers in the test's dtype are both compared with
 HF's layers in float64 throughout, over all chunks; cakemp's median per-token error and its RMS
 error must each be within a multiple of HF's own, plus one unit roundoff.
 * f32: 3x. These random weights make the chunked delta rule steep (the decays cumulated over a
@@ -39,8 +39,8 @@ import pytest
 import torch
 
 from cakemp.compute.runner import BlockRunner
-from tests.checkpoints import HFLayers, make_checkpoint
-from tests.tolerance import PARITY, PARITY_MOE, Accuracy, float64_throughout
+from tests.support.checkpoints import HFLayers, make_checkpoint
+from tests.support.tolerance import PARITY, PARITY_MOE, Accuracy, float64_throughout
 
 LAYERS = [1, 2, 3]
 CHUNKS = [3, 3, 3] + [1] * 8 + [70]

@@ -5,7 +5,7 @@ import torch
 
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import CacheBudgetExceeded, PositionGap, RecurrentRewind
-from tests.checkpoints import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
 
 PREFIX = "model.language_model.layers"
 LAYERS = [1, 2, 3]  # linear, linear, full attention

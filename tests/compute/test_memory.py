@@ -13,7 +13,7 @@ from cakemp.model.weights import fp8
 from cakemp.model.block import DecoderBlock
 from cakemp.model.weights.safetensors import Checkpoint
 from cakemp.checkpoint.config import ModelConfig
-from tests.checkpoints import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
 
 LAYERS = ["model.layers.1", "model.layers.2"]
 

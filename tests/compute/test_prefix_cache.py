@@ -15,8 +15,8 @@ from cakemp.compute.prefix_cache import MAX_RETIRED
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import ContextLimitExceeded
 from cakemp.front.router import chunk_bounds
-from tests.checkpoints import make_checkpoint
-from tests.tolerance import assert_close
+from tests.support.checkpoints import make_checkpoint
+from tests.support.tolerance import assert_close
 
 HIDDEN = 64
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.quantized import GptqSpec, gptq_part_shapes, gptq_shaped, mlx_checkpoint, needs_mlx
+from tests.support.quantized import GptqSpec, gptq_part_shapes, gptq_shaped, mlx_checkpoint, needs_mlx
 
 HUGE = 8192  # the claimed matrix: [8192, 8192], 256 MiB in f32, 32 MiB of 4-bit codes
 LAYER = "model.layers.1"

@@ -6,8 +6,8 @@ import torch
 from cakemp.compute.kv_cache import MIN_CAPACITY
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import CacheBudgetExceeded, InternalError, ContextLimitExceeded, PositionGap, UnknownLayer
-from tests.checkpoints import make_checkpoint
-from tests.tolerance import assert_close
+from tests.support.checkpoints import make_checkpoint
+from tests.support.tolerance import assert_close
 
 LAYERS = ["model.layers.1", "model.layers.2"]
 

@@ -3,10 +3,10 @@
 Each case runs a prefill of 7 tokens, 8 single-token decode steps, then a second prefill
 chunk of 5 tokens (into the non-empty cache) through layers 1-3 of a 4-layer checkpoint
 split over 2 shard files, so the served span crosses a shard boundary; in f32 also a prompt
-sent in 3-token chunks, then 8 decode steps. The later families (tests/families.py) have
+sent in 3-token chunks, then 8 decode steps. The later families (tests/support/families.py) have
 hub-keyed config.json files and both their layer kinds among layers 1-3.
 
-Bounds (tests/tolerance.py): cakemp and HF's layers in the test's dtype are both compared
+Bounds (tests/support/tolerance.py): cakemp and HF's layers in the test's dtype are both compared
 with HF's layers in float64 throughout, and cakemp's error must be within a multiple of HF's
 own: its median per-token error and its RMS error over all the outputs each within 3x HF's
 (f32) or 2x (bf16 / f16), plus one unit roundoff. Observed here (AMD EPYC, MKL) over
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from cakemp.compute.runner import BlockRunner
-from tests.checkpoints import HFLayers, make_checkpoint
-from tests.families import HUB_FAMILIES
-from tests.tolerance import PARITY, Accuracy, float64_throughout
+from tests.support.checkpoints import HFLayers, make_checkpoint
+from tests.support.families import HUB_FAMILIES
+from tests.support.tolerance import PARITY, Accuracy, float64_throughout
 
 LAYERS = [1, 2, 3]
 NAMES = [f"model.layers.{i}" for i in LAYERS]

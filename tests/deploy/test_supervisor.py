@@ -24,11 +24,11 @@ from cakemp.front.config import check_cluster_key
 from cakemp.demo.local_node import free_port
 from cakemp.master.client import WorkerClient
 from cakemp.master.probe import probe
-from tests.checkpoints import HFLayers
+from tests.support.checkpoints import HFLayers
 from tests.deploy.flags import run_variables
-from tests.front.master import from_raw, to_raw
-from tests.front.node import children, gone, wait_gone, wait_until, write_topology
-from tests.tolerance import assert_close
+from tests.support.master import from_raw, to_raw
+from tests.support.node import children, gone, wait_gone, wait_until, write_topology
+from tests.support.tolerance import assert_close
 
 PROGRAM = Path(__file__).parents[2] / "deploy" / "supervisor" / "cakemp.conf"
 # supervisor's console script, installed beside the interpreter running the tests (a venv's

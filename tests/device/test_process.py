@@ -28,9 +28,9 @@ from cakemp.ipc import (
     StepReport,
 )
 from cakemp.wire import DType
-from tests.checkpoints import HFLayers
+from tests.support.checkpoints import HFLayers
 from tests.device import faulting_gpu
-from tests.tolerance import assert_close
+from tests.support.tolerance import assert_close
 
 
 class Front:

@@ -19,7 +19,7 @@ from cakemp.front.devices import CPU_KV_SHARE, device_environment, device_specs,
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK
 from cakemp.wire import Revision
 from cakemp.wire.discovery import DISCOVERY_PORT
-from tests.front.node import write_topology
+from tests.support.node import write_topology
 
 KEY = "0123456789abcdef0123"  # long enough not to be warned about
 

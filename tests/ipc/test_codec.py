@@ -35,7 +35,7 @@ from cakemp.ipc import (
     encode,
 )
 from cakemp.ipc.message import MESSAGES
-from tests.spelling import identifiers
+from tests.support.spelling import identifiers
 
 ROUTE = (Stage(0, 3, (Op(0, 5, 12), Op(1, 5, 13))), Stage(2, 1, (Op(0, 5, 14),)))
 MESSAGES_BY_HAND = [

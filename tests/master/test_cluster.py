@@ -18,8 +18,8 @@ from cakemp.master.discovery import DiscoveredWorker
 from cakemp.wire.discovery import Announcement, GpuInfo
 from safetensors import safe_open
 
-from tests.front.node import ZeroConfigNode
-from tests.quantized import GptqSpec, gptq_checkpoints, gptq_shaped, mlx_checkpoint, needs_gptqmodel, needs_mlx
+from tests.support.node import ZeroConfigNode
+from tests.support.quantized import GptqSpec, gptq_checkpoints, gptq_shaped, mlx_checkpoint, needs_gptqmodel, needs_mlx
 
 transformers = pytest.importorskip("transformers")
 

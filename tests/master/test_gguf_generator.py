@@ -2,7 +2,7 @@
 own GGUF loading of the same file: its tokenizer (AutoTokenizer with gguf_file=) and its model
 (AutoModelForCausalLM with gguf_file=, greedy `generate`).
 
-The file (tests/gguf_files.py, written by gguf-py) is a tiny Llama with q/k rows in llama.cpp's
+The file (tests/support/gguf_files.py, written by gguf-py) is a tiny Llama with q/k rows in llama.cpp's
 permuted order and a byte-level BPE tokenizer in its metadata: GPT-2's 256 byte tokens, 13
 merges, <|endoftext|> as a CONTROL token and the EOS, Qwen2's split regex (tokenizer.ggml.pre
 "qwen2"), and a chat template (tokenizer.chat_template). The master keeps embeddings, final norm
@@ -27,7 +27,7 @@ from cakemp.master.generator import Generator
 from cakemp.master.gguf_tokenizer import gguf_chat_template, gguf_eos_ids, gguf_tokenizer
 from cakemp.master.sampler import SamplingParams
 from cakemp.topology import Topology
-from tests.gguf_files import GgufSpec, needs_gguf, write_gguf
+from tests.support.gguf_files import GgufSpec, needs_gguf, write_gguf
 
 pytestmark = needs_gguf
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import zstandard
 from cakemp.errors import ConfigError
 from cakemp.master.model_push import model_chunks, model_hash, push_files
 from cakemp.wire import Revision
-from tests.checkpoints import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.rotary import Rotary
-from tests.checkpoints import make_config
+from tests.support.checkpoints import make_config
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])

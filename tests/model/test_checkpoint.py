@@ -13,8 +13,8 @@ from cakemp.model.weights import fp8
 from cakemp.model.block import DecoderBlock
 from cakemp.model.weights.safetensors import Checkpoint
 from cakemp.checkpoint.config import ModelConfig
-from tests.checkpoints import make_checkpoint
-from tests.families import HUB_FAMILIES
+from tests.support.checkpoints import make_checkpoint
+from tests.support.families import HUB_FAMILIES
 
 
 def test_only_the_shards_holding_the_layers_are_opened(tmp_path):

@@ -1,6 +1,6 @@
 """FLUX.1's BFL -> diffusers renaming (cakemp/model/image/flux1.py) against diffusers' own single-file
 converter, unmodified, at FLUX.1-dev's real size (19 + 38 blocks, 3072 wide), on the meta device:
-every name and shape, no memory. The values are checked through a live node (tests/front/test_flux1_node.py)."""
+every name and shape, no memory. The values are checked through a live node (tests/node/test_flux1_node.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from diffusers import FluxTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
 
 from cakemp.model.image.flux1 import diffusers_state
-from tests.image import FLUX1_DEV, flux1_shapes
+from tests.support.image import FLUX1_DEV, flux1_shapes
 
 
 def test_the_renaming_is_diffusers_converters_at_flux1_dev_size():

@@ -2,7 +2,7 @@
 in f32: blocks quantized by gguf-py where it can (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, TQ1_0, TQ2_0,
 BF16, F16), and for the K-quants and IQ4_NL/IQ4_XS, which it cannot quantize, blocks whose every
 byte is random but the f16 scales (so every code, sub-block scale, min and high bit is drawn;
-tests/gguf_files.py), over 6 rows of 2 or 16 blocks."""
+tests/support/gguf_files.py), over 6 rows of 2 or 16 blocks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from cakemp.checkpoint.gguf import GGML_TYPES
 from cakemp.checkpoint.gguf_model import DEQUANTIZED_TYPES
 from cakemp.model.weights import ggml
-from tests.gguf_files import RANDOM_BLOCKS, needs_gguf, random_blocks
+from tests.support.gguf_files import RANDOM_BLOCKS, needs_gguf, random_blocks
 
 QUANTIZED_BY_GGUF_PY = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0", "BF16", "F16", "F32")
 SHAPE = (6, 512)

@@ -15,7 +15,7 @@ import torch
 
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.compute.runner import BlockRunner
-from tests.gguf_files import GgufSpec, needs_gguf, write_gguf
+from tests.support.gguf_files import GgufSpec, needs_gguf, write_gguf
 
 # About 4 MiB a layer in Q8_0: the kernel's read-around of a page fault (128 KiB by default)
 # spills a few percent into a neighbour at most.

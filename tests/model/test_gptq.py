@@ -1,6 +1,6 @@
 """GPTQ dequantization against GPTQModel's own: bit for bit, for every variant cakemp computes.
 
-The oracle (tests/gptq_oracle.py, GPTQModel 7.6's TorchLinear in its own process) packs random
+The oracle (tests/support/gptq_oracle.py, GPTQModel 7.6's TorchLinear in its own process) packs random
 matrices for bits 2, 3, 4 and 8, group sizes 32, 64 and -1, act-order or not, symmetric or
 not, checkpoint formats v1 and v2, and dequantizes them with f32 scales: the exact products,
 which cakemp's f32 dequantization must equal exactly.
@@ -22,7 +22,7 @@ from cakemp.checkpoint.quantization import Gptq
 from cakemp.compute.runner import BlockRunner
 from cakemp.model.weights import bitfields, gptq
 from cakemp.model.weights.safetensors import Checkpoint
-from tests.quantized import ORACLE, GptqSpec, gptq_checkpoints, needs_gptqmodel
+from tests.support.quantized import ORACLE, GptqSpec, gptq_checkpoints, needs_gptqmodel
 
 pytestmark = needs_gptqmodel
 

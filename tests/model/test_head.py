@@ -4,8 +4,8 @@ from safetensors import safe_open
 
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.head import Head
-from tests.checkpoints import make_checkpoint
-from tests.tolerance import PARITY, Accuracy, float64_throughout
+from tests.support.checkpoints import make_checkpoint
+from tests.support.tolerance import PARITY, Accuracy, float64_throughout
 
 transformers = pytest.importorskip("transformers")
 
@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.mark.parametrize("tied", [False, True])
 def test_head_matches_transformers(tmp_path, family, tied):
     """Embeddings equal HF's embed_tokens; the last position's logits are as close to HF's
-    lm_head(norm(x)) in f64 as HF's own in f32 are (within 3x, tests/tolerance.py), tied or not
+    lm_head(norm(x)) in f64 as HF's own in f32 are (within 3x, tests/support/tolerance.py), tied or not
     (Gemma 3: embeddings scaled by sqrt(H), a (1 + w) final norm)."""
     path = make_checkpoint(tmp_path, family, tie_word_embeddings=tied)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -23,9 +23,9 @@ from cakemp.model.weights import ggml, gptq, int4, mlx
 from cakemp.model.weights.safetensors import Checkpoint
 from cakemp.model.weights.gguf import GgufCheckpoint
 from cakemp.model.linear import linear
-from tests.checkpoints import make_checkpoint
-from tests.gguf_files import RANDOM_BLOCKS, GgufSpec, needs_gguf, random_blocks, write_gguf
-from tests.int4_checkpoints import random_gptq, random_mlx
+from tests.support.checkpoints import make_checkpoint
+from tests.support.gguf_files import RANDOM_BLOCKS, GgufSpec, needs_gguf, random_blocks, write_gguf
+from tests.support.int4_checkpoints import random_gptq, random_mlx
 
 OUT, IN = 96, 512
 BF16_EPS = torch.finfo(torch.bfloat16).eps
@@ -62,7 +62,7 @@ def mlx_tensors(group_size: int, seed: int = 0):
 
 def ggml_bytes(kind: str) -> torch.Tensor:
     """[OUT, IN] of `kind` as stored: quantized by gguf-py where it can (Q4_0, Q4_1), else random
-    blocks with finite scales (Q4_K: tests/gguf_files.py)."""
+    blocks with finite scales (Q4_K: tests/support/gguf_files.py)."""
     import gguf
 
     rng = np.random.default_rng(1)

@@ -13,7 +13,7 @@ from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute.runner import BlockRunner
 from cakemp.model.weights import mlx
 from cakemp.model.weights.safetensors import Checkpoint
-from tests.quantized import HAVE_MLX, mlx_checkpoint, needs_mlx
+from tests.support.quantized import HAVE_MLX, mlx_checkpoint, needs_mlx
 
 pytestmark = needs_mlx
 if HAVE_MLX:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from cakemp.model.weights import packed
 from cakemp.model.linear import linear
-from tests.tolerance import assert_close
+from tests.support.tolerance import assert_close
 
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch has no MKL")
 

@@ -1,5 +1,5 @@
 """What a zero-config node's discovery reply says about its devices: on a CPU, and live on a GPU
-split into MIG instances (nvidia-smi stood in for by tests/nvidia_smi.py; no GPU needed); how
+split into MIG instances (nvidia-smi stood in for by tests/support/nvidia_smi.py; no GPU needed); how
 often one source is answered."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import socket
 
 from cakemp.setup.discovery import ReplyLimit, announcement_for
 from cakemp.wire.discovery import cluster_hash, decode_announcement, encode_probe
-from tests.front.node import ZeroConfigNode
-from tests.nvidia_smi import fake_nvidia_smi
+from tests.support.node import ZeroConfigNode
+from tests.support.nvidia_smi import fake_nvidia_smi
 
 # What nvidia-smi prints on a machine whose one GPU is split into two MIG instances: `-L` lists
 # the instances under their GPU; `--query-gpu` knows only the physical GPU (its whole memory).

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import cakemp.wire
 from cakemp.wire.messages import VARIANTS
-from tests.spelling import identifiers
+from tests.support.spelling import identifiers
 
 WIRE = Path(cakemp.wire.__file__).parent
 

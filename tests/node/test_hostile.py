@@ -1,0 +1,307 @@
+"""Hostile and broken clients against a live node: each gets its WorkerError or its close, alone.
+
+Every case checks the same four things: the hostile request's own outcome, that the node keeps
+serving, that no device process was restarted (the restart metric stays 0), and that a
+bystander session prefilled before it decodes exactly as HF's layers after it. One node serves
+the module; the last test stops it with SIGHUP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import struct
+import subprocess
+import time
+
+import pytest
+import torch
+
+from cakemp.errors import RemoteWorkerError
+from cakemp.master.client import WorkerClient
+from cakemp.wire import (
+    HEADER_SIZE, MAGIC, Batch, DType, Hello, LayerOp, RawTensor, Revision, WorkerInfo, decode_payload,
+    encode_frame, read_header,
+)
+from tests.support.checkpoints import HFLayers, make_checkpoint
+from tests.support.master import CakeMaster, to_raw
+from tests.support.node import RunningNode, scrape, write_topology
+
+HIDDEN = 64
+LAYERS = [0, 1, 2, 3]  # 0-1 on cpu:0, 2-3 on cpu:1
+OPS = [(f"model.layers.{i}", 0, i) for i in LAYERS]
+MAX_CONTEXT = 64
+MAX_CONNECTIONS = 12
+# Long enough that no legitimate frame comes near the frame timeout on a loaded machine; the idle
+# timeout well above it, since a bystander session sits idle through a frame-timeout attack. The
+# tests that need them to pass wait for the node's own log line.
+FRAME_TIMEOUT_S = 3
+IDLE_TIMEOUT_S = 10
+F32_ATOL = 1e-4
+REFUSED_AT_MAX = ("cakemp_refused_connections_total", (("reason", "max-connections"),))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 90))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """8 layers, of which the node serves 0-3: the KV slots of the other four are not its to give."""
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", num_hidden_layers=8)
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    return tmp_path_factory.mktemp("run")
+
+
+@pytest.fixture(scope="module")
+def node(checkpoint, runtime, tmp_path_factory):
+    topology = write_topology(tmp_path_factory.mktemp("topo") / "topology.yml", ["model.layers.0-3"])
+    running = RunningNode(checkpoint, topology, "--gpus", "cpu:2", "--dtype", "f32", "--max-context",
+                          str(MAX_CONTEXT), "--metrics-address", "127.0.0.1:0", "--frame-timeout",
+                          str(FRAME_TIMEOUT_S), "--session-idle-timeout", str(IDLE_TIMEOUT_S),
+                          "--max-connections", str(MAX_CONNECTIONS), env={"RUNTIME_DIRECTORY": str(runtime)})
+    yield running
+    running.kill()
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    """A fresh HF reference of layers 0-3 per call (the model is loaded once: building it is most of a test's time)."""
+    return HFLayers(checkpoint, LAYERS, torch.float32).fresh
+
+
+def restarts(node: RunningNode) -> float:
+    return sum(v for (name, _), v in scrape(node.metrics_port()).items() if name == "cakemp_device_restarts_total")
+
+
+async def survives(node: RunningNode, ref: HFLayers, attack) -> object:
+    """Run `attack()` between a bystander's prefill and its decode step; the bystander's results must
+    match HF's layers (`ref`, fresh) and no device may restart. Returns what `attack` returned."""
+    bystander = await CakeMaster.connect(node.port, LAYERS)
+    x = torch.randn(1, 5, HIDDEN)
+    torch.testing.assert_close(await bystander.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
+    outcome = await attack()
+    x = torch.randn(1, 1, HIDDEN)
+    torch.testing.assert_close(await bystander.forward(x, 5), ref(x, 5), atol=F32_ATOL, rtol=0)
+    await bystander.close()
+    assert await asyncio.to_thread(restarts, node) == 0
+    assert node.process.poll() is None
+    return outcome
+
+
+async def refused(node: RunningNode, x: RawTensor, ops) -> str:
+    """The WorkerError text answering Batch(x, ops); the same connection then serves a good request."""
+    async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+        await client.hello()
+        with pytest.raises(RemoteWorkerError) as error:
+            await client.batch(x, ops)
+        y = await client.batch(to_raw(torch.randn(1, 1, HIDDEN)), OPS)
+        assert (y.dtype, y.shape) == (DType.F32, (1, 1, HIDDEN))
+    return str(error.value).split("reported error: ", 1)[1]
+
+
+async def closed(node: RunningNode, data: bytes, hello: bool = True) -> bytes:
+    """What the node answers to raw `data` (after Hello) before it closes the connection (a reset,
+    which a close with unread bytes sends, counts as a close with no answer)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
+    if hello:
+        writer.writelines(encode_frame(Hello(), Revision.V2))
+        header = await reader.readexactly(HEADER_SIZE)
+        assert isinstance(decode_payload(await reader.readexactly(read_header(header)), Revision.V2), WorkerInfo)
+    writer.write(data)
+    try:
+        answer = await asyncio.wait_for(reader.read(), 30)
+    except ConnectionResetError:
+        answer = b""
+    writer.close()
+    return answer
+
+
+GOOD = to_raw(torch.randn(1, 2, HIDDEN))
+
+
+@pytest.mark.parametrize("x, ops, words", [
+    # 255 ones then 64, 256 bytes of f32: once an unhandled exception in the front and a hung device.
+    (RawTensor(bytes(HIDDEN * 4), DType.F32, (1,) * 255 + (HIDDEN,)), OPS, "of 256 dimensions"),
+    # The product wraps past 2^64 to 0 and matched the empty data: once a 1.4 KB C++ backtrace.
+    (RawTensor(b"", DType.F32, (2**64 - 1, 0)), OPS, r"shape \[18446744073709551615, 0\], expected \[1, T, 64\]"),
+    (RawTensor(bytes(8 * HIDDEN), DType.F32, (2, 1, HIDDEN)), OPS, r"\[2, 1, 64\]"),
+    (RawTensor(bytes(4 * 32), DType.F32, (1, 1, 32)), OPS, r"\[1, 1, 32\], expected \[1, T, 64\]"),
+    (RawTensor(bytes(2 * HIDDEN), DType.U8, (1, 2, HIDDEN)), OPS, "unsupported dtype U8"),
+    (RawTensor(bytes(2 * HIDDEN), DType.F8E4M3, (1, 2, HIDDEN)), OPS, "unsupported dtype F8E4M3"),
+    (to_raw(torch.randn(1, MAX_CONTEXT + 1, HIDDEN)), OPS, "65 positions in one request pass the context limit"),
+    (GOOD, [("model.layers.0", MAX_CONTEXT - 1, 0)], "positions 63..64 of layer model.layers.0 pass"),
+    (GOOD, [("model.layers.0", 2**64 - 1, 0)], "pass the context limit of 64 positions"),
+    (GOOD, OPS * 250, "has 1000 ops; this worker serves 4 layers"),
+    (GOOD, OPS[:2] + OPS[:1], "layer model.layers.0 appears twice"),
+    (GOOD, [("model.layers.0", 0, 3), ("model.layers.1", 0, 3)], "block_idx 3 .* appears twice"),
+    (GOOD, [("model.layers.0", 0, 2**64 - 1)], "block_idx 18446744073709551615 of layer model.layers.0 is not a KV slot"),
+    # A layer of the model this node does not serve, as a KV slot: once admitted, so one session could
+    # hold a slot for each of the model's 8 layers on a node serving 4 (security review M5).
+    (GOOD, [("model.layers.0", 0, 5)], r"block_idx 5 of layer model.layers.0 is not a KV slot .*\(0-3\)"),
+    (GOOD, [("model.layers.4", 0, 4)], "^could not find layer model.layers.4$"),
+    (GOOD, [("\x1b[2J" + "é" * 1000, 0, 0)], r"could not find layer '\\x1b\[2Jé+… \(1004 chars\)'"),
+    # A sound frame whose bytes do not match its shape: the decoder's BadTensor, answered.
+    (RawTensor(bytes(3), DType.F32, (1, 1, HIDDEN)), OPS, "data is 3 bytes"),
+])
+def test_a_request_no_device_could_serve_is_refused_by_the_front(node, hf, x, ops, words):
+    """Hostile shapes, dtypes, positions and layer runs get a short WorkerError naming the limit, with
+    no traceback or path in it; nothing reaches a device, the connection stays usable."""
+    message = run(survives(node, hf(), lambda: refused(node, x, ops)))
+    assert re.search(words, message), message
+    assert len(message) < 300 and "Traceback" not in message and not re.search(r"/\w+/|0x[0-9a-f]{6,}", message)
+
+
+def test_half_a_million_ops_close_the_connection_before_it_is_read(node, hf):
+    """A Batch of 500,000 valid ops (17 MB) is bigger than any frame this model can need: the node
+    closes the connection after the header, without reading or running any of it."""
+    frame = b"".join(bytes(b) for b in encode_frame(Batch(GOOD, (LayerOp("model.layers.0", 0, 0),) * 500_000),
+                                                    Revision.V2))
+    mark = node.mark()
+    assert run(survives(node, hf(), lambda: closed(node, frame))) == b""
+    node.wait_for(lambda e: e.get("event") == "closing connection" and "payload length" in e.get("error", ""),
+                  after=mark)
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"GET / HTTP/1.1\r\n\r\n", "invalid magic"),
+    (struct.pack(">II", MAGIC, 2**32 - 1), "payload length 4294967295 > maximum"),
+    (struct.pack(">II", MAGIC, 4) + (99).to_bytes(4, "big"), "unknown message tag 99"),
+    (struct.pack(">II", MAGIC, 12) + (3).to_bytes(4, "big") + (2**32 - 1).to_bytes(4, "big") + bytes(4),
+     "truncated payload"),
+])
+def test_bytes_that_are_not_cake_protocol_close_only_their_connection(node, hf, data, words):
+    """Bad magic, a hostile length, an unknown tag, a truncated tensor: closed unanswered, logged as the peer's fault."""
+    mark = node.mark()
+    assert run(survives(node, hf(), lambda: closed(node, data))) == b""
+    event = node.wait_for(lambda e: e.get("event") == "closing connection" and words in e.get("error", ""),
+                          after=mark)
+    assert event["fault"] == "peer" and event["level"] == "warning"
+
+
+def test_a_frame_that_stops_halfway_is_closed_after_the_frame_timeout(node, hf):
+    """A header and half a payload, then silence: the node closes the connection once the frame
+    deadline passes, and frees its share of the buffer budget."""
+    frame = b"".join(bytes(b) for b in encode_frame(Batch(GOOD, tuple(LayerOp(*op) for op in OPS)), Revision.V2))
+    mark = node.mark()
+    assert run(survives(node, hf(), lambda: closed(node, frame[: len(frame) // 2]))) == b""
+    node.wait_for(lambda e: e.get("event") == "closing connection" and "did not arrive within" in e.get("error", ""),
+                  after=mark)
+    assert scrape(node.metrics_port())["cakemp_buffered_bytes", ()] == 0
+
+
+def test_a_connection_that_never_says_hello_is_closed(node, hf):
+    """A silent connection (or one stuck in its first frame) is closed once the frame timeout passes."""
+    mark = node.mark()
+    assert run(survives(node, hf(), lambda: closed(node, b"", hello=False))) == b""
+    node.wait_for(lambda e: e.get("event") == "closing connection" and "of connecting" in e.get("error", ""),
+                  after=mark)
+
+
+def test_refusals_are_logged_by_peer_address_as_the_peers_fault(node):
+    """The log names the session by its peer address, and says the peer was at fault."""
+
+    async def main():
+        mark = node.mark()
+        async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+            await client.hello()
+            with pytest.raises(RemoteWorkerError):
+                await client.batch(GOOD, [("model.layers.9", 0, 9)])
+            host, port = client._writer.get_extra_info("sockname")[:2]
+        event = await asyncio.to_thread(node.wait_for, lambda e: e.get("event") == "request refused", 30, mark)
+        assert event["session"] == f"{host}:{port}" and event["fault"] == "peer"
+
+    run(main())
+
+
+def test_an_idle_session_is_freed_and_told_once(node, hf):
+    """Past --session-idle-timeout a session's KV state is freed; its next request past position 0
+    gets WorkerError saying so, once; a fresh prefill on the same connection then matches HF."""
+    ref = hf()
+
+    async def main():
+        mark = node.mark()
+        master = await CakeMaster.connect(node.port, LAYERS)
+        await master.forward(torch.randn(1, 4, HIDDEN), 0)
+        host, port = master.clients[0]._writer.get_extra_info("sockname")[:2]
+        await asyncio.to_thread(node.wait_for, lambda e: e.get("event") == "session idle: freed its KV state"
+                                and e.get("session") == f"{host}:{port}", 60, mark)
+        with pytest.raises(RemoteWorkerError, match="idle for more than 10 s and its KV state was freed"):
+            await master.forward(torch.randn(1, 1, HIDDEN), 4)
+        with pytest.raises(RemoteWorkerError, match="does not follow the 0 positions cached"):
+            await master.forward(torch.randn(1, 1, HIDDEN), 4)
+        x = torch.randn(1, 3, HIDDEN)
+        torch.testing.assert_close(await master.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
+        await master.close()
+
+    run(main())
+
+
+def test_master_connections_have_tcp_keepalive(node):
+    """The node's end of a master connection runs the keepalive timer (so a master gone without a
+    FIN is found), as `ss` shows it."""
+
+    async def main():
+        async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+            await client.hello()
+            port = client._writer.get_extra_info("sockname")[1]
+            shown = await asyncio.to_thread(
+                subprocess.run, ["ss", "-tnoH", "state", "established", f"( sport = :{node.port} and dport = :{port} )"],
+                capture_output=True, text=True, check=True)
+        assert "timer:(keepalive," in shown.stdout, shown.stdout
+
+    run(main())
+
+
+async def hello(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    """A raw connection that said Hello and got WorkerInfo, or None when the node closed it instead."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.writelines(encode_frame(Hello(), Revision.V2))
+        header = await reader.read(HEADER_SIZE)
+    except ConnectionResetError:
+        header = b""
+    if not header:
+        writer.close()
+        return None
+    assert isinstance(decode_payload(await reader.readexactly(read_header(header)), Revision.V2), WorkerInfo)
+    return reader, writer
+
+
+def test_connections_past_max_connections_are_closed_at_once(node):
+    """With --max-connections open, one more is closed unanswered and counted; once one closes, the
+    next is served."""
+
+    def active() -> float:
+        return scrape(node.metrics_port())["cakemp_connections", ()]
+
+    async def main():
+        before = scrape(node.metrics_port()).get(REFUSED_AT_MAX, 0.0)
+        served = []
+        # Connections of earlier tests may still be winding up: fill up to the limit, then one more.
+        while (connection := await hello(node.port)) is not None:
+            served.append(connection)
+            assert len(served) <= MAX_CONNECTIONS
+        assert scrape(node.metrics_port())[REFUSED_AT_MAX] == before + 1
+        served.pop()[1].close()
+        deadline = time.monotonic() + 30
+        while active() >= MAX_CONNECTIONS:  # the node sees the close a moment later
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        connection = await hello(node.port)
+        assert connection is not None
+        for _, writer in [*served, connection]:
+            writer.close()
+
+    run(main())
+
+
+def test_sighup_stops_the_node_as_sigterm_does(node, runtime):
+    """SIGHUP (its terminal closed) drains and exits 0, leaving no ipc socket behind."""
+    node.process.send_signal(signal.SIGHUP)
+    assert node.process.wait(timeout=60) == 0
+    assert list(runtime.iterdir()) == []
