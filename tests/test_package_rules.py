@@ -157,20 +157,13 @@ def test_architecture_names_each_subpackage_in_its_row():
     assert not unnamed, "not named in their package's row of docs/architecture.md: " + ", ".join(unnamed)
 
 
-# A variant (text or image, a container, a quantized format) is told apart in the one module that picks
-# it; everywhere else the code names the protocol, never the union. What telling apart looks like:
+# A variant (text or image, a container, a quantized format) is picked by one row of a table
+# (READERS, FORMATS, ARCHS, CONTAINERS); everywhere else the code names the protocol, never the union.
+# What telling apart looks like:
 VARIANT_TYPES = {"Checkpoint", "GgufCheckpoint", "BlockRunner", "ComponentRunner", "LayerAdmission", "Admission",
-                 "ComponentAdmission", "GptqParts", "MlxParts", "Gptq", "MlxAffine"}  # isinstance(x, T), type(x) is T
+                 "ComponentAdmission", "GptqParts", "MlxParts", "Gptq", "MlxAffine", "Fp8",
+                 "GptqWeight", "MlxWeight"}  # isinstance(x, T), type(x) is T
 VARIANT_SIGNALS = {"is_gguf", "serves_images"}  # read or called
-# The modules that pick a variant, and by what.
-PICKS: dict[str, set[str]] = {}  # the modules that pick a variant by one of these branches (none today: rows and protocols)
-# Branches on a variant outside the module that picks it, still in the package: each is to go, and
-# leaves this table when it does (the test fails on an entry no longer true, as on a branch not listed).
-STILL_BRANCHING = {
-    "checkpoint/quantization.py": {"isinstance Gptq", "isinstance MlxAffine", "isinstance GptqParts"},
-    "model/weights/safetensors.py": {"isinstance Gptq", "isinstance MlxAffine", "isinstance GptqParts",
-                                     "isinstance MlxParts"},
-}
 
 
 def _name(node: ast.AST) -> str | None:
@@ -214,15 +207,9 @@ def variant_branches(path: Path, rows: set[str]) -> set[str]:
 
 def test_variants_are_told_apart_only_where_they_are_picked():
     """No module branches on a variant (an isinstance on a reader, runner, admission or quantization
-    type, a Container row compared, is_gguf, serves_images, prefill_chunk is None) but those in PICKS
-    and, until they stop, STILL_BRANCHING."""
+    type, a Container row compared, is_gguf, serves_images, prefill_chunk is None): each is picked by
+    one row of its table (READERS, FORMATS, ARCHS, CONTAINERS) or named by its protocol."""
     rows = container_rows()
-    found = {str(path.relative_to(PACKAGE)): kinds for path in sorted(PACKAGE.rglob("*.py"))
-             if (kinds := variant_branches(path, rows))}
-    allowed = {module: PICKS.get(module, set()) | STILL_BRANCHING.get(module, set())
-               for module in PICKS.keys() | STILL_BRANCHING.keys()}
-    differ = [f"{module}: {', '.join(sorted(kinds - allowed.get(module, set())))}, outside the module that picks"
-              for module, kinds in found.items() if kinds - allowed.get(module, set())]
-    differ += [f"{module}: listed for {', '.join(sorted(kinds - found.get(module, set())))}, which it no longer does"
-               for module, kinds in allowed.items() if kinds - found.get(module, set())]
-    assert not differ, "variant branches differ from PICKS and STILL_BRANCHING:\n" + "\n".join(differ)
+    found = [f"{path.relative_to(PACKAGE)}: {', '.join(sorted(kinds))}" for path in sorted(PACKAGE.rglob("*.py"))
+             if (kinds := variant_branches(path, rows))]
+    assert not found, "variant branches outside the tables that pick them:\n" + "\n".join(found)

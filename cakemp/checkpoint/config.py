@@ -383,7 +383,7 @@ class ModelConfig:
     @property
     def fp8_block(self) -> tuple[int, int] | None:
         """FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None otherwise."""
-        return self.quantization.block if isinstance(self.quantization, quantization.Fp8) else None
+        return None if self.quantization is None else self.quantization.fp8_block
 
     def layer_name(self, index: int) -> str:
         return f"{self.layer_prefix}.{index}"

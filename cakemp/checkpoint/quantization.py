@@ -1,6 +1,11 @@
 """How a checkpoint's weights are quantized, read from its config.json, and which stored
 tensors make each quantized weight. No torch: the front refuses a format here, before any
-device starts; model/weights/fp8.py, model/weights/gptq.py and model/weights/mlx.py dequantize.
+device starts; model/weights/fp8.py, model/weights/gptq.py and model/weights/mlx.py dequantize
+(model/weights/quantized.py: FORMATS, one row per config class below).
+
+Each format is one frozen config (a `Quantization`: what `parse` returns, through METHODS) whose
+`parts` names the stored tensors of a weight as a `Parts` (their names, and the shape rule of
+the matrix they make), so the readers and the sizing never ask which format it is.
 
 | format     | config.json                                            | a weight `P.weight` is stored as          |
 |------------|--------------------------------------------------------|-------------------------------------------|
@@ -24,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from cakemp.checkpoint.values import as_list, mapping, shown, whole
 
@@ -39,11 +44,46 @@ _MAX_GROUP = 1 << 20
 _GPTQ_FORMATS = {"gptq": True, "gptq_v2": False}
 
 
+class Parts(Protocol):
+    """The stored tensors that make one quantized weight, whatever its format: what the readers
+    and the sizing (`read_shapes`) ask of it before any value is read."""
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        """The names of the stored tensors that make the weight."""
+
+    def matrix_shape(self, shape: Callable[[str], Shape]) -> Shape:
+        """The shape of the matrix the parts dequantize into, from their stored shapes (`shape(part)`);
+        ValueError naming the part whose shape does not fit the others'."""
+
+
+class Quantization(Protocol):
+    """A checkpoint's quantization, as config.json declares it (one frozen config per format)."""
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """(rows, cols) of one scale block where weights are e4m3 tensors scaled block-wise (FP8),
+        else None."""
+
+    def parts(self, weight: str, stored: Callable[[str], bool]) -> Parts | None:
+        """The stored tensors of `weight` ("P.weight") if it is stored as several parts, else None
+        (`stored(name)`: whether the checkpoint holds tensor `name`)."""
+
+
 @dataclass(frozen=True)
 class Fp8:
     """Block-wise e4m3 weights: one scale per (rows, cols) block."""
 
     block: tuple[int, int]
+
+    @property
+    def fp8_block(self) -> tuple[int, int]:
+        return self.block
+
+    def parts(self, weight: str, stored: Callable[[str], bool]) -> None:
+        """None: an FP8 weight is stored under its own name, its scale beside it (P.weight_scale_inv),
+        and read as one tensor of its stored shape."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -53,6 +93,7 @@ class Gptq:
     desc_act: bool  # act-order: groups follow g_idx, not the input order
     sym: bool  # informative only: symmetric checkpoints store their (constant) zero points too
     v1: bool  # zero points stored minus 1 (checkpoint_format "gptq"), else as they are ("gptq_v2")
+    fp8_block: ClassVar[None] = None
 
     def parts(self, weight: str, stored: Callable[[str], bool]) -> GptqParts | None:
         """The stored tensors of `weight` ("P.weight") if it is quantized here, else None."""
@@ -60,7 +101,8 @@ class Gptq:
         if module is None or not stored(f"{module}.qweight"):
             return None
         g_idx = f"{module}.g_idx"
-        return GptqParts(f"{module}.qweight", f"{module}.qzeros", f"{module}.scales", g_idx if stored(g_idx) else None)
+        return GptqParts(f"{module}.qweight", f"{module}.qzeros", f"{module}.scales", g_idx if stored(g_idx) else None,
+                         self)
 
 
 class GptqParts(NamedTuple):
@@ -68,10 +110,16 @@ class GptqParts(NamedTuple):
     qzeros: str  # int32 [groups, ceil(out * bits / 32)]: each group's zero points packed along the outputs
     scales: str  # f16 [groups, out]
     g_idx: str | None  # int32 [in]: each input's group; None: input i is in group i // group_size
+    spec: Gptq
 
-    def matrix_shape(self, shape: Callable[[str], Shape], spec: Gptq) -> tuple[int, int]:
+    @property
+    def stored(self) -> tuple[str, ...]:
+        return tuple(part for part in (self.qweight, self.qzeros, self.scales, self.g_idx) if part is not None)
+
+    def matrix_shape(self, shape: Callable[[str], Shape]) -> tuple[int, int]:
         """[out, in] of the matrix the parts dequantize into, from their stored shapes (`shape(part)`),
         read before any value is; ValueError naming the part whose shape does not fit the others'."""
+        spec = self.spec
         scales = _ranked(self.scales, shape(self.scales), 2)
         groups, out_features = scales
         if self.g_idx is not None:
@@ -94,6 +142,7 @@ class MlxAffine:
     # Per-module overrides, as mlx-lm writes them beside bits and group_size (routers at 8 bits):
     # (module path, (bits, group_size)), or (module path, None) for a module left unquantized.
     overrides: tuple[tuple[str, tuple[int, int] | None], ...] = ()
+    fp8_block: ClassVar[None] = None
 
     def parts(self, weight: str, stored: Callable[[str], bool]) -> MlxParts | None:
         """The stored tensors of `weight` ("P.weight") and their bits and group size if it is
@@ -114,6 +163,10 @@ class MlxParts(NamedTuple):
     bits: int
     group_size: int
 
+    @property
+    def stored(self) -> tuple[str, ...]:
+        return self.weight, self.scales, self.biases
+
     def matrix_shape(self, shape: Callable[[str], Shape]) -> Shape:
         """[..., rows, cols] of the matrices the parts dequantize into, from their stored shapes
         (`shape(part)`), read before any value is; ValueError naming the part that does not fit."""
@@ -130,29 +183,18 @@ class MlxParts(NamedTuple):
         return (*lead, cols)
 
 
-Quantization = Fp8 | Gptq | MlxAffine
-
-
-def dequantized_shape(parts: GptqParts | MlxParts, shape: Callable[[str], Shape], quantization: Quantization) -> Shape:
-    """The shape of the matrix `parts` dequantize into, from their stored shapes (`shape(part)`)."""
-    if isinstance(parts, GptqParts):
-        assert isinstance(quantization, Gptq)
-        return parts.matrix_shape(shape, quantization)
-    return parts.matrix_shape(shape)
-
-
 def read_shapes(stored: Mapping[str, Shape], quantization: Quantization | None) -> dict[str, Shape]:
     """The tensors a node reads from these stored ones (name -> stored shape), each with its shape once
     read: a GPTQ or MLX weight as the matrix it is dequantized into (its parts not counted on their
     own), every other tensor as it is stored; ValueError naming a quantized part that does not fit."""
     read, parts_of = {}, set()
-    if isinstance(quantization, Gptq | MlxAffine):
+    if quantization is not None:
         for weight in dict.fromkeys(f"{name.rpartition('.')[0]}.weight" for name in stored if "." in name):
             parts = quantization.parts(weight, stored.__contains__)
             if parts is None:
                 continue
-            read[weight] = dequantized_shape(parts, stored.__getitem__, quantization)
-            parts_of.update(part for part in parts if isinstance(part, str))
+            read[weight] = parts.matrix_shape(stored.__getitem__)
+            parts_of.update(parts.stored)
     return read | {name: shape for name, shape in stored.items() if name not in parts_of and name not in read}
 
 
@@ -168,11 +210,9 @@ def parse(d: dict[str, Any]) -> Quantization | None:
     method = quant.get("quant_method")
     if method is None and "bits" in quant and "group_size" in quant:
         return _mlx(quant)  # an MLX conversion that kept only quantization_config
-    if method == "fp8":
-        return _fp8(quant)
-    if method == "gptq":
-        return _gptq(quant)
-    raise ValueError(f"quantization {shown(method)} is not supported (only fp8, gptq and MLX affine)")
+    if method not in METHODS:
+        raise ValueError(f"quantization {shown(method)} is not supported (only {', '.join(METHODS)} and MLX affine)")
+    return METHODS[method](quant)
 
 
 def norms_carry_one(conv_shape: tuple[int, ...] | None) -> bool:
@@ -210,6 +250,11 @@ def _gptq(quant: dict[str, Any]) -> Gptq:
         raise ValueError(f"GPTQ pack_dtype {shown(pack_dtype)} is not supported (only int32)")
     return Gptq(bits, group_size, _bool("desc_act", quant.get("desc_act", False)),
                 _bool("sym", quant.get("sym", True)), _GPTQ_FORMATS[fmt])
+
+
+# One row per quant_method of quantization_config: its parse into a frozen config (MLX affine,
+# told apart by its own `quantization` key or by bits and group_size alone, is parsed by `parse`).
+METHODS: dict[str, Callable[[dict[str, Any]], Quantization]] = {"fp8": _fp8, "gptq": _gptq}
 
 
 def _mlx(quant: dict[str, Any]) -> MlxAffine:

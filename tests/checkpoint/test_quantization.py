@@ -93,7 +93,7 @@ def test_the_stored_parts_of_a_quantized_weight():
     module takes its override's bits, and one the config leaves unquantized may not have scales."""
     stored = {"a.qweight", "a.g_idx", "b.qweight", "m.scales", "n.scales"}.__contains__
     gptq = Gptq(4, 128, False, True, True)
-    assert gptq.parts("a.weight", stored) == GptqParts("a.qweight", "a.qzeros", "a.scales", "a.g_idx")
+    assert gptq.parts("a.weight", stored) == GptqParts("a.qweight", "a.qzeros", "a.scales", "a.g_idx", gptq)
     assert gptq.parts("b.weight", stored).g_idx is None
     assert gptq.parts("c.weight", stored) is None and gptq.parts("a.bias", stored) is None
     mlx = MlxAffine(4, 64, (("m", (8, 32)), ("n", None)))

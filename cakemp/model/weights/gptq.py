@@ -18,12 +18,41 @@ all-ones fields.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
 import torch
 
-from cakemp.checkpoint.quantization import Gptq, GptqParts
+from cakemp.checkpoint.quantization import Gptq, GptqParts, Shape
 from cakemp.model.weights import bitfields, int4
 
 _VALUES_PER_STEP = 1 << 20
+
+
+@dataclass(frozen=True)
+class GptqWeight:
+    """One GPTQ weight read from its stored parts (a model/weights/quantized.QuantizedParts)."""
+
+    parts: GptqParts
+
+    def dequantize(self, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        p = self.parts
+        return dequantize(stored[p.qweight], stored[p.qzeros], stored[p.scales],
+                          None if p.g_idx is None else stored[p.g_idx], p.spec)
+
+    def int4_shape(self, shape: Callable[[str], Shape],
+                   tensor: Callable[[str], torch.Tensor]) -> tuple[int, int, int] | str:
+        """(out, in, group size) from the headers and the g_idx ([in] int32, to see its groups are in order)."""
+        p = self.parts
+        out_features, in_features = p.matrix_shape(shape)
+        g_idx = None if p.g_idx is None else tensor(p.g_idx)
+        size = int4_group(p.spec, out_features, in_features, shape(p.scales)[0], g_idx)
+        return size if isinstance(size, str) else (out_features, in_features, size)
+
+    def int4_parts(self, stored: Mapping[str, torch.Tensor]) -> int4.Int4Parts:
+        p = self.parts
+        groups, in_features = stored[p.scales].shape[0], stored[p.qweight].shape[0] * 32 // 4
+        return int4_parts(stored[p.qweight], stored[p.qzeros], stored[p.scales], p.spec, in_features // groups)
 
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
@@ -31,8 +60,8 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """The stored tensors (GptqParts' shapes) -> W: [out, in] f32; ValueError if they do not fit together."""
     bits = spec.bits
     stored = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
-    parts = GptqParts("qweight", "qzeros", "scales", None if g_idx is None else "g_idx")
-    out_features, in_features = parts.matrix_shape(lambda part: tuple(stored[part].shape), spec)
+    parts = GptqParts("qweight", "qzeros", "scales", None if g_idx is None else "g_idx", spec)
+    out_features, in_features = parts.matrix_shape(lambda part: tuple(stored[part].shape))
     groups = scales.shape[0]
     group = _groups(g_idx, in_features, groups, spec.group_size).to(qweight.device)
     zeros = _zero_points(qzeros, bits, out_features, spec.v1)  # [groups, out]

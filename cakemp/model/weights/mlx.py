@@ -9,12 +9,38 @@ q: the `bits`-wide code of column c, packed along each row (weight [..., rows, c
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
 import torch
 
-from cakemp.checkpoint.quantization import MlxParts
+from cakemp.checkpoint.quantization import MlxParts, Shape
 from cakemp.model.weights import bitfields, int4
 
 _VALUES_PER_STEP = 1 << 20
+
+
+@dataclass(frozen=True)
+class MlxWeight:
+    """One MLX affine weight read from its stored parts (a model/weights/quantized.QuantizedParts)."""
+
+    parts: MlxParts
+
+    def dequantize(self, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        p = self.parts
+        return dequantize(stored[p.weight], stored[p.scales], stored[p.biases], p.bits, p.group_size)
+
+    def int4_shape(self, shape: Callable[[str], Shape],
+                   tensor: Callable[[str], torch.Tensor]) -> tuple[int, int, int] | str:
+        """(rows, cols, group size) from the packed weight's header alone."""
+        p = self.parts
+        stored = tuple(shape(p.weight))
+        size = int4_group(stored, p.bits, p.group_size)
+        return size if isinstance(size, str) else (stored[0], stored[-1] * 32 // p.bits, size)
+
+    def int4_parts(self, stored: Mapping[str, torch.Tensor]) -> int4.Int4Parts:
+        p = self.parts
+        return int4_parts(stored[p.weight], stored[p.scales], stored[p.biases], p.group_size)
 
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,

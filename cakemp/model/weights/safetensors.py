@@ -1,9 +1,10 @@
 """A safetensors checkpoint directory, read one layer span at a time.
 
 A weight is read as stored, or dequantized into the compute dtype where the checkpoint is
-quantized (checkpoint/quantization.py names the stored parts: FP8 e4m3 with block scales,
-GPTQ's qweight/qzeros/scales/g_idx, MLX's packed weight/scales/biases). FP8 may stay quantized
-on a GPU that multiplies it (model/weights/fp8.py), and so may 4-bit GPTQ and MLX matrices whose groups
+quantized: FP8 e4m3 beside its block scales, or a weight stored as several parts (GPTQ's
+qweight/qzeros/scales/g_idx, MLX's packed weight/scales/biases), which model/weights/quantized.py
+picks the format's QuantizedParts for, so nothing here asks which format it is. FP8 may stay
+quantized on a GPU that multiplies it (model/weights/fp8.py), and so may 4-bit matrices whose groups
 torch's int4 matmul takes (model/weights/int4.py); everything else is dequantized where it goes, in f32
 on the device, then cast. A WeightSource (source.py), whose group loop it shares with the GGUF
 reader; how a shard is opened and a stored tensor read is its own.
@@ -23,9 +24,10 @@ from safetensors import SafetensorError, safe_open
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.files import DIRECTORY, INDEX, SINGLE, read_weight_map
 from cakemp.checkpoint.layout import LINEAR_CONV
-from cakemp.checkpoint.quantization import Gptq, GptqParts, MlxAffine, MlxParts, dequantized_shape, norms_carry_one
+from cakemp.checkpoint.quantization import norms_carry_one
 from cakemp.errors import CheckpointError
-from cakemp.model.weights import fp8, gptq, int4, mlx
+from cakemp.model.weights import fp8, int4, quantized
+from cakemp.model.weights.quantized import QuantizedParts
 from cakemp.model.weights.source import Reader
 
 
@@ -84,7 +86,7 @@ class Checkpoint(Reader):
     @property
     def stores_4bit(self) -> bool:
         """Whether the checkpoint may hold matrices of 4-bit codes (GPTQ, MLX) to keep int4 on a GPU."""
-        return isinstance(self.config.quantization, Gptq | MlxAffine)
+        return quantized.stores_parts(self.config.quantization)
 
     @functools.cached_property
     def norms_need_one(self) -> bool:
@@ -103,24 +105,17 @@ class Checkpoint(Reader):
             f, _ = self._open(stack, {conv: [conv]})[self.file_of(conv)]
             return not norms_carry_one(tuple(f.get_slice(conv).get_shape()))
 
-    def _parts(self, name: str) -> GptqParts | MlxParts | None:
+    def _parts(self, name: str) -> QuantizedParts | None:
         """The quantized parts `name` is stored as (GPTQ, MLX affine), or None for a tensor read as stored."""
-        quantization = self.config.quantization
-        if not isinstance(quantization, Gptq | MlxAffine):
-            return None
         try:
-            return quantization.parts(name, self.has)
+            return quantized.parts_of(self.config.quantization, name, self.has)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 
     def _stored(self, name: str) -> list[str]:
         """The stored tensors that make `name`."""
         parts = self._parts(name)
-        if isinstance(parts, GptqParts):
-            return [part for part in parts if part is not None]
-        if isinstance(parts, MlxParts):
-            return [parts.weight, parts.scales, parts.biases]
-        return [name]
+        return [name] if parts is None else list(parts.parts.stored)
 
     def _headers(self, stack: ExitStack, groups: dict[K, list[str]]) -> dict[str, tuple]:
         """file -> (open handle, names it holds), for each file holding one of the groups' tensors:
@@ -166,7 +161,7 @@ class Checkpoint(Reader):
         if parts is None:
             return stored(name)
         try:
-            return dequantized_shape(parts, stored, self.config.quantization)
+            return parts.parts.matrix_shape(stored)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 
@@ -189,36 +184,21 @@ class Checkpoint(Reader):
             return None
         return shapes
 
-    def _int4_shape(self, files: dict[str, tuple], parts: GptqParts | MlxParts) -> tuple[int, int, int] | str:
-        """(rows, cols, group size) of a quantized matrix torch's int4 matmul takes, or why not (headers only,
-        and a GPTQ g_idx, [in] int32, to see its groups are in input order)."""
-        def shape(name: str) -> list[int]:
-            return self._get(files, name).get_slice(name).get_shape()
+    def _int4_shape(self, files: dict[str, tuple], parts: QuantizedParts) -> tuple[int, int, int] | str:
+        """(rows, cols, group size) of a quantized matrix torch's int4 matmul takes, or why not (headers,
+        and what small part a format reads to tell: GPTQ's g_idx)."""
+        def shape(name: str) -> tuple[int, ...]:
+            return tuple(self._get(files, name).get_slice(name).get_shape())
 
-        if isinstance(parts, MlxParts):
-            stored = tuple(shape(parts.weight))
-            size = mlx.int4_group(stored, parts.bits, parts.group_size)
-            return size if isinstance(size, str) else (stored[0], stored[-1] * 32 // parts.bits, size)
-        spec = self.config.quantization
         try:
-            out_features, in_features = parts.matrix_shape(lambda part: tuple(shape(part)), spec)
+            return parts.int4_shape(shape, lambda name: self._get(files, name).get_tensor(name))
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-        g_idx = self._get(files, parts.g_idx).get_tensor(parts.g_idx) if parts.g_idx else None
-        size = gptq.int4_group(spec, out_features, in_features, shape(parts.scales)[0], g_idx)
-        return size if isinstance(size, str) else (out_features, in_features, size)
 
     def _int4_parts(self, files: dict[str, tuple], name: str, device: torch.device) -> int4.Int4Parts:
         """A matrix `_int4_shapes` accepted, as torch's int4 convention on `device`."""
-        parts = self._parts(name)
-        stored = self._stored_on(files, name, device)
         try:
-            if isinstance(parts, GptqParts):
-                groups = stored[parts.scales].shape[0]
-                in_features = stored[parts.qweight].shape[0] * 32 // 4
-                return gptq.int4_parts(stored[parts.qweight], stored[parts.qzeros], stored[parts.scales],
-                                       self.config.quantization, in_features // groups)
-            return mlx.int4_parts(stored[parts.weight], stored[parts.scales], stored[parts.biases], parts.group_size)
+            return self._parts(name).int4_parts(self._stored_on(files, name, device))
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None
 
@@ -250,12 +230,8 @@ class Checkpoint(Reader):
         """The stored tensor (a view of the mapped file), or its f32 dequantization on `device`."""
         parts = self._parts(name)
         if parts is not None:
-            stored = self._stored_on(files, name, device)
             try:
-                if isinstance(parts, GptqParts):
-                    return gptq.dequantize(*(stored.get(part) for part in parts), self.config.quantization)
-                return mlx.dequantize(stored[parts.weight], stored[parts.scales], stored[parts.biases],
-                                      parts.bits, parts.group_size)
+                return parts.dequantize(self._stored_on(files, name, device))
             except ValueError as exc:
                 raise CheckpointError(f"{name}: {exc}") from None
         f, present = files[self.file_of(name)]

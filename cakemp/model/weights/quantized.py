@@ -1,0 +1,54 @@
+"""The torch side of the quantized formats whose weights are stored as several tensors (GPTQ,
+MLX affine), declared once: `QuantizedParts`, what the safetensors reader asks of one such
+weight, and FORMATS, one row per format keyed by its torch-free config class
+(checkpoint/quantization.py), each implemented in a file of its own (gptq.py, mlx.py).
+
+A format adds its config (and its METHODS row) in checkpoint/quantization.py, a file here
+with its QuantizedParts, and one row in FORMATS; the readers never ask which format a weight is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from cakemp.checkpoint.quantization import Gptq, MlxAffine, Parts, Quantization, Shape
+from cakemp.model.weights import gptq, int4, mlx
+
+
+class QuantizedParts(Protocol):
+    """One quantized weight as its stored tensors (`parts.stored`, each read by name into `stored`)."""
+
+    parts: Parts  # the torch-free side: the stored names and the shape rule
+
+    def dequantize(self, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The stored tensors -> the weight, f32 [..., rows, cols]; ValueError if they do not fit together."""
+
+    def int4_shape(self, shape: Callable[[str], Shape],
+                   tensor: Callable[[str], torch.Tensor]) -> tuple[int, int, int] | str:
+        """(rows, cols, group size) if torch's int4 matmul takes the weight with its codes unchanged,
+        else why not, from the parts' stored shapes (`shape(part)`) and, where a format needs one,
+        a small part's values (`tensor(part)`); ValueError naming a part that does not fit."""
+
+    def int4_parts(self, stored: Mapping[str, torch.Tensor]) -> int4.Int4Parts:
+        """A weight `int4_shape` accepted, in torch's int4 convention (model/weights/int4.py)."""
+
+
+FORMATS: dict[type, Callable[[Any], QuantizedParts]] = {
+    Gptq: gptq.GptqWeight,
+    MlxAffine: mlx.MlxWeight,
+}
+
+
+def parts_of(quantization: Quantization | None, weight: str, stored: Callable[[str], bool]) -> QuantizedParts | None:
+    """`weight` as its quantized parts where the checkpoint stores it so, else None (read as stored);
+    ValueError where the config and the stored tensors disagree."""
+    parts = None if quantization is None else quantization.parts(weight, stored)
+    return None if parts is None else FORMATS[type(quantization)](parts)
+
+
+def stores_parts(quantization: Quantization | None) -> bool:
+    """Whether a checkpoint so quantized may hold weights stored as parts (whose 4-bit ones may stay 4-bit)."""
+    return type(quantization) in FORMATS

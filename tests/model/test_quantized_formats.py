@@ -1,0 +1,37 @@
+"""The formats stored as several parts plug in at one place: each torch-free config with parts has
+its one row in model/weights/quantized.FORMATS, and the readers and the sizing name no format."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+from cakemp.checkpoint import quantization
+from cakemp.model.weights import gguf, quantized, safetensors, source
+
+FORMAT_NAMES = {"Gptq", "GptqParts", "GptqWeight", "MlxAffine", "MlxParts", "MlxWeight", "gptq", "mlx"}
+
+
+def names_in(module) -> set[str]:
+    tree = ast.parse(inspect.getsource(module))
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)} | \
+        {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)} | \
+        {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+
+
+def test_each_config_stored_as_parts_has_one_row():
+    assert set(quantized.FORMATS) == {quantization.Gptq, quantization.MlxAffine}
+    gptq = quantization.Gptq(4, 128, False, True, True)
+    mlx = quantization.MlxAffine(4, 64)
+    for config, stored in ((gptq, {"m.qweight", "m.qzeros", "m.scales"}), (mlx, {"m.weight", "m.scales", "m.biases"})):
+        weight = quantized.parts_of(config, "m.weight", stored.__contains__)
+        assert set(weight.parts.stored) == stored
+    assert quantized.parts_of(quantization.Fp8((128, 128)), "m.weight", lambda name: True) is None
+    assert quantized.parts_of(None, "m.weight", lambda name: True) is None
+
+
+def test_the_readers_and_the_sizing_name_no_format():
+    for module in (safetensors, gguf, source):
+        assert not names_in(module) & FORMAT_NAMES, module.__name__
+    read_shapes = ast.parse(inspect.getsource(quantization.read_shapes))
+    assert not {node.id for node in ast.walk(read_shapes) if isinstance(node, ast.Name)} & FORMAT_NAMES
