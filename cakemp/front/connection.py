@@ -38,7 +38,7 @@ from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
-from cakemp.front.session import Action, Clear, Close, Greet, Note, Refuse, Reply, Run, Session, SessionState
+from cakemp.front.session import Action, Clear, Close, Forward, Greet, Note, Refuse, Reply, Session, SessionState
 from cakemp.front.tracing import TraceFile
 from cakemp.ipc import trace
 from cakemp.streams import FrameReader
@@ -184,7 +184,7 @@ class Connection:
                     await self._send(self._worker_info(int(read_s * 1000)))
                 case Reply(message):
                     await self._send(message)
-                case Run() | Refuse():
+                case Forward() | Refuse():
                     await self._serve_request(action)
                 case Clear(devices):
                     await self._clear(devices)
@@ -194,11 +194,11 @@ class Connection:
                     self._ended = True  # the session's Note before it said why
                     return
 
-    async def _serve_request(self, request: Run | Refuse) -> None:
+    async def _serve_request(self, request: Forward | Refuse) -> None:
         self.busy = True
         try:
             start = time.perf_counter()
-            reply = await self._run(request.x, request.ops) if isinstance(request, Run) else self._refusal(request.error)
+            reply = await self._forward(request.x, request.ops) if isinstance(request, Forward) else self._refusal(request.error)
             stamps = self._stamps
             if stamps is not None:
                 stamps.append(trace.now())  # resumed
@@ -216,7 +216,7 @@ class Connection:
             if self._finishing:
                 self.close()
 
-    async def _run(self, x: RawTensor, ops: Sequence[LayerOp]) -> TensorMessage | WorkerError:
+    async def _forward(self, x: RawTensor, ops: Sequence[LayerOp]) -> TensorMessage | WorkerError:
         """Pass x down the devices of its route (device to device); the bytes go on untouched (never a tensor here)."""
         try:
             route = self._pool.route(ops)
