@@ -38,7 +38,7 @@ from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
-from cakemp.front.session import Action, Clear, Close, Forward, Greet, Note, Refuse, Reply, Session, SessionState
+from cakemp.front.session import Action, Close, Forward, Greet, Note, Refuse, Reply, Reset, Session, SessionState
 from cakemp.front.tracing import TraceFile
 from cakemp.ipc import trace
 from cakemp.streams import FrameReader
@@ -186,8 +186,8 @@ class Connection:
                     await self._send(message)
                 case Forward() | Refuse():
                     await self._serve_request(action)
-                case Clear(devices):
-                    await self._clear(devices)
+                case Reset(devices):
+                    await self._reset(devices)
                 case Note(level, event, fields):
                     getattr(self._log, level)(event, **fields)
                 case Close():
@@ -240,7 +240,7 @@ class Connection:
         text = str(error)
         return WorkerError(text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "…")
 
-    async def _clear(self, devices: Sequence[int]) -> None:
+    async def _reset(self, devices: Sequence[int]) -> None:
         """Goodbye, or the session idle: drop its state on `devices`."""
         results = await asyncio.gather(*(self._pool.clear(d, self.session_id) for d in devices), return_exceptions=True)
         for error in (r for r in results if isinstance(r, BaseException)):

@@ -64,8 +64,8 @@ class Refuse:
 
 
 @dataclass(frozen=True)
-class Clear:
-    """Clear the session's state on `devices`."""
+class Reset:
+    """Drop the session's state on `devices`; the session goes on (unlike the connection's end)."""
 
     devices: tuple[int, ...]
 
@@ -84,7 +84,7 @@ class Close:
     """End the connection."""
 
 
-Action = Greet | Reply | Forward | Refuse | Clear | Note | Close
+Action = Greet | Reply | Forward | Refuse | Reset | Note | Close
 
 
 class Session:
@@ -121,7 +121,7 @@ class Session:
             return []
         if isinstance(message, Goodbye):
             self._expired = False  # a fresh start: nothing to be told
-            return [Clear(self.devices), Greet()]
+            return [Reset(self.devices), Greet()]
         if isinstance(message, Batch):
             try:
                 self._admission.check_batch()  # an image node takes none
@@ -143,7 +143,7 @@ class Session:
     def idle(self) -> list[Action]:
         """The session sat idle for `idle_after()` seconds: free its state on every device."""
         self._expired = True
-        return [Clear(self.devices), Note("info", "session idle: freed its KV state",
+        return [Reset(self.devices), Note("info", "session idle: freed its KV state",
                                           {"idle_timeout": self._idle_timeout})]
 
     def _first(self, message: Message) -> list[Action]:

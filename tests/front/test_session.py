@@ -6,7 +6,7 @@ import pytest
 
 from cakemp.errors import BadTensor, InternalError, SessionExpired, UnknownLayer
 from cakemp.front.admission import LayerAdmission
-from cakemp.front.session import Clear, Close, Forward, Greet, Note, Refuse, Reply, Session, SessionState
+from cakemp.front.session import Close, Forward, Greet, Note, Refuse, Reply, Reset, Session, SessionState
 from cakemp.wire import (
     Batch, DType, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, RawTensor, SingleOp, WorkerError,
     WorkerReady,
@@ -80,9 +80,9 @@ def test_a_re_setup_is_answered_ready_unless_it_asks_for_another_model_or_layers
 def test_goodbye_clears_every_device_the_session_used_and_is_greeted():
     """The devices its requests reached, in order; none before it sent any."""
     session = greeted()
-    assert session.received(Goodbye()) == [Clear(()), Greet()]
+    assert session.received(Goodbye()) == [Reset(()), Greet()]
     assert session.joined(1) and session.joined(0) and not session.joined(1)
-    assert session.received(Goodbye()) == [Clear((0, 1)), Greet()]
+    assert session.received(Goodbye()) == [Reset((0, 1)), Greet()]
     assert session.devices == (0, 1)
 
 
@@ -102,7 +102,7 @@ def test_an_idle_session_has_its_state_freed_and_is_told_once_when_it_relies_on_
     assert session.idle_after() is None  # no state anywhere yet
     session.joined(0)
     assert session.idle_after() == IDLE
-    assert session.idle() == [Clear((0,)), Note("info", "session idle: freed its KV state", {"idle_timeout": IDLE})]
+    assert session.idle() == [Reset((0,)), Note("info", "session idle: freed its KV state", {"idle_timeout": IDLE})]
     assert session.idle_after() is None  # freed already: nothing more to watch
     [refused] = session.received(batch(index_pos=4))
     assert isinstance(refused, Refuse) and isinstance(refused.error, SessionExpired)
@@ -120,7 +120,7 @@ def test_a_fresh_start_after_expiry_is_never_refused(fresh_start):
     if fresh_start == "prefill":
         assert isinstance(session.received(batch(index_pos=0, count=3))[0], Forward)
     else:
-        assert session.received(Goodbye()) == [Clear((0,)), Greet()]
+        assert session.received(Goodbye()) == [Reset((0,)), Greet()]
     assert isinstance(session.received(batch(index_pos=3))[0], Forward)
 
 
