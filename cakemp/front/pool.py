@@ -356,7 +356,7 @@ class DevicePool:
                     process = self._processes[device]
                     if process is not None and process.exitcode is None:
                         process.kill()  # its sentinel then reports the exit, with this reason
-                case ps.Ping(device=device):
+                case ps.Probe(device=device):
                     self._channels[device].try_send(encode(Ping()))
                 case ps.Forget(device=device, session=session):
                     # Its Done is answered to no one. Should the socket not take it, the session is
