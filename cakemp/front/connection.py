@@ -81,13 +81,13 @@ class Connection:
     """One master connection: reads its frames within the budget and the timeouts, and carries out
     what its `Session` (session.py), which holds the session's rules, calls for."""
 
-    def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+    def __init__(self, session_id: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
                  pool: DevicePool, admission: Admission, limits: ConnectionLimits,
                  budget: BufferBudget, metrics: Metrics, revision: Revision,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None,
                  trace_file: TraceFile | None = None):
         """`trace_file`: where each request's stamps go (ipc/trace.py), when the front traces."""
-        self.session_id = session  # the id devices know the session by; logs name it by its peer address
+        self.session_id = session_id  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
         self._writer = writer

@@ -91,7 +91,7 @@ class Front:
         self._runtime_dir: str | None = None
         self._stopping = asyncio.Event()
         self._connections: dict[Connection, asyncio.Task] = {}
-        self._sessions = itertools.count(1)
+        self._session_ids = itertools.count(1)  # each connection's, as the devices know it
         self._trace_file = TraceFile.from_environment()  # None unless CAKEMP_TRACE names a file (bench/route.py)
         self._log = log.get_logger()
 
@@ -338,7 +338,7 @@ class Front:
         keep_alive(writer.get_extra_info("socket"))
         serving = self._serving
         connection = Connection(
-            next(self._sessions), reader, writer, pool=serving.pool, admission=serving.admission,
+            next(self._session_ids), reader, writer, pool=serving.pool, admission=serving.admission,
             limits=serving.limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
             worker_info=self._worker_info, served=serving.served, trace_file=self._trace_file,
         )
