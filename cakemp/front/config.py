@@ -89,11 +89,13 @@ class NodeConfig:
     """Everything the front needs; `devices` holds one CUDA_VISIBLE_DEVICES value per GPU, or None per CPU slot."""
 
     name: str
-    layers: tuple[str, ...]  # image models: the component names
+    # What the node serves of the model, by the names the master's ops give them (and its topology
+    # entry lists): a text model's layers ("model.layers.3"), an image model's components ("unet").
+    parts: tuple[str, ...]
     devices: tuple[str | None, ...]
     # --model-type image-model: each component's files (from the flags, or the HF cache).
     component_files: tuple[tuple[str, ComponentFile], ...] = ()
-    # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
+    # Zero-config mode: `parts` and `model_dir` come from a master's setup (then empty here).
     setup: SetupConfig | None = None
     model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None,
                           "Model directory, .gguf file, `cake split` bundle (its model/ and topology.yml), or Hugging "
@@ -295,17 +297,17 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     return _placed(values, served, layers, setup, knobs)
 
 
-def _placed(values: Mapping[str, Any], served: str, layers: tuple[str, ...], setup: SetupConfig | None,
+def _placed(values: Mapping[str, Any], served: str, parts: tuple[str, ...], setup: SetupConfig | None,
             knobs: dict[str, Any]) -> NodeConfig:
-    """The node serving `layers` as `served` on the devices --gpus names (no more than it has layers)."""
+    """The node serving `parts` as `served` on the devices --gpus names (no more than it has parts)."""
     logger = log.get_logger()
     devices = gpus.select_devices(values["gpus"])
     if values["gpus"].strip() == "all" and devices == (None,):
         logger.warning("no CUDA device found; serving on one CPU device")
-    if setup is None and len(devices) > len(layers):
-        logger.warning("more devices than layers, using one per layer", devices=len(devices), layers=len(layers))
-        devices = devices[: len(layers)]
-    return NodeConfig(name=served, layers=layers, devices=devices, setup=setup, **knobs)
+    if setup is None and len(devices) > len(parts):
+        logger.warning("more devices than layers, using one per layer", devices=len(devices), layers=len(parts))
+        devices = devices[: len(parts)]
+    return NodeConfig(name=served, parts=parts, devices=devices, setup=setup, **knobs)
 
 
 def check_cluster_key(key: str | None) -> None:

@@ -83,7 +83,7 @@ class DevicePool:
         """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind.
         `workload`: whether requests keep state and are cut into chunks of `prefill_chunk` tokens."""
         self.specs = tuple(specs)
-        self._router = Router([spec.layers for spec in self.specs])
+        self._router = Router([spec.parts for spec in self.specs])
         self._device_main = device_main  # the spawn target: the front never imports the device package
         self.failed = asyncio.Event()  # set when a device could not be restarted; `failure` says why
         self.failure: str | None = None
