@@ -69,7 +69,7 @@ class DeviceService:
                                           tensors.compute_dtype(spec.dtype), on_layer)
             return cls(runner, spec.workload, spec.index, generation, spec.label, progress)
         runner = BlockRunner.load(
-            spec.model_dir, spec.parts, device, tensors.compute_dtype(spec.dtype),
+            spec.checkpoint_path, spec.parts, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
             pack_weights=spec.max_batch > 1,  # twice the weight memory, worth it only where steps batch
             prefix_reuse=spec.prefix_reuse, share_prefixes=spec.share_prefixes, keep_int4=spec.keep_int4,

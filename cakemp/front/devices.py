@@ -37,7 +37,7 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             index=i,
             gpu=gpu,
             parts=parts,
-            model_dir=config.model_dir,
+            checkpoint_path=config.checkpoint_path,
             dtype=config.dtype,
             endpoint=f"ipc://{runtime_dir}/device-{i}",
             kv_budget_bytes=cpu_kv_budget if gpu is None else config.kv_budget_bytes,

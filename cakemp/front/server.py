@@ -265,7 +265,7 @@ class Front:
 
     def _assigned(self, layers: tuple[str, ...], model_dir: str) -> NodeConfig:
         """The node's configuration to serve `layers` of the checkpoint in `model_dir` (zero-config: known only after setup)."""
-        return dataclasses.replace(self.config, parts=layers, model_dir=model_dir,
+        return dataclasses.replace(self.config, parts=layers, checkpoint_path=model_dir,
                                    devices=self.config.devices[: len(layers)])
 
     async def _unless_stopped(self, awaitable):
@@ -383,7 +383,7 @@ def _judge(config: NodeConfig) -> tuple[Admission, frozenset[str]]:
     image = config.workload.image
     if image is not None:
         return ComponentAdmission.for_arch(image.arch, config.parts), frozenset()
-    model = ModelConfig.from_dir(config.model_dir)
+    model = ModelConfig.from_dir(config.checkpoint_path)
     recurrent = frozenset(layer for layer in config.parts if model.layer_index(layer) in model.linear_layers)
     return LayerAdmission.for_model(model, config.parts, config.max_context), recurrent
 

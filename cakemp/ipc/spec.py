@@ -80,7 +80,7 @@ class DeviceSpec:
     index: int
     gpu: str | None
     parts: tuple[str, ...]
-    model_dir: str
+    checkpoint_path: str  # a text model's (a directory or a .gguf file); "" for an image model's components
     dtype: str  # f16 | bf16 | f32
     endpoint: str
     kv_budget_bytes: int | None = None
