@@ -2,14 +2,15 @@
 again costs only its new rows.
 
 A Cake master serving a chat ends each request with Goodbye and sends the next turn from
-position 0 with the whole history again. So each session's run (its ops' layers and KV slots,
-from position 0) is followed as it goes: a chain of digests of its input rows (row_chain.py),
-its output rows, and for a run with linear-attention layers their states where each request
-of more than one row ended (`StatePoint`s: every prompt chunk's end). On Goodbye, or when the
-session starts again at position 0, that becomes a retired `Prefix` holding the session's KV
-slots as they were (moved, not copied), with a state point at its end.
+position 0 with the whole history again. So each session's run (through its ops' layers and
+KV slots, its `LayerPath`, from position 0) is followed as it goes: a chain of digests of its
+input rows (row_chain.py), its output rows, and for a run with linear-attention layers their
+states where each request of more than one row ended (`StatePoint`s: every prompt chunk's
+end). On Goodbye, or when the session starts again at position 0, that becomes a retired
+`Prefix` holding the session's KV slots as they were (moved, not copied), with a state point
+at its end.
 
-A request at position 0 whose first rows agree with a retired prefix of its domain and run
+A request at position 0 whose first rows agree with a retired prefix of its domain and layer path
 (MIN_REUSE rows at least, or the whole of a shorter request) adopts it: its KV slots become
 the session's again. While the rows the session sends agree with the prefix's, they are
 answered its kept output rows and not computed: the session's KV slots are set to them, and a
@@ -57,7 +58,9 @@ MIN_REUSE = 16
 MIN_OUTPUT_ROWS = 256
 SHARED = -1  # the domain of every session when prefixes are shared
 
-Run = tuple[tuple[int, int], ...]  # (layer, block_idx) of each op, in order
+# The layers a request's ops run through on this device, with the KV slot of each:
+# (layer, block_idx) of each op, in order. A prefix is reused only by a request of the same one.
+LayerPath = tuple[tuple[int, int], ...]
 
 
 # A run's linear-attention states after some position: block_idx -> state (where the run may resume).
@@ -101,7 +104,7 @@ class Prefix:
     """A run's rows from position 0 in one session, and what is kept of them: a live session's, or retired."""
 
     domain: int
-    run: Run
+    layer_path: LayerPath
     chain: RowChain  # the input rows taken, [0, length)
     outputs: OutputRows  # their output rows
     points: dict[int, StatePoint] = field(default_factory=dict)  # runs with linear layers: position -> states
@@ -167,15 +170,15 @@ class PrefixCache:
         if start < 0 or any(op.index_pos != start for op in ops):
             self._drop(session)
             return None
-        run = tuple((op.layer, op.block_idx) for op in ops)
+        path = tuple((op.layer, op.block_idx) for op in ops)
         if start == 0:
             self.retire(session)  # a new prompt replaces the session's rows: they are kept
-            prefix = Prefix(SHARED if self._shared else session, run, RowChain(self._row_bytes),
+            prefix = Prefix(SHARED if self._shared else session, path, RowChain(self._row_bytes),
                             OutputRows(self._hidden, self._cache.dtype, self._cache.device))
             self._live[session] = prefix
         else:
             prefix = self._live.get(session)
-            if prefix is None or prefix.run != run or prefix.chain.length != start:
+            if prefix is None or prefix.layer_path != path or prefix.chain.length != start:
                 self._drop(session)
                 return None
         prefix.used = next(self._clock)
@@ -192,8 +195,8 @@ class PrefixCache:
         prefix, extension = begun.prefix, begun.extension
         if self._live.get(begun.session) is not prefix:  # no longer followed (its room was needed)
             return
-        point = self._linear(prefix.run) and extension.end - extension.start > 1
-        needed = prefix.outputs.growth(extension.end) + (self._point_bytes(prefix.run) if point else 0)
+        point = self._linear(prefix.layer_path) and extension.end - extension.start > 1
+        needed = prefix.outputs.growth(extension.end) + (self._point_bytes(prefix.layer_path) if point else 0)
         if not self._make_room(needed):
             self._drop(begun.session, evicted=True)
             return
@@ -214,7 +217,7 @@ class PrefixCache:
         if prefix is None:
             return
         kv, linear = self._cache.detach(session)
-        attention, recurrent = self._attention(prefix.run), self._recurrent_slots(prefix.run)
+        attention, recurrent = self._attention(prefix.layer_path), self._recurrent_slots(prefix.layer_path)
         if not (set(attention) <= kv.keys() and set(recurrent) <= linear.keys()):
             return  # not the state this run left (freed with the rest)
         if prefix.ahead is not None:
@@ -278,12 +281,12 @@ class PrefixCache:
     # -- inside
 
     def _adopt(self, session: int, prefix: Prefix, extension: Extension) -> None:
-        """Make the retired prefix of the session's domain and run whose rows agree with the
+        """Make the retired prefix of the session's domain and layer path whose rows agree with the
         request's furthest (MIN_REUSE rows at least, or all of a shorter request) the session's:
         its KV slots, output rows and state points, moved."""
         best, best_agreed = None, min(MIN_REUSE, extension.end)
         for candidate in self._retired:
-            if candidate.domain == prefix.domain and candidate.run == prefix.run:
+            if candidate.domain == prefix.domain and candidate.layer_path == prefix.layer_path:
                 agreed = extension.agreed(candidate.chain)
                 if agreed >= best_agreed:  # the newest of equals
                     best, best_agreed = candidate, agreed
@@ -303,11 +306,11 @@ class PrefixCache:
         agreed = extension.agreed(prefix.ahead)
         if agreed < min(end, prefix.ahead.length) and self._switch(session, prefix, extension, agreed):
             agreed = extension.agreed(prefix.ahead)
-        usable = [p for p in prefix.points if start < p <= agreed] if self._linear(prefix.run) else [agreed]
+        usable = [p for p in prefix.points if start < p <= agreed] if self._linear(prefix.layer_path) else [agreed]
         resume = max(usable, default=prefix.resumed)
         if resume > prefix.resumed:
-            states = prefix.points[resume] if self._linear(prefix.run) else {}
-            self._cache.resume(session, self._attention(prefix.run), resume, states)
+            states = prefix.points[resume] if self._linear(prefix.layer_path) else {}
+            self._cache.resume(session, self._attention(prefix.layer_path), resume, states)
             self.tokens += resume - prefix.resumed
         kept = prefix.outputs.rows(start, agreed).clone() if agreed > start else None
         if agreed == end and (end < prefix.ahead.length or resume == end):
@@ -340,7 +343,7 @@ class PrefixCache:
         start, mine = extension.start, prefix.chain.digest_at(extension.start)
         best, best_agreed = None, agreed
         for candidate in self._retired:
-            if (candidate.domain, candidate.run) == (prefix.domain, prefix.run) and \
+            if (candidate.domain, candidate.layer_path) == (prefix.domain, prefix.layer_path) and \
                     candidate.chain.length >= start and candidate.chain.digest_at(start) == mine:
                 if (candidate_agreed := extension.agreed(candidate.chain)) > best_agreed:
                     best, best_agreed = candidate, candidate_agreed
@@ -367,7 +370,7 @@ class PrefixCache:
         positions) and of the output rows before the request's `start` or `resume`, so that another
         chat sharing only its start does not cut it short. If they do not fit the budget, the
         prefix's rows past `resume` are the session's to overwrite."""
-        attention = self._attention(prefix.run)
+        attention = self._attention(prefix.layer_path)
         capacity = min(self._cache.max_context, max(MIN_CAPACITY, end))
         outputs = OutputRows(self._hidden, self._cache.dtype, self._cache.device)
         if not self._make_room(len(attention) * capacity * self._cache.bytes_per_position + outputs.growth(end)):
@@ -382,10 +385,10 @@ class PrefixCache:
     def _keep_whole(self, prefix: Prefix, kv: dict[int, KVSlot]) -> None:
         """Retire the prefix `prefix` follows (`prefix.ahead`) whole again, its KV slots `kv` (detached
         from the session, nothing past its rows written) at its length."""
-        attention = self._attention(prefix.run)
+        attention = self._attention(prefix.layer_path)
         for block_idx in attention:
             kv[block_idx].length = prefix.ahead.length
-        self._keep(Prefix(prefix.domain, prefix.run, prefix.ahead, prefix.outputs, dict(prefix.points),
+        self._keep(Prefix(prefix.domain, prefix.layer_path, prefix.ahead, prefix.outputs, dict(prefix.points),
                           slots={block_idx: kv[block_idx] for block_idx in attention}, used=prefix.used))
 
     def _keep(self, prefix: Prefix) -> None:
@@ -407,24 +410,24 @@ class PrefixCache:
         if self._live.pop(session, None) is not None and evicted:
             self.evictions += 1
 
-    def _linear(self, run: Run) -> bool:
-        return any(self._recurrent[layer] for layer, _ in run)
+    def _linear(self, path: LayerPath) -> bool:
+        return any(self._recurrent[layer] for layer, _ in path)
 
-    def _attention(self, run: Run) -> list[int]:
-        """The KV slots (block_idx) of the run's attention layers."""
-        return [block_idx for layer, block_idx in run if not self._recurrent[layer]]
+    def _attention(self, path: LayerPath) -> list[int]:
+        """The KV slots (block_idx) of the path's attention layers."""
+        return [block_idx for layer, block_idx in path if not self._recurrent[layer]]
 
-    def _recurrent_slots(self, run: Run) -> list[int]:
-        """The block_idx of the run's linear-attention layers."""
-        return [block_idx for layer, block_idx in run if self._recurrent[layer]]
+    def _recurrent_slots(self, path: LayerPath) -> list[int]:
+        """The block_idx of the path's linear-attention layers."""
+        return [block_idx for layer, block_idx in path if self._recurrent[layer]]
 
-    def _point_bytes(self, run: Run) -> int:
-        return sum(self._recurrent[layer] for layer, _ in run) * self._cache.bytes_per_linear_slot
+    def _point_bytes(self, path: LayerPath) -> int:
+        return sum(self._recurrent[layer] for layer, _ in path) * self._cache.bytes_per_linear_slot
 
     def _bytes(self, prefix: Prefix) -> int:
         kv = sum(slot.capacity for slot in prefix.slots.values()) * self._cache.bytes_per_position
         pending = 0 if prefix.pending is None else prefix.pending.numel() * prefix.pending.element_size()
-        return kv + prefix.outputs.nbytes + len(prefix.points) * self._point_bytes(prefix.run) + pending
+        return kv + prefix.outputs.nbytes + len(prefix.points) * self._point_bytes(prefix.layer_path) + pending
 
 
 def _row_bytes(x: torch.Tensor) -> memoryview:

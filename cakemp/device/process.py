@@ -64,7 +64,7 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
     logger = log.get_logger(device=spec.index)
     channel = DeviceChannel(spec.endpoint, parent_pipe.fileno(), peers,
                             on_garbage=lambda error: logger.error("bad ipc message", error=str(error)))
-    total = len(spec.layers)
+    total = len(spec.parts)
     # Progress from the first moment: the front counts a silent device as hung.
     channel.send(Loaded(0, total))
     try:
@@ -75,8 +75,8 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
         channel.close(linger_ms=5000)
         sys.exit(1)
     service.progress = _reporter(channel, spec.progress_s)
-    channel.send(Ready("cuda" if spec.gpu is not None else "cpu", service.memory_bytes(), len(spec.layers)))
-    logger.info("device ready", device_label=spec.label, layers=len(spec.layers), pid=os.getpid(),
+    channel.send(Ready("cuda" if spec.gpu is not None else "cpu", service.memory_bytes(), len(spec.parts)))
+    logger.info("device ready", device_label=spec.label, layers=len(spec.parts), pid=os.getpid(),
                 threads=service.threads(), max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk)
     _serve(spec, channel, service, logger)
 

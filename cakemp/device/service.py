@@ -56,7 +56,7 @@ class DeviceService:
     @classmethod
     def load(cls, spec: DeviceSpec, on_layer: Callable[[int], None] | None = None, generation: int = 0,
              progress: Callable[[int], None] = _no_progress) -> DeviceService:
-        """Load the spec's layers; `on_layer(n)` once n of them are on the device."""
+        """Load the spec's parts (its layers or components); `on_layer(n)` once n of them are on the device."""
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         device = "cuda:0" if spec.gpu is not None else "cpu"  # the one GPU this process sees
@@ -69,7 +69,7 @@ class DeviceService:
                                           tensors.compute_dtype(spec.dtype), on_layer)
             return cls(runner, spec.workload, spec.index, generation, spec.label, progress)
         runner = BlockRunner.load(
-            spec.model_dir, spec.layers, device, tensors.compute_dtype(spec.dtype),
+            spec.checkpoint_path, spec.parts, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
             pack_weights=spec.max_batch > 1,  # twice the weight memory, worth it only where steps batch
             prefix_reuse=spec.prefix_reuse, share_prefixes=spec.share_prefixes, keep_int4=spec.keep_int4,

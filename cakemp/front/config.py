@@ -89,13 +89,19 @@ class NodeConfig:
     """Everything the front needs; `devices` holds one CUDA_VISIBLE_DEVICES value per GPU, or None per CPU slot."""
 
     name: str
-    layers: tuple[str, ...]  # image models: the component names
+    # What the node serves of the model, by the names the master's ops give them (and its topology
+    # entry lists): a text model's layers ("model.layers.3"), an image model's components ("unet").
+    parts: tuple[str, ...]
     devices: tuple[str | None, ...]
     # --model-type image-model: each component's files (from the flags, or the HF cache).
     component_files: tuple[tuple[str, ComponentFile], ...] = ()
-    # Zero-config mode: `layers` and `model_dir` come from a master's setup (then empty here).
+    # A text model's checkpoint, which the devices load the layers from: a directory or a .gguf
+    # file, --model itself or where its bundle or hub id was found; "" for an image model (its
+    # files are `component_files`) and, in zero-config mode, until a master's setup names its cache.
+    checkpoint_path: str = ""
+    # Zero-config mode: `parts` and `checkpoint_path` come from a master's setup (then empty here).
     setup: SetupConfig | None = None
-    model_dir: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None,
+    model: str = knob("--model", "./cake-data/Meta-Llama-3-8B/", None,
                           "Model directory, .gguf file, `cake split` bundle (its model/ and topology.yml), or Hugging "
                           "Face id org/name[@revision] (from the hub cache; this node's missing files are downloaded). Image "
                           "models: Stable Diffusion's HF cache root (holding hub/), FLUX.2's repository id or directory.")
@@ -284,28 +290,27 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
         if model_given:
             logger.warning("--model is ignored in zero-config mode: the master pushes the model")
         served, layers = values["name"] or socket.gethostname(), ()
-        knobs["model_dir"] = ""  # until a master's setup names the cache directory it pushed into
         max_model_gib = values["max_model_gib"]
         setup = SetupConfig(cluster_key=values["cluster_key"], cache_root=cache_root(),
                             max_model_bytes=None if max_model_gib is None else int(max_model_gib * (1 << 30)),
                             discovery_host=values["discovery_bind"], discovery_port=values["discovery_port"])
     else:
-        served, layers, knobs["model_dir"] = _topology_node(values, topology, source, knobs["model_dir"])
+        served, layers, knobs["checkpoint_path"] = _topology_node(values, topology, source, knobs["model"])
         setup = None
     return _placed(values, served, layers, setup, knobs)
 
 
-def _placed(values: Mapping[str, Any], served: str, layers: tuple[str, ...], setup: SetupConfig | None,
+def _placed(values: Mapping[str, Any], served: str, parts: tuple[str, ...], setup: SetupConfig | None,
             knobs: dict[str, Any]) -> NodeConfig:
-    """The node serving `layers` as `served` on the devices --gpus names (no more than it has layers)."""
+    """The node serving `parts` as `served` on the devices --gpus names (no more than it has parts)."""
     logger = log.get_logger()
     devices = gpus.select_devices(values["gpus"])
     if values["gpus"].strip() == "all" and devices == (None,):
         logger.warning("no CUDA device found; serving on one CPU device")
-    if setup is None and len(devices) > len(layers):
-        logger.warning("more devices than layers, using one per layer", devices=len(devices), layers=len(layers))
-        devices = devices[: len(layers)]
-    return NodeConfig(name=served, layers=layers, devices=devices, setup=setup, **knobs)
+    if setup is None and len(devices) > len(parts):
+        logger.warning("more devices than layers, using one per layer", devices=len(devices), layers=len(parts))
+        devices = devices[: len(parts)]
+    return NodeConfig(name=served, parts=parts, devices=devices, setup=setup, **knobs)
 
 
 def check_cluster_key(key: str | None) -> None:
@@ -351,7 +356,7 @@ def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[
     """Each image component's files, logged with where its architecture comes from. Raises ConfigError."""
     arch, version = image_archs.ARCHS[knobs["image_arch"]], knobs["sd_version"]
     image_archs.check_components(arch.name, names, version)
-    flags = ImageFlags(knobs["model_dir"], version, {name: knobs[f"sd_{name}"] for name in sd_files.FILES},
+    flags = ImageFlags(knobs["model"], version, {name: knobs[f"sd_{name}"] for name in sd_files.FILES},
                        knobs["sd_config_dir"])
     files = []
     for name in names:
@@ -364,13 +369,13 @@ def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[
 
 
 def _topology_node(values: Mapping[str, Any], topology: str | Path | None, source: ModelSource,
-                   model_dir: str) -> tuple[str, tuple[str, ...], str]:
+                   model: str) -> tuple[str, tuple[str, ...], str]:
     """Topology mode: this node's name and layers (`placement.worker_placement`), and the checkpoint
-    directory it loads them from (`model_dir` as given, or the folder a bundle or a repository id
-    was found in)."""
+    it loads them from (`model`, the --model argument, as given, or the folder or file a bundle or a
+    repository id was found as)."""
     if not values["name"]:
         raise ConfigError("no --name provided for worker")
     if not topology:
         raise ConfigError("no --topology given (and no --cluster-key for zero-config setup)")
     served, layers, checkpoint = placement.worker_placement(values["name"], topology, source, values["master_tflops"])
-    return served, layers, model_dir if checkpoint is None else str(checkpoint)
+    return served, layers, model if checkpoint is None else str(checkpoint)

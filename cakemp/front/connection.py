@@ -38,7 +38,7 @@ from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
-from cakemp.front.session import Action, Clear, Close, Greet, Note, Refuse, Reply, Run, Session, SessionState
+from cakemp.front.session import Action, Close, Forward, Greet, Note, Refuse, Reply, Reset, Session, SessionState
 from cakemp.front.tracing import TraceFile
 from cakemp.ipc import trace
 from cakemp.streams import FrameReader
@@ -81,13 +81,13 @@ class Connection:
     """One master connection: reads its frames within the budget and the timeouts, and carries out
     what its `Session` (session.py), which holds the session's rules, calls for."""
 
-    def __init__(self, session: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+    def __init__(self, session_id: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
                  pool: DevicePool, admission: Admission, limits: ConnectionLimits,
                  budget: BufferBudget, metrics: Metrics, revision: Revision,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None,
                  trace_file: TraceFile | None = None):
         """`trace_file`: where each request's stamps go (ipc/trace.py), when the front traces."""
-        self.session_id = session  # the id devices know the session by; logs name it by its peer address
+        self.session_id = session_id  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
         self._writer = writer
@@ -184,21 +184,21 @@ class Connection:
                     await self._send(self._worker_info(int(read_s * 1000)))
                 case Reply(message):
                     await self._send(message)
-                case Run() | Refuse():
+                case Forward() | Refuse():
                     await self._serve_request(action)
-                case Clear(devices):
-                    await self._clear(devices)
+                case Reset(devices):
+                    await self._reset(devices)
                 case Note(level, event, fields):
                     getattr(self._log, level)(event, **fields)
                 case Close():
                     self._ended = True  # the session's Note before it said why
                     return
 
-    async def _serve_request(self, request: Run | Refuse) -> None:
+    async def _serve_request(self, request: Forward | Refuse) -> None:
         self.busy = True
         try:
             start = time.perf_counter()
-            reply = await self._run(request.x, request.ops) if isinstance(request, Run) else self._refusal(request.error)
+            reply = await self._forward(request.x, request.ops) if isinstance(request, Forward) else self._refusal(request.error)
             stamps = self._stamps
             if stamps is not None:
                 stamps.append(trace.now())  # resumed
@@ -216,7 +216,7 @@ class Connection:
             if self._finishing:
                 self.close()
 
-    async def _run(self, x: RawTensor, ops: Sequence[LayerOp]) -> TensorMessage | WorkerError:
+    async def _forward(self, x: RawTensor, ops: Sequence[LayerOp]) -> TensorMessage | WorkerError:
         """Pass x down the devices of its route (device to device); the bytes go on untouched (never a tensor here)."""
         try:
             route = self._pool.route(ops)
@@ -240,7 +240,7 @@ class Connection:
         text = str(error)
         return WorkerError(text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "…")
 
-    async def _clear(self, devices: Sequence[int]) -> None:
+    async def _reset(self, devices: Sequence[int]) -> None:
         """Goodbye, or the session idle: drop its state on `devices`."""
         results = await asyncio.gather(*(self._pool.clear(d, self.session_id) for d in devices), return_exceptions=True)
         for error in (r for r in results if isinstance(r, BaseException)):

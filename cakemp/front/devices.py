@@ -36,8 +36,8 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
         DeviceSpec(
             index=i,
             gpu=gpu,
-            layers=layers,
-            model_dir=config.model_dir,
+            parts=parts,
+            checkpoint_path=config.checkpoint_path,
             dtype=config.dtype,
             endpoint=f"ipc://{runtime_dir}/device-{i}",
             kv_budget_bytes=cpu_kv_budget if gpu is None else config.kv_budget_bytes,
@@ -55,9 +55,9 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             log_format=config.log_format,
             log_level=config.log_level,
             workload=config.workload,
-            component_files=_component_files(config, layers),
+            component_files=_component_files(config, parts),
         )
-        for i, (gpu, layers) in enumerate(zip(config.devices, placement))
+        for i, (gpu, parts) in enumerate(zip(config.devices, placement))
     ]
 
 

@@ -83,7 +83,7 @@ class DevicePool:
         """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind.
         `workload`: whether requests keep state and are cut into chunks of `prefill_chunk` tokens."""
         self.specs = tuple(specs)
-        self._router = Router([spec.layers for spec in self.specs])
+        self._router = Router([spec.parts for spec in self.specs])
         self._device_main = device_main  # the spawn target: the front never imports the device package
         self.failed = asyncio.Event()  # set when a device could not be restarted; `failure` says why
         self.failure: str | None = None
@@ -356,7 +356,7 @@ class DevicePool:
                     process = self._processes[device]
                     if process is not None and process.exitcode is None:
                         process.kill()  # its sentinel then reports the exit, with this reason
-                case ps.Ping(device=device):
+                case ps.Probe(device=device):
                     self._channels[device].try_send(encode(Ping()))
                 case ps.Forget(device=device, session=session):
                     # Its Done is answered to no one. Should the socket not take it, the session is

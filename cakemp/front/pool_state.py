@@ -2,7 +2,7 @@
 
 Events go in (a process was spawned, loaded a layer, became ready, exited; a request was sent,
 a chunk of it answered, the device reported progress; time passed), actions come out (spawn,
-kill, ping, complete a request, and what to tell the operator), and `next_deadline` says
+kill, probe, complete a request, and what to tell the operator), and `next_deadline` says
 when `tick` must be called next. `DevicePool` (pool.py) is the thin asyncio layer that owns
 the processes and sockets and carries the actions out; these tests need neither.
 
@@ -31,7 +31,7 @@ A request is owed by every device on its route from the moment its first chunk i
 before: nothing is registered for a request that could not be sent) until each chunk sent has
 its answer, or one of those devices dies. Its silence counts from the last word about it (the
 send, an answered chunk, a progress report). When it has been silent for `request_timeout`,
-the devices on its route are pinged: a device that answers, or reports progress on any
+the devices on its route are probed (pinged): a device that answers, or reports progress on any
 request, is alive (it may be busy on a long request queued ahead); a device that stays silent
 for another `request_timeout` is hung and killed, and its death fails the request.
 
@@ -139,7 +139,9 @@ class Kill:
 
 
 @dataclass(frozen=True)
-class Ping:
+class Probe:
+    """Ask `device` whether it is alive (an ipc Ping): a request on its route went silent."""
+
     device: int
 
 
@@ -196,7 +198,7 @@ class GiveUp:
     reason: str
 
 
-Action = Spawn | Kill | Ping | Forget | Complete | Started | StartFailed | Restarting | RestartFailed | Restarted | GiveUp
+Action = Spawn | Kill | Probe | Forget | Complete | Started | StartFailed | Restarting | RestartFailed | Restarted | GiveUp
 
 
 class Loss(enum.Enum):
@@ -443,7 +445,7 @@ class PoolState:
             ready = [device for device in request.devices if self.state(device) is DeviceState.READY]
             if request.pinged_at is None:
                 request.pinged_at, request.deadline = now, now + self._request_timeout
-                actions += [Ping(device) for device in ready]
+                actions += [Probe(device) for device in ready]
                 continue
             silent = [device for device in ready if self._devices[device].heard < request.pinged_at]
             hung.update(silent)

@@ -91,7 +91,7 @@ class Front:
         self._runtime_dir: str | None = None
         self._stopping = asyncio.Event()
         self._connections: dict[Connection, asyncio.Task] = {}
-        self._sessions = itertools.count(1)
+        self._session_ids = itertools.count(1)  # each connection's, as the devices know it
         self._trace_file = TraceFile.from_environment()  # None unless CAKEMP_TRACE names a file (bench/route.py)
         self._log = log.get_logger()
 
@@ -122,7 +122,7 @@ class Front:
                 host, port = listener.address  # the real port when --address asked for 0
                 self._log.info(
                     "listening", host=host, port=port, memory_bytes=resident_bytes(),
-                    layers=len(serving.config.layers),
+                    layers=len(serving.config.parts),
                     device_memory_bytes={serving.pool.label(i): r.memory_bytes for i, r in enumerate(readies)},
                 )
                 serving.status.serving(f"{host}:{port}")
@@ -172,15 +172,15 @@ class Front:
         specs = self._device_specs(config)
         for spec in specs:
             self._log.info("device layers", device=spec.index, device_label=spec.label,
-                           layers=list(collapse_layers(spec.layers)), count=len(spec.layers))
+                           layers=list(collapse_layers(spec.parts)), count=len(spec.parts))
         status = NodeStatus(
-            self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.layers) for spec in specs],
+            self._notifier, self.metrics, [spec.label for spec in specs], [len(spec.parts) for spec in specs],
             progress_window=LOAD_SILENCE_S + _PROGRESS_SLACK_S,
         )
         pool = DevicePool(specs, self._device_main, status=status, metrics=self.metrics,
                           request_timeout=config.request_timeout, restart_attempts=config.restart_attempts,
                           workload=config.workload, prefill_chunk=config.prefill_chunk,
-                          recurrent=[not recurrent_layers.isdisjoint(spec.layers) for spec in specs])
+                          recurrent=[not recurrent_layers.isdisjoint(spec.parts) for spec in specs])
         return Serving(config, admission, limits, status, pool, served)
 
     def _bind(self) -> Listener:
@@ -265,7 +265,7 @@ class Front:
 
     def _assigned(self, layers: tuple[str, ...], model_dir: str) -> NodeConfig:
         """The node's configuration to serve `layers` of the checkpoint in `model_dir` (zero-config: known only after setup)."""
-        return dataclasses.replace(self.config, layers=layers, model_dir=model_dir,
+        return dataclasses.replace(self.config, parts=layers, checkpoint_path=model_dir,
                                    devices=self.config.devices[: len(layers)])
 
     async def _unless_stopped(self, awaitable):
@@ -338,7 +338,7 @@ class Front:
         keep_alive(writer.get_extra_info("socket"))
         serving = self._serving
         connection = Connection(
-            next(self._sessions), reader, writer, pool=serving.pool, admission=serving.admission,
+            next(self._session_ids), reader, writer, pool=serving.pool, admission=serving.admission,
             limits=serving.limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
             worker_info=self._worker_info, served=serving.served, trace_file=self._trace_file,
         )
@@ -368,13 +368,13 @@ class Front:
         config = self.config if self._serving is None else self._serving.config
         return {
             "name": self.config.name,
-            "devices": [{"device": spec.label, "layers": list(collapse_layers(spec.layers)), "count": len(spec.layers)}
+            "devices": [{"device": spec.label, "layers": list(collapse_layers(spec.parts)), "count": len(spec.parts)}
                         for spec in self._device_specs(config)],
         }
 
     def _device_specs(self, config: NodeConfig) -> list[DeviceSpec]:
         """What each device process serving `config`'s layers is told."""
-        return device_specs(config, place_layers(config.layers, len(config.devices)), self._runtime_dir)
+        return device_specs(config, place_layers(config.parts, len(config.devices)), self._runtime_dir)
 
 
 def _judge(config: NodeConfig) -> tuple[Admission, frozenset[str]]:
@@ -382,10 +382,10 @@ def _judge(config: NodeConfig) -> tuple[Admission, frozenset[str]]:
     torch) or image components, and which of the layers keep a recurrent state (linear attention)."""
     image = config.workload.image
     if image is not None:
-        return ComponentAdmission.for_arch(image.arch, config.layers), frozenset()
-    model = ModelConfig.from_dir(config.model_dir)
-    recurrent = frozenset(layer for layer in config.layers if model.layer_index(layer) in model.linear_layers)
-    return LayerAdmission.for_model(model, config.layers, config.max_context), recurrent
+        return ComponentAdmission.for_arch(image.arch, config.parts), frozenset()
+    model = ModelConfig.from_dir(config.checkpoint_path)
+    recurrent = frozenset(layer for layer in config.parts if model.layer_index(layer) in model.linear_layers)
+    return LayerAdmission.for_model(model, config.parts, config.max_context), recurrent
 
 
 def _pin(cores: tuple[int, ...]) -> None:

@@ -49,8 +49,8 @@ class Reply:
 
 
 @dataclass(frozen=True)
-class Run:
-    """Run the admitted request down its route, and answer its result (or why it failed)."""
+class Forward:
+    """Pass the admitted request down its route, and answer its result (or why it failed)."""
 
     x: RawTensor
     ops: tuple[LayerOp, ...]
@@ -64,8 +64,8 @@ class Refuse:
 
 
 @dataclass(frozen=True)
-class Clear:
-    """Clear the session's state on `devices`."""
+class Reset:
+    """Drop the session's state on `devices`; the session goes on (unlike the connection's end)."""
 
     devices: tuple[int, ...]
 
@@ -84,7 +84,7 @@ class Close:
     """End the connection."""
 
 
-Action = Greet | Reply | Run | Refuse | Clear | Note | Close
+Action = Greet | Reply | Forward | Refuse | Reset | Note | Close
 
 
 class Session:
@@ -121,7 +121,7 @@ class Session:
             return []
         if isinstance(message, Goodbye):
             self._expired = False  # a fresh start: nothing to be told
-            return [Clear(self.devices), Greet()]
+            return [Reset(self.devices), Greet()]
         if isinstance(message, Batch):
             try:
                 self._admission.check_batch()  # an image node takes none
@@ -143,7 +143,7 @@ class Session:
     def idle(self) -> list[Action]:
         """The session sat idle for `idle_after()` seconds: free its state on every device."""
         self._expired = True
-        return [Clear(self.devices), Note("info", "session idle: freed its KV state",
+        return [Reset(self.devices), Note("info", "session idle: freed its KV state",
                                           {"idle_timeout": self._idle_timeout})]
 
     def _first(self, message: Message) -> list[Action]:
@@ -164,7 +164,7 @@ class Session:
         return self._close(Note("info", "master re-setup: accepting layer assignment", {"layers": len(message.layers)}),
                            Reply(LayerAssignmentAck(needs_data=False)), Reply(WorkerReady()))
 
-    def _request(self, x: RawTensor, ops: Sequence[LayerOp]) -> Run | Refuse:
+    def _request(self, x: RawTensor, ops: Sequence[LayerOp]) -> Forward | Refuse:
         try:
             self._admission.check(x, ops)
         except RequestError as e:
@@ -177,7 +177,7 @@ class Session:
                 return Refuse(SessionExpired(
                     f"this session was idle for more than {self._idle_timeout:g} s and its KV state "
                     "was freed; start again with a fresh prefill (index_pos 0)"))
-        return Run(x, tuple(ops))
+        return Forward(x, tuple(ops))
 
     def _close(self, *actions: Action) -> list[Action]:
         self.state = SessionState.CLOSED

@@ -70,7 +70,8 @@ TEXT = Workload()
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device process: which layers it loads, how, and where it listens for the front.
+    """One device process: which parts of the model it loads (a text model's layers, an image model's
+    components: `NodeConfig.parts`), how, and where it listens for the front.
 
     `gpu` is the CUDA_VISIBLE_DEVICES value the parent sets before start (None: a CPU process,
     which is then started with no GPU visible); inside the process that GPU is always cuda:0.
@@ -78,8 +79,8 @@ class DeviceSpec:
 
     index: int
     gpu: str | None
-    layers: tuple[str, ...]
-    model_dir: str
+    parts: tuple[str, ...]
+    checkpoint_path: str  # a text model's (a directory or a .gguf file); "" for an image model's components
     dtype: str  # f16 | bf16 | f32
     endpoint: str
     kv_budget_bytes: int | None = None
@@ -95,8 +96,8 @@ class DeviceSpec:
     progress_s: float = 15.0  # a device busy this long on one step says so (Progress), so the front can tell busy from hung
     log_format: str = "auto"
     log_level: str = "info"
-    workload: Workload = TEXT  # an image model's: `layers` names its components, `component_files` has their files
-    component_files: tuple[tuple[str, ComponentFile], ...] = ()  # (component name, its files), in `layers`' order
+    workload: Workload = TEXT  # an image model's: `parts` names its components, `component_files` has their files
+    component_files: tuple[tuple[str, ComponentFile], ...] = ()  # (component name, its files), in `parts`' order
 
     @property
     def label(self) -> str:

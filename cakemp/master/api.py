@@ -46,7 +46,7 @@ MAX_BODY_BYTES = 1 << 20
 MAX_WAITING = 16
 
 
-class Run:
+class Job:
     """One request's generation: its text pieces as they come, then its outcome."""
 
     def __init__(self, completion: Completion) -> None:
@@ -99,51 +99,51 @@ class Turns:
         self._turn = asyncio.Lock()  # fair: waiters take it in arrival order
         self._tasks: set[asyncio.Task] = set()  # strong references to the running generations
 
-    def start(self, completion: Completion) -> Run:
+    def start(self, completion: Completion) -> Job:
         """`completion`'s generation, started (or queued); 503 when too many already wait."""
         if self.admitted > self.max_waiting:
             raise ApiError(503, f"{self.max_waiting} requests already wait for the cluster; try again later",
                            type="server_error", code="overloaded")
-        run = Run(completion)
+        job = Job(completion)
         self.admitted += 1
-        task = asyncio.create_task(self._generate(run))
+        task = asyncio.create_task(self._generate(job))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return run
+        return job
 
-    async def _generate(self, run: Run) -> None:
-        c, started = run.completion, time.perf_counter()
+    async def _generate(self, job: Job) -> None:
+        c, started = job.completion, time.perf_counter()
         generation, error = None, None
         try:
             async with self._turn:
-                if not run.halt.is_set():  # a client that left while waiting costs the cluster nothing
+                if not job.halt.is_set():  # a client that left while waiting costs the cluster nothing
                     if self.broken:
                         await self.generator.reconnect()
                         self.broken = False
                     generation = await self.generator.generate(c.prompt, c.max_tokens, c.sampling,
-                                                               on_text=run.on_text, halt=run.halt)
+                                                               on_text=job.on_text, halt=job.halt)
         except Exception as exc:  # the request's failure, told to its client; the server goes on
             error = exc
             self.broken = not isinstance(exc, RemoteWorkerError)
             log.get_logger().warning("request failed", kind=c.kind, error=str(exc))
         finally:
             self.admitted -= 1
-            run.ended(generation, error)
+            job.ended(generation, error)
         if generation is not None:
             log.get_logger().info("request served", kind=c.kind, prompt_tokens=len(c.prompt),
-                                  completion_tokens=len(generation.tokens), finish=run.finish_reason,
+                                  completion_tokens=len(generation.tokens), finish=job.finish_reason,
                                   halted=generation.halted,
                                   seconds=round(time.perf_counter() - started, 3))
 
 
 class EventStream:
-    """An ASGI response of server-sent events; the client leaving (or a write failing) halts the run."""
+    """An ASGI response of server-sent events; the client leaving (or a write failing) halts the job."""
 
-    def __init__(self, events: AsyncIterator[str], run: Run) -> None:
-        self.events, self.run = events, run
+    def __init__(self, events: AsyncIterator[str], job: Job) -> None:
+        self.events, self.job = events, job
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.create_task(_halt_when_gone(receive, self.run))
+        watcher = asyncio.create_task(_halt_when_gone(receive, self.job))
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -155,15 +155,15 @@ class EventStream:
         except OSError:
             pass  # the client left while we wrote
         finally:
-            self.run.halt.set()
+            self.job.halt.set()
             watcher.cancel()
 
 
-async def _halt_when_gone(receive: Receive, run: Run) -> None:
-    """Halts `run` when its client disconnects (read once its request body has been)."""
+async def _halt_when_gone(receive: Receive, job: Job) -> None:
+    """Halts `job` when its client disconnects (read once its request body has been)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    run.halt.set()
+    job.halt.set()
 
 
 class Api:
@@ -193,13 +193,13 @@ class Api:
     def _endpoint(self, read: Callable[[object], Completion]) -> Callable[[Request], Awaitable[object]]:
         async def endpoint(request: Request) -> object:
             try:
-                run = self.turns.start(read(await self._body(request)))
+                job = self.turns.start(read(await self._body(request)))
             except ApiError as exc:
                 return _error(exc)
-            answer = Answer(run, self.reader.model_id)
-            if run.completion.stream:
-                return EventStream(answer.events(), run)
-            watcher = asyncio.create_task(_halt_when_gone(request.receive, run))
+            answer = Answer(job, self.reader.model_id)
+            if job.completion.stream:
+                return EventStream(answer.events(), job)
+            watcher = asyncio.create_task(_halt_when_gone(request.receive, job))
             try:
                 return await answer.response()
             finally:
@@ -226,35 +226,35 @@ class Api:
 
 
 class Answer:
-    """A run told to its client in OpenAI's shapes: one JSON object, or chunks as events."""
+    """A job told to its client in OpenAI's shapes: one JSON object, or chunks as events."""
 
-    def __init__(self, run: Run, model_id: str) -> None:
-        self.run, self.model_id = run, model_id
-        chat = run.completion.kind == "chat"
+    def __init__(self, job: Job, model_id: str) -> None:
+        self.job, self.model_id = job, model_id
+        chat = job.completion.kind == "chat"
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.chat = chat
 
     async def response(self) -> JSONResponse:
         try:
-            text = await self.run.text()
-        except Exception as exc:  # the run's failure, raised at its end
+            text = await self.job.text()
+        except Exception as exc:  # the job's failure, raised at its end
             return _error(_failure(exc))
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        choice = {"index": 0, **content, "logprobs": None, "finish_reason": self.run.finish_reason}
+        choice = {"index": 0, **content, "logprobs": None, "finish_reason": self.job.finish_reason}
         return JSONResponse({**self._envelope(chunk=False), "choices": [choice], "usage": self._usage()})
 
     async def events(self) -> AsyncIterator[str]:
         if self.chat:
             yield self._chunk({"role": "assistant", "content": ""}, None)
         try:
-            async for piece in self.run.texts():
+            async for piece in self.job.texts():
                 yield self._chunk({"content": piece} if self.chat else piece, None)
-        except Exception as exc:  # the run's failure, raised at its end
+        except Exception as exc:  # the job's failure, raised at its end
             yield _event(_failure(exc).body())
             return
-        yield self._chunk({} if self.chat else "", self.run.finish_reason)
-        if self.run.completion.include_usage:
+        yield self._chunk({} if self.chat else "", self.job.finish_reason)
+        if self.job.completion.include_usage:
             yield _event({**self._envelope(chunk=True), "choices": [], "usage": self._usage()})
         yield "data: [DONE]\n\n"
 
@@ -268,8 +268,8 @@ class Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id}
 
     def _usage(self) -> dict:
-        prompt = len(self.run.completion.prompt)
-        completion = 0 if self.run.generation is None else len(self.run.generation.tokens)
+        prompt = len(self.job.completion.prompt)
+        completion = 0 if self.job.generation is None else len(self.job.generation.tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

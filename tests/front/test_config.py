@@ -47,8 +47,8 @@ def test_the_flags_defaults_are_the_configs_defaults(topology):
     """A node given only its name and topology is NodeConfig's defaults: the flags' defaults, converted."""
     config = node_config(flag_values(name="w1", topology=topology, gpus="cpu"), model_given=False)
     layers = tuple(f"model.layers.{i}" for i in range(4))
-    assert config == NodeConfig(name="w1", layers=layers, devices=(None,))
-    assert (config.host, config.port, config.model_dir, config.dtype, config.revision) == (
+    assert config == NodeConfig(name="w1", parts=layers, devices=(None,), checkpoint_path=config.model)
+    assert (config.host, config.port, config.model, config.dtype, config.revision) == (
         "0.0.0.0", 10128, "./cake-data/Meta-Llama-3-8B/", "f16", Revision.V2)
     assert (config.request_timeout, config.restart_attempts, config.drain_timeout, config.stats_interval) == (
         60.0, 5, 30.0, 60.0)
@@ -73,7 +73,7 @@ def test_flag_values_are_converted_to_the_configs_units(topology):
 def test_a_key_without_a_topology_is_zero_config_on_cakes_discovery_port():
     """--cluster-key and no --topology: no layers or model yet, the host's name, the setup's flags."""
     config = node_config(flag_values(cluster_key=KEY, gpus="cpu", max_model_gib=0.5), model_given=True)
-    assert (config.name, config.layers, config.model_dir) == (socket.gethostname(), (), "")
+    assert (config.name, config.parts, config.checkpoint_path) == (socket.gethostname(), (), "")
     setup = config.setup
     assert (setup.cluster_key, setup.max_model_bytes, setup.discovery_host, setup.discovery_port) == (
         KEY, 1 << 29, "0.0.0.0", DISCOVERY_PORT)
@@ -271,12 +271,13 @@ def test_a_bundle_as_model_serves_its_entry_from_its_model_folder_unless_a_topol
     (bundle / "model" / "config.json").write_text("{}")
     write_topology(bundle / "topology.yml", ["model.layers.2-3"], name="w1")
     config = node_config(flag_values(name="w1", model=str(bundle), gpus="cpu"), model_given=True)
-    assert (config.model_dir, config.layers) == (str(bundle / "model"), ("model.layers.2", "model.layers.3"))
+    assert (config.model, config.checkpoint_path) == (str(bundle), str(bundle / "model"))
+    assert config.parts == ("model.layers.2", "model.layers.3")
     keyed = node_config(flag_values(name="w1", model=str(bundle), gpus="cpu", cluster_key=KEY), model_given=True)
-    assert (keyed.setup, keyed.layers) == (None, config.layers)  # the bundle's topology: not zero-config
+    assert (keyed.setup, keyed.parts) == (None, config.parts)  # the bundle's topology: not zero-config
     other = write_topology(tmp_path / "other.yml", ["model.layers.5"], name="w1")
     config = node_config(flag_values(name="w1", model=str(bundle), topology=str(other), gpus="cpu"), model_given=True)
-    assert config.layers == ("model.layers.5",)
+    assert config.parts == ("model.layers.5",)
 
 
 # -- image components (--model-type image-model)
@@ -303,7 +304,7 @@ def test_an_image_node_serves_its_entrys_components_as_named_each_from_the_hf_ca
     components' files: the unet's config from its snapshot, the vae's (none there) the standard one."""
     _image_cache(tmp_path)
     config = _image_node(tmp_path, ["unet", "vae"])
-    assert config.layers == ("unet", "vae")
+    assert (config.parts, config.checkpoint_path) == (("unet", "vae"), "")  # its files: component_files
     specs = device_specs(config, [("unet",), ("vae",)], "/run")
     snapshot = tmp_path / "hub" / "models--runwayml--stable-diffusion-v1-5" / "snapshots" / "abc"
     unet, vae = specs[0].component_files[0][1], specs[1].component_files[0][1]

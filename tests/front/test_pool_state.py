@@ -15,8 +15,8 @@ from cakemp.front.pool_state import (
     GiveUp,
     Kill,
     Killing,
-    Ping,
     PoolState,
+    Probe,
     Reloading,
     Restarted,
     RestartFailed,
@@ -125,7 +125,7 @@ def test_a_silent_request_pings_its_route_then_kills_only_the_silent_device():
     state.sealed(5)
     assert state.next_deadline() == TIMEOUT
     assert state.tick(TIMEOUT - 1) == []
-    assert state.tick(TIMEOUT) == [Ping(0), Ping(1)]
+    assert state.tick(TIMEOUT) == [Probe(0), Probe(1)]
     state.heard(0, TIMEOUT + 0.1)  # device 0's Pong
     assert state.tick(2 * TIMEOUT) == [Kill(1, f"did not answer within {TIMEOUT:g} s")]
     actions = state.exited(1, 2 * TIMEOUT + 1, -9)
@@ -143,7 +143,7 @@ def test_a_request_waiting_behind_a_long_one_on_a_live_device_is_not_a_hang():
     state.sealed(1)
     state.sealed(2)
     state.progressed(0, 1, TIMEOUT - 1)
-    assert state.tick(TIMEOUT) == [Ping(0)]  # request 2 went silent
+    assert state.tick(TIMEOUT) == [Probe(0)]  # request 2 went silent
     state.progressed(0, 1, TIMEOUT + 5)
     assert state.tick(2 * TIMEOUT) == []  # device 0 is alive: no kill
     assert state.owed(1) and state.owed(2) and state.state(0) is DeviceState.READY

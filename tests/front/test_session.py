@@ -6,7 +6,7 @@ import pytest
 
 from cakemp.errors import BadTensor, InternalError, SessionExpired, UnknownLayer
 from cakemp.front.admission import LayerAdmission
-from cakemp.front.session import Clear, Close, Greet, Note, Refuse, Reply, Run, Session, SessionState
+from cakemp.front.session import Close, Forward, Greet, Note, Refuse, Reply, Reset, Session, SessionState
 from cakemp.wire import (
     Batch, DType, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, RawTensor, SingleOp, WorkerError,
     WorkerReady,
@@ -38,8 +38,8 @@ def test_hello_opens_the_session_and_requests_are_admitted_then_run():
     session = greeted()
     assert session.state is SessionState.OPEN
     x = tokens(3)
-    assert session.received(Batch(x, (LayerOp(LAYERS[1], 0, 1),))) == [Run(x, (LayerOp(LAYERS[1], 0, 1),))]
-    assert session.received(SingleOp(LAYERS[0], x, 5, 0)) == [Run(x, (LayerOp(LAYERS[0], 5, 0),))]
+    assert session.received(Batch(x, (LayerOp(LAYERS[1], 0, 1),))) == [Forward(x, (LayerOp(LAYERS[1], 0, 1),))]
+    assert session.received(SingleOp(LAYERS[0], x, 5, 0)) == [Forward(x, (LayerOp(LAYERS[0], 5, 0),))]
 
 
 def test_a_request_that_may_not_run_is_refused_and_the_session_goes_on():
@@ -49,7 +49,7 @@ def test_a_request_that_may_not_run_is_refused_and_the_session_goes_on():
     assert isinstance(refused, Refuse) and isinstance(refused.error, UnknownLayer)
     [refused] = session.received(Batch(RawTensor(b"", DType.F32, (1, 1, HIDDEN)), ()))
     assert isinstance(refused, Refuse) and isinstance(refused.error, BadTensor)
-    assert isinstance(session.received(batch())[0], Run)
+    assert isinstance(session.received(batch())[0], Forward)
 
 
 def test_the_first_message_must_be_hello_or_a_re_setup():
@@ -80,9 +80,9 @@ def test_a_re_setup_is_answered_ready_unless_it_asks_for_another_model_or_layers
 def test_goodbye_clears_every_device_the_session_used_and_is_greeted():
     """The devices its requests reached, in order; none before it sent any."""
     session = greeted()
-    assert session.received(Goodbye()) == [Clear(()), Greet()]
+    assert session.received(Goodbye()) == [Reset(()), Greet()]
     assert session.joined(1) and session.joined(0) and not session.joined(1)
-    assert session.received(Goodbye()) == [Clear((0, 1)), Greet()]
+    assert session.received(Goodbye()) == [Reset((0, 1)), Greet()]
     assert session.devices == (0, 1)
 
 
@@ -102,12 +102,12 @@ def test_an_idle_session_has_its_state_freed_and_is_told_once_when_it_relies_on_
     assert session.idle_after() is None  # no state anywhere yet
     session.joined(0)
     assert session.idle_after() == IDLE
-    assert session.idle() == [Clear((0,)), Note("info", "session idle: freed its KV state", {"idle_timeout": IDLE})]
+    assert session.idle() == [Reset((0,)), Note("info", "session idle: freed its KV state", {"idle_timeout": IDLE})]
     assert session.idle_after() is None  # freed already: nothing more to watch
     [refused] = session.received(batch(index_pos=4))
     assert isinstance(refused, Refuse) and isinstance(refused.error, SessionExpired)
     assert "idle for more than 30 s" in str(refused.error)
-    assert isinstance(session.received(batch(index_pos=5))[0], Run)
+    assert isinstance(session.received(batch(index_pos=5))[0], Forward)
     assert session.idle_after() == IDLE
 
 
@@ -118,10 +118,10 @@ def test_a_fresh_start_after_expiry_is_never_refused(fresh_start):
     session.joined(0)
     session.idle()
     if fresh_start == "prefill":
-        assert isinstance(session.received(batch(index_pos=0, count=3))[0], Run)
+        assert isinstance(session.received(batch(index_pos=0, count=3))[0], Forward)
     else:
-        assert session.received(Goodbye()) == [Clear((0,)), Greet()]
-    assert isinstance(session.received(batch(index_pos=3))[0], Run)
+        assert session.received(Goodbye()) == [Reset((0,)), Greet()]
+    assert isinstance(session.received(batch(index_pos=3))[0], Forward)
 
 
 def test_a_refusal_before_the_expiry_check_leaves_the_session_to_be_told():
