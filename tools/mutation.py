@@ -11,7 +11,7 @@ the score and what each survivor means.
 
 Why hand-written mutants rather than mutmut or cosmic-ray: those generate thousands of
 operator swaps and run the suite (or its coverage-selected part) per mutant; with live nodes
-at ~5 s each and a machine shared by several agents, that is hours. A short list of the bugs
+at ~5 s each on a 2-core machine, that is hours. A short list of the bugs
 a reviewer would worry about (a freed cache that is not freed, a tolerance that hides a wrong
 epsilon, a rotary offset dropped, a proof not checked), each with its own small test subset,
 runs in ~20 minutes and says exactly what each survivor is.
@@ -129,8 +129,8 @@ MUTANTS = (
     Mutant("failed-request-keeps-length", "cakemp/compute/runner.py",
            "            slot.length = length\n", "            pass\n", RUNNER),
     Mutant("runner-free-keeps-kv", "cakemp/compute/runner.py",
-           "        (unknown session: no-op).\"\"\"\n        self.cache.clear(session)",
-           "        (unknown session: no-op).\"\"\"", RUNNER + POOL),
+           "            self.prefixes.end(session)\n        self.cache.clear(session)",
+           "            self.prefixes.end(session)", RUNNER + POOL),
     # --- KV cache
     Mutant("kv-grow-loses-rows", "cakemp/compute/kv_cache.py",
            "            k[:, :, :length] = old.k[:, :, :length]\n", "", KV),
