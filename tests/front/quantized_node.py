@@ -20,11 +20,13 @@ LAYERS = [1, 2, 3]
 EXIT_CONFIG = 78
 
 
-def start(path: Path, tmp: Path, model: str | None = None, env: dict[str, str] | None = None) -> RunningNode:
-    """The node over `path`, named by `model` (a Hugging Face id for it; default: the path), under `env`."""
+def start(path: Path, tmp: Path, model: str | None = None, env: dict[str, str] | None = None,
+          flags: tuple[str, ...] = ("--dequantize-4bit",)) -> RunningNode:
+    """The node over `path`, named by `model` (a Hugging Face id for it; default: the path), under `env`,
+    with `flags` (by default 4-bit weights dequantized, as the exact comparison with HF's f32 layers needs)."""
     prefix = ModelConfig.from_dir(path).layer_prefix
     topology = write_topology(tmp / "topology.yml", [f"{prefix}.1-3"])
-    return RunningNode(model or path, topology, "--gpus", "cpu", "--dtype", "f32", env=env)
+    return RunningNode(model or path, topology, "--gpus", "cpu", "--dtype", "f32", *flags, env=env)
 
 
 async def check_session(port: int, path: Path, reference: Path, chunks: list[int]) -> list[float]:
