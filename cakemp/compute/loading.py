@@ -125,11 +125,12 @@ class LoadPlan:
 
 
 def int4_kept(checkpoint: WeightSource, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether 4-bit matrices may stay int4 here: on a GPU, in bf16, where torch's int4 matmul
-    works (for a checkpoint with 4-bit matrices on a GPU, why not is logged once)."""
-    if device.type != "cuda" or not checkpoint.stores_4bit:
+    """Whether 4-bit matrices may stay int4 here: where torch's int4 matmul works, on a CPU in any
+    compute dtype (each product's input rounded to bf16, model/weights/int4.py), on a GPU in bf16
+    (for a checkpoint with 4-bit matrices, why not is logged once)."""
+    if device.type not in ("cuda", "cpu") or not checkpoint.stores_4bit:
         return False
-    if dtype != torch.bfloat16:
+    if device.type == "cuda" and dtype != torch.bfloat16:
         int4.dequantized(f"compute dtype {dtype} (torch's int4 matmul takes bf16 activations)")
         return False
     if not int4.kernel_works(device):

@@ -167,9 +167,9 @@ class BlockRunner:
         copy (model/weights/packed.py): batched decode steps and prompt chunks then cost far less, at
         twice the weights' memory.
 
-        `keep_int4`: on a GPU computing in bf16, keep 4-bit matrices (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K)
-        4-bit for torch's int4 matmul where it takes them (model/weights/int4.py); False dequantizes
-        them, as everywhere else (--dequantize-4bit).
+        `keep_int4`: keep 4-bit matrices (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K) 4-bit for torch's int4 matmul
+        where it takes them (a CPU, or a GPU computing in bf16: compute/loading.int4_kept); False
+        dequantizes them (--dequantize-4bit).
 
         `on_layer(n)` is called once `n` of them are on the device (the device process reports
         it, so that a load of minutes shows progress).

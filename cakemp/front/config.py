@@ -189,9 +189,10 @@ class NodeConfig:
         "--share-prefixes", False, None, "Reuse kept rows across master connections, not only on the connection "
         "they came from (a hit shows in latency: each connection's masters should trust each other).", is_flag=True)
     keep_int4: bool = knob(
-        "--dequantize-4bit", False, None, "On a GPU, dequantize 4-bit weights (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K) at load "
-        "into the compute dtype instead of keeping them 4-bit for torch's int4 matmul (bf16 only; a CPU always "
-        "dequantizes).", convert=lambda off: not off, is_flag=True)
+        "--dequantize-4bit", False, None, "Dequantize 4-bit weights (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K) at load into the "
+        "compute dtype instead of keeping them 4-bit for torch's int4 matmul (a CPU: any dtype, each product's "
+        "input rounded to bf16; a GPU: bf16 only): 4-8x the memory, results as before.",
+        convert=lambda off: not off, is_flag=True)
     session_idle_timeout: float | None = knob(
         "--session-idle-timeout", None, click.FloatRange(min=0, min_open=True),
         "Seconds a session may sit idle before its KV cache is freed (default: never, as Cake).")

@@ -92,7 +92,7 @@ class DeviceSpec:
     poll_s: float = 0.0  # owed a request, look at the socket this long before sleeping (--device-poll-ms)
     prefix_reuse: bool = True  # keep sessions' rows for requests that send them again (compute/prefix_cache.py)
     share_prefixes: bool = False  # ... reused by any session, not only the one they came from
-    keep_int4: bool = True  # on a GPU in bf16, 4-bit matrices stay int4 where torch's kernel takes them (model/int4.py)
+    keep_int4: bool = True  # 4-bit matrices stay int4 where torch's kernel takes them (compute/loading.int4_kept)
     progress_s: float = 15.0  # a device busy this long on one step says so (Progress), so the front can tell busy from hung
     log_format: str = "auto"
     log_level: str = "info"

@@ -188,10 +188,29 @@ def test_a_gguf_file_keeps_q4_0_and_q4_1_int4_with_llama_s_rows_unpermuted(tmp_p
     assert (linear(x, kept).float() - expected).abs().max() <= BF16_EPS * expected.abs().max()
 
 
-def test_a_cpu_node_dequantizes_4_bit_weights_as_before(tmp_path, plain):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_runner_keeps_4_bit_weights_int4_unless_told_to_dequantize(tmp_path, plain, dtype):
     path = random_gptq(tmp_path / "gptq", plain, 32)
-    runner = BlockRunner.load(path, [LAYER], "cpu", torch.bfloat16)
-    assert isinstance(runner.blocks[0].w_qkv, torch.Tensor)
+    kept = BlockRunner.load(path, [LAYER], "cpu", dtype)
+    block = kept.blocks[0]
+    assert all(isinstance(w, int4.Int4Weight) for w in (block.w_qkv, block.w_o, block.mlp.w_gate_up, block.mlp.w_down))
+    dequantized = BlockRunner.load(path, [LAYER], "cpu", dtype, keep_int4=False)
+    assert not isinstance(dequantized.blocks[0].w_qkv, int4.Int4Weight)
+
+
+@pytest.mark.parametrize("rows", [1, 63, 64, 200])
+def test_a_cpu_product_takes_bf16_in_and_gives_the_input_s_dtype_back_through_either_path(rows):
+    """Below 64 rows the int4 kernel, from 64 on the tiles dequantized to bf16 (model/weights/int4.py):
+    both within bf16's eps of the largest output of the bf16-rounded input times the kernel's weight."""
+    generator = torch.Generator().manual_seed(rows)
+    parts = int4.Int4Parts(torch.randint(0, 16, (320, IN), generator=generator, dtype=torch.uint8),
+                           torch.rand(320, IN // 64, generator=generator) / 64 + 1e-3,
+                           torch.randn(320, IN // 64, generator=generator) / 16, 64)
+    x = torch.randn(2, rows, IN, generator=generator)
+    got = linear(x, int4.Int4Weight.create(parts))
+    expected = x.bfloat16().float() @ int4.reference_weight(parts).t()
+    assert got.dtype == torch.float32 and got.shape == (2, rows, 320)
+    assert (got - expected).abs().max() <= BF16_EPS * expected.abs().max()
 
 
 @pytest.mark.gpu

@@ -52,7 +52,8 @@ def test_an_mlx_lm_qwen3_5_moe_conversion_loads_as_its_hf_reference(tmp_path):
     assert config.layer_prefix == "language_model.model.layers"
     assert not Checkpoint(path, config).norms_need_one and Checkpoint(reference, ModelConfig.from_dir(reference)).norms_need_one
     for index in (2, 3):  # linear attention, full attention
-        ours = BlockRunner.load(path, [f"language_model.model.layers.{index}"], "cpu", torch.float32, pack_weights=False)
+        ours = BlockRunner.load(path, [f"language_model.model.layers.{index}"], "cpu", torch.float32, pack_weights=False,
+                                keep_int4=False)
         theirs = BlockRunner.load(reference, [f"model.language_model.layers.{index}"], "cpu", torch.float32,
                                   pack_weights=False)
         ours, theirs = weights_of(ours.blocks[0]), weights_of(theirs.blocks[0])

@@ -20,16 +20,18 @@ LAYERS = [1, 2, 3]
 EXIT_CONFIG = 78
 
 
-def start(path: Path, tmp: Path, model: str | None = None, env: dict[str, str] | None = None) -> RunningNode:
-    """The node over `path`, named by `model` (a Hugging Face id for it; default: the path), under `env`."""
+def start(path: Path, tmp: Path, model: str | None = None, env: dict[str, str] | None = None,
+          flags: tuple[str, ...] = ("--dequantize-4bit",)) -> RunningNode:
+    """The node over `path`, named by `model` (a Hugging Face id for it; default: the path), under `env`,
+    with `flags` (by default 4-bit weights dequantized, as the exact comparison with HF's f32 layers needs)."""
     prefix = ModelConfig.from_dir(path).layer_prefix
     topology = write_topology(tmp / "topology.yml", [f"{prefix}.1-3"])
-    return RunningNode(model or path, topology, "--gpus", "cpu", "--dtype", "f32", env=env)
+    return RunningNode(model or path, topology, "--gpus", "cpu", "--dtype", "f32", *flags, env=env)
 
 
-async def check_session(port: int, path: Path, reference: Path, chunks: list[int]) -> list[float]:
+async def check_session(port: int, path: Path, reference: Path, chunks: list[int], bound: float = F32_REL) -> list[float]:
     """Send `chunks` tokens at a time through layers 1-3 as one session; each reply matches HF's
-    layers over the reference to F32_REL (the dequantization is exact in f32). -> the errors."""
+    layers over the reference to `bound` (F32_REL: the dequantization is exact in f32). -> the errors."""
     prefix = ModelConfig.from_dir(path).layer_prefix
     hf = HFLayers(reference, LAYERS, torch.float32)
     master = await CakeMaster.connect(port, LAYERS, prefix=prefix)
@@ -39,18 +41,18 @@ async def check_session(port: int, path: Path, reference: Path, chunks: list[int
         x = torch.randn(1, T, hf.config.hidden_size, generator=generator)
         ours, theirs = await master.forward(x, position), hf(x, position)
         errors.append(rel_error(ours, theirs))
-        assert errors[-1] <= F32_REL, f"tokens {position}..{position + T - 1}: {errors[-1]:.3g}"
+        assert errors[-1] <= bound, f"tokens {position}..{position + T - 1}: {errors[-1]:.3g}"
         position += T
     await master.goodbye()
     await master.close()
     return errors
 
 
-def check_prompt_decode_and_chunks(node: RunningNode, path: Path, reference: Path) -> None:
+def check_prompt_decode_and_chunks(node: RunningNode, path: Path, reference: Path, bound: float = F32_REL) -> None:
     """A 7-token prompt and 8 decode steps, then in a new session a 12-token prompt in 3-token chunks."""
     async def main():
-        await check_session(node.port, path, reference, [7] + [1] * 8)
-        await check_session(node.port, path, reference, [3] * 4 + [1] * 8)
+        await check_session(node.port, path, reference, [7] + [1] * 8, bound)
+        await check_session(node.port, path, reference, [3] * 4 + [1] * 8, bound)
 
     asyncio.run(asyncio.wait_for(main(), 120))
 

@@ -81,6 +81,24 @@ dtype, which moves outputs by 1e-3 or more; the arithmetic is the parity tests' 
   typical case (observed for the node tests' Llama: <= 4.8 u bf16, <= 5.3 u f16 over 42
   requests; the f16 wire <= 1.2 u). A value rounded to a coarser dtype than asked (bf16 for
   f16: 8 u of f16 per rounding) or computed in the wrong one is past it.
+
+**A node keeping 4-bit weights int4** (model/weights/int4.py) against the same node dequantizing
+them (whose own error against HF's f32 layers is F32_REL): `INT4_KEPT_REL`. The codes are the
+same on both paths; what the kept path adds is rounding to bf16, in each product y = x W^T:
+* the input x (u of bf16 per element, the kernels take bf16 activations);
+* each group's scale and zero (W = (q - 8) s + z with s and z held in bf16: u each);
+* the output y (the kernels return bf16);
+* past 63 rows, W itself (the tile dequantized to bf16 for the bf16 GEMM).
+That is at most INT4_ROUNDINGS = 5 roundings of u per product, each perturbing every term of
+the sum by at most u relatively, so y by at most 5 u of its largest magnitude where the terms do
+not cancel (these tests' random, well-conditioned layers; see F32_REL for the same assumption).
+A sublayer (attention, MLP) chains two such products, separated by a norm-free rotation or an
+activation that does not amplify a relative error by more than 1 here, so its output carries
+2 x 5 u; the node tests serve 3 layers, 2 sublayers each, whose outputs are added to the f32
+residual stream: 3 x 2 x 2 x 5 = 60 u of bf16 if all fell the same way, relative to the largest
+element of the output, on top of F32_REL. A wrong code, group, scale or zero point, a row order
+or a dropped zero moves outputs by O(1) of a sublayer's output and is past it; the products'
+own rounding is checked tightly, per product, in tests/model/test_int4.py.
 """
 
 from __future__ import annotations
@@ -96,6 +114,9 @@ U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11} 
 LONGEST_REDUCTION = 128  # K: TINY's intermediate_size (tests/support/checkpoints.py), the longest dot product in a layer
 F32_REL = 2 * LONGEST_REDUCTION * U[torch.float32]  # two f32 evaluations of the same layers (1.53e-5)
 HALF_EPS = 8  # a bf16 / f16 output within this many u of its dtype of HF's f32 layers
+INT4_ROUNDINGS = 5  # per kept-int4 product: its input, scales, zeros, output, and (past 63 rows) its tile
+NODE_LAYERS, PRODUCTS_PER_LAYER = 3, 4  # the node tests' layers 1-3; two sublayers of two products each
+INT4_KEPT_REL = F32_REL + NODE_LAYERS * PRODUCTS_PER_LAYER * INT4_ROUNDINGS * U[torch.bfloat16]
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ Cake dequantizes every tensor of the file to f32 on every node. Each tensor's
 bytes go to the device as they are stored (a quarter of their f32 size or less for the
 quantized types) and are dequantized there in f32 (model/weights/ggml.py), then cast; llama.cpp's Q/K
 row permutation (Llama family) is undone on the f32 rows, which quantization leaves whole
-(its blocks run along a row). With `keep_int4` (a GPU), Q4_0, Q4_1 and Q4_K matrices stay
+(its blocks run along a row). With `keep_int4` (compute/loading.int4_kept), Q4_0, Q4_1 and Q4_K matrices stay
 4-bit instead, repacked for torch's int4 matmul (model/weights/int4.py; their 32-value blocks, Q4_K's
 sub-blocks, are its groups of 32), the permutation undone on their code and scale rows alike.
 
@@ -57,7 +57,7 @@ class GgufCheckpoint(Reader):
 
     @property
     def stores_4bit(self) -> bool:
-        """Whether the file holds matrices of ggml.INT4_TYPES, which may stay int4 on a GPU."""
+        """Whether the file holds matrices of ggml.INT4_TYPES, which may stay int4."""
         return any(info.type.name in ggml.INT4_TYPES for info in self.file.tensors.values())
 
     def has(self, name: str) -> bool:

@@ -1,4 +1,4 @@
-"""4-bit weights kept 4-bit: torch's int4 weight-only matmul (tinygemm), on a GPU.
+"""4-bit weights kept 4-bit: torch's int4 weight-only matmul (tinygemm), on a GPU or a CPU.
 
 torch's kernels (CUDA: `_weight_int4pack_mm`; CPU: `_weight_int4pack_mm_for_cpu`) take one
 convention for an [N, K] weight in groups of g consecutive inputs (g in 32, 64, 128, 256):
@@ -20,9 +20,18 @@ scales and zeros are rewritten (in f32, then rounded once to bf16):
 The format modules (gptq.py, mlx.py, ggml.py) make `Int4Parts`; `Int4Weight.create` packs them
 for the device's kernel. Only the packing differs between devices: CUDA's takes [N, K/2] uint8
 (two codes a byte, the even input in the high nibble) and lays them out for its tensor cores
-(int32 [N/8, K/(16 t), 32, t/2], t the inner K tiles); the CPU's takes the int32 [N, K] codes.
+(int32 [N/8, K/(16 t), 32, t/2], t the inner K tiles); the CPU's takes the int32 [N, K] codes
+and holds them as uint8 [N/64, K, 32]: block b, input k, byte j holds output 64 b + j in its low
+nibble and 64 b + 32 + j in its high one.
 Resident: N K / 2 bytes of codes and 4 N K / g of scales and zeros (0.27 of bf16 at g = 128).
-`kernel_works` tries the kernel on the device against this formula before any weight uses it.
+
+The kernels take bf16 activations: `matmul` rounds x to bf16 and returns x's dtype, so a node
+computing in f32 keeps its f32 activations between the matmuls. On a CPU the int4 kernel's time
+grows with the rows (a decode step: 3x faster than f32; a 128-token prompt chunk: 1.9x slower,
+bench/quantized_decode.py), while its bf16 GEMM barely does; from `_DEQUANTIZED_ROWS` rows on, the
+weight is dequantized to bf16 a tile of outputs at a time, in cache, and multiplied by that GEMM.
+`kernel_works` tries the kernel (and that tiling) on the device against this formula before any
+weight uses it.
 """
 
 from __future__ import annotations
@@ -38,6 +47,12 @@ from cakemp import log
 GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's kernels take
 _OFFSET = 8  # the kernel's codes are q - 8
 _ROWS_PER_TILE = 8  # CUDA's layout takes N in tiles of 8 rows
+_CPU_BLOCK = 64  # the CPU layout's block of outputs
+# Activation rows from which a CPU product dequantizes tiles to bf16 instead of calling the int4
+# kernel. Measured on the 2-core Xeon, one thread, TinyLlama's [5632, 2048] in groups of 128: the
+# kernel 8.5 ms at 32 rows, 17 at 64, 33 at 128; the tiles 16, 18, 21 (f32 through MKL: 17 at 128).
+_DEQUANTIZED_ROWS = 64
+_TILE_BLOCKS = 4  # outputs dequantized at once: 256 rows of bf16 (1 MiB at K = 2048), in L2
 _logged: set[str] = set()
 
 
@@ -89,10 +104,35 @@ class Int4Weight:
         return cls(packed, scales_and_zeros.to(torch.bfloat16).contiguous(), parts.group_size, torch.Size((rows, cols)))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., K] bf16 -> x @ W^T: [..., N] bf16."""
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        op = torch.ops.aten._weight_int4pack_mm if flat.device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
-        return op(flat, self.packed, self.group_size, self.scales_and_zeros).view(*x.shape[:-1], self.shape[0])
+        """x: [..., K] -> x @ W^T: [..., N] in x's dtype, x rounded to bf16 (what the kernels take)."""
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        if flat.device.type == "cuda":
+            out = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
+        elif flat.shape[0] >= _DEQUANTIZED_ROWS and self.shape[0] % _CPU_BLOCK == 0:
+            out = self._tiled(flat)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+        return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, K] bf16 -> x @ W^T: [T, N] bf16 on a CPU, W dequantized to bf16 `_TILE_BLOCKS` blocks
+        of the CPU layout at a time (each [blocks, K, 64]: W^T's columns of those outputs)."""
+        rows, cols = self.shape
+        blocks, groups = rows // _CPU_BLOCK, cols // self.group_size
+        codes = self.packed.view(blocks, cols, _CPU_BLOCK // 2)
+        scales_and_zeros = self.scales_and_zeros.view(groups, blocks, _CPU_BLOCK, 2)
+        out = torch.empty(x.shape[0], blocks, _CPU_BLOCK, dtype=torch.bfloat16)
+        for first in range(0, blocks, _TILE_BLOCKS):
+            tile = codes[first:first + _TILE_BLOCKS]
+            count = tile.shape[0]
+            # [count, K/g, g, 64]: each input's codes for the block's 64 outputs.
+            codes_f32 = torch.cat((tile & 15, tile >> 4), dim=-1).float().view(count, groups, -1, _CPU_BLOCK)
+            held = scales_and_zeros[:, first:first + count].permute(1, 0, 2, 3).float()  # [count, K/g, 64, 2]
+            # (q - 8) s + z = q s + (z - 8 s) in f32 (q s exact; f32 rounding past it), rounded once to bf16.
+            weight = codes_f32.mul_(held[..., 0].unsqueeze(2)).add_((held[..., 1] - _OFFSET * held[..., 0]).unsqueeze(2))
+            weight = weight.to(torch.bfloat16)
+            out[:, first:first + count] = torch.matmul(x, weight.view(count, cols, _CPU_BLOCK)).transpose(0, 1)
+        return out.view(x.shape[0], rows)
 
     @property
     def nbytes(self) -> int:
@@ -132,14 +172,14 @@ def kernel_works(device: torch.device) -> bool:
     """Whether torch's int4 matmul runs on `device` with bf16 activations and computes the formula
     above (tried, not inferred: torch builds differ; a CPU answers for its own kernel)."""
     generator = torch.Generator().manual_seed(0)
-    rows, cols, group = 64, 256, 128
+    rows, cols, group = _CPU_BLOCK * (_TILE_BLOCKS + 1), 256, 128
     parts = Int4Parts(torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8),
                       torch.rand(rows, cols // group, generator=generator) / 16 + 1e-3,
                       torch.randn(rows, cols // group, generator=generator) / 16, group)
     try:
         weight = Int4Weight.create(Int4Parts(parts.codes.to(device), parts.scales.to(device),
                                              parts.zeros.to(device), group))
-        for count in (1, 5):  # a decode step and a ragged prefill
+        for count in (1, 5, _DEQUANTIZED_ROWS):  # a decode step, a ragged prefill, a CPU's tiled one
             x = torch.randn(count, cols, generator=generator).to(torch.bfloat16)
             got = weight.matmul(x.to(device)).float().cpu()
             expected = x.float() @ reference_weight(parts).t()

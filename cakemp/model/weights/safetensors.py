@@ -85,7 +85,7 @@ class Checkpoint(Reader):
 
     @property
     def stores_4bit(self) -> bool:
-        """Whether the checkpoint may hold matrices of 4-bit codes (GPTQ, MLX) to keep int4 on a GPU."""
+        """Whether the checkpoint may hold matrices of 4-bit codes (GPTQ, MLX), which may stay int4."""
         return quantized.stores_parts(self.config.quantization)
 
     @functools.cached_property

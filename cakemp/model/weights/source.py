@@ -33,7 +33,7 @@ class WeightSource(Protocol):
 
     @property
     def stores_4bit(self) -> bool:
-        """Whether it may hold matrices of 4-bit codes, which may stay int4 on a GPU."""
+        """Whether it may hold matrices of 4-bit codes, which may stay int4 (compute/loading.int4_kept)."""
 
     @property
     def norms_need_one(self) -> bool:

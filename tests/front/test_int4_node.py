@@ -1,0 +1,50 @@
+"""`cakemp run` keeping 4-bit weights int4 on an f32 CPU device (the default), over TCP, against
+HF's layers computing the oracle's dequantization of the same weights (what the node computes
+with --dequantize-4bit, tests/front/test_mlx_node.py), within the bound derived for the kept
+path's bf16 roundings (tests/tolerance.py: INT4_KEPT_REL).
+
+MLX affine checkpoints written by mx.quantize, layers 1-3 each, one node at a time: Llama (4 bits,
+groups of 64), Qwen3 (4 bits, groups of 32, sharded) and Qwen3.5-MoE (4 bits, groups of 32: its
+attention and shared expert kept int4, the stacked experts and the 8-bit routers dequantized).
+A prompt and 8 decode steps, a prompt in 3-token chunks, and a 70-token prompt (past the 63 rows
+from which a CPU product takes the bf16 tiles instead of the int4 kernel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.front.quantized_node import check_session, start
+from tests.quantized import mlx_checkpoint, needs_mlx
+from tests.tolerance import F32_REL, INT4_KEPT_REL
+
+CHECKPOINTS = {
+    "llama": dict(family="llama", bits=4, group_size=64),
+    "qwen3": dict(family="qwen3", bits=4, group_size=32, shards=2),
+    "qwen3_5_moe": dict(family="qwen3_5_moe", bits=4, group_size=32),
+}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def served(request, tmp_path_factory):
+    path, reference = mlx_checkpoint(tmp_path_factory.mktemp(request.param), **CHECKPOINTS[request.param])
+    node = start(path, tmp_path_factory.mktemp("topo"), flags=())
+    yield node, path, reference
+    assert node.stop() == 0
+
+
+@needs_mlx
+def test_the_kept_path_matches_the_dequantized_one_within_its_bound(served):
+    node, path, reference = served
+
+    async def main():
+        errors = await check_session(node.port, path, reference, [7] + [1] * 8, INT4_KEPT_REL)
+        errors += await check_session(node.port, path, reference, [3] * 4 + [1] * 8, INT4_KEPT_REL)
+        errors += await check_session(node.port, path, reference, [70, 1], INT4_KEPT_REL)
+        return errors
+
+    errors = asyncio.run(asyncio.wait_for(main(), 120))
+    # Kept, not dequantized: int4's roundings show (a dequantized f32 node is within F32_REL).
+    assert max(errors) > F32_REL, max(errors)
