@@ -1,7 +1,7 @@
 """`cakemp run` keeping 4-bit weights int4 on an f32 CPU device (the default), over TCP, against
 HF's layers computing the oracle's dequantization of the same weights (what the node computes
 with --dequantize-4bit, tests/front/test_mlx_node.py), within the bound derived for the kept
-path's bf16 roundings (tests/tolerance.py: INT4_KEPT_REL).
+path's bf16 roundings (tests/support/tolerance.py: INT4_KEPT_REL).
 
 MLX affine checkpoints written by mx.quantize, layers 1-3 each, one node at a time: Llama (4 bits,
 groups of 64), Qwen3 (4 bits, groups of 32, sharded) and Qwen3.5-MoE (4 bits, groups of 32: its
@@ -16,9 +16,9 @@ import asyncio
 
 import pytest
 
-from tests.front.quantized_node import check_session, start
-from tests.quantized import mlx_checkpoint, needs_mlx
-from tests.tolerance import F32_REL, INT4_KEPT_REL
+from tests.support.quantized_node import check_session, start
+from tests.support.quantized import mlx_checkpoint, needs_mlx
+from tests.support.tolerance import F32_REL, INT4_KEPT_REL
 
 CHECKPOINTS = {
     "llama": dict(family="llama", bits=4, group_size=64),
