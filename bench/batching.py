@@ -59,7 +59,17 @@ from pathlib import Path
 
 import torch
 
-from bench.pool import LAYERS, MAX_POSITIONS, Session, alternate, free_port, machine_line, start_cakemp, start_single, throughput
+from bench.pool import (
+    LAYERS,
+    MAX_POSITIONS,
+    Session,
+    alternate,
+    free_port,
+    machine_line,
+    start_cakemp,
+    start_single,
+    throughput,
+)
 from cakemp.compute.runner import BlockRunner, Request
 from tests.support.checkpoints import make_checkpoint
 

@@ -16,7 +16,17 @@ import platform
 import timeit
 from collections.abc import Callable
 
-from cakemp.wire import Batch, DType, FrameDecoder, LayerOp, RawTensor, Revision, decode_payload, encode_frame, encode_payload
+from cakemp.wire import (
+    Batch,
+    DType,
+    FrameDecoder,
+    LayerOp,
+    RawTensor,
+    Revision,
+    decode_payload,
+    encode_frame,
+    encode_payload,
+)
 
 HIDDEN = 4096
 REVISION = Revision.V2

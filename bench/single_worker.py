@@ -20,7 +20,16 @@ from cakemp.compute.runner import BlockRunner
 from cakemp.errors import BadTensor, ProtocolError, RequestError
 from cakemp.topology import expand_layers
 from cakemp.wire import (
-    Batch, FrameDecoder, Goodbye, Hello, RawTensor, Revision, SingleOp, TensorMessage, WorkerError, WorkerInfo,
+    Batch,
+    FrameDecoder,
+    Goodbye,
+    Hello,
+    RawTensor,
+    Revision,
+    SingleOp,
+    TensorMessage,
+    WorkerError,
+    WorkerInfo,
     encode_frame,
 )
 

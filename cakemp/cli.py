@@ -14,8 +14,8 @@ import sys
 import click
 
 from cakemp import __version__, log
-from cakemp.errors import CakempError, ConfigError
 from cakemp.device import process as device_process
+from cakemp.errors import CakempError, ConfigError
 from cakemp.front import Front
 from cakemp.front.config import RUN_FLAGS, Flag, node_config, run_flag, scrub_cluster_key
 from cakemp.front.devices import device_environment

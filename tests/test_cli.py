@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from cakemp.front.config import KEY_PLACEHOLDER
-from tests.support.node import write_topology
 from tests.support.hub_cache import write_snapshot
+from tests.support.node import write_topology
 
 EX_CONFIG = 78
 

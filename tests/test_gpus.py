@@ -14,7 +14,6 @@ from cakemp.gpus import parse_gpu_list, parse_gpus
 from cakemp.wire.discovery import GpuInfo
 from tests.support.nvidia_smi import fake_nvidia_smi
 
-
 # What `nvidia-smi -L` prints on a machine with two whole GPUs and a third split into two MIG instances.
 NVIDIA_SMI_L = """\
 GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0a1b2c3d-0000-1111-2222-333344445555)

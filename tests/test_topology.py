@@ -6,7 +6,13 @@ import pytest
 
 from cakemp.errors import ConfigError
 from cakemp.topology import (
-    Capacity, Node, Topology, collapse_layers, default_assignment, expand_layers, place_layers,
+    Capacity,
+    Node,
+    Topology,
+    collapse_layers,
+    default_assignment,
+    expand_layers,
+    place_layers,
 )
 
 EXAMPLE = """

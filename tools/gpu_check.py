@@ -635,8 +635,8 @@ def check_dequantize(device: torch.device, rehearse: bool) -> None:
 async def check_image(device: torch.device, rehearse: bool) -> None:
     from cakemp.master.client import WorkerClient
     from cakemp.wire import DType
-    from tests.support.node import RunningNode, write_topology
     from tests.support.image import LATENT, f32, oracle, pack, token_ids, write_cache
+    from tests.support.node import RunningNode, write_topology
 
     def from_raw(raw) -> torch.Tensor:
         assert raw.dtype == DType.F32, raw.dtype

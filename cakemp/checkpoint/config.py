@@ -50,10 +50,10 @@ from cakemp.checkpoint import quantization
 from cakemp.checkpoint.files import CONFIG, container_of, layer_prefix, split_layer, stored_names
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.checkpoint.gguf_model import hf_config
-from cakemp.errors import CheckpointError
 from cakemp.checkpoint.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, QWEN3_5, BlockLayout
 from cakemp.checkpoint.quantization import Quantization
 from cakemp.checkpoint.values import as_list, mapping, real, shown, whole
+from cakemp.errors import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from cakemp.errors import ConfigError
 from cakemp.checkpoint.files import CONFIG, container_of
+from cakemp.errors import ConfigError
 
 BUNDLE_MODEL = "model"  # what `cake split` names a bundle's checkpoint folder and topology file
 BUNDLE_TOPOLOGY = "topology.yml"

@@ -13,17 +13,17 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.compute.loading import Block, LoadPlan, int4_kept
 from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import InternalError, PositionGap, RecurrentRewind, UnknownLayer
-from cakemp.model.weights import packed
 from cakemp.model.block import MATRICES, Span
-from cakemp.model.weights.readers import open_checkpoint
-from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.deltanet import LinearState
 from cakemp.model.rotary import Rotary
+from cakemp.model.weights import packed
+from cakemp.model.weights.readers import open_checkpoint
 from cakemp.op import Op
 
 # Ops between two calls of run_batch's `between_ops` (the device's progress reports).

@@ -20,7 +20,6 @@ from cakemp.errors import CakempError, NodeFault
 from cakemp.master.probe import probe
 from cakemp.wire import WorkerInfo
 
-
 # As long as the node's front waits for a device that loads nothing (its LOAD_SILENCE_S): on a
 # loaded machine, starting torch in every device process alone can take minutes.
 READY_TIMEOUT_S = 300.0

@@ -20,14 +20,14 @@ from typing import TextIO
 import torch
 import yaml
 
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute.runner import BlockRunner
 from cakemp.compute.tensors import compute_dtype
 from cakemp.demo.local_node import LocalNode, NodeFailed, free_port
+from cakemp.demo.synthetic import SyntheticSpec, demo_checkpoint, demo_dir
 from cakemp.errors import NodeFault
 from cakemp.master.generator import Generator, RemoteCall
 from cakemp.master.sampler import SamplingParams
-from cakemp.checkpoint.config import ModelConfig
-from cakemp.demo.synthetic import SyntheticSpec, demo_checkpoint, demo_dir
 from cakemp.topology import Topology
 
 PROMPT = "Once upon a time"

@@ -26,8 +26,6 @@ from multiprocessing.connection import Connection
 
 from cakemp import log
 from cakemp.device.scheduler import Gathering, Scheduler
-from cakemp.ipc import trace
-from cakemp.ipc.spec import DeviceSpec
 from cakemp.ipc import (
     Activation,
     Clear,
@@ -44,7 +42,9 @@ from cakemp.ipc import (
     StartFailure,
     StepReport,
     error_code,
+    trace,
 )
+from cakemp.ipc.spec import DeviceSpec
 
 _PR_SET_PDEATHSIG = 1
 

@@ -27,11 +27,12 @@ from cakemp.compute import tensors
 from cakemp.compute.components import Call, ComponentRunner
 from cakemp.compute.runner import BlockRunner, Request, Runner
 from cakemp.device import fault
-from cakemp.ipc.spec import TEXT, DeviceSpec, Workload
 from cakemp.errors import BadTensor, ConfigError, InternalError, RequestError
 from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, PrefixReport, error_code
+from cakemp.ipc.spec import TEXT, DeviceSpec, Workload
 from cakemp.rss import resident_bytes
 from cakemp.wire import RawTensor
+
 
 def _no_progress(request_id: int) -> None:
     pass

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cakemp.errors import BadOps, BadTensor, ContextLimitExceeded, UnknownLayer
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.errors import BadOps, BadTensor, ContextLimitExceeded, UnknownLayer
 from cakemp.wire import MAX_PAYLOAD, DType, LayerOp, RawTensor
 
 # The wire dtypes a hidden state can have; any of them is served whatever --dtype computes in.

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from pathlib import Path
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -23,12 +23,12 @@ import click
 from cakemp import gpus, log, placement
 from cakemp.address import is_loopback, parse_address
 from cakemp.allow_list import AllowList
-from cakemp.checkpoint.locate import ModelSource, locate
-from cakemp.dtypes import COMPUTE_DTYPES
-from cakemp.errors import ConfigError
 from cakemp.checkpoint.image import archs as image_archs
 from cakemp.checkpoint.image import sd_files
 from cakemp.checkpoint.image.locator import ImageFlags
+from cakemp.checkpoint.locate import ModelSource, locate
+from cakemp.dtypes import COMPUTE_DTYPES
+from cakemp.errors import ConfigError
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, TEXT, ComponentFile, ImageModel, Workload
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig

@@ -43,7 +43,15 @@ from cakemp.front.tracing import TraceFile
 from cakemp.ipc import trace
 from cakemp.streams import FrameReader
 from cakemp.wire import (
-    HEADER_SIZE, LayerAssignment, LayerOp, Message, RawTensor, Revision, TensorMessage, WorkerError, WorkerInfo,
+    HEADER_SIZE,
+    LayerAssignment,
+    LayerOp,
+    Message,
+    RawTensor,
+    Revision,
+    TensorMessage,
+    WorkerError,
+    WorkerInfo,
     encode_frame,
 )
 

@@ -27,14 +27,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cakemp import log
-from cakemp.ipc.spec import DeviceMain, DeviceSpec, Workload
 from cakemp.errors import BadIpcMessage, CakempError, InternalError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
 from cakemp.front.router import Route, Router, chunk_bounds
 from cakemp.front.status import NodeStatus
-from cakemp.ipc import trace
 from cakemp.ipc import (
     Activation,
     Clear,
@@ -54,7 +52,9 @@ from cakemp.ipc import (
     StepReport,
     encode,
     error_from,
+    trace,
 )
+from cakemp.ipc.spec import DeviceMain, DeviceSpec, Workload
 from cakemp.wire import LayerOp, RawTensor
 
 # A starting device that reports no loaded layer for this long is hung. Not --request-timeout:

@@ -24,28 +24,28 @@ from dataclasses import dataclass
 
 import cakemp
 from cakemp import log
-from cakemp.ipc.spec import DeviceMain, DeviceSpec
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.front.admission import Admission, LayerAdmission
-from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.buffer_budget import BufferBudget
+from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
-from cakemp.front.devices import device_specs, front_cores
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
+from cakemp.front.devices import device_specs, front_cores
 from cakemp.front.handshakes import Handshakes
 from cakemp.front.listener import Listener
-from cakemp.setup.discovery import DiscoveryResponder, announcement_for
 from cakemp.front.metrics import Metrics
 from cakemp.front.metrics_server import start_metrics_server
 from cakemp.front.notify import Notifier
 from cakemp.front.pool import LOAD_SILENCE_S, DevicePool
-from cakemp.setup.exchange import MAX_SETUP_FRAME, Setup
 from cakemp.front.stats import log_stats
 from cakemp.front.status import NodeStatus
 from cakemp.front.tracing import TraceFile
 from cakemp.ipc import Ready
-from cakemp.checkpoint.config import ModelConfig
+from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.rss import resident_bytes
+from cakemp.setup.discovery import DiscoveryResponder, announcement_for
+from cakemp.setup.exchange import MAX_SETUP_FRAME, Setup
 from cakemp.topology import collapse_layers, place_layers
 from cakemp.units import human_bytes
 from cakemp.wire import LayerAssignment, WorkerInfo

@@ -26,7 +26,16 @@ from dataclasses import dataclass, field
 from cakemp.errors import InternalError, RequestError, SessionExpired
 from cakemp.front.admission import Admission
 from cakemp.wire import (
-    Batch, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, Message, RawTensor, SingleOp, WorkerError,
+    Batch,
+    Goodbye,
+    Hello,
+    LayerAssignment,
+    LayerAssignmentAck,
+    LayerOp,
+    Message,
+    RawTensor,
+    SingleOp,
+    WorkerError,
     WorkerReady,
 )
 

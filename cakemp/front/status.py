@@ -8,8 +8,8 @@ a bar on stderr when that is a terminal, one log line per loaded layer otherwise
 from __future__ import annotations
 
 import sys
-from typing import TextIO
 from collections.abc import Sequence
+from typing import TextIO
 
 from cakemp import log
 from cakemp.front.metrics import Metrics

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cakemp.errors import ProtocolError
 from cakemp.wire.discovery import DISCOVERY_PORT, Announcement, cluster_hash, decode_announcement, encode_probe

@@ -35,11 +35,11 @@ from cakemp.master.chat import ChatTemplate, end_token_ids
 from cakemp.master.client import WorkerClient
 from cakemp.master.gguf_tokenizer import gguf_chat_template, gguf_eos_ids, gguf_tokenizer
 from cakemp.master.sampler import Sampler, SamplingParams
-from cakemp.model.weights.gguf import GgufCheckpoint
-from cakemp.model.weights.safetensors import Checkpoint
-from cakemp.model.weights.readers import open_checkpoint
-from cakemp.model.weights.source import WeightSource
 from cakemp.model.head import Head
+from cakemp.model.weights.gguf import GgufCheckpoint
+from cakemp.model.weights.readers import open_checkpoint
+from cakemp.model.weights.safetensors import Checkpoint
+from cakemp.model.weights.source import WeightSource
 from cakemp.op import Op
 from cakemp.topology import Topology
 from cakemp.wire import DType, LayerOp, Revision

@@ -12,15 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from pathlib import Path
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import zstandard
 
 from cakemp.checkpoint.files import CONFIG, INDEX, PUSH_CHUNK_BYTES, SINGLE, TOKENIZER, in_layer
 from cakemp.errors import ConfigError
 from cakemp.wire import ModelDataChunk, Revision
-
 
 
 def model_hash(model_dir: str | Path) -> str:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cakemp.model import attention
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.model import attention
 from cakemp.model.linear import linear
 from cakemp.model.mlp import GatedMlp
 from cakemp.model.moe import SparseMoe

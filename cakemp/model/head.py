@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cakemp.checkpoint.config import FAMILIES, ModelConfig
 from cakemp.model.block import rms_norm
 from cakemp.model.weights.readers import open_checkpoint
 from cakemp.model.weights.source import WeightSource
-from cakemp.checkpoint.config import FAMILIES, ModelConfig
 
 LM_HEAD = "lm_head.weight"
 

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cakemp.model.block import feed_forward, feed_forward_groups, feed_forward_shapes, rms_norm
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.model.block import feed_forward, feed_forward_groups, feed_forward_shapes, rms_norm
 from cakemp.model.deltanet import GatedDeltaNet, LinearState
 
 

@@ -40,16 +40,24 @@ import os
 import re
 import stat
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 
 import zstandard
 
 from cakemp import log
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.files import (
-    CONFIG, INDEX, PUSH_CHUNK_BYTES, SINGLE, TOKENIZER, in_layer, read_weight_map, safetensors_names, safetensors_whole,
+    CONFIG,
+    INDEX,
+    PUSH_CHUNK_BYTES,
+    SINGLE,
+    TOKENIZER,
+    in_layer,
+    read_weight_map,
+    safetensors_names,
+    safetensors_whole,
 )
 from cakemp.errors import CheckpointError, SetupError
 from cakemp.wire import ModelDataChunk

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-
 from typing import Protocol
 
 from cakemp import log
@@ -45,8 +44,15 @@ from cakemp.setup.cache import ModelCache, ModelPush
 from cakemp.setup.state import SetupPhase, SetupState
 from cakemp.streams import FrameReader
 from cakemp.wire import (
-    LayerAssignment, LayerAssignmentAck, Message, ModelDataChunk, ModelDataDone, Revision,
-    WorkerError, WorkerReady, encode_frame,
+    LayerAssignment,
+    LayerAssignmentAck,
+    Message,
+    ModelDataChunk,
+    ModelDataDone,
+    Revision,
+    WorkerError,
+    WorkerReady,
+    encode_frame,
 )
 from cakemp.wire.discovery import cluster_hash
 

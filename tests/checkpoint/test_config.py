@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from cakemp.errors import CheckpointError
 from cakemp.checkpoint.config import FAMILIES, LinearRopeScaling, Llama3RopeScaling, ModelConfig, Rope
+from cakemp.errors import CheckpointError
 from tests.support.checkpoints import make_config
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cakemp.checkpoint.files import CONFIG, INDEX, estimated_layer_bytes, in_layer
 from cakemp.checkpoint import hub
+from cakemp.checkpoint.files import CONFIG, INDEX, estimated_layer_bytes, in_layer
 from cakemp.checkpoint.hub import fetch_metadata, fetch_weights, shards_for
 from cakemp.checkpoint.locate import ModelSource, Repository, hub_cache, locate, parse_repository, parse_repository_file
 from cakemp.errors import CheckpointError, ConfigError

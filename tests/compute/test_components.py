@@ -11,8 +11,18 @@ from cakemp.checkpoint.image.sd_files import locate
 from cakemp.compute.components import Call, ComponentRunner
 from cakemp.errors import BadTensor, CheckpointError
 from tests.support.image import (
-    FLUX1, LATENT, f32, flux1_ids, flux1_transformer_oracle, oracle, pack, token_ids, write_cache, write_flux1_checkpoint,
-    write_xl_cache, xl_oracle,
+    FLUX1,
+    LATENT,
+    f32,
+    flux1_ids,
+    flux1_transformer_oracle,
+    oracle,
+    pack,
+    token_ids,
+    write_cache,
+    write_flux1_checkpoint,
+    write_xl_cache,
+    xl_oracle,
 )
 
 F32_ATOL = 1e-5

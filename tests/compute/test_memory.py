@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import memory
 from cakemp.compute.memory import GIB
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import ConfigError
-from cakemp.model.weights import fp8
 from cakemp.model.block import DecoderBlock
+from cakemp.model.weights import fp8
 from cakemp.model.weights.safetensors import Checkpoint
-from cakemp.checkpoint.config import ModelConfig
 from tests.support.checkpoints import make_checkpoint
 
 LAYERS = ["model.layers.1", "model.layers.2"]

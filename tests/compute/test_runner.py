@@ -5,7 +5,7 @@ import torch
 
 from cakemp.compute.kv_cache import MIN_CAPACITY
 from cakemp.compute.runner import BlockRunner
-from cakemp.errors import CacheBudgetExceeded, InternalError, ContextLimitExceeded, PositionGap, UnknownLayer
+from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded, InternalError, PositionGap, UnknownLayer
 from tests.support.checkpoints import make_checkpoint
 from tests.support.tolerance import assert_close
 

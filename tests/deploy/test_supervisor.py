@@ -19,13 +19,13 @@ from supervisor.datatypes import RestartWhenExitUnexpected
 from supervisor.options import ServerOptions
 from supervisor.xmlrpc import SupervisorTransport
 
+from cakemp.demo.local_node import free_port
 from cakemp.errors import CakempError, ConfigError
 from cakemp.front.config import check_cluster_key
-from cakemp.demo.local_node import free_port
 from cakemp.master.client import WorkerClient
 from cakemp.master.probe import probe
-from tests.support.checkpoints import HFLayers
 from tests.deploy.flags import run_variables
+from tests.support.checkpoints import HFLayers
 from tests.support.master import from_raw, to_raw
 from tests.support.node import children, gone, wait_gone, wait_until, write_topology
 from tests.support.tolerance import assert_close

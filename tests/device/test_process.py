@@ -10,7 +10,6 @@ import time
 import torch
 
 from cakemp.device import process
-from cakemp.ipc.spec import DeviceSpec
 from cakemp.ipc import (
     Activation,
     ErrorCode,
@@ -27,9 +26,10 @@ from cakemp.ipc import (
     StartFailure,
     StepReport,
 )
+from cakemp.ipc.spec import DeviceSpec
 from cakemp.wire import DType
-from tests.support.checkpoints import HFLayers
 from tests.device import faulting_gpu
+from tests.support.checkpoints import HFLayers
 from tests.support.tolerance import assert_close
 
 

@@ -10,9 +10,9 @@ import torch
 from cakemp.compute.runner import BlockRunner
 from cakemp.device import fault
 from cakemp.device.service import DeviceService
-from cakemp.ipc.spec import DeviceSpec
 from cakemp.errors import ConfigError
 from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, Op, Stage
+from cakemp.ipc.spec import DeviceSpec
 from cakemp.wire import DType
 
 LAYERS = ("model.layers.2", "model.layers.3")

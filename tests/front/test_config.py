@@ -12,8 +12,8 @@ import socket
 import pytest
 from structlog.testing import capture_logs
 
-from cakemp.errors import ConfigError
 from cakemp.address import is_loopback, parse_address
+from cakemp.errors import ConfigError
 from cakemp.front.config import KEY_PLACEHOLDER, KEY_VARIABLES, RUN_FLAGS, NodeConfig, node_config, scrub_cluster_key
 from cakemp.front.devices import CPU_KV_SHARE, device_environment, device_specs, front_cores
 from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK

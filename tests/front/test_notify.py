@@ -1,7 +1,7 @@
 import asyncio
+import multiprocessing
 import os
 import socket
-import multiprocessing
 import uuid
 
 import pytest

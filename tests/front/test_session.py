@@ -8,7 +8,16 @@ from cakemp.errors import BadTensor, InternalError, SessionExpired, UnknownLayer
 from cakemp.front.admission import LayerAdmission
 from cakemp.front.session import Close, Forward, Greet, Note, Refuse, Reply, Reset, Session, SessionState
 from cakemp.wire import (
-    Batch, DType, Goodbye, Hello, LayerAssignment, LayerAssignmentAck, LayerOp, RawTensor, SingleOp, WorkerError,
+    Batch,
+    DType,
+    Goodbye,
+    Hello,
+    LayerAssignment,
+    LayerAssignmentAck,
+    LayerOp,
+    RawTensor,
+    SingleOp,
+    WorkerError,
     WorkerReady,
 )
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from cakemp.checkpoint.config import ModelConfig
@@ -16,8 +17,6 @@ from cakemp.demo.synthetic import write_checkpoint
 from cakemp.master.cluster import assign_layers, max_layers
 from cakemp.master.discovery import DiscoveredWorker
 from cakemp.wire.discovery import Announcement, GpuInfo
-from safetensors import safe_open
-
 from tests.support.node import ZeroConfigNode
 from tests.support.quantized import GptqSpec, gptq_checkpoints, gptq_shaped, mlx_checkpoint, needs_gptqmodel, needs_mlx
 

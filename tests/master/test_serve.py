@@ -24,8 +24,8 @@ from click.testing import CliRunner
 from cakemp.cli import DEFAULT_SYSTEM_PROMPT, cli
 from cakemp.demo.local_node import free_port
 from cakemp.demo.synthetic import write_checkpoint
-from tests.support.node import LoggedProcess, RunningNode, answered, scrape, wait_until, waiting
 from tests.master.chat_templates import CHATML, with_template
+from tests.support.node import LoggedProcess, RunningNode, answered, scrape, wait_until, waiting
 
 NODE_LAYERS = ["model.layers.1-3", "model.layers.5"]
 MODEL_ID = "tiny-chat"

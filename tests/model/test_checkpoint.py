@@ -7,12 +7,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import CheckpointError
-from cakemp.model.weights import fp8
 from cakemp.model.block import DecoderBlock
+from cakemp.model.weights import fp8
 from cakemp.model.weights.safetensors import Checkpoint
-from cakemp.checkpoint.config import ModelConfig
 from tests.support.checkpoints import make_checkpoint
 from tests.support.families import HUB_FAMILIES
 

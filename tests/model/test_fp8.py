@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from cakemp.model.weights import fp8
 from cakemp.model.linear import linear
+from cakemp.model.weights import fp8
 
 
 def reference(weight, scale_inv, block):

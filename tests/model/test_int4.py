@@ -19,10 +19,10 @@ import torch
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.quantization import Gptq
 from cakemp.compute.runner import BlockRunner
-from cakemp.model.weights import ggml, gptq, int4, mlx
-from cakemp.model.weights.safetensors import Checkpoint
-from cakemp.model.weights.gguf import GgufCheckpoint
 from cakemp.model.linear import linear
+from cakemp.model.weights import ggml, gptq, int4, mlx
+from cakemp.model.weights.gguf import GgufCheckpoint
+from cakemp.model.weights.safetensors import Checkpoint
 from tests.support.checkpoints import make_checkpoint
 from tests.support.gguf_files import RANDOM_BLOCKS, GgufSpec, needs_gguf, random_blocks, write_gguf
 from tests.support.int4_checkpoints import random_gptq, random_mlx

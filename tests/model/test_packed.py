@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cakemp.model.weights import packed
 from cakemp.model.linear import linear
+from cakemp.model.weights import packed
 from tests.support.tolerance import assert_close
 
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch has no MKL")

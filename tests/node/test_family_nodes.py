@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from tests.support.checkpoints import HFLayers, make_checkpoint
-from tests.support.tolerance import F32_REL, rel_error
 from tests.support.families import HUB_FAMILIES
 from tests.support.master import CakeMaster
 from tests.support.node import RunningNode, write_topology
+from tests.support.tolerance import F32_REL, rel_error
 
 LAYERS = [1, 2, 3]
 # name -> (family, config overrides, hub config keys) as tests/support/families.py gives them

@@ -17,8 +17,8 @@ import torch
 from cakemp.errors import RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType
-from tests.support.node import RunningNode, write_topology
 from tests.support.image import FLUX1, f32, flux1_ids, flux1_transformer_oracle, pack, write_flux1_checkpoint
+from tests.support.node import RunningNode, write_topology
 
 BF16_RTOL = 8 * 2**-8
 H, W, TEXT = 2, 3, 5  # a 2x3 latent grid, 5 T5 tokens (Cake does not pad them)

@@ -17,11 +17,20 @@ from cakemp.errors import RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
 from cakemp.wire.packing import unpack_layout
-from tests.support.node import RunningNode, write_topology
 from tests.support.image import (
-    FLUX_REPOSITORY, QWEN3, f32, flux_ids, flux_text_oracle, flux_transformer_oracle, flux_vae_oracle, pack,
-    write_flux_cache, write_flux_transformer, write_flux_vae,
+    FLUX_REPOSITORY,
+    QWEN3,
+    f32,
+    flux_ids,
+    flux_text_oracle,
+    flux_transformer_oracle,
+    flux_vae_oracle,
+    pack,
+    write_flux_cache,
+    write_flux_transformer,
+    write_flux_vae,
 )
+from tests.support.node import RunningNode, write_topology
 
 F32_ATOL = 1e-5
 BF16_RTOL = 8 * 2**-8  # the transformer replies in BF16, as Cake's: 8 eps of it

@@ -21,7 +21,16 @@ import torch
 
 from cakemp.master.client import WorkerClient
 from cakemp.wire import (
-    HEADER_SIZE, MAGIC, Batch, DType, Hello, Revision, WorkerError, WorkerInfo, decode_payload, encode_frame,
+    HEADER_SIZE,
+    MAGIC,
+    Batch,
+    DType,
+    Hello,
+    Revision,
+    WorkerError,
+    WorkerInfo,
+    decode_payload,
+    encode_frame,
     read_header,
 )
 from cakemp.wire.codec import _TAGS

@@ -36,8 +36,25 @@ from transformers.cache_utils import DynamicCache
 from cakemp.errors import BadRequest, ProtocolError
 from cakemp.front.admission import LayerAdmission
 from cakemp.wire import (
-    HEADER_SIZE, MAGIC, Batch, DType, FrameDecoder, Goodbye, Hello, LayerAssignment, LayerOp, ModelDataDone,
-    RawTensor, Revision, SingleOp, TensorMessage, WorkerError, WorkerInfo, WorkerReady, decode_payload, encode_frame,
+    HEADER_SIZE,
+    MAGIC,
+    Batch,
+    DType,
+    FrameDecoder,
+    Goodbye,
+    Hello,
+    LayerAssignment,
+    LayerOp,
+    ModelDataDone,
+    RawTensor,
+    Revision,
+    SingleOp,
+    TensorMessage,
+    WorkerError,
+    WorkerInfo,
+    WorkerReady,
+    decode_payload,
+    encode_frame,
 )
 from tests.support.checkpoints import HFLayers
 from tests.support.master import CakeMaster

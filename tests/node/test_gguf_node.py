@@ -24,9 +24,9 @@ import struct
 
 import pytest
 
-from tests.support.quantized_node import check_prompt_decode_and_chunks, refused_at_start, start
 from tests.support.gguf_files import GgufSpec, hf_reference, needs_gguf, write_gguf
 from tests.support.hub_cache import write_snapshot
+from tests.support.quantized_node import check_prompt_decode_and_chunks, refused_at_start, start
 
 SPECS = {
     "llama": GgufSpec("llama", hidden=256, ffn=512, types={

@@ -18,9 +18,8 @@ import json
 import pytest
 
 from tests.support.checkpoints import make_checkpoint
-from tests.support.quantized_node import check_prompt_decode_and_chunks, refused_at_start, start
 from tests.support.quantized import GptqSpec, gptq_checkpoints, gptq_shaped, needs_gptqmodel
-
+from tests.support.quantized_node import check_prompt_decode_and_chunks, refused_at_start, start
 
 SPECS = {
     "llama": GptqSpec("llama", bits=4, group_size=32),

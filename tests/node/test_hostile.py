@@ -21,8 +21,18 @@ import torch
 from cakemp.errors import RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from cakemp.wire import (
-    HEADER_SIZE, MAGIC, Batch, DType, Hello, LayerOp, RawTensor, Revision, WorkerInfo, decode_payload,
-    encode_frame, read_header,
+    HEADER_SIZE,
+    MAGIC,
+    Batch,
+    DType,
+    Hello,
+    LayerOp,
+    RawTensor,
+    Revision,
+    WorkerInfo,
+    decode_payload,
+    encode_frame,
+    read_header,
 )
 from tests.support.checkpoints import HFLayers, make_checkpoint
 from tests.support.master import CakeMaster, to_raw

@@ -23,8 +23,8 @@ from diffusers import DDIMScheduler
 from cakemp.errors import RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor, WorkerInfo
-from tests.support.node import RunningNode, scrape, write_topology
 from tests.support.image import LATENT, VAE_SCALE, f32, oracle, pack, token_ids, write_cache
+from tests.support.node import RunningNode, scrape, write_topology
 
 F32_ATOL = 1e-5
 # The loop's bound: a UNet step's f32 rounding (the node's threads sum in another order, ~1e-6) is

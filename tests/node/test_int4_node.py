@@ -16,8 +16,8 @@ import asyncio
 
 import pytest
 
-from tests.support.quantized_node import check_session, start
 from tests.support.quantized import mlx_checkpoint, needs_mlx
+from tests.support.quantized_node import check_session, start
 from tests.support.tolerance import F32_REL, INT4_KEPT_REL
 
 CHECKPOINTS = {

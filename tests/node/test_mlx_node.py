@@ -19,9 +19,8 @@ import json
 import pytest
 
 from tests.support.checkpoints import make_checkpoint
-from tests.support.quantized_node import check_prompt_decode_and_chunks, refused_at_start, start
 from tests.support.quantized import mlx_checkpoint, needs_mlx
-
+from tests.support.quantized_node import check_prompt_decode_and_chunks, refused_at_start, start
 
 CHECKPOINTS = {
     "llama": dict(family="llama", bits=4, group_size=64),

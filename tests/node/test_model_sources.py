@@ -29,9 +29,9 @@ from cakemp.cli import cli
 from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
 from cakemp.errors import RemoteWorkerError
 from tests.support.checkpoints import HFLayers
+from tests.support.hub_cache import write_snapshot
 from tests.support.master import CakeMaster
 from tests.support.node import RunningNode
-from tests.support.hub_cache import write_snapshot
 from tests.support.tolerance import assert_close
 
 transformers = pytest.importorskip("transformers")

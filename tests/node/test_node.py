@@ -20,8 +20,18 @@ from cakemp.auth import authenticate_worker
 from cakemp.errors import AuthError, ProtocolError, RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from cakemp.wire import (
-    HEADER_SIZE, Batch, DType, Hello, LayerOp, RawTensor, Revision, WorkerError, WorkerInfo,
-    decode_payload, encode_frame, read_header,
+    HEADER_SIZE,
+    Batch,
+    DType,
+    Hello,
+    LayerOp,
+    RawTensor,
+    Revision,
+    WorkerError,
+    WorkerInfo,
+    decode_payload,
+    encode_frame,
+    read_header,
 )
 from tests.support.checkpoints import HFLayers
 from tests.support.master import CakeMaster, from_raw, to_raw

@@ -20,7 +20,14 @@ from cakemp.master.client import WorkerClient
 from tests.support.checkpoints import HFLayers
 from tests.support.master import CakeMaster, from_raw, to_raw
 from tests.support.node import (
-    RunningNode, kv_bytes, quiescent, scrape, wait_gone, wait_until, wait_waiting, write_topology,
+    RunningNode,
+    kv_bytes,
+    quiescent,
+    scrape,
+    wait_gone,
+    wait_until,
+    wait_waiting,
+    write_topology,
 )
 from tests.support.tolerance import assert_close, half_bound
 

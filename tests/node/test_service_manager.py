@@ -21,7 +21,14 @@ from cakemp.master.client import WorkerClient
 from tests.support.checkpoints import HFLayers
 from tests.support.master import CakeMaster, to_raw
 from tests.support.node import (
-    RunningNode, children, http_status, kv_bytes, quiescent, scrape, wait_gone, wait_waiting,
+    RunningNode,
+    children,
+    http_status,
+    kv_bytes,
+    quiescent,
+    scrape,
+    wait_gone,
+    wait_waiting,
     write_topology,
 )
 from tests.support.tolerance import assert_close

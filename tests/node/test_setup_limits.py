@@ -20,7 +20,13 @@ from cakemp.errors import ProtocolError
 from cakemp.master.client import WorkerClient
 from cakemp.setup.exchange import MAX_FIRST_FRAME, MAX_SETUP_CONNECTIONS, MAX_SETUP_FRAME
 from cakemp.wire import (
-    HEADER_SIZE, MAGIC, LayerAssignment, LayerAssignmentAck, Revision, WorkerError, encode_frame,
+    HEADER_SIZE,
+    MAGIC,
+    LayerAssignment,
+    LayerAssignmentAck,
+    Revision,
+    WorkerError,
+    encode_frame,
 )
 from cakemp.wire.discovery import cluster_hash, encode_probe
 from tests.support.checkpoints import make_config

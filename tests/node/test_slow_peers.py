@@ -26,8 +26,18 @@ from cakemp.auth import authenticate_worker
 from cakemp.front.admission import LayerAdmission
 from cakemp.master.client import WorkerClient
 from cakemp.wire import (
-    HEADER_SIZE, MAGIC, Batch, DType, Hello, RawTensor, Revision, WorkerInfo, WorkerReady, decode_payload,
-    encode_frame, read_header,
+    HEADER_SIZE,
+    MAGIC,
+    Batch,
+    DType,
+    Hello,
+    RawTensor,
+    Revision,
+    WorkerInfo,
+    WorkerReady,
+    decode_payload,
+    encode_frame,
+    read_header,
 )
 from tests.support.checkpoints import HFLayers, make_checkpoint
 from tests.support.master import CakeMaster

@@ -25,8 +25,17 @@ from cakemp.master.client import WorkerClient
 from cakemp.master.model_push import model_chunks, model_hash
 from cakemp.setup.cache import MARKER, OWNER
 from cakemp.wire import (
-    Hello, LayerAssignment, LayerAssignmentAck, ModelDataDone, Revision, WorkerError, WorkerInfo, WorkerReady, decode_payload,
-    encode_frame, read_header,
+    Hello,
+    LayerAssignment,
+    LayerAssignmentAck,
+    ModelDataDone,
+    Revision,
+    WorkerError,
+    WorkerInfo,
+    WorkerReady,
+    decode_payload,
+    encode_frame,
+    read_header,
 )
 from cakemp.wire.discovery import cluster_hash
 from tests.support.checkpoints import HFLayers, make_checkpoint

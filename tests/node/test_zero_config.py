@@ -25,7 +25,14 @@ from cakemp.master.client import WorkerClient
 from cakemp.master.discovery import discover
 from cakemp.master.model_push import model_chunks, model_hash
 from cakemp.wire import (
-    Hello, LayerAssignment, LayerAssignmentAck, ModelDataChunk, ModelDataDone, Revision, WorkerError, WorkerReady,
+    Hello,
+    LayerAssignment,
+    LayerAssignmentAck,
+    ModelDataChunk,
+    ModelDataDone,
+    Revision,
+    WorkerError,
+    WorkerReady,
 )
 from cakemp.wire.discovery import cluster_hash, decode_announcement, encode_probe
 from tests.support.checkpoints import HFLayers, make_checkpoint

@@ -13,8 +13,8 @@ import zstandard
 from safetensors.torch import save_file
 
 from cakemp.errors import SetupError
-from cakemp.setup.cache import MARKER, OWNER, ModelCache, cache_root, check_file_name, check_model_hash, disk_room
 from cakemp.master.model_push import model_chunks
+from cakemp.setup.cache import MARKER, OWNER, ModelCache, cache_root, check_file_name, check_model_hash, disk_room
 from cakemp.wire import ModelDataChunk, Revision
 
 LAYERS = ("model.layers.0", "model.layers.1")

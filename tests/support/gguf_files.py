@@ -176,7 +176,6 @@ def hf_reference(path: Path, out: Path) -> Path:
     gguf-py's dequantization, the Llama q/k permutation undone), saved as an f32 HF checkpoint."""
     import torch
     import transformers
-
     from safetensors.torch import save_file
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

@@ -15,6 +15,7 @@ from cakemp.compute import tensors
 from cakemp.master.client import WorkerClient
 from cakemp.wire import RawTensor, Revision
 
+
 def to_raw(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> RawTensor:
     """x [1, T, H] as a wire tensor of `dtype`."""
     return tensors.to_raw(x, tensors.wire_dtype(dtype))

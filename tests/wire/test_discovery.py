@@ -6,7 +6,13 @@ import pytest
 
 from cakemp.errors import ProtocolError
 from cakemp.wire.discovery import (
-    Announcement, GpuInfo, cluster_hash, decode_announcement, decode_probe, encode_announcement, encode_probe,
+    Announcement,
+    GpuInfo,
+    cluster_hash,
+    decode_announcement,
+    decode_probe,
+    encode_announcement,
+    encode_probe,
 )
 
 

@@ -9,7 +9,6 @@ import struct
 import pytest
 
 from cakemp.errors import BadOps, BadTensor, EncodeError, ProtocolError
-from cakemp.wire.messages import MAX_DIMS, MAX_ITEMS
 from cakemp.wire import (
     MAX_PAYLOAD,
     Batch,
@@ -29,6 +28,7 @@ from cakemp.wire import (
     encode_payload,
     read_header,
 )
+from cakemp.wire.messages import MAX_DIMS, MAX_ITEMS
 
 V2 = Revision.V2
 

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cakemp.wire import (
+    HEADER_SIZE,
     Batch,
     DType,
-    HEADER_SIZE,
     FrameDecoder,
     LayerOp,
     RawTensor,

@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3Model
 
 from cakemp.errors import BadTensor, CheckpointError

@@ -30,7 +30,6 @@ from cakemp.model.weights import fp8, int4, quantized
 from cakemp.model.weights.quantized import QuantizedParts
 from cakemp.model.weights.source import Reader
 
-
 K = TypeVar("K")
 
 
