@@ -76,11 +76,11 @@ def wait_listening(port: int, process: subprocess.Popen, timeout: float = 120.0)
 
 
 def start_cakemp(model: Path, workdir: Path, gpus: str, *extra: str,
-                 source: Path | None = None) -> tuple[subprocess.Popen, int]:
-    """`cakemp run` over all layers, f32; from the checkout at `source` (e.g. a git worktree of an
-    older commit) when given, else from this interpreter's path."""
+                 source: Path | None = None, layers: int = LAYERS) -> tuple[subprocess.Popen, int]:
+    """`cakemp run` over the model's `layers` layers, f32; from the checkout at `source` (e.g. a git
+    worktree of an older commit) when given, else from this interpreter's path."""
     topology = workdir / f"topology-{model.name}.yml"
-    topology.write_text(yaml.safe_dump({"w": {"host": "x:1", "layers": [f"model.layers.0-{LAYERS - 1}"]}}))
+    topology.write_text(yaml.safe_dump({"w": {"host": "x:1", "layers": [f"model.layers.0-{layers - 1}"]}}))
     port = free_port()
     env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
     process = subprocess.Popen(
@@ -104,15 +104,15 @@ def raw(x: torch.Tensor) -> RawTensor:
 
 
 class Session:
-    """One master session: a connection per layer, decode steps as Batches on the first."""
+    """One master session over a model's `layers` layers: a connection per layer, decode steps as Batches on the first."""
 
     def __init__(self, clients: list[WorkerClient], hidden: int):
         self.clients, self.hidden, self.position = clients, hidden, 0
 
     @classmethod
-    async def open(cls, port: int, hidden: int) -> Session:
+    async def open(cls, port: int, hidden: int, layers: int = LAYERS) -> Session:
         clients = []
-        for _ in range(LAYERS):
+        for _ in range(layers):
             client = await WorkerClient.connect("127.0.0.1", port)
             await client.hello()
             clients.append(client)
@@ -126,7 +126,9 @@ class Session:
         self.position = 0
         await self.step(prompt)
 
-    async def step(self, tokens: int = 1, layers: int = LAYERS) -> None:
+    async def step(self, tokens: int = 1, layers: int | None = None) -> None:
+        """A Batch of `tokens` through the first `layers` layers (all of them by default)."""
+        layers = len(self.clients) if layers is None else layers
         if self.position + tokens > MAX_POSITIONS:
             await self.restart()
         ops = [(f"model.layers.{i}", self.position, i) for i in range(layers)]

@@ -41,14 +41,20 @@ from tests.support.checkpoints import make_checkpoint
 BLOCK = 25
 
 
+def children(pid: int) -> list[int]:
+    """The pids of `pid`'s children (a node's device processes, and multiprocessing's resource tracker)."""
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def process_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` alone (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of `pid` and its children (a node's front and device processes)."""
-    pids = [pid] + [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    ticks = 0
-    for one in pids:
-        fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(process_seconds(one) for one in [pid, *children(pid)])
 
 
 async def measure(ports: dict[str, int], pids: dict[str, int], steps: int, prefills: int) -> tuple[dict, dict, dict]:

@@ -1,0 +1,259 @@
+"""Request cost benchmark: the CPU time a node spends per decode Batch, process by process.
+
+    python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--profile-seconds 4]
+
+Writes a random 2-layer Llama checkpoint (hidden 256, intermediate 768, 4 query heads on 2 kv
+heads, f32) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over both
+layers. For each count of sessions (--counts), that many Cake-style masters (bench.pool.Session:
+an 8-token prompt, then one decode Batch through both layers per token) decode at once, --steps
+Batches each per window; between windows every session starts over (a Goodbye and a new prompt,
+outside the window), so contexts stay short. CPU time is utime + stime from /proc/<pid>/stat
+(what the machine's load does not inflate much, unlike wall time), of the front process and of
+its device process, over each window, divided by the requests in it. Each window is followed by
+the same compute in this process: BlockRunner.run_batch over the same layers (loaded as the node's
+device loads them: f32 weights packed, no prefix reuse), one torch thread, on the same number of
+sessions' one-token requests, its CPU time (time.process_time) per request. --rounds windows
+of each, alternating; figures are sums over all of them. Each process's CPU time is also split
+by thread, from /proc/<pid>/task/<tid>/stat: its main thread, and ZeroMQ's I/O threads
+(ZMQbg/IO/0), whose work (moving frames between sockets) py-spy does not see.
+
+Then, for each count, a profile of each live process while the sessions decode: py-spy record
+--format raw --nonblocking on the front's pid and the device's, --profile-seconds each, both at
+once; each sample is put in the stage of its innermost frame that some rule of STAGES names
+(the file it is in), and each stage's share of the samples times the CPU µs per request of the
+process's main thread (where its Python runs) is printed as its µs per request, then each
+process's --top innermost frames and their shares. py-spy counts only samples of threads
+running Python or C code, not waiting in select or recv, so a share is a share of CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from bench.pool import MAX_POSITIONS, Session, machine_line, start_cakemp
+from bench.route import children, process_seconds
+from cakemp.compute.runner import BlockRunner, Request
+from tests.support.checkpoints import make_checkpoint
+
+LAYERS = 2
+HIDDEN = 256
+SHAPE = dict(num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=768, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS)
+NODE_ARGS = ("--cpu-threads", "1", "--no-prefix-reuse")
+
+# (stage, the path fragments of the files whose frames belong to it), tried in this order on each
+# frame from the innermost out: a sample is the stage of the first frame a rule names.
+STAGES = (
+    ("frame read/write (wire/frames)", ("cakemp/wire/frames",)),
+    ("wire decode/encode", ("cakemp/wire/",)),
+    ("admission", ("admission", "buffer_budget")),
+    ("routing", ("cakemp/front/router",)),
+    ("ipc codec", ("cakemp/ipc/codec", "cakemp/ipc/message")),
+    ("ipc send/receive (ZeroMQ)", ("cakemp/ipc/channel", "zmq/")),
+    ("metrics", ("metrics", "prometheus", "cakemp/front/stats")),
+    ("logging", ("logging/", "cakemp/log.py")),
+    ("tracing", ("cakemp/ipc/trace", "cakemp/front/tracing")),
+    ("scheduler", ("cakemp/device/scheduler",)),
+    ("tensor conversion", ("cakemp/compute/tensors",)),
+    ("compute (runner, blocks, torch)", ("cakemp/compute/", "cakemp/model/", "torch/")),
+    ("device loop (process, service)", ("cakemp/device/",)),
+    ("front: connection, session, pool", ("cakemp/front/",)),
+    ("socket I/O (asyncio transports)", ("asyncio/selector_events", "asyncio/streams")),
+    ("select (epoll)", ("selectors",)),
+    ("event loop", ("asyncio/",)),
+)
+
+
+def device_pid(front: int) -> int:
+    """The front's device process (its one spawned child that is not multiprocessing's resource tracker)."""
+    for pid in children(front):
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise RuntimeError("the node has no device process")
+
+
+def thread_seconds(pids: dict[str, int]) -> Counter:
+    """CPU seconds of every thread of the processes in `pids`, summed by process and thread name
+    ("front" and "front ZMQbg/IO/0", say: the Python thread's name is the process's own)."""
+    seconds = Counter()
+    for name, pid in pids.items():
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                thread = (task / "comm").read_text().strip()
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # the thread ended meanwhile
+                continue
+            key = name if task.name == str(pid) else f"{name} {thread}"
+            seconds[key] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+async def node_window(sessions: list[Session], steps: int, pids: dict[str, int]) -> Counter:
+    """CPU seconds of each process in `pids`, and of each of its threads by name, while every
+    session decodes `steps` Batches at once."""
+    for session in sessions:
+        await session.restart()
+    before = {name: process_seconds(pid) for name, pid in pids.items()}
+    threads = thread_seconds(pids)
+
+    async def decode(session: Session) -> None:
+        for _ in range(steps):
+            await session.step()
+
+    await asyncio.gather(*(decode(session) for session in sessions))
+    spent = thread_seconds(pids)
+    spent.subtract(threads)
+    spent.update({f"{name} (process)": process_seconds(pid) - before[name] for name, pid in pids.items()})
+    return spent
+
+
+def in_process_window(runner: BlockRunner, count: int, steps: int) -> float:
+    """CPU seconds of this process for `steps` run_batch steps over `count` sessions' one-token requests."""
+    layers = [f"model.layers.{i}" for i in range(LAYERS)]
+    sessions = range(1, count + 1)
+    with torch.inference_mode():
+        for session in sessions:
+            runner.free_session(session)
+            runner.run(session, torch.randn(1, 8, HIDDEN), runner.ops([(layer, 0, i) for i, layer in enumerate(layers)]))
+        inputs = [[torch.randn(1, 1, HIDDEN) for _ in sessions] for _ in range(steps)]
+        start = time.process_time()
+        for position, xs in enumerate(inputs, 8):
+            ops = runner.ops([(layer, position, i) for i, layer in enumerate(layers)])
+            runner.run_batch([Request(session, x, ops) for session, x in zip(sessions, xs)])
+        return time.process_time() - start
+
+
+async def measure(port: int, pids: dict[str, int], runner: BlockRunner, counts: list[int], steps: int,
+                  rounds: int) -> dict[int, dict[str, float]]:
+    """{count: {process: CPU µs per request}}, node windows and in-process windows alternating."""
+    figures = {}
+    for count in counts:
+        sessions = [await Session.open(port, HIDDEN, LAYERS) for _ in range(count)]
+        await node_window(sessions, 5, pids)  # warm-up
+        in_process_window(runner, count, 5)
+        totals = Counter()
+        for _ in range(rounds):
+            totals.update(await node_window(sessions, steps, pids))
+            totals["in-process"] += in_process_window(runner, count, steps)
+        for session in sessions:
+            await session.close()
+        figures[count] = {name: seconds / (rounds * steps * count) * 1e6 for name, seconds in totals.items()}
+    return figures
+
+
+async def profile(port: int, pids: dict[str, int], count: int, seconds: int,
+                  workdir: Path) -> dict[str, tuple[Counter, Counter]]:
+    """{process: samples by stage, and by innermost frame} from py-spy on each live process while `count` sessions decode."""
+    sessions = [await Session.open(port, HIDDEN, LAYERS) for _ in range(count)]
+    outputs = {name: workdir / f"{name}.raw" for name in pids}
+    spies = [subprocess.Popen(["py-spy", "record", "--format", "raw", "--nonblocking", "--rate", "500",
+                               "--duration", str(seconds), "--pid", str(pid), "--output", str(outputs[name])],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name, pid in pids.items()]
+
+    async def decode(session: Session) -> None:
+        while any(spy.poll() is None for spy in spies):
+            await session.step()
+            if session.position > 200:
+                await session.restart()
+
+    await asyncio.gather(*(decode(session) for session in sessions))
+    for session in sessions:
+        await session.close()
+    return {name: stages(path.read_text()) for name, path in outputs.items()}
+
+
+def stages(raw: str) -> tuple[Counter, Counter]:
+    """Samples by stage, and by innermost frame, from py-spy's raw output: lines of `frame;frame;... count`,
+    outermost first."""
+    by_stage, by_frame = Counter(), Counter()
+    for line in raw.splitlines():
+        stack, _, samples = line.rpartition(" ")
+        frames = stack.split(";")
+        by_stage[stage(frames)] += int(samples)
+        by_frame[frames[-1]] += int(samples)
+    return by_stage, by_frame
+
+
+def stage(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for name, paths in STAGES:
+            if any(path in frame for path in paths):
+                return name
+    return "other"
+
+
+def print_profile(profiled: dict[str, tuple[Counter, Counter]], per_request: dict[str, float], count: int,
+                  top: int) -> None:
+    samples = {name: by_stage for name, (by_stage, _) in profiled.items()}
+    names = list(samples)
+    print(f"\nprofile at {count} session(s), by stage: share of each process's samples, and that share of its "
+          "main thread's CPU µs per request")
+    print("| stage | " + " | ".join(f"{name} % | {name} µs" for name in names) + " |")
+    print("|---|" + "---:|---:|" * len(names))
+    rows = sorted({stage for counts in samples.values() for stage in counts},
+                  key=lambda stage: -max(counts[stage] / max(sum(counts.values()), 1) for counts in samples.values()))
+    for row in rows:
+        cells = []
+        for name in names:
+            share = samples[name][row] / max(sum(samples[name].values()), 1)
+            cells.append(f"{share * 100:.1f} | {share * per_request[name]:.0f}")
+        print(f"| {row} | " + " | ".join(cells) + " |")
+    print("samples: " + ", ".join(f"{name} {sum(counts.values())}" for name, counts in samples.items()))
+    for name, (by_stage, by_frame) in profiled.items():
+        total = max(sum(by_stage.values()), 1)
+        print(f"{name}'s innermost frames: " + "; ".join(f"{frame} {n / total * 100:.1f}%"
+                                                        for frame, n in by_frame.most_common(top)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="decode Batches per session per window")
+    parser.add_argument("--rounds", type=int, default=4, help="windows per count (node and in-process alternating)")
+    parser.add_argument("--counts", default="1,8", help="concurrent sessions to measure")
+    parser.add_argument("--profile-seconds", type=int, default=4, help="py-spy's time on each process; 0: none")
+    parser.add_argument("--top", type=int, default=10, help="innermost frames listed per process")
+    args = parser.parse_args()
+    counts = [int(c) for c in args.counts.split(",")]
+    torch.set_num_threads(1)
+    print(machine_line())
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = make_checkpoint(work, "llama", **SHAPE)
+        layers = [f"model.layers.{i}" for i in range(LAYERS)]
+        runner = BlockRunner.load(model, layers, "cpu", torch.float32, pack_weights=True, prefix_reuse=False)
+        node, port = start_cakemp(model, work, "cpu:1", *NODE_ARGS, layers=LAYERS)
+        try:
+            pids = {"front": node.pid, "device": device_pid(node.pid)}
+            figures = asyncio.run(measure(port, pids, runner, counts, args.steps, args.rounds))
+            samples = {count: asyncio.run(profile(port, pids, count, args.profile_seconds, work))
+                       for count in counts if args.profile_seconds}
+        finally:
+            node.terminate()
+            node.wait()
+    print(f"\n{LAYERS} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(NODE_ARGS)}`; "
+          f"{args.rounds} windows of {args.steps} decode Batches per session; CPU µs per request (utime + stime)")
+    print("| sessions | front | device | in-process run_batch | device beyond in-process |")
+    print("|---:|---:|---:|---:|---:|")
+    for count, cost in figures.items():
+        front, device = cost["front (process)"], cost["device (process)"]
+        print(f"| {count} | {front:.0f} | {device:.0f} | {cost['in-process']:.0f} | {device - cost['in-process']:+.0f} |")
+    print("by thread (the unnamed one is the process's Python thread; ZMQbg: ZeroMQ's I/O threads), µs per request: "
+          + "; ".join(f"{count} session(s): " + ", ".join(f"{name} {value:.0f}" for name, value in sorted(cost.items())
+                                                          if "(process)" not in name and name != "in-process")
+                      for count, cost in figures.items()))
+    for count, by_process in samples.items():
+        print_profile(by_process, {name: figures[count][name] for name in pids}, count, args.top)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()
