@@ -1,7 +1,7 @@
 """Resident bytes, a decode step and a 128-token prompt chunk of the same 4-bit layers kept int4
 (the CPU default) and dequantized to f32 (--dequantize-4bit), side by side in one run.
 
-    python bench/quantized_decode.py [--layers 2] [--threads 1] [--steps 20]
+    python -m bench.quantized_decode [--layers 2] [--threads 1] [--steps 20]
 
 The checkpoints are bench/quantized_load.py's: Llama layers of TinyLlama-1.1B's shape (hidden 2048,
 32 query heads on 4 kv heads, intermediate 5632) as GPTQ 4-bit (groups of 128), MLX affine 4-bit
@@ -25,13 +25,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.quantized_load import FORMATS, write  # noqa: E402
-from cakemp.compute.loading import LoadPlan, int4_kept  # noqa: E402
-from cakemp.compute.runner import BlockRunner  # noqa: E402
-from cakemp.model.weights.readers import open_checkpoint  # noqa: E402
-from cakemp.rss import resident_bytes  # noqa: E402
+from bench.quantized_load import FORMATS, write
+from cakemp.compute.loading import LoadPlan, int4_kept
+from cakemp.compute.runner import BlockRunner
+from cakemp.model.weights.readers import open_checkpoint
+from cakemp.rss import resident_bytes
 
 MEASURED = ("gptq 4-bit g128", "mlx 4-bit g64", "gguf Q4_K")
 PROMPT = 128
@@ -83,8 +81,8 @@ def main() -> None:
         for name in MEASURED:
             path = write(Path(tmp) / name.replace(" ", "-"), args.layers, FORMATS[name])
             rows[name] = [json.loads(subprocess.run(
-                [sys.executable, __file__, "--once", str(path), "--keep", str(keep), "--layers", str(args.layers),
-                 "--threads", str(args.threads), "--steps", str(args.steps)],
+                [sys.executable, "-m", "bench.quantized_decode", "--once", str(path), "--keep", str(keep),
+                 "--layers", str(args.layers), "--threads", str(args.threads), "--steps", str(args.steps)],
                 capture_output=True, text=True, check=True).stdout) for keep in (1, 0)]
     print(f"{args.layers} layers of TinyLlama-1.1B's shape on the CPU, f32 compute, {args.threads} thread(s): "
           "kept int4 vs dequantized f32 (--dequantize-4bit)")

@@ -1,6 +1,6 @@
 """Load time and resident memory of the same layers stored plain (bf16), as GPTQ, as MLX affine and as GGUF.
 
-    python bench/quantized_load.py [--layers 4] [--repeats 3] [--dtype bf16] [--threads 2]
+    python -m bench.quantized_load [--layers 4] [--repeats 3] [--dtype bf16] [--threads 2]
 
 The checkpoints hold Llama layers of TinyLlama-1.1B's shape (hidden 2048, 32 query heads on 4
 kv heads, intermediate 5632): plain bf16; GPTQ 4-bit, groups of 128, v1, f16 scales; GPTQ
@@ -32,13 +32,11 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cakemp.checkpoint.config import ModelConfig  # noqa: E402
-from cakemp.compute.loading import LoadPlan  # noqa: E402
-from cakemp.compute.runner import BlockRunner  # noqa: E402
-from cakemp.model.weights.readers import open_checkpoint  # noqa: E402
-from cakemp.rss import resident_bytes  # noqa: E402
+from cakemp.checkpoint.config import ModelConfig
+from cakemp.compute.loading import LoadPlan
+from cakemp.compute.runner import BlockRunner
+from cakemp.model.weights.readers import open_checkpoint
+from cakemp.rss import resident_bytes
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
              vocab_size=256, max_position_embeddings=2048)
@@ -149,8 +147,8 @@ def main() -> None:
             stored = path if path.is_file() else path / "model.safetensors"
             disk = stored.stat().st_size
             stored.read_bytes()  # warm the page cache
-            command = [sys.executable, __file__, "--once", str(path), "--dtype", args.dtype, "--threads", str(args.threads),
-                       "--layers", str(args.layers)]
+            command = [sys.executable, "-m", "bench.quantized_load", "--once", str(path), "--dtype", args.dtype,
+                       "--threads", str(args.threads), "--layers", str(args.layers)]
             runs = [json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
                     for _ in range(args.repeats)]
             rows[name] = (disk, min(r["seconds"] for r in runs), min(r["resident"] for r in runs), runs[0]["counted"])
