@@ -24,7 +24,7 @@ per device step in its windows (from its /metrics), and the ratios: batched / it
 process.
 
 With --before DIR (a git worktree of the commit before batching, e.g. `git worktree add
---detach /work/before-15 92002a9`), `cakemp run --gpus cpu:1` from DIR (PYTHONPATH=DIR, no
+--detach ../before-15 92002a9`), `cakemp run --gpus cpu:1` from DIR (PYTHONPATH=DIR, no
 --max-batch: it has none) and this tree's node each serve one session, alternating in blocks
 of 20 decode steps (--steps each), then in turns --prefills prompts of 512 tokens each, each
 node's first block a warm-up; ratios are medians over rounds (a block of each node, back to
