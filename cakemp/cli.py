@@ -90,6 +90,9 @@ def _cluster_flags(command):
         _like_run("--cluster-key", help="Shared key of the workers."),
         _like_run("--dtype", help="Compute and wire dtype; must match the workers'."),
         _like_run("--protocol", help="Cake revision the workers speak."),
+        _like_run("--dequantize-4bit", help="Dequantize the 4-bit weights of the layers this master runs itself "
+                  "(GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K) at load instead of keeping them 4-bit for torch's int4 matmul: "
+                  "4-8x the memory, results as before (the workers choose for their own layers)."),
         _flag("--discover", help="Zero-config: find the cluster's workers at these comma-separated addresses "
               "(broadcast like 255.255.255.255, or the workers' own), give them layers and push them the files."),
         _like_run("--discovery-port", help="UDP port of the workers' discovery.", type=click.IntRange(1, 65535)),
@@ -111,8 +114,8 @@ def _repeat_flags(command):
                  default=1.1, help="Penalty on recently generated tokens (1.0: none).")(command)
 
 
-def _open_generator(model, topology, master_tflops, cluster_key, dtype, protocol, discover, discovery_port,
-                    discovery_timeout, min_workers):
+def _open_generator(model, topology, master_tflops, cluster_key, dtype, protocol, dequantize_4bit, discover,
+                    discovery_port, discovery_timeout, min_workers):
     """The flags of `_cluster_flags` checked; a coroutine opening the `Generator` over the cluster they name
     (discovering it and pushing it the files first, with --discover)."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
@@ -138,7 +141,7 @@ def _open_generator(model, topology, master_tflops, cluster_key, dtype, protocol
                                             min_workers=min_workers, revision=revision, on_gpu=device == "cuda",
                                             dtype=dtype, report=lambda line: click.echo(line, err=True))
         return await Generator.open(model, layout, dtype=dtype, device=device, cluster_key=cluster_key or None,
-                                    revision=revision)
+                                    revision=revision, keep_int4=not dequantize_4bit)
 
     return open_generator()
 

@@ -133,6 +133,14 @@ def test_help_lists_every_flag_with_its_environment_variable():
     assert "CAKE_CLUSTER_KEY" in result.stdout
 
 
+@pytest.mark.parametrize("command", ["run", "generate", "serve"])
+def test_dequantize_4bit_is_a_flag_of_every_command_that_loads_layers(command):
+    """A node's layers and a master's own (`generate`, `serve`) alike: the one flag and variable."""
+    result = subprocess.run([sys.executable, "-m", "cakemp", command, "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "--dequantize-4bit" in result.stdout and "CAKEMP_DEQUANTIZE_4BIT" in result.stdout
+
+
 def test_an_address_in_use_exits_78_before_loading(tmp_path, topology, taken_port):
     """A port another process holds is reported at once, before any device process starts."""
     result = cakemp_run("--name", "w1", "--topology", str(topology), "--gpus", "cpu",

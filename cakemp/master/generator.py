@@ -189,8 +189,10 @@ class Generator:
         cluster_key: str | None = None,
         revision: Revision = Revision.V2,
         timeout: float = 10.0,
+        keep_int4: bool = True,
     ) -> Generator:
-        """Load the master's weights and local layers, then connect to every remote layer."""
+        """Load the master's weights and local layers, then connect to every remote layer. `keep_int4`:
+        the local layers' 4-bit matrices stay int4 where torch's int4 matmul takes them (BlockRunner.load)."""
         model_dir = Path(model_dir)
         checkpoint = open_checkpoint(model_dir)  # a GGUF file's header parsed once, for all three
         config = checkpoint.config
@@ -200,7 +202,7 @@ class Generator:
         names = [config.layer_name(i) for i in range(config.num_hidden_layers)]
         runs = plan_runs(names, layer_hosts(topology))
         local = [name for run in runs if run.host is None for name, _ in run.layers]
-        runner = BlockRunner.load(model_dir, local, device, torch_dtype) if local else None
+        runner = BlockRunner.load(model_dir, local, device, torch_dtype, keep_int4=keep_int4) if local else None
         dialer = Dialer(cluster_key, revision, timeout)
         clients = await dialer.connect(runs)
         return cls(head, tokenizer, runner, runs, clients, end_ids, DType[dtype.upper()], chat,

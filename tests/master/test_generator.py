@@ -7,6 +7,7 @@ step runs a local layer, a Batch over the node's two devices, a local layer, and
 
 import asyncio
 import json
+import shutil
 
 import pytest
 import torch
@@ -20,8 +21,11 @@ from cakemp.demo.synthetic import write_checkpoint
 from cakemp.errors import RemoteWorkerError, WorkerUnreachable
 from cakemp.master.generator import Generation, Generator, LayerRun, layer_hosts, plan_runs
 from cakemp.master.sampler import SamplingParams
+from cakemp.model.weights.int4 import Int4Weight
 from cakemp.topology import Topology
 from tests.master.chat_templates import CHATML, with_template
+from tests.support.checkpoints import make_checkpoint
+from tests.support.int4_checkpoints import random_gptq
 
 transformers = pytest.importorskip("transformers")
 
@@ -242,3 +246,19 @@ def test_summary_reports_first_token_latency_and_decode_rate():
         "prompt 3 tokens, first token after 500.0 ms\n"
         "2 more tokens: 200.0 ms/token (median 200.0, max 300.0), 5.0 tokens/s"
     )
+
+
+@pytest.mark.parametrize("keep_int4", [True, False])
+def test_the_master_s_own_layers_keep_4_bit_weights_int4_unless_told_to_dequantize(checkpoint, tmp_path, keep_int4):
+    """A GPTQ Llama (the synthetic checkpoint's tokenizer beside it), every layer run by the master: its
+    4-bit matrices stay int4 by default and are dequantized with keep_int4=False (`--dequantize-4bit`,
+    CAKEMP_DEQUANTIZE_4BIT)."""
+    path = random_gptq(tmp_path / "gptq", make_checkpoint(tmp_path / "plain", "llama"), 32)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoint / name, path / name)
+
+    async def go():
+        async with await Generator.open(path, Topology(()), dtype="f32", keep_int4=keep_int4) as generator:
+            return generator.runner.blocks[0].w_qkv
+
+    assert isinstance(run(go()), Int4Weight) == keep_int4

@@ -5,8 +5,8 @@ dequantization of the same stored tensors (itself checked against GPTQModel, MLX
 tests/model/test_gptq.py, test_mlx.py, test_ggml.py). The activations are bf16 and the kernel
 rounds its scales and zeros to bf16, so the bound is bf16's: eps times the largest output.
 
-Which matrices stay int4 (4-bit, equal groups in input order, of 32..256 inputs) and which are
-dequantized; the loaders' int4 path on the CPU's kernel; on a GPU (pytest -m gpu), the CUDA
+Which matrices stay int4 (4-bit, equal groups of 32..256 inputs; GPTQ act-order's by sorting its
+inputs by group) and which are dequantized; the loaders' int4 path on the CPU's kernel; on a GPU (pytest -m gpu), the CUDA
 kernel through the same conversions and a BlockRunner that keeps them.
 """
 
@@ -37,8 +37,9 @@ def _words(generator: torch.Generator, *shape: int) -> torch.Tensor:
 
 def assert_product_matches(parts: int4.Int4Parts, weight: torch.Tensor, device: str = "cpu") -> None:
     """The int4 kernel on `parts` against x @ weight^T in f32 (x bf16): within bf16's eps of the largest output."""
+    order = None if parts.order is None else parts.order.to(device)
     kept = int4.Int4Weight.create(int4.Int4Parts(parts.codes.to(device), parts.scales.to(device),
-                                                 parts.zeros.to(device), parts.group_size))
+                                                 parts.zeros.to(device), parts.group_size, order))
     for rows in (1, 7):
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         expected = x.float() @ weight.float().t()
@@ -81,8 +82,24 @@ def test_gptq_codes_through_the_int4_kernel_give_the_dequantized_product(group_s
     spec = Gptq(4, group_size, False, False, v1)
     qweight, qzeros, scales = gptq_tensors(group_size)
     assert gptq.int4_group(spec, OUT, IN, IN // group_size, torch.arange(IN) // group_size) == group_size
-    assert_product_matches(gptq.int4_parts(qweight, qzeros, scales, spec, group_size),
+    assert_product_matches(gptq.int4_parts(qweight, qzeros, scales, None, spec, group_size),
                            gptq.dequantize(qweight, qzeros, scales, None, spec))
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_gptq_act_order_codes_sorted_by_group_give_the_dequantized_product(group_size):
+    """g_idx puts the inputs in groups out of order: the kept weight's columns are sorted by group
+    and each product gathers x's inputs in that order (its `order`), against x @ W^T of W
+    dequantized through g_idx."""
+    spec = Gptq(4, group_size, True, False, True)
+    qweight, qzeros, scales = gptq_tensors(group_size)
+    g_idx = (torch.randperm(IN, generator=torch.Generator().manual_seed(3)) // group_size).to(torch.int32)
+    assert gptq.int4_group(spec, OUT, IN, IN // group_size, g_idx) == group_size
+    parts = gptq.int4_parts(qweight, qzeros, scales, g_idx, spec, group_size)
+    assert parts.order is not None and torch.equal(g_idx[parts.order].long(), torch.arange(IN) // group_size)
+    assert_product_matches(parts, gptq.dequantize(qweight, qzeros, scales, g_idx, spec))
+    in_order = gptq.int4_parts(qweight, qzeros, scales, torch.arange(IN) // group_size, spec, group_size)
+    assert in_order.order is None  # a g_idx in input order needs no gather
 
 
 @pytest.mark.parametrize("group_size", int4.GROUP_SIZES)
@@ -102,11 +119,12 @@ def test_gguf_4_bit_blocks_through_the_int4_kernel_give_the_dequantized_product(
 
 
 def test_what_torch_s_int4_kernel_cannot_take_is_dequantized():
-    """Act-order, other widths, one group over all inputs or groups of other sizes, stacked
-    experts, other ggml types: each answered with the reason, never converted."""
+    """A g_idx whose groups differ in size, other widths, one group over all inputs or groups of
+    other sizes, stacked experts, other ggml types: each answered with the reason, never converted."""
     in_order = torch.arange(IN) // 128
-    act_order = in_order[torch.randperm(IN, generator=torch.Generator().manual_seed(0))]
-    assert "act-order" in gptq.int4_group(Gptq(4, 128, True, True, True), OUT, IN, 4, act_order)
+    uneven = in_order.clone()
+    uneven[127] = 1  # groups of 127, 129, 128, 128 inputs
+    assert "unequal size (not 128" in gptq.int4_group(Gptq(4, 128, True, True, True), OUT, IN, 4, uneven)
     assert "8-bit" in gptq.int4_group(Gptq(8, 128, False, True, True), OUT, IN, 4, in_order)
     assert "groups of 512" in gptq.int4_group(Gptq(4, -1, False, True, True), OUT, IN, 1, None)
     assert "groups of 16" in gptq.int4_group(Gptq(4, 16, False, True, True), OUT, IN, 32, None)
@@ -158,9 +176,21 @@ def test_a_gptq_checkpoint_keeps_its_fused_matrices_int4(tmp_path, plain, group_
     assert_loaded_int4(Checkpoint(path, ModelConfig.from_dir(path)), {"w_qkv", "w_gate_up", "w_down"})
 
 
-def test_an_act_order_gptq_checkpoint_is_dequantized(tmp_path, plain):
+def test_an_act_order_gptq_checkpoint_keeps_its_matrices_int4_with_their_input_order(tmp_path, plain):
+    """q/k/v and gate/up share their layer input's order (as GPTQ's act-order gives them): each fused
+    weight is kept with that one order, and counted with it."""
     path = random_gptq(tmp_path / "gptq", plain, 32, desc_act=True)
-    assert_loaded_int4(Checkpoint(path, ModelConfig.from_dir(path)), set())
+    checkpoint = Checkpoint(path, ModelConfig.from_dir(path))
+    assert_loaded_int4(checkpoint, {"w_qkv", "w_gate_up", "w_down"})
+    kept = checkpoint.load(GROUPS, torch.device("cpu"), torch.bfloat16, keep_int4=True)
+    assert all(kept[key].order is not None for key in ("w_qkv", "w_gate_up", "w_down"))
+
+
+def test_act_order_matrices_fused_in_different_input_orders_are_dequantized(tmp_path, plain):
+    """One gather cannot serve q, k and v in three orders: the fused groups are dequantized, down_proj
+    (alone in its group) kept."""
+    path = random_gptq(tmp_path / "gptq", plain, 32, desc_act=True, order_per_matrix=True)
+    assert_loaded_int4(Checkpoint(path, ModelConfig.from_dir(path)), {"w_down"})
 
 
 def test_an_mlx_checkpoint_keeps_its_4_bit_matrices_int4_and_dequantizes_8_bit_ones(tmp_path, plain):
@@ -223,7 +253,7 @@ def test_torch_s_cuda_int4_kernel_passes_the_check():
 def test_on_a_gpu_each_format_s_codes_give_the_dequantized_product(group_size):
     spec = Gptq(4, group_size, False, False, True)
     qweight, qzeros, scales = gptq_tensors(group_size)
-    assert_product_matches(gptq.int4_parts(qweight, qzeros, scales, spec, group_size),
+    assert_product_matches(gptq.int4_parts(qweight, qzeros, scales, None, spec, group_size),
                            gptq.dequantize(qweight, qzeros, scales, None, spec), "cuda")
     weight, scales, biases = mlx_tensors(group_size)
     assert_product_matches(mlx.int4_parts(weight, scales, biases, group_size),

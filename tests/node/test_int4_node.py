@@ -8,6 +8,10 @@ groups of 64), Qwen3 (4 bits, groups of 32, sharded) and Qwen3.5-MoE (4 bits, gr
 attention and shared expert kept int4, the stacked experts and the 8-bit routers dequantized).
 A prompt and 8 decode steps, a prompt in 3-token chunks, and a 70-token prompt (past the 63 rows
 from which a CPU product takes the bf16 tiles instead of the int4 kernel).
+
+A GPTQ act-order Llama (random codes, groups of 32, g_idx out of input order) the same way, against
+HF's layers over the project's own dequantization of it (checked against GPTQModel's in
+tests/model/test_gptq.py): its inputs gathered into group order before each product.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import asyncio
 
 import pytest
 
+from tests.support.checkpoints import make_checkpoint
+from tests.support.int4_checkpoints import gptq_reference, random_gptq
 from tests.support.quantized import mlx_checkpoint, needs_mlx
 from tests.support.quantized_node import check_session, start
 from tests.support.tolerance import F32_REL, INT4_KEPT_REL
@@ -35,10 +41,7 @@ def served(request, tmp_path_factory):
     assert node.stop() == 0
 
 
-@needs_mlx
-def test_the_kept_path_matches_the_dequantized_one_within_its_bound(served):
-    node, path, reference = served
-
+def check_kept(node, path, reference) -> None:
     async def main():
         errors = await check_session(node.port, path, reference, [7] + [1] * 8, INT4_KEPT_REL)
         errors += await check_session(node.port, path, reference, [3] * 4 + [1] * 8, INT4_KEPT_REL)
@@ -48,3 +51,18 @@ def test_the_kept_path_matches_the_dequantized_one_within_its_bound(served):
     errors = asyncio.run(asyncio.wait_for(main(), 120))
     # Kept, not dequantized: int4's roundings show (a dequantized f32 node is within F32_REL).
     assert max(errors) > F32_REL, max(errors)
+
+
+@needs_mlx
+def test_the_kept_path_matches_the_dequantized_one_within_its_bound(served):
+    check_kept(*served)
+
+
+def test_a_gptq_act_order_checkpoint_kept_int4_matches_its_dequantization_within_the_bound(tmp_path):
+    plain = make_checkpoint(tmp_path / "plain", "llama")
+    path = random_gptq(tmp_path / "gptq", plain, 32, desc_act=True)
+    node = start(path, tmp_path, flags=())
+    try:
+        check_kept(node, path, gptq_reference(tmp_path / "reference", plain, path))
+    finally:
+        assert node.stop() == 0

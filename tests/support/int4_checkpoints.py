@@ -12,11 +12,14 @@ tests/model/test_gptq.py and test_mlx.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from cakemp.checkpoint.quantization import Gptq
+from cakemp.model.weights import gptq
 from tests.support.quantized import GptqSpec, _write_like, layer_matrix
 
 
@@ -34,11 +37,14 @@ def _scales(generator: torch.Generator, rows: int, cols: int, inputs: int) -> to
     return (torch.rand(rows, cols, generator=generator) + 0.5) / (8 * inputs**0.5)
 
 
-def random_gptq(path: Path, plain: Path, group_size: int, desc_act: bool = False, seed: int = 0) -> Path:
+def random_gptq(path: Path, plain: Path, group_size: int, desc_act: bool = False, seed: int = 0,
+                order_per_matrix: bool = False) -> Path:
     """A 4-bit GPTQ (v1, asymmetric) copy of `plain` at `path`; with `desc_act`, g_idx puts the
-    inputs in groups out of order (act-order)."""
+    inputs in groups out of order (act-order), in one random order per layer and input size, as
+    GPTQ's act-order gives matrices of one input (q/k/v, gate/up: one Hessian, one order); with
+    `order_per_matrix`, one order per matrix instead."""
     generator = torch.Generator().manual_seed(seed)
-    stored = {}
+    stored, orders = {}, {}
     for name, tensor in _tensors(plain).items():
         if not layer_matrix(name, tensor):
             stored[name] = tensor.half()
@@ -46,13 +52,34 @@ def random_gptq(path: Path, plain: Path, group_size: int, desc_act: bool = False
         out_features, in_features = tensor.shape
         groups = in_features // group_size
         module = name.removesuffix(".weight")
-        order = torch.randperm(in_features, generator=generator) if desc_act else torch.arange(in_features)
+        layer = name.rsplit(".", 3)[0] if not order_per_matrix else module
+        if (layer, in_features) not in orders:
+            orders[layer, in_features] = torch.randperm(in_features, generator=generator) if desc_act \
+                else torch.arange(in_features)
+        order = orders[layer, in_features]
         stored |= {f"{module}.qweight": _words(generator, in_features // 8, out_features),
                    f"{module}.qzeros": _words(generator, groups, out_features // 8),
                    f"{module}.scales": _scales(generator, groups, out_features, in_features).half(),
                    f"{module}.g_idx": (order // group_size).to(torch.int32)}
     config = GptqSpec("llama", group_size=group_size, desc_act=desc_act, sym=False).config()
     return _write_like(plain, path, stored, {"quantization_config": config})
+
+
+def gptq_reference(path: Path, plain: Path, quantized: Path) -> Path:
+    """`plain` at `path` with each matrix of `quantized` (a `random_gptq` copy of it) as the project
+    dequantizes it, in f32: what a node dequantizing its 4-bit weights computes with."""
+    stored = _tensors(quantized)
+    config = json.loads((quantized / "config.json").read_text())["quantization_config"]
+    spec = Gptq(4, config["group_size"], config["desc_act"], config["sym"], True)
+    tensors = {}
+    for name in _tensors(plain):
+        module = name.removesuffix(".weight")
+        if f"{module}.qweight" not in stored:
+            tensors[name] = stored[name].float()
+            continue
+        parts = (stored[f"{module}.{part}"] for part in ("qweight", "qzeros", "scales", "g_idx"))
+        tensors[name] = gptq.dequantize(*parts, spec)
+    return _write_like(plain, path, tensors)
 
 
 def random_mlx(path: Path, plain: Path, group_size: int, bits: int = 4, seed: int = 0) -> Path:

@@ -84,7 +84,7 @@ class GgufCheckpoint(Reader):
         stack.callback(_unmap, data)
         return data
 
-    def _int4_shapes(self, data: mmap.mmap | None, members: list[str]) -> list[tuple[int, int, int]] | None:
+    def _int4_shapes(self, data: mmap.mmap | None, members: list[str]) -> list[int4.Int4Shape] | None:
         return _int4_shapes([self.file.tensors[self._gguf_name(name)] for name in members])
 
     def _numel(self, data: mmap.mmap | None, name: str) -> int:
@@ -124,8 +124,8 @@ def _unmap(data: mmap.mmap) -> None:
         pass
 
 
-def _int4_shapes(infos: list) -> list[tuple[int, int, int]] | None:
-    """(rows, cols, group size) of each tensor if the group can stay int4: every one a ggml.INT4_TYPES matrix
+def _int4_shapes(infos: list) -> list[int4.Int4Shape] | None:
+    """Each tensor's int4.Int4Shape if the group can stay int4: every one a ggml.INT4_TYPES matrix
     torch's int4 matmul takes; else None (logged once why, for a group of quantized matrices)."""
     shapes = []
     for info in infos:
@@ -134,7 +134,7 @@ def _int4_shapes(infos: list) -> list[tuple[int, int, int]] | None:
             if info.type.name not in ("F32", "F16", "BF16"):  # a plain tensor (a norm) is no 4-bit one
                 int4.dequantized(size)
             return None
-        shapes.append((*info.shape, size))
+        shapes.append(int4.Int4Shape(*info.shape, size))
     return shapes
 
 

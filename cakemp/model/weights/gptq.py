@@ -6,7 +6,9 @@ q: the code of input i for output o, `bits` wide, packed along the inputs (qweig
 / 32, out]); z: the zero point of group g for output o, packed along the outputs (qzeros
 [groups, out * bits / 32]); g(i) = g_idx[i] where the checkpoint stores it (act-order,
 `desc_act`, puts inputs in groups out of order), else i // group_size (group_size -1: one
-group). Symmetric checkpoints store their constant zero points like any others.
+group). Symmetric checkpoints store their constant zero points like any others. Kept int4
+(model/weights/int4.py), an act-order weight's columns are sorted by group and its inputs
+gathered in that order at each product.
 
 checkpoint_format "gptq" (v1, AutoGPTQ's and what Cake assumes) stores each zero point minus
 1; "gptq_v2" as it is. v1's 1 is added back as GPTQModel loads v1: for 2, 4 and 8 bits by one
@@ -41,18 +43,21 @@ class GptqWeight:
                           None if p.g_idx is None else stored[p.g_idx], p.spec)
 
     def int4_shape(self, shape: Callable[[str], Shape],
-                   tensor: Callable[[str], torch.Tensor]) -> tuple[int, int, int] | str:
-        """(out, in, group size) from the headers and the g_idx ([in] int32, to see its groups are in order)."""
+                   tensor: Callable[[str], torch.Tensor]) -> int4.Int4Shape | str:
+        """Its int4.Int4Shape from the headers and the g_idx ([in] int32: its groups, and act-order's input order)."""
         p = self.parts
         out_features, in_features = p.matrix_shape(shape)
         g_idx = None if p.g_idx is None else tensor(p.g_idx)
         size = int4_group(p.spec, out_features, in_features, shape(p.scales)[0], g_idx)
-        return size if isinstance(size, str) else (out_features, in_features, size)
+        if isinstance(size, str):
+            return size
+        return int4.Int4Shape(out_features, in_features, size, None if g_idx is None else input_order(g_idx, size))
 
     def int4_parts(self, stored: Mapping[str, torch.Tensor]) -> int4.Int4Parts:
         p = self.parts
         groups, in_features = stored[p.scales].shape[0], stored[p.qweight].shape[0] * 32 // 4
-        return int4_parts(stored[p.qweight], stored[p.qzeros], stored[p.scales], p.spec, in_features // groups)
+        return int4_parts(stored[p.qweight], stored[p.qzeros], stored[p.scales],
+                          None if p.g_idx is None else stored[p.g_idx], p.spec, in_features // groups)
 
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
@@ -87,29 +92,43 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
 def int4_group(spec: Gptq, out_features: int, in_features: int, groups: int, g_idx: torch.Tensor | None) -> int | str:
     """The group size torch's int4 matmul can take this weight in (model/weights/int4.py), or why not:
-    4 bits, groups of one size in input order (act-order's g_idx puts them out of order)."""
+    4 bits, groups of one size (act-order's, out of input order, once its inputs are sorted by group)."""
     if spec.bits != 4:
         return f"GPTQ {spec.bits}-bit weights"
     if groups == 0 or in_features % groups:
         return f"GPTQ groups of unequal size ({in_features} inputs in {groups} groups)"
     size = in_features // groups
-    if g_idx is not None and not torch.equal(g_idx.to(torch.int64).reshape(-1).cpu(), torch.arange(in_features) // size):
-        return "GPTQ act-order (g_idx puts inputs in groups out of order)"
+    if g_idx is not None and not torch.equal(g_idx.to(torch.int64).reshape(-1).cpu().sort(stable=True).values,
+                                             torch.arange(in_features) // size):
+        return f"GPTQ g_idx groups of unequal size (not {size} inputs each)"
     return int4.unfit_reason(out_features, in_features, size) or size
 
 
-def int4_parts(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, spec: Gptq,
-               group_size: int) -> int4.Int4Parts:
+def input_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """The inputs sorted by group (stable: [in] int64), so that each group is `group_size` consecutive
+    columns; None where g_idx has them in input order already (no gather needed)."""
+    group = g_idx.to(torch.int64).reshape(-1)
+    if torch.equal(group, torch.arange(group.numel(), device=group.device) // group_size):
+        return None
+    return torch.sort(group, stable=True).indices
+
+
+def int4_parts(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+               spec: Gptq, group_size: int) -> int4.Int4Parts:
     """A 4-bit GPTQ weight whose groups `int4_group` accepted, in torch's int4 convention:
-    s * (q - z) = (q - 8) * s + s * (8 - z), the codes as stored."""
+    s * (q - z) = (q - 8) * s + s * (8 - z), the codes as stored, their columns sorted by group
+    for act-order (int4.Int4Parts.order)."""
     groups, out_features = scales.shape
     in_features = groups * group_size
     _check_shape("qweight", qweight, (in_features * 4 // 32, out_features))
     _check_shape("qzeros", qzeros, (groups, -(-out_features * 4 // 32)))
     codes = bitfields.unpack(qweight.t().contiguous(), 4, in_features).to(torch.uint8)  # [out, in]
+    order = None if g_idx is None else input_order(g_idx, group_size)
+    if order is not None:
+        codes = codes.index_select(1, order)  # [out, in]: column j holds input order[j], of group j // size
     zeros = _zero_points(qzeros, 4, out_features, spec.v1).t().float()  # [out, groups]
     scale = scales.t().float()  # [out, groups]
-    return int4.Int4Parts(codes, scale, scale * (8 - zeros), group_size)
+    return int4.Int4Parts(codes, scale, scale * (8 - zeros), group_size, order)
 
 
 def _zero_points(qzeros: torch.Tensor, bits: int, count: int, v1: bool) -> torch.Tensor:

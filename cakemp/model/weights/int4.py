@@ -17,13 +17,18 @@ scales and zeros are rewritten (in f32, then rounded once to bf16):
 | GGUF Q4_1   | d * q + m        | d     | m + 8 d    |
 | GGUF Q4_K   | d sc * q - dmin m | d sc | 8 d sc - dmin m |
 
+GPTQ act-order (g_idx puts the inputs in groups out of order) maps onto it by one permutation of
+the inputs: the stored columns sorted by group (`order`, [K] int64: the input each column holds),
+so each group is g consecutive columns, and each product gathers x's inputs in that order first.
+
 The format modules (gptq.py, mlx.py, ggml.py) make `Int4Parts`; `Int4Weight.create` packs them
 for the device's kernel. Only the packing differs between devices: CUDA's takes [N, K/2] uint8
 (two codes a byte, the even input in the high nibble) and lays them out for its tensor cores
 (int32 [N/8, K/(16 t), 32, t/2], t the inner K tiles); the CPU's takes the int32 [N, K] codes
 and holds them as uint8 [N/64, K, 32]: block b, input k, byte j holds output 64 b + j in its low
 nibble and 64 b + 32 + j in its high one.
-Resident: N K / 2 bytes of codes and 4 N K / g of scales and zeros (0.27 of bf16 at g = 128).
+Resident: N K / 2 bytes of codes and 4 N K / g of scales and zeros (0.27 of bf16 at g = 128),
+and 8 K of `order` for an act-order weight.
 
 The kernels take bf16 activations: `matmul` rounds x to bf16 and returns x's dtype, so a node
 computing in f32 keeps its f32 activations between the matmuls. On a CPU the int4 kernel's time
@@ -39,6 +44,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -56,27 +62,46 @@ _TILE_BLOCKS = 4  # outputs dequantized at once: 256 rows of bf16 (1 MiB at K = 
 _logged: set[str] = set()
 
 
+class Int4Shape(NamedTuple):
+    """What a matrix kept int4 is, known from a checkpoint's headers (and GPTQ's g_idx): its
+    [rows, cols], group size and, for act-order, the input order its columns are stored in."""
+
+    rows: int
+    cols: int
+    group_size: int
+    order: torch.Tensor | None = None  # [cols] int64, or None: in input order
+
+
+def same_order(orders: list[torch.Tensor | None]) -> bool:
+    """Whether matrices fused into one weight take their inputs in one order (one gather serves them all)."""
+    first = orders[0]
+    return all(order is None if first is None else order is not None and torch.equal(order, first)
+               for order in orders)
+
+
 @dataclass(frozen=True)
 class Int4Parts:
-    """An [N, K] 4-bit weight in torch's convention, unpacked: W = (codes - 8) * scales + zeros,
-    scales and zeros broadcast over each group of `group_size` inputs."""
+    """An [N, K] 4-bit weight in torch's convention, unpacked: W[:, order] = (codes - 8) * scales + zeros,
+    scales and zeros broadcast over each group of `group_size` consecutive columns."""
 
-    codes: torch.Tensor  # [N, K] uint8, 0..15
+    codes: torch.Tensor  # [N, K] uint8, 0..15; column j holds input order[j]
     scales: torch.Tensor  # [N, K/g] f32
     zeros: torch.Tensor  # [N, K/g] f32
     group_size: int
+    order: torch.Tensor | None = None  # [K] int64, or None: column j holds input j
 
     @staticmethod
     def cat(parts: list[Int4Parts]) -> Int4Parts:
-        """Matrices of one K and group size stacked along the outputs (fused q/k/v, gate/up)."""
-        if len({(p.codes.shape[1], p.group_size) for p in parts}) != 1:
-            raise ValueError("int4 matrices stacked together need one input size and group size")
+        """Matrices of one K, group size and input order stacked along the outputs (fused q/k/v, gate/up)."""
+        if len({(p.codes.shape[1], p.group_size) for p in parts}) != 1 or \
+                not same_order([p.order for p in parts]):
+            raise ValueError("int4 matrices stacked together need one input size, group size and input order")
         return Int4Parts(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                         torch.cat([p.zeros for p in parts]), parts[0].group_size)
+                         torch.cat([p.zeros for p in parts]), parts[0].group_size, parts[0].order)
 
     def rows(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> Int4Parts:
         """The same weight with its rows reordered by `reorder` ([N, ...] -> [N, ...], e.g. GGUF's unpermute)."""
-        return Int4Parts(reorder(self.codes), reorder(self.scales), reorder(self.zeros), self.group_size)
+        return Int4Parts(reorder(self.codes), reorder(self.scales), reorder(self.zeros), self.group_size, self.order)
 
 
 @dataclass(frozen=True)
@@ -87,6 +112,7 @@ class Int4Weight:
     scales_and_zeros: torch.Tensor  # [K/g, N, 2] bf16
     group_size: int
     shape: torch.Size  # (N, K)
+    order: torch.Tensor | None = None  # [K] int64: the inputs gathered before the kernel (act-order), or None
 
     @classmethod
     def create(cls, parts: Int4Parts) -> Int4Weight:
@@ -101,11 +127,14 @@ class Int4Weight:
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), _inner_k_tiles(cols))
         scales_and_zeros = torch.stack([parts.scales, parts.zeros], dim=-1).transpose(0, 1)  # [K/g, N, 2]
-        return cls(packed, scales_and_zeros.to(torch.bfloat16).contiguous(), parts.group_size, torch.Size((rows, cols)))
+        return cls(packed, scales_and_zeros.to(torch.bfloat16).contiguous(), parts.group_size, torch.Size((rows, cols)),
+                   parts.order)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., K] -> x @ W^T: [..., N] in x's dtype, x rounded to bf16 (what the kernels take)."""
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        """x: [..., K] -> x @ W^T: [..., N] in x's dtype, x rounded to bf16 (what the kernels take)
+        and, for an act-order weight, its inputs gathered into the columns' order (one index_select)."""
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        flat = (flat if self.order is None else flat.index_select(1, self.order)).contiguous()
         if flat.device.type == "cuda":
             out = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
         elif flat.shape[0] >= _DEQUANTIZED_ROWS and self.shape[0] % _CPU_BLOCK == 0:
@@ -136,12 +165,14 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_and_zeros.nbytes
+        return self.packed.nbytes + self.scales_and_zeros.nbytes + (0 if self.order is None else self.order.nbytes)
 
 
-def resident_bytes(rows: int, cols: int, group_size: int) -> int:
-    """What an `Int4Weight` of [rows, cols] in groups of `group_size` holds: codes and bf16 scales and zeros."""
-    return rows * cols // 2 + cols // group_size * rows * 2 * torch.bfloat16.itemsize
+def resident_bytes(shapes: list[Int4Shape]) -> int:
+    """What the `Int4Weight` of these matrices fused holds: codes, bf16 scales and zeros, and one input order."""
+    order = shapes[0].order
+    return sum(s.rows * s.cols // 2 + s.cols // s.group_size * s.rows * 2 * torch.bfloat16.itemsize for s in shapes) + \
+        (0 if order is None else order.numel() * torch.int64.itemsize)
 
 
 def unfit_reason(rows: int, cols: int, group_size: int) -> str | None:

@@ -31,12 +31,12 @@ class MlxWeight:
         return dequantize(stored[p.weight], stored[p.scales], stored[p.biases], p.bits, p.group_size)
 
     def int4_shape(self, shape: Callable[[str], Shape],
-                   tensor: Callable[[str], torch.Tensor]) -> tuple[int, int, int] | str:
-        """(rows, cols, group size) from the packed weight's header alone."""
+                   tensor: Callable[[str], torch.Tensor]) -> int4.Int4Shape | str:
+        """Its int4.Int4Shape from the packed weight's header alone."""
         p = self.parts
         stored = tuple(shape(p.weight))
         size = int4_group(stored, p.bits, p.group_size)
-        return size if isinstance(size, str) else (stored[0], stored[-1] * 32 // p.bits, size)
+        return size if isinstance(size, str) else int4.Int4Shape(stored[0], stored[-1] * 32 // p.bits, size)
 
     def int4_parts(self, stored: Mapping[str, torch.Tensor]) -> int4.Int4Parts:
         p = self.parts

@@ -27,8 +27,8 @@ class QuantizedParts(Protocol):
         """The stored tensors -> the weight, f32 [..., rows, cols]; ValueError if they do not fit together."""
 
     def int4_shape(self, shape: Callable[[str], Shape],
-                   tensor: Callable[[str], torch.Tensor]) -> tuple[int, int, int] | str:
-        """(rows, cols, group size) if torch's int4 matmul takes the weight with its codes unchanged,
+                   tensor: Callable[[str], torch.Tensor]) -> int4.Int4Shape | str:
+        """Its int4.Int4Shape if torch's int4 matmul takes the weight with its codes unchanged,
         else why not, from the parts' stored shapes (`shape(part)`) and, where a format needs one,
         a small part's values (`tensor(part)`); ValueError naming a part that does not fit."""
 

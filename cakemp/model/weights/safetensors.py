@@ -164,9 +164,9 @@ class Checkpoint(Reader):
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 
-    def _int4_shapes(self, files: dict[str, tuple], members: list[str]) -> list[tuple[int, int, int]] | None:
-        """(rows, cols, group size) of each member if the group can stay int4: every member a 4-bit
-        GPTQ or MLX matrix torch's int4 matmul takes, all in one group size; else None (logged
+    def _int4_shapes(self, files: dict[str, tuple], members: list[str]) -> list[int4.Int4Shape] | None:
+        """Each member's int4.Int4Shape if the group can stay int4: every member a 4-bit GPTQ or MLX
+        matrix torch's int4 matmul takes, all in one group size and input order; else None (logged
         once why, for a quantized group)."""
         shapes = []
         for name in members:
@@ -181,10 +181,13 @@ class Checkpoint(Reader):
         if len({shape[2] for shape in shapes}) != 1:
             int4.dequantized("matrices fused together in different group sizes")
             return None
+        if not int4.same_order([shape.order for shape in shapes]):
+            int4.dequantized("GPTQ act-order matrices fused together with different input orders")
+            return None
         return shapes
 
-    def _int4_shape(self, files: dict[str, tuple], parts: QuantizedParts) -> tuple[int, int, int] | str:
-        """(rows, cols, group size) of a quantized matrix torch's int4 matmul takes, or why not (headers,
+    def _int4_shape(self, files: dict[str, tuple], parts: QuantizedParts) -> int4.Int4Shape | str:
+        """The int4.Int4Shape of a quantized matrix torch's int4 matmul takes, or why not (headers,
         and what small part a format reads to tell: GPTQ's g_idx)."""
         def shape(name: str) -> tuple[int, ...]:
             return tuple(self._get(files, name).get_slice(name).get_shape())

@@ -101,15 +101,15 @@ class Reader:
             for members in groups.values():
                 shapes = self._kept_int4(store, members, keep_int4)
                 if shapes:
-                    total += sum(int4.resident_bytes(*shape) for shape in shapes)
+                    total += int4.resident_bytes(shapes)
                     continue
                 kept = keep_fp8 and self._kept_fp8(store, members)
                 total += sum(self._numel(store, name) for name in members) * (1 if kept else dtype.itemsize)
             return total
 
-    def _kept_int4(self, store: Any, members: list[str], keep_int4: bool) -> list[tuple[int, int, int]] | None:
+    def _kept_int4(self, store: Any, members: list[str], keep_int4: bool) -> list[int4.Int4Shape] | None:
         """The one decision per weight group, for `load` and `nbytes` alike: kept 4-bit (each member's
-        (rows, cols, group size)) where the device keeps int4 (`keep_int4`: compute/loading.int4_kept)
+        int4.Int4Shape) where the device keeps int4 (`keep_int4`: compute/loading.int4_kept)
         and torch's int4 matmul takes every member, else None: dequantized."""
         return self._int4_shapes(store, members) if keep_int4 else None
 
@@ -129,8 +129,8 @@ class Reader:
         """A group `_kept_fp8` accepted, stacked as stored on `device`."""
         raise NotImplementedError
 
-    def _int4_shapes(self, store: Any, members: list[str]) -> list[tuple[int, int, int]] | None:
-        """(rows, cols, group size) of each member if the group can stay int4, else None (logged once why)."""
+    def _int4_shapes(self, store: Any, members: list[str]) -> list[int4.Int4Shape] | None:
+        """Each member's int4.Int4Shape if the group can stay int4, else None (logged once why)."""
         raise NotImplementedError
 
     def _int4_parts(self, store: Any, name: str, device: torch.device) -> int4.Int4Parts:
