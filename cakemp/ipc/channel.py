@@ -152,15 +152,20 @@ class DeviceChannel:
         `poll_s`: look at the sockets without sleeping for up to that long first (within
         `timeout_s`), so that a message due soon finds this process running, not asleep in the
         kernel (a wake-up from there costs tens to hundreds of µs)."""
-        if poll_s > 0 and timeout_s != 0:
-            until = time.monotonic() + (poll_s if timeout_s is None else min(poll_s, timeout_s))
-            while not self._poller.poll(0) and time.monotonic() < until:
-                pass
-        ready = dict(self._poller.poll(None if timeout_s is None else math.ceil(timeout_s * 1000)))
-        if self._parent_fd in ready:
-            return None
+        # hand-offs first: they finish requests already under way
+        waiting = [socket for socket in (self._inbox, self._front) if socket.getsockopt(zmq.EVENTS) & zmq.POLLIN]
+        if not waiting:  # no poll (a syscall, twice when it sleeps) while a message is known to wait
+            if poll_s > 0 and timeout_s != 0:
+                until = time.monotonic() + (poll_s if timeout_s is None else min(poll_s, timeout_s))
+                while not self._poller.poll(0) and time.monotonic() < until:
+                    pass
+            ready = dict(self._poller.poll(None if timeout_s is None else math.ceil(timeout_s * 1000)))
+            if self._parent_fd in ready:
+                return None
+            waiting = [socket for socket in (self._inbox, self._front) if socket in ready]
         messages = []
-        for socket in (self._inbox, self._front):  # hand-offs first: they finish requests already under way
+        for socket in waiting:
+            # Until ZMQ_EVENTS shows none left, rather than until recv raises zmq.Again (an exception each time).
             while True:
                 try:
                     frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -170,6 +175,8 @@ class DeviceChannel:
                     messages.append(decode([frame.buffer for frame in frames]))
                 except BadIpcMessage as e:
                     self.on_garbage(e)
+                if not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
         return messages
 
     def send(self, msg: Message) -> None:
