@@ -79,7 +79,7 @@ class Checkpoint(Reader):
         parts checked to fit)."""
         quantized = {key: names for key, names in groups.items() if any(self._parts(name) is not None for name in names)}
         with ExitStack() as stack:
-            files = self._open(stack, quantized)
+            files = self._headers(stack, quantized)
             return {key: [self._shape(files, name) for name in members] for key, members in quantized.items()}
 
     @property
@@ -101,7 +101,7 @@ class Checkpoint(Reader):
         if conv is None:
             return True
         with ExitStack() as stack:
-            f, _ = self._open(stack, {conv: [conv]})[self.file_of(conv)]
+            f, _ = self._headers(stack, {conv: [conv]})[self.file_of(conv)]
             return not norms_carry_one(tuple(f.get_slice(conv).get_shape()))
 
     def _parts(self, name: str) -> QuantizedParts | None:
@@ -119,12 +119,6 @@ class Checkpoint(Reader):
     def _headers(self, stack: ExitStack, groups: dict[K, list[str]]) -> dict[str, tuple]:
         """file -> (open handle, names it holds), for each file holding one of the groups' tensors:
         each shard holding one of the names is opened once (memory-mapped), other shards never."""
-        return self._open(stack, groups)
-
-    _opened = _headers
-
-    def _open(self, stack: ExitStack, groups: dict[K, list[str]]) -> dict[str, tuple]:
-        """file -> (open handle, names it holds), for each file holding one of the groups' tensors."""
         names = [stored for members in groups.values() for name in members for stored in self._stored(name)]
         missing = [name for name in names if self.file_of(name) == INDEX]
         if missing:
@@ -138,6 +132,8 @@ class Checkpoint(Reader):
                 raise CheckpointError(f"cannot read {path}: {exc}") from None
             files[file] = (handle, set(handle.keys()))
         return files
+
+    _opened = _headers  # the values are read through the same mapped handles
 
     def _get(self, files: dict[str, tuple], name: str):
         """The open handle holding `name` (CheckpointError if its file lacks it)."""
