@@ -207,17 +207,19 @@ def generate(prompt, system_prompt, raw, max_tokens, temperature, top_k, top_p, 
 @_flag("--max-body-kib", type=click.IntRange(min=1), default=1024, help="Largest request body accepted.")
 @_flag("--max-waiting", type=click.IntRange(min=0), default=16,
        help="Requests that may wait for the cluster behind the one it runs; more get 503.")
+@_flag("--chat-template-seconds", type=click.FloatRange(min=0, min_open=True), default=5.0,
+       help="Longest a chat template may render one request's messages; longer is stopped, a 400.")
 @_like_run("--log-format")
 @_like_run("--log-level")
-def serve(address, model_id, max_tokens, repeat_penalty, repeat_last_n, max_body_kib, max_waiting, log_format,
-          log_level, **cluster) -> None:
+def serve(address, model_id, max_tokens, repeat_penalty, repeat_last_n, max_body_kib, max_waiting,
+          chat_template_seconds, log_format, log_level, **cluster) -> None:
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health) over the
     cluster, one request at a time; needs the `serve` extra (pip install 'cakemp[serve]')."""
     from cakemp.master.serve import ServeOptions, serve_api
 
     log.configure(log_format, log_level)
     options = ServeOptions(address, model_id or _model_name(cluster["model"]), max_tokens, repeat_penalty,
-                           repeat_last_n, max_body_kib * 1024, max_waiting)
+                           repeat_last_n, max_body_kib * 1024, max_waiting, chat_template_seconds)
     _run_or_exit(serve_api(_open_generator(**cluster), options))
 
 

@@ -190,10 +190,10 @@ class Api:
         return JSONResponse({"status": "ok", "model": self.reader.model_id, "requests": self.turns.admitted,
                              "connections": "broken: the next request reconnects" if self.turns.broken else "ok"})
 
-    def _endpoint(self, read: Callable[[object], Completion]) -> Callable[[Request], Awaitable[object]]:
+    def _endpoint(self, read: Callable[[object], Awaitable[Completion]]) -> Callable[[Request], Awaitable[object]]:
         async def endpoint(request: Request) -> object:
             try:
-                job = self.turns.start(read(await self._body(request)))
+                job = self.turns.start(await read(await self._body(request)))
             except ApiError as exc:
                 return _error(exc)
             answer = Answer(job, self.reader.model_id)

@@ -46,10 +46,7 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens)
         self.tokenizer = tokenizer
-        try:
-            self._template = _environment().from_string(source)
-        except jinja2.TemplateError as exc:
-            raise CheckpointError(f"the chat template does not compile: {exc}") from None
+        self._template = compile_template(source)
 
     @classmethod
     def load(cls, model_dir: str | Path, tokenizer: Tokenizer) -> ChatTemplate | None:
@@ -64,15 +61,31 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ({"role", "content"} each), ending with the assistant's turn opened."""
-        try:
-            return self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        except jinja2.TemplateError as exc:
-            raise TemplateRefused(f"the chat template refused these messages: {exc}") from None
+        return render_template(self._template, self.special_tokens, messages, add_generation_prompt)
 
     def encode(self, messages: Sequence[Message]) -> list[int]:
         """The prompt's token ids for `messages`: the rendering, encoded with no special tokens added."""
         return self.tokenizer.encode(self.render(messages), add_special_tokens=False).ids
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """`source` compiled in the sandbox; CheckpointError when it is not a template."""
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateError as exc:
+        raise CheckpointError(f"the chat template does not compile: {exc}") from None
+
+
+def render_template(template: jinja2.Template, special_tokens: Mapping[str, str], messages: Sequence[Message],
+                    add_generation_prompt: bool = True) -> str:
+    """`template`'s text for `messages`, as transformers renders it; TemplateRefused for what it raises."""
+    try:
+        return template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **special_tokens)
+    except jinja2.TemplateError as exc:
+        raise TemplateRefused(f"the chat template refused these messages: {exc}") from None
+    except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as exc:  # its own code failed
+        raise TemplateRefused(f"the chat template failed on these messages: {exc!r}"[:500]) from None
 
 
 def conversation(system_prompt: str, prompt: str) -> list[dict[str, str]]:

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
-
-from tokenizers import Tokenizer
 
 from cakemp.errors import ConfigError
-from cakemp.master.chat import ChatTemplate
+from cakemp.master.prompt_encoding import PromptEncoder, PromptTooLong
 from cakemp.master.sampler import SamplingParams
+from cakemp.master.template_process import TemplateProcess
 
 MAX_STOPS = 4  # OpenAI's limit on `stop`
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -49,45 +47,48 @@ class Completion:
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
 
 
-class Served(Protocol):
-    """What reading a request needs of the generator (`Generator` has it)."""
-
-    tokenizer: Tokenizer
-    chat: ChatTemplate | None
-    context_length: int | None
-
-
 @dataclass(frozen=True)
 class RequestReader:
-    """Reads requests for `model_id`, served by `served`; `max_tokens` when a request names none."""
+    """Reads requests for `model_id`: prompts encoded by `prompts`, chats rendered by `templates` (None for
+    a model without a chat template); `max_tokens` when a request names none."""
 
     model_id: str
-    served: Served
+    prompts: PromptEncoder
+    templates: TemplateProcess | None
     max_tokens: int
     repeat_penalty: float = 1.1
     repeat_last_n: int = 128
 
-    def chat(self, body: object) -> Completion:
+    async def chat(self, body: object) -> Completion:
         body = self._common(body)
-        if self.served.chat is None:
+        if self.templates is None:
             raise ApiError(400, f"{self.model_id} has no chat template: use /v1/completions", param="messages")
         messages = _messages(body.get("messages"))
         try:
-            prompt = tuple(self.served.chat.encode(messages))
-        except ConfigError as exc:  # the template's own raise_exception: roles out of order, say
+            text = await self.templates.render(messages)
+        except ConfigError as exc:  # the template's own raise_exception, its failure, or its time or size bound
             raise ApiError(400, str(exc), param="messages") from None
+        # The template writes the special tokens, so none are added (as transformers encodes a chat).
+        prompt = await self._encode(text, "messages", add_special_tokens=False)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         return self._completion("chat", body, prompt, limit)
 
-    def text(self, body: object) -> Completion:
+    async def text(self, body: object) -> Completion:
         body = self._common(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]  # a batch of one prompt
         if not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "prompt must be one non-empty string", param="prompt")
-        tokens = self.served.tokenizer.encode(prompt).ids  # with the tokenizer's own special tokens, as --raw
-        return self._completion("text", body, tuple(tokens), body.get("max_tokens"))
+        # With the tokenizer's own special tokens, as --raw.
+        tokens = await self._encode(prompt, "prompt", add_special_tokens=True)
+        return self._completion("text", body, tokens, body.get("max_tokens"))
+
+    async def _encode(self, text: str, param: str, add_special_tokens: bool) -> tuple[int, ...]:
+        try:
+            return await self.prompts.encode(text, _utf8_length(text, param), add_special_tokens)
+        except PromptTooLong as exc:
+            raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
 
     def _common(self, body: object) -> Mapping:
         if not isinstance(body, dict):
@@ -110,17 +111,18 @@ class RequestReader:
 
     def _max_tokens(self, prompt_length: int, limit: object) -> int:
         """The request's `max_tokens`, or the server's default cut to what the context leaves."""
-        room = None if self.served.context_length is None else self.served.context_length - prompt_length
+        context_length = self.prompts.context_length
+        room = None if context_length is None else context_length - prompt_length
         if room is not None and room < 1:
-            raise ApiError(400, f"the prompt is {prompt_length} tokens; this model's context is "
-                                f"{self.served.context_length}", param="messages", code="context_length_exceeded")
+            raise ApiError(400, f"the prompt is {prompt_length} tokens; this model's context is {context_length}",
+                           param="messages", code="context_length_exceeded")
         if limit is None:
             return self.max_tokens if room is None else min(self.max_tokens, room)
         if not _is_int(limit) or limit < 1:
             raise ApiError(400, "max_tokens must be an integer of at least 1", param="max_tokens")
         if room is not None and limit > room:
             raise ApiError(400, f"the prompt ({prompt_length} tokens) and max_tokens ({limit}) exceed this model's "
-                                f"context of {self.served.context_length}", param="max_tokens",
+                                f"context of {context_length}", param="max_tokens",
                            code="context_length_exceeded")
         return limit
 
@@ -146,7 +148,9 @@ def _messages(messages: object) -> list[dict[str, str]]:
         where = f"messages[{index}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise ApiError(400, f"{where} must be an object with a role among {', '.join(ROLES)}", param=where)
-        read.append({"role": message["role"], "content": _content(message.get("content"), where)})
+        content = _content(message.get("content"), where)
+        _utf8_length(content, f"{where}.content")
+        read.append({"role": message["role"], "content": content})
     return read
 
 
@@ -158,6 +162,14 @@ def _content(content: object, where: str) -> str:
                                          isinstance(p.get("text"), str) for p in content):
         return "".join(part["text"] for part in content)
     raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+
+
+def _utf8_length(text: str, param: str) -> int:
+    """`text`'s length in UTF-8; 400 for a lone surrogate (JSON's "\\ud800" reads as one), which has none."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (a lone surrogate)", param=param) from None
 
 
 def _stops(stop: object) -> tuple[str, ...]:

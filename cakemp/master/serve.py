@@ -5,6 +5,9 @@ port and the "api listening" event can name it before the first request. uvicorn
 goes through cakemp's (its records are the root logger's); its access log is off, since every
 request is logged once by the API with its figures.
 
+Prompts are encoded in threads and chat templates rendered in a child process
+(`prompt_encoding.py`, `template_process.py`), so the event loop never tokenizes nor renders.
+
 What a peer can hold is bounded: a connection whose request has not arrived whole is one of at
 most 64, for at most 10 seconds, and one that stops reading its answer is aborted after 10
 seconds of blocked writes (`connection_guard.py`); uvicorn answers 503 past
@@ -13,10 +16,11 @@ seconds of blocked writes (`connection_guard.py`); uvicorn answers 503 past
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import socket
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from cakemp import log
@@ -24,6 +28,8 @@ from cakemp.address import parse_address
 from cakemp.errors import ConfigError
 from cakemp.master.generator import Generator
 from cakemp.master.openai_request import RequestReader
+from cakemp.master.prompt_encoding import PromptEncoder
+from cakemp.master.template_process import TemplateProcess
 
 try:
     import uvicorn
@@ -35,6 +41,7 @@ except ImportError as exc:  # the optional extra is missing
 else:
     _MISSING = None
 
+RENDERING_BODIES = 4  # the longest chat rendering, in request bodies: the template's markers around each message
 MOST_CONNECTIONS = 256  # uvicorn's limit_concurrency: connections and requests in progress, each counted
 
 
@@ -49,6 +56,7 @@ class ServeOptions:
     repeat_last_n: int
     max_body_bytes: int
     max_waiting: int
+    chat_template_seconds: float
 
 
 async def serve_api(opening: Awaitable[Generator], options: ServeOptions) -> None:
@@ -66,9 +74,7 @@ async def serve_api(opening: Awaitable[Generator], options: ServeOptions) -> Non
 
 
 async def _serve(generator: Generator, listener: socket.socket, options: ServeOptions) -> None:
-    async with generator:
-        reader = RequestReader(options.model_id, generator, options.max_tokens, options.repeat_penalty,
-                               options.repeat_last_n)
+    async with generator, _reader(generator, options) as reader:
         api = Api(generator, reader, max_body_bytes=options.max_body_bytes, max_waiting=options.max_waiting)
         guarded = functools.partial(GuardedH11Protocol, guard=IncompleteConnections())
         config = uvicorn.Config(api.app(), http=guarded, limit_concurrency=MOST_CONNECTIONS, log_config=None,
@@ -77,6 +83,22 @@ async def _serve(generator: Generator, listener: socket.socket, options: ServeOp
         log.get_logger().info("api listening", url=f"http://{host}:{port}/v1", port=port, model=options.model_id)
         _ignore_repeated_signals()
         await uvicorn.Server(config).serve(sockets=[listener])
+
+
+@contextlib.asynccontextmanager
+async def _reader(generator: Generator, options: ServeOptions) -> AsyncIterator[RequestReader]:
+    """The request reader over `generator`'s tokenizer and chat template, its threads and child process
+    ended with it."""
+    prompts = PromptEncoder(generator.tokenizer, generator.context_length)
+    templates = None if generator.chat is None else \
+        TemplateProcess(generator.chat, options.chat_template_seconds, RENDERING_BODIES * options.max_body_bytes)
+    try:
+        yield RequestReader(options.model_id, prompts, templates, options.max_tokens, options.repeat_penalty,
+                            options.repeat_last_n)
+    finally:
+        prompts.close()
+        if templates is not None:
+            templates.close()
 
 
 def _ignore_repeated_signals() -> None:

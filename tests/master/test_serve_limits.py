@@ -1,0 +1,175 @@
+"""What one client of `cakemp serve` cannot do to the others: a real server over a live node, each hostile
+request sent while another client's request is answered with the greedy answer.
+
+The cluster: one `cakemp run --gpus cpu:2` node serving model.layers.1-3 and 5 of the synthetic checkpoint,
+made with a context of 131,072 positions (so a 1 MiB prompt of words is tokenized before it is refused)
+and a chat template that loops forever, or asks for gigabytes, when the last message says so.
+The server: --max-tokens 24, --max-body-kib 2048, --chat-template-seconds 4.
+"""
+
+import json
+import socket
+import threading
+import urllib.request
+
+import openai
+import pytest
+import yaml
+
+from cakemp.demo.local_node import free_port
+from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
+from tests.master.chat_templates import CHATML, with_template
+from tests.support.node import LoggedProcess, RunningNode
+
+NODE_LAYERS = ["model.layers.1-3", "model.layers.5"]
+MODEL_ID = "tiny-chat"
+CONTEXT = 1 << 17
+MAX_TOKENS = 24
+GREEDY = {"temperature": 0, "max_tokens": 20}
+MESSAGES = [{"role": "user", "content": "Once upon a time"}]
+# The hostile branches depend on the messages, so that jinja cannot fold them into constants at compile time.
+HOSTILE = ("{% if messages[-1].content == 'loop' %}{% for a in range(100000) %}{% for b in range(100000) %}"
+           "{% endfor %}{% endfor %}{% elif messages[-1].content == 'explode' %}"
+           "{{ 'x' * (messages[-1].content | length * 2 ** 30) }}{% elif messages[-1].content == 'long' %}"
+           "{{ 'x' * (messages[-1].content | length * 2 ** 22) }}{% endif %}" + CHATML)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    base = tmp_path_factory.mktemp("base") / "ckpt"
+    base.mkdir()
+    write_checkpoint(base, SyntheticSpec(max_position_embeddings=CONTEXT))
+    return with_template(base, tmp_path_factory.mktemp("chat") / MODEL_ID, HOSTILE, in_jinja_file=True)
+
+
+class Node:
+    """The cluster's one node on a fixed port, so that it can be stopped and started where the server finds it."""
+
+    def __init__(self, model, work):
+        self.model, self.port = model, free_port()
+        self.node_topology = work / "node.yml"
+        self.node_topology.write_text(yaml.safe_dump({"worker": {"host": "127.0.0.1:10128", "layers": NODE_LAYERS}}))
+        self.topology = work / "master.yml"
+        self.topology.write_text(yaml.safe_dump({"worker": {"host": f"127.0.0.1:{self.port}", "layers": NODE_LAYERS}}))
+        self.start()
+
+    def start(self):
+        self.running = RunningNode(self.model, self.node_topology, "--gpus", "cpu:2", "--dtype", "f32",
+                                   "--address", f"127.0.0.1:{self.port}")
+
+
+@pytest.fixture(scope="module")
+def node(model, tmp_path_factory):
+    node = Node(model, tmp_path_factory.mktemp("node"))
+    yield node
+    assert node.running.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def server(model, node):
+    serving = LoggedProcess(["serve", "--model", str(model), "--topology", str(node.topology), "--dtype", "f32",
+                             "--address", "127.0.0.1:0", "--repeat-penalty", "1", "--max-tokens", str(MAX_TOKENS),
+                             "--max-body-kib", "2048", "--chat-template-seconds", "4", "--log-format", "json"],
+                            ready="api listening")
+    yield serving
+    assert serving.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def expected(client):
+    """The bystander's greedy answer, asked alone."""
+    return client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, **GREEDY).choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def expected_raw(client):
+    """The greedy continuation of the raw prompt, asked alone."""
+    return client.completions.create(model=MODEL_ID, prompt="Once upon a time", **GREEDY).choices[0].text
+
+
+def send(server, path, body: bytes) -> socket.socket:
+    """A connection that has sent one whole POST of `body` (its answer left unread)."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                 b"Connection: close\r\n\r\n%s" % (path.encode(), len(body), body))
+    return sock
+
+
+def answer(sock) -> tuple[int, dict]:
+    """The status and JSON body of the answer on `sock` (the server closes it after)."""
+    data = b""
+    while chunk := sock.recv(1 << 16):
+        data += chunk
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def answered(sock) -> bool:
+    """Whether the server has begun to answer on `sock`."""
+    sock.setblocking(False)
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except BlockingIOError:
+        return False
+    finally:
+        sock.setblocking(True)
+
+
+def stream_text(client) -> str:
+    chunks = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, stream=True, **GREEDY)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def health(server) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=60) as response:
+        return json.loads(response.read())["status"]
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(client, server, expected):
+    """Eight 1 MiB prompts (about a second of tokenizing each) are all sent; meanwhile another client's
+    streamed greedy answer and /health come whole, before the last of the eight is answered (tokenizing on
+    the event loop, the stream would wait behind every one). Each of the eight gets the 400 the context
+    check gives; a 1.5 MiB prompt, more bytes than the context's tokens can stand for, gets it untokenized."""
+    prompt = json.dumps({"model": MODEL_ID, "prompt": "many words in a row " * ((1 << 20) // 20)}).encode()
+    senders = []
+    attackers = []
+    for _ in range(8):
+        senders.append(threading.Thread(target=lambda: attackers.append(send(server, "/v1/completions", prompt))))
+        senders[-1].start()
+    for sender in senders:
+        sender.join()
+    assert stream_text(client) == expected and health(server) == "ok"
+    assert not all(answered(sock) for sock in attackers)
+    for status, body in map(answer, attackers):
+        assert (status, body["error"]["code"]) == (400, "context_length_exceeded")
+        assert "tokens; this model's context is 131072" in body["error"]["message"]
+    longer = json.dumps({"model": MODEL_ID, "prompt": "x" * (3 << 19)}).encode()
+    status, body = answer(send(server, "/v1/completions", longer))
+    assert (status, body["error"]["code"]) == (400, "context_length_exceeded")
+    assert body["error"]["message"].startswith("the prompt is 1572864 bytes, more than this model's context")
+
+
+@pytest.mark.parametrize("trigger, refusal", [
+    ("loop", "the chat template took longer than 4 s on these messages"),
+    ("explode", "the chat template ran out of its 512 MiB on these messages"),
+    ("long", "the chat template rendered more than 8388608 bytes for these messages")])
+def test_a_chat_template_that_loops_or_explodes_is_stopped(client, server, expected, expected_raw, trigger, refusal):
+    """A chat whose template loops (a hundred thousand squared iterations), asks for gigabytes or renders
+    megabytes is stopped: a 400 saying which, while /health and another client's completion (raw, no
+    template) are answered before it; the next chat is rendered, with the greedy answer."""
+    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": trigger}]}).encode()
+    hostile = send(server, "/v1/chat/completions", body)
+    assert health(server) == "ok"
+    assert trigger != "loop" or not answered(hostile)
+    assert client.completions.create(model=MODEL_ID, prompt="Once upon a time", **GREEDY).choices[0].text \
+        == expected_raw
+    status, answer_body = answer(hostile)
+    assert (status, answer_body["error"]["message"], answer_body["error"]["param"]) == (400, refusal, "messages")
+    assert client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, **GREEDY).choices[0].message.content \
+        == expected
