@@ -202,7 +202,8 @@ def generate(prompt, system_prompt, raw, max_tokens, temperature, top_k, top_p, 
 @_flag("--model-id", help="The model's name in the API (/v1/models, requests' `model`) [default: the model "
        "directory's name, or the Hugging Face id --model gives].")
 @_flag("--max-tokens", type=click.IntRange(min=1), default=2048,
-       help="Most tokens a request generates when it names no max_tokens (cut to the context left).")
+       help="Most tokens a request may ask for (more: 400), and what it gets when it names no max_tokens (cut to "
+       "the context left).")
 @_repeat_flags
 @_flag("--max-body-kib", type=click.IntRange(min=1), default=1024, help="Largest request body accepted.")
 @_flag("--max-waiting", type=click.IntRange(min=0), default=16,

@@ -50,7 +50,8 @@ class Completion:
 @dataclass(frozen=True)
 class RequestReader:
     """Reads requests for `model_id`: prompts encoded by `prompts`, chats rendered by `templates` (None for
-    a model without a chat template); `max_tokens` when a request names none."""
+    a model without a chat template); `max_tokens`: the most a request may ask for, and what it gets when
+    it names none."""
 
     model_id: str
     prompts: PromptEncoder
@@ -110,7 +111,7 @@ class RequestReader:
                           bool(options.get("include_usage", False)))
 
     def _max_tokens(self, prompt_length: int, limit: object) -> int:
-        """The request's `max_tokens`, or the server's default cut to what the context leaves."""
+        """The request's `max_tokens` (at most the server's), or the server's cut to what the context leaves."""
         context_length = self.prompts.context_length
         room = None if context_length is None else context_length - prompt_length
         if room is not None and room < 1:
@@ -124,6 +125,9 @@ class RequestReader:
             raise ApiError(400, f"the prompt ({prompt_length} tokens) and max_tokens ({limit}) exceed this model's "
                                 f"context of {context_length}", param="max_tokens",
                            code="context_length_exceeded")
+        if limit > self.max_tokens:  # refused, not cut: the client learns it would not get what it asked for
+            raise ApiError(400, f"max_tokens is too large: {limit}; this server generates at most {self.max_tokens} "
+                                f"tokens a request", param="max_tokens")
         return limit
 
     def _sampling(self, body: Mapping) -> SamplingParams:

@@ -173,3 +173,24 @@ def test_a_chat_template_that_loops_or_explodes_is_stopped(client, server, expec
     assert (status, answer_body["error"]["message"], answer_body["error"]["param"]) == (400, refusal, "messages")
     assert client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, **GREEDY).choices[0].message.content \
         == expected
+
+
+def refused(client, **kwargs) -> tuple[int, str | None]:
+    """The status and param of the 400 a chat completion with `kwargs` gets."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(**{"model": MODEL_ID, "messages": MESSAGES, **kwargs})
+    return error.value.status_code, error.value.body["param"]
+
+
+def test_max_tokens_past_the_servers_is_refused(client, expected):
+    """--max-tokens is a cap: a request asking one token more gets 400 (max_tokens), as OpenAI and vLLM refuse
+    what they would not generate, while another client's stream goes on with the greedy answer; a request
+    asking exactly the cap is served."""
+    stream = iter(client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, stream=True, **GREEDY))
+    assert next(stream).choices[0].delta.role == "assistant"
+    assert refused(client, max_tokens=MAX_TOKENS + 1) == (400, "max_tokens")
+    assert refused(client, max_completion_tokens=MAX_TOKENS + 1) == (400, "max_tokens")
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    capped = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
+    assert capped.usage.completion_tokens <= MAX_TOKENS and capped.choices[0].message.content.startswith(expected)
+
