@@ -194,3 +194,16 @@ def test_max_tokens_past_the_servers_is_refused(client, expected):
     capped = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
     assert capped.usage.completion_tokens <= MAX_TOKENS and capped.choices[0].message.content.startswith(expected)
 
+
+def test_temperature_and_top_p_are_held_to_openais_ranges(client, expected):
+    """temperature 0 and 2 and top_p just above 0 and 1 are served; temperature -0.0001 and 2.0001, top_p 0,
+    -0.0001 and 1.0001 get 400 naming the field, while another client's stream goes on with the greedy answer."""
+    stream = iter(client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, stream=True, **GREEDY))
+    assert next(stream).choices[0].delta.role == "assistant"
+    assert [refused(client, temperature=t) for t in (-0.0001, 2.0001)] == [(400, "temperature")] * 2
+    assert [refused(client, top_p=p) for p in (0, -0.0001, 1.0001)] == [(400, "top_p")] * 3
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    for sampling in ({"temperature": 0}, {"temperature": 2}, {"top_p": 1e-9}, {"top_p": 1}):
+        answer = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2, seed=1, **sampling)
+        assert answer.usage.completion_tokens >= 1
+
