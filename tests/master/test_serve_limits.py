@@ -207,3 +207,19 @@ def test_temperature_and_top_p_are_held_to_openais_ranges(client, expected):
         answer = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2, seed=1, **sampling)
         assert answer.usage.completion_tokens >= 1
 
+
+def test_a_lone_surrogate_is_a_400_and_no_error(client, server, expected):
+    """A prompt or a message holding a lone surrogate ("\\ud800" in the JSON, which Python reads as a str no
+    tokenizer takes) gets 400 naming the field, with no error-level line in the server's log, while another
+    client's stream goes on with the greedy answer."""
+    mark = server.mark()
+    stream = iter(client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, stream=True, **GREEDY))
+    assert next(stream).choices[0].delta.role == "assistant"
+    prompt = b'{"model": "%s", "prompt": "abc\\ud800def"}' % MODEL_ID.encode()
+    chat = b'{"model": "%s", "messages": [{"role": "user", "content": "abc\\udfffdef"}]}' % MODEL_ID.encode()
+    answers = [answer(send(server, "/v1/completions", prompt)), answer(send(server, "/v1/chat/completions", chat))]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    assert [(status, body["error"]["param"]) for status, body in answers] == \
+        [(400, "prompt"), (400, "messages[0].content")]
+    assert all("not valid Unicode" in body["error"]["message"] for _, body in answers)
+    assert not [e for e in server.events(mark) if e.get("level") == "error"]
