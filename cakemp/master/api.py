@@ -239,7 +239,7 @@ class Answer:
         try:
             text = await self.job.text()
         except Exception as exc:  # the job's failure, raised at its end
-            return _error(_failure(exc))
+            return _error(_failure(exc, self.id))
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         choice = {"index": 0, **content, "logprobs": None, "finish_reason": self.job.finish_reason}
         return JSONResponse({**self._envelope(chunk=False), "choices": [choice], "usage": self._usage()})
@@ -251,7 +251,7 @@ class Answer:
             async for piece in self.job.texts():
                 yield self._chunk({"content": piece} if self.chat else piece, None)
         except Exception as exc:  # the job's failure, raised at its end
-            yield _event(_failure(exc).body())
+            yield _event(_failure(exc, self.id).body())
             return
         yield self._chunk({} if self.chat else "", self.job.finish_reason)
         if self.job.completion.include_usage:
@@ -273,10 +273,14 @@ class Answer:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _failure(exc: Exception) -> ApiError:
-    """A failed generation: the cluster's (a worker's error, a lost connection: 502) or a bug here (500)."""
+def _failure(exc: Exception, request_id: str) -> ApiError:
+    """A failed generation: the cluster's (a worker's error, a lost connection: 502) or a bug here (500).
+    A 502 names no worker address nor error, which an unauthenticated client must not learn: the log
+    has them, under the request's id, which the answer gives."""
     if isinstance(exc, CakempError | OSError):
-        return ApiError(502, f"the cluster failed the request: {exc}", type="server_error", code="cluster_error")
+        log.get_logger().error("request failed at the cluster", request=request_id, error=str(exc))
+        return ApiError(502, f"a worker failed the request {request_id} (the server's log says why)",
+                        type="server_error", code="cluster_error")
     return ApiError(500, "internal error", type="server_error")
 
 

@@ -8,6 +8,7 @@ The server: --max-tokens 24, --max-body-kib 2048, --chat-template-seconds 4.
 """
 
 import json
+import re
 import socket
 import threading
 import urllib.request
@@ -223,3 +224,25 @@ def test_a_lone_surrogate_is_a_400_and_no_error(client, server, expected):
         [(400, "prompt"), (400, "messages[0].content")]
     assert all("not valid Unicode" in body["error"]["message"] for _, body in answers)
     assert not [e for e in server.events(mark) if e.get("level") == "error"]
+
+
+def test_a_502_names_no_worker_and_the_log_has_why(client, server, node, expected):
+    """With the node stopped behind the server, a request gets 502 (cluster_error) whose message names
+    neither the worker's address nor its error, only the request's id; the server's log has an error-level
+    line under that id saying which worker and what failed. /health answers meanwhile, and once the node is
+    back the next request gets the greedy answer."""
+    assert node.running.stop() == 0
+    mark = server.mark()
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, **GREEDY)
+    message = failed.value.body["message"]
+    assert (failed.value.status_code, failed.value.body["code"]) == (502, "cluster_error")
+    assert "127.0.0.1" not in message and str(node.port) not in message
+    request_id = re.search(r"chatcmpl-[0-9a-f]{32}", message).group()
+    logged = server.wait_for(lambda e: e.get("event") == "request failed at the cluster", after=mark)
+    assert (logged["level"], logged["request"]) == ("error", request_id)
+    assert f"127.0.0.1:{node.port}" in logged["error"]
+    assert health(server) == "ok"
+    node.start()
+    assert client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, **GREEDY).choices[0].message.content \
+        == expected
