@@ -6,6 +6,11 @@
 (0: greedy), `top_p`, `stop` (up to 4 strings), `seed`, `stream` and
 `stream_options.include_usage`; `n` must be 1. Fields this API does not use are ignored, as
 OpenAI-compatible servers do. Every refusal is an `ApiError`: a status and OpenAI's error object.
+
+Reading is async because it never tokenizes nor renders on the event loop: prompts go to a
+`PromptEncoder` (threads, and the refusal by bytes), chats to a `TemplateProcess` (a child).
+Text that is not valid Unicode (a lone surrogate, which JSON can write) is a 400. `max_tokens`
+past the server's is refused, not cut, as OpenAI and vLLM refuse what they would not generate.
 """
 
 from __future__ import annotations
