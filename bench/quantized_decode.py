@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.quantized_load import FORMATS, write
-from cakemp.compute.loading import LoadPlan, int4_kept
+from cakemp.compute.loading import LoadPlan, kept_kernels
 from cakemp.compute.runner import BlockRunner
 from cakemp.model.weights.readers import open_checkpoint
 from cakemp.rss import resident_bytes
@@ -41,8 +41,8 @@ def once(path: Path, layers_served: int, keep: bool, steps: int) -> dict[str, fl
     config = checkpoint.config
     layers = [config.layer_name(i) for i in range(layers_served)]
     device, dtype = torch.device("cpu"), torch.float32
-    counted = LoadPlan.of(config, checkpoint, layers).nbytes(checkpoint, dtype, keep_int4=keep and int4_kept(
-        checkpoint, device, dtype))
+    kernels = kept_kernels(checkpoint, device, dtype) if keep else frozenset()
+    counted = LoadPlan.of(config, checkpoint, layers).nbytes(checkpoint, dtype, kernels=kernels)
     before = resident_bytes()
     runner = BlockRunner.load(path, layers, device, dtype, keep_int4=keep)
     grown = resident_bytes() - before

@@ -515,10 +515,11 @@ def load_layer(path: Path, device: torch.device, keep_int4: bool):
     config = ModelConfig.from_dir(path)
     checkpoint = open_checkpoint(path, config)
     plan = LoadPlan.of(config, checkpoint, ["model.layers.0"])
-    weights = plan.read(checkpoint, device, torch.bfloat16, None, keep_int4)
+    kernels = frozenset({"int4"}) if keep_int4 else frozenset()
+    weights = plan.read(checkpoint, device, torch.bfloat16, None, kernels)
     blocks = {layer: plan.kinds[layer](config, 0, {key: weights[layer, key] for key in plan.groups[layer]})
               for layer in plan.layers}
-    counted = plan.nbytes(checkpoint, torch.bfloat16, keep_int4=keep_int4)
+    counted = plan.nbytes(checkpoint, torch.bfloat16, kernels=kernels)
     return BlockRunner(config, blocks, device, torch.bfloat16, kv_budget_bytes=None, max_context=4096), counted
 
 

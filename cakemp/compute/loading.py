@@ -1,5 +1,5 @@
 """What loading a device's layers reads, checked before and after: each layer's block class and
-weight groups (`LoadPlan`), whether 4-bit matrices may stay int4 on this device (`int4_kept`),
+weight groups (`LoadPlan`), which kept-quantized kernels this device multiplies by (`kept_kernels`),
 and the read itself, from any WeightSource (model/weights/source.py). BlockRunner.load
 (runner.py) builds its blocks from what this returns.
 """
@@ -18,7 +18,7 @@ from cakemp.model import attention
 from cakemp.model.block import NORMS, DecoderBlock
 from cakemp.model.linear_block import LinearAttentionBlock
 from cakemp.model.moe import STACKED
-from cakemp.model.weights import fp8, int4
+from cakemp.model.weights import fp8, int4, int8, kept
 from cakemp.model.weights.source import WeightSource
 
 Block = DecoderBlock | LinearAttentionBlock
@@ -59,14 +59,15 @@ class LoadPlan:
         return cls(config, tuple(layers), kinds, groups, shapes)
 
     def read(self, checkpoint: WeightSource, device: torch.device, dtype: torch.dtype,
-             on_layer: Callable[[int], None] | None, keep_int4: bool = False) -> dict[tuple[str, str], torch.Tensor]:
+             on_layer: Callable[[int], None] | None,
+             kernels: frozenset[str] = frozenset()) -> dict[tuple[str, str], torch.Tensor]:
         """(layer, key) -> its tensor on `device`, one layer at a time (`on_layer(n)` after n),
-        after checking on a GPU that they fit (counting what stays FP8 or int4 as such); each
+        after checking on a GPU that they fit (counting what stays FP8, int4 or int8 as such); each
         checked against the shape config.json implies."""
         self._check_quantized_shapes(checkpoint)
         wanted = [self._wanted(layer) for layer in self.layers]
         keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
-        needed = self.nbytes(checkpoint, dtype, keep_fp8, keep_int4)
+        needed = self.nbytes(checkpoint, dtype, keep_fp8, kernels)
         free = None
         if device.type == "cuda":
             attention.use_fused_kernels()
@@ -80,7 +81,7 @@ class LoadPlan:
         try:
             for loaded, (kept, plain) in enumerate(wanted, 1):
                 weights.update(checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys(),
-                                               keep_int4=keep_int4))
+                                               kernels=kernels))
                 weights.update(checkpoint.load(plain, device, dtype))
                 if on_layer is not None:
                     on_layer(loaded)
@@ -111,9 +112,9 @@ class LoadPlan:
                                           f"implies, {self.shapes[layer][key]}")
 
     def nbytes(self, checkpoint: WeightSource, dtype: torch.dtype, keep_fp8: bool = False,
-               keep_int4: bool = False) -> int:
+               kernels: frozenset[str] = frozenset()) -> int:
         """The bytes the layers take once loaded (quantized formats counted as what they are loaded as)."""
-        return sum(checkpoint.nbytes(kept, dtype, keep_fp8, keep_int4) + checkpoint.nbytes(plain, dtype)
+        return sum(checkpoint.nbytes(kept, dtype, keep_fp8, kernels) + checkpoint.nbytes(plain, dtype)
                    for kept, plain in map(self._wanted, self.layers))
 
     def _wanted(self, layer: str) -> tuple[dict, dict]:
@@ -124,16 +125,20 @@ class LoadPlan:
                 {k: v for k, v in named.items() if k[1] in STACKED})
 
 
-def int4_kept(checkpoint: WeightSource, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether 4-bit matrices may stay int4 here: where torch's int4 matmul works, on a CPU in any
-    compute dtype (each product's input rounded to bf16, model/weights/int4.py), on a GPU in bf16
-    (for a checkpoint with 4-bit matrices, why not is logged once)."""
-    if device.type not in ("cuda", "cpu") or not checkpoint.stores_4bit:
-        return False
+def kept_kernels(checkpoint: WeightSource, device: torch.device, dtype: torch.dtype) -> frozenset[str]:
+    """The kernels quantized matrices may stay quantized for here (model/weights/kept.py): "int4" where
+    torch's int4 matmul works, on a CPU in any compute dtype (each product's input rounded to bf16,
+    model/weights/int4.py), on a GPU in bf16; "int8" on a CPU where its int8 matmul works (int8.py).
+    For a checkpoint that may hold such matrices, why one is not used is logged once."""
+    if device.type not in ("cuda", "cpu") or not checkpoint.stores_kept:
+        return frozenset()
+    kernels = set()
     if device.type == "cuda" and dtype != torch.bfloat16:
-        int4.dequantized(f"compute dtype {dtype} (torch's int4 matmul takes bf16 activations)")
-        return False
-    if not int4.kernel_works(device):
-        int4.dequantized(f"torch's int4 matmul does not run, or miscomputes, on {device}")
-        return False
-    return True
+        kept.dequantized(f"compute dtype {dtype} (torch's int4 matmul takes bf16 activations)")
+    elif int4.kernel_works(device):
+        kernels.add(int4.KERNEL)
+    else:
+        kept.dequantized(f"torch's int4 matmul does not run, or miscomputes, on {device}")
+    if int8.kernel_works(device):
+        kernels.add(int8.KERNEL)
+    return frozenset(kernels)

@@ -16,7 +16,7 @@ import torch
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
-from cakemp.compute.loading import Block, LoadPlan, int4_kept
+from cakemp.compute.loading import Block, LoadPlan, kept_kernels
 from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import InternalError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model.block import MATRICES, Span
@@ -168,8 +168,9 @@ class BlockRunner:
         twice the weights' memory.
 
         `keep_int4`: keep 4-bit matrices (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K) 4-bit for torch's int4 matmul
-        where it takes them (a CPU, or a GPU computing in bf16: compute/loading.int4_kept); False
-        dequantizes them (--dequantize-4bit).
+        where it takes them (a CPU, or a GPU computing in bf16), and on a CPU 8-bit ones of one scale
+        a row (GPTQ, MLX) 8-bit for its int8 matmul (compute/loading.kept_kernels); False dequantizes
+        them all (--dequantize-4bit).
 
         `on_layer(n)` is called once `n` of them are on the device (the device process reports
         it, so that a load of minutes shows progress).
@@ -180,7 +181,8 @@ class BlockRunner:
         checkpoint = open_checkpoint(model_dir)  # and its config, a GGUF file's header parsed once for both
         config = checkpoint.config
         plan = LoadPlan.of(config, checkpoint, layers)
-        weights = plan.read(checkpoint, device, dtype, on_layer, keep_int4 and int4_kept(checkpoint, device, dtype))
+        kernels = kept_kernels(checkpoint, device, dtype) if keep_int4 else frozenset()
+        weights = plan.read(checkpoint, device, dtype, on_layer, kernels)
         # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/weights/packed.py says why).
         for (layer, key), tensor in weights.items():
             if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):

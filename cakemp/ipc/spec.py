@@ -91,7 +91,7 @@ class DeviceSpec:
     poll_s: float = 0.0  # owed a request, look at the socket this long before sleeping (--device-poll-ms)
     prefix_reuse: bool = True  # keep sessions' rows for requests that send them again (compute/prefix_cache.py)
     share_prefixes: bool = False  # ... reused by any session, not only the one they came from
-    keep_int4: bool = True  # 4-bit matrices stay int4 where torch's kernel takes them (compute/loading.int4_kept)
+    keep_int4: bool = True  # 4-bit (and 8-bit) matrices kept where torch's kernels take them (loading.kept_kernels)
     progress_s: float = 15.0  # a device busy this long on one step says so (Progress), so the front can tell busy from hung
     log_format: str = "auto"
     log_level: str = "info"

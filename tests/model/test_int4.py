@@ -20,7 +20,7 @@ from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.quantization import Gptq
 from cakemp.compute.runner import BlockRunner
 from cakemp.model.linear import linear
-from cakemp.model.weights import ggml, gptq, int4, mlx
+from cakemp.model.weights import ggml, gptq, int4, int8, mlx
 from cakemp.model.weights.gguf import GgufCheckpoint
 from cakemp.model.weights.safetensors import Checkpoint
 from tests.support.checkpoints import make_checkpoint
@@ -29,6 +29,7 @@ from tests.support.int4_checkpoints import random_gptq, random_mlx
 
 OUT, IN = 96, 512
 BF16_EPS = torch.finfo(torch.bfloat16).eps
+KERNELS = frozenset({int4.KERNEL, int8.KERNEL})  # what a CPU keeps (compute/loading.kept_kernels)
 
 
 def _words(generator: torch.Generator, *shape: int) -> torch.Tensor:
@@ -154,19 +155,19 @@ GROUPS = {"w_qkv": [f"{LAYER}.self_attn.{p}_proj.weight" for p in "qkv"],
           "w_down": [f"{LAYER}.mlp.down_proj.weight"], "input_norm": [f"{LAYER}.input_layernorm.weight"]}
 
 
-def assert_loaded_int4(checkpoint, kept_keys: set[str]) -> None:
-    """`load(keep_int4=True)` keeps exactly `kept_keys` int4, each multiplying as its dequantized
-    load does, and `nbytes` counts what it holds."""
-    kept = checkpoint.load(GROUPS, torch.device("cpu"), torch.bfloat16, keep_int4=True)
+def assert_loaded_int4(checkpoint, kept_keys: set[str], form: type = int4.Int4Weight) -> None:
+    """`load(kernels=KERNELS)` (a CPU's) keeps exactly `kept_keys` quantized, as `form`, each multiplying
+    as its dequantized load does, and `nbytes` counts what it holds."""
+    kept = checkpoint.load(GROUPS, torch.device("cpu"), torch.bfloat16, kernels=KERNELS)
     plain = checkpoint.load(GROUPS, torch.device("cpu"), torch.float32)
-    assert {key for key, w in kept.items() if isinstance(w, int4.Int4Weight)} == kept_keys
+    assert {key for key, w in kept.items() if not isinstance(w, torch.Tensor)} == kept_keys
     for key in kept_keys:
+        assert isinstance(kept[key], form), key
         x = torch.randn(3, plain[key].shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         expected = x.float() @ plain[key].t()
         assert (linear(x, kept[key]).float() - expected).abs().max() <= BF16_EPS * expected.abs().max(), key
-    held = sum(w.nbytes for w in kept.values() if isinstance(w, int4.Int4Weight)) + \
-        sum(w.nbytes for w in kept.values() if isinstance(w, torch.Tensor))
-    assert checkpoint.nbytes(GROUPS, torch.bfloat16, keep_int4=True) == held
+    held = sum(w.nbytes for w in kept.values())
+    assert checkpoint.nbytes(GROUPS, torch.bfloat16, kernels=KERNELS) == held
     assert checkpoint.nbytes(GROUPS, torch.bfloat16) == sum(w.numel() * 2 for w in plain.values())
 
 
@@ -182,7 +183,7 @@ def test_an_act_order_gptq_checkpoint_keeps_its_matrices_int4_with_their_input_o
     path = random_gptq(tmp_path / "gptq", plain, 32, desc_act=True)
     checkpoint = Checkpoint(path, ModelConfig.from_dir(path))
     assert_loaded_int4(checkpoint, {"w_qkv", "w_gate_up", "w_down"})
-    kept = checkpoint.load(GROUPS, torch.device("cpu"), torch.bfloat16, keep_int4=True)
+    kept = checkpoint.load(GROUPS, torch.device("cpu"), torch.bfloat16, kernels=KERNELS)
     assert all(kept[key].order is not None for key in ("w_qkv", "w_gate_up", "w_down"))
 
 
@@ -193,11 +194,13 @@ def test_act_order_matrices_fused_in_different_input_orders_are_dequantized(tmp_
     assert_loaded_int4(Checkpoint(path, ModelConfig.from_dir(path)), {"w_down"})
 
 
-def test_an_mlx_checkpoint_keeps_its_4_bit_matrices_int4_and_dequantizes_8_bit_ones(tmp_path, plain):
+def test_an_mlx_checkpoint_keeps_4_bit_matrices_int4_and_8_bit_ones_of_one_group_a_row_int8(tmp_path, plain):
+    """In groups of 64, the 8-bit q/k/v and gate/up (64 inputs) are one group a row: kept int8;
+    down_proj (128 inputs, two groups a row) is dequantized."""
     four = random_mlx(tmp_path / "mlx4", plain, 64)
     assert_loaded_int4(Checkpoint(four, ModelConfig.from_dir(four)), {"w_qkv", "w_gate_up", "w_down"})
     eight = random_mlx(tmp_path / "mlx8", plain, 64, bits=8)
-    assert_loaded_int4(Checkpoint(eight, ModelConfig.from_dir(eight)), set())
+    assert_loaded_int4(Checkpoint(eight, ModelConfig.from_dir(eight)), {"w_qkv", "w_gate_up"}, int8.Int8Weight)
 
 
 @needs_gguf
@@ -210,7 +213,7 @@ def test_a_gguf_file_keeps_q4_0_and_q4_1_int4_with_llama_s_rows_unpermuted(tmp_p
     checkpoint = GgufCheckpoint(path, ModelConfig.from_dir(path))
     assert_loaded_int4(checkpoint, {"w_gate_up", "w_down"})
     q_and_k = {"w_qk": GROUPS["w_qkv"][:2]}
-    kept = checkpoint.load(q_and_k, torch.device("cpu"), torch.bfloat16, keep_int4=True)["w_qk"]
+    kept = checkpoint.load(q_and_k, torch.device("cpu"), torch.bfloat16, kernels=KERNELS)["w_qk"]
     weight = checkpoint.load(q_and_k, torch.device("cpu"), torch.float32)["w_qk"]
     assert isinstance(kept, int4.Int4Weight)
     x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)

@@ -1,5 +1,5 @@
-"""GPTQ and MLX checkpoints of random 4-bit codes, for the int4 path (tests/model/test_int4.py,
-tools/gpu_check.py).
+"""GPTQ and MLX checkpoints of random 4-bit (or 8-bit) codes, for the kept paths (tests/model/test_int4.py,
+test_int8.py, tools/gpu_check.py).
 
     path = random_gptq(tmp_path / "gptq", plain, group_size=128)   # plain: a make_checkpoint directory
 
@@ -38,11 +38,11 @@ def _scales(generator: torch.Generator, rows: int, cols: int, inputs: int) -> to
 
 
 def random_gptq(path: Path, plain: Path, group_size: int, desc_act: bool = False, seed: int = 0,
-                order_per_matrix: bool = False) -> Path:
-    """A 4-bit GPTQ (v1, asymmetric) copy of `plain` at `path`; with `desc_act`, g_idx puts the
-    inputs in groups out of order (act-order), in one random order per layer and input size, as
-    GPTQ's act-order gives matrices of one input (q/k/v, gate/up: one Hessian, one order); with
-    `order_per_matrix`, one order per matrix instead."""
+                order_per_matrix: bool = False, bits: int = 4) -> Path:
+    """A `bits`-bit GPTQ (v1, asymmetric) copy of `plain` at `path` (group_size -1: one group a row);
+    with `desc_act`, g_idx puts the inputs in groups out of order (act-order), in one random order per
+    layer and input size, as GPTQ's act-order gives matrices of one input (q/k/v, gate/up: one
+    Hessian, one order); with `order_per_matrix`, one order per matrix instead."""
     generator = torch.Generator().manual_seed(seed)
     stored, orders = {}, {}
     for name, tensor in _tensors(plain).items():
@@ -50,18 +50,20 @@ def random_gptq(path: Path, plain: Path, group_size: int, desc_act: bool = False
             stored[name] = tensor.half()
             continue
         out_features, in_features = tensor.shape
-        groups = in_features // group_size
+        size = in_features if group_size == -1 else group_size
+        groups = in_features // size
         module = name.removesuffix(".weight")
         layer = name.rsplit(".", 3)[0] if not order_per_matrix else module
         if (layer, in_features) not in orders:
             orders[layer, in_features] = torch.randperm(in_features, generator=generator) if desc_act \
                 else torch.arange(in_features)
         order = orders[layer, in_features]
-        stored |= {f"{module}.qweight": _words(generator, in_features // 8, out_features),
-                   f"{module}.qzeros": _words(generator, groups, out_features // 8),
-                   f"{module}.scales": _scales(generator, groups, out_features, in_features).half(),
-                   f"{module}.g_idx": (order // group_size).to(torch.int32)}
-    config = GptqSpec("llama", group_size=group_size, desc_act=desc_act, sym=False).config()
+        scales = _scales(generator, groups, out_features, in_features) * 15 / ((1 << bits) - 1)
+        stored |= {f"{module}.qweight": _words(generator, in_features * bits // 32, out_features),
+                   f"{module}.qzeros": _words(generator, groups, out_features * bits // 32),
+                   f"{module}.scales": scales.half(),
+                   f"{module}.g_idx": (order // size).to(torch.int32)}
+    config = GptqSpec("llama", bits=bits, group_size=group_size, desc_act=desc_act, sym=False).config()
     return _write_like(plain, path, stored, {"quantization_config": config})
 
 
@@ -70,7 +72,7 @@ def gptq_reference(path: Path, plain: Path, quantized: Path) -> Path:
     dequantizes it, in f32: what a node dequantizing its 4-bit weights computes with."""
     stored = _tensors(quantized)
     config = json.loads((quantized / "config.json").read_text())["quantization_config"]
-    spec = Gptq(4, config["group_size"], config["desc_act"], config["sym"], True)
+    spec = Gptq(config["bits"], config["group_size"], config["desc_act"], config["sym"], True)
     tensors = {}
     for name in _tensors(plain):
         module = name.removesuffix(".weight")

@@ -99,6 +99,17 @@ residual stream: 3 x 2 x 2 x 5 = 60 u of bf16 if all fell the same way, relative
 element of the output, on top of F32_REL. A wrong code, group, scale or zero point, a row order
 or a dropped zero moves outputs by O(1) of a sublayer's output and is past it; the products'
 own rounding is checked tightly, per product, in tests/model/test_int4.py.
+
+**A node keeping 8-bit weights int8** (model/weights/int8.py) likewise: `INT8_KEPT_REL`. The int8
+codes are the stored ones shifted by 128 (exact), and the scale and the zero point's correction
+are applied in f32 after the kernel; what the kept path adds per product is rounding to bf16:
+* the input x (u of bf16 per element);
+* the kernel's sum of codes times x (it returns bf16; past 19 rows the bf16 GEMM over the codes
+  widened to bf16, exact, returns it rounded the same once).
+INT8_ROUNDINGS = 2 roundings of u per product, chained as above: 3 x 2 x 2 x 2 = 24 u of bf16 on
+top of F32_REL. Again the terms are assumed not to cancel: here the kernel's sum and the zero
+point's correction, each rounded relatively to itself, are of the size of the output in these
+tests' random layers; the per-product rounding is checked tightly in tests/model/test_int8.py.
 """
 
 from __future__ import annotations
@@ -117,6 +128,8 @@ HALF_EPS = 8  # a bf16 / f16 output within this many u of its dtype of HF's f32 
 INT4_ROUNDINGS = 5  # per kept-int4 product: its input, scales, zeros, output, and (past 63 rows) its tile
 NODE_LAYERS, PRODUCTS_PER_LAYER = 3, 4  # the node tests' layers 1-3; two sublayers of two products each
 INT4_KEPT_REL = F32_REL + NODE_LAYERS * PRODUCTS_PER_LAYER * INT4_ROUNDINGS * U[torch.bfloat16]
+INT8_ROUNDINGS = 2  # per kept-int8 product: its input and the kernel's output
+INT8_KEPT_REL = F32_REL + NODE_LAYERS * PRODUCTS_PER_LAYER * INT8_ROUNDINGS * U[torch.bfloat16]
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ Cake dequantizes every tensor of the file to f32 on every node. Each tensor's
 bytes go to the device as they are stored (a quarter of their f32 size or less for the
 quantized types) and are dequantized there in f32 (model/weights/ggml.py), then cast; llama.cpp's Q/K
 row permutation (Llama family) is undone on the f32 rows, which quantization leaves whole
-(its blocks run along a row). With `keep_int4` (compute/loading.int4_kept), Q4_0, Q4_1 and Q4_K matrices stay
-4-bit instead, repacked for torch's int4 matmul (model/weights/int4.py; their 32-value blocks, Q4_K's
-sub-blocks, are its groups of 32), the permutation undone on their code and scale rows alike.
+(its blocks run along a row). Where the device keeps int4 (compute/loading.kept_kernels), Q4_0, Q4_1
+and Q4_K matrices stay 4-bit instead, repacked for torch's int4 matmul (model/weights/int4.py; their 32-value blocks, Q4_K's
+sub-blocks, are its groups of 32), the permutation undone on their code and scale rows alike. Q8_0's blocks
+of 32 have no exact form for torch's int8 matmul (one scale a row: model/weights/int8.py): dequantized.
 
 A WeightSource (source.py), whose group loop it shares with the safetensors Checkpoint, so the
 loaders take either (readers.py: open_checkpoint).
@@ -30,7 +31,7 @@ from cakemp.checkpoint.files import GGUF
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.checkpoint.gguf_model import hf_names, permuted_heads
 from cakemp.errors import CheckpointError
-from cakemp.model.weights import ggml, int4
+from cakemp.model.weights import ggml, int4, kept
 from cakemp.model.weights.source import Reader
 
 K = TypeVar("K")
@@ -56,7 +57,7 @@ class GgufCheckpoint(Reader):
         self.names = hf_names(self.file.tensors)  # HF name -> GGUF name
 
     @property
-    def stores_4bit(self) -> bool:
+    def stores_kept(self) -> bool:
         """Whether the file holds matrices of ggml.INT4_TYPES, which may stay int4."""
         return any(info.type.name in ggml.INT4_TYPES for info in self.file.tensors.values())
 
@@ -84,8 +85,8 @@ class GgufCheckpoint(Reader):
         stack.callback(_unmap, data)
         return data
 
-    def _int4_shapes(self, data: mmap.mmap | None, members: list[str]) -> list[int4.Int4Shape] | None:
-        return _int4_shapes([self.file.tensors[self._gguf_name(name)] for name in members])
+    def _kept_shapes(self, data: mmap.mmap | None, members: list[str]) -> list[int4.Int4Shape] | None:
+        return _kept_shapes([self.file.tensors[self._gguf_name(name)] for name in members])
 
     def _numel(self, data: mmap.mmap | None, name: str) -> int:
         return self.file.tensors[self._gguf_name(name)].numel
@@ -102,7 +103,7 @@ class GgufCheckpoint(Reader):
         heads = permuted_heads(self.file, info.name, self.config.num_attention_heads, self.config.num_key_value_heads)
         return tensor if heads is None else unpermute(tensor, heads)
 
-    def _int4_parts(self, data: mmap.mmap, name: str, device: torch.device) -> int4.Int4Parts:
+    def _kept_parts(self, data: mmap.mmap, name: str, device: torch.device) -> int4.Int4Parts:
         """HF matrix `name` (of ggml.INT4_TYPES) in torch's int4 convention on `device`, rows in HF's order."""
         info, raw = self._raw(data, name, device)
         parts = ggml.int4_parts(raw, info.type.name, info.shape)
@@ -124,7 +125,7 @@ def _unmap(data: mmap.mmap) -> None:
         pass
 
 
-def _int4_shapes(infos: list) -> list[int4.Int4Shape] | None:
+def _kept_shapes(infos: list) -> list[int4.Int4Shape] | None:
     """Each tensor's int4.Int4Shape if the group can stay int4: every one a ggml.INT4_TYPES matrix
     torch's int4 matmul takes; else None (logged once why, for a group of quantized matrices)."""
     shapes = []
@@ -132,7 +133,7 @@ def _int4_shapes(infos: list) -> list[int4.Int4Shape] | None:
         size = ggml.int4_group(info.type.name, info.shape)
         if isinstance(size, str):
             if info.type.name not in ("F32", "F16", "BF16"):  # a plain tensor (a norm) is no 4-bit one
-                int4.dequantized(size)
+                kept.dequantized(size)
             return None
         shapes.append(int4.Int4Shape(*info.shape, size))
     return shapes

@@ -8,7 +8,8 @@ q: the code of input i for output o, `bits` wide, packed along the inputs (qweig
 `desc_act`, puts inputs in groups out of order), else i // group_size (group_size -1: one
 group). Symmetric checkpoints store their constant zero points like any others. Kept int4
 (model/weights/int4.py), an act-order weight's columns are sorted by group and its inputs
-gathered in that order at each product.
+gathered in that order at each product; 8-bit weights of one group (group_size -1) are kept int8
+on a CPU (int8.py), grouped ones dequantized.
 
 checkpoint_format "gptq" (v1, AutoGPTQ's and what Cake assumes) stores each zero point minus
 1; "gptq_v2" as it is. v1's 1 is added back as GPTQModel loads v1: for 2, 4 and 8 bits by one
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cakemp.checkpoint.quantization import Gptq, GptqParts, Shape
-from cakemp.model.weights import bitfields, int4
+from cakemp.model.weights import bitfields, int4, int8, kept
 
 _VALUES_PER_STEP = 1 << 20
 
@@ -42,19 +43,26 @@ class GptqWeight:
         return dequantize(stored[p.qweight], stored[p.qzeros], stored[p.scales],
                           None if p.g_idx is None else stored[p.g_idx], p.spec)
 
-    def int4_shape(self, shape: Callable[[str], Shape],
-                   tensor: Callable[[str], torch.Tensor]) -> int4.Int4Shape | str:
-        """Its int4.Int4Shape from the headers and the g_idx ([in] int32: its groups, and act-order's input order)."""
+    def kept_shape(self, shape: Callable[[str], Shape],
+                   tensor: Callable[[str], torch.Tensor]) -> kept.KeptShape | str:
+        """Its int8.Int8Shape (8 bits, one group) or int4.Int4Shape from the headers and the g_idx
+        ([in] int32: its groups, and act-order's input order)."""
         p = self.parts
         out_features, in_features = p.matrix_shape(shape)
+        groups = shape(p.scales)[0]
+        if p.spec.bits == 8:
+            return int8.Int8Shape(out_features, in_features) if groups == 1 else \
+                f"GPTQ 8-bit weights in {groups} groups a row (torch's int8 matmul takes one scale a row)"
         g_idx = None if p.g_idx is None else tensor(p.g_idx)
-        size = int4_group(p.spec, out_features, in_features, shape(p.scales)[0], g_idx)
+        size = int4_group(p.spec, out_features, in_features, groups, g_idx)
         if isinstance(size, str):
             return size
         return int4.Int4Shape(out_features, in_features, size, None if g_idx is None else input_order(g_idx, size))
 
-    def int4_parts(self, stored: Mapping[str, torch.Tensor]) -> int4.Int4Parts:
+    def kept_parts(self, stored: Mapping[str, torch.Tensor]) -> kept.KeptParts:
         p = self.parts
+        if p.spec.bits == 8:
+            return int8_parts(stored[p.qweight], stored[p.qzeros], stored[p.scales], p.spec)
         groups, in_features = stored[p.scales].shape[0], stored[p.qweight].shape[0] * 32 // 4
         return int4_parts(stored[p.qweight], stored[p.qzeros], stored[p.scales],
                           None if p.g_idx is None else stored[p.g_idx], p.spec, in_features // groups)
@@ -129,6 +137,19 @@ def int4_parts(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     zeros = _zero_points(qzeros, 4, out_features, spec.v1).t().float()  # [out, groups]
     scale = scales.t().float()  # [out, groups]
     return int4.Int4Parts(codes, scale, scale * (8 - zeros), group_size, order)
+
+
+def int8_parts(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, spec: Gptq) -> int8.Int8Parts:
+    """An 8-bit GPTQ weight of one group (its g_idx, all 0, changes nothing), in torch's int8 convention:
+    s * (q - z) = s * (q - 128) + s * (128 - z)."""
+    out_features = scales.shape[1]
+    in_features = qweight.shape[0] * 32 // 8
+    _check_shape("scales", scales, (1, out_features))
+    _check_shape("qzeros", qzeros, (1, -(-out_features * 8 // 32)))
+    codes = bitfields.unpack(qweight.t().contiguous(), 8, in_features) - int8.OFFSET  # [out, in], -128..127
+    zeros = _zero_points(qzeros, 8, out_features, spec.v1)[0].float()  # [out]
+    scale = scales[0].float()  # [out]
+    return int8.Int8Parts(codes.to(torch.int8), scale, scale * (int8.OFFSET - zeros))
 
 
 def _zero_points(qzeros: torch.Tensor, bits: int, count: int, v1: bool) -> torch.Tensor:

@@ -48,8 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from cakemp import log
-
+KERNEL = "int4"
 GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's kernels take
 _OFFSET = 8  # the kernel's codes are q - 8
 _ROWS_PER_TILE = 8  # CUDA's layout takes N in tiles of 8 rows
@@ -59,7 +58,6 @@ _CPU_BLOCK = 64  # the CPU layout's block of outputs
 # kernel 8.5 ms at 32 rows, 17 at 64, 33 at 128; the tiles 16, 18, 21 (f32 through MKL: 17 at 128).
 _DEQUANTIZED_ROWS = 64
 _TILE_BLOCKS = 4  # outputs dequantized at once: 256 rows of bf16 (1 MiB at K = 2048), in L2
-_logged: set[str] = set()
 
 
 class Int4Shape(NamedTuple):
@@ -70,6 +68,20 @@ class Int4Shape(NamedTuple):
     cols: int
     group_size: int
     order: torch.Tensor | None = None  # [cols] int64, or None: in input order
+
+    kernel = KERNEL
+
+    @property
+    def nbytes(self) -> int:
+        """What its `Int4Weight` holds but the input order (model/weights/kept.py counts that once
+        for matrices fused): the codes, and bf16 scales and zeros."""
+        return self.rows * self.cols // 2 + self.cols // self.group_size * self.rows * 2 * torch.bfloat16.itemsize
+
+    @staticmethod
+    def fuse_reason(shapes: list[Int4Shape]) -> str | None:
+        """Why these matrices cannot be one weight: groups of different sizes; else None."""
+        return None if len({shape.group_size for shape in shapes}) == 1 else \
+            "matrices fused together in different group sizes"
 
 
 def same_order(orders: list[torch.Tensor | None]) -> bool:
@@ -102,6 +114,9 @@ class Int4Parts:
     def rows(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> Int4Parts:
         """The same weight with its rows reordered by `reorder` ([N, ...] -> [N, ...], e.g. GGUF's unpermute)."""
         return Int4Parts(reorder(self.codes), reorder(self.scales), reorder(self.zeros), self.group_size, self.order)
+
+    def kept(self) -> Int4Weight:
+        return Int4Weight.create(self)
 
 
 @dataclass(frozen=True)
@@ -168,13 +183,6 @@ class Int4Weight:
         return self.packed.nbytes + self.scales_and_zeros.nbytes + (0 if self.order is None else self.order.nbytes)
 
 
-def resident_bytes(shapes: list[Int4Shape]) -> int:
-    """What the `Int4Weight` of these matrices fused holds: codes, bf16 scales and zeros, and one input order."""
-    order = shapes[0].order
-    return sum(s.rows * s.cols // 2 + s.cols // s.group_size * s.rows * 2 * torch.bfloat16.itemsize for s in shapes) + \
-        (0 if order is None else order.numel() * torch.int64.itemsize)
-
-
 def unfit_reason(rows: int, cols: int, group_size: int) -> str | None:
     """Why torch's kernel cannot take an [rows, cols] weight in groups of `group_size`, or None."""
     if group_size not in GROUP_SIZES:
@@ -184,13 +192,6 @@ def unfit_reason(rows: int, cols: int, group_size: int) -> str | None:
     if rows % _ROWS_PER_TILE:
         return f"{rows} outputs are no multiple of {_ROWS_PER_TILE}"
     return None
-
-
-def dequantized(reason: str) -> None:
-    """Log, once per process and reason, why a 4-bit matrix is dequantized instead of kept int4."""
-    if reason not in _logged:
-        _logged.add(reason)
-        log.get_logger().info("quantized weight dequantized, not kept int4", reason=reason)
 
 
 def _inner_k_tiles(cols: int) -> int:

@@ -4,7 +4,8 @@
 
 q: the `bits`-wide code of column c, packed along each row (weight [..., rows, cols * bits /
 32] u32). The leading dimensions are those of a stacked tensor (mlx-lm's switch_mlp experts,
-[E, rows, cols]), each matrix quantized on its own.
+[E, rows, cols]), each matrix quantized on its own. Kept for torch's kernels: 4-bit matrices in
+groups of 32..256 int4 (model/weights/int4.py), on a CPU 8-bit ones of one group a row int8 (int8.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from cakemp.checkpoint.quantization import MlxParts, Shape
-from cakemp.model.weights import bitfields, int4
+from cakemp.model.weights import bitfields, int4, int8, kept
 
 _VALUES_PER_STEP = 1 << 20
 
@@ -30,16 +31,21 @@ class MlxWeight:
         p = self.parts
         return dequantize(stored[p.weight], stored[p.scales], stored[p.biases], p.bits, p.group_size)
 
-    def int4_shape(self, shape: Callable[[str], Shape],
-                   tensor: Callable[[str], torch.Tensor]) -> int4.Int4Shape | str:
-        """Its int4.Int4Shape from the packed weight's header alone."""
+    def kept_shape(self, shape: Callable[[str], Shape],
+                   tensor: Callable[[str], torch.Tensor]) -> kept.KeptShape | str:
+        """Its int8.Int8Shape (8 bits, one group a row) or int4.Int4Shape from the packed weight's header alone."""
         p = self.parts
         stored = tuple(shape(p.weight))
+        cols = stored[-1] * 32 // p.bits
+        if p.bits == 8 and len(stored) == 2 and p.group_size == cols:
+            return int8.Int8Shape(stored[0], cols)
         size = int4_group(stored, p.bits, p.group_size)
-        return size if isinstance(size, str) else int4.Int4Shape(stored[0], stored[-1] * 32 // p.bits, size)
+        return size if isinstance(size, str) else int4.Int4Shape(stored[0], cols, size)
 
-    def int4_parts(self, stored: Mapping[str, torch.Tensor]) -> int4.Int4Parts:
+    def kept_parts(self, stored: Mapping[str, torch.Tensor]) -> kept.KeptParts:
         p = self.parts
+        if p.bits == 8:
+            return int8_parts(stored[p.weight], stored[p.scales], stored[p.biases])
         return int4_parts(stored[p.weight], stored[p.scales], stored[p.biases], p.group_size)
 
 
@@ -83,3 +89,15 @@ def int4_parts(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
     scales = scales.float()
     return int4.Int4Parts(bitfields.unpack(weight, 4, cols).to(torch.uint8), scales, biases.float() + 8 * scales,
                           group_size)
+
+
+def int8_parts(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor) -> int8.Int8Parts:
+    """An 8-bit MLX matrix of one group a row, in torch's int8 convention: q * s + b = (q - 128) * s + (b + 128 s)."""
+    rows, words = weight.shape
+    for name, tensor in (("scales", scales), ("biases", biases)):
+        if tuple(tensor.shape) != (rows, 1):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {(rows, 1)} for a weight of "
+                             f"{tuple(weight.shape)}")
+    codes = bitfields.unpack(weight, 8, words * 4) - int8.OFFSET  # [rows, cols], -128..127
+    scale = scales[:, 0].float()
+    return int8.Int8Parts(codes.to(torch.int8), scale, biases[:, 0].float() + int8.OFFSET * scale)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from cakemp.checkpoint.quantization import Gptq, MlxAffine, Parts, Quantization, Shape
-from cakemp.model.weights import gptq, int4, mlx
+from cakemp.model.weights import gptq, kept, mlx
 
 
 class QuantizedParts(Protocol):
@@ -26,14 +26,14 @@ class QuantizedParts(Protocol):
     def dequantize(self, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The stored tensors -> the weight, f32 [..., rows, cols]; ValueError if they do not fit together."""
 
-    def int4_shape(self, shape: Callable[[str], Shape],
-                   tensor: Callable[[str], torch.Tensor]) -> int4.Int4Shape | str:
-        """Its int4.Int4Shape if torch's int4 matmul takes the weight with its codes unchanged,
-        else why not, from the parts' stored shapes (`shape(part)`) and, where a format needs one,
-        a small part's values (`tensor(part)`); ValueError naming a part that does not fit."""
+    def kept_shape(self, shape: Callable[[str], Shape],
+                   tensor: Callable[[str], torch.Tensor]) -> kept.KeptShape | str:
+        """Its kept.KeptShape if one of torch's kept kernels (int4.py, int8.py) takes the weight with
+        its codes unchanged, else why not, from the parts' stored shapes (`shape(part)`) and, where a
+        format needs one, a small part's values (`tensor(part)`); ValueError naming a part that does not fit."""
 
-    def int4_parts(self, stored: Mapping[str, torch.Tensor]) -> int4.Int4Parts:
-        """A weight `int4_shape` accepted, in torch's int4 convention (model/weights/int4.py)."""
+    def kept_parts(self, stored: Mapping[str, torch.Tensor]) -> kept.KeptParts:
+        """A weight `kept_shape` accepted, in its kernel's convention (model/weights/int4.py, int8.py)."""
 
 
 FORMATS: dict[type, Callable[[Any], QuantizedParts]] = {
@@ -50,5 +50,5 @@ def parts_of(quantization: Quantization | None, weight: str, stored: Callable[[s
 
 
 def stores_parts(quantization: Quantization | None) -> bool:
-    """Whether a checkpoint so quantized may hold weights stored as parts (whose 4-bit ones may stay 4-bit)."""
+    """Whether a checkpoint so quantized may hold weights stored as parts (whose 4- and 8-bit ones may stay so)."""
     return type(quantization) in FORMATS

@@ -5,7 +5,8 @@ quantized: FP8 e4m3 beside its block scales, or a weight stored as several parts
 qweight/qzeros/scales/g_idx, MLX's packed weight/scales/biases), which model/weights/quantized.py
 picks the format's QuantizedParts for, so nothing here asks which format it is. FP8 may stay
 quantized on a GPU that multiplies it (model/weights/fp8.py), and so may 4-bit matrices whose groups
-torch's int4 matmul takes (model/weights/int4.py); everything else is dequantized where it goes, in f32
+torch's int4 matmul takes (model/weights/int4.py) and 8-bit ones of one group a row, on a CPU
+(int8.py); everything else is dequantized where it goes, in f32
 on the device, then cast. A WeightSource (source.py), whose group loop it shares with the GGUF
 reader; how a shard is opened and a stored tensor read is its own.
 """
@@ -26,7 +27,7 @@ from cakemp.checkpoint.files import DIRECTORY, INDEX, SINGLE, read_weight_map
 from cakemp.checkpoint.layout import LINEAR_CONV
 from cakemp.checkpoint.quantization import norms_carry_one
 from cakemp.errors import CheckpointError
-from cakemp.model.weights import fp8, int4, quantized
+from cakemp.model.weights import fp8, kept, quantized
 from cakemp.model.weights.quantized import QuantizedParts
 from cakemp.model.weights.source import Reader
 
@@ -83,8 +84,8 @@ class Checkpoint(Reader):
             return {key: [self._shape(files, name) for name in members] for key, members in quantized.items()}
 
     @property
-    def stores_4bit(self) -> bool:
-        """Whether the checkpoint may hold matrices of 4-bit codes (GPTQ, MLX), which may stay int4."""
+    def stores_kept(self) -> bool:
+        """Whether the checkpoint may hold matrices of 4- or 8-bit codes (GPTQ, MLX), which may stay so."""
         return quantized.stores_parts(self.config.quantization)
 
     @functools.cached_property
@@ -160,43 +161,36 @@ class Checkpoint(Reader):
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 
-    def _int4_shapes(self, files: dict[str, tuple], members: list[str]) -> list[int4.Int4Shape] | None:
-        """Each member's int4.Int4Shape if the group can stay int4: every member a 4-bit GPTQ or MLX
-        matrix torch's int4 matmul takes, all in one group size and input order; else None (logged
-        once why, for a quantized group)."""
+    def _kept_shapes(self, files: dict[str, tuple], members: list[str]) -> list[kept.KeptShape] | None:
+        """Each member's kept.KeptShape if every member is a GPTQ or MLX matrix one of torch's kept
+        kernels takes; else None (logged once why, for a quantized group)."""
         shapes = []
         for name in members:
             parts = self._parts(name)
             if parts is None:
                 return None
-            shape = self._int4_shape(files, parts)
+            shape = self._kept_shape(files, parts)
             if isinstance(shape, str):
-                int4.dequantized(shape)
+                kept.dequantized(shape)
                 return None
             shapes.append(shape)
-        if len({shape[2] for shape in shapes}) != 1:
-            int4.dequantized("matrices fused together in different group sizes")
-            return None
-        if not int4.same_order([shape.order for shape in shapes]):
-            int4.dequantized("GPTQ act-order matrices fused together with different input orders")
-            return None
         return shapes
 
-    def _int4_shape(self, files: dict[str, tuple], parts: QuantizedParts) -> int4.Int4Shape | str:
-        """The int4.Int4Shape of a quantized matrix torch's int4 matmul takes, or why not (headers,
-        and what small part a format reads to tell: GPTQ's g_idx)."""
+    def _kept_shape(self, files: dict[str, tuple], parts: QuantizedParts) -> kept.KeptShape | str:
+        """The kept.KeptShape of a quantized matrix one of torch's kept kernels takes, or why not
+        (headers, and what small part a format reads to tell: GPTQ's g_idx)."""
         def shape(name: str) -> tuple[int, ...]:
             return tuple(self._get(files, name).get_slice(name).get_shape())
 
         try:
-            return parts.int4_shape(shape, lambda name: self._get(files, name).get_tensor(name))
+            return parts.kept_shape(shape, lambda name: self._get(files, name).get_tensor(name))
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 
-    def _int4_parts(self, files: dict[str, tuple], name: str, device: torch.device) -> int4.Int4Parts:
-        """A matrix `_int4_shapes` accepted, as torch's int4 convention on `device`."""
+    def _kept_parts(self, files: dict[str, tuple], name: str, device: torch.device) -> kept.KeptParts:
+        """A matrix `_kept_shapes` accepted, in its kernel's convention on `device`."""
         try:
-            return self._parts(name).int4_parts(self._stored_on(files, name, device))
+            return self._parts(name).kept_parts(self._stored_on(files, name, device))
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None
 

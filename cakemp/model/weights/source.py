@@ -4,8 +4,9 @@ weight groups both readers (safetensors.py, gguf.py) share, each supplying how i
 files and reads one stored tensor.
 
 A group is one weight made of several stored tensors stacked along dim 0 (q/k/v, gate/up,
-experts): it stays FP8 where the reader and the device keep it so, stays 4-bit where torch's
-int4 matmul takes every member, and is otherwise stacked into one plain tensor (stacking.py).
+experts): it stays FP8 where the reader and the device keep it so, stays 4-bit or 8-bit where
+one of the device's kept kernels (int4.py, int8.py: kept.py) takes every member, and is otherwise
+stacked into one plain tensor (stacking.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import torch
 
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.files import Container
-from cakemp.model.weights import fp8, int4
+from cakemp.model.weights import fp8, kept
 from cakemp.model.weights.stacking import stack_rows
 
 K = TypeVar("K")
 Shape = tuple[int, ...]
-Loaded = torch.Tensor | fp8.Fp8Weight | int4.Int4Weight
+Loaded = torch.Tensor | fp8.Fp8Weight | kept.KeptWeight
 
 
 class WeightSource(Protocol):
@@ -32,8 +33,8 @@ class WeightSource(Protocol):
     config: ModelConfig
 
     @property
-    def stores_4bit(self) -> bool:
-        """Whether it may hold matrices of 4-bit codes, which may stay int4 (compute/loading.int4_kept)."""
+    def stores_kept(self) -> bool:
+        """Whether it may hold matrices of 4- or 8-bit codes, which may stay so (compute/loading.kept_kernels)."""
 
     @property
     def norms_need_one(self) -> bool:
@@ -43,11 +44,11 @@ class WeightSource(Protocol):
         """Whether it holds tensor `name` (HF's name), to tell one storage layout from another."""
 
     def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
-             plus_one: frozenset[K] = frozenset(), keep_int4: bool = False) -> dict[K, Loaded]:
-        """One `dtype` tensor on `device` per group (or one kept FP8 or int4: `Reader.load`)."""
+             plus_one: frozenset[K] = frozenset(), kernels: frozenset[str] = frozenset()) -> dict[K, Loaded]:
+        """One `dtype` tensor on `device` per group (or one kept FP8, int4 or int8: `Reader.load`)."""
 
     def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
-               keep_int4: bool = False) -> int:
+               kernels: frozenset[str] = frozenset()) -> int:
         """Bytes `load` would allocate for these groups on the device, from headers alone."""
 
     def dequantized_shapes(self, groups: dict[K, list[str]]) -> dict[K, list[Shape]]:
@@ -60,7 +61,7 @@ class Reader:
     are opened (`_headers`, `_opened`, entered on an ExitStack) and how one stored tensor is read."""
 
     def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
-             plus_one: frozenset[K] = frozenset(), keep_int4: bool = False) -> dict[K, Loaded]:
+             plus_one: frozenset[K] = frozenset(), kernels: frozenset[str] = frozenset()) -> dict[K, Loaded]:
         """One `dtype` tensor on `device` per group: its tensors concatenated along dim 0.
 
         Groups in `plus_one` are norm weights stored as w - 1 (Qwen3.5, Gemma 3): 1 is added
@@ -72,9 +73,9 @@ class Reader:
         Every destination is allocated once and filled by one copy_ per source tensor, which
         casts on the way, so fused weights (q/k/v) cost no extra pass over the bytes. Quantized
         weights are dequantized (in f32, on `device`) first, unless `keep_fp8` and the group is
-        FP8 in 128x128 blocks: then it stays FP8, an `fp8.Fp8Weight`. Likewise with `keep_int4`,
-        a group of 4-bit matrices torch's int4 matmul takes stays 4-bit, an `int4.Int4Weight`
-        (others are dequantized, and why is logged once).
+        FP8 in 128x128 blocks: then it stays FP8, an `fp8.Fp8Weight`. Likewise a group of matrices
+        one of `kernels` takes (compute/loading.kept_kernels: "int4", "int8") stays quantized, an
+        `int4.Int4Weight` or `int8.Int8Weight` (others are dequantized, and why is logged once).
         """
         with ExitStack() as stack:
             store = self._opened(stack, groups)
@@ -82,36 +83,44 @@ class Reader:
             for key, members in groups.items():
                 if keep_fp8 and self._kept_fp8(store, members):
                     out[key] = self._fp8_weight(store, members, device)
-                elif self._kept_int4(store, members, keep_int4):
-                    out[key] = int4.Int4Weight.create(int4.Int4Parts.cat(
-                        [self._int4_parts(store, name, device) for name in members]))
+                elif self._kept(store, members, kernels):
+                    out[key] = kept.weight([self._kept_parts(store, name, device) for name in members])
                 else:
                     sources = [self._source(store, name, device) for name in members]
                     out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
             return out
 
     def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
-               keep_int4: bool = False) -> int:
+               kernels: frozenset[str] = frozenset()) -> int:
         """Bytes `load` would allocate for these groups on the device (from the headers): a quantized
-        weight counts as what it is loaded as: FP8 bytes or int4 codes and scales where kept, else
+        weight counts as what it is loaded as: FP8 bytes or int4/int8 codes and scales where kept, else
         the plain matrix it is dequantized into."""
         with ExitStack() as stack:
             store = self._headers(stack, groups)
             total = 0
             for members in groups.values():
-                shapes = self._kept_int4(store, members, keep_int4)
+                shapes = self._kept(store, members, kernels)
                 if shapes:
-                    total += int4.resident_bytes(shapes)
+                    total += kept.resident_bytes(shapes)
                     continue
-                kept = keep_fp8 and self._kept_fp8(store, members)
-                total += sum(self._numel(store, name) for name in members) * (1 if kept else dtype.itemsize)
+                fp8_kept = keep_fp8 and self._kept_fp8(store, members)
+                total += sum(self._numel(store, name) for name in members) * (1 if fp8_kept else dtype.itemsize)
             return total
 
-    def _kept_int4(self, store: Any, members: list[str], keep_int4: bool) -> list[int4.Int4Shape] | None:
-        """The one decision per weight group, for `load` and `nbytes` alike: kept 4-bit (each member's
-        int4.Int4Shape) where the device keeps int4 (`keep_int4`: compute/loading.int4_kept)
-        and torch's int4 matmul takes every member, else None: dequantized."""
-        return self._int4_shapes(store, members) if keep_int4 else None
+    def _kept(self, store: Any, members: list[str], kernels: frozenset[str]) -> list[kept.KeptShape] | None:
+        """The one decision per weight group, for `load` and `nbytes` alike: kept quantized (each
+        member's kept.KeptShape) where one of the device's `kernels` (compute/loading.kept_kernels)
+        takes every member and they fuse into one weight, else None: dequantized."""
+        shapes = self._kept_shapes(store, members) if kernels else None
+        if shapes is None:
+            return None
+        reason = kept.fuse_reason(shapes)
+        if reason is None and shapes[0].kernel not in kernels:
+            reason = f"torch's {shapes[0].kernel} matmul is not used on this device"
+        if reason is not None:
+            kept.dequantized(reason)
+            return None
+        return shapes
 
     def _headers(self, stack: ExitStack, groups: dict[K, list[str]]) -> Any:
         """What reading the groups' headers needs (every name checked to be stored)."""
@@ -129,12 +138,12 @@ class Reader:
         """A group `_kept_fp8` accepted, stacked as stored on `device`."""
         raise NotImplementedError
 
-    def _int4_shapes(self, store: Any, members: list[str]) -> list[int4.Int4Shape] | None:
-        """Each member's int4.Int4Shape if the group can stay int4, else None (logged once why)."""
+    def _kept_shapes(self, store: Any, members: list[str]) -> list[kept.KeptShape] | None:
+        """Each member's kept.KeptShape if a kernel takes each, else None (logged once why)."""
         raise NotImplementedError
 
-    def _int4_parts(self, store: Any, name: str, device: torch.device) -> int4.Int4Parts:
-        """A matrix `_int4_shapes` accepted, as torch's int4 convention on `device`."""
+    def _kept_parts(self, store: Any, name: str, device: torch.device) -> kept.KeptParts:
+        """A matrix `_kept_shapes` accepted, in its kernel's convention on `device`."""
         raise NotImplementedError
 
     def _source(self, store: Any, name: str, device: torch.device) -> torch.Tensor:
