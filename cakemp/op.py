@@ -13,7 +13,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Op:
     """Run the device's layer number `layer` (its index in the device's layer list) at RoPE
-    offset `index_pos` (the absolute position of the first token), in KV slot `block_idx`."""
+    offset `index_pos` (the absolute position of the first token), in KV slot `block_idx` (as the
+    master numbers it; the runner counts a later stack's on after the earlier stacks' slots:
+    `ModelConfig.kv_slot`)."""
 
     layer: int
     index_pos: int

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cakemp import gpus, log
 from cakemp.checkpoint import hub
-from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.config import FAMILIES, ModelConfig
 from cakemp.checkpoint.files import TOKENIZER, container_of, in_layer
 from cakemp.checkpoint.hub import fetch_metadata, fetch_weights
 from cakemp.checkpoint.locate import ModelSource, locate
@@ -46,6 +46,10 @@ def assign(layout: Topology, source: ModelSource, master_tflops: float | None, *
     """`layout` (no node listing a layer) completed by Cake's default strategy: the master weighed as
     `master_tflops`, else as `own_tflops(on_gpu)`; a layer by its size where nodes give `vram_bytes`."""
     config = ModelConfig.from_dir(source.checkpoint())
+    if (decoder_key := FAMILIES[config.family].decoder_key) is not None:
+        raise ConfigError(f"{source.checkpoint()}: Cake's default assignment finds no layer count in a "
+                          f"{config.architecture} config.json (it is in {decoder_key}) and assigns no layers: "
+                          "list them in the topology")
     if master_tflops is None:
         master_tflops = own_tflops(on_gpu)
     layer_bytes = hub.layer_bytes(source, config.num_hidden_layers, config.layer_prefix) if layout.weighs_memory else 0

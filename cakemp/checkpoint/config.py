@@ -14,6 +14,8 @@ FAMILIES (norm placement: layout.py):
 | olmo2   | Olmo2ForCausalLM    | attention_bias (o too) | whole projection | never      | rope_theta              |
 | exaone4 | Exaone4ForCausalLM  | no         | per head          | sliding layers        | sliding layers only (all when no window) |
 | qwen3_moe | Qwen3MoeForCausalLM | attention_bias (o too) | per head | per layer_types  | rope_theta              |
+| vibevoice | VibeVoiceForConditionalGeneration | always (not o) | no | never             | rope_theta              |
+| vibevoice_streaming | VibeVoiceStreamingForConditionalGenerationInference | always (not o) | no | never | rope_theta |
 
 Falcon 3 checkpoints declare LlamaForCausalLM (own rope_theta, explicit head_dim) and are Llama
 here. Phi-4 and Phi-4-mini checkpoints declare Phi3ForCausalLM.
@@ -24,6 +26,11 @@ under `model.language_model.layers`, and each layer is either Gated DeltaNet (li
 attention, `cakemp/model/deltanet.py`) or gated full attention (partial rotary, (1 + w)
 norms); see `_parse_hybrid`. MoE families (Qwen3-MoE, Qwen3.5-MoE) carry a `MoeConfig`
 (`cakemp/model/moe.py`).
+
+VibeVoice (`--model-type audio-model`, `Family.model_type`) is Qwen2 blocks read from config.json's
+`decoder_config` as Cake's worker reads it (`_DECODER_KEYS`), under `model.language_model.layers`
+(1.5B) or, for the Realtime 0.5B, that and `model.tts_language_model.layers`: two stacks, each
+numbering its layers and the master's block_idx from 0 (`ModelConfig.stacks`, `kv_slot`).
 
 Anything else is a CheckpointError: Cake silently runs unknown architectures as Llama and
 computes garbage; a worker should refuse instead.
@@ -90,7 +97,22 @@ class Family:
     # None, "routed" (router and experts; dense layers by mlp_only_layers and decoder_sparse_step;
     # norm_topk_prob) or "shared_expert" (every layer sparse, always renormalised, a shared expert).
     moe: str | None = None
+    # The --model-type a node serving the family runs with (Cake's worker modes): "text-model", or
+    # "audio-model" for VibeVoice's language models.
+    model_type: str = "text-model"
+    # VibeVoice: config.json's key holding the decoder's own config (`decoder_config`), read as Cake
+    # reads it (_DECODER_KEYS); None: the decoder's keys are config.json's own.
+    decoder_key: str | None = None
+    # With decoder_key: each stack of decoder layers as (its layer prefix, the config.json key of its
+    # layer count; None: the decoder's num_hidden_layers less the other stacks'), in the order their
+    # layers are numbered (ModelConfig.stacks).
+    stacks: tuple[tuple[str, str | None], ...] = ()
 
+
+# VibeVoice's stacks: the 1.5B's one language model; the Realtime 0.5B's base language model and, on
+# top of it, its TTS language model (tts_backbone_num_hidden_layers of the decoder's layers).
+_LANGUAGE_MODEL = ("model.language_model.layers", None)
+_TTS_LANGUAGE_MODEL = ("model.tts_language_model.layers", "tts_backbone_num_hidden_layers")
 
 FAMILIES = {family.name: family for family in (
     Family("llama", "LlamaForCausalLM", attention_bias=True, windows="never"),
@@ -108,7 +130,18 @@ FAMILIES = {family.name: family for family in (
     Family("qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5, hybrid=True, qk_norm="head"),
     Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5, hybrid=True, qk_norm="head",
            moe="shared_expert"),
+    Family("vibevoice", "VibeVoiceForConditionalGeneration", qkv_bias=True, windows="never", model_type="audio-model",
+           decoder_key="decoder_config", stacks=(_LANGUAGE_MODEL,)),
+    Family("vibevoice_streaming", "VibeVoiceStreamingForConditionalGenerationInference", qkv_bias=True,
+           windows="never", model_type="audio-model", decoder_key="decoder_config",
+           stacks=(_LANGUAGE_MODEL, _TTS_LANGUAGE_MODEL)),
 )}
+# What Cake's worker reads of a VibeVoice decoder_config (models/vibevoice/config.rs): the sizes,
+# the norm epsilon and rope_theta; q/k/v bias is forced, head_dim is hidden_size / heads, and no
+# sliding window, rope scaling or activation other than SiLU applies, whatever the config says.
+_DECODER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+                 "num_key_value_heads", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+                 "tie_word_embeddings")
 # The MLP activations served, by their transformers name (Gemma calls the key hidden_activation).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -234,6 +267,13 @@ class ModelConfig:
     linear_layers: frozenset[int] = frozenset()
     linear_attention: LinearAttentionConfig | None = None
     moe: MoeConfig | None = None
+    # The decoder stacks after the first (whose layers are under layer_prefix), each (its prefix, its
+    # layer count), their layers numbered on after the first's (VibeVoice-Realtime's TTS language model
+    # after its base one); num_hidden_layers counts every stack's.
+    extra_stacks: tuple[tuple[str, int], ...] = ()
+    # The --dtype Cake's worker computes this model in whatever it was told; None: as told
+    # (VibeVoice: bf16 where decoder_config's torch_dtype is bfloat16).
+    declared_dtype: str | None = None
 
     @classmethod
     def from_gguf(cls, gguf: GgufFile) -> ModelConfig:
@@ -253,6 +293,8 @@ class ModelConfig:
         except (OSError, ValueError, RecursionError) as exc:
             raise CheckpointError(f"{path} is not readable JSON: {exc}") from None
         config = cls.from_dict(raw, source=str(path))
+        if config.extra_stacks:  # each stack's prefix is the family's: none is detected from the tensors
+            return config
         # The layers' prefix as the tensors are named (mlx-lm's conversions differ from the family's).
         return replace(config, layer_prefix=layer_prefix(stored_names(Path(model_dir)), config.layer_prefix))
 
@@ -270,7 +312,8 @@ class ModelConfig:
                 f"{source}: architecture {shown(architecture)} is not supported by cakemp (supported: {supported})"
             )
         try:
-            config = cls._parse_hybrid(d, family) if family.hybrid else cls._parse(d, family)
+            parse = cls._parse_hybrid if family.hybrid else cls._parse_decoder if family.decoder_key else cls._parse
+            config = parse(d, family)
             _check_shapes(config)
             return config
         except KeyError as exc:
@@ -380,20 +423,69 @@ class ModelConfig:
             linear_attention=linear,
         )
 
+    @classmethod
+    def _parse_decoder(cls, d: dict[str, Any], family: Family) -> ModelConfig:
+        """VibeVoice: the Qwen2 decoder in `family.decoder_key`, read as Cake's worker reads it
+        (_DECODER_KEYS; rms_norm_eps and rope_theta required, as there), its layers split into the
+        family's stacks. Cake computes in bf16 where the decoder's torch_dtype says bfloat16."""
+        decoder = mapping(family.decoder_key, d[family.decoder_key])
+        if missing := [key for key in ("rms_norm_eps", "rope_theta") if key not in decoder]:
+            raise KeyError(f"{family.decoder_key}.{missing[0]}")
+        base = cls._parse({key: decoder[key] for key in _DECODER_KEYS if key in decoder}
+                          | {"quantization_config": d.get("quantization_config")}, family)
+        layers = base.num_hidden_layers
+        extra = tuple((prefix, whole(key, d[key], 1, layers - 1)) for prefix, key in family.stacks[1:])
+        if sum(count for _, count in extra) >= layers:
+            raise ValueError(f"the stacks after the first take {sum(count for _, count in extra)} of the decoder's "
+                             f"{layers} layers, leaving the first none")
+        return replace(base, layer_prefix=family.stacks[0][0], extra_stacks=extra,
+                       declared_dtype="bf16" if decoder.get("torch_dtype") == "bfloat16" else None)
+
+    @property
+    def stacks(self) -> tuple[tuple[str, int, int], ...]:
+        """Each decoder stack as (its layer prefix, the number of its first layer here, its layer
+        count): one for every family but VibeVoice-Realtime's, whose two stacks each number their
+        layers from 0 in their names ("model.tts_language_model.layers.0") and on after the first's here."""
+        first_count = self.num_hidden_layers - sum(count for _, count in self.extra_stacks)
+        stacks, first = [], 0
+        for prefix, count in ((self.layer_prefix, first_count), *self.extra_stacks):
+            stacks.append((prefix, first, count))
+            first += count
+        return tuple(stacks)
+
+    @property
+    def model_type(self) -> str:
+        """The --model-type a node serving this model runs with: "text-model", or VibeVoice's "audio-model"."""
+        return FAMILIES[self.family].model_type
+
     @property
     def fp8_block(self) -> tuple[int, int] | None:
         """FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None otherwise."""
         return None if self.quantization is None else self.quantization.fp8_block
 
     def layer_name(self, index: int) -> str:
-        return f"{self.layer_prefix}.{index}"
+        """7 -> "model.layers.7": the name of this model's layer number `index` (stacks counted in order)."""
+        for prefix, first, count in self.stacks[:-1]:
+            if index < first + count:
+                return f"{prefix}.{index - first}"
+        prefix, first, _ = self.stacks[-1]
+        return f"{prefix}.{index - first}"
 
     def layer_index(self, name: str) -> int | None:
-        """`model.layers.7` -> 7; None when the name is not one of this model's layers."""
+        """`model.layers.7` -> 7 (a later stack's layers numbered on after the earlier stacks');
+        None when the name is not one of this model's layers."""
         split = split_layer(name)
-        if split is None or split[0] != self.layer_prefix or split[1] >= self.num_hidden_layers:
+        if split is None:
             return None
-        return split[1]
+        return next((first + split[1] for prefix, first, count in self.stacks
+                     if split[0] == prefix and split[1] < count), None)
+
+    def kv_slot(self, name: str, block_idx: int) -> int:
+        """The KV slot a master's `block_idx` for layer `name` means: `block_idx` itself, counted on
+        after the earlier stacks' slots for a later stack's layer, so that two stacks whose masters
+        both number their blocks from 0 keep their caches apart."""
+        split = split_layer(name)
+        return block_idx + next((first for prefix, first, _ in self.stacks if split and split[0] == prefix), 0)
 
 
 def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], family: Family, rotary_dim: int) -> RopeScaling | None:

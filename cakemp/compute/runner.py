@@ -134,6 +134,8 @@ class BlockRunner:
         # Each layer's rotary (None: the layer has none); layers sharing one share its tables.
         rotaries = {rope: Rotary(rope, device) for rope in set(config.layer_ropes) if rope is not None}
         self.rotaries = tuple(rotaries.get(config.layer_ropes[config.layer_index(layer)]) for layer in self.layers)
+        # What each layer's block_idx is counted on from to make its KV slot (0 but for a later stack's layers).
+        self.slot_bases = tuple(config.kv_slot(layer, 0) for layer in self.layers)
         self.cache = KVCache(
             config.num_key_value_heads,
             config.head_dim,
@@ -230,9 +232,11 @@ class BlockRunner:
         layers, so sessions either share a run or share nothing that a merge could exploit.
 
         index_pos is the absolute position of a request's first token; block_idx picks the KV
-        slot. A request at index_pos p keeps the first p cached positions of each slot and
-        replaces the rest, so a master that restarts a prompt at 0 without Goodbye gets a fresh
-        context rather than Cake's silently appended one; a p beyond what is cached is refused.
+        slot (a later stack's counted on after the earlier stacks' slots, ModelConfig.kv_slot: so
+        VibeVoice-Realtime's two stacks, both numbered from 0, keep apart). A request at index_pos
+        p keeps the first p cached positions of each slot and replaces the rest, so a master that
+        restarts a prompt at 0 without Goodbye gets a fresh context rather than Cake's silently
+        appended one; a p beyond what is cached is refused.
 
         A linear-attention layer's state is a recurrence: p must be what it has consumed
         (continue) or 0 (start afresh); anything else is a RecurrentRewind. Each request is
@@ -297,6 +301,9 @@ class BlockRunner:
         """Check `request` against the session's state and reserve its slots (RequestError if it cannot run)."""
         session, x, ops = request
         self._check_input(x)
+        if any(self.slot_bases):  # from here on, block_idx is the KV slot
+            ops = [Op(op.layer, op.index_pos, self.slot_bases[op.layer] + op.block_idx)
+                   if 0 <= op.layer < len(self.blocks) else op for op in ops]
         for op in ops:
             if not (0 <= op.layer < len(self.blocks) and 0 <= op.block_idx < self.config.num_hidden_layers):
                 raise InternalError(f"op {op.layer}, {op.index_pos}, {op.block_idx} breaks the contract: this runner "

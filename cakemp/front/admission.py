@@ -17,11 +17,12 @@ involved).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.checkpoint.files import split_layer
 from cakemp.errors import BadOps, BadTensor, ContextLimitExceeded, UnknownLayer
 from cakemp.wire import MAX_PAYLOAD, DType, LayerOp, RawTensor
 
@@ -61,11 +62,19 @@ class LayerAdmission:
     # The KV slots a request may name: the served layers' numbers, which is what Cake's masters send
     # as block_idx. So one session holds at most one slot per served layer (not one per layer of the model).
     blocks: frozenset[int]
+    # A model of several stacks (VibeVoice-Realtime): per served layer, (its stack's first slot, its
+    # stack's layer count), its block_idx counted from 0 within its stack (ModelConfig.kv_slot). Empty
+    # for a model of one stack, whose slots are the block_idx themselves.
+    stacks: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def for_model(cls, model: ModelConfig, layers: Sequence[str], max_context: int | None) -> LayerAdmission:
+        of_prefix = {prefix: (first, count) for prefix, first, count in model.stacks}
+        # A name of no stack (the device refuses to load it) gets none of its slots.
+        stacks = {layer: of_prefix.get((split_layer(layer) or ("", 0))[0], (0, 0)) for layer in layers
+                  } if len(of_prefix) > 1 else {}
         return cls(frozenset(layers), model.hidden_size, max_context or model.max_position_embeddings,
-                   frozenset(model.layer_index(layer) for layer in layers))
+                   frozenset(model.layer_index(layer) for layer in layers), stacks)
 
     def decode_limits(self) -> dict[str, int]:
         """The bounds `wire.decode_payload` checks before it builds a frame's items: a layer run
@@ -114,17 +123,20 @@ class LayerAdmission:
                 raise UnknownLayer(f"could not find layer {shown(layer)}")
             if layer in layers:
                 raise BadOps(f"layer {layer} appears twice in one request")
-            if block_idx not in self.blocks:
+            first, count = self.stacks.get(layer, (0, None))
+            slot = first + block_idx
+            if slot not in self.blocks or not (count is None or 0 <= block_idx < count):
+                numbers = frozenset(s - first for s in self.blocks if s >= first and (count is None or s < first + count))
                 raise BadOps(f"block_idx {block_idx} of layer {layer} is not a KV slot of this worker: a master "
-                             f"names the served layers' own numbers ({_numbers_text(self.blocks)})")
-            if block_idx in blocks:
+                             f"names the served layers' own numbers ({_numbers_text(numbers)})")
+            if slot in blocks:
                 raise BadOps(f"block_idx {block_idx} (a KV slot) appears twice in one request")
             if index_pos + tokens > self.max_context:
                 raise ContextLimitExceeded(
                     f"positions {index_pos}..{index_pos + tokens - 1} of layer {layer} pass the context limit "
                     f"of {self.max_context} positions")
             layers.add(layer)
-            blocks.add(block_idx)
+            blocks.add(slot)
 
 
 def shown(text: str) -> str:

@@ -23,13 +23,14 @@ import click
 from cakemp import gpus, log, placement
 from cakemp.address import is_loopback, parse_address
 from cakemp.allow_list import AllowList
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.image import archs as image_archs
 from cakemp.checkpoint.image import sd_files
 from cakemp.checkpoint.image.locator import ImageFlags
 from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
-from cakemp.ipc.spec import MAX_BATCH, PREFILL_CHUNK, TEXT, ComponentFile, ImageModel, Workload
+from cakemp.ipc.spec import LAYER_WORKLOADS, MAX_BATCH, PREFILL_CHUNK, ComponentFile, ImageModel, Workload
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
 from cakemp.topology import Topology
@@ -106,7 +107,8 @@ class NodeConfig:
                           "Face id org/name[@revision] (from the hub cache; this node's missing files are downloaded). Image "
                           "models: Stable Diffusion's HF cache root (holding hub/), FLUX.2's repository id or directory.")
     model_type: str = knob("--model-type", "text-model", click.Choice(image_archs.MODEL_TYPES),
-                           "image-model: serve the image components the topology entry names (clip, unet, ...).")
+                           "image-model: serve the image components the topology entry names (clip, unet, ...); "
+                           "audio-model: VibeVoice's language-model layers (Qwen2 blocks) it names.")
     image_arch: str = knob("--image-model-arch", "sd", click.Choice(list(image_archs.ARCHS)),
                            "Image model the components belong to (with --model-type image-model).")
     sd_version: str = knob("--sd-version", "v1-5", click.Choice(sd_files.SD_VERSIONS), "Stable Diffusion version "
@@ -219,7 +221,9 @@ class NodeConfig:
 
 def _workload(model_type: str, image_arch: str, sd_version: str) -> Workload:
     """What --model-type and the image model's flags say the node serves: the one place they are read."""
-    return Workload(ImageModel(image_arch, sd_version)) if model_type == "image-model" else TEXT
+    if model_type == "image-model":
+        return Workload(ImageModel(image_arch, sd_version), model_type, zero_config=False)
+    return LAYER_WORKLOADS[model_type]
 
 
 def _knobs(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -276,7 +280,8 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     if not values["cluster_key"] and knobs["allow_from"] is None and not is_loopback(knobs["address"][0]):
         logger.warning("any peer that reaches the port may use this node: give a cluster key or --allow-from",
                        address=values["address"])
-    if _workload(knobs["model_type"], knobs["image_arch"], knobs["sd_version"]).image is not None:
+    workload = _workload(knobs["model_type"], knobs["image_arch"], knobs["sd_version"])
+    if workload.image is not None:
         # --model is no text checkpoint: none of its rules apply
         if values["cluster_key"] and not values["topology"]:
             raise ConfigError("an image model needs --topology: zero-config setup serves text models only (as Cake)")
@@ -288,6 +293,10 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     if values["cluster_key"] and not topology:
         # Cake's rule for zero-config: a key and no topology (a bundle's counts: it is a topology; --model
         # itself has a default, so it cannot count).
+        if not workload.zero_config:
+            raise ConfigError(f"--model-type {workload.model_type} needs --topology: a Cake master cannot set VibeVoice "
+                              "up with zero-config (its setup reads num_hidden_layers at config.json's top level, "
+                              "which VibeVoice keeps in decoder_config)")
         if model_given:
             logger.warning("--model is ignored in zero-config mode: the master pushes the model")
         served, layers = values["name"] or socket.gethostname(), ()
@@ -298,6 +307,8 @@ def node_config(values: Mapping[str, Any], *, model_given: bool) -> NodeConfig:
     else:
         served, layers, knobs["checkpoint_path"] = _topology_node(values, topology, source, knobs["model"])
         setup = None
+        if workload.declared_dtype_wins:
+            knobs["dtype"] = _declared_dtype(knobs["checkpoint_path"], knobs["dtype"])
     return _placed(values, served, layers, setup, knobs)
 
 
@@ -367,6 +378,18 @@ def _component_files(names: tuple[str, ...], knobs: Mapping[str, Any]) -> tuple[
                               config_from=located.config_source)
         files.append((name, ComponentFile(str(located.weights), None if located.config is None else str(located.config))))
     return tuple(files)
+
+
+def _declared_dtype(checkpoint: str, told: str) -> str:
+    """The dtype an audio model's layers compute in: the checkpoint's own where it declares one (VibeVoice's
+    decoder_config saying bfloat16), as Cake's worker decides it, else `told` (--dtype). A master sending
+    another dtype is answered in it, computed in this one."""
+    declared = ModelConfig.from_dir(checkpoint).declared_dtype
+    if declared is None or declared == told:
+        return told
+    log.get_logger().info("computing in the checkpoint's dtype, as Cake's audio worker does", dtype=declared,
+                          not_dtype=told)
+    return declared
 
 
 def _topology_node(values: Mapping[str, Any], topology: str | Path | None, source: ModelSource,

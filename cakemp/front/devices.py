@@ -47,7 +47,7 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             threads=threads[i],
             cpus=cores[i],
             poll_s=config.device_poll_s,
-            prefix_reuse=config.prefix_reuse,
+            prefix_reuse=config.prefix_reuse and config.workload.reuses_prefixes,
             share_prefixes=config.share_prefixes,
             keep_int4=config.keep_int4,
             # Well inside the request timeout, which counts a device silent that long as hung.

@@ -384,6 +384,9 @@ def _judge(config: NodeConfig) -> tuple[Admission, frozenset[str]]:
     if image is not None:
         return ComponentAdmission.for_arch(image.arch, config.parts), frozenset()
     model = ModelConfig.from_dir(config.checkpoint_path)
+    if model.model_type != config.workload.model_type:
+        raise CheckpointError(f"{config.checkpoint_path}: {model.architecture} layers are served with --model-type "
+                              f"{model.model_type}, not {config.workload.model_type}")
     recurrent = frozenset(layer for layer in config.parts if model.layer_index(layer) in model.linear_layers)
     return LayerAdmission.for_model(model, config.parts, config.max_context), recurrent
 

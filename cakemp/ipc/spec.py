@@ -44,9 +44,25 @@ class Workload:
     An image model's components (`image` set): a request is one component's call (a SingleOp) over
     token ids or a packed vector; nothing is kept between calls, a call is never cut, and the reply
     has the dtype and shape the component answers in.
+
+    An audio model's layers (`AUDIO`, Cake's `--model-type audio-model`: VibeVoice's language
+    models) are a text model's in every way but these rows' fields.
     """
 
     image: ImageModel | None = None
+    # The --model-type a node serving a model's layers runs with (the checkpoint's family must be of
+    # it: checkpoint/config.py, Family.model_type); "image-model" with `image` set.
+    model_type: str = "text-model"
+    # A Cake master can set the node up with zero-config. Not an audio model's: Cake's master_setup
+    # reads num_hidden_layers at config.json's top level, which VibeVoice keeps in decoder_config.
+    zero_config: bool = True
+    # The checkpoint's own dtype (ModelConfig.declared_dtype) wins over --dtype, as in Cake's audio worker.
+    declared_dtype_wins: bool = False
+    # Prefix reuse may be on (--no-prefix-reuse). Not for an audio model: a request at position 0
+    # retires its session's every KV slot for reuse (compute/prefix_cache.py), so on one connection
+    # one stack's (or one CFG stream's) new prompt would end the other's context; without it, a
+    # request at 0 replaces only the slots it names.
+    reuses_prefixes: bool = True
 
     @property
     def stateful(self) -> bool:
@@ -65,6 +81,9 @@ class Workload:
 
 
 TEXT = Workload()
+AUDIO = Workload(model_type="audio-model", zero_config=False, declared_dtype_wins=True, reuses_prefixes=False)
+# A model's layers by --model-type (an image model's Workload carries its ImageModel).
+LAYER_WORKLOADS = {workload.model_type: workload for workload in (TEXT, AUDIO)}
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 
@@ -238,3 +239,52 @@ def test_an_embedding_gemma_is_refused():
     """A bidirectional (embedding) Gemma 3 is not a causal decoder and is refused by name."""
     with pytest.raises(CheckpointError, match="use_bidirectional_attention"):
         ModelConfig.from_dict(hub("gemma3", use_bidirectional_attention=True))
+
+
+DECODER = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_hidden_layers": 6, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 512,
+           "vocab_size": 128, "torch_dtype": "bfloat16"}
+
+
+def vibevoice(streaming: bool, **decoder) -> dict:
+    architecture = "VibeVoiceStreamingForConditionalGenerationInference" if streaming else \
+        "VibeVoiceForConditionalGeneration"
+    config = {"architectures": [architecture], "decoder_config": DECODER | decoder}
+    return config | ({"tts_backbone_num_hidden_layers": 4} if streaming else {})
+
+
+def test_vibevoice_reads_decoder_config_as_cakes_worker_does():
+    """The decoder's sizes, epsilon and rope_theta from decoder_config; q/k/v bias forced; no window,
+    rope scaling or head_dim of its own applies (Cake reads none); bf16 declared by its torch_dtype."""
+    c = ModelConfig.from_dict(vibevoice(False, use_sliding_window=True, sliding_window=4, head_dim=8,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    assert (c.family, c.model_type, c.hidden_size, c.num_hidden_layers, c.rms_norm_eps, c.rope_theta) == \
+        ("vibevoice", "audio-model", 64, 6, 1e-5, 1e6)
+    assert c.qkv_bias and not c.o_bias and c.head_dim == 16 and c.rope_scaling is None
+    assert c.layer_windows == (None,) * 6 and c.declared_dtype == "bf16"
+    assert c.stacks == (("model.language_model.layers", 0, 6),) and c.layer_name(5) == "model.language_model.layers.5"
+    assert ModelConfig.from_dict(vibevoice(False, torch_dtype="float32")).declared_dtype is None
+    assert FAMILIES["llama"].model_type == "text-model"
+
+
+def test_vibevoice_realtime_has_two_stacks_numbered_from_zero_in_their_names():
+    """Base LM: the decoder's layers less the TTS LM's; each stack's names and block_idx from 0; here
+    the TTS stack's layers (and KV slots) come after the base's."""
+    c = ModelConfig.from_dict(vibevoice(True))
+    assert c.stacks == (("model.language_model.layers", 0, 2), ("model.tts_language_model.layers", 2, 4))
+    assert [c.layer_name(i) for i in (1, 2, 5)] == ["model.language_model.layers.1",
+                                                   "model.tts_language_model.layers.0", "model.tts_language_model.layers.3"]
+    assert c.layer_index("model.tts_language_model.layers.0") == 2 and c.layer_index("model.language_model.layers.2") is None
+    assert c.kv_slot("model.tts_language_model.layers.1", 1) == 3 and c.kv_slot("model.language_model.layers.1", 1) == 1
+
+
+@pytest.mark.parametrize("config, words", [
+    (vibevoice(True) | {"tts_backbone_num_hidden_layers": 6}, "tts_backbone_num_hidden_layers"),
+    ({k: v for k, v in vibevoice(True).items() if k != "tts_backbone_num_hidden_layers"}, "tts_backbone_num_hidden_layers"),
+    (vibevoice(False) | {"decoder_config": {k: v for k, v in DECODER.items() if k != "rope_theta"}},
+     "decoder_config.rope_theta"),
+    ({"architectures": ["VibeVoiceForConditionalGeneration"]}, "decoder_config"),
+])
+def test_a_vibevoice_config_cake_could_not_read_is_refused(config, words):
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        ModelConfig.from_dict(config)

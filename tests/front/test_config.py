@@ -342,3 +342,10 @@ def test_zero_config_cannot_serve_an_image_model():
     """Cake's zero-config setup needs a text model's config.json: an image node needs --topology."""
     with pytest.raises(ConfigError, match="an image model needs --topology"):
         node_config(flag_values(name="w1", cluster_key=KEY, model_type="image-model"), model_given=False)
+
+
+def test_an_audio_model_without_a_topology_is_refused_as_cake_cannot_set_it_up():
+    """--model-type audio-model with a cluster key and no topology: Cake's zero-config setup reads a
+    top-level num_hidden_layers that VibeVoice's config.json lacks, so the node says so and exits."""
+    with pytest.raises(ConfigError, match=re.escape("--model-type audio-model needs --topology")):
+        node_config(flag_values(cluster_key=KEY, gpus="cpu", model_type="audio-model"), model_given=False)

@@ -10,6 +10,8 @@ drawn at random: HF's init leaves norms at 1 and biases at 0, which would hide a
 weight or bias. `shards > 1` splits the layers over that many files with a
 model.safetensors.index.json; `fp8_block=(bm, bn)` stores the layers' projection matrices as
 float8_e4m3fn with block-wise `weight_scale_inv`, as FP8 checkpoints do.
+`make_vibevoice_checkpoint` writes a VibeVoice-shaped one (Qwen2 stacks under config.json's
+`decoder_config`) with a plain Qwen2 checkpoint per stack for HFLayers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -295,3 +298,53 @@ class HFLayers:
             )
             x = layer(x, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
         return x
+
+
+# VibeVoice (--model-type audio-model): its config.json's architecture and model_type, and its
+# stacks of Qwen2 layers (the Realtime 0.5B's TTS language model after its base one).
+VIBEVOICE = {
+    "vibevoice": ("VibeVoiceForConditionalGeneration", ("model.language_model.layers",)),
+    "vibevoice_streaming": ("VibeVoiceStreamingForConditionalGenerationInference",
+                            ("model.language_model.layers", "model.tts_language_model.layers")),
+}
+VIBEVOICE_ROPE_THETA = 1e6  # not transformers' default, so that a decoder_config read wrong shows
+
+
+def make_vibevoice_checkpoint(tmp_path: Path, model_type: str, layers: tuple[int, ...], *,
+                              torch_dtype: str = "float32", dtype: torch.dtype = torch.float32) -> tuple[Path, dict[str, Path]]:
+    """A VibeVoice-shaped checkpoint under tmp_path/<model_type> (`layers[i]` layers in stack i), and
+    per stack prefix a Qwen2 checkpoint holding that stack's layers as `model.layers.N`, which
+    HFLayers runs as the oracle (transformers' Qwen2DecoderLayer).
+
+    config.json nests the decoder's Qwen2 config in `decoder_config` (its num_hidden_layers
+    counting every stack's, its `torch_dtype` as given) as the hub's VibeVoice files do; the
+    Realtime's gives its TTS stack's count as tts_backbone_num_hidden_layers. The tensors hold
+    each stack's layers under its prefix (each stack's own random weights), the stacks' embeddings
+    and a prediction head with `layers` of its own, which is no decoder stack."""
+    architecture, prefixes = VIBEVOICE[model_type]
+    path = Path(tmp_path) / model_type
+    path.mkdir(parents=True, exist_ok=True)
+    hub = {"rope_theta": VIBEVOICE_ROPE_THETA, "use_sliding_window": False}
+    oracles, tensors = {}, {}
+    for seed, (prefix, count) in enumerate(zip(prefixes, layers, strict=True)):
+        oracle = make_checkpoint(Path(tmp_path) / f"{model_type}-oracle", "qwen2", seed=seed, dtype=dtype,
+                                 num_hidden_layers=count, hub_config=hub)
+        oracles[prefix] = oracle
+        stack = prefix.removesuffix(".layers")
+        with safe_open(oracle / "model.safetensors", framework="pt") as f:
+            for name in f.keys():
+                if name.startswith("model."):
+                    tensors[stack + name.removeprefix("model")] = f.get_tensor(name)
+    hidden = TINY["hidden_size"]
+    tensors["model.prediction_head.layers.0.ffn.weight"] = torch.randn(hidden, hidden).to(dtype)
+    decoder = {key: value for key, value in json.loads((oracles[prefixes[0]] / "config.json").read_text()).items()
+               if key not in ("architectures", "dtype", "torch_dtype")}
+    config = {"architectures": [architecture], "model_type": model_type, "acoustic_vae_dim": 64,
+              "decoder_config": decoder | {"num_hidden_layers": sum(layers), "torch_dtype": torch_dtype},
+              "torch_dtype": torch_dtype}
+    if len(layers) > 1:
+        config["tts_backbone_num_hidden_layers"] = layers[1]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({name: t.contiguous() for name, t in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    return path, oracles

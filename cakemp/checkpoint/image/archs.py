@@ -27,7 +27,7 @@ from cakemp.checkpoint.image import flux_files, sd_files
 from cakemp.checkpoint.image.locator import Locator
 from cakemp.errors import ConfigError
 
-MODEL_TYPES = ("text-model", "image-model")  # --model-type (Cake's audio-model is not served)
+MODEL_TYPES = ("text-model", "image-model", "audio-model")  # --model-type
 # The most token ids one call may carry (FLUX.2's text encoder takes 512; a CLIP 77).
 MAX_TOKENS = 1024
 MAX_TOKEN_ROWS = 8
