@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cakemp.front.metrics import Metrics
-from cakemp.front.prometheus import Histogram
+from cakemp.prometheus import Histogram
 
 promql = pytest.importorskip("promql_parser")
 
