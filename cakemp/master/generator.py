@@ -56,6 +56,7 @@ class Generation:
     latencies: tuple[float, ...]  # seconds per generated token; the first one includes the prefill
     stopped_at_eos: bool
     halted: bool = False  # ended because the caller set `halt`
+    waited: float = 0.0  # seconds it waited for a place among the concurrent generations, before the latencies
 
     @property
     def decode_latencies(self) -> tuple[float, ...]:
@@ -226,7 +227,7 @@ class Generator:
         stopped = bool(tokens) and tokens[-1] in self.eos_ids
         halted = not stopped and len(tokens) < sequence.max_tokens
         done.set_result(Generation(sequence.prompt, tokens, sequence.detokenizer.text, tuple(sequence.latencies),
-                                   stopped, halted))
+                                   stopped, halted, sequence.waited))
 
 def _vocabulary(checkpoint: WeightSource) -> tuple[Tokenizer, frozenset[int], ChatTemplate | None]:
     """The tokenizer, the ids that end a generation and the chat template, from where the checkpoint's

@@ -81,7 +81,8 @@ class SequenceState:
     connections: ConnectionSet | None = None
     position: int = 0  # positions computed so far
     latencies: list[float] = field(default_factory=list)  # seconds per sampled token
-    since: float = 0.0  # when the latency of its next token began
+    since: float = field(default_factory=time.perf_counter)  # when the latency of its next token began
+    waited: float = 0.0  # seconds it waited for a place in the loop
     failed: BaseException | None = None
     broken: bool = False  # its failure broke a connection: the set is closed, not kept
 
@@ -155,7 +156,8 @@ class StepLoop:
                 sequence.fail(exc)
                 self._finish(sequence)
                 continue
-            sequence.since = time.perf_counter()
+            now = time.perf_counter()
+            sequence.since, sequence.waited = now, now - sequence.since
             self.running.append(sequence)
 
     async def _step(self, running: list[SequenceState]) -> None:
