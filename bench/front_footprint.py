@@ -12,7 +12,7 @@ For each tree (put first on PYTHONPATH of the child processes), side by side in 
    decode Batches on one session (the metrics, stats and logging paths warmed up).
 
 Also the import cost of prometheus_client on top of the front's imports, which decided whether
-the front's metrics use it (see cakemp/front/prometheus.py).
+the front's metrics use it (see cakemp/prometheus.py).
 """
 
 from __future__ import annotations

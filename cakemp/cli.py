@@ -122,9 +122,9 @@ def _repeat_flags(command):
 
 
 def _open_generator(model, topology, master_tflops, cluster_key, dtype, protocol, dequantize_4bit, discover,
-                    discovery_port, discovery_timeout, min_workers):
+                    discovery_port, discovery_timeout, min_workers, max_concurrent=1):
     """The flags of `_cluster_flags` checked; a coroutine opening the `Generator` over the cluster they name
-    (discovering it and pushing it the files first, with --discover)."""
+    (discovering it and pushing it the files first, with --discover), with `max_concurrent` connection sets."""
     import torch  # here, not at the top: `cakemp run`'s front must never import torch
 
     from cakemp.master.cluster import discover_cluster
@@ -148,7 +148,7 @@ def _open_generator(model, topology, master_tflops, cluster_key, dtype, protocol
                                             min_workers=min_workers, revision=revision, on_gpu=device == "cuda",
                                             dtype=dtype, report=lambda line: click.echo(line, err=True))
         return await Generator.open(model, layout, dtype=dtype, device=device, cluster_key=cluster_key or None,
-                                    revision=revision, keep_int4=not dequantize_4bit)
+                                    revision=revision, keep_int4=not dequantize_4bit, max_concurrent=max_concurrent)
 
     return open_generator()
 
@@ -206,22 +206,30 @@ def generate(prompt, system_prompt, raw, max_tokens, temperature, top_k, top_p, 
        "the context left).")
 @_repeat_flags
 @_flag("--max-body-kib", type=click.IntRange(min=1), default=1024, help="Largest request body accepted.")
+@_flag("--max-concurrent", type=click.IntRange(min=1), default=8,
+       help="Requests generated at once, stepped together, each its own Cake session on its own connections "
+       "(fewer if the workers admit fewer connections).")
 @_flag("--max-waiting", type=click.IntRange(min=0), default=16,
-       help="Requests that may wait for the cluster behind the one it runs; more get 503.")
+       help="Requests that may wait for a place behind the --max-concurrent running ones; more get 503.")
+@_flag("--share-prefixes-across-clients", is_flag=True,
+       help="Let requests that name no `user` or `cache_salt` reuse each other's prefixes on the workers (a hit "
+       "shows in latency: every such client then learns of the others' prompts). Without it they share none.")
 @_flag("--chat-template-seconds", type=click.FloatRange(min=0, min_open=True), default=5.0,
        help="Longest a chat template may render one request's messages; longer is stopped, a 400.")
 @_like_run("--log-format")
 @_like_run("--log-level")
-def serve(address, model_id, max_tokens, repeat_penalty, repeat_last_n, max_body_kib, max_waiting,
-          chat_template_seconds, log_format, log_level, **cluster) -> None:
-    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health) over the
-    cluster, one request at a time; needs the `serve` extra (pip install 'cakemp[serve]')."""
+def serve(address, model_id, max_tokens, repeat_penalty, repeat_last_n, max_body_kib, max_concurrent, max_waiting,
+          share_prefixes_across_clients, chat_template_seconds, log_format, log_level, **cluster) -> None:
+    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)
+    over the cluster, up to --max-concurrent requests at once; needs the `serve` extra (pip install
+    'cakemp[serve]')."""
     from cakemp.master.serve import ServeOptions, serve_api
 
     log.configure(log_format, log_level)
     options = ServeOptions(address, model_id or _model_name(cluster["model"]), max_tokens, repeat_penalty,
-                           repeat_last_n, max_body_kib * 1024, max_waiting, chat_template_seconds)
-    _run_or_exit(serve_api(_open_generator(**cluster), options))
+                           repeat_last_n, max_body_kib * 1024, max_waiting, chat_template_seconds,
+                           share_prefixes_across_clients)
+    _run_or_exit(serve_api(_open_generator(**cluster, max_concurrent=max_concurrent), options))
 
 
 def _model_name(model: str) -> str:

@@ -26,8 +26,9 @@ from cakemp.compute.tensors import compute_dtype
 from cakemp.demo.local_node import LocalNode, NodeFailed, free_port
 from cakemp.demo.synthetic import SyntheticSpec, demo_checkpoint, demo_dir
 from cakemp.errors import NodeFault
-from cakemp.master.generator import Generator, RemoteCall
+from cakemp.master.generator import Generator
 from cakemp.master.sampler import SamplingParams
+from cakemp.master.step_loop import RemoteCall
 from cakemp.topology import Topology
 
 PROMPT = "Once upon a time"

@@ -1,6 +1,6 @@
 """The front's metrics: every one it records, declared once (`Metrics`), and what moves them.
 
-The metric types and their text format are front/prometheus.py's, the process_* family
+The metric types and their text format are prometheus.py's, the process_* family
 front/process_metrics.py's, the HTTP endpoint front/metrics_server.py's. Every metric is updated
 on the front's event loop (device processes report their KV bytes over the IPC, and the front
 records them), so nothing here takes a lock.
@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import cakemp
 from cakemp.front.process_metrics import process_metrics
-from cakemp.front.prometheus import LATENCY_BUCKETS, Counter, Gauge, Histogram, Metric
+from cakemp.prometheus import LATENCY_BUCKETS, Counter, Gauge, Histogram, Metric
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)

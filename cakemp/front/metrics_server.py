@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 from cakemp import log
 from cakemp.front.metrics import Metrics
-from cakemp.front.prometheus import CONTENT_TYPE
+from cakemp.prometheus import CONTENT_TYPE
 
 REQUEST_TIMEOUT = 5.0  # seconds a client gets to send its request head
 MAX_REQUEST_HEAD = 8192  # bytes; the paths served here need a few dozen

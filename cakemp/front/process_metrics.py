@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import resource
 
-from cakemp.front.prometheus import Sampled
+from cakemp.prometheus import Sampled
 from cakemp.rss import resident_bytes
 
 

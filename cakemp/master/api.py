@@ -1,22 +1,24 @@
 """`cakemp serve`: an OpenAI-compatible HTTP API over one `Generator` (its workers and local layers).
 
 Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events, or not),
-GET /v1/models and /health. The cluster runs one generation at a time, as Cake's API does (its
-master is behind one lock): a Cake master's connections carry one request each, and a
-`Generator` holds one set of them. Requests wait their turn in arrival order, at most
-`max_waiting` of them; past that they are refused with 503. Each generation ends with Goodbye
-on every connection (the generator's rule), so a worker keeping retired prefixes answers the
-next request's shared prefix (a system prompt, a chat's history) from what it kept.
+GET /v1/models, /health and /metrics (serve_metrics.py). Up to the generator's `max_concurrent`
+requests run at once in its step loop (step_loop.py), each its own Cake session on its own
+connections; the rest wait their turn in arrival order, at most `max_waiting` of them; past that
+they are refused with 503. Each generation ends with Goodbye on its connections, so a worker
+keeping retired prefixes answers a later request's shared prefix (a system prompt, a chat's
+history) from what it kept: only a request of the same isolation key (its `user` or
+`cache_salt`), since one client's latency would otherwise tell another's prompt. Requests that
+name neither share nothing, unless `share_prefixes_across_clients` (connections.py).
 
-A connection that broke (a worker restarted, say) fails its request with 502; the next request
-first connects afresh to every worker (`Generator.reconnect`). A worker's own error answer
-(WorkerError) leaves the connections as they are.
+A connection that broke (a worker restarted, say) fails the requests on it with 502; its set is
+closed and the next request dials afresh. A worker's own error answer (WorkerError) fails its
+request alone and leaves the connections as they are.
 
 A generation runs as a task of its own, never inside the HTTP handler: a client that leaves
 (mid-stream, or while it waits for a whole answer) sets the generation's `halt`, the generation
-ends after the step in flight and says Goodbye, and the next request takes the cluster with the
-connections in step. Request bodies are bounded (`max_body_bytes`, 413 past it); every refusal is
-OpenAI's JSON error object. What a connection may hold before and after its request is bounded
+leaves the step loop after the step in flight and says Goodbye, its place taken by the next.
+Request bodies are bounded (`max_body_bytes`, 413 past it); every refusal is OpenAI's JSON error
+object. What a connection may hold before and after its request is bounded
 by `connection_guard.py`.
 """
 
@@ -32,18 +34,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from cakemp import log
-from cakemp.errors import CakempError, RemoteWorkerError
+from cakemp.errors import CakempError
 from cakemp.master.generator import Generation, Generator
 from cakemp.master.openai_request import ApiError, Completion, RequestReader
+from cakemp.master.serve_metrics import ServeMetrics
 from cakemp.master.stop_strings import StopStrings
 
 MAX_BODY_BYTES = 1 << 20
 MAX_WAITING = 16
+SHARED_KEY = ("shared",)  # the isolation key of every request naming none, with --share-prefixes-across-clients
 
 
 class Job:
@@ -89,19 +93,27 @@ class Job:
 
 
 class Turns:
-    """The cluster's generations, one at a time, in the order they were asked for."""
+    """The cluster's generations: up to the generator's `max_concurrent` at once (its step loop), then
+    up to `max_waiting` more in arrival order; past that 503."""
 
-    def __init__(self, generator: Generator, max_waiting: int = MAX_WAITING) -> None:
+    def __init__(self, generator: Generator, max_waiting: int = MAX_WAITING,
+                 share_prefixes_across_clients: bool = False) -> None:
         self.generator = generator
         self.max_waiting = max_waiting
+        # The isolation key of requests that name none: shared by all of them, or none (each its own).
+        self.keyless = SHARED_KEY if share_prefixes_across_clients else None
         self.admitted = 0  # requests running or waiting
-        self.broken = False  # a connection may be out of step with its worker: reconnect before the next
-        self._turn = asyncio.Lock()  # fair: waiters take it in arrival order
+        self.metrics = ServeMetrics(lambda: len(generator.loop.running), lambda: len(generator.loop.waiting))
         self._tasks: set[asyncio.Task] = set()  # strong references to the running generations
+
+    @property
+    def broken(self) -> bool:
+        """Whether a connection broke and none was dialed since (the next request dials afresh)."""
+        return self.generator.pool.broken
 
     def start(self, completion: Completion) -> Job:
         """`completion`'s generation, started (or queued); 503 when too many already wait."""
-        if self.admitted > self.max_waiting:
+        if self.admitted >= self.generator.max_concurrent + self.max_waiting:
             raise ApiError(503, f"{self.max_waiting} requests already wait for the cluster; try again later",
                            type="server_error", code="overloaded")
         job = Job(completion)
@@ -115,24 +127,20 @@ class Turns:
         c, started = job.completion, time.perf_counter()
         generation, error = None, None
         try:
-            async with self._turn:
-                if not job.halt.is_set():  # a client that left while waiting costs the cluster nothing
-                    if self.broken:
-                        await self.generator.reconnect()
-                        self.broken = False
-                    generation = await self.generator.generate(c.prompt, c.max_tokens, c.sampling,
-                                                               on_text=job.on_text, halt=job.halt)
+            generation = await self.generator.generate(c.prompt, c.max_tokens, c.sampling, on_text=job.on_text,
+                                                       halt=job.halt, isolation=c.isolation or self.keyless)
         except Exception as exc:  # the request's failure, told to its client; the server goes on
             error = exc
-            self.broken = not isinstance(exc, RemoteWorkerError)
+            self.metrics.errors.inc(status=str(_failure(exc).status))
             log.get_logger().warning("request failed", kind=c.kind, error=str(exc))
         finally:
             self.admitted -= 1
             job.ended(generation, error)
         if generation is not None:
+            self.metrics.served(generation.waited, len(c.prompt), generation.latencies)
             log.get_logger().info("request served", kind=c.kind, prompt_tokens=len(c.prompt),
                                   completion_tokens=len(generation.tokens), finish=job.finish_reason,
-                                  halted=generation.halted,
+                                  halted=generation.halted, waited=round(generation.waited, 3),
                                   seconds=round(time.perf_counter() - started, 3))
 
 
@@ -170,16 +178,17 @@ class Api:
     """The routes, over one generator's turns."""
 
     def __init__(self, generator: Generator, reader: RequestReader, *, max_body_bytes: int = MAX_BODY_BYTES,
-                 max_waiting: int = MAX_WAITING) -> None:
+                 max_waiting: int = MAX_WAITING, share_prefixes_across_clients: bool = False) -> None:
         self.reader = reader
-        self.turns = Turns(generator, max_waiting)
+        self.turns = Turns(generator, max_waiting, share_prefixes_across_clients)
         self.max_body_bytes = max_body_bytes
 
     def app(self) -> Starlette:
         routes = [Route("/v1/chat/completions", self._endpoint(self.reader.chat), methods=["POST"]),
                   Route("/v1/completions", self._endpoint(self.reader.text), methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"])]
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.metrics, methods=["GET"])]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
     async def models(self, request: Request) -> JSONResponse:
@@ -190,11 +199,16 @@ class Api:
         return JSONResponse({"status": "ok", "model": self.reader.model_id, "requests": self.turns.admitted,
                              "connections": "broken: the next request reconnects" if self.turns.broken else "ok"})
 
+    async def metrics(self, request: Request) -> Response:
+        metrics = self.turns.metrics
+        return Response(metrics.render(), media_type=metrics.content_type)
+
     def _endpoint(self, read: Callable[[object], Awaitable[Completion]]) -> Callable[[Request], Awaitable[object]]:
         async def endpoint(request: Request) -> object:
             try:
                 job = self.turns.start(await read(await self._body(request)))
             except ApiError as exc:
+                self.turns.metrics.errors.inc(status=str(exc.status))
                 return _error(exc)
             answer = Answer(job, self.reader.model_id)
             if job.completion.stream:

@@ -4,7 +4,8 @@
 `/v1/completions` a `prompt` (text, encoded as `cakemp generate --raw` encodes it). Both take
 `model` (the one served), `max_tokens` (`max_completion_tokens` too, for chat), `temperature`
 (0: greedy), `top_p`, `stop` (up to 4 strings), `seed`, `stream` and
-`stream_options.include_usage`; `n` must be 1. Fields this API does not use are ignored, as
+`stream_options.include_usage`, and `user` or `cache_salt` (the isolation key: only requests
+that share it reuse each other's prefixes on the workers); `n` must be 1. Fields this API does not use are ignored, as
 OpenAI-compatible servers do. Every refusal is an `ApiError`: a status and OpenAI's error object.
 
 Reading is async because it never tokenizes nor renders on the event loop: prompts go to a
@@ -50,6 +51,7 @@ class Completion:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
+    isolation: tuple[str, ...] | None = None  # (user, cache_salt) when it names either: whose prefixes it may reuse
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ class RequestReader:
         stream = _typed(body, "stream", bool, False)
         options = _typed(body, "stream_options", dict, {}) or {}
         return Completion(kind, prompt, max_tokens, self._sampling(body), _stops(body.get("stop")), stream,
-                          bool(options.get("include_usage", False)))
+                          bool(options.get("include_usage", False)), _isolation(body))
 
     def _max_tokens(self, prompt_length: int, limit: object) -> int:
         """The request's `max_tokens` (at most the server's), or the server's cut to what the context leaves."""
@@ -188,6 +190,12 @@ def _stops(stop: object) -> tuple[str, ...]:
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", param="stop")
     return tuple(stops)
+
+
+def _isolation(body: Mapping) -> tuple[str, ...] | None:
+    """The request's isolation key: its `user` and `cache_salt` (vLLM's), None when it names neither."""
+    user, salt = _typed(body, "user", str, ""), _typed(body, "cache_salt", str, "")
+    return ("key", user, salt) if user or salt else None
 
 
 def _typed(body: Mapping, name: str, kind: type, default: object) -> object:

@@ -57,6 +57,7 @@ class ServeOptions:
     max_body_bytes: int
     max_waiting: int
     chat_template_seconds: float
+    share_prefixes_across_clients: bool = False
 
 
 async def serve_api(opening: Awaitable[Generator], options: ServeOptions) -> None:
@@ -75,12 +76,14 @@ async def serve_api(opening: Awaitable[Generator], options: ServeOptions) -> Non
 
 async def _serve(generator: Generator, listener: socket.socket, options: ServeOptions) -> None:
     async with generator, _reader(generator, options) as reader:
-        api = Api(generator, reader, max_body_bytes=options.max_body_bytes, max_waiting=options.max_waiting)
+        api = Api(generator, reader, max_body_bytes=options.max_body_bytes, max_waiting=options.max_waiting,
+                  share_prefixes_across_clients=options.share_prefixes_across_clients)
         guarded = functools.partial(GuardedH11Protocol, guard=IncompleteConnections())
         config = uvicorn.Config(api.app(), http=guarded, limit_concurrency=MOST_CONNECTIONS, log_config=None,
                                 access_log=False, lifespan="off")
         host, port = listener.getsockname()[:2]
-        log.get_logger().info("api listening", url=f"http://{host}:{port}/v1", port=port, model=options.model_id)
+        log.get_logger().info("api listening", url=f"http://{host}:{port}/v1", port=port, model=options.model_id,
+                              max_concurrent=generator.max_concurrent)
         _ignore_repeated_signals()
         await uvicorn.Server(config).serve(sockets=[listener])
 

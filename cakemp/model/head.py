@@ -83,5 +83,8 @@ class Head:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states [1, T, H] -> logits [V] of the last position (the norm is per position,
         so normalising only the last one gives the same values for less work)."""
-        last = rms_norm(x[0, -1], self.norm_weight, self.eps)  # [H]
-        return F.linear(last, self.lm_head_weight)  # [V]
+        return self.project(x[0, -1])
+
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """Last positions [..., H] (one, or one per request of a batched step) -> logits [..., V]."""
+        return F.linear(rms_norm(rows, self.norm_weight, self.eps), self.lm_head_weight)

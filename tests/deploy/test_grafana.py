@@ -1,4 +1,4 @@
-"""The Grafana dashboard against the metrics the node declares: every query parses as PromQL and names only
+"""The Grafana dashboard against the metrics the node and `cakemp serve` declare: every query parses as PromQL and names only
 metrics (and their labels) that the node exports."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from cakemp.front.metrics import Metrics
-from cakemp.front.prometheus import Histogram
+from cakemp.master.serve_metrics import ServeMetrics
+from cakemp.prometheus import Histogram
 
 promql = pytest.importorskip("promql_parser")
 
@@ -21,10 +22,11 @@ TARGET_LABELS = {"instance", "job"}  # added by Prometheus when it scrapes
 
 
 def exported() -> dict[str, set[str]]:
-    """Every sample name the node's /metrics can hold -> its label names, from the declarations."""
+    """Every sample name the node's /metrics, or `cakemp serve`'s, can hold -> its label names, from the
+    declarations."""
     metrics = Metrics()
     names = {}
-    for metric in vars(metrics).values():
+    for metric in [*vars(metrics).values(), *vars(ServeMetrics(lambda: 0, lambda: 0)).values()]:
         if not hasattr(metric, "labelnames"):
             continue
         labels = set(metric.labelnames) | TARGET_LABELS
@@ -82,7 +84,9 @@ def test_the_dashboard_covers_what_an_operator_watches():
     text = DASHBOARD.read_text()
     for metric in ("cakemp_request_duration_seconds_bucket", "cakemp_tokens_total", "cakemp_kv_cache_bytes",
                    "cakemp_kv_cache_budget_bytes", "cakemp_device_requests_waiting", "cakemp_device_batch_size",
-                   "cakemp_device_step_tokens", "cakemp_device_restarts_total", "cakemp_prefix_reused_tokens_total"):
+                   "cakemp_device_step_tokens", "cakemp_device_restarts_total", "cakemp_prefix_reused_tokens_total",
+                   "cakemp_serve_requests_running", "cakemp_serve_time_to_first_token_seconds_bucket",
+                   "cakemp_serve_token_latency_seconds_bucket", "cakemp_serve_completion_tokens_total"):
         assert metric in text, metric
     dashboard = json.loads(text)
     panel_ids = [panel["id"] for panel in dashboard["panels"]]

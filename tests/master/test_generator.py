@@ -19,8 +19,9 @@ from cakemp.cli import DEFAULT_SYSTEM_PROMPT, cli
 from cakemp.demo.local_node import LocalNode, free_port
 from cakemp.demo.synthetic import write_checkpoint
 from cakemp.errors import RemoteWorkerError, WorkerUnreachable
-from cakemp.master.generator import Generation, Generator, LayerRun, layer_hosts, plan_runs
+from cakemp.master.generator import Generation, Generator, layer_hosts, plan_runs
 from cakemp.master.sampler import SamplingParams
+from cakemp.master.step_loop import LayerRun
 from cakemp.model.weights.int4 import Int4Weight
 from cakemp.topology import Topology
 from tests.master.chat_templates import CHATML, with_template

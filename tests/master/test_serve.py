@@ -2,8 +2,8 @@
 
 The cluster: one `cakemp run --gpus cpu:2` node serving model.layers.1-3 and model.layers.5 of the
 synthetic checkpoint (given a ChatML template), the master (`cakemp serve`) keeping layers 0 and 4.
-The server runs with --max-waiting 0 (a request that comes while another runs is refused with 503,
-which makes "busy" observable) and --max-body-kib 64. Greedy answers are compared with `cakemp
+The server runs with --max-concurrent 1 --max-waiting 0 (a request that comes while another runs is
+refused with 503, which makes "busy" observable) and --max-body-kib 64. Greedy answers are compared with `cakemp
 generate`'s over the same node; prefix reuse is read from the node's /metrics.
 """
 
@@ -77,7 +77,7 @@ def node(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model, node):
     serving = LoggedProcess(["serve", "--model", str(model), "--topology", str(node.topology), "--dtype", "f32",
-                             "--address", "127.0.0.1:0", "--repeat-penalty", "1", "--max-waiting", "0",
+                             "--address", "127.0.0.1:0", "--repeat-penalty", "1", "--max-concurrent", "1", "--max-waiting", "0",
                              "--max-body-kib", str(MAX_BODY // 1024), "--log-format", "json"], ready="api listening")
     yield serving
     assert serving.stop() == 0
@@ -150,14 +150,14 @@ def reused_tokens(metrics_port):
 
 
 def test_a_second_request_reuses_the_first_ones_prefix_on_the_node(client, node):
-    """Each request ends with Goodbye on the same connections, so the node answers the next request's
-    shared prefix (system prompt and question) from the rows it kept: cakemp_prefix_reused_tokens_total
-    grows on both devices' total by at least a block of 16 positions."""
+    """Each request of one `user` ends with Goodbye on connections the next of that user gets again, so
+    the node answers the next request's shared prefix (system prompt and question) from the rows it kept:
+    cakemp_prefix_reused_tokens_total grows on both devices' total by at least a block of 16 positions."""
     running, _ = node
     messages = chat("A question asked twice")
-    first = client.chat.completions.create(model=MODEL_ID, messages=messages, **GREEDY)
+    first = client.chat.completions.create(model=MODEL_ID, messages=messages, user="reader", **GREEDY)
     before = reused_tokens(running.metrics_port())
-    second = client.chat.completions.create(model=MODEL_ID, messages=messages, **GREEDY)
+    second = client.chat.completions.create(model=MODEL_ID, messages=messages, user="reader", **GREEDY)
     assert reused_tokens(running.metrics_port()) - before >= 16
     assert second.choices[0].message.content == first.choices[0].message.content
 

@@ -15,7 +15,7 @@ from cakemp.cli import cli
 from cakemp.compute.kv_cache import MIN_CAPACITY
 from cakemp.front.metrics import Metrics
 from cakemp.front.metrics_server import start_metrics_server
-from cakemp.front.prometheus import Counter, Histogram
+from cakemp.prometheus import Counter, Histogram
 from cakemp.wire import Batch, LayerOp, Revision, TensorMessage, encode_frame
 from tests.support.checkpoints import TINY
 from tests.support.master import CakeMaster, to_raw

@@ -1,10 +1,10 @@
 """A small Prometheus client: counters, gauges, histograms and values read when scraped, each
 rendering itself in the text exposition format (0.0.4).
 
-Written here rather than taken from prometheus_client: importing that costs the front ~20-45 ms
-(about a tenth of its import time) and 2.6 MB of RSS (bench/front_footprint.py, docs/benchmarks.md)
-for a format this module writes in a page. Every metric is updated on the front's event loop, so
-nothing here takes a lock.
+The node's front and `cakemp serve` both render their /metrics with it. Written here rather than
+taken from prometheus_client: importing that costs the front ~20-45 ms (about a tenth of its import
+time) and 2.6 MB of RSS (bench/front_footprint.py, docs/benchmarks.md) for a format this module
+writes in a page. Every metric is updated on its process's event loop, so nothing here takes a lock.
 """
 
 from __future__ import annotations

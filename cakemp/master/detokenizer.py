@@ -1,0 +1,47 @@
+"""Incremental detokenization: the text a generation gained with each token, at a cost that does not
+grow with the generation.
+
+Decoding the whole token list after every token costs O(n) a step, O(n^2) a generation (25 ms a step
+at 32K tokens on a real tokenizer). As transformers' TextStreamer and vLLM's detokenizer do, only a
+short window is decoded: the tokens since `prefix_offset` (already shown, kept so that a tokenizer
+that strips or merges at a window's start decodes them as it would in context) and those after
+`read_offset` (not yet shown). What the window decodes to past the shown tokens' text is the new
+text. Byte-level tokens can end inside a UTF-8 character, which decodes to U+FFFD: such a tail waits
+for the token that completes it, and `flush` hands out whatever is left once the generation ends.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+
+class Detokenizer:
+    """Feeds on one generation's tokens, one at a time; hands back the text each adds."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self._prefix_offset = 0  # the window's start: tokens before it are never decoded again
+        self._read_offset = 0  # tokens before it are shown
+        self.text = ""  # everything handed out so far
+
+    def add(self, token: int) -> str:
+        """The text `token` completes ("" while a character waits for its last byte)."""
+        self.tokens.append(token)
+        shown = self.tokenizer.decode(self.tokens[self._prefix_offset:self._read_offset])
+        window = self.tokenizer.decode(self.tokens[self._prefix_offset:])
+        if len(window) <= len(shown) or window.endswith("\ufffd"):
+            return ""
+        piece = window[len(shown):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """What the tokens not yet shown decode to, once no token follows (a cut character included)."""
+        shown = self.tokenizer.decode(self.tokens[self._prefix_offset:self._read_offset])
+        window = self.tokenizer.decode(self.tokens[self._prefix_offset:])
+        piece = window[len(shown):] if window.startswith(shown) else ""
+        self._prefix_offset = self._read_offset = len(self.tokens)
+        self.text += piece
+        return piece

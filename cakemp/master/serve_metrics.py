@@ -1,0 +1,51 @@
+"""`cakemp serve`'s /metrics: what its requests cost, in Prometheus' text format (prometheus.py).
+
+Requests running and waiting are read from the step loop when scraped; time to first token (from
+the request's arrival, its wait included) and each later token's latency are observed as a
+request ends; completion tokens are counted (their rate is tokens/s), and every error answer by
+its HTTP status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cakemp.prometheus import CONTENT_TYPE, Counter, Histogram, Sampled
+
+# A first token waits for its prompt's prefill, and its queue: milliseconds to minutes.
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ServeMetrics:
+    """The serving figures; `running` and `waiting` read the step loop's counts."""
+
+    content_type = CONTENT_TYPE
+
+    def __init__(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
+        self.running = Sampled("cakemp_serve_requests_running", "Requests the step loop is generating.", "gauge",
+                               running)
+        self.waiting = Sampled("cakemp_serve_requests_waiting", "Requests waiting for a place in the step loop.",
+                               "gauge", waiting)
+        self.first_token = Histogram("cakemp_serve_time_to_first_token_seconds",
+                                     "Seconds from a request's arrival to its first token.",
+                                     buckets=FIRST_TOKEN_BUCKETS)
+        self.token_latency = Histogram("cakemp_serve_token_latency_seconds",
+                                       "Seconds between a request's consecutive tokens.", buckets=TOKEN_BUCKETS)
+        self.completion_tokens = Counter("cakemp_serve_completion_tokens_total", "Tokens generated.")
+        self.prompt_tokens = Counter("cakemp_serve_prompt_tokens_total", "Prompt tokens of the requests served.")
+        self.errors = Counter("cakemp_serve_errors_total", "Error answers, by HTTP status.", ["status"])
+
+    def served(self, waited: float, prompt_tokens: int, latencies: tuple[float, ...]) -> None:
+        """A request that generated: `waited` seconds in the queue, then `latencies` per token."""
+        if latencies:
+            self.first_token.observe(waited + latencies[0])
+        for latency in latencies[1:]:
+            self.token_latency.observe(latency)
+        self.completion_tokens.inc(len(latencies))
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def render(self) -> str:
+        metrics = (self.running, self.waiting, self.first_token, self.token_latency, self.completion_tokens,
+                   self.prompt_tokens, self.errors)
+        return "\n".join(line for metric in metrics for line in metric.render()) + "\n"

@@ -1,0 +1,243 @@
+"""The master's step loop: every running request advanced by one step at a time, together.
+
+Requests join and leave at step boundaries, as continuous batching does (vLLM, SGLang). Up to the
+pool's size run at once, each on its own `ConnectionSet` (connections.py); the rest wait in
+arrival order. Each step:
+
+* gathers every running request's next input: a chunk of its prompt (at most `PROMPT_CHUNK`
+  tokens, so a long prompt neither stalls the others' decode steps nor waits for them) or its
+  last sampled token;
+* walks the layer runs in order: a run of the master's own layers computes every request at once
+  (`BlockRunner.run_batch`: one pass over the weights), in a thread, so the event loop stays free
+  (torch releases the GIL); a remote run sends each request's Batch on its own connection, all at
+  once, so that they land in the same step of the worker, which batches them too;
+* normalises the last position of every request that ends its prompt or decodes, and projects
+  them onto the vocabulary as one matrix product, then samples each with its own sampler (seed,
+  temperature, top-p): in the same thread.
+
+A request whose `halt` is set (a stop string, a client gone), that sampled an end token or its
+`max_tokens`, or whose step failed, leaves before the next step: its set says Goodbye (in the
+background, the others step on) and goes back to the pool; a connection that broke is closed
+instead, and the pool dials afresh. A worker's own error (WorkerError) fails that request alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cakemp.compute.runner import BlockRunner, Request
+from cakemp.compute.tensors import from_raw, to_raw
+from cakemp.errors import RemoteWorkerError
+from cakemp.master.connections import ConnectionPool, ConnectionSet
+from cakemp.master.detokenizer import Detokenizer
+from cakemp.master.sampler import Sampler
+from cakemp.model.head import Head
+from cakemp.op import Op
+from cakemp.wire import DType, LayerOp
+
+# Prompt tokens a request computes in one step at most: its prompt joins the running decodes as
+# chunks. A lone request's prompt up to this long is one prefill, as before.
+PROMPT_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """Consecutive layers computed in one place: `host` ("host:port"), or here when None."""
+
+    host: str | None
+    layers: tuple[tuple[str, int], ...]  # (layer name, block index), in model order
+
+
+@dataclass(frozen=True)
+class RemoteCall:
+    """One Batch round trip as the master saw it (kept on request: the demo replays them)."""
+
+    host: str
+    ops: tuple[LayerOp, ...]
+    x: torch.Tensor  # [1, T, H] sent
+    y: torch.Tensor  # [1, T, H] received
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """One request in the loop: its prompt, what it generated, where it is."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampler: Sampler
+    detokenizer: Detokenizer
+    key: tuple[str, ...] | None  # its isolation key (connections.py); None: it named none
+    on_text: Callable[[str], None] | None = None
+    halt: asyncio.Event | None = None
+    trace: list[RemoteCall] | None = None
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    tokens: list[int] = field(default_factory=list)  # sampled ids, an end token included
+    connections: ConnectionSet | None = None
+    position: int = 0  # positions computed so far
+    latencies: list[float] = field(default_factory=list)  # seconds per sampled token
+    since: float = field(default_factory=time.perf_counter)  # when the latency of its next token began
+    waited: float = 0.0  # seconds it waited for a place in the loop
+    failed: BaseException | None = None
+    broken: bool = False  # its failure broke a connection: the set is closed, not kept
+
+    @property
+    def halted(self) -> bool:
+        return self.halt is not None and self.halt.is_set()
+
+    def next_input(self) -> list[int]:
+        """A chunk of the prompt while some is left to compute, else the last sampled token."""
+        if self.position < len(self.prompt):
+            return list(self.prompt[self.position:self.position + PROMPT_CHUNK])
+        return [self.tokens[-1]]
+
+    def samples(self, fed: int) -> bool:
+        """Whether the step that feeds it `fed` tokens ends with a token sampled (not a mid-prompt chunk)."""
+        return self.position + fed >= len(self.prompt)
+
+    def fail(self, exc: BaseException) -> None:
+        self.failed = exc
+        self.broken = not isinstance(exc, RemoteWorkerError)
+
+
+class StepLoop:
+    """Runs requests over `runs` (the master's own layers in `runner`), at most the pool's size at once."""
+
+    def __init__(self, head: Head, runner: BlockRunner | None, runs: Sequence[LayerRun], pool: ConnectionPool,
+                 eos_ids: frozenset[int], wire_dtype: DType, ended: Callable[[SequenceState], None]) -> None:
+        self.head, self.runner, self.runs, self.pool = head, runner, tuple(runs), pool
+        # Each local run's layers as (index in the runner's layers, block_idx): names translated once.
+        self._local = {run: [(runner.layers.index(name), index) for name, index in run.layers]
+                       for run in self.runs if run.host is None} if runner is not None else {}
+        self.eos_ids, self.wire_dtype = eos_ids, wire_dtype
+        self._ended = ended  # told of each request as it leaves, before its future resolves
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+        self._task: asyncio.Task | None = None
+        self._leaving: set[asyncio.Task] = set()  # Goodbyes in flight
+
+    def submit(self, sequence: SequenceState) -> None:
+        """Queue `sequence`; the loop runs while any request runs or waits."""
+        self.waiting.append(sequence)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        """Wait for the loop to finish its requests (halting none), then for their Goodbyes."""
+        if self._task is not None:
+            await self._task
+        if self._leaving:
+            await asyncio.gather(*self._leaving, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while self.waiting or self.running:
+            await self._admit()
+            if self.running:
+                await self._step(self.running)
+            self._retire()
+            await asyncio.sleep(0)  # a step without an await (every layer local, every request halted) yields
+
+    async def _admit(self) -> None:
+        """Waiting requests take sets, in arrival order, while the pool has one; one that left while it
+        waited costs the cluster nothing."""
+        while self.waiting and (self.waiting[0].halted or self.pool.free):
+            sequence = self.waiting.popleft()
+            if sequence.halted:
+                self._finish(sequence)
+                continue
+            try:
+                sequence.connections = await self.pool.take(sequence.key)
+            except Exception as exc:  # the workers cannot be reached: this request fails, the next tries again
+                sequence.fail(exc)
+                self._finish(sequence)
+                continue
+            now = time.perf_counter()
+            sequence.since, sequence.waited = now, now - sequence.since
+            self.running.append(sequence)
+
+    async def _step(self, running: list[SequenceState]) -> None:
+        """One step of every running request (what each sampled, or why it failed, recorded on it)."""
+        feeds = [sequence.next_input() for sequence in running]
+        xs: list[torch.Tensor | None] = [self.head.embed(feed) for feed in feeds]  # [1, T, H] each
+        for run in self.runs:
+            live = [i for i, x in enumerate(xs) if x is not None]
+            if not live:
+                return
+            if run.host is None:
+                outputs = await asyncio.to_thread(self._run_local, run, [running[i] for i in live],
+                                                  [xs[i] for i in live])
+            else:
+                outputs = await asyncio.gather(*(self._run_remote(run, running[i], xs[i]) for i in live),
+                                               return_exceptions=True)
+            for i, output in zip(live, outputs, strict=True):
+                if isinstance(output, BaseException):
+                    running[i].fail(output)
+                    xs[i] = None
+                else:
+                    xs[i] = output
+        sampling = [(sequence, x) for sequence, x, feed in zip(running, xs, feeds, strict=True)
+                    if x is not None and sequence.samples(len(feed))]
+        tokens = await asyncio.to_thread(self._sample, sampling) if sampling else []
+        for sequence, feed, x in zip(running, feeds, xs, strict=True):
+            if x is not None:
+                sequence.position += len(feed)
+        now = time.perf_counter()
+        for (sequence, _), token in zip(sampling, tokens, strict=True):
+            sequence.latencies.append(now - sequence.since)
+            sequence.since = now
+            sequence.tokens.append(token)
+            if token not in self.eos_ids:  # an end token is never text
+                piece = sequence.detokenizer.add(token)
+                if piece and sequence.on_text is not None:
+                    sequence.on_text(piece)
+
+    def _run_local(self, run: LayerRun, sequences: list[SequenceState], xs: list[torch.Tensor]) -> list:
+        """The master's own layers of `run` for every request at once (in a thread): outputs or exceptions."""
+        requests = [Request(sequence.connections.session, x,
+                            [Op(local, sequence.position, index) for local, index in self._local[run]])
+                    for sequence, x in zip(sequences, xs, strict=True)]
+        return self.runner.run_batch(requests)
+
+    async def _run_remote(self, run: LayerRun, sequence: SequenceState, x: torch.Tensor) -> torch.Tensor:
+        """x [1, T, H] through a worker's run, on the request's own connection -> [1, T, H]."""
+        ops = tuple(LayerOp(name, sequence.position, index) for name, index in run.layers)
+        reply = await sequence.connections.clients[run.layers[0][1]].batch(to_raw(x, self.wire_dtype), ops)
+        y = from_raw(reply).to(self.head.device, self.head.dtype)
+        if sequence.trace is not None:
+            sequence.trace.append(RemoteCall(run.host, ops, x, y))
+        return y
+
+    def _sample(self, sampling: list[tuple[SequenceState, torch.Tensor]]) -> list[int]:
+        """Each request's next token: the final norm and lm_head over every last position at once
+        ([B, H] -> [B, V]), then each request's own sampler (in a thread)."""
+        with torch.inference_mode():
+            logits = self.head.project(torch.stack([x[0, -1] for _, x in sampling]))  # [B, H] -> [B, V]
+            return [sequence.sampler.sample(row, sequence.tokens) for (sequence, _), row in zip(sampling, logits)]
+
+    def _retire(self) -> None:
+        """Every request that is done leaves now: halted, failed, at an end token or its max_tokens."""
+        staying = []
+        for sequence in self.running:
+            tokens = sequence.tokens
+            if sequence.failed is not None or sequence.halted or len(tokens) >= sequence.max_tokens or \
+                    (tokens and tokens[-1] in self.eos_ids):
+                self._finish(sequence)
+            else:
+                staying.append(sequence)
+        self.running = staying
+
+    def _finish(self, sequence: SequenceState) -> None:
+        """Tell the request it ended; its set says Goodbye (or is closed) in the background."""
+        connections = sequence.connections
+        if connections is not None:
+            if self.runner is not None:
+                self.runner.free_session(connections.session)
+            task = asyncio.create_task(self.pool.give_back(connections, sequence.broken))
+            self._leaving.add(task)
+            task.add_done_callback(self._leaving.discard)
+        self._ended(sequence)
