@@ -55,9 +55,10 @@ class Job:
 
     def __init__(self, completion: Completion) -> None:
         self.completion = completion
+        self.id = f"{'chatcmpl' if completion.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"  # OpenAI's, and the log's
         self.halt = asyncio.Event()  # set by a stop sequence reached, or a client gone
         self.generation: Generation | None = None
-        self.error: Exception | None = None
+        self.error: ApiError | None = None  # what failed the generation, as its client is told
         self._stops = StopStrings(completion.stops)
         self._pieces: asyncio.Queue[str | None] = asyncio.Queue()  # None: the generation ended
 
@@ -85,7 +86,7 @@ class Job:
         if shown:
             self._pieces.put_nowait(shown)
 
-    def ended(self, generation: Generation | None, error: Exception | None) -> None:
+    def ended(self, generation: Generation | None, error: ApiError | None) -> None:
         self.generation, self.error = generation, error
         if error is None and (tail := self._stops.flush()):
             self._pieces.put_nowait(tail)
@@ -130,9 +131,8 @@ class Turns:
             generation = await self.generator.generate(c.prompt, c.max_tokens, c.sampling, on_text=job.on_text,
                                                        halt=job.halt, isolation=c.isolation or self.keyless)
         except Exception as exc:  # the request's failure, told to its client; the server goes on
-            error = exc
-            self.metrics.errors.inc(status=str(_failure(exc).status))
-            log.get_logger().warning("request failed", kind=c.kind, error=str(exc))
+            error = _failure(exc, job.id)
+            self.metrics.errors.inc(status=str(error.status))
         finally:
             self.admitted -= 1
             job.ended(generation, error)
@@ -244,16 +244,15 @@ class Answer:
 
     def __init__(self, job: Job, model_id: str) -> None:
         self.job, self.model_id = job, model_id
-        chat = job.completion.kind == "chat"
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = job.id
         self.created = int(time.time())
-        self.chat = chat
+        self.chat = job.completion.kind == "chat"
 
     async def response(self) -> JSONResponse:
         try:
             text = await self.job.text()
-        except Exception as exc:  # the job's failure, raised at its end
-            return _error(_failure(exc, self.id))
+        except ApiError as exc:  # the job's failure, raised at its end
+            return _error(exc)
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         choice = {"index": 0, **content, "logprobs": None, "finish_reason": self.job.finish_reason}
         return JSONResponse({**self._envelope(chunk=False), "choices": [choice], "usage": self._usage()})
@@ -264,8 +263,8 @@ class Answer:
         try:
             async for piece in self.job.texts():
                 yield self._chunk({"content": piece} if self.chat else piece, None)
-        except Exception as exc:  # the job's failure, raised at its end
-            yield _event(_failure(exc, self.id).body())
+        except ApiError as exc:  # the job's failure, raised at its end
+            yield _event(exc.body())
             return
         yield self._chunk({} if self.chat else "", self.job.finish_reason)
         if self.job.completion.include_usage:
@@ -295,6 +294,7 @@ def _failure(exc: Exception, request_id: str) -> ApiError:
         log.get_logger().error("request failed at the cluster", request=request_id, error=str(exc))
         return ApiError(502, f"a worker failed the request {request_id} (the server's log says why)",
                         type="server_error", code="cluster_error")
+    log.get_logger().error("request failed here", request=request_id, error=repr(exc))
     return ApiError(500, "internal error", type="server_error")
 
 
