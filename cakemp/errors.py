@@ -173,7 +173,8 @@ class OutOfMemory(RequestError, NodeFault):
 
 
 class CacheBudgetExceeded(RequestError, NodeFault):
-    """The KV caches of this device process would exceed their byte budget."""
+    """This device process's byte budget (--kv-budget-mib) would be exceeded: by its KV caches, or
+    by an image component call's activations."""
 
     code = ErrorCode.CACHE_BUDGET
 

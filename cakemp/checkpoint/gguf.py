@@ -16,7 +16,10 @@ array of shape reversed(ne), and its quantization blocks run along ne[0] (within
 The file may come from anywhere: every count, length and offset is checked against the bytes
 that remain before anything is allocated from it (and the counts that become Python objects
 against fixed caps), and whatever is wrong is a CheckpointError naming the file (exit 78),
-never a crash or a huge allocation.
+never a crash or a huge allocation. Arrays stay as compact as on disk (numbers an
+`array.array`, strings one `StringArray` buffer, so a vocabulary of 262k tokens is a few MiB, not
+tens), and the parsed metadata in all may take no more memory than the file has bytes
+(plus METADATA_SLACK): a header of many small arrays is refused by the key that passes it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+import sys
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +50,8 @@ _MAX_TENSORS = 1 << 18
 _MAX_KEYS = 1 << 16
 _MAX_ARRAY = 1 << 22
 _MAX_STRING = 1 << 24  # bytes (chat templates, the longest strings written, are tens of KiB)
+# What the parsed metadata may take in memory beyond the file's size: the keys and scalars' objects.
+METADATA_SLACK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,51 @@ GGML_TYPES = {
 # Metadata value types: struct format of the scalars; 7 is bool, 8 string, 9 array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# Memory of one parsed scalar (a float's or a small int's object, and its slot) and an array's object.
+_SCALAR_BYTES = 32
+_ARRAY_BYTES = sys.getsizeof(array("B"))
+# array.array's typecode of each scalar type's array (bools as bytes 0 and 1; 8-byte ints as q/Q).
+_ARRAY_CODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
+
+
+class NumberArray(array):
+    """A metadata array of numbers, as compact as in the file; equal to the list of its values."""
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == other if isinstance(other, list) else super().__eq__(other)
+
+    __hash__ = None  # mutable, as list
+
+
+class StringArray(Sequence[str]):
+    """A metadata array of strings held as the file holds them: one UTF-8 buffer and each string's end
+    (a str is decoded when asked for); equal to the list of its strings."""
+
+    def __init__(self, blob: bytes, ends: array):
+        self._blob, self._ends = blob, ends
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # negative indices, and IndexError past the end
+        return self._blob[self._ends[i - 1] if i else 0 : self._ends[i]].decode("utf-8")
+
+    def __iter__(self) -> Iterator[str]:
+        start = 0
+        for end in self._ends:
+            yield self._blob[start:end].decode("utf-8")
+            start = end
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None
+
+    def __sizeof__(self) -> int:
+        return object.__sizeof__(self) + sys.getsizeof(self._blob) + sys.getsizeof(self._ends)
 
 
 @dataclass(frozen=True)
@@ -95,6 +148,7 @@ class _Cursor:
 
     def __init__(self, data: mmap.mmap | bytes, path: Path):
         self.data, self.pos, self.path = data, 0, path
+        self.left = len(data) + METADATA_SLACK  # bytes the parsed metadata may still take in memory
 
     def fail(self, what: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: not a usable GGUF file: {what} (at byte {self.pos})")
@@ -128,41 +182,69 @@ class _Cursor:
             raise self.fail(f"{what} is not UTF-8") from None
 
     def value(self, kind: int, what: str, depth: int = 0) -> Any:
+        """The value of type `kind` next in the file, its memory counted (`spend`) before it is built."""
         if kind in _SCALARS:
+            self.spend(_SCALAR_BYTES, what)
             return self.scalar(_SCALARS[kind], what)
         if kind == _STRING:
-            return self.string(what)
+            value = self.string(what)
+            self.spend(sys.getsizeof(value), what)
+            return value
         if kind != _ARRAY or depth >= _MAX_NESTING:
             raise self.fail(f"{what} has value type {kind}, which GGUF does not define here")
         element = self.scalar("I", f"{what}'s element type")
-        if element in _SCALARS:  # numbers: one unpack of the whole run
-            fmt = _SCALARS[element]
-            n = self.count(f"{what}'s length", struct.calcsize(fmt), _MAX_ARRAY)
-            return list(struct.unpack_from(f"<{n}{fmt}", self.data, self.take(n * struct.calcsize(fmt), what)))
+        if element in _SCALARS:  # numbers: copied as they lie (little-endian, as every host cakemp runs on)
+            size = struct.calcsize(_SCALARS[element])
+            n = self.count(f"{what}'s length", size, _MAX_ARRAY)
+            start = self.take(n * size, what)
+            self.spend(_ARRAY_BYTES + n * size, what)
+            values = NumberArray(_ARRAY_CODES[element])
+            values.frombytes(self.data[start : start + n * size])
+            if element == 7 and any(value > 1 for value in values):
+                raise self.fail(f"{what} holds a bool that is neither 0 nor 1")
+            return values
         n = self.count(f"{what}'s length", 8, _MAX_ARRAY)  # strings and arrays start with a u64
         if element == _STRING:
             return self.strings(n, what)
+        self.spend(8 * n, what)  # the list's pointers; each item counts itself
         return [self.value(element, what, depth + 1) for _ in range(n)]
 
-    def strings(self, n: int, what: str) -> list[str]:
-        """`n` strings in a row: `string`'s checks in one loop (a tokenizer's vocabulary is 150k of them)."""
-        data, pos, end, out = self.data, self.pos, len(self.data), []
-        try:
-            for _ in range(n):
-                if end - pos < 8:
-                    break
-                (length,) = struct.unpack_from("<Q", data, pos)
-                if length > min(end - pos - 8, _MAX_STRING):
-                    break
-                out.append(data[pos + 8 : pos + 8 + length].decode("utf-8"))
-                pos += 8 + length
-        except UnicodeDecodeError:
+    def strings(self, n: int, what: str) -> StringArray:
+        """`n` strings in a row, each checked as `string` checks one, kept in one buffer."""
+        data, pos, end = self.data, self.pos, len(self.data)
+        starts, ends, total = array("Q"), array("Q"), 0  # each string's first byte in the file, its end in the buffer
+        for _ in range(n):
+            if end - pos < 8:
+                break
+            (length,) = struct.unpack_from("<Q", data, pos)
+            if length > min(end - pos - 8, _MAX_STRING):
+                break
+            starts.append(pos + 8)
+            total += length
+            ends.append(total)
+            pos += 8 + length
+        if len(ends) < n:
             self.pos = pos
-            raise self.fail(f"a string of {what} is not UTF-8") from None
+            raise self.fail(f"string {len(ends)} of {what} runs past the end of the file or is over {_MAX_STRING} bytes")
+        self.spend(sys.getsizeof(starts) + total, what)  # the buffer, and the ends as big as the starts
+        blob, at = bytearray(total), 0
+        for start, stop in zip(starts, ends):
+            blob[at:stop] = piece = data[start : start + stop - at]
+            try:
+                piece.decode("utf-8")
+            except UnicodeDecodeError:
+                self.pos = start
+                raise self.fail(f"a string of {what} is not UTF-8") from None
+            at = stop
         self.pos = pos
-        if len(out) < n:
-            raise self.fail(f"string {len(out)} of {what} runs past the end of the file or is over {_MAX_STRING} bytes")
-        return out
+        return StringArray(bytes(blob), ends)
+
+    def spend(self, nbytes: int, what: str) -> None:
+        """Count `nbytes` more of parsed metadata in memory; refused past what is `left`."""
+        self.left -= nbytes
+        if self.left < 0:
+            raise self.fail(f"metadata {what} takes the parsed metadata past the file's {len(self.data)} bytes + "
+                            f"{METADATA_SLACK} in memory")
 
 
 class GgufFile:
@@ -209,6 +291,7 @@ class GgufFile:
             key = cursor.string("a metadata key")
             if key in metadata:
                 raise cursor.fail(f"metadata key {key!r} appears twice")
+            cursor.spend(sys.getsizeof(key), key)
             metadata[key] = cursor.value(cursor.scalar("I", f"{key}'s type"), key)
         return metadata
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cakemp.checkpoint.gguf import GgufFile
+from cakemp.checkpoint.gguf import GgufFile, NumberArray
 from cakemp.errors import CheckpointError
 
 ARCHITECTURES = {
@@ -152,7 +152,9 @@ class _Metadata:
     def get(self, key: str, default: Any = _REQUIRED) -> Any:
         full = f"{self.arch}.{key}"
         if full in self.gguf.metadata:
-            return self.gguf.metadata[full]
+            value = self.gguf.metadata[full]
+            # config.json's values are JSON's: an array (a per-layer count) as the list it would be there
+            return list(value) if isinstance(value, NumberArray) else value
         if default is self._REQUIRED:
             raise CheckpointError(f"{self.gguf.path}: GGUF metadata lacks {full}")
         return default

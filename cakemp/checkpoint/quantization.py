@@ -122,14 +122,14 @@ class GptqParts(NamedTuple):
         spec = self.spec
         scales = _ranked(self.scales, shape(self.scales), 2)
         groups, out_features = scales
-        if self.g_idx is not None:
+        if self.g_idx is not None:  # act-order: g_idx names each input's group, of as many groups
             in_features = math.prod(shape(self.g_idx))
         else:
             in_features = _ranked(self.qweight, shape(self.qweight), 2)[0] * 32 // spec.bits
-            size = in_features if spec.group_size == -1 else spec.group_size
-            if groups != -(-in_features // size):
-                raise ValueError(f"{groups} groups of scales for {in_features} inputs in groups of {size} "
-                                 f"(expected {-(-in_features // size)})")
+        size = in_features if spec.group_size == -1 else spec.group_size
+        if groups != -(-in_features // size):
+            raise ValueError(f"{self.scales}: {groups} groups of scales for {in_features} inputs in groups of {size} "
+                             f"(expected {-(-in_features // size)})")
         _expect(self.qweight, shape(self.qweight), (-(-in_features * spec.bits // 32), out_features))
         _expect(self.qzeros, shape(self.qzeros), (groups, -(-out_features * spec.bits // 32)))
         return out_features, in_features

@@ -99,9 +99,10 @@ class LoadPlan:
         return weights
 
     def _check_quantized_shapes(self, checkpoint: WeightSource) -> None:
-        """Each group holding a GPTQ or MLX weight checked, from the shards' headers, to make the shape
+        """Each group holding a GPTQ, MLX or FP8 weight checked, from the shards' headers, to make the shape
         config.json implies, before any is read: dequantized first, a matrix past it would cost 8 times
-        its stored bytes (4-bit codes in f32) before the check after loading saw it."""
+        its stored bytes (4-bit codes in f32; FP8's e4m3 and its scales, 12 times) before the check after
+        loading saw it."""
         for layer in self.layers:
             groups = {key: [f"{layer}.{name}" for name in members] for key, members in self.groups[layer].items()}
             for key, shapes in checkpoint.dequantized_shapes(groups).items():

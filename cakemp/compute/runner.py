@@ -47,10 +47,12 @@ class Runner(Protocol):
     dtype: torch.dtype  # the compute dtype
     prefixes: PrefixCache | None  # the rows prefix reuse keeps, and its counts (None: no reuse)
 
-    def run_batch(self, requests: Sequence[Any], between_ops: Callable[[], None] | None = None
-                  ) -> list[torch.Tensor | Exception]:
+    def run_batch(self, requests: Sequence[Any], between_ops: Callable[[], None] | None = None,
+                  together: Callable[[Sequence[int]], None] | None = None) -> list[torch.Tensor | Exception]:
         """Each request's result, in order, or the exception that failed it alone; `between_ops` is
-        called now and then while a long step computes. BlockRunner takes `Request`s, ComponentRunner `Call`s."""
+        called now and then while a long step computes, `together` with the indices of each set of
+        requests computed as one batch, before it computes (the device reports it: StepReport).
+        BlockRunner takes `Request`s, ComponentRunner `Call`s."""
 
     def clear_session(self, session: int) -> None:
         """Goodbye: the session starts afresh (what it ran may be kept for reuse)."""
@@ -220,7 +222,8 @@ class BlockRunner:
         return result
 
     def run_batch(
-        self, requests: Sequence[Request], between_ops: Callable[[], None] | None = None
+        self, requests: Sequence[Request], between_ops: Callable[[], None] | None = None,
+        together: Callable[[Sequence[int]], None] | None = None,
     ) -> list[torch.Tensor | Exception]:
         """Each request's output [1, T, H], or the exception that failed it (and it alone).
 
@@ -249,7 +252,8 @@ class BlockRunner:
         from what was kept and computes only the rest (compute/prefix_cache.py); a request kept
         whole computes nothing.
 
-        `between_ops` is called every few ops of a long run (the device reports progress there).
+        `between_ops` is called every few ops of a long run (the device reports progress there);
+        `together` once with every request's index: the step is one batch, its groups layer by layer.
 
         What a request may ask for (its shape, its layers, its KV slots) the front's admission
         has judged; a request that breaks that contract fails with InternalError, a bug here.
@@ -257,6 +261,8 @@ class BlockRunner:
         sessions = [request.session for request in requests]
         if len(set(sessions)) != len(sessions):
             raise ValueError(f"a batch holds one request per session, got sessions {sessions}")
+        if together is not None:
+            together(range(len(requests)))
         results: list[torch.Tensor | Exception | None] = [None] * len(requests)
         groups: dict[tuple[str, ...], list[tuple[int, _Planned]]] = {}
         for i, request in enumerate(requests):

@@ -5,12 +5,13 @@ device's layers (reporting Loaded progress after each), report Ready (or StartFa
 serve until the parent is gone. It drains every message waiting on its sockets into a
 Scheduler (scheduler.py says which run together) and runs them a step at a time: several
 sessions' hops as one batch (DeviceService.run_step), each result going to the next device
-of its route or, from the last, to the front; a Ping is answered at once. Each step is
-reported to the front (StepReport) for its metrics, and so is what prefix reuse did
-(PrefixReport), whenever that changed. While a step runs long, the device tells
-the front every `progress_s` seconds (between slices of its ops), so that the front's
-watchdog never takes a busy device for a hung one. This module is imported by the front to
-name the spawn target, so torch (via DeviceService) is imported only inside `main`, in the child.
+of its route or, from the last, to the front; a Ping is answered at once. Each batch the
+runner computes together (a text step; an image step's groups) is reported to the front
+(StepReport) for its metrics, and so is what prefix reuse did (PrefixReport), whenever that
+changed. While a step runs long, the device tells the front every `progress_s` seconds
+(between slices of its ops), so that the front's watchdog never takes a busy device for a hung
+one. This module is imported by the front to name the spawn target, so torch (via
+DeviceService) is imported only inside `main`, in the child.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from cakemp import log
-from cakemp.device.scheduler import Gathering, Scheduler
+from cakemp.device.scheduler import Gathering, Scheduler, tokens
 from cakemp.ipc import (
     Activation,
     Clear,
@@ -119,8 +120,8 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
             channel.send(done)
         if step.hops:
             started = time.monotonic_ns()  # the same clock as time.monotonic(), in ns for the trace
-            channel.send(StepReport(len(step.hops), step.tokens))
-            replies = service.run_step(step.hops)
+            replies = service.run_step(step.hops, lambda batch: channel.send(
+                StepReport(len(batch), sum(tokens(hop) for hop in batch))))
             ran = time.monotonic_ns()
             _report_prefixes(channel, service)
             for hop, reply in zip(step.hops, replies, strict=True):

@@ -67,7 +67,7 @@ class DeviceService:
         image = spec.workload.image
         if image is not None:
             runner = ComponentRunner.load(image.arch, image.sd_version, spec.component_files, device,
-                                          tensors.compute_dtype(spec.dtype), on_layer)
+                                          tensors.compute_dtype(spec.dtype), on_layer, spec.kv_budget_bytes)
             return cls(runner, spec.workload, spec.index, generation, spec.label, progress)
         runner = BlockRunner.load(
             spec.checkpoint_path, spec.parts, device, tensors.compute_dtype(spec.dtype),
@@ -101,9 +101,11 @@ class DeviceService:
             return self._failure(request.request_id, 0, e)
         return Done(request.request_id, self.runner.session_count(), self.runner.kv_bytes())
 
-    def run_step(self, hops: Sequence[Hop]) -> list[Hop | Activation | Failure | None]:
+    def run_step(self, hops: Sequence[Hop], together: Callable[[Sequence[Hop]], None] | None = None
+                 ) -> list[Hop | Activation | Failure | None]:
         """Run this device's stage of each hop (of distinct sessions) as one batch
-        (the runner's run_batch); the message each becomes, in order, as `handle` says."""
+        (the runner's run_batch); the message each becomes, in order, as `handle` says.
+        `together(hops)`: the hops the runner computes as one batch, before it does."""
         replies: list[Hop | Activation | Failure | None] = [None] * len(hops)
         batch: list[tuple[int, Request | Call]] = []
         for i, hop in enumerate(hops):
@@ -121,7 +123,8 @@ class DeviceService:
         if not batch:
             return replies
         first = hops[batch[0][0]].request_id
-        results = self.runner.run_batch([request for _, request in batch], lambda: self.progress(first))
+        told = None if together is None else (lambda indices: together([hops[batch[j][0]] for j in indices]))
+        results = self.runner.run_batch([request for _, request in batch], lambda: self.progress(first), told)
         for (i, _), result in zip(batch, results, strict=True):
             hop = hops[i]
             try:

@@ -7,11 +7,14 @@ admitted only if it names one served component and carries that component's inpu
 * token ids (clip, clip2, flux_text_encoder): U32 [b, L], 1 <= b <= 8, 1 <= L <= 1024, of the
   byte count that shape needs;
 * a pack (unet, vae, the FLUX transformers and VAE): F32 [total] whose `pack_tensors` header
-  (wire/packing.py) is sound, naming the component's number of tensors with their ranks.
+  (wire/packing.py) is sound, naming the component's number of tensors with their ranks, each
+  dim within its limit (checkpoint/image/archs.py: the batch, a UNet's text length, image and
+  latent sides, a FLUX call's tokens).
 
 Whether the sizes fit the component's architecture (channels, text width, vocabulary) the
-device checks, against the config it loaded. A Batch is refused (`check_batch`): Cake never
-sends one to an image component, and a text master's Batch here is a misconfigured cluster.
+device checks, against the config it loaded, and whether the call's cost fits its budget. A
+Batch is refused (`check_batch`): Cake never sends one to an image component, and a text
+master's Batch here is a misconfigured cluster.
 """
 
 from __future__ import annotations
@@ -82,11 +85,17 @@ def _check_pack(name: str, wanted: Packed, x: RawTensor) -> None:
         raise BadTensor(f"{name} takes one packed F32 vector [total] (Cake's pack_tensors of "
                         f"{wanted.describe()}), got {DType.describe(x.dtype)} of {len(x.shape)} dimensions")
     _check_bytes(name, x, x.shape[0] * 4)
-    ranks = tuple(len(tensor.shape) for tensor in unpack_layout(x.data, name))
+    shapes = [tensor.shape for tensor in unpack_layout(x.data, name)]
+    ranks = tuple(len(shape) for shape in shapes)
     if ranks not in wanted.ranks:
         raise BadTensor(f"{name} takes {wanted.describe()} of ranks "
                         f"{' or '.join(str(list(r)) for r in wanted.ranks)}, the pack holds tensors of ranks "
                         f"{list(ranks)}")
+    form = wanted.forms[wanted.ranks.index(ranks)]
+    for tensor, shape, limits in zip(wanted.names, shapes, form):  # names has FLUX.1's optional guidance too
+        if any(limit is not None and size > limit for size, limit in zip(shape, limits, strict=True)):
+            raise BadTensor(f"{name}: {tensor} has shape {list(shape)}, past its limits "
+                            f"{['-' if limit is None else limit for limit in limits]}")
 
 
 def _check_bytes(name: str, x: RawTensor, expected: int) -> None:

@@ -137,7 +137,8 @@ class NodeConfig:
     kv_budget_bytes: int | None = knob(
         "--kv-budget-mib", None, click.IntRange(min=1),
         "KV cache budget per device process, in MiB (default: on a CPU, half the memory available at start divided "
-        "among the CPU device processes; on a GPU what is free after loading, less max(2 GiB, a tenth of the GPU)).",
+        "among the CPU device processes; on a GPU what is free after loading, less max(2 GiB, a tenth of the GPU)). "
+        "On an image-model node, the activation memory the calls a device computes together may be estimated to hold.",
         convert=_mib)
     max_context: int | None = knob("--max-context", None, click.IntRange(min=1),
                                    "Maximum positions per session (default: the model's).")

@@ -188,7 +188,7 @@ class Progress:
 
 @message(Kind.STEP_REPORT)
 class StepReport:
-    """The device began a step of `requests` requests and `tokens` tokens (for the front's metrics)."""
+    """The device began computing `requests` requests of `tokens` tokens as one batch (for the front's metrics)."""
 
     requests: U64
     tokens: U64

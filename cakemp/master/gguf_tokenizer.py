@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from cakemp.checkpoint.gguf import GgufFile
+from cakemp.checkpoint.gguf import GgufFile, StringArray
 from cakemp.errors import CheckpointError
 from cakemp.master.chat import ChatTemplate
 
@@ -87,9 +87,9 @@ def gguf_chat_template(gguf: GgufFile, tokenizer: Tokenizer) -> ChatTemplate | N
     return ChatTemplate(source, special, tokenizer)
 
 
-def _strings(gguf: GgufFile, key: str) -> list[str]:
+def _strings(gguf: GgufFile, key: str) -> StringArray:
     value: Any = gguf.metadata.get(key)
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+    if not isinstance(value, StringArray):
         raise CheckpointError(f"{gguf.path}: GGUF metadata {key} is not a list of strings")
     return value
 

@@ -152,3 +152,75 @@ def test_truncated_or_corrupted_files_raise_only_checkpoint_errors(written, tmp_
         GgufFile(path)
     except CheckpointError:
         pass
+
+
+PARSE = """
+import json, sys, tracemalloc
+from cakemp.checkpoint.gguf import GgufFile
+from cakemp.errors import CheckpointError
+tracemalloc.start()
+try:
+    GgufFile(sys.argv[1])
+    error = None
+except CheckpointError as e:
+    error = str(e)
+print(json.dumps({"error": error, "peak": tracemalloc.get_traced_memory()[1]}))
+"""
+
+
+def parsed_in_a_process(path: Path) -> tuple[str | None, int]:
+    """Parse `path` in a fresh process: its CheckpointError's text or None, and the peak bytes Python
+    allocated meanwhile (tracemalloc: every object the metadata became)."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", PARSE, str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    return outcome["error"], outcome["peak"]
+
+
+def _written_metadata(path: Path, arrays: dict[str, object]) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, (values, kind) in arrays.items():
+        writer.add_array(key, values) if kind is None else writer.add_key_value(key, values, gguf.GGUFValueType.ARRAY,
+                                                                                  sub_type=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+@needs_gguf
+def test_metadata_arrays_take_about_their_bytes_in_memory(tmp_path):
+    """gguf-py's writer: two u16 arrays of 2^20 numbers past 256 and a vocabulary of 2^18 short tokens
+    (~7 MiB in all). Parsed, they take under twice the file's bytes (as Python lists: ~20 times), and
+    read back as written."""
+    import gguf
+
+    numbers = [300 + i % 60000 for i in range(1 << 20)]
+    tokens = [f"t{i}" for i in range(1 << 18)]
+    path = _written_metadata(tmp_path / "arrays.gguf", {
+        "a.numbers": (numbers, gguf.GGUFValueType.UINT16), "b.numbers": (numbers, gguf.GGUFValueType.UINT16),
+        "tokenizer.ggml.tokens": (tokens, None)})
+    error, peak = parsed_in_a_process(path)
+    assert error is None and peak < 2 * path.stat().st_size
+    metadata = GgufFile(path).metadata
+    assert metadata["a.numbers"] == numbers and metadata["tokenizer.ggml.tokens"] == tokens
+    assert metadata["tokenizer.ggml.tokens"][-1] == tokens[-1] and len(metadata["tokenizer.ggml.tokens"]) == 1 << 18
+
+
+@needs_gguf
+def test_a_header_of_many_small_arrays_is_refused_naming_the_file_and_key(tmp_path):
+    """An array of 2^20 one-number arrays (16 MiB written) would take ~5 times that as objects: refused
+    by the key that takes the parsed metadata past the file's size plus the slack, with the peak
+    allocation within that bound."""
+    from cakemp.checkpoint.gguf import METADATA_SLACK
+
+    path = _written_metadata(tmp_path / "nested.gguf", {"general.nested": ([[7]] * (1 << 20), None)})
+    error, peak = parsed_in_a_process(path)
+    assert error is not None and str(path) in error and "metadata general.nested takes the parsed metadata past" in error
+    assert "\n" not in error and peak < path.stat().st_size + 2 * METADATA_SLACK

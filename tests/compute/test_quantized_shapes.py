@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.support.checkpoints import make_checkpoint
 from tests.support.quantized import GptqSpec, gptq_part_shapes, gptq_shaped, mlx_checkpoint, needs_mlx
 
 HUGE = 8192  # the claimed matrix: [8192, 8192], 256 MiB in f32, 32 MiB of 4-bit codes
@@ -93,3 +94,33 @@ def test_an_mlx_weight_claiming_a_huge_matrix_is_refused_by_name_before_it_is_de
     rewritten(path, lambda t: {f"{MODULE}.scales": torch.ones(HUGE, 4, dtype=torch.bfloat16)})
     error, _ = load_in_a_process(path)
     assert error is not None and error.startswith(f"{MODULE}.scales has shape")
+
+
+def test_an_fp8_weight_claiming_a_huge_matrix_is_refused_by_name_before_it_is_dequantized(tmp_path):
+    """An FP8 checkpoint (e4m3 in 128x128 blocks, f32 scales) whose down_proj weight is [8192, 8192]
+    with scales to match (64 MiB stored), config.json implying [64, 128]: refused naming the weight and
+    both shapes before dequantization (which costs 12 bytes per stored byte), the process's peak memory
+    far below the stored weight's f32 matrix. The honest checkpoint loads."""
+    path = make_checkpoint(tmp_path, "llama", fp8_block=(128, 128))
+    assert load_in_a_process(path)[0] is None
+    rewritten(path, lambda _: {f"{MODULE}.weight": torch.zeros(HUGE, HUGE, dtype=torch.float8_e4m3fn),
+                               f"{MODULE}.weight_scale_inv": torch.ones(HUGE // 128, HUGE // 128)})
+    error, grown = load_in_a_process(path)
+    assert error is not None and f"{MODULE}.weight ({HUGE}, {HUGE})" in error and "(64, 128)" in error
+    assert "\n" not in error and grown < HUGE * HUGE * 4 // 4
+
+
+def test_an_act_order_gptq_weight_of_more_groups_than_its_inputs_make_is_refused_naming_the_scales(tmp_path):
+    """A 2-bit act-order down_proj (128 inputs in groups of 32: 4 groups) whose scales and qzeros carry
+    2^20 groups (u8 would do; here f16, 80 MiB of parts) with every g_idx 0: the matrix has the config's
+    shape, so only the group count tells. Refused naming the scales, before the zero points are unpacked."""
+    spec = GptqSpec("llama", bits=2, group_size=32, desc_act=True)
+    path = gptq_shaped(tmp_path, "llama", spec)
+    assert load_in_a_process(path)[0] is None
+    groups = 1 << 20
+    rewritten(path, lambda tensors: {
+        f"{MODULE}.scales": torch.ones(groups, 64, dtype=torch.float16),
+        f"{MODULE}.qzeros": torch.zeros(groups, tensors[f"{MODULE}.qzeros"].shape[1], dtype=torch.int32)})
+    error, grown = load_in_a_process(path)
+    assert error is not None and error.startswith(f"{MODULE}.scales: {groups} groups of scales for 128 inputs")
+    assert "\n" not in error and grown < groups * 64 * 4

@@ -222,6 +222,16 @@ MALFORMED = {
                                 "text embeddings are 8 wide"),
     "an odd latent side": ("unet", f32(pack(torch.zeros(1, 4, 7, 8), torch.zeros(1, *TEXT), torch.ones(1))),
                            "latents of 7x8"),
+    "a batch past the limit": ("unet", f32(pack(torch.zeros(9, *LATENT), torch.zeros(9, *TEXT), torch.ones(1))),
+                               "latents [2b,4,h,w] has shape [9, 4, 8, 8], past its limits [8, '-', 512, 512]"),
+    "text past 1024 tokens": ("unet", f32(pack(torch.zeros(1, *LATENT), torch.zeros(1, 1025, 32), torch.ones(1))),
+                              "text embeddings [2b,L,D] has shape [1, 1025, 32], past its limits [8, 1024, '-']"),
+    "an image side past 4096": ("vae", f32(pack(torch.tensor([1.0]), torch.zeros(1, 3, 4098, 2))),
+                                "has shape [1, 3, 4098, 2], past its limits [8, '-', 4096, 4096]"),
+    # Within every limit, but a 512x512 latent's attention scores alone are ~1 TiB: refused by the
+    # device's budget before any of it is allocated, on the bystander's own device.
+    "a call past the device's budget": ("unet", f32(pack(torch.zeros(1, 4, 512, 512), torch.zeros(1, *TEXT),
+                                                         torch.ones(1))), "past this device's budget"),
     "a vae direction of 2": ("vae", f32(pack(torch.tensor([2.0]), torch.zeros(1, *LATENT))), "the direction is 1"),
     "a component not served": ("clip2", token_ids([1]), "could not find component clip2 (this node serves clip, vae, unet)"),
     "a text layer": ("model.layers.0", f32([1.0]), "could not find component model.layers.0"),
@@ -249,6 +259,43 @@ def test_malformed_requests_are_refused_by_name_and_touch_no_other_session(node,
     torch.testing.assert_close(noise, unet_ref(ref, latents, text, timestep), atol=F32_ATOL, rtol=0)
     assert after.shape == (1, *LATENT)
     assert sum(v for (name, _), v in scrape(node.metrics_port()).items() if name == "cakemp_device_restarts_total") == 0
+
+
+def batches_run(node: RunningNode, device: str) -> tuple[float, float]:
+    """How many batches `device` reported computing, and how many calls they held in all."""
+    metrics = scrape(node.metrics_port())
+    return tuple(metrics.get((name, (("device", device),)), 0.0)
+                 for name in ("cakemp_device_batch_size_count", "cakemp_device_batch_size_sum"))
+
+
+def test_a_call_far_costlier_than_a_bystanders_is_not_computed_with_it(node, ref):
+    """Two calls waiting at the UNet's device together (behind a slow one) are computed as one batch
+    when they cost about the same, and apart when one costs 8 times the other (a batch of 8): the
+    device's batch-size histogram shows which. The bystander's answer is exact either way."""
+    blocker = f32(pack(torch.zeros(4, 4, 64, 64), torch.zeros(4, *TEXT), torch.ones(1)))  # ~1 s on one core
+    small = unet_input(5, 1)
+    large = unet_input(6, 8)
+
+    async def behind_blocker(other):
+        clients = [await connected(node) for _ in range(3)]
+        try:
+            first = asyncio.create_task(call(clients[0], "unet", blocker))
+            await asyncio.sleep(0.1)  # the blocker reaches the device first
+            before = await asyncio.to_thread(batches_run, node, "cpu:1")
+            calls = [call(client, "unet", f32(pack(l, t, torch.tensor([s]))))
+                     for client, (l, t, s) in zip(clients[1:], (small, other))]
+            replies = await asyncio.gather(first, *calls)
+            after = await asyncio.to_thread(batches_run, node, "cpu:1")
+            return replies[1], (after[0] - before[0], after[1] - before[1])
+        finally:
+            await asyncio.gather(*(client.close() for client in clients))
+
+    alike, alike_batches = run(behind_blocker(unet_input(7, 1)))
+    apart, apart_batches = run(behind_blocker(large))
+    assert alike_batches == (1, 2)  # the two small calls, as one batch (the blocker was counted before)
+    assert apart_batches == (2, 2)  # the small call and the large one, each alone
+    for noise in (alike, apart):
+        torch.testing.assert_close(noise, unet_ref(ref, *small), atol=F32_ATOL, rtol=0)
 
 
 def test_a_text_batch_to_a_component_node_is_refused(node):

@@ -5,7 +5,9 @@ imports), and where the architecture's files are (its locator, locator.py).
 
 A component takes either token ids (`Tokens`: U32 [b, L]) or Cake's `pack_tensors` vector
 (`Packed`: F32 [total], wire/packing.py) of a fixed number of tensors with fixed ranks, as
-Cake's master packs them (docs/models.md, Image components):
+Cake's master packs them (docs/models.md, Image components), each dim at most its limit here (the
+batch, text length and sides: what bounds one call's cost before the device's budget does;
+channels and widths the device checks against the component's config):
 
 | arch  | component          | input                                                              |
 |-------|--------------------|--------------------------------------------------------------------|
@@ -31,6 +33,15 @@ MODEL_TYPES = ("text-model", "image-model", "audio-model")  # --model-type
 # The most token ids one call may carry (FLUX.2's text encoder takes 512; a CLIP 77).
 MAX_TOKENS = 1024
 MAX_TOKEN_ROWS = 8
+# The most images (or latents) one packed call may carry: Cake's master sends 1 to a VAE and 2
+# (unguided and guided) to a UNet; the device then bounds what the call costs (compute/components.py).
+MAX_IMAGE_BATCH = 8
+# The largest image side a call may ask for, in pixels; a latent side is at most MAX_SIDE // 8.
+MAX_SIDE = 4096
+MAX_LATENT_SIDE = MAX_SIDE // 8
+# The most image and text tokens of one FLUX transformer call (a 4096² image is 65536 tokens).
+MAX_IMAGE_TOKENS = 65536
+MAX_TEXT_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -38,12 +49,20 @@ class Tokens:
     """U32 token ids [b, L], 1 <= b <= MAX_TOKEN_ROWS, 1 <= L <= MAX_TOKENS."""
 
 
+Limits = tuple[int | None, ...]  # the most each dim of one tensor may be (None: the device checks it)
+
+
 @dataclass(frozen=True)
 class Packed:
-    """A pack of tensors of these ranks (any of `ranks`: FLUX.1's guidance is optional)."""
+    """A pack of tensors, each dim at most its limit; `forms`: the limits of each tensor of each form the
+    pack may take (FLUX.1's guidance is optional), whose lengths are the tensors' ranks."""
 
-    ranks: tuple[tuple[int, ...], ...]
+    forms: tuple[tuple[Limits, ...], ...]
     names: tuple[str, ...]  # what each tensor is, for errors
+
+    @property
+    def ranks(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(len(limits) for limits in form) for form in self.forms)
 
     def describe(self) -> str:
         return "[" + ", ".join(self.names) + "]"
@@ -74,22 +93,31 @@ class Arch:
     components: Mapping[str, Served]
 
 
+# The limits of the tensors Cake packs (None: a width or channel count, checked by the device).
+_IMAGES = (MAX_IMAGE_BATCH, None, MAX_SIDE, MAX_SIDE)  # [b, C, H, W] pixels (or latents, a VAE's side each)
+_LATENTS = (MAX_IMAGE_BATCH, None, MAX_LATENT_SIDE, MAX_LATENT_SIDE)  # [b, C, h, w]
+_IMAGE_ROWS = (1, MAX_IMAGE_TOKENS, None)  # a FLUX transformer's img or img_ids [1, S, ·]
+_TEXT_ROWS = (1, MAX_TEXT_TOKENS, None)  # its txt or txt_ids [1, L, ·]
+_SCALAR = (1,)
+_FLUX1_FORM = (_IMAGE_ROWS, _IMAGE_ROWS, _TEXT_ROWS, _TEXT_ROWS, _SCALAR, (1, None))
+
 _SD = Arch("sd", "cakemp.model.image.sd", sd_files.locate, "{version} standard (as Cake hard-codes it)", {
     "clip": Served(Tokens(), "Clip"),
     "clip2": Served(Tokens(), "Clip"),
-    "unet": Served(Packed(((4, 3, 1),), ("latents [2b,4,h,w]", "text embeddings [2b,L,D]", "timestep [1]")), "UNet"),
-    "vae": Served(Packed(((1, 4),), ("direction [1]", "image [b,3,H,W] or latents [b,4,h,w]")), "Vae"),
+    "unet": Served(Packed(((_LATENTS, (MAX_IMAGE_BATCH, MAX_TOKENS, None), _SCALAR),),
+                          ("latents [2b,4,h,w]", "text embeddings [2b,L,D]", "timestep [1]")), "UNet"),
+    "vae": Served(Packed(((_SCALAR, _IMAGES),), ("direction [1]", "image [b,3,H,W] or latents [b,4,h,w]")), "Vae"),
 })
 _FLUX = Arch("flux", "cakemp.model.image.flux", flux_files.locate, "its snapshot's config.json", {
     "flux_text_encoder": Served(Tokens(), "FluxTextEncoder"),
-    "flux_transformer": Served(Packed(((3, 3, 3, 3, 1),), ("img", "img_ids", "txt", "txt_ids", "timestep")),
-                               "FluxTransformer"),
-    "flux_vae": Served(Packed(((1, 3), (1, 4)), ("dims [2] (or direction [1])", "latents [1,S,128] (or [1,32,H,W])")),
-                       "FluxVae"),
+    "flux_transformer": Served(Packed(((_IMAGE_ROWS, _IMAGE_ROWS, _TEXT_ROWS, _TEXT_ROWS, _SCALAR),),
+                                      ("img", "img_ids", "txt", "txt_ids", "timestep")), "FluxTransformer"),
+    "flux_vae": Served(Packed((((2,), (MAX_IMAGE_BATCH, MAX_IMAGE_TOKENS, None)), (_SCALAR, _LATENTS)),
+                              ("dims [2] (or direction [1])", "latents [1,S,128] (or [1,32,H,W])")), "FluxVae"),
 })
 _FLUX1 = Arch("flux1", "cakemp.model.image.flux1", flux_files.locate_flux1,
               "the checkpoint's tensor shapes, heads and RoPE axes as Cake's Config::dev", {
-    "flux1_transformer": Served(Packed(((3, 3, 3, 3, 1, 2), (3, 3, 3, 3, 1, 2, 1)),
+    "flux1_transformer": Served(Packed((_FLUX1_FORM, (*_FLUX1_FORM, _SCALAR)),
                                        ("img", "img_ids", "txt", "txt_ids", "timesteps", "y", "guidance")),
                                 "Flux1Transformer"),
 })

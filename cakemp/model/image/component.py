@@ -1,7 +1,9 @@
 """What every image component is (sd.py, flux.py, flux1.py): built from its files, then called in
 two halves, so that calls of equal shapes from several masters compute as one batch
 (compute/components.py): `prepare` checks one call's tensors and puts them on the device, `group`
-says which prepared calls may be computed together, `run` computes a group.
+says which prepared calls may be computed together, `cost` estimates one call's activation
+memory (for the device's budget, and so that calls of very different costs are not grouped), `run`
+computes a group.
 """
 
 from __future__ import annotations
@@ -10,6 +12,28 @@ from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
 import torch
+
+# Activations of one module's width live at once (its input, output and intermediates): a bound,
+# not a measurement, so that `cost` errs on the high side.
+LIVE_ACTIVATIONS = 4
+
+
+def activation_bytes(dtype: torch.dtype, batch: int, positions: int, width: int, heads: int = 0,
+                     attended: int = 0) -> int:
+    """An upper estimate of the bytes a module computing `batch` items of `positions` positions
+    (pixels or tokens) holds at once: LIVE_ACTIVATIONS activations [batch, positions, width], and the
+    attention scores [batch, heads, positions, attended] that torch's math kernel materialises."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return itemsize * batch * positions * (LIVE_ACTIVATIONS * width + heads * attended)
+
+
+def vae_bytes(dtype: torch.dtype, channels: Sequence[int], batch: int, pixels: int) -> int:
+    """activation_bytes of a VAE's encoder or decoder over images of `pixels` pixels: each stage's
+    activations [b, pixels / 4^i, channels[i]] (the full-resolution one's first), and the mid
+    block's one-head self-attention over the latent positions, pixels / 4^(stages - 1)."""
+    stages = sum(activation_bytes(dtype, batch, pixels >> (2 * i), width) for i, width in enumerate(channels))
+    latent = pixels >> (2 * (len(channels) - 1))
+    return stages + activation_bytes(dtype, batch, latent, 0, heads=1, attended=latent)
 
 
 class Files(Protocol):
@@ -38,6 +62,10 @@ class Component(Protocol):
     def group(call: tuple[torch.Tensor, ...]) -> tuple:
         """What prepared calls computed together share: their shapes but the batch size, and whatever
         else one batched pass must have in common."""
+
+    def cost(self, call: tuple[torch.Tensor, ...]) -> int:
+        """An upper estimate of the activation bytes computing the prepared `call` alone holds at once,
+        from its shapes and the config (activation_bytes)."""
 
     def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         """The reply to each call of one group, computed as one batch."""

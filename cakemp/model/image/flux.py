@@ -37,7 +37,7 @@ from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3Model
 
 from cakemp.errors import BadTensor, CheckpointError
-from cakemp.model.image.component import Component, Files
+from cakemp.model.image.component import Component, Files, activation_bytes, vae_bytes
 
 OUTPUT_LAYERS = (8, 17, 26)  # FLUX.2-klein's text conditioning: these layers' outputs, concatenated
 
@@ -108,6 +108,12 @@ class FluxTextEncoder(Component):
     def group(call: tuple[torch.Tensor, ...]) -> tuple:
         return tuple(call[0].shape[1:])
 
+    def cost(self, call: tuple[torch.Tensor, ...]) -> int:
+        """Each layer's MLP intermediates [b, L, I] and attention scores [b, heads, L, L]."""
+        batch, length = call[0].shape
+        return activation_bytes(self.dtype, batch, length, self.config.intermediate_size,
+                                self.config.num_attention_heads, length)
+
     def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         ids, mask = (torch.cat(parts) for parts in zip(*calls))
         self._outputs.clear()
@@ -176,6 +182,13 @@ class FluxTransformer(Component):
         img, img_ids, txt, txt_ids, *_ = call  # FLUX.1's calls carry y and guidance after them
         return (tuple(img.shape), tuple(txt.shape), img_ids.cpu().numpy().tobytes(), txt_ids.cpu().numpy().tobytes())
 
+    def cost(self, call: tuple[torch.Tensor, ...]) -> int:
+        """Over the joint sequence of S + L tokens: the feed-forward [1, S + L, 4·inner] and the
+        attention scores [1, heads, S + L, S + L]."""
+        tokens = call[0].shape[1] + call[2].shape[1]
+        heads = self.config.num_attention_heads
+        return activation_bytes(self.dtype, 1, tokens, 4 * heads * self.config.attention_head_dim, heads, tokens)
+
     def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         img = torch.cat([call[0] for call in calls])
         txt = torch.cat([call[2] for call in calls])
@@ -219,6 +232,13 @@ class FluxVae(Component):
     @staticmethod
     def group(call: tuple[torch.Tensor, ...]) -> tuple:
         return tuple(call[0].shape[1:])
+
+    def cost(self, call: tuple[torch.Tensor, ...]) -> int:
+        """vae_bytes of decoding the latents [b, C, H, W] to 8H x 8W pixels (the decoder's factor)."""
+        latents = call[0]
+        scale = 4 ** (len(self.module.config.block_out_channels) - 1)
+        return vae_bytes(torch.float32, self.module.config.block_out_channels, latents.shape[0],
+                         latents.shape[2] * latents.shape[3] * scale)
 
     def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         image = self.module.decode(torch.cat([latents for (latents,) in calls])).sample

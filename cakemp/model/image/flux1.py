@@ -189,6 +189,7 @@ class Flux1Transformer(Component):
                 timesteps.reshape(1).to(**to), y.to(**to), kept.reshape(1).to(**to))
 
     group = staticmethod(FluxTransformer.group)  # shapes and position ids, as FLUX.2's: one set of ids per batch
+    cost = FluxTransformer.cost  # over the joint sequence, as FLUX.2's
 
     def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         # The batch's img [b, S, C], txt [b, L, T], timesteps [b], y [b, P], guidance [b]; one set of ids (group).

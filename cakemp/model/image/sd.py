@@ -31,11 +31,9 @@ from safetensors.torch import load_file
 from transformers import CLIPTextConfig, CLIPTextModel
 
 from cakemp.checkpoint.image import sd_configs
+from cakemp.checkpoint.image.archs import MAX_SIDE
 from cakemp.errors import BadTensor, CheckpointError
-from cakemp.model.image.component import Component, Files
-
-# The largest image side a call may ask for, in pixels: a bound on one call's compute and memory.
-MAX_SIDE = 4096
+from cakemp.model.image.component import Component, Files, activation_bytes, vae_bytes
 
 
 def _config(path: str | None, standard: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +105,12 @@ class Clip(Component):
         """What calls computed together share (`run`): everything but the batch size."""
         return tuple(call[0].shape[1:])
 
+    def cost(self, call: tuple[torch.Tensor, ...]) -> int:
+        """Each layer's MLP intermediates [b, L, I] and attention scores [b, heads, L, L]."""
+        batch, length = call[0].shape
+        return activation_bytes(self.module.dtype, batch, length, self.config.intermediate_size,
+                                self.config.num_attention_heads, length)
+
     def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         ids = torch.cat([ids for (ids,) in calls])
         hidden = self.module(input_ids=ids).last_hidden_state  # [sum b, L, D], after final_layer_norm
@@ -148,6 +152,22 @@ class UNet(Component):
     def group(call: tuple[torch.Tensor, ...]) -> tuple:
         """Latent and text shapes but the batch (each call's timestep is its own rows')."""
         return tuple(call[0].shape[1:]) + tuple(call[1].shape[1:])
+
+    def cost(self, call: tuple[torch.Tensor, ...]) -> int:
+        """Each resolution's activations (kept for the up path too) with its transformer's GEGLU
+        feed-forward [B, h·w / 4^i, 8·C_i], and where it attends, its scores [B, heads_i, h·w / 4^i,
+        h·w / 4^i + L] (self- and cross-attention)."""
+        latents, text = call[0], call[1]
+        batch, positions, length = latents.shape[0], latents.shape[2] * latents.shape[3], text.shape[1]
+        levels = self.config.down_block_types
+        # diffusers' UNet reads attention_head_dim as the number of heads where num_attention_heads is unset
+        heads = self.config.num_attention_heads or self.config.attention_head_dim
+        total = 0
+        for i, (kind, width) in enumerate(zip(levels, self.config.block_out_channels, strict=True)):
+            level_heads = (heads[i] if isinstance(heads, list | tuple) else heads) if "CrossAttn" in kind else 0
+            at = positions >> (2 * i)
+            total += activation_bytes(self.dtype, batch, at, 8 * width, level_heads, at + length)
+        return total
 
     def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         latents, text, timesteps = (torch.cat(parts) for parts in zip(*calls))
@@ -197,6 +217,12 @@ class Vae(Component):
     def group(call: tuple[torch.Tensor, ...]) -> tuple:
         """The direction, and the shape but the batch."""
         return (float(call[0]),) + tuple(call[1].shape[1:])
+
+    def cost(self, call: tuple[torch.Tensor, ...]) -> int:
+        """vae_bytes over the image: x's pixels to encode, or its latents' times factor² to decode."""
+        x = call[1]
+        scale = 1 if float(call[0]) == 1.0 else self.factor * self.factor
+        return vae_bytes(self.dtype, self.config.block_out_channels, x.shape[0], x.shape[2] * x.shape[3] * scale)
 
     def run(self, calls: Sequence[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         x = torch.cat([x for _, x in calls])

@@ -75,10 +75,10 @@ class Checkpoint(Reader):
         return name in self._single_names
 
     def dequantized_shapes(self, groups: dict[K, list[str]]) -> dict[K, list[tuple[int, ...]]]:
-        """The groups holding a GPTQ or MLX weight, each member's shape once read, from the shards'
+        """The groups holding a GPTQ, MLX or FP8 weight, each member's shape once read, from the shards'
         headers alone, no value read: a quantized weight's is the matrix it is dequantized into (the
-        parts checked to fit)."""
-        quantized = {key: names for key, names in groups.items() if any(self._parts(name) is not None for name in names)}
+        parts checked to fit; an FP8 weight's, its stored shape)."""
+        quantized = {key: names for key, names in groups.items() if any(self._dequantized(name) for name in names)}
         with ExitStack() as stack:
             files = self._headers(stack, quantized)
             return {key: [self._shape(files, name) for name in members] for key, members in quantized.items()}
@@ -104,6 +104,10 @@ class Checkpoint(Reader):
         with ExitStack() as stack:
             f, _ = self._headers(stack, {conv: [conv]})[self.file_of(conv)]
             return not norms_carry_one(tuple(f.get_slice(conv).get_shape()))
+
+    def _dequantized(self, name: str) -> bool:
+        """Whether `name` is stored quantized: as parts (GPTQ, MLX), or FP8 with its scales beside it."""
+        return self._parts(name) is not None or (self.config.fp8_block is not None and self.has(name + "_scale_inv"))
 
     def _parts(self, name: str) -> QuantizedParts | None:
         """The quantized parts `name` is stored as (GPTQ, MLX affine), or None for a tensor read as stored."""
