@@ -24,7 +24,7 @@ from cakemp.errors import RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor, WorkerInfo
 from tests.support.image import LATENT, VAE_SCALE, f32, oracle, pack, token_ids, write_cache
-from tests.support.node import RunningNode, scrape, write_topology
+from tests.support.node import RunningNode, scrape, wait_until, write_topology
 
 F32_ATOL = 1e-5
 # The loop's bound: a UNet step's f32 rounding (the node's threads sum in another order, ~1e-6) is
@@ -279,9 +279,14 @@ def test_a_call_far_costlier_than_a_bystanders_is_not_computed_with_it(node, ref
     async def behind_blocker(other):
         clients = [await connected(node) for _ in range(3)]
         try:
+            idle = await asyncio.to_thread(batches_run, node, "cpu:1")
             first = asyncio.create_task(call(clients[0], "unet", blocker))
-            await asyncio.sleep(0.1)  # the blocker reaches the device first
-            before = await asyncio.to_thread(batches_run, node, "cpu:1")
+            # The blocker's batch is reported as it starts computing: from then on the others queue behind it.
+            def computing():
+                counted = batches_run(node, "cpu:1")
+                return counted if counted[0] > idle[0] else None
+
+            before = await asyncio.to_thread(wait_until, computing, what="the blocker computing")
             calls = [call(client, "unet", f32(pack(l, t, torch.tensor([s]))))
                      for client, (l, t, s) in zip(clients[1:], (small, other))]
             replies = await asyncio.gather(first, *calls)
