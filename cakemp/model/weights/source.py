@@ -6,6 +6,11 @@ files and reads one stored tensor.
 A group is one weight made of several stored tensors stacked along dim 0 (q/k/v, gate/up,
 experts): it stays FP8 where the reader and the device keep it so, stays 4-bit where torch's
 int4 matmul takes every member, and is otherwise stacked into one plain tensor (stacking.py).
+
+`WeightSource.mapped` keeps a checkpoint's files open for reads repeated while a node serves
+(an offloaded MoE's routed experts, model/weights/experts.py): `Mapped.load` reads groups as
+`load` does or, given an `index`, only matrix `index` of each member stored stacked [E, ...],
+its bytes alone read from the mapped file, in its stored form (4-bit codes stay 4-bit).
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ class WeightSource(Protocol):
         """The groups holding a weight dequantized from parts whose stored shapes are checked before
         any value is read (a push's weights), each member's shape once read; other groups left out."""
 
+    def mapped(self, groups: dict[K, list[str]]) -> Mapped:
+        """The files holding these groups' tensors, opened (memory-mapped) once and kept open for
+        repeated reads until `Mapped.close`."""
+
 
 class Reader:
     """`load` and `nbytes` over weight groups, once for every reader. A subclass says how its files
@@ -77,18 +86,26 @@ class Reader:
         (others are dequantized, and why is logged once).
         """
         with ExitStack() as stack:
-            store = self._opened(stack, groups)
-            out = {}
-            for key, members in groups.items():
-                if keep_fp8 and self._kept_fp8(store, members):
-                    out[key] = self._fp8_weight(store, members, device)
-                elif self._kept_int4(store, members, keep_int4):
-                    out[key] = int4.Int4Weight.create(int4.Int4Parts.cat(
-                        [self._int4_parts(store, name, device) for name in members]))
-                else:
-                    sources = [self._source(store, name, device) for name in members]
-                    out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
-            return out
+            return self._load(self._opened(stack, groups), groups, device, dtype, keep_fp8, plus_one, keep_int4)
+
+    def mapped(self, groups: dict[K, list[str]]) -> Mapped:
+        return Mapped(self, groups)
+
+    def _load(self, store: Any, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype,
+              keep_fp8: bool = False, plus_one: frozenset[K] = frozenset(), keep_int4: bool = False,
+              index: int | None = None) -> dict[K, Loaded]:
+        """`load` over an opened store; with `index`, matrix `index` of each (stacked) member alone."""
+        out = {}
+        for key, members in groups.items():
+            if keep_fp8 and index is None and self._kept_fp8(store, members):
+                out[key] = self._fp8_weight(store, members, device)
+            elif self._kept_int4(store, members, keep_int4, index):
+                out[key] = int4.Int4Weight.create(int4.Int4Parts.cat(
+                    [self._int4_parts(store, name, device, index) for name in members]))
+            else:
+                sources = [self._source(store, name, device, index) for name in members]
+                out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
+        return out
 
     def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
                keep_int4: bool = False) -> int:
@@ -107,11 +124,13 @@ class Reader:
                 total += sum(self._numel(store, name) for name in members) * (1 if kept else dtype.itemsize)
             return total
 
-    def _kept_int4(self, store: Any, members: list[str], keep_int4: bool) -> list[int4.Int4Shape] | None:
+    def _kept_int4(self, store: Any, members: list[str], keep_int4: bool,
+                   index: int | None = None) -> list[int4.Int4Shape] | None:
         """The one decision per weight group, for `load` and `nbytes` alike: kept 4-bit (each member's
         int4.Int4Shape) where the device keeps int4 (`keep_int4`: compute/loading.int4_kept)
-        and torch's int4 matmul takes every member, else None: dequantized."""
-        return self._int4_shapes(store, members) if keep_int4 else None
+        and torch's int4 matmul takes every member, else None: dequantized. `index`: of the
+        members' matrix `index` (each stored stacked [E, ...])."""
+        return self._int4_shapes(store, members, index) if keep_int4 else None
 
     def _headers(self, stack: ExitStack, groups: dict[K, list[str]]) -> Any:
         """What reading the groups' headers needs (every name checked to be stored)."""
@@ -129,18 +148,46 @@ class Reader:
         """A group `_kept_fp8` accepted, stacked as stored on `device`."""
         raise NotImplementedError
 
-    def _int4_shapes(self, store: Any, members: list[str]) -> list[int4.Int4Shape] | None:
-        """Each member's int4.Int4Shape if the group can stay int4, else None (logged once why)."""
+    def _int4_shapes(self, store: Any, members: list[str], index: int | None) -> list[int4.Int4Shape] | None:
+        """Each member's int4.Int4Shape (of its matrix `index`, for a stacked one) if the group can stay
+        int4, else None (logged once why)."""
         raise NotImplementedError
 
-    def _int4_parts(self, store: Any, name: str, device: torch.device) -> int4.Int4Parts:
-        """A matrix `_int4_shapes` accepted, as torch's int4 convention on `device`."""
+    def _int4_parts(self, store: Any, name: str, device: torch.device, index: int | None) -> int4.Int4Parts:
+        """A matrix `_int4_shapes` accepted (`index`: of stacked `name`), as torch's int4 convention on `device`."""
         raise NotImplementedError
 
-    def _source(self, store: Any, name: str, device: torch.device) -> torch.Tensor:
-        """Tensor `name` as stored (a view of the mapped file) or dequantized in f32 on `device`."""
+    def _source(self, store: Any, name: str, device: torch.device, index: int | None) -> torch.Tensor:
+        """Tensor `name` (`index`: its matrix `index`, stored stacked [E, ...]) as stored (a view of the
+        mapped file) or dequantized in f32 on `device`."""
         raise NotImplementedError
 
     def _numel(self, store: Any, name: str) -> int:
         """How many values `name` has once read (dequantized where it is quantized)."""
         raise NotImplementedError
+
+    def _stored_nbytes(self, store: Any, name: str) -> int:
+        """The bytes `name` is stored in (a quantized weight's parts together), from the headers."""
+        raise NotImplementedError
+
+
+class Mapped:
+    """A Reader's files opened once for reads repeated until `close` (an offloaded MoE's experts):
+    the group loop of `Reader.load`, over handles that stay mapped, so a read costs its bytes alone."""
+
+    def __init__(self, reader: Reader, groups: dict[K, list[str]]):
+        self._reader = reader
+        self._stack = ExitStack()
+        self._store = reader._opened(self._stack, groups)
+
+    def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype, keep_int4: bool = False,
+             index: int | None = None) -> dict[K, Loaded]:
+        """As `Reader.load`; with `index`, only matrix `index` of each member (stored stacked [E, ...]) is read."""
+        return self._reader._load(self._store, groups, device, dtype, keep_int4=keep_int4, index=index)
+
+    def stored_nbytes(self, names: list[str]) -> int:
+        """The bytes these tensors are stored in, their quantized parts' together (headers alone)."""
+        return sum(self._reader._stored_nbytes(self._store, name) for name in names)
+
+    def close(self) -> None:
+        self._stack.close()
