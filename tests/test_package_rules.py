@@ -162,7 +162,7 @@ def test_architecture_names_each_subpackage_in_its_row():
 # What telling apart looks like:
 VARIANT_TYPES = {"Checkpoint", "GgufCheckpoint", "BlockRunner", "ComponentRunner", "LayerAdmission", "Admission",
                  "ComponentAdmission", "GptqParts", "MlxParts", "Gptq", "MlxAffine", "Fp8",
-                 "GptqWeight", "MlxWeight"}  # isinstance(x, T), type(x) is T
+                 "GptqWeight", "MlxWeight", "ResidentExperts", "OffloadedExperts"}  # isinstance(x, T), type(x) is T
 VARIANT_SIGNALS = {"is_gguf", "serves_images"}  # read or called
 
 

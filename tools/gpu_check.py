@@ -39,6 +39,11 @@ findings, or the error that stopped it, and the next one runs regardless:
    served by `cakemp run --gpus all --model-type image-model --dtype f32`, each component's
    reply against the same modules run in this process on the GPU in f32 (the largest
    difference), and whether the node logged an error.
+10. experts (~20 s): MoE layers with their routed experts offloaded (--expert-offload) on the GPU:
+   a plain Qwen3.5-MoE (stacked experts) and a 4-bit GPTQ Qwen3-MoE (per-expert, kept int4 in
+   bf16), each against the same layers with every expert resident (bit-equal where both
+   dequantize; the largest relative difference where offloaded experts stay int4), with a cache
+   of every expert and one smaller than one expert, and the cache's hits and misses.
 
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
 ./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
@@ -179,6 +184,10 @@ def main() -> None:
     @section("image")
     def image_section():
         asyncio.run(check_image(device, rehearse))
+
+    @section("experts")
+    def experts_section():
+        check_experts(device)
 
     finding("total_seconds", round(time.monotonic() - started, 1))
     Path(args.out).write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
@@ -572,6 +581,41 @@ def check_int4(device: torch.device, rehearse: bool) -> None:
             kept = plain = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+# --- 10. offloaded MoE experts -------------------------------------------------------------
+
+def check_experts(device: torch.device) -> None:
+    from cakemp.compute.runner import BlockRunner
+    from tests.support.checkpoints import make_checkpoint
+    from tests.support.int4_checkpoints import random_gptq
+
+    layers = ["model.layers.1", "model.layers.2"]
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = {"qwen3_5_moe_plain": make_checkpoint(Path(tmp) / "plain", "qwen3_5_moe"),
+                 "qwen3_moe_gptq4": random_gptq(Path(tmp) / "gptq", make_checkpoint(Path(tmp) / "q", "qwen3_moe"), 32)}
+        for name, path in cases.items():
+            prefix = "model.language_model.layers" if "qwen3_5" in name else "model.layers"
+            named = [layer.replace("model.layers", prefix) for layer in layers]
+            for keep in (False, True):
+                runners = {cache: BlockRunner.load(path, named, device, torch.bfloat16, keep_int4=keep,
+                                                   expert_cache_bytes=cache) for cache in (None, 1 << 30, 1024)}
+                generator = torch.Generator().manual_seed(0)
+                outputs = {cache: [] for cache in runners}
+                for position, T in ((0, 7), (7, 1), (8, 1)):
+                    x = torch.randn(1, T, runners[None].config.hidden_size, generator=generator).to(device, torch.bfloat16)
+                    for cache, runner in runners.items():
+                        ops = runner.ops([(layer, position, i) for i, layer in enumerate(named)])
+                        outputs[cache].append(runner.run(0, x, ops).float())
+                worst = {cache: max(((a - b).norm() / b.norm()).item() for a, b in zip(got, outputs[None]))
+                         for cache, got in outputs.items() if cache is not None}
+                stats = runners[1 << 30].expert_cache
+                finding(f"experts.{name}.{'int4' if keep else 'dequantized'}", {
+                    "relative_difference_to_resident": worst, "hits": stats.hits, "misses": stats.misses,
+                    "held_mib": round(stats.resident_bytes / 2**20, 2)})
+                runners = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
 
 
 # --- 8. dequantization on the GPU against the CPU -----------------------------------------

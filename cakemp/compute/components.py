@@ -51,6 +51,7 @@ class ComponentRunner:
     """A device's image components (`layers`: their names, in the order ops index them)."""
 
     prefixes = None  # the Runner protocol's: no prefix reuse, nothing is kept between calls
+    expert_cache = None  # the Runner protocol's: no MoE experts offloaded
 
     def __init__(self, components: Sequence[tuple[str, Component]], device: torch.device, dtype: torch.dtype,
                  budget_bytes: int | None = None):

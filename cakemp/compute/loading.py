@@ -2,6 +2,11 @@
 weight groups (`LoadPlan`), which kept-quantized kernels this device multiplies by (`kept_kernels`),
 and the read itself, from any WeightSource (model/weights/source.py). BlockRunner.load
 (runner.py) builds its blocks from what this returns.
+
+With experts offloaded (`LoadPlan.of(..., offload_experts=True)`), a MoE layer's routed experts
+are left out of the read, and of the bytes the fit check counts, which counts the expert cache's
+capacity instead; `expert_stores` gives those layers their experts, read on demand
+(model/weights/experts.py).
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from cakemp.errors import CheckpointError
 from cakemp.model import attention
 from cakemp.model.block import NORMS, DecoderBlock
 from cakemp.model.linear_block import LinearAttentionBlock
-from cakemp.model.moe import STACKED
+from cakemp.model.moe import STACKED, SparseMoe
 from cakemp.model.weights import fp8, int4, int8, kept
+from cakemp.model.weights.experts import ExpertCache, ExpertRead, ExpertStore, OffloadedExperts
 from cakemp.model.weights.source import WeightSource
 
 Block = DecoderBlock | LinearAttentionBlock
@@ -40,10 +46,13 @@ class LoadPlan:
     kinds: dict[str, type[Block]]
     groups: dict[str, dict[str, list[str]]]
     shapes: dict[str, dict[str, tuple[int, ...]]]
+    offloaded: dict[str, ExpertRead]  # the layers whose routed experts are read on demand, and where each lies
 
     @classmethod
-    def of(cls, config: ModelConfig, checkpoint: WeightSource, layers: Sequence[str]) -> LoadPlan:
-        kinds, groups, shapes = {}, {}, {}
+    def of(cls, config: ModelConfig, checkpoint: WeightSource, layers: Sequence[str],
+           offload_experts: bool = False) -> LoadPlan:
+        """`offload_experts`: leave MoE layers' routed experts out of the read, to be read on demand."""
+        kinds, groups, shapes, offloaded = {}, {}, {}, {}
         for layer in layers:
             index = config.layer_index(layer)
             if index is None:
@@ -56,18 +65,21 @@ class LoadPlan:
 
             groups[layer] = kind.weight_groups(config, index, stored)
             shapes[layer] = kind.weight_shapes(config, index, stored)
-        return cls(config, tuple(layers), kinds, groups, shapes)
+            if offload_experts and STACKED & groups[layer].keys():
+                groups[layer] = {key: names for key, names in groups[layer].items() if key not in STACKED}
+                offloaded[layer] = SparseMoe.expert_reads(config, stored)
+        return cls(config, tuple(layers), kinds, groups, shapes, offloaded)
 
     def read(self, checkpoint: WeightSource, device: torch.device, dtype: torch.dtype,
-             on_layer: Callable[[int], None] | None,
-             kernels: frozenset[str] = frozenset()) -> dict[tuple[str, str], torch.Tensor]:
+             on_layer: Callable[[int], None] | None, kernels: frozenset[str] = frozenset(),
+             reserved: int = 0) -> dict[tuple[str, str], torch.Tensor]:
         """(layer, key) -> its tensor on `device`, one layer at a time (`on_layer(n)` after n),
-        after checking on a GPU that they fit (counting what stays FP8, int4 or int8 as such); each
-        checked against the shape config.json implies."""
+        after checking on a GPU that they fit beside `reserved` bytes (an expert cache's) (counting
+        what stays FP8, int4 or int8 as such); each checked against the shape config.json implies."""
         self._check_quantized_shapes(checkpoint)
         wanted = [self._wanted(layer) for layer in self.layers]
         keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
-        needed = self.nbytes(checkpoint, dtype, keep_fp8, kernels)
+        needed = self.nbytes(checkpoint, dtype, keep_fp8, kernels) + reserved
         free = None
         if device.type == "cuda":
             attention.use_fused_kernels()
@@ -98,6 +110,21 @@ class LoadPlan:
                 )
         return weights
 
+    def expert_stores(self, checkpoint: WeightSource, device: torch.device, dtype: torch.dtype,
+                      kernels: frozenset[str], cache: ExpertCache) -> dict[str, ExpertStore]:
+        """Each offloaded layer's experts, read on demand through the checkpoint's files, mapped once
+        for them all and kept so, into `cache` (quantized ones kept so where one of `kernels` takes them)."""
+        if not self.offloaded:
+            return {}
+        moe, H = self.config.moe, self.config.hidden_size
+        reads = {layer: _named(layer, read) for layer, read in self.offloaded.items()}
+        every = {(layer, j, key): names for layer, read in reads.items() for j in range(moe.experts)
+                 for key, names in read(j)[0].items()}
+        mapped = checkpoint.mapped(every)
+        shapes = ((2 * moe.intermediate_size, H), (H, moe.intermediate_size))
+        return {layer: OffloadedExperts(layer, moe.experts, read, shapes, mapped, cache, device, dtype, kernels)
+                for layer, read in reads.items()}
+
     def _check_quantized_shapes(self, checkpoint: WeightSource) -> None:
         """Each group holding a GPTQ, MLX or FP8 weight checked, from the shards' headers, to make the shape
         config.json implies, before any is read: dequantized first, a matrix past it would cost 8 times
@@ -124,6 +151,14 @@ class LoadPlan:
         named = {(layer, key): [f"{layer}.{name}" for name in members] for key, members in self.groups[layer].items()}
         return ({k: v for k, v in named.items() if k[1] not in STACKED},
                 {k: v for k, v in named.items() if k[1] in STACKED})
+
+
+def _named(layer: str, read: ExpertRead) -> ExpertRead:
+    """`read` with the layer's prefix on each name (the checkpoint's full names)."""
+    def named(j: int) -> tuple[dict[str, list[str]], int | None]:
+        groups, index = read(j)
+        return {key: [f"{layer}.{name}" for name in names] for key, names in groups.items()}, index
+    return named
 
 
 def kept_kernels(checkpoint: WeightSource, device: torch.device, dtype: torch.dtype) -> frozenset[str]:

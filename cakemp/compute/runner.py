@@ -23,6 +23,7 @@ from cakemp.model.block import MATRICES, Span
 from cakemp.model.deltanet import LinearState
 from cakemp.model.rotary import Rotary
 from cakemp.model.weights import packed
+from cakemp.model.weights.experts import ExpertCache
 from cakemp.model.weights.readers import open_checkpoint
 from cakemp.op import Op
 
@@ -46,6 +47,7 @@ class Runner(Protocol):
     device: torch.device
     dtype: torch.dtype  # the compute dtype
     prefixes: PrefixCache | None  # the rows prefix reuse keeps, and its counts (None: no reuse)
+    expert_cache: ExpertCache | None  # what holds offloaded MoE experts, and its counts (None: none offloaded)
 
     def run_batch(self, requests: Sequence[Any], between_ops: Callable[[], None] | None = None,
                   together: Callable[[Sequence[int]], None] | None = None) -> list[torch.Tensor | Exception]:
@@ -125,10 +127,13 @@ class BlockRunner:
         max_context: int | None = None,
         prefix_reuse: bool = False,
         share_prefixes: bool = False,
+        expert_cache: ExpertCache | None = None,
     ):
         """`prefix_reuse`: keep sessions' rows past their end for requests that send them again
-        (compute/prefix_cache.py), reused by the same session only, or by any with `share_prefixes`."""
+        (compute/prefix_cache.py), reused by the same session only, or by any with `share_prefixes`.
+        `expert_cache`: what holds the offloaded experts of the blocks' MoE layers (None: none offloaded)."""
         self.config = config
+        self.expert_cache = expert_cache
         self.layers = tuple(blocks)  # Op.layer indexes these
         self.blocks = tuple(blocks.values())
         self.device = device
@@ -164,6 +169,7 @@ class BlockRunner:
         prefix_reuse: bool = False,
         share_prefixes: bool = False,
         keep_int4: bool = True,
+        expert_cache_bytes: int | None = None,
     ) -> BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
 
@@ -176,6 +182,10 @@ class BlockRunner:
         a row (GPTQ, MLX) 8-bit for its int8 matmul (compute/loading.kept_kernels); False dequantizes
         them all (--dequantize-4bit).
 
+        `expert_cache_bytes`: offload MoE layers' routed experts (--expert-offload), read on demand
+        from the checkpoint into a cache of at most this many bytes (model/weights/experts.py), which
+        the fit check and a GPU's default KV budget count in their stead; None: loaded with the layer.
+
         `on_layer(n)` is called once `n` of them are on the device (the device process reports
         it, so that a load of minutes shows progress).
         """
@@ -184,21 +194,25 @@ class BlockRunner:
             device = torch.device("cuda", torch.cuda.current_device())  # so x.device compares equal
         checkpoint = open_checkpoint(model_dir)  # and its config, a GGUF file's header parsed once for both
         config = checkpoint.config
-        plan = LoadPlan.of(config, checkpoint, layers)
+        plan = LoadPlan.of(config, checkpoint, layers, offload_experts=expert_cache_bytes is not None)
         kernels = kept_kernels(checkpoint, device, dtype) if keep_int4 else frozenset()
-        weights = plan.read(checkpoint, device, dtype, on_layer, kernels)
+        weights = plan.read(checkpoint, device, dtype, on_layer, kernels, reserved=expert_cache_bytes or 0)
+        cache = ExpertCache(expert_cache_bytes) if plan.offloaded else None
+        experts = {} if cache is None else plan.expert_stores(checkpoint, device, dtype, kernels, cache)
         # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/weights/packed.py says why).
         for (layer, key), tensor in weights.items():
             if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
                 weights[layer, key] = packed.PackedWeight.create(tensor)
         blocks = {
             layer: plan.kinds[layer](config, config.layer_index(layer),
-                                     {key: weights[layer, key] for key in plan.groups[layer]})
+                                     {key: weights[layer, key] for key in plan.groups[layer]} |
+                                     ({"experts": experts[layer]} if layer in experts else {}))
             for layer in layers
         }
         if device.type == "cuda" and kv_budget_bytes is None:
-            kv_budget_bytes = memory.default_kv_budget(*torch.cuda.mem_get_info(device), str(device))
-        return cls(config, blocks, device, dtype, kv_budget_bytes, max_context, prefix_reuse, share_prefixes)
+            free, total = torch.cuda.mem_get_info(device)
+            kv_budget_bytes = memory.default_kv_budget(free - (cache.capacity if cache else 0), total, str(device))
+        return cls(config, blocks, device, dtype, kv_budget_bytes, max_context, prefix_reuse, share_prefixes, cache)
 
     def ops(self, named: Sequence[tuple[str, int, int]]) -> tuple[Op, ...]:
         """(layer name, index_pos, block_idx), ... as this runner's ops, for in-process callers (the

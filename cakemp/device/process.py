@@ -154,9 +154,10 @@ def _send_on(spec: DeviceSpec, channel: DeviceChannel, reply) -> None:
 
 
 def _report_prefixes(channel: DeviceChannel, service) -> None:
-    """Tell the front what prefix reuse did, if anything changed."""
-    if (report := service.prefix_report()) is not None:
-        channel.send(report)
+    """Tell the front what prefix reuse and the offloaded experts' cache did, if anything changed."""
+    for report in (service.prefix_report(), service.expert_report()):
+        if report is not None:
+            channel.send(report)
 
 
 def _reporter(channel: DeviceChannel, every_s: float):

@@ -28,7 +28,7 @@ from cakemp.compute.components import Call, ComponentRunner
 from cakemp.compute.runner import BlockRunner, Request, Runner
 from cakemp.device import fault
 from cakemp.errors import BadTensor, ConfigError, InternalError, RequestError
-from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, PrefixReport, error_code
+from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, ExpertReport, Failure, Hop, PrefixReport, error_code
 from cakemp.ipc.spec import TEXT, DeviceSpec, Workload
 from cakemp.rss import resident_bytes
 from cakemp.wire import RawTensor
@@ -74,6 +74,7 @@ class DeviceService:
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
             pack_weights=spec.max_batch > 1,  # twice the weight memory, worth it only where steps batch
             prefix_reuse=spec.prefix_reuse, share_prefixes=spec.share_prefixes, keep_int4=spec.keep_int4,
+            expert_cache_bytes=spec.expert_cache_bytes,
         )
         return cls(runner, spec.workload, spec.index, generation, spec.label, progress)
 
@@ -147,6 +148,15 @@ class DeviceService:
             return None
         prefixes.hits = prefixes.tokens = prefixes.evictions = 0
         self._last_report = PrefixReport(0, 0, 0, report.retired_bytes, report.kept_bytes)
+        return report
+
+    def expert_report(self) -> ExpertReport | None:
+        """What the offloaded experts' cache did since the last report, if it did anything (None without one)."""
+        cache = self.runner.expert_cache
+        if cache is None or cache.hits == cache.misses == 0:
+            return None
+        report = ExpertReport(cache.hits, cache.misses, cache.read_bytes, cache.resident_bytes)
+        cache.hits = cache.misses = cache.read_bytes = 0
         return report
 
     def _failed_chunk(self, hop: Hop, failure: Failure) -> Failure:

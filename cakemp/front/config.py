@@ -196,6 +196,15 @@ class NodeConfig:
         "compute dtype instead of keeping them 4-bit for torch's int4 matmul (a CPU: any dtype, each product's "
         "input rounded to bf16; a GPU: bf16 only): 4-8x the memory, results as before.",
         convert=lambda off: not off, is_flag=True)
+    expert_offload: bool = knob(
+        "--expert-offload", False, None, "Keep MoE layers' routed experts out of memory: each is read from the "
+        "checkpoint's mapped files when a token is routed to it, in its stored form (4-bit stays 4-bit where "
+        "torch's int4 matmul takes it), into a cache of hot experts of --expert-cache-mib per device. Router, "
+        "attention and shared experts stay loaded; outputs are the same.", is_flag=True)
+    expert_cache_bytes: int = knob(
+        "--expert-cache-mib", 4096, click.IntRange(min=0),
+        "With --expert-offload: MiB of experts each device keeps in compute form (least recently used given up "
+        "first); the fit check and the KV budget count it in the experts' stead.", convert=_mib)
     session_idle_timeout: float | None = knob(
         "--session-idle-timeout", None, click.FloatRange(min=0, min_open=True),
         "Seconds a session may sit idle before its KV cache is freed (default: never, as Cake).")

@@ -31,7 +31,8 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
     threads = _device_threads(config)
     cores = device_cores(threads) if config.pin_cpus else [None] * len(threads)
     # Without a budget a CPU device's caches grow until the host runs out and the OOM killer ends one.
-    cpu_kv_budget = config.kv_budget_bytes or _cpu_kv_budget(cpu_processes)
+    cpu_kv_budget = config.kv_budget_bytes or _cpu_kv_budget(
+        cpu_processes, config.expert_cache_bytes if config.expert_offload else 0)
     return [
         DeviceSpec(
             index=i,
@@ -50,6 +51,7 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             prefix_reuse=config.prefix_reuse and config.workload.reuses_prefixes,
             share_prefixes=config.share_prefixes,
             keep_int4=config.keep_int4,
+            expert_cache_bytes=config.expert_cache_bytes if config.expert_offload else None,
             # Well inside the request timeout, which counts a device silent that long as hung.
             progress_s=config.request_timeout / 4,
             log_format=config.log_format,
@@ -97,9 +99,10 @@ def _device_threads(config: NodeConfig) -> list[int]:
     return [cpu_threads if gpu is None else GPU_DEVICE_THREADS for gpu in config.devices]
 
 
-def _cpu_kv_budget(cpu_processes: int) -> int | None:
+def _cpu_kv_budget(cpu_processes: int, expert_cache_bytes: int = 0) -> int | None:
     """Each CPU device's share of CPU_KV_SHARE of the memory available now (/proc/meminfo's
-    MemAvailable); None without CPU devices or where /proc/meminfo cannot be read."""
+    MemAvailable) less every device's expert cache (--expert-offload); None without CPU devices or
+    where /proc/meminfo cannot be read."""
     if not cpu_processes:
         return None
     try:
@@ -107,7 +110,7 @@ def _cpu_kv_budget(cpu_processes: int) -> int | None:
             kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
-    return int(kib * 1024 * CPU_KV_SHARE) // cpu_processes
+    return max(0, int(kib * 1024 * CPU_KV_SHARE) - cpu_processes * expert_cache_bytes) // cpu_processes
 
 
 def device_environment(environ: Mapping[str, str]) -> dict[str, str]:

@@ -35,6 +35,7 @@ class Metrics:
         self._declare_connections()
         self._declare_devices()
         self._declare_prefixes()
+        self._declare_experts()
         self._declare_node()
         self._all.extend(process_metrics())
 
@@ -122,6 +123,21 @@ class Metrics:
             "Bytes each device keeps for reuse beside its live sessions' KV state (their output rows and recurrent "
             "states), inside its KV budget.", "device")
 
+    def _declare_experts(self) -> None:
+        # Offloaded MoE experts (--expert-offload: model/weights/experts.py), as each device reports them.
+        self.expert_hits = self._counter(
+            "cakemp_expert_cache_hits_total", "Routed experts a token needed that the device's expert cache held.",
+            "device")
+        self.expert_misses = self._counter(
+            "cakemp_expert_cache_misses_total", "Routed experts a token needed that were read from the checkpoint.",
+            "device")
+        self.expert_read_bytes = self._counter(
+            "cakemp_expert_read_bytes_total", "Bytes of the checkpoint read for experts (as stored: 4-bit codes as such).",
+            "device")
+        self.expert_resident_bytes = self._gauge(
+            "cakemp_expert_cache_bytes", "Bytes of experts each device's expert cache holds (at most --expert-cache-mib).",
+            "device")
+
     def _declare_node(self) -> None:
         # The node.
         self.readiness = self._gauge("cakemp_ready", "1 when every device process is ready and connections are accepted.")
@@ -164,6 +180,13 @@ class Metrics:
         self.prefix_evictions.inc(evictions, device=device)
         self.prefix_retired_bytes.set(retired_bytes, device=device)
         self.prefix_kept_bytes.set(kept_bytes, device=device)
+
+    def experts(self, device: str, hits: int, misses: int, read_bytes: int, resident_bytes: int) -> None:
+        """`device` reported what its expert cache did since its last report, and holds now."""
+        self.expert_hits.inc(hits, device=device)
+        self.expert_misses.inc(misses, device=device)
+        self.expert_read_bytes.inc(read_bytes, device=device)
+        self.expert_resident_bytes.set(resident_bytes, device=device)
 
     def device_loaded(self, device: str, memory_bytes: int, kv_budget_bytes: int | None) -> None:
         """`device` reported Ready holding `memory_bytes`; its KV budget, if it has one."""

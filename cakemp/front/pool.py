@@ -38,6 +38,7 @@ from cakemp.ipc import (
     Clear,
     Done,
     End,
+    ExpertReport,
     Failure,
     FrontChannel,
     Hop,
@@ -303,6 +304,9 @@ class DevicePool:
                 self._state.heard(device, now)
                 self._metrics.prefixes(self.label(device), msg.hits, msg.tokens, msg.evictions, msg.retired_bytes,
                                        msg.kept_bytes)
+            case ExpertReport():
+                self._state.heard(device, now)
+                self._metrics.experts(self.label(device), msg.hits, msg.misses, msg.read_bytes, msg.resident_bytes)
             case Loaded():
                 self._state.heard(device, now)
                 self._status.loaded(device, msg.layers)
@@ -390,6 +394,7 @@ class DevicePool:
         self._metrics.kv_bytes.set(0, device=label)
         self._metrics.prefix_retired_bytes.set(0, device=label)
         self._metrics.prefix_kept_bytes.set(0, device=label)
+        self._metrics.expert_resident_bytes.set(0, device=label)
         self._status.restarting(device, reason)
 
     def _complete(self, action: ps.Complete) -> None:

@@ -47,6 +47,7 @@ class Kind(IntEnum):
     PONG = 23
     STEP_REPORT = 24  # a step began: its size, for the metrics
     PREFIX_REPORT = 25  # what prefix reuse did, for the metrics
+    EXPERT_REPORT = 26  # what the offloaded experts' cache did, for the metrics
 
 
 # How a field travels (the codec knows these marks).
@@ -206,6 +207,18 @@ class PrefixReport:
     evictions: U64
     retired_bytes: U64
     kept_bytes: U64
+
+
+@message(Kind.EXPERT_REPORT)
+class ExpertReport:
+    """What the device's cache of offloaded MoE experts did since its last report: experts found in
+    it (`hits`), experts read from the checkpoint (`misses`, `read_bytes` of it as stored); and the
+    bytes of experts it holds now (for the front's metrics)."""
+
+    hits: U64
+    misses: U64
+    read_bytes: U64
+    resident_bytes: U64
 
 
 @message(Kind.DONE)

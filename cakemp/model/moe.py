@@ -14,6 +14,10 @@ Experts are held stacked ([E, 2I, H] and [E, H, I]); checkpoints store them eith
 Qwen3.5-MoE files), stacked with gate and up apart (`mlp.switch_mlp.{gate,up,down}_proj.weight`,
 [E, I, H] and [E, H, I]: mlx-lm's conversions, joined here at load) or one set per expert
 (`mlp.experts.{j}.{gate,up,down}_proj.weight`: the Qwen3-MoE hub files), which loading stacks.
+
+The experts are an ExpertStore (model/weights/experts.py): resident, as loaded, or offloaded
+(`--expert-offload`: the weights hold "experts", a store reading each expert on demand, from
+`expert_reads`, which says where expert j lies in each of these layouts).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.model.linear import linear
 from cakemp.model.mlp import GatedMlp
+from cakemp.model.weights.experts import ExpertRead, ExpertStore, ResidentExperts
 
 FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 FUSED_DOWN = "mlp.experts.down_proj"
@@ -42,11 +47,15 @@ class SparseMoe:
         self.activation = config.activation
         self.renormalize = moe.renormalize
         self.router = weights["router"]  # [E, H]
-        if "experts_gate" in weights:  # mlx-lm's layout: gate and up stacked apart, [E, I, H] each
-            self.gate_up = torch.cat([weights["experts_gate"], weights["experts_up"]], dim=1)
+        self.experts: ExpertStore
+        if "experts" in weights:  # offloaded: read on demand
+            self.experts = weights["experts"]
+        elif "experts_gate" in weights:  # mlx-lm's layout: gate and up stacked apart, [E, I, H] each
+            self.experts = ResidentExperts(torch.cat([weights["experts_gate"], weights["experts_up"]], dim=1),
+                                           weights["experts_down"].view(E, H, I))
         else:
-            self.gate_up = weights["experts_gate_up"].view(E, 2 * I, H)
-        self.down = weights["experts_down"].view(E, H, I)
+            self.experts = ResidentExperts(weights["experts_gate_up"].view(E, 2 * I, H),
+                                           weights["experts_down"].view(E, H, I))
         self.shared = None
         if moe.shared_intermediate_size:
             self.shared = GatedMlp(weights["shared_gate_up"], weights["shared_down"], self.activation)
@@ -71,6 +80,17 @@ class SparseMoe:
             groups["shared_down"] = ["mlp.shared_expert.down_proj.weight"]
             groups["shared_gate"] = ["mlp.shared_expert_gate.weight"]
         return groups
+
+    @staticmethod
+    def expert_reads(config: ModelConfig, stored: Callable[[str], bool]) -> ExpertRead:
+        """Where expert j lies, for reading it alone: its gate/up and down names (relative to the
+        layer) and, where they are stacked [E, ...], the matrix j of each (else None)."""
+        if stored(FUSED_GATE_UP):
+            return lambda j: ({"gate_up": [FUSED_GATE_UP], "down": [FUSED_DOWN]}, j)
+        if stored(SWITCH.format("gate")):
+            return lambda j: ({"gate_up": [SWITCH.format("gate"), SWITCH.format("up")], "down": [SWITCH.format("down")]}, j)
+        return lambda j: ({"gate_up": [f"mlp.experts.{j}.gate_proj.weight", f"mlp.experts.{j}.up_proj.weight"],
+                           "down": [f"mlp.experts.{j}.down_proj.weight"]}, None)
 
     @staticmethod
     def weight_shapes(config: ModelConfig, stored: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
@@ -103,14 +123,14 @@ class SparseMoe:
         flat = experts.reshape(-1)  # [N k]
         order = flat.argsort(stable=True)
         tokens = order // self.top_k  # the token of each sorted pair
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.experts.count).tolist()
         routed = x[tokens]  # [N k, H]
         outputs = []
         start = 0
         for expert, count in enumerate(counts):
             if count:
                 rows = routed[start : start + count]
-                outputs.append(GatedMlp(self.gate_up[expert], self.down[expert], self.activation)(rows))
+                outputs.append(GatedMlp(*self.experts.pair(expert), self.activation)(rows))
                 start += count
         mixed = torch.cat(outputs) * weights.reshape(-1)[order, None]  # [N k, H]
         out = torch.zeros_like(x).index_add_(0, tokens, mixed)

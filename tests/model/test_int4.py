@@ -130,7 +130,7 @@ def test_what_torch_s_int4_kernel_cannot_take_is_dequantized():
     assert "groups of 512" in gptq.int4_group(Gptq(4, -1, False, True, True), OUT, IN, 1, None)
     assert "groups of 16" in gptq.int4_group(Gptq(4, 16, False, True, True), OUT, IN, 32, None)
     assert "unequal" in gptq.int4_group(Gptq(4, 128, False, True, True), OUT, 320, 3, None)  # 128 + 128 + 64
-    assert "no multiple of 8" in gptq.int4_group(Gptq(4, 128, False, True, True), 100, IN, 4, None)
+    assert "no multiple of 16" in gptq.int4_group(Gptq(4, 128, False, True, True), 100, IN, 4, None)
     assert "8-bit" in mlx.int4_group((OUT, IN // 4), 8, 64)
     assert "stacked" in mlx.int4_group((4, OUT, IN // 8), 4, 64)
     for kind in ("Q5_K", "Q8_0", "IQ4_NL"):  # IQ4_NL: 4-bit codes, but into a table of 16 levels, not affine

@@ -85,37 +85,48 @@ class GgufCheckpoint(Reader):
         stack.callback(_unmap, data)
         return data
 
-    def _kept_shapes(self, data: mmap.mmap | None, members: list[str]) -> list[int4.Int4Shape] | None:
-        return _kept_shapes([self.file.tensors[self._gguf_name(name)] for name in members])
+    def _kept_shapes(self, data: mmap.mmap | None, members: list[str], index: int | None) -> list[int4.Int4Shape] | None:
+        infos = [self.file.tensors[self._gguf_name(name)] for name in members]
+        return _kept_shapes([(info.type.name, _matrix_shape(info.shape, index)) for info in infos])
 
     def _numel(self, data: mmap.mmap | None, name: str) -> int:
         return self.file.tensors[self._gguf_name(name)].numel
+
+    def _stored_nbytes(self, data: mmap.mmap | None, name: str) -> int:
+        return self.file.tensors[self._gguf_name(name)].nbytes
 
     def _gguf_name(self, name: str) -> str:
         if name not in self.names:
             raise CheckpointError(f"{self.path} has no tensor for {name}")
         return self.names[name]
 
-    def _source(self, data: mmap.mmap, name: str, device: torch.device) -> torch.Tensor:
-        """HF tensor `name` in f32 on `device`, from its stored bytes."""
-        info, raw = self._raw(data, name, device)
-        tensor = ggml.dequantize(raw, info.type.name, info.shape)
+    def _source(self, data: mmap.mmap, name: str, device: torch.device, index: int | None) -> torch.Tensor:
+        """HF tensor `name` (`index`: its matrix `index`, stacked experts') in f32 on `device`, from its stored bytes."""
+        info, raw = self._raw(data, name, device, index)
+        tensor = ggml.dequantize(raw, info.type.name, _matrix_shape(info.shape, index))
         heads = permuted_heads(self.file, info.name, self.config.num_attention_heads, self.config.num_key_value_heads)
         return tensor if heads is None else unpermute(tensor, heads)
 
-    def _kept_parts(self, data: mmap.mmap, name: str, device: torch.device) -> int4.Int4Parts:
-        """HF matrix `name` (of ggml.INT4_TYPES) in torch's int4 convention on `device`, rows in HF's order."""
-        info, raw = self._raw(data, name, device)
-        parts = ggml.int4_parts(raw, info.type.name, info.shape)
+    def _kept_parts(self, data: mmap.mmap, name: str, device: torch.device, index: int | None) -> int4.Int4Parts:
+        """HF matrix `name` (of ggml.INT4_TYPES; `index`: its matrix `index`) in torch's int4 convention on
+        `device`, rows in HF's order."""
+        info, raw = self._raw(data, name, device, index)
+        parts = ggml.int4_parts(raw, info.type.name, _matrix_shape(info.shape, index))
         heads = permuted_heads(self.file, info.name, self.config.num_attention_heads, self.config.num_key_value_heads)
         return parts if heads is None else parts.rows(lambda rows: unpermute(rows, heads))
 
-    def _raw(self, data: mmap.mmap, name: str, device: torch.device):
-        """(its TensorInfo, its stored bytes: uint8 [nbytes] on `device`) of HF tensor `name`."""
+    def _raw(self, data: mmap.mmap, name: str, device: torch.device, index: int | None = None):
+        """(its TensorInfo, its stored bytes: uint8 [nbytes] on `device`) of HF tensor `name`; with `index`,
+        the bytes of its matrix `index` alone (a stacked tensor's matrices lie one after another, in
+        whole blocks: ggml's blocks run along a row)."""
         info = self.file.tensors[self._gguf_name(name)]
-        first_page = info.start // mmap.PAGESIZE * mmap.PAGESIZE
-        data.madvise(mmap.MADV_WILLNEED, first_page, info.start + info.nbytes - first_page)  # one read of the range
-        return info, torch.frombuffer(data, dtype=torch.uint8, count=info.nbytes, offset=info.start).to(device)
+        start, nbytes = info.start, info.nbytes
+        if index is not None:
+            nbytes //= info.shape[0]
+            start += index * nbytes
+        first_page = start // mmap.PAGESIZE * mmap.PAGESIZE
+        data.madvise(mmap.MADV_WILLNEED, first_page, start + nbytes - first_page)  # one read of the range
+        return info, torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=start).to(device)
 
 
 def _unmap(data: mmap.mmap) -> None:
@@ -125,18 +136,23 @@ def _unmap(data: mmap.mmap) -> None:
         pass
 
 
-def _kept_shapes(infos: list) -> list[int4.Int4Shape] | None:
-    """Each tensor's int4.Int4Shape if the group can stay int4: every one a ggml.INT4_TYPES matrix
-    torch's int4 matmul takes; else None (logged once why, for a group of quantized matrices)."""
+def _kept_shapes(matrices: list[tuple[str, tuple[int, ...]]]) -> list[int4.Int4Shape] | None:
+    """Each (ggml type, shape)'s int4.Int4Shape if the group can stay int4: every one a ggml.INT4_TYPES
+    matrix torch's int4 matmul takes; else None (logged once why, for a group of quantized matrices)."""
     shapes = []
-    for info in infos:
-        size = ggml.int4_group(info.type.name, info.shape)
+    for kind, shape in matrices:
+        size = ggml.int4_group(kind, shape)
         if isinstance(size, str):
-            if info.type.name not in ("F32", "F16", "BF16"):  # a plain tensor (a norm) is no 4-bit one
+            if kind not in ("F32", "F16", "BF16"):  # a plain tensor (a norm) is no 4-bit one
                 kept.dequantized(size)
             return None
-        shapes.append(int4.Int4Shape(*info.shape, size))
+        shapes.append(int4.Int4Shape(*shape, size))
     return shapes
+
+
+def _matrix_shape(shape: tuple[int, ...], index: int | None) -> tuple[int, ...]:
+    """A tensor's shape, or (`index`) that of one of its stacked matrices."""
+    return shape if index is None else tuple(shape[1:])
 
 
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -51,7 +51,7 @@ import torch
 KERNEL = "int4"
 GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's kernels take
 _OFFSET = 8  # the kernel's codes are q - 8
-_ROWS_PER_TILE = 8  # CUDA's layout takes N in tiles of 8 rows
+_ROWS_PER_TILE = 16  # CUDA's layout takes N in tiles of 8 rows, the CPU's packing in 16 (a router of 8 experts in neither)
 _CPU_BLOCK = 64  # the CPU layout's block of outputs
 # Activation rows from which a CPU product dequantizes tiles to bf16 instead of calling the int4
 # kernel. Measured on the 2-core Xeon, one thread, TinyLlama's [5632, 2048] in groups of 128: the

@@ -32,6 +32,9 @@ from cakemp.model.weights.quantized import QuantizedParts
 from cakemp.model.weights.source import Reader
 
 K = TypeVar("K")
+# Bytes per value of each safetensors dtype a checkpoint may store.
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+             "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class Checkpoint(Reader):
@@ -165,43 +168,59 @@ class Checkpoint(Reader):
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 
-    def _kept_shapes(self, files: dict[str, tuple], members: list[str]) -> list[kept.KeptShape] | None:
-        """Each member's kept.KeptShape if every member is a GPTQ or MLX matrix one of torch's kept
-        kernels takes; else None (logged once why, for a quantized group)."""
+    def _kept_shapes(self, files: dict[str, tuple], members: list[str],
+                     index: int | None) -> list[kept.KeptShape] | None:
+        """Each member's kept.KeptShape (of its matrix `index`, for a stacked one) if every member is a
+        GPTQ or MLX matrix one of torch's kept kernels takes; else None (logged once why, for a quantized
+        group)."""
         shapes = []
         for name in members:
             parts = self._parts(name)
             if parts is None:
                 return None
-            shape = self._kept_shape(files, parts)
+            shape = self._kept_shape(files, parts, index)
             if isinstance(shape, str):
                 kept.dequantized(shape)
                 return None
             shapes.append(shape)
         return shapes
 
-    def _kept_shape(self, files: dict[str, tuple], parts: QuantizedParts) -> kept.KeptShape | str:
-        """The kept.KeptShape of a quantized matrix one of torch's kept kernels takes, or why not
-        (headers, and what small part a format reads to tell: GPTQ's g_idx)."""
+    def _kept_shape(self, files: dict[str, tuple], parts: QuantizedParts, index: int | None) -> kept.KeptShape | str:
+        """The kept.KeptShape of a quantized matrix (`index`: of a stacked one's) one of torch's kept
+        kernels takes, or why not (headers, and what small part a format reads to tell: GPTQ's g_idx)."""
         def shape(name: str) -> tuple[int, ...]:
-            return tuple(self._get(files, name).get_slice(name).get_shape())
+            stored = tuple(self._get(files, name).get_slice(name).get_shape())
+            return stored if index is None else stored[1:]
 
         try:
-            return parts.kept_shape(shape, lambda name: self._get(files, name).get_tensor(name))
+            return parts.kept_shape(shape, lambda name: self._read(files, name, index))
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 
-    def _kept_parts(self, files: dict[str, tuple], name: str, device: torch.device) -> kept.KeptParts:
-        """A matrix `_kept_shapes` accepted, in its kernel's convention on `device`."""
+    def _kept_parts(self, files: dict[str, tuple], name: str, device: torch.device, index: int | None) -> kept.KeptParts:
+        """A matrix `_kept_shapes` accepted (`index`: of stacked `name`), in its kernel's convention on `device`."""
         try:
-            return self._parts(name).kept_parts(self._stored_on(files, name, device))
+            return self._parts(name).kept_parts(self._stored_on(files, name, device, index))
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None
 
-    def _stored_on(self, files: dict[str, tuple], name: str, device: torch.device) -> dict[str, torch.Tensor]:
-        """The stored tensors that make quantized `name`, on `device`: the packed codes are a quarter
-        (or less) of its f32 size, so they are dequantized or repacked there."""
-        return {part: self._get(files, part).get_tensor(part).to(device) for part in self._stored(name)}
+    def _stored_on(self, files: dict[str, tuple], name: str, device: torch.device,
+                   index: int | None = None) -> dict[str, torch.Tensor]:
+        """The stored tensors that make quantized `name` (`index`: their matrix `index`), on `device`: the
+        packed codes are a quarter (or less) of its f32 size, so they are dequantized or repacked there."""
+        return {part: self._read(files, part, index).to(device) for part in self._stored(name)}
+
+    def _read(self, files: dict[str, tuple], name: str, index: int | None) -> torch.Tensor:
+        """Stored tensor `name`, or (`index`) its matrix `index` alone, only those bytes read from the map."""
+        f = self._get(files, name)
+        return f.get_tensor(name) if index is None else f.get_slice(name)[index]
+
+    def _stored_nbytes(self, files: dict[str, tuple], name: str) -> int:
+        total = 0
+        for part in self._stored(name):
+            stored = self._get(files, part).get_slice(part)
+            total += math.prod(stored.get_shape()) * _ITEMSIZE[stored.get_dtype()]
+        return total
 
     def _fp8_weight(self, files: dict[str, tuple], members: list[str], device: torch.device) -> fp8.Fp8Weight:
         stored = [(files[self.file_of(name)][0].get_tensor(name),
@@ -222,16 +241,17 @@ class Checkpoint(Reader):
                 return False
         return True
 
-    def _source(self, files: dict[str, tuple], name: str, device: torch.device) -> torch.Tensor:
-        """The stored tensor (a view of the mapped file), or its f32 dequantization on `device`."""
+    def _source(self, files: dict[str, tuple], name: str, device: torch.device, index: int | None) -> torch.Tensor:
+        """The stored tensor (`index`: its matrix `index`), a view of the mapped file, or its f32
+        dequantization on `device`."""
         parts = self._parts(name)
         if parts is not None:
             try:
-                return parts.dequantize(self._stored_on(files, name, device))
+                return parts.dequantize(self._stored_on(files, name, device, index))
             except ValueError as exc:
                 raise CheckpointError(f"{name}: {exc}") from None
         f, present = files[self.file_of(name)]
-        tensor = self._get(files, name).get_tensor(name)
+        tensor = self._read(files, name, index)
         if name.endswith(LINEAR_CONV) and tensor.dim() == 3 and tensor.shape[1] > 1 and tensor.shape[2] == 1:
             return tensor.transpose(1, 2)  # MLX's depthwise conv layout [C, K, 1] -> HF's [C, 1, K]
         scale_name = name + "_scale_inv"
@@ -241,6 +261,7 @@ class Checkpoint(Reader):
             raise CheckpointError(f"{name} has a {scale_name} but config.json declares no fp8 quantization")
         try:
             # Dequantize where the weight goes: the e4m3 bytes are a quarter of its f32 size.
-            return fp8.dequantize(tensor.to(device), f.get_tensor(scale_name).to(device), self.config.fp8_block)
+            return fp8.dequantize(tensor.to(device), self._read(files, scale_name, index).to(device),
+                                  self.config.fp8_block)
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from None

@@ -7,6 +7,11 @@ A group is one weight made of several stored tensors stacked along dim 0 (q/k/v,
 experts): it stays FP8 where the reader and the device keep it so, stays 4-bit or 8-bit where
 one of the device's kept kernels (int4.py, int8.py: kept.py) takes every member, and is otherwise
 stacked into one plain tensor (stacking.py).
+
+`WeightSource.mapped` keeps a checkpoint's files open for reads repeated while a node serves
+(an offloaded MoE's routed experts, model/weights/experts.py): `Mapped.load` reads groups as
+`load` does or, given an `index`, only matrix `index` of each member stored stacked [E, ...],
+its bytes alone read from the mapped file, in its stored form (4-bit codes stay 4-bit).
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ class WeightSource(Protocol):
         """The groups holding a weight dequantized from parts whose stored shapes are checked before
         any value is read (a push's weights), each member's shape once read; other groups left out."""
 
+    def mapped(self, groups: dict[K, list[str]]) -> Mapped:
+        """The files holding these groups' tensors, opened (memory-mapped) once and kept open for
+        repeated reads until `Mapped.close`."""
+
 
 class Reader:
     """`load` and `nbytes` over weight groups, once for every reader. A subclass says how its files
@@ -78,17 +87,25 @@ class Reader:
         `int4.Int4Weight` or `int8.Int8Weight` (others are dequantized, and why is logged once).
         """
         with ExitStack() as stack:
-            store = self._opened(stack, groups)
-            out = {}
-            for key, members in groups.items():
-                if keep_fp8 and self._kept_fp8(store, members):
-                    out[key] = self._fp8_weight(store, members, device)
-                elif self._kept(store, members, kernels):
-                    out[key] = kept.weight([self._kept_parts(store, name, device) for name in members])
-                else:
-                    sources = [self._source(store, name, device) for name in members]
-                    out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
-            return out
+            return self._load(self._opened(stack, groups), groups, device, dtype, keep_fp8, plus_one, kernels)
+
+    def mapped(self, groups: dict[K, list[str]]) -> Mapped:
+        return Mapped(self, groups)
+
+    def _load(self, store: Any, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype,
+              keep_fp8: bool = False, plus_one: frozenset[K] = frozenset(), kernels: frozenset[str] = frozenset(),
+              index: int | None = None) -> dict[K, Loaded]:
+        """`load` over an opened store; with `index`, matrix `index` of each (stacked) member alone."""
+        out = {}
+        for key, members in groups.items():
+            if keep_fp8 and index is None and self._kept_fp8(store, members):
+                out[key] = self._fp8_weight(store, members, device)
+            elif self._kept(store, members, kernels, index):
+                out[key] = kept.weight([self._kept_parts(store, name, device, index) for name in members])
+            else:
+                sources = [self._source(store, name, device, index) for name in members]
+                out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
+        return out
 
     def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
                kernels: frozenset[str] = frozenset()) -> int:
@@ -107,11 +124,13 @@ class Reader:
                 total += sum(self._numel(store, name) for name in members) * (1 if fp8_kept else dtype.itemsize)
             return total
 
-    def _kept(self, store: Any, members: list[str], kernels: frozenset[str]) -> list[kept.KeptShape] | None:
+    def _kept(self, store: Any, members: list[str], kernels: frozenset[str],
+              index: int | None = None) -> list[kept.KeptShape] | None:
         """The one decision per weight group, for `load` and `nbytes` alike: kept quantized (each
         member's kept.KeptShape) where one of the device's `kernels` (compute/loading.kept_kernels)
-        takes every member and they fuse into one weight, else None: dequantized."""
-        shapes = self._kept_shapes(store, members) if kernels else None
+        takes every member and they fuse into one weight, else None: dequantized. `index`: of the
+        members' matrix `index` (each stored stacked [E, ...])."""
+        shapes = self._kept_shapes(store, members, index) if kernels else None
         if shapes is None:
             return None
         reason = kept.fuse_reason(shapes)
@@ -138,18 +157,46 @@ class Reader:
         """A group `_kept_fp8` accepted, stacked as stored on `device`."""
         raise NotImplementedError
 
-    def _kept_shapes(self, store: Any, members: list[str]) -> list[kept.KeptShape] | None:
-        """Each member's kept.KeptShape if a kernel takes each, else None (logged once why)."""
+    def _kept_shapes(self, store: Any, members: list[str], index: int | None) -> list[kept.KeptShape] | None:
+        """Each member's kept.KeptShape (of its matrix `index`, for a stacked one) if a kernel takes each,
+        else None (logged once why)."""
         raise NotImplementedError
 
-    def _kept_parts(self, store: Any, name: str, device: torch.device) -> kept.KeptParts:
-        """A matrix `_kept_shapes` accepted, in its kernel's convention on `device`."""
+    def _kept_parts(self, store: Any, name: str, device: torch.device, index: int | None) -> kept.KeptParts:
+        """A matrix `_kept_shapes` accepted (`index`: of stacked `name`), in its kernel's convention on `device`."""
         raise NotImplementedError
 
-    def _source(self, store: Any, name: str, device: torch.device) -> torch.Tensor:
-        """Tensor `name` as stored (a view of the mapped file) or dequantized in f32 on `device`."""
+    def _source(self, store: Any, name: str, device: torch.device, index: int | None) -> torch.Tensor:
+        """Tensor `name` (`index`: its matrix `index`, stored stacked [E, ...]) as stored (a view of the
+        mapped file) or dequantized in f32 on `device`."""
         raise NotImplementedError
 
     def _numel(self, store: Any, name: str) -> int:
         """How many values `name` has once read (dequantized where it is quantized)."""
         raise NotImplementedError
+
+    def _stored_nbytes(self, store: Any, name: str) -> int:
+        """The bytes `name` is stored in (a quantized weight's parts together), from the headers."""
+        raise NotImplementedError
+
+
+class Mapped:
+    """A Reader's files opened once for reads repeated until `close` (an offloaded MoE's experts):
+    the group loop of `Reader.load`, over handles that stay mapped, so a read costs its bytes alone."""
+
+    def __init__(self, reader: Reader, groups: dict[K, list[str]]):
+        self._reader = reader
+        self._stack = ExitStack()
+        self._store = reader._opened(self._stack, groups)
+
+    def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype,
+             kernels: frozenset[str] = frozenset(), index: int | None = None) -> dict[K, Loaded]:
+        """As `Reader.load`; with `index`, only matrix `index` of each member (stored stacked [E, ...]) is read."""
+        return self._reader._load(self._store, groups, device, dtype, kernels=kernels, index=index)
+
+    def stored_nbytes(self, names: list[str]) -> int:
+        """The bytes these tensors are stored in, their quantized parts' together (headers alone)."""
+        return sum(self._reader._stored_nbytes(self._store, name) for name in names)
+
+    def close(self) -> None:
+        self._stack.close()
