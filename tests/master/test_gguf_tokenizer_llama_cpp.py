@@ -111,3 +111,17 @@ def test_sentencepiece_ids_are_llama_cpps(tmp_path, sentencepiece, switches):
     # A special token puts a space before the text after it (llama.cpp's fragments): no round trip.
     _same_as_llama_cpp(path, [t for t in TEXTS if EOT not in t])
     _same_as_llama_cpp(path, [t for t in TEXTS if EOT in t], round_trip=False)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_a_word_that_is_a_token_is_that_token_where_llama_cpp_ignores_merges(tmp_path, pre):
+    """"abc" is a token, but merging by rank gives a|bc: llama-bpe (ignore_merges) takes the token whole,
+    qwen2 merges."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokens = sorted(alphabet) + ["bc", "ab", "abc"]
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.merges": ["b c", "a b", "ab c"], "tokenizer.ggml.add_bos_token": False}
+    path = _write(tmp_path / f"{pre}.gguf", metadata)
+    _same_as_llama_cpp(path, ["abc", "xabc abc"])
+    whole = gguf_tokenizer(GgufFile(path)).encode("abc").ids == [tokens.index("abc")]
+    assert whole == (pre == "llama-bpe")
