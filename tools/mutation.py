@@ -57,6 +57,9 @@ KV = ("tests/compute/test_kv_cache.py", "tests/compute/test_runner.py", "tests/d
       "tests/node/test_node_flags.py")
 BLOCK = ("tests/model/test_block.py", "tests/compute/test_runner_parity.py", "-k", "f32 or block")
 GENERATION = ("tests/master/test_generator.py", "-k", "greedy")
+# llama.cpp's own tokenizer is the oracle (skipped without llama-cpp-python: a mutant then survives).
+GGUF_TOKENIZER = ("tests/master/test_gguf_tokenizer_llama_cpp.py", "tests/master/test_gguf_tokenizer.py",
+                  "tests/master/test_gguf_generator.py")
 
 MUTANTS = (
     # --- wire codec
@@ -162,6 +165,39 @@ MUTANTS = (
     Mutant("llama3-ramp-reversed", "cakemp/model/rotary.py",
            "ramp = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq",
            "ramp = smooth * inv_freq / scaling.factor + (1 - smooth) * inv_freq", BLOCK),
+    # --- the master's GGUF tokenizers
+    Mutant("gguf-merge-names-unknown-token", "cakemp/master/gguf_tokenizer/bpe.py",
+           "for t in (*pair, pair[0] + pair[1]) if t not in ids), None)", "for t in () if t not in ids), None)",
+           GGUF_TOKENIZER),
+    Mutant("bpe-last-split-regex-only", "cakemp/master/gguf_tokenizer/bpe.py",
+           "for regex in FAMILIES[split.family]]", "for regex in FAMILIES[split.family][-1:]]", GGUF_TOKENIZER),
+    Mutant("bpe-merges-never-ignored", "cakemp/master/gguf_tokenizer/bpe.py",
+           "ignore_merges=split.ignore_merges)", "ignore_merges=False)", GGUF_TOKENIZER),
+    Mutant("bpe-no-default-bos", "cakemp/master/gguf_tokenizer/bpe.py",
+           "vocab.wrap(tokenizer, split.add_bos, bos_default=None)", "vocab.wrap(tokenizer, False, bos_default=None)",
+           GGUF_TOKENIZER),
+    Mutant("control-tokens-not-matched-whole", "cakemp/master/gguf_tokenizer/vocab.py",
+           "if kind in (CONTROL, UNKNOWN)]", "if kind in (UNKNOWN,)]", GGUF_TOKENIZER),
+    Mutant("spm-lowest-score-merged-first", "cakemp/master/gguf_tokenizer/spm.py",
+           "ranked = [(-scores[i], i,", "ranked = [(scores[i], i,", GGUF_TOKENIZER),
+    Mutant("spm-no-space-prefix", "cakemp/master/gguf_tokenizer/spm.py",
+           'vocab.flag("add_space_prefix", True)', 'vocab.flag("add_space_prefix", False)', GGUF_TOKENIZER),
+    Mutant("spm-no-byte-fallback", "cakemp/master/gguf_tokenizer/spm.py",
+           "byte_fallback=True", "byte_fallback=False", GGUF_TOKENIZER),
+    # --- behaviours pinned in the same round
+    Mutant("row-digest-drops-last-byte", "cakemp/compute/row_chain.py",
+           "h.update(rows[start : start + row_bytes])", "h.update(rows[start : start + row_bytes - 1])",
+           ("tests/compute/test_row_chain.py", "tests/compute/test_prefix_cache.py")),
+    Mutant("temperature-capped-at-1", "cakemp/master/openai_request.py",
+           '_number(body, "temperature", 1.0, 0.0, 2.0)', '_number(body, "temperature", 1.0, 0.0, 1.0)',
+           ("tests/master/test_openai_request.py",)),
+    Mutant("component-token-length-unbounded", "cakemp/front/component_admission.py",
+           "or not 1 <= shape[1] <= MAX_TOKENS:", "or not 1 <= shape[1]:",
+           ("tests/node/test_image_node.py", "-k", "malformed")),
+    Mutant("component-token-rows-unbounded", "cakemp/front/component_admission.py",
+           "not 1 <= shape[0] <= MAX_TOKEN_ROWS", "not 1 <= shape[0]", ("tests/node/test_image_node.py", "-k", "malformed")),
+    Mutant("hub-ref-trusted", "cakemp/checkpoint/locate.py",
+           "return commit if _COMMIT.fullmatch(commit) else None", "return commit", ("tests/checkpoint/test_locate.py",)),
 )
 
 

@@ -69,6 +69,16 @@ def test_an_id_is_its_refs_snapshot_and_a_revision_picks_another(cache):
     assert locate(f"org/name@{OTHER}").path == tagged
 
 
+@pytest.mark.parametrize("held", ["v2", OTHER[:39], OTHER + "0", OTHER.upper(), f" {OTHER[:38]} "])
+def test_a_ref_holding_anything_but_40_hex_digits_gives_no_path(cache, held):
+    """refs/main names a snapshot folder the cache holds, but not by a commit: not trusted, no path."""
+    write_snapshot(cache, "org/name", {CONFIG: "{}"}, commit=held.strip(), ref=None)
+    (cache / "models--org--name" / "refs").mkdir()
+    (cache / "models--org--name" / "refs" / "main").write_text(held)
+    assert Repository("org/name", "main", cache).commit() is None
+    assert locate("org/name").path is None
+
+
 def test_an_existing_path_wins_over_an_id_of_the_same_spelling(cache, tmp_path, monkeypatch):
     """A directory ./org/name is that directory, though the cache holds org/name too."""
     write_snapshot(cache, "org/name", {CONFIG: "{}"})

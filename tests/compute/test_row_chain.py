@@ -61,3 +61,14 @@ def test_advancing_past_the_rows_or_from_elsewhere_is_refused():
         chain.advance(extension, 16)
     with pytest.raises(ValueError):
         RowChain(ROW).advance(extension, 12)
+
+
+@pytest.mark.parametrize("at", [0, ROW // 2, ROW - 1])
+def test_rows_differing_in_any_byte_even_the_last_do_not_agree(at):
+    """Row 3 differs in one byte (its last too): its position and every later one are named apart."""
+    data = rows(6)
+    changed = bytearray(data)
+    changed[3 * ROW + at] ^= 0x80
+    ours, theirs = RowChain(ROW).extension(data), chain_of(memoryview(bytes(changed)))
+    assert [ours.digest_at(p) == theirs.digest_at(p) for p in range(1, 7)] == [True] * 3 + [False] * 3
+    assert ours.agreed(theirs) == 3

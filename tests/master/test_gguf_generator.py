@@ -148,9 +148,10 @@ def test_cakemp_generate_through_a_node_serving_the_file_prints_transformers_gre
 
 
 def test_a_tokenizer_not_built_is_refused_by_name(tmp_path):
-    spec = GgufSpec("llama", global_metadata={"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
-    with pytest.raises(CheckpointError, match="tokenizer.ggml.model 'llama' is not supported"):
-        gguf_tokenizer(GgufFile(write_gguf(tmp_path / "sp.gguf", spec)))
-    spec = GgufSpec("llama", global_metadata={**_tokenizer_metadata(), "tokenizer.ggml.pre": "chameleon"})
-    with pytest.raises(CheckpointError, match="tokenizer.ggml.pre 'chameleon' is not supported"):
-        gguf_tokenizer(GgufFile(write_gguf(tmp_path / "pre.gguf", spec)))
+    spec = GgufSpec("llama", global_metadata={"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.model 'bert' is not supported"):
+        gguf_tokenizer(GgufFile(write_gguf(tmp_path / "wpm.gguf", spec)))
+    for pre, why in (("kimi-k2", "code of its own"), ("no-such-pre", "llama.cpp does not know it")):
+        spec = GgufSpec("llama", global_metadata={**_tokenizer_metadata(), "tokenizer.ggml.pre": pre})
+        with pytest.raises(CheckpointError, match=f"tokenizer.ggml.pre '{pre}' is not supported .*{why}"):
+            gguf_tokenizer(GgufFile(write_gguf(tmp_path / "pre.gguf", spec)))

@@ -216,6 +216,11 @@ MALFORMED = {
     "a token past the vocabulary": ("clip", token_ids([1, 1000]), "outside the vocabulary of 1000"),
     "an id past 2^31": ("clip", RawTensor(struct.pack("<2I", 1, 1 << 31), DType.U32, (1, 2)), "outside the vocabulary"),
     "too many tokens": ("clip", token_ids([1], 78), "78 tokens, at most 77"),
+    # Past the front's own bounds (component_admission.py), its words, not the device's: the device
+    # would run 9 prompts of 2 ids, and refuse 1025 ids only as past its 77.
+    "more prompts than a master sends": ("clip", RawTensor(struct.pack("<18I", *[1] * 18), DType.U32, (9, 2)),
+                                         "clip takes token ids [b, L] with 1 <= b <= 8 and 1 <= L <= 1024, got shape [9, 2]"),
+    "more ids than the front takes": ("clip", token_ids([1], 1025), "1 <= L <= 1024, got shape [1, 1025]"),
     "latents of the wrong channels": ("unet", f32(pack(torch.zeros(1, 3, 8, 8), torch.zeros(1, *TEXT), torch.ones(1))),
                                       "latents have 3 channels"),
     "text of the wrong width": ("unet", f32(pack(torch.zeros(1, *LATENT), torch.zeros(1, 77, 8), torch.ones(1))),
