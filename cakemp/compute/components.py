@@ -42,6 +42,7 @@ class ComponentRunner:
     """A device's image components (`layers`: their names, in the order ops index them)."""
 
     prefixes = None  # the Runner protocol's: no prefix reuse, nothing is kept between calls
+    weight_bytes = None  # the Runner protocol's: components' weights are not counted
 
     def __init__(self, components: Sequence[tuple[str, Component]], device: torch.device, dtype: torch.dtype):
         self.layers = tuple(name for name, _ in components)

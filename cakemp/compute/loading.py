@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cakemp.checkpoint import resident
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import memory
 from cakemp.errors import CheckpointError
@@ -126,19 +127,17 @@ class LoadPlan:
 
 
 def kept_kernels(checkpoint: WeightSource, device: torch.device, dtype: torch.dtype) -> frozenset[str]:
-    """The kernels quantized matrices may stay quantized for here (model/weights/kept.py): "int4" where
-    torch's int4 matmul works, on a CPU in any compute dtype (each product's input rounded to bf16,
-    model/weights/int4.py), on a GPU in bf16; "int8" on a CPU where its int8 matmul works (int8.py).
-    For a checkpoint that may hold such matrices, why one is not used is logged once."""
+    """The kernels quantized matrices may stay quantized for here (model/weights/kept.py): those the
+    device kind keeps them for (checkpoint/resident.device_kernels: on a CPU "int4" in any compute
+    dtype, each product's input rounded to bf16, and "int8"; on a GPU "int4" in bf16) where torch's
+    kernel works on this device (int4.kernel_works, int8.kernel_works). For a checkpoint that may
+    hold such matrices, why one is not used is logged once."""
     if device.type not in ("cuda", "cpu") or not checkpoint.stores_kept:
         return frozenset()
-    kernels = set()
-    if device.type == "cuda" and dtype != torch.bfloat16:
+    wanted = resident.device_kernels(device.type, dtype == torch.bfloat16)
+    if int4.KERNEL not in wanted:
         kept.dequantized(f"compute dtype {dtype} (torch's int4 matmul takes bf16 activations)")
-    elif int4.kernel_works(device):
-        kernels.add(int4.KERNEL)
-    else:
+    elif not int4.kernel_works(device):
         kept.dequantized(f"torch's int4 matmul does not run, or miscomputes, on {device}")
-    if int8.kernel_works(device):
-        kernels.add(int8.KERNEL)
-    return frozenset(kernels)
+        wanted -= {int4.KERNEL}
+    return frozenset(kernel for kernel in wanted if kernel != int8.KERNEL or int8.kernel_works(device))

@@ -46,6 +46,7 @@ class Runner(Protocol):
     device: torch.device
     dtype: torch.dtype  # the compute dtype
     prefixes: PrefixCache | None  # the rows prefix reuse keeps, and its counts (None: no reuse)
+    weight_bytes: int | None  # the bytes its weights hold (None: not counted, an image model's components)
 
     def run_batch(self, requests: Sequence[Any], between_ops: Callable[[], None] | None = None
                   ) -> list[torch.Tensor | Exception]:
@@ -127,6 +128,8 @@ class BlockRunner:
         """`prefix_reuse`: keep sessions' rows past their end for requests that send them again
         (compute/prefix_cache.py), reused by the same session only, or by any with `share_prefixes`."""
         self.config = config
+        # The bytes its layers' weights hold (kept int4/int8 as such, packed copies too), counted by `load`.
+        self.weight_bytes: int | None = None
         self.layers = tuple(blocks)  # Op.layer indexes these
         self.blocks = tuple(blocks.values())
         self.device = device
@@ -187,6 +190,7 @@ class BlockRunner:
         for (layer, key), tensor in weights.items():
             if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
                 weights[layer, key] = packed.PackedWeight.create(tensor)
+        held = sum(map(_held_bytes, weights.values()))
         blocks = {
             layer: plan.kinds[layer](config, config.layer_index(layer),
                                      {key: weights[layer, key] for key in plan.groups[layer]})
@@ -194,7 +198,9 @@ class BlockRunner:
         }
         if device.type == "cuda" and kv_budget_bytes is None:
             kv_budget_bytes = memory.default_kv_budget(*torch.cuda.mem_get_info(device), str(device))
-        return cls(config, blocks, device, dtype, kv_budget_bytes, max_context, prefix_reuse, share_prefixes)
+        runner = cls(config, blocks, device, dtype, kv_budget_bytes, max_context, prefix_reuse, share_prefixes)
+        runner.weight_bytes = held
+        return runner
 
     def ops(self, named: Sequence[tuple[str, int, int]]) -> tuple[Op, ...]:
         """(layer name, index_pos, block_idx), ... as this runner's ops, for in-process callers (the
@@ -412,3 +418,10 @@ def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[in
     if la is None:
         return None
     return (1, la.conv_channels, la.conv_kernel - 1), (1, la.value_heads, la.key_head_dim, la.value_head_dim)
+
+
+def _held_bytes(weight: object) -> int:
+    """The bytes a loaded weight holds: a tensor's, or those of the tensors a kept or packed weight is made of."""
+    if isinstance(weight, torch.Tensor):
+        return weight.nbytes
+    return sum(part.nbytes for part in vars(weight).values() if isinstance(part, torch.Tensor))
