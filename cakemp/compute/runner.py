@@ -16,7 +16,7 @@ import torch
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
-from cakemp.compute.loading import Block, LoadPlan, kept_kernels
+from cakemp.compute.loading import Block, LoadPlan, Rounding, check_quantizable, kept_kernels
 from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import InternalError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model.block import MATRICES, Span
@@ -163,6 +163,7 @@ class BlockRunner:
         prefix_reuse: bool = False,
         share_prefixes: bool = False,
         keep_int4: bool = True,
+        quantize: Rounding | None = None,
     ) -> BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
 
@@ -175,6 +176,9 @@ class BlockRunner:
         a row (GPTQ, MLX) 8-bit for its int8 matmul (compute/loading.kept_kernels); False dequantizes
         them all (--dequantize-4bit).
 
+        `quantize` (--quantize): round a plain checkpoint's matrices into kept int8 or int4 weights at
+        load (model/weights/rtn.py; the results change); ConfigError for a checkpoint quantized already.
+
         `on_layer(n)` is called once `n` of them are on the device (the device process reports
         it, so that a load of minutes shows progress).
         """
@@ -185,7 +189,9 @@ class BlockRunner:
         config = checkpoint.config
         plan = LoadPlan.of(config, checkpoint, layers)
         kernels = kept_kernels(checkpoint, device, dtype) if keep_int4 else frozenset()
-        weights = plan.read(checkpoint, device, dtype, on_layer, kernels)
+        if quantize is not None:
+            check_quantizable(checkpoint, quantize, device, dtype)
+        weights = plan.read(checkpoint, device, dtype, on_layer, kernels, quantize)
         # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/weights/packed.py says why).
         for (layer, key), tensor in weights.items():
             if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):

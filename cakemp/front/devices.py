@@ -50,6 +50,8 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             prefix_reuse=config.prefix_reuse,
             share_prefixes=config.share_prefixes,
             keep_int4=config.keep_int4,
+            quantize=config.quantize,
+            quantize_group=config.quantize_group,
             # Well inside the request timeout, which counts a device silent that long as hung.
             progress_s=config.request_timeout / 4,
             log_format=config.log_format,

@@ -92,6 +92,8 @@ class DeviceSpec:
     prefix_reuse: bool = True  # keep sessions' rows for requests that send them again (compute/prefix_cache.py)
     share_prefixes: bool = False  # ... reused by any session, not only the one they came from
     keep_int4: bool = True  # 4-bit (and 8-bit) matrices kept where torch's kernels take them (loading.kept_kernels)
+    quantize: str | None = None  # --quantize: plain matrices rounded at load into kept "int8" or "int4" (model/weights/rtn.py)
+    quantize_group: int = 128  # --quantize-group: inputs per int4 scale and zero
     progress_s: float = 15.0  # a device busy this long on one step says so (Progress), so the front can tell busy from hung
     log_format: str = "auto"
     log_level: str = "info"
