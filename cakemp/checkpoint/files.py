@@ -8,7 +8,6 @@ The front (setup, admission), the master (pushes, assignment) and the torch load
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import struct
@@ -19,7 +18,6 @@ from typing import Any
 
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.checkpoint.gguf_model import hf_config, hf_names
-from cakemp.checkpoint.quantization import Quantization, read_shapes
 from cakemp.errors import CheckpointError
 
 CONFIG = "config.json"
@@ -169,30 +167,6 @@ def estimated_layer_bytes(model_dir: Path, num_layers: int, prefix: str) -> int:
     return in_layers or sum(path.stat().st_size for path in present) // num_layers
 
 
-def resident_layer_bytes(model_dir: Path, num_layers: int, prefix: str, quantization: Quantization | None,
-                         itemsize: int) -> int:
-    """One decoder layer's size as a node holds it: every value of the tensors named "<prefix>.…" once
-    read (a GPTQ or MLX weight as the matrix it is dequantized into, `quantization.read_shapes`), at
-    `itemsize` bytes each (the compute dtype's, which a node casts and dequantizes into), over
-    `num_layers`. Unlike Cake's estimate (the bytes on disk) it counts a 4-bit layer at its 4 (f16) or
-    8 (f32) times larger resident size. CheckpointError where a weight file is missing or unreadable,
-    or a quantized weight's parts do not fit together."""
-    stored = {}
-    for name in weight_files(model_dir):
-        try:
-            header = safetensors_header(model_dir / name)[1]
-        except OSError as exc:
-            raise CheckpointError(f"cannot read {model_dir / name}: {exc.strerror or exc}") from None
-        for tensor, entry in header.items():
-            if tensor.startswith(prefix + "."):
-                stored[tensor] = _tensor_shape(name, tensor, entry)
-    try:
-        read = read_shapes(stored, quantization)
-    except ValueError as exc:
-        raise CheckpointError(str(exc)) from None
-    return sum(math.prod(shape) for shape in read.values()) * itemsize // max(1, num_layers)
-
-
 def weight_files(model_dir: Path) -> list[str]:
     """The weight files of a checkpoint directory: those its index names, else the one model.safetensors."""
     return sorted(set(read_weight_map(model_dir / INDEX).values())) if (model_dir / INDEX).exists() else [SINGLE]
@@ -201,13 +175,6 @@ def weight_files(model_dir: Path) -> list[str]:
 def layer_bytes_of(sizes: Mapping[str, int], num_layers: int, prefix: str) -> int:
     """The bytes of the tensors named "<prefix>.…" among `sizes` (tensor name -> bytes) over `num_layers`."""
     return sum(size for name, size in sizes.items() if name.startswith(prefix + ".")) // max(1, num_layers)
-
-
-def _tensor_shape(file: str, tensor: str, entry: object) -> tuple[int, ...]:
-    shape = entry.get("shape") if isinstance(entry, dict) else None
-    if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
-        raise CheckpointError(f"{file}: the header gives {tensor} no shape")
-    return tuple(shape)
 
 
 def _tensor_bytes(entry: object) -> int:

@@ -5,7 +5,8 @@ device starts; model/weights/fp8.py, model/weights/gptq.py and model/weights/mlx
 
 Each format is one frozen config (a `Quantization`: what `parse` returns, through METHODS) whose
 `parts` names the stored tensors of a weight as a `Parts` (their names, and the shape rule of
-the matrix they make), so the readers and the sizing never ask which format it is.
+the matrix they make, and `kept_form`: how one of torch's kept kernels takes it, checkpoint/resident.py),
+so the readers and the sizing never ask which format it is.
 
 | format     | config.json                                            | a weight `P.weight` is stored as          |
 |------------|--------------------------------------------------------|-------------------------------------------|
@@ -27,10 +28,11 @@ and 128 (what mx.quantize takes).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
+from cakemp.checkpoint.resident import INT4, INT8, KeptForm, int4_unfit_reason
 from cakemp.checkpoint.values import as_list, mapping, shown, whole
 
 Shape = tuple[int, ...]
@@ -46,7 +48,7 @@ _GPTQ_FORMATS = {"gptq": True, "gptq_v2": False}
 
 class Parts(Protocol):
     """The stored tensors that make one quantized weight, whatever its format: what the readers
-    and the sizing (`read_shapes`) ask of it before any value is read."""
+    and the sizing (through the readers: compute/loading.LoadPlan.nbytes) ask of it before any value is read."""
 
     @property
     def stored(self) -> tuple[str, ...]:
@@ -55,6 +57,10 @@ class Parts(Protocol):
     def matrix_shape(self, shape: Callable[[str], Shape]) -> Shape:
         """The shape of the matrix the parts dequantize into, from their stored shapes (`shape(part)`);
         ValueError naming the part whose shape does not fit the others'."""
+
+    def kept_form(self, shape: Callable[[str], Shape]) -> KeptForm | str:
+        """How one of torch's kept kernels takes the matrix with its codes unchanged (checkpoint/resident.py),
+        or why none does, from the parts' stored shapes alone."""
 
 
 class Quantization(Protocol):
@@ -95,6 +101,16 @@ class Gptq:
     v1: bool  # zero points stored minus 1 (checkpoint_format "gptq"), else as they are ("gptq_v2")
     fp8_block: ClassVar[None] = None
 
+    def int4_group(self, out_features: int, in_features: int, groups: int) -> int | str:
+        """The group size torch's int4 matmul can take such a weight in, or why not: 4 bits, groups of one
+        size (an act-order g_idx is checked to hold them so where its values are read: model/weights/gptq.py)."""
+        if self.bits != 4:
+            return f"GPTQ {self.bits}-bit weights"
+        if groups == 0 or in_features % groups:
+            return f"GPTQ groups of unequal size ({in_features} inputs in {groups} groups)"
+        size = in_features // groups
+        return int4_unfit_reason(out_features, in_features, size) or size
+
     def parts(self, weight: str, stored: Callable[[str], bool]) -> GptqParts | None:
         """The stored tensors of `weight` ("P.weight") if it is quantized here, else None."""
         module = _module(weight)
@@ -133,6 +149,18 @@ class GptqParts(NamedTuple):
         _expect(self.qweight, shape(self.qweight), (-(-in_features * spec.bits // 32), out_features))
         _expect(self.qzeros, shape(self.qzeros), (groups, -(-out_features * spec.bits // 32)))
         return out_features, in_features
+
+    def kept_form(self, shape: Callable[[str], Shape]) -> KeptForm | str:
+        """int8 for 8 bits in one group, int4 for 4 bits in groups the kernel takes (act-order: `desc_act`
+        with a g_idx), else why not."""
+        out_features, in_features = self.matrix_shape(shape)
+        groups = shape(self.scales)[0]
+        if self.spec.bits == 8:
+            return KeptForm(INT8, out_features, in_features, in_features) if groups == 1 else \
+                f"GPTQ 8-bit weights in {groups} groups a row (torch's int8 matmul takes one scale a row)"
+        size = self.spec.int4_group(out_features, in_features, groups)
+        return size if isinstance(size, str) else \
+            KeptForm(INT4, out_features, in_features, size, self.g_idx is not None and self.spec.desc_act)
 
 
 @dataclass(frozen=True)
@@ -182,20 +210,18 @@ class MlxParts(NamedTuple):
                 raise ValueError(f"{part} has shape {tuple(shape(part))}, expected {groups} for a weight of {weight}")
         return (*lead, cols)
 
-
-def read_shapes(stored: Mapping[str, Shape], quantization: Quantization | None) -> dict[str, Shape]:
-    """The tensors a node reads from these stored ones (name -> stored shape), each with its shape once
-    read: a GPTQ or MLX weight as the matrix it is dequantized into (its parts not counted on their
-    own), every other tensor as it is stored; ValueError naming a quantized part that does not fit."""
-    read, parts_of = {}, set()
-    if quantization is not None:
-        for weight in dict.fromkeys(f"{name.rpartition('.')[0]}.weight" for name in stored if "." in name):
-            parts = quantization.parts(weight, stored.__contains__)
-            if parts is None:
-                continue
-            read[weight] = parts.matrix_shape(stored.__getitem__)
-            parts_of.update(parts.stored)
-    return read | {name: shape for name, shape in stored.items() if name not in parts_of and name not in read}
+    def kept_form(self, shape: Callable[[str], Shape]) -> KeptForm | str:
+        """int8 for one 8-bit matrix in one group a row, int4 for one 4-bit matrix in groups the kernel
+        takes, else why not (from the packed weight's stored shape alone)."""
+        stored = tuple(shape(self.weight))
+        cols = stored[-1] * 32 // self.bits
+        if self.bits == 8 and len(stored) == 2 and self.group_size == cols:
+            return KeptForm(INT8, stored[0], cols, cols)
+        if self.bits != 4:
+            return f"MLX {self.bits}-bit weights"
+        if len(stored) != 2:
+            return f"MLX stacked weights of shape {stored}"
+        return int4_unfit_reason(stored[0], cols, self.group_size) or KeptForm(INT4, stored[0], cols, self.group_size)
 
 
 def parse(d: dict[str, Any]) -> Quantization | None:

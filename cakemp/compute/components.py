@@ -52,6 +52,7 @@ class ComponentRunner:
 
     prefixes = None  # the Runner protocol's: no prefix reuse, nothing is kept between calls
     expert_cache = None  # the Runner protocol's: no MoE experts offloaded
+    weight_bytes = None  # the Runner protocol's: components' weights are not counted
 
     def __init__(self, components: Sequence[tuple[str, Component]], device: torch.device, dtype: torch.dtype,
                  budget_bytes: int | None = None):

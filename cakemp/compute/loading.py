@@ -13,17 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from cakemp.checkpoint import resident
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import memory
-from cakemp.errors import CheckpointError
+from cakemp.errors import CheckpointError, ConfigError
 from cakemp.model import attention
-from cakemp.model.block import NORMS, DecoderBlock
+from cakemp.model.block import MATRICES, NORMS, DecoderBlock
 from cakemp.model.linear_block import LinearAttentionBlock
 from cakemp.model.moe import STACKED, SparseMoe
-from cakemp.model.weights import fp8, int4, int8, kept
+from cakemp.model.weights import fp8, int4, int8, kept, rtn
 from cakemp.model.weights.experts import ExpertCache, ExpertRead, ExpertStore, OffloadedExperts
 from cakemp.model.weights.source import WeightSource
 
@@ -72,10 +74,13 @@ class LoadPlan:
 
     def read(self, checkpoint: WeightSource, device: torch.device, dtype: torch.dtype,
              on_layer: Callable[[int], None] | None, kernels: frozenset[str] = frozenset(),
-             reserved: int = 0) -> dict[tuple[str, str], torch.Tensor]:
+             quantize: Rounding | None = None, reserved: int = 0) -> dict[tuple[str, str], torch.Tensor]:
         """(layer, key) -> its tensor on `device`, one layer at a time (`on_layer(n)` after n),
         after checking on a GPU that they fit beside `reserved` bytes (an expert cache's) (counting
-        what stays FP8, int4 or int8 as such); each checked against the shape config.json implies."""
+        what stays FP8, int4 or int8 as such); each checked against the shape config.json implies.
+        With `quantize` (--quantize), each layer's plain matrices are rounded into kept int8 or int4
+        weights as soon as that layer is read (model/weights/rtn.py), so no more than one layer is
+        ever held unquantized."""
         self._check_quantized_shapes(checkpoint)
         wanted = [self._wanted(layer) for layer in self.layers]
         keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
@@ -92,8 +97,8 @@ class LoadPlan:
         # Opening a shard again per layer costs only its header (the file is memory-mapped).
         try:
             for loaded, (kept, plain) in enumerate(wanted, 1):
-                weights.update(checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys(),
-                                               kernels=kernels))
+                read = checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys(), kernels=kernels)
+                weights.update(read if quantize is None else _rounded(read, quantize))
                 weights.update(checkpoint.load(plain, device, dtype))
                 if on_layer is not None:
                     on_layer(loaded)
@@ -161,20 +166,47 @@ def _named(layer: str, read: ExpertRead) -> ExpertRead:
     return named
 
 
+class Rounding(NamedTuple):
+    """`--quantize`: plain matrices rounded at load into kept weights of `kernel` (int8, or int4 in groups of `group_size`)."""
+
+    kernel: str
+    group_size: int
+
+
+def _rounded(weights: dict, quantize: Rounding) -> dict:
+    """The plain matrices among `weights` ((layer, key) -> tensor) rounded into kept weights."""
+    return {key: rtn.quantized(tensor, *quantize) if key[1] in MATRICES and isinstance(tensor, torch.Tensor)
+            and tensor.dim() == 2 else tensor for key, tensor in weights.items()}
+
+
+def check_quantizable(checkpoint: WeightSource, quantize: Rounding, device: torch.device, dtype: torch.dtype) -> None:
+    """ConfigError (exit 78) where `--quantize` cannot apply: a checkpoint stored quantized already,
+    or a device whose kernels (`usable_kernels`) do not include the one asked for."""
+    if checkpoint.quantized:
+        raise ConfigError(f"--quantize {quantize.kernel}: the checkpoint is quantized already; --quantize rounds "
+                          "plain f32, bf16 or f16 weights only")
+    if quantize.kernel not in usable_kernels(device, dtype):
+        raise ConfigError(f"--quantize {quantize.kernel}: torch's {quantize.kernel} matmul is not used on {device} "
+                          f"computing in {dtype} (checkpoint/resident.py)")
+
+
 def kept_kernels(checkpoint: WeightSource, device: torch.device, dtype: torch.dtype) -> frozenset[str]:
-    """The kernels quantized matrices may stay quantized for here (model/weights/kept.py): "int4" where
-    torch's int4 matmul works, on a CPU in any compute dtype (each product's input rounded to bf16,
-    model/weights/int4.py), on a GPU in bf16; "int8" on a CPU where its int8 matmul works (int8.py).
-    For a checkpoint that may hold such matrices, why one is not used is logged once."""
-    if device.type not in ("cuda", "cpu") or not checkpoint.stores_kept:
+    """The kernels quantized matrices may stay quantized for here (model/weights/kept.py): those the
+    device kind keeps them for (checkpoint/resident.device_kernels: on a CPU "int4" in any compute
+    dtype, each product's input rounded to bf16, and "int8"; on a GPU "int4" in bf16) where torch's
+    kernel works on this device (int4.kernel_works, int8.kernel_works). For a checkpoint that may
+    hold such matrices, why one is not used is logged once."""
+    return usable_kernels(device, dtype) if checkpoint.stores_kept else frozenset()
+
+
+def usable_kernels(device: torch.device, dtype: torch.dtype) -> frozenset[str]:
+    """The kept kernels a device computing in `dtype` multiplies by (`kept_kernels`' answer for any checkpoint)."""
+    if device.type not in ("cuda", "cpu"):
         return frozenset()
-    kernels = set()
-    if device.type == "cuda" and dtype != torch.bfloat16:
+    wanted = resident.device_kernels(device.type, dtype == torch.bfloat16)
+    if int4.KERNEL not in wanted:
         kept.dequantized(f"compute dtype {dtype} (torch's int4 matmul takes bf16 activations)")
-    elif int4.kernel_works(device):
-        kernels.add(int4.KERNEL)
-    else:
+    elif not int4.kernel_works(device):
         kept.dequantized(f"torch's int4 matmul does not run, or miscomputes, on {device}")
-    if int8.kernel_works(device):
-        kernels.add(int8.KERNEL)
-    return frozenset(kernels)
+        wanted -= {int4.KERNEL}
+    return frozenset(kernel for kernel in wanted if kernel != int8.KERNEL or int8.kernel_works(device))

@@ -16,7 +16,7 @@ import torch
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
-from cakemp.compute.loading import Block, LoadPlan, kept_kernels
+from cakemp.compute.loading import Block, LoadPlan, Rounding, check_quantizable, kept_kernels
 from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import InternalError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model.block import MATRICES, Span
@@ -48,6 +48,7 @@ class Runner(Protocol):
     dtype: torch.dtype  # the compute dtype
     prefixes: PrefixCache | None  # the rows prefix reuse keeps, and its counts (None: no reuse)
     expert_cache: ExpertCache | None  # what holds offloaded MoE experts, and its counts (None: none offloaded)
+    weight_bytes: int | None  # the bytes its weights hold (None: not counted, an image model's components)
 
     def run_batch(self, requests: Sequence[Any], between_ops: Callable[[], None] | None = None,
                   together: Callable[[Sequence[int]], None] | None = None) -> list[torch.Tensor | Exception]:
@@ -134,6 +135,8 @@ class BlockRunner:
         `expert_cache`: what holds the offloaded experts of the blocks' MoE layers (None: none offloaded)."""
         self.config = config
         self.expert_cache = expert_cache
+        # The bytes its layers' weights hold (kept int4/int8 as such, packed copies too), counted by `load`.
+        self.weight_bytes: int | None = None
         self.layers = tuple(blocks)  # Op.layer indexes these
         self.blocks = tuple(blocks.values())
         self.device = device
@@ -170,6 +173,7 @@ class BlockRunner:
         share_prefixes: bool = False,
         keep_int4: bool = True,
         expert_cache_bytes: int | None = None,
+        quantize: Rounding | None = None,
     ) -> BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
 
@@ -186,6 +190,9 @@ class BlockRunner:
         from the checkpoint into a cache of at most this many bytes (model/weights/experts.py), which
         the fit check and a GPU's default KV budget count in their stead; None: loaded with the layer.
 
+        `quantize` (--quantize): round a plain checkpoint's matrices into kept int8 or int4 weights at
+        load (model/weights/rtn.py; the results change); ConfigError for a checkpoint quantized already.
+
         `on_layer(n)` is called once `n` of them are on the device (the device process reports
         it, so that a load of minutes shows progress).
         """
@@ -196,13 +203,16 @@ class BlockRunner:
         config = checkpoint.config
         plan = LoadPlan.of(config, checkpoint, layers, offload_experts=expert_cache_bytes is not None)
         kernels = kept_kernels(checkpoint, device, dtype) if keep_int4 else frozenset()
-        weights = plan.read(checkpoint, device, dtype, on_layer, kernels, reserved=expert_cache_bytes or 0)
+        if quantize is not None:
+            check_quantizable(checkpoint, quantize, device, dtype)
+        weights = plan.read(checkpoint, device, dtype, on_layer, kernels, quantize, reserved=expert_cache_bytes or 0)
         cache = ExpertCache(expert_cache_bytes) if plan.offloaded else None
         experts = {} if cache is None else plan.expert_stores(checkpoint, device, dtype, kernels, cache)
         # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/weights/packed.py says why).
         for (layer, key), tensor in weights.items():
             if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
                 weights[layer, key] = packed.PackedWeight.create(tensor)
+        held = sum(map(_held_bytes, weights.values()))
         blocks = {
             layer: plan.kinds[layer](config, config.layer_index(layer),
                                      {key: weights[layer, key] for key in plan.groups[layer]} |
@@ -212,7 +222,9 @@ class BlockRunner:
         if device.type == "cuda" and kv_budget_bytes is None:
             free, total = torch.cuda.mem_get_info(device)
             kv_budget_bytes = memory.default_kv_budget(free - (cache.capacity if cache else 0), total, str(device))
-        return cls(config, blocks, device, dtype, kv_budget_bytes, max_context, prefix_reuse, share_prefixes, cache)
+        runner = cls(config, blocks, device, dtype, kv_budget_bytes, max_context, prefix_reuse, share_prefixes, cache)
+        runner.weight_bytes = held
+        return runner
 
     def ops(self, named: Sequence[tuple[str, int, int]]) -> tuple[Op, ...]:
         """(layer name, index_pos, block_idx), ... as this runner's ops, for in-process callers (the
@@ -439,3 +451,10 @@ def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[in
     if la is None:
         return None
     return (1, la.conv_channels, la.conv_kernel - 1), (1, la.value_heads, la.key_head_dim, la.value_head_dim)
+
+
+def _held_bytes(weight: object) -> int:
+    """The bytes a loaded weight holds: a tensor's, or those of the tensors a kept or packed weight is made of."""
+    if isinstance(weight, torch.Tensor):
+        return weight.nbytes
+    return sum(part.nbytes for part in vars(weight).values() if isinstance(part, torch.Tensor))

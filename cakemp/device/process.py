@@ -78,7 +78,8 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
     service.progress = _reporter(channel, spec.progress_s)
     channel.send(Ready("cuda" if spec.gpu is not None else "cpu", service.memory_bytes(), len(spec.parts)))
     logger.info("device ready", device_label=spec.label, layers=len(spec.parts), pid=os.getpid(),
-                threads=service.threads(), max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk)
+                threads=service.threads(), max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk,
+                weight_bytes=service.runner.weight_bytes)
     _serve(spec, channel, service, logger)
 
 

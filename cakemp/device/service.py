@@ -25,6 +25,7 @@ import torch
 from cakemp import log
 from cakemp.compute import tensors
 from cakemp.compute.components import Call, ComponentRunner
+from cakemp.compute.loading import Rounding
 from cakemp.compute.runner import BlockRunner, Request, Runner
 from cakemp.device import fault
 from cakemp.errors import BadTensor, ConfigError, InternalError, RequestError
@@ -75,6 +76,7 @@ class DeviceService:
             pack_weights=spec.max_batch > 1,  # twice the weight memory, worth it only where steps batch
             prefix_reuse=spec.prefix_reuse, share_prefixes=spec.share_prefixes, keep_int4=spec.keep_int4,
             expert_cache_bytes=spec.expert_cache_bytes,
+            quantize=None if spec.quantize is None else Rounding(spec.quantize, spec.quantize_group),
         )
         return cls(runner, spec.workload, spec.index, generation, spec.label, progress)
 

@@ -205,6 +205,13 @@ class NodeConfig:
         "--expert-cache-mib", 4096, click.IntRange(min=0),
         "With --expert-offload: MiB of experts each device keeps in compute form (least recently used given up "
         "first); the fit check and the KV budget count it in the experts' stead.", convert=_mib)
+    quantize: str | None = knob(
+        "--quantize", None, click.Choice(["int8", "int4"]), "Round a plain (f32, bf16, f16) checkpoint's matrices "
+        "at load, to nearest, into int8 (one scale a row) or int4 (--quantize-group inputs a scale and zero) for "
+        "torch's CPU kernels: 0.27-0.5 of the bf16 memory, and the results change (README, Quantize on load).")
+    quantize_group: int = knob(
+        "--quantize-group", "128", click.Choice(["32", "64", "128"]), "Inputs per scale and zero of --quantize int4.",
+        convert=int)
     session_idle_timeout: float | None = knob(
         "--session-idle-timeout", None, click.FloatRange(min=0, min_open=True),
         "Seconds a session may sit idle before its KV cache is freed (default: never, as Cake).")

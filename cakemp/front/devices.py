@@ -52,6 +52,8 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             share_prefixes=config.share_prefixes,
             keep_int4=config.keep_int4,
             expert_cache_bytes=config.expert_cache_bytes if config.expert_offload else None,
+            quantize=config.quantize,
+            quantize_group=config.quantize_group,
             # Well inside the request timeout, which counts a device silent that long as hung.
             progress_s=config.request_timeout / 4,
             log_format=config.log_format,

@@ -112,6 +112,8 @@ class DeviceSpec:
     share_prefixes: bool = False  # ... reused by any session, not only the one they came from
     keep_int4: bool = True  # 4-bit (and 8-bit) matrices kept where torch's kernels take them (loading.kept_kernels)
     expert_cache_bytes: int | None = None  # --expert-offload: MoE experts read on demand into a cache this big
+    quantize: str | None = None  # --quantize: plain matrices rounded at load into kept "int8" or "int4" (model/weights/rtn.py)
+    quantize_group: int = 128  # --quantize-group: inputs per int4 scale and zero
     progress_s: float = 15.0  # a device busy this long on one step says so (Progress), so the front can tell busy from hung
     log_format: str = "auto"
     log_level: str = "info"

@@ -3,7 +3,8 @@
 `assign_layers` splits the model's layers as Cake's default strategy does (docs/protocol.md, Layer assignment;
 `topology.default_assignment`): the workers, fastest first, get contiguous runs from layer 0 in
 proportion to their TFLOPS, the master's own TFLOPS counted in the total, each capped by what
-its devices' memory holds (less a reserve); the master keeps the rest. `set_up` runs the setup
+its devices' memory holds (less a reserve: a layer at its resident bytes on each device kind,
+checkpoint/resident.py); the master keeps the rest. `set_up` runs the setup
 exchange with every worker at once, pushing the files it asks for, and returns the topology the
 generator then uses; `discover_cluster` is the three steps together, as `cakemp generate
 --discover` runs them.
@@ -18,12 +19,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import resident_layer_bytes
-from cakemp.dtypes import COMPUTE_DTYPES
+from cakemp.checkpoint.resident import PerDevice, device_kernels
+from cakemp.compute.loading import LoadPlan
+from cakemp.compute.tensors import compute_dtype
 from cakemp.errors import CakempError
 from cakemp.master.address import dial
 from cakemp.master.discovery import DiscoveredWorker, discover
 from cakemp.master.model_push import model_chunks, model_hash
+from cakemp.model.weights.readers import open_checkpoint
 from cakemp.placement import check_pushable, own_tflops
 from cakemp.topology import Capacity, Node, Topology, default_assignment, layer_names
 from cakemp.wire import Revision
@@ -45,33 +48,54 @@ async def discover_cluster(model_dir: str | Path, cluster_key: str, targets: Seq
     if not workers:
         raise CakempError(f"no worker of this cluster answered at {', '.join(targets)} within {timeout:g} s")
     config = ModelConfig.from_dir(model_dir)
-    held = resident_layer_bytes(Path(model_dir), config.num_hidden_layers, config.layer_prefix, config.quantization,
-                                COMPUTE_DTYPES[dtype].itemsize)
+    held = layer_bytes(Path(model_dir), dtype)
     assignments = assign_layers(workers, config.num_hidden_layers, own_tflops(on_gpu), held, config.layer_prefix)
     for worker, layers in assignments:
         report(f"{worker.name} at {worker.address}: {layers[0]}..{layers[-1]} ({len(layers)} layers)")
     return await set_up(model_dir, assignments, cluster_key=cluster_key, revision=revision)
 
 
-def max_layers(gpus: Sequence[GpuInfo], layer_bytes: int) -> int:
-    """How many layers of `layer_bytes` the devices hold, each keeping Cake's reserve."""
+def layer_bytes(model_dir: Path, dtype: str) -> PerDevice:
+    """One layer's resident bytes (all of them over their count, as Cake averages) on a CPU and on a
+    GPU device of a worker computing in `dtype` (--dtype, the cluster's): `held_bytes` of every layer."""
+    config = ModelConfig.from_dir(model_dir)
+    total = held_bytes(model_dir, dtype, [config.layer_name(i) for i in range(config.num_hidden_layers)])
+    return PerDevice(*(size // max(1, config.num_hidden_layers) for size in total))
+
+
+def held_bytes(model_dir: Path, dtype: str, layers: Sequence[str]) -> PerDevice:
+    """What a worker's device holds of `layers`, counted from the headers by the node's own rule
+    (compute/loading.LoadPlan.nbytes: its fused weights, stacked experts, kept int4 and int8 matrices)
+    for each device kind's kept kernels (checkpoint/resident.py: a worker's --dequantize-4bit is not
+    announced, so the default is counted)."""
+    checkpoint = open_checkpoint(model_dir)
+    plan = LoadPlan.of(checkpoint.config, checkpoint, layers)
+    return PerDevice(*(plan.nbytes(checkpoint, compute_dtype(dtype), kernels=device_kernels(kind, dtype == "bf16"))
+                       for kind in PerDevice._fields))
+
+
+def max_layers(gpus: Sequence[GpuInfo], per_device: PerDevice) -> int:
+    """How many layers the devices hold, each keeping Cake's reserve, a layer taking `per_device`'s
+    bytes on a device of its kind (a CPU keeps 4- and 8-bit matrices so, a GPU may not)."""
     total = 0
     for gpu in gpus:
+        held = per_device.on(gpu.is_cpu)
         if gpu.is_cpu:
             usable = gpu.vram_bytes * (1 - _CPU_RESERVE)
         else:
             fraction, floor = _CUDA_RESERVE
             usable = gpu.vram_bytes - max(gpu.vram_bytes * fraction, floor)
-        total += max(0, int(usable // layer_bytes))
+        total += max(0, int(usable // held))
     return total
 
 
-def assign_layers(workers: Sequence[DiscoveredWorker], num_layers: int, master_tflops: float, layer_bytes: int,
-                  prefix: str = "model.layers") -> list[tuple[DiscoveredWorker, tuple[str, ...]]]:
+def assign_layers(workers: Sequence[DiscoveredWorker], num_layers: int, master_tflops: float,
+                  layer_bytes: PerDevice, prefix: str = "model.layers") -> list[tuple[DiscoveredWorker, tuple[str, ...]]]:
     """Each worker given layers by Cake's default strategy, with its contiguous run of layer names;
     workers given none are left out. Each is weighed by its devices' TFLOPS and capped by what
-    their memory holds (`max_layers`; no cap when `layer_bytes` is 0)."""
-    capacities = [Capacity(w.name, w.tflops, max_layers(w.announcement.gpus, layer_bytes) if layer_bytes > 0 else None)
+    their memory holds (`max_layers`, a layer's bytes on each device kind; no cap when one is 0)."""
+    capped = min(layer_bytes) > 0
+    capacities = [Capacity(w.name, w.tflops, max_layers(w.announcement.gpus, layer_bytes) if capped else None)
                   for w in workers]
     return [(workers[i], layer_names(prefix, run)) for i, run in default_assignment(capacities, num_layers, master_tflops)]
 

@@ -11,12 +11,15 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.files import estimated_layer_bytes, resident_layer_bytes
+from cakemp.checkpoint.files import estimated_layer_bytes
+from cakemp.checkpoint.resident import PerDevice
 from cakemp.cli import cli
 from cakemp.demo.synthetic import write_checkpoint
-from cakemp.master.cluster import assign_layers, max_layers
+from cakemp.master.cluster import assign_layers, layer_bytes, max_layers
 from cakemp.master.discovery import DiscoveredWorker
 from cakemp.wire.discovery import Announcement, GpuInfo
+from tests.support.checkpoints import make_checkpoint
+from tests.support.int4_checkpoints import random_gptq
 from tests.support.node import ZeroConfigNode
 from tests.support.quantized import GptqSpec, gptq_checkpoints, gptq_shaped, mlx_checkpoint, needs_gptqmodel, needs_mlx
 
@@ -34,7 +37,7 @@ def worker(name: str, *gpus: tuple[str, int, float]) -> DiscoveredWorker:
 def test_layers_go_by_tflops_fastest_first_in_contiguous_runs_and_the_master_keeps_the_rest():
     """32 layers, master 10 TFLOPS, workers 30 and 20: round(50/60 x 32) = 27 to the workers, 16 then 11."""
     slow, fast = worker("slow", ("A", 80 * GIB, 20.0)), worker("fast", ("B", 80 * GIB, 30.0))
-    (first, a), (second, b) = assign_layers([slow, fast], 32, 10.0, 1 << 20)
+    (first, a), (second, b) = assign_layers([slow, fast], 32, 10.0, PerDevice(1 << 20, 1 << 20))
     assert (first.name, second.name) == ("fast", "slow")
     assert a == tuple(f"model.layers.{i}" for i in range(0, 16)) and b == tuple(f"model.layers.{i}" for i in range(16, 27))
 
@@ -42,15 +45,15 @@ def test_layers_go_by_tflops_fastest_first_in_contiguous_runs_and_the_master_kee
 def test_a_worker_gets_no_more_layers_than_its_memory_holds():
     """A 24 GiB CUDA device keeps max(5 %, 768 MiB) and holds 11 layers of 2 GiB; a CPU keeps 20 %."""
     small = worker("small", ("RTX", 24 * GIB, 1000.0))
-    assert max_layers(small.announcement.gpus, 2 * GIB) == 11
-    assert max_layers((GpuInfo("CPU (x86_64)", 10 * GIB, 2.0),), GIB) == 8
-    ((_, layers),) = assign_layers([small], 40, 1.0, 2 * GIB)
+    assert max_layers(small.announcement.gpus, PerDevice(GIB, 2 * GIB)) == 11
+    assert max_layers((GpuInfo("CPU (x86_64)", 10 * GIB, 2.0),), PerDevice(GIB, 2 * GIB)) == 8
+    ((_, layers),) = assign_layers([small], 40, 1.0, PerDevice(GIB, 2 * GIB))
     assert len(layers) == 11
 
 
 def test_without_tflops_the_workers_split_half_the_layers():
     a, b = worker("a", ("A", 80 * GIB, 0.0)), worker("b", ("B", 80 * GIB, 0.0))
-    assert [len(layers) for _, layers in assign_layers([a, b], 9, 0.0, 0)] == [2, 2]
+    assert [len(layers) for _, layers in assign_layers([a, b], 9, 0.0, PerDevice(0, 0))] == [2, 2]
 
 
 def values_per_layer(plain, prefix="model.layers"):
@@ -62,10 +65,11 @@ def values_per_layer(plain, prefix="model.layers"):
 
 
 def held_and_on_disk(path, itemsize):
-    """(resident_layer_bytes, Cake's estimate from the bytes on disk) of a quantized checkpoint."""
+    """(layer_bytes on a GPU computing in f16 or f32, which dequantizes every matrix; Cake's estimate
+    from the bytes on disk) of a quantized checkpoint."""
     config = ModelConfig.from_dir(path)
-    args = (path, config.num_hidden_layers, config.layer_prefix)
-    return resident_layer_bytes(*args, config.quantization, itemsize), estimated_layer_bytes(*args)
+    held = layer_bytes(path, {2: "f16", 4: "f32"}[itemsize]).cuda
+    return held, estimated_layer_bytes(path, config.num_hidden_layers, config.layer_prefix)
 
 
 @needs_mlx
@@ -97,6 +101,34 @@ def test_a_gptqmodel_packed_layer_is_sized_as_its_reference(tmp_path):
     """The same, for a checkpoint GPTQModel packed, against its dequantized reference."""
     (path, reference), = gptq_checkpoints(tmp_path, {"llama": GptqSpec("llama")}).values()
     assert held_and_on_disk(path, 4)[0] == values_per_layer(reference) * 4
+
+
+def test_a_cpu_worker_is_given_more_layers_of_a_4_bit_checkpoint_than_at_dequantized_bytes(tmp_path):
+    """A 4-bit GPTQ Llama in groups of 32, computed in f32: a CPU worker keeps its matrices int4
+    (0.5 byte a value and a bf16 scale and zero per 32), a GPU dequantizes them (f32 is not the
+    int4 kernel's bf16), so a CPU of the memory that holds 2 dequantized layers holds more, at the
+    bytes the oracle counts from the matrices' shapes."""
+    plain = make_checkpoint(tmp_path / "plain", "llama")
+    path = random_gptq(tmp_path / "gptq", plain, 32)
+    config = ModelConfig.from_dir(path)
+    held = layer_bytes(path, "f32")
+    matrices = {name: shape for name, shape in plain_shapes(plain).items() if len(shape) == 2}
+    rest = sum(math.prod(shape) for shape in plain_shapes(plain).values()) * 4 - sum(
+        math.prod(shape) * 4 for shape in matrices.values())
+    int4_bytes = sum(rows * cols // 2 + rows * cols // 32 * 4 for rows, cols in matrices.values())
+    assert held.cuda == values_per_layer(plain) * 4
+    assert held.cpu == (int4_bytes + rest) // config.num_hidden_layers
+    cpu = worker("cpu", ("CPU (x86_64)", int(2.5 * held.cuda / 0.8), 1.0))
+    gpu = worker("gpu", ("RTX", int(2.5 * held.cuda) + (768 << 20), 1.0))
+    assert max_layers(gpu.announcement.gpus, held) == 2
+    ((_, layers),) = assign_layers([cpu], config.num_hidden_layers, 0.0, held)
+    assert len(layers) > 2, len(layers)
+
+
+def plain_shapes(plain):
+    """The layers' tensors of a plain checkpoint, name -> shape."""
+    with safe_open(plain / "model.safetensors", framework="pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys() if name.startswith("model.layers.")}
 
 
 @pytest.fixture(scope="module")

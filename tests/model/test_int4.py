@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.checkpoint.quantization import Gptq
+from cakemp.checkpoint.quantization import Gptq, MlxParts
+from cakemp.checkpoint.resident import KeptForm
 from cakemp.compute.runner import BlockRunner
 from cakemp.model.linear import linear
 from cakemp.model.weights import ggml, gptq, int4, int8, mlx
@@ -106,7 +107,8 @@ def test_gptq_act_order_codes_sorted_by_group_give_the_dequantized_product(group
 @pytest.mark.parametrize("group_size", int4.GROUP_SIZES)
 def test_mlx_codes_through_the_int4_kernel_give_the_dequantized_product(group_size):
     weight, scales, biases = mlx_tensors(group_size)
-    assert mlx.int4_group(tuple(weight.shape), 4, group_size) == group_size
+    assert MlxParts("w", "s", "b", 4, group_size).kept_form({"w": tuple(weight.shape)}.__getitem__) == \
+        KeptForm("int4", OUT, IN, group_size)
     assert_product_matches(mlx.int4_parts(weight, scales, biases, group_size),
                            mlx.dequantize(weight, scales, biases, 4, group_size))
 
@@ -131,8 +133,8 @@ def test_what_torch_s_int4_kernel_cannot_take_is_dequantized():
     assert "groups of 16" in gptq.int4_group(Gptq(4, 16, False, True, True), OUT, IN, 32, None)
     assert "unequal" in gptq.int4_group(Gptq(4, 128, False, True, True), OUT, 320, 3, None)  # 128 + 128 + 64
     assert "no multiple of 16" in gptq.int4_group(Gptq(4, 128, False, True, True), 100, IN, 4, None)
-    assert "8-bit" in mlx.int4_group((OUT, IN // 4), 8, 64)
-    assert "stacked" in mlx.int4_group((4, OUT, IN // 8), 4, 64)
+    assert "8-bit" in MlxParts("w", "s", "b", 8, 64).kept_form({"w": (OUT, IN // 4)}.__getitem__)
+    assert "stacked" in MlxParts("w", "s", "b", 4, 64).kept_form({"w": (4, OUT, IN // 8)}.__getitem__)
     for kind in ("Q5_K", "Q8_0", "IQ4_NL"):  # IQ4_NL: 4-bit codes, but into a table of 16 levels, not affine
         assert kind in ggml.int4_group(kind, (OUT, IN))
     with pytest.raises(ValueError, match="groups of 16"):

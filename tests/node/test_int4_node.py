@@ -7,7 +7,8 @@ MLX affine checkpoints written by mx.quantize, layers 1-3 each, one node at a ti
 groups of 64), Qwen3 (4 bits, groups of 32, sharded) and Qwen3.5-MoE (4 bits, groups of 32: its
 attention and shared expert kept int4, the stacked experts and the 8-bit routers dequantized).
 A prompt and 8 decode steps, a prompt in 3-token chunks, and a 70-token prompt (past the 63 rows
-from which a CPU product takes the bf16 tiles instead of the int4 kernel).
+from which a CPU product takes the bf16 tiles instead of the int4 kernel). The bytes the device
+reports its weights hold are those the zero-config master's rule counts (checkpoint/resident.py).
 
 A GPTQ act-order Llama (random codes, groups of 32, g_idx out of input order) the same way, against
 HF's layers over the project's own dequantization of it (checked against GPTQModel's in
@@ -20,10 +21,12 @@ import asyncio
 
 import pytest
 
+from cakemp.checkpoint.config import ModelConfig
+from cakemp.master.cluster import held_bytes
 from tests.support.checkpoints import make_checkpoint
 from tests.support.int4_checkpoints import gptq_reference, random_gptq
 from tests.support.quantized import mlx_checkpoint, needs_mlx
-from tests.support.quantized_node import check_session, start
+from tests.support.quantized_node import LAYERS, check_session, start
 from tests.support.tolerance import F32_REL, INT4_KEPT_REL
 
 CHECKPOINTS = {
@@ -36,7 +39,7 @@ CHECKPOINTS = {
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def served(request, tmp_path_factory):
     path, reference = mlx_checkpoint(tmp_path_factory.mktemp(request.param), **CHECKPOINTS[request.param])
-    node = start(path, tmp_path_factory.mktemp("topo"), flags=())
+    node = start(path, tmp_path_factory.mktemp("topo"), flags=UNPACKED)
     yield node, path, reference
     assert node.stop() == 0
 
@@ -54,9 +57,25 @@ def check_kept(node, path, reference, bound: float = INT4_KEPT_REL) -> None:
     assert max(errors) > F32_REL, max(errors)
 
 
+# No batching, so no f32 matrix packed for MKL beside its plain copy (model/weights/packed.py), which
+# the master's rule does not count (a worker's --max-batch is not announced).
+UNPACKED = ("--max-batch", "1")
+
+
+def check_weight_bytes(node, path) -> None:
+    """The bytes the node's device reports its layers' weights hold are what the zero-config master
+    counts a CPU worker computing in f32 to hold of layers 1-3 (master/cluster.held_bytes, from the
+    headers alone), and less than a GPU's count, which dequantizes them."""
+    config = ModelConfig.from_dir(path)
+    ready = node.wait_for(lambda e: e.get("event") == "device ready")
+    counted = held_bytes(path, "f32", [config.layer_name(i) for i in LAYERS])
+    assert ready["weight_bytes"] == counted.cpu < counted.cuda
+
+
 @needs_mlx
 def test_the_kept_path_matches_the_dequantized_one_within_its_bound(served):
     check_kept(*served)
+    check_weight_bytes(served[0], served[1])
 
 
 def test_a_gptq_act_order_checkpoint_kept_int4_matches_its_dequantization_within_the_bound(tmp_path):

@@ -9,12 +9,13 @@ computes with --dequantize-4bit), within the bound derived for the kept path's b
 * an MLX affine 8-bit Llama in groups of 64, written by mx.quantize, against MLX's dequantization:
   q/k/v, o and gate/up (64 inputs, one group a row) kept int8, down_proj (two groups) dequantized.
 A prompt and 8 decode steps, a prompt in 3-token chunks, and a 70-token prompt (past the 19 rows
-from which a product takes the bf16 tiles instead of the int8 kernel).
+from which a product takes the bf16 tiles instead of the int8 kernel), and the bytes the device
+reports its weights hold against the zero-config master's rule (checkpoint/resident.py).
 """
 
 from __future__ import annotations
 
-from tests.node.test_int4_node import check_kept
+from tests.node.test_int4_node import UNPACKED, check_kept, check_weight_bytes
 from tests.support.checkpoints import make_checkpoint
 from tests.support.int4_checkpoints import gptq_reference, random_gptq
 from tests.support.quantized import mlx_checkpoint, needs_mlx
@@ -23,9 +24,10 @@ from tests.support.tolerance import INT8_KEPT_REL
 
 
 def served_against_reference(path, reference, tmp_path) -> None:
-    node = start(path, tmp_path, flags=())
+    node = start(path, tmp_path, flags=UNPACKED)
     try:
         check_kept(node, path, reference, INT8_KEPT_REL)
+        check_weight_bytes(node, path)
     finally:
         assert node.stop() == 0
 

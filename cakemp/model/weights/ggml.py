@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import torch
 
+from cakemp.checkpoint import resident
 from cakemp.model.weights import int4
 
 QK_K = 256
@@ -66,7 +67,7 @@ def int4_group(kind: str, shape: tuple[int, ...]) -> int | str:
         return f"GGUF {kind} tensors (torch's int4 matmul takes {', '.join(INT4_TYPES)})"
     if len(shape) != 2:
         return f"GGUF {kind} tensors of shape {shape}"
-    return int4.unfit_reason(shape[0], shape[1], _INT4_BLOCK) or _INT4_BLOCK
+    return resident.int4_unfit_reason(shape[0], shape[1], _INT4_BLOCK) or _INT4_BLOCK
 
 
 def int4_parts(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> int4.Int4Parts:

@@ -34,6 +34,7 @@ from cakemp.errors import CheckpointError
 from cakemp.model.weights import ggml, int4, kept
 from cakemp.model.weights.source import Reader
 
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 K = TypeVar("K")
 
 
@@ -60,6 +61,11 @@ class GgufCheckpoint(Reader):
     def stores_kept(self) -> bool:
         """Whether the file holds matrices of ggml.INT4_TYPES, which may stay int4."""
         return any(info.type.name in ggml.INT4_TYPES for info in self.file.tensors.values())
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the file holds any tensor of a quantized ggml type (anything but F32, F16, BF16, F64)."""
+        return any(info.type.name not in _FLOAT_TYPES for info in self.file.tensors.values())
 
     def has(self, name: str) -> bool:
         return name in self.names

@@ -45,19 +45,20 @@ class GptqWeight:
 
     def kept_shape(self, shape: Callable[[str], Shape],
                    tensor: Callable[[str], torch.Tensor]) -> kept.KeptShape | str:
-        """Its int8.Int8Shape (8 bits, one group) or int4.Int4Shape from the headers and the g_idx
-        ([in] int32: its groups, and act-order's input order)."""
+        """Its int8.Int8Shape (8 bits, one group) or int4.Int4Shape from the headers (the parts'
+        kept_form: checkpoint/resident.py) and the g_idx ([in] int32: act-order's groups and input order)."""
         p = self.parts
-        out_features, in_features = p.matrix_shape(shape)
-        groups = shape(p.scales)[0]
-        if p.spec.bits == 8:
-            return int8.Int8Shape(out_features, in_features) if groups == 1 else \
-                f"GPTQ 8-bit weights in {groups} groups a row (torch's int8 matmul takes one scale a row)"
+        form = p.kept_form(shape)
+        if isinstance(form, str):
+            return form
+        if form.kernel == int8.KERNEL:
+            return int8.Int8Shape(form.rows, form.cols)
         g_idx = None if p.g_idx is None else tensor(p.g_idx)
-        size = int4_group(p.spec, out_features, in_features, groups, g_idx)
-        if isinstance(size, str):
-            return size
-        return int4.Int4Shape(out_features, in_features, size, None if g_idx is None else input_order(g_idx, size))
+        reason = _uneven_reason(g_idx, form.cols, form.group_size)
+        if reason is not None:
+            return reason
+        return int4.Int4Shape(form.rows, form.cols, form.group_size,
+                              None if g_idx is None else input_order(g_idx, form.group_size))
 
     def kept_parts(self, stored: Mapping[str, torch.Tensor]) -> kept.KeptParts:
         p = self.parts
@@ -101,15 +102,16 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 def int4_group(spec: Gptq, out_features: int, in_features: int, groups: int, g_idx: torch.Tensor | None) -> int | str:
     """The group size torch's int4 matmul can take this weight in (model/weights/int4.py), or why not:
     4 bits, groups of one size (act-order's, out of input order, once its inputs are sorted by group)."""
-    if spec.bits != 4:
-        return f"GPTQ {spec.bits}-bit weights"
-    if groups == 0 or in_features % groups:
-        return f"GPTQ groups of unequal size ({in_features} inputs in {groups} groups)"
-    size = in_features // groups
+    size = spec.int4_group(out_features, in_features, groups)
+    return size if isinstance(size, str) else _uneven_reason(g_idx, in_features, size) or size
+
+
+def _uneven_reason(g_idx: torch.Tensor | None, in_features: int, size: int) -> str | None:
+    """Why a g_idx does not put `size` inputs in each group (sorted, it must be 0 0 .. 1 1 ..), or None."""
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64).reshape(-1).cpu().sort(stable=True).values,
                                              torch.arange(in_features) // size):
         return f"GPTQ g_idx groups of unequal size (not {size} inputs each)"
-    return int4.unfit_reason(out_features, in_features, size) or size
+    return None
 
 
 def input_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:

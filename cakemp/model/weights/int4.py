@@ -48,10 +48,11 @@ from typing import NamedTuple
 
 import torch
 
-KERNEL = "int4"
-GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's kernels take
+from cakemp.checkpoint import resident
+
+KERNEL = resident.INT4
+GROUP_SIZES = resident.INT4_GROUP_SIZES  # the group sizes torch's kernels take
 _OFFSET = 8  # the kernel's codes are q - 8
-_ROWS_PER_TILE = 16  # CUDA's layout takes N in tiles of 8 rows, the CPU's packing in 16 (a router of 8 experts in neither)
 _CPU_BLOCK = 64  # the CPU layout's block of outputs
 # Activation rows from which a CPU product dequantizes tiles to bf16 instead of calling the int4
 # kernel. Measured on the 2-core Xeon, one thread, TinyLlama's [5632, 2048] in groups of 128: the
@@ -74,8 +75,8 @@ class Int4Shape(NamedTuple):
     @property
     def nbytes(self) -> int:
         """What its `Int4Weight` holds but the input order (model/weights/kept.py counts that once
-        for matrices fused): the codes, and bf16 scales and zeros."""
-        return self.rows * self.cols // 2 + self.cols // self.group_size * self.rows * 2 * torch.bfloat16.itemsize
+        for matrices fused): the codes, and bf16 scales and zeros (checkpoint/resident.py's rule)."""
+        return resident.int4_bytes(self.rows, self.cols, self.group_size)
 
     @staticmethod
     def fuse_reason(shapes: list[Int4Shape]) -> str | None:
@@ -132,7 +133,7 @@ class Int4Weight:
     @classmethod
     def create(cls, parts: Int4Parts) -> Int4Weight:
         rows, cols = parts.codes.shape
-        reason = unfit_reason(rows, cols, parts.group_size)
+        reason = resident.int4_unfit_reason(rows, cols, parts.group_size)
         if reason is not None:
             raise ValueError(reason)
         codes = parts.codes
@@ -181,17 +182,6 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes + (0 if self.order is None else self.order.nbytes)
-
-
-def unfit_reason(rows: int, cols: int, group_size: int) -> str | None:
-    """Why torch's kernel cannot take an [rows, cols] weight in groups of `group_size`, or None."""
-    if group_size not in GROUP_SIZES:
-        return f"groups of {group_size} inputs (torch's int4 matmul takes {', '.join(map(str, GROUP_SIZES))})"
-    if cols % group_size:
-        return f"{cols} inputs are no whole number of {group_size}-input groups"
-    if rows % _ROWS_PER_TILE:
-        return f"{rows} outputs are no multiple of {_ROWS_PER_TILE}"
-    return None
 
 
 def _inner_k_tiles(cols: int) -> int:

@@ -42,7 +42,9 @@ from typing import NamedTuple
 
 import torch
 
-KERNEL = "int8"
+from cakemp.checkpoint import resident
+
+KERNEL = resident.INT8
 OFFSET = 128  # int8 codes are the stored unsigned 8-bit codes less 128
 # Activation rows from which a product widens tiles of codes to bf16 instead of calling the int8
 # kernel. Measured on the 2-core Xeon, one thread, [5632, 2048]: the kernel 4.4 ms at 16 rows, 8.6
@@ -62,8 +64,9 @@ class Int8Shape(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        """What its `Int8Weight` holds: the codes, and f32 scales and corrections and bf16 unit scales per row."""
-        return self.rows * self.cols + self.rows * (2 * torch.float32.itemsize + torch.bfloat16.itemsize)
+        """What its `Int8Weight` holds: the codes, and f32 scales and corrections and bf16 unit scales per
+        row (checkpoint/resident.py's rule)."""
+        return resident.int8_bytes(self.rows, self.cols)
 
     @staticmethod
     def fuse_reason(shapes: list[Int8Shape]) -> str | None:

@@ -33,14 +33,14 @@ class MlxWeight:
 
     def kept_shape(self, shape: Callable[[str], Shape],
                    tensor: Callable[[str], torch.Tensor]) -> kept.KeptShape | str:
-        """Its int8.Int8Shape (8 bits, one group a row) or int4.Int4Shape from the packed weight's header alone."""
-        p = self.parts
-        stored = tuple(shape(p.weight))
-        cols = stored[-1] * 32 // p.bits
-        if p.bits == 8 and len(stored) == 2 and p.group_size == cols:
-            return int8.Int8Shape(stored[0], cols)
-        size = int4_group(stored, p.bits, p.group_size)
-        return size if isinstance(size, str) else int4.Int4Shape(stored[0], cols, size)
+        """Its int8.Int8Shape (8 bits, one group a row) or int4.Int4Shape from the packed weight's header
+        alone (the parts' kept_form: checkpoint/resident.py)."""
+        form = self.parts.kept_form(shape)
+        if isinstance(form, str):
+            return form
+        if form.kernel == int8.KERNEL:
+            return int8.Int8Shape(form.rows, form.cols)
+        return int4.Int4Shape(form.rows, form.cols, form.group_size)
 
     def kept_parts(self, stored: Mapping[str, torch.Tensor]) -> kept.KeptParts:
         p = self.parts
@@ -68,18 +68,8 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
     return out.view(*lead, cols)
 
 
-def int4_group(shape: tuple[int, ...], bits: int, group_size: int) -> int | str:
-    """The group size torch's int4 matmul can take a weight stored as `shape` (u32 words) in
-    (model/weights/int4.py), or why not: one matrix of 4-bit codes."""
-    if bits != 4:
-        return f"MLX {bits}-bit weights"
-    if len(shape) != 2:
-        return f"MLX stacked weights of shape {shape}"
-    return int4.unfit_reason(shape[0], shape[1] * 32 // bits, group_size) or group_size
-
-
 def int4_parts(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int) -> int4.Int4Parts:
-    """A 4-bit MLX matrix `int4_group` accepted, in torch's int4 convention: q * s + b = (q - 8) * s + (b + 8 s)."""
+    """A 4-bit MLX matrix `kept_form` accepted, in torch's int4 convention: q * s + b = (q - 8) * s + (b + 8 s)."""
     rows, words = weight.shape
     cols = words * 8
     groups = (rows, cols // group_size)

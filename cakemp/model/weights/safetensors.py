@@ -91,6 +91,11 @@ class Checkpoint(Reader):
         """Whether the checkpoint may hold matrices of 4- or 8-bit codes (GPTQ, MLX), which may stay so."""
         return quantized.stores_parts(self.config.quantization)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether config.json declares a quantization (FP8, GPTQ, MLX affine)."""
+        return self.config.quantization is not None
+
     @functools.cached_property
     def norms_need_one(self) -> bool:
         """Whether a (1 + w) family's norms are stored as w (HF's way), so that loading adds the 1;

@@ -42,6 +42,10 @@ class WeightSource(Protocol):
         """Whether it may hold matrices of 4- or 8-bit codes, which may stay so (compute/loading.kept_kernels)."""
 
     @property
+    def quantized(self) -> bool:
+        """Whether it stores any matrix quantized (which `--quantize` would quantize twice)."""
+
+    @property
     def norms_need_one(self) -> bool:
         """Whether a (1 + w) family's norms are stored as w, so that loading adds the 1."""
 
