@@ -181,20 +181,17 @@ class BlockRunner:
         copy (model/weights/packed.py): batched decode steps and prompt chunks then cost far less, at
         twice the weights' memory.
 
-        `keep_int4`: keep 4-bit matrices (GPTQ, MLX, GGUF Q4_0/Q4_1/Q4_K) 4-bit for torch's int4 matmul
-        where it takes them (a CPU, or a GPU computing in bf16), and on a CPU 8-bit ones of one scale
-        a row (GPTQ, MLX) 8-bit for its int8 matmul (compute/loading.kept_kernels); False dequantizes
-        them all (--dequantize-4bit).
+        `keep_int4`: keep 4-bit and 8-bit matrices so where torch's int4/int8 matmuls take them
+        (compute/loading.kept_kernels); False dequantizes them all (--dequantize-4bit).
 
         `expert_cache_bytes`: offload MoE layers' routed experts (--expert-offload), read on demand
-        from the checkpoint into a cache of at most this many bytes (model/weights/experts.py), which
-        the fit check and a GPU's default KV budget count in their stead; None: loaded with the layer.
+        into a cache of at most this many bytes (model/weights/experts.py), which the fit check and a
+        GPU's default KV budget count in their stead; None: loaded with the layer.
 
         `quantize` (--quantize): round a plain checkpoint's matrices into kept int8 or int4 weights at
         load (model/weights/rtn.py; the results change); ConfigError for a checkpoint quantized already.
 
-        `on_layer(n)` is called once `n` of them are on the device (the device process reports
-        it, so that a load of minutes shows progress).
+        `on_layer(n)` is called once `n` of them are on the device (the device process reports it).
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -206,13 +203,10 @@ class BlockRunner:
         if quantize is not None:
             check_quantizable(checkpoint, quantize, device, dtype)
         weights = plan.read(checkpoint, device, dtype, on_layer, kernels, quantize, reserved=expert_cache_bytes or 0)
+        if pack_weights:
+            _pack_matrices(weights)
         cache = ExpertCache(expert_cache_bytes) if plan.offloaded else None
         experts = {} if cache is None else plan.expert_stores(checkpoint, device, dtype, kernels, cache)
-        # On the CPU, f32 matrices are also packed for MKL's GEMM, once, here (model/weights/packed.py says why).
-        for (layer, key), tensor in weights.items():
-            if pack_weights and key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
-                weights[layer, key] = packed.PackedWeight.create(tensor)
-        held = sum(map(_held_bytes, weights.values()))
         blocks = {
             layer: plan.kinds[layer](config, config.layer_index(layer),
                                      {key: weights[layer, key] for key in plan.groups[layer]} |
@@ -223,7 +217,7 @@ class BlockRunner:
             free, total = torch.cuda.mem_get_info(device)
             kv_budget_bytes = memory.default_kv_budget(free - (cache.capacity if cache else 0), total, str(device))
         runner = cls(config, blocks, device, dtype, kv_budget_bytes, max_context, prefix_reuse, share_prefixes, cache)
-        runner.weight_bytes = held
+        runner.weight_bytes = sum(map(_held_bytes, weights.values()))
         return runner
 
     def ops(self, named: Sequence[tuple[str, int, int]]) -> tuple[Op, ...]:
@@ -451,6 +445,13 @@ def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[in
     if la is None:
         return None
     return (1, la.conv_channels, la.conv_kernel - 1), (1, la.value_heads, la.key_head_dim, la.value_head_dim)
+
+
+def _pack_matrices(weights: dict[tuple[str, str], Any]) -> None:
+    """On the CPU, f32 matrices also packed for MKL's GEMM, once, at load (model/weights/packed.py says why)."""
+    for (layer, key), tensor in weights.items():
+        if key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
+            weights[layer, key] = packed.PackedWeight.create(tensor)
 
 
 def _held_bytes(weight: object) -> int:
