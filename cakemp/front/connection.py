@@ -5,7 +5,8 @@ the run's first connection; the others see only Hello and Goodbye. A request tha
 served is answered WorkerError and the connection stays; bytes that are not Cake protocol
 close this connection only.
 
-The connection starts once the master has proved the cluster key, if the node has one
+The connection starts once the master has proved the cluster key, if the node has one; on a
+node without one it holds a handshake place until its Hello, and only then counts as a master's
 (handshakes.py). What a peer can hold is bounded: a frame may be no larger than the model can
 need (`ConnectionLimits.max_payload`), its payload is read only once the node-wide BufferBudget
 has room for it, and from then on it must arrive within `frame_timeout` (so must the first
@@ -36,6 +37,7 @@ from cakemp import log
 from cakemp.errors import BadRequest, CakempError, InternalError, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
 from cakemp.front.buffer_budget import BufferBudget
+from cakemp.front.handshakes import HelloPlace
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
 from cakemp.front.session import Action, Close, Forward, Greet, Note, Refuse, Reply, Reset, Session, SessionState
@@ -93,8 +95,9 @@ class Connection:
                  pool: DevicePool, admission: Admission, limits: ConnectionLimits,
                  budget: BufferBudget, metrics: Metrics, revision: Revision,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None,
-                 trace_file: TraceFile | None = None):
-        """`trace_file`: where each request's stamps go (ipc/trace.py), when the front traces."""
+                 trace_file: TraceFile | None = None, arrival: HelloPlace | None = None):
+        """`trace_file`: where each request's stamps go (ipc/trace.py), when the front traces; `arrival`:
+        on a node without a cluster key, the handshake place the connection holds until its Hello."""
         self.session_id = session_id  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
@@ -109,6 +112,7 @@ class Connection:
         self._frames = FrameReader(reader, revision, max_payload=limits.max_payload, limits=admission.decode_limits())
         self._frame_watch: asyncio.TimerHandle | None = None
         self._trace_file = trace_file
+        self._arrival = arrival
         self._stamps: list[int] | None = None  # the message being served's stamps, when traced
         self._ended = False  # the log has said why the connection ends
         peer = writer.get_extra_info("peername")
@@ -189,6 +193,8 @@ class Connection:
         for action in actions:
             match action:
                 case Greet():
+                    if not self._greeted():
+                        return
                     await self._send(self._worker_info(int(read_s * 1000)))
                 case Reply(message):
                     await self._send(message)
@@ -201,6 +207,16 @@ class Connection:
                 case Close():
                     self._ended = True  # the session's Note before it said why
                     return
+
+    def _greeted(self) -> bool:
+        """Hello came: a keyless connection now leaves its handshake place and counts as a master's,
+        unless it was displaced or --max-connections are open (logged), when it is closed."""
+        arrival, self._arrival = self._arrival, None
+        if arrival is None or arrival.greeted():
+            return True
+        self._ended = True
+        self._writer.close()
+        return False
 
     async def _serve_request(self, request: Forward | Refuse) -> None:
         self.busy = True
@@ -264,6 +280,8 @@ class Connection:
         size = await self._next_header()
         if size is None:
             return None
+        if self._arrival is not None:
+            self._arrival.progressed()  # a keyless connection's first bytes: it keeps its place until Hello
         if self._trace_file is not None:
             self._stamps = [trace.now()]  # read
         start = time.perf_counter()

@@ -213,9 +213,10 @@ def answered(data: bytes) -> bool:
     return isinstance(message, (Batch, SingleOp, Goodbye))
 
 
-async def fuzz_connection(port: int, frames: list[bytes], ending: bytes | None) -> None:
-    """Hello, `frames` (each must get one reply, in order), then `ending` (must close the connection unanswered)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def fuzz_connection(port: int, frames: list[bytes], ending: bytes | None, source: str) -> None:
+    """From the address `source`: Hello, `frames` (each must get one reply, in order), then `ending`
+    (must close the connection unanswered)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
     decoder = FrameDecoder(Revision.V2)
     replies = []
 
@@ -317,12 +318,13 @@ def test_fuzzed_frames_from_many_connections_leave_the_node_and_a_canary_session
         slow = [await slow_reader(node.port) for _ in range(SLOW_READERS)]
         slots = asyncio.Semaphore(CONCURRENCY)
 
-        async def one(frames, ending):
+        async def one(frames, ending, source):
             async with slots:
-                await fuzz_connection(node.port, frames, ending)
+                await fuzz_connection(node.port, frames, ending, source)
 
-        try:
-            await asyncio.gather(*(one(frames, ending) for frames, ending in connections))
+        try:  # from as many addresses as connections at once: each peer within its handshake places
+            await asyncio.gather(*(one(frames, ending, f"127.0.3.{i % CONCURRENCY + 1}")
+                                   for i, (frames, ending) in enumerate(connections)))
         finally:
             done.set()
         steps, peak = await checking

@@ -310,6 +310,26 @@ def test_connections_past_max_connections_are_closed_at_once(node):
     run(main())
 
 
+def test_idle_connects_without_hello_hold_no_master_slot(node, hf):
+    """On a node without a cluster key, more idle connects than --max-connections (from other addresses,
+    never sending a byte) hold handshake places, not master slots: a master still connects and its
+    session decodes exactly, and the node counts only its connections as masters'. (Before: they were
+    counted as masters until the frame timeout, and the master was refused.)"""
+
+    async def main():
+        idle = [(await asyncio.open_connection("127.0.0.1", node.port, local_addr=(f"127.0.2.{i % 4 + 1}", 0)))[1]
+                for i in range(MAX_CONNECTIONS + 4)]
+        while scrape(node.metrics_port()).get(("cakemp_handshakes", ()), 0.0) < MAX_CONNECTIONS:
+            await asyncio.sleep(0.05)
+        counted = await survives(node, hf(), lambda: asyncio.to_thread(
+            lambda: scrape(node.metrics_port())[("cakemp_connections", ())]))
+        for writer in idle:
+            writer.close()
+        return counted
+
+    assert run(main()) == len(LAYERS)  # the bystander's connections alone, one per layer
+
+
 def test_sighup_stops_the_node_as_sigterm_does(node, runtime):
     """SIGHUP (its terminal closed) drains and exits 0, leaving no ipc socket behind."""
     node.process.send_signal(signal.SIGHUP)
