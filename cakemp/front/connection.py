@@ -9,7 +9,8 @@ The connection starts once the master has proved the cluster key, if the node ha
 node without one it holds a handshake place until its Hello, and only then counts as a master's
 (handshakes.py). What a peer can hold is bounded: a frame may be no larger than the model can
 need (`ConnectionLimits.max_payload`), its payload is read only once the node-wide BufferBudget
-has room for it, and from then on it must arrive within `frame_timeout` (so must the first
+has room for it (shared among source addresses, with a reserve for small frames), and from
+then on it must arrive within `frame_timeout` (so must the first
 frame, Hello, counted from the connection's start, the wait for the budget excepted). A reply
 holds the request's budget until it is written, and the master must read it within
 `frame_timeout` too: one that stops reading is closed (its transport aborted, its unsent bytes
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from cakemp import log
 from cakemp.errors import BadRequest, CakempError, InternalError, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
-from cakemp.front.buffer_budget import BufferBudget
+from cakemp.front.buffer_budget import BufferBudget, Held
 from cakemp.front.handshakes import HelloPlace
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
@@ -116,6 +117,7 @@ class Connection:
         self._stamps: list[int] | None = None  # the message being served's stamps, when traced
         self._ended = False  # the log has said why the connection ends
         peer = writer.get_extra_info("peername")
+        self._host = peer[0] if peer else "?"  # the source its frames' bytes are counted under
         self._log = log.get_logger(session=f"{peer[0]}:{peer[1]}" if peer else "?")
 
     def close(self) -> None:
@@ -178,14 +180,14 @@ class Connection:
             return True
         if received is None:
             return False
-        message, _, read_s, size = received
+        message, _, read_s, held = received
         try:
             actions = self._session.received(message)
             if self._stamps is not None:
                 self._stamps.append(trace.now())  # admitted
             await self._carry_out(actions, read_s)
         finally:
-            self._budget.give(size)  # the message is answered: its bytes are no longer held
+            self._budget.give(held)  # the message is answered: its bytes are no longer held
         return True
 
     async def _carry_out(self, actions: Sequence[Action], read_s: float = 0.0) -> None:
@@ -270,9 +272,9 @@ class Connection:
         for error in (r for r in results if isinstance(r, BaseException)):
             self._log.warning("goodbye: could not clear caches", error=str(error))
 
-    async def _read(self) -> tuple[Message, int, float, int] | None:
-        """The next message with the bytes read and seconds spent for it, and the payload size it
-        holds of the budget (the caller gives it back once done with the message); None at EOF.
+    async def _read(self) -> tuple[Message, int, float, Held] | None:
+        """The next message with the bytes read and seconds spent for it, and what it holds of the
+        budget (the caller gives it back once done with the message); None at EOF.
 
         Raises ProtocolError when the frame is not Cake protocol, BadTensor or BadOps for a sound
         frame with a bad tensor (its budget then already given back).
@@ -286,7 +288,7 @@ class Connection:
             self._stamps = [trace.now()]  # read
         start = time.perf_counter()
         self._owed = None  # waiting for the budget is the node's doing, not the master's
-        await self._budget.take(size)
+        held = await self._budget.take(size, self._host)
         # The peer has frame_timeout from now for the payload.
         self._owed = (asyncio.get_running_loop().time(), _FRAME_LATE)
         try:
@@ -294,12 +296,12 @@ class Connection:
             if self._stamps is not None:
                 self._stamps.append(trace.now())  # decoded
         except BaseException:
-            self._budget.give(size)
+            self._budget.give(held)
             raise
         finally:
             self._owed = None
         self._metrics.bytes_received.inc(HEADER_SIZE + size)
-        return message, HEADER_SIZE + size, time.perf_counter() - start, size
+        return message, HEADER_SIZE + size, time.perf_counter() - start, held
 
     async def _next_header(self) -> int | None:
         """The next frame's payload length, once its header is in (None at EOF between frames),

@@ -177,6 +177,32 @@ def test_masters_that_stop_reading_their_replies_are_closed_and_the_budget_comes
           f"a master's Hello answered after {hello_s:.1f} s")
 
 
+def test_a_master_is_answered_at_once_beside_six_masters_that_stopped_reading(node, hf):
+    """Six masters holding the key send full-context requests and never read a reply, so their unsent
+    replies hold the budget and more of their frames wait for it: a correct master's Hello and first
+    Batch (small frames, from the reserve) are answered exactly before any of them is closed for not
+    reading. (Before: the Hello waited behind their frames until the frame timeout closed them.)"""
+    ref = hf()
+    slow_count = 6
+
+    async def main():
+        unread = await asyncio.to_thread(metric, node, "cakemp_unread_replies_total")
+        slow = [await said_hello(node.port, rcvbuf=4096) for _ in range(slow_count)]
+        for _, writer, _ in slow:  # six each; no reply is ever read
+            writer.writelines([piece for _ in range(6) for piece in encode_frame(ECHO, Revision.V2)])
+        await wait_metric(node, "cakemp_buffered_bytes", lambda held: held > BUDGET - MAX_PAYLOAD)
+        master = await bystander(node, ref)  # Hello on each connection, then a Batch of 5 positions
+        answered_unread = await asyncio.to_thread(metric, node, "cakemp_unread_replies_total")
+        await decodes(master, ref)
+        await master.close()
+        for _, writer, _ in slow:
+            writer.close()
+        await wait_metric(node, "cakemp_buffered_bytes", lambda held: held == 0)
+        return answered_unread - unread
+
+    assert run(main()) == 0
+
+
 def test_a_connect_flood_from_one_address_holds_its_own_places_and_every_master_gets_in(node, hf):
     """While one address connects as fast as it can and never sends a byte, a master from another
     address connects twelve times (the key handshake, Hello) and its session decodes exactly every
