@@ -262,7 +262,8 @@ class Connection:
         if isinstance(error, InternalError):
             self._log.error("request failed", error=str(error), fault="node")
             return WorkerError(_INTERNAL_ERROR)
-        self._log.warning("request refused", error=str(error), fault="peer" if isinstance(error, PeerFault) else "node")
+        self._log.warning("request refused", error=str(error), error_type=type(error).__name__,
+                          fault="peer" if isinstance(error, PeerFault) else "node")
         text = str(error)
         return WorkerError(text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "…")
 

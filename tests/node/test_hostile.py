@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from cakemp import log
 from cakemp.errors import RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from cakemp.wire import (
@@ -328,6 +329,39 @@ def test_idle_connects_without_hello_hold_no_master_slot(node, hf):
         return counted
 
     assert run(main()) == len(LAYERS)  # the bystander's connections alone, one per layer
+
+
+def test_refusals_naming_ever_new_layers_log_bounded_lines_and_their_counts_at_window_end(node, hf):
+    """One connection sends 2,000 requests each naming a layer never named before: every one is answered,
+    the log holds a burst of "request refused" lines per window (one kind: the error's class), and once the window has
+    ended a line reports how many were suppressed though no later refusal came. (Before: 2,000 lines,
+    each its own kind.)"""
+
+    async def flood() -> int:
+        async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+            await client.hello()
+            answered = 0
+            for i in range(2000):
+                with pytest.raises(RemoteWorkerError):
+                    await client.batch(GOOD, [(f"evil{i:05d}x{'q' * (i % 7)}", 0, 0)])
+                answered += 1
+            return answered
+
+    def counted() -> tuple[int, int]:
+        """Refusal lines logged since `mark`, and the refusals they and the window-end reports say were dropped."""
+        events = node.events(mark)
+        lines = [e for e in events if e.get("event") == "request refused"]
+        reports = [e for e in events if e.get("event") == log.SUPPRESSED and e["kind"].startswith("warning:request refused")]
+        return len(lines), sum(e.get("suppressed", 0) for e in lines + reports)
+
+    mark, started = node.mark(), time.monotonic()
+    assert run(survives(node, hf(), flood)) == 2000
+    windows = (time.monotonic() - started) // log.WINDOW_S + 2  # the flood's first and last windows, and any between
+    deadline = time.monotonic() + 4 * log.WINDOW_S
+    while sum(counted()) < 2000 and time.monotonic() < deadline:  # the last window's report comes as it ends
+        time.sleep(0.2)
+    lines, suppressed = counted()
+    assert lines <= log.BURST * windows and lines + suppressed == 2000, (lines, suppressed)
 
 
 def test_sighup_stops_the_node_as_sigterm_does(node, runtime):
