@@ -115,15 +115,18 @@ async def _bounded(exchange, timeout: float, peer: str) -> None:
 
 
 async def authenticate_master(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: str, timeout: float = 10.0
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: str, timeout: float = 10.0,
+    nonce_received: Callable[[], None] = lambda: None,
 ) -> None:
-    """Worker side: prove our key to the master that connected, and check its proof.
+    """Worker side: prove our key to the master that connected, and check its proof; `nonce_received`
+    is called once the master's first bytes (its nonce) are in, as its handshake is under way.
 
     Raises AuthError when the master's HMAC is wrong, the stream ends, or `timeout` passes.
     """
 
     async def exchange() -> None:
         nonce_m = await reader.readexactly(NONCE_SIZE)
+        nonce_received()
         if nonce_m in WORKER_CHALLENGES:
             raise AuthError("master authentication failed: its nonce is a challenge this node sent (a reflection)")
         with WORKER_CHALLENGES.challenge() as nonce_w:

@@ -11,10 +11,13 @@ Sessions (named by their master's address) and devices are bound by callers
 Much of what is logged comes from peers (names, shapes, error texts), so no peer can make a line
 long or the log fast: every string field is clipped to MAX_FIELD_CHARS (a traceback to
 MAX_TRACEBACK_CHARS) and every long list to MAX_FIELD_ITEMS, and each kind of event passes at
-most BURST times per WINDOW_S seconds; the next one to pass says how many were dropped
-(`suppressed`). An event's kind is its level, its name and the wording of its `error` up to the
+most BURST times per WINDOW_S seconds; the next one to pass says how many were dropped (`suppressed`), and so does a line
+("log lines suppressed", with the kind) once the window has ended, so a flood's last counts are
+never lost. An event's kind is its level, its name and its error's class when the caller names it
+(`error_type`, for errors that repeat a peer's text), else the wording of its `error` up to the
 first figure or quote (garbage closing a connection is one kind, an unread reply another), or a
-stdlib record's logger and message.
+stdlib record's logger and message. At most MAX_KINDS kinds are counted one by one; past that a
+new kind is counted as its event name's, and nothing is ever reset.
 """
 
 from __future__ import annotations
@@ -35,31 +38,51 @@ MAX_TRACEBACK_CHARS = 8192
 MAX_FIELD_ITEMS = 32
 BURST = 50  # events of one kind per window; a flood of them costs one line per window after that
 WINDOW_S = 10.0
+MAX_KINDS = 4096
+SUPPRESSED = "log lines suppressed"  # the event that reports, at a window's end, what a kind dropped
 
 
 class RateLimit:
-    """Lets each kind of event through at most `burst` times per `window_s`; counts the rest."""
+    """Lets each kind of event through at most `burst` times per `window_s`; counts the rest. At most
+    `max_kinds` kinds are counted one by one: past that a new kind is counted as its family (its event
+    name at its level: a set the code fixes), so the table stays bounded and nothing is reset. A
+    window's count is kept until `ended` is called after the window, which forgets it and says what
+    it dropped."""
 
-    def __init__(self, burst: int = BURST, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
-        self._burst, self._window_s, self._clock = burst, window_s, clock
+    def __init__(self, burst: int = BURST, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic,
+                 max_kinds: int = MAX_KINDS):
+        self._burst, self._window_s, self._clock, self._max_kinds = burst, window_s, clock, max_kinds
         self._kinds: dict[str, list] = {}  # kind -> [window start, passed in it, dropped since the last pass]
-        self._lock = threading.Lock()  # the stdlib path may log from other threads
+        self._lock = threading.Lock()  # the stdlib path may log from other threads, and `ended` runs on its own
 
-    def admit(self, kind: str) -> int | None:
+    def admit(self, kind: str, family: str | None = None) -> int | None:
         """None: drop this event; else how many of its kind were dropped before it (usually 0)."""
         now = self._clock()
         with self._lock:
-            state = self._kinds.get(kind)
-            if state is None or now - state[0] >= self._window_s:
-                if state is None and len(self._kinds) >= 4096:  # bounded whatever the kinds
-                    self._kinds.clear()
-                state = self._kinds[kind] = [now, 0, 0 if state is None else state[2]]
-            if state[1] >= self._burst:
-                state[2] += 1
-                return None
-            state[1] += 1
-            dropped, state[2] = state[2], 0
-            return dropped
+            if kind not in self._kinds and len(self._kinds) >= self._max_kinds and family is not None:
+                kind = family  # no room to count it on its own
+            return _counted(self._kinds, kind, now, self._window_s, self._burst)
+
+    def ended(self) -> list[tuple[str, int]]:
+        """The kinds whose window has ended, now forgotten, with how many of each were dropped since the
+        last of them passed (those that dropped none are not listed)."""
+        now = self._clock()
+        with self._lock:
+            done = [kind for kind, state in self._kinds.items() if now - state[0] >= self._window_s]
+            return [(kind, dropped) for kind in done if (dropped := self._kinds.pop(kind)[2])]
+
+
+def _counted(table: dict[str, list], kind: str, now: float, window_s: float, burst: int) -> int | None:
+    """Count one event of `kind` in `table`: None if past `burst` in its window, else the drops before it."""
+    state = table.get(kind)
+    if state is None or now - state[0] >= window_s:
+        state = table[kind] = [now, 0, 0 if state is None else state[2]]
+    if state[1] >= burst:
+        state[2] += 1
+        return None
+    state[1] += 1
+    dropped, state[2] = state[2], 0
+    return dropped
 
 
 def clipped(value: object, limit: int = MAX_FIELD_CHARS) -> object:
@@ -86,22 +109,44 @@ def _clip_fields(logger: object, method: str, event: dict) -> dict:
 
 
 class _Limited:
-    """The rate limit as a structlog processor (drops an event) and as a logging filter (a record)."""
+    """The rate limit as a structlog processor (drops an event) and as a logging filter (a record), with
+    a thread that reports what each kind dropped once its window has ended."""
 
-    def __init__(self, limit: RateLimit):
-        self._limit = limit
+    def __init__(self, limit: RateLimit, window_s: float = WINDOW_S):
+        self._limit, self._window_s = limit, window_s
+        self._stopped = threading.Event()
 
     def __call__(self, logger: object, method: str, event: dict) -> dict:
-        dropped = self._limit.admit(f"{method}:{event.get('event')}:{_wording(event.get('error'))}")
+        family = f"{method}:{event.get('event')}"
+        # The error's class when the caller names it (its wording may repeat a peer's text), else its wording.
+        detail = event.get("error_type") or _wording(event.get("error"))
+        dropped = self._limit.admit(f"{family}:{detail}", family)
         if dropped is None:
             raise structlog.DropEvent
         return {**event, "suppressed": dropped} if dropped else event
 
     def filter(self, record: logging.LogRecord) -> bool:
-        dropped = self._limit.admit(f"{record.name}:{record.levelno}:{record.msg}")
+        family = f"{record.name}:{record.levelno}"
+        dropped = self._limit.admit(f"{family}:{record.msg}", family)
         if dropped:
             record.msg = f"{record.msg} ({dropped} more like it suppressed)"
         return dropped is not None
+
+    def start_reporting(self) -> None:
+        threading.Thread(target=self._report, name="log-suppressed", daemon=True).start()
+
+    def stop_reporting(self) -> None:
+        self._stopped.set()
+
+    def _report(self) -> None:
+        """Every quarter window, one line per kind whose window ended having dropped events: a flood's
+        last counts appear though no later line of its kind passes."""
+        while not self._stopped.wait(self._window_s / 4):
+            for kind, dropped in self._limit.ended():
+                structlog.get_logger().warning(SUPPRESSED, kind=kind, suppressed=dropped, window_s=self._window_s)
+
+
+_reporting: _Limited | None = None  # the limit configured last in this process, whose thread reports
 
 
 def configure(fmt: str = "auto", level: str = "info") -> None:
@@ -117,7 +162,11 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    limited = _Limited(RateLimit())
+    global _reporting
+    if _reporting is not None:
+        _reporting.stop_reporting()
+    limited = _reporting = _Limited(RateLimit(window_s=WINDOW_S), WINDOW_S)
+    limited.start_reporting()
     structlog.configure(
         processors=[limited, *stamped, structlog.processors.format_exc_info, _clip_fields, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),

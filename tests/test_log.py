@@ -91,3 +91,68 @@ def test_a_flood_of_one_close_reason_does_not_hide_another():
             pass
     unread = limited(None, "warning", {"event": "closing connection", "error": "the master did not read its reply within 3 s"})
     assert len(passed) == 2 and unread["error"].startswith("the master did not read")
+
+
+def test_a_refusal_repeating_a_peer_s_text_is_one_kind_by_its_error_type():
+    """Errors naming ever new layers (a peer's text, unquoted) are one kind when the caller names the
+    error's class: BURST of 1,000 pass, and another wording of the event is untouched."""
+    limited = log._Limited(log.RateLimit(burst=3))
+    passed = 0
+    for i in range(1000):
+        try:
+            limited(None, "warning", {"event": "request refused", "error": f"could not find layer x{'q' * (i % 40)}",
+                                      "error_type": "UnknownLayer"})
+            passed += 1
+        except log.structlog.DropEvent:
+            pass
+    assert passed == 3
+    assert limited(None, "warning", {"event": "request refused", "error": "positions pass the context limit",
+                                     "error_type": "ContextLimitExceeded"})
+
+
+def test_past_max_kinds_a_new_kind_counts_as_its_family_and_nothing_is_reset():
+    """With the table full, new kinds of one event name share one count (its family's), and a kind
+    counted before keeps its count: its flood is not let through again."""
+    limit = log.RateLimit(burst=2, max_kinds=4)
+    assert [limit.admit("a", "f") for _ in range(3)] == [0, 0, None]
+    for i in range(3):
+        limit.admit(f"g {i}", "g")
+    assert sum(limit.admit(f"g new {i}", "g") is not None for i in range(100)) == 2
+    assert limit.admit("a", "f") is None
+
+
+def test_a_window_that_ended_is_reported_with_its_drops_and_forgotten():
+    """`ended` lists each kind (and family) whose window is over with what it dropped, then forgets them."""
+    now = [0.0]
+    limit = log.RateLimit(burst=2, window_s=10.0, clock=lambda: now[0])
+    for _ in range(7):
+        limit.admit("warning:session freed:", "warning:session freed")
+    limit.admit("info:quiet:", "info:quiet")
+    assert limit.ended() == []
+    now[0] = 10.0
+    assert limit.ended() == [("warning:session freed:", 5)]
+    assert limit.ended() == []
+    assert limit.admit("warning:session freed:", "warning:session freed") == 0
+
+
+REPORTED = """
+from cakemp import log
+log.WINDOW_S = 0.4
+log.configure("json", "info")
+logger = log.get_logger()
+for i in range(500):
+    logger.info("session freed", device=0, device_sessions=i)
+import time
+time.sleep(1.5)
+"""
+
+
+def test_a_flood_s_last_count_is_reported_when_its_window_ends():
+    """500 lines of one kind and then nothing: BURST come out, and after the window one line says how many
+    were suppressed, though no later line of the kind passed."""
+    done = subprocess.run([sys.executable, "-c", REPORTED], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert sum(e["event"] == "session freed" for e in events) == log.BURST
+    reports = [e for e in events if e["event"] == log.SUPPRESSED]
+    assert [(e["kind"], e["suppressed"]) for e in reports] == [("info:session freed:", 500 - log.BURST)]

@@ -5,10 +5,12 @@ the run's first connection; the others see only Hello and Goodbye. A request tha
 served is answered WorkerError and the connection stays; bytes that are not Cake protocol
 close this connection only.
 
-The connection starts once the master has proved the cluster key, if the node has one
+The connection starts once the master has proved the cluster key, if the node has one; on a
+node without one it holds a handshake place until its Hello, and only then counts as a master's
 (handshakes.py). What a peer can hold is bounded: a frame may be no larger than the model can
 need (`ConnectionLimits.max_payload`), its payload is read only once the node-wide BufferBudget
-has room for it, and from then on it must arrive within `frame_timeout` (so must the first
+has room for it (shared among source addresses, with a reserve for small frames), and from
+then on it must arrive within `frame_timeout` (so must the first
 frame, Hello, counted from the connection's start, the wait for the budget excepted). A reply
 holds the request's budget until it is written, and the master must read it within
 `frame_timeout` too: one that stops reading is closed (its transport aborted, its unsent bytes
@@ -35,7 +37,8 @@ from dataclasses import dataclass
 from cakemp import log
 from cakemp.errors import BadRequest, CakempError, InternalError, PeerFault, ProtocolError, RequestError
 from cakemp.front.admission import Admission
-from cakemp.front.buffer_budget import BufferBudget
+from cakemp.front.buffer_budget import BufferBudget, Held
+from cakemp.front.handshakes import HelloPlace
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool import DevicePool
 from cakemp.front.session import Action, Close, Forward, Greet, Note, Refuse, Reply, Reset, Session, SessionState
@@ -93,8 +96,9 @@ class Connection:
                  pool: DevicePool, admission: Admission, limits: ConnectionLimits,
                  budget: BufferBudget, metrics: Metrics, revision: Revision,
                  worker_info: Callable[[int], WorkerInfo], served: LayerAssignment | None = None,
-                 trace_file: TraceFile | None = None):
-        """`trace_file`: where each request's stamps go (ipc/trace.py), when the front traces."""
+                 trace_file: TraceFile | None = None, arrival: HelloPlace | None = None):
+        """`trace_file`: where each request's stamps go (ipc/trace.py), when the front traces; `arrival`:
+        on a node without a cluster key, the handshake place the connection holds until its Hello."""
         self.session_id = session_id  # the id devices know the session by; logs name it by its peer address
         self.busy = False  # a request is being served
         self._finishing = False  # close once the request being served is answered (the drain)
@@ -109,9 +113,11 @@ class Connection:
         self._frames = FrameReader(reader, revision, max_payload=limits.max_payload, limits=admission.decode_limits())
         self._frame_watch: asyncio.TimerHandle | None = None
         self._trace_file = trace_file
+        self._arrival = arrival
         self._stamps: list[int] | None = None  # the message being served's stamps, when traced
         self._ended = False  # the log has said why the connection ends
         peer = writer.get_extra_info("peername")
+        self._host = peer[0] if peer else "?"  # the source its frames' bytes are counted under
         self._log = log.get_logger(session=f"{peer[0]}:{peer[1]}" if peer else "?")
 
     def close(self) -> None:
@@ -174,14 +180,14 @@ class Connection:
             return True
         if received is None:
             return False
-        message, _, read_s, size = received
+        message, _, read_s, held = received
         try:
             actions = self._session.received(message)
             if self._stamps is not None:
                 self._stamps.append(trace.now())  # admitted
             await self._carry_out(actions, read_s)
         finally:
-            self._budget.give(size)  # the message is answered: its bytes are no longer held
+            self._budget.give(held)  # the message is answered: its bytes are no longer held
         return True
 
     async def _carry_out(self, actions: Sequence[Action], read_s: float = 0.0) -> None:
@@ -189,6 +195,8 @@ class Connection:
         for action in actions:
             match action:
                 case Greet():
+                    if not self._greeted():
+                        return
                     await self._send(self._worker_info(int(read_s * 1000)))
                 case Reply(message):
                     await self._send(message)
@@ -201,6 +209,16 @@ class Connection:
                 case Close():
                     self._ended = True  # the session's Note before it said why
                     return
+
+    def _greeted(self) -> bool:
+        """Hello came: a keyless connection now leaves its handshake place and counts as a master's,
+        unless it was displaced or --max-connections are open (logged), when it is closed."""
+        arrival, self._arrival = self._arrival, None
+        if arrival is None or arrival.greeted():
+            return True
+        self._ended = True
+        self._writer.close()
+        return False
 
     async def _serve_request(self, request: Forward | Refuse) -> None:
         self.busy = True
@@ -244,7 +262,8 @@ class Connection:
         if isinstance(error, InternalError):
             self._log.error("request failed", error=str(error), fault="node")
             return WorkerError(_INTERNAL_ERROR)
-        self._log.warning("request refused", error=str(error), fault="peer" if isinstance(error, PeerFault) else "node")
+        self._log.warning("request refused", error=str(error), error_type=type(error).__name__,
+                          fault="peer" if isinstance(error, PeerFault) else "node")
         text = str(error)
         return WorkerError(text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "…")
 
@@ -254,9 +273,9 @@ class Connection:
         for error in (r for r in results if isinstance(r, BaseException)):
             self._log.warning("goodbye: could not clear caches", error=str(error))
 
-    async def _read(self) -> tuple[Message, int, float, int] | None:
-        """The next message with the bytes read and seconds spent for it, and the payload size it
-        holds of the budget (the caller gives it back once done with the message); None at EOF.
+    async def _read(self) -> tuple[Message, int, float, Held] | None:
+        """The next message with the bytes read and seconds spent for it, and what it holds of the
+        budget (the caller gives it back once done with the message); None at EOF.
 
         Raises ProtocolError when the frame is not Cake protocol, BadTensor or BadOps for a sound
         frame with a bad tensor (its budget then already given back).
@@ -264,11 +283,13 @@ class Connection:
         size = await self._next_header()
         if size is None:
             return None
+        if self._arrival is not None:
+            self._arrival.progressed()  # a keyless connection's first bytes: it keeps its place until Hello
         if self._trace_file is not None:
             self._stamps = [trace.now()]  # read
         start = time.perf_counter()
         self._owed = None  # waiting for the budget is the node's doing, not the master's
-        await self._budget.take(size)
+        held = await self._budget.take(size, self._host)
         # The peer has frame_timeout from now for the payload.
         self._owed = (asyncio.get_running_loop().time(), _FRAME_LATE)
         try:
@@ -276,12 +297,12 @@ class Connection:
             if self._stamps is not None:
                 self._stamps.append(trace.now())  # decoded
         except BaseException:
-            self._budget.give(size)
+            self._budget.give(held)
             raise
         finally:
             self._owed = None
         self._metrics.bytes_received.inc(HEADER_SIZE + size)
-        return message, HEADER_SIZE + size, time.perf_counter() - start, size
+        return message, HEADER_SIZE + size, time.perf_counter() - start, held
 
     async def _next_header(self) -> int | None:
         """The next frame's payload length, once its header is in (None at EOF between frames),

@@ -63,14 +63,16 @@ class Metrics:
         self.refused_connections = self._counter(
             "cakemp_refused_connections_total",
             "Connections closed on accept, by reason: max-connections (that many were open), allow-from (a peer "
-            "outside --allow-from).", "reason")
+            "outside --allow-from), handshake-places (no handshake place free for its address).", "reason")
         self.buffered_bytes = self._gauge("cakemp_buffered_bytes",
                                           "Frame bytes master connections hold now, against --max-buffered-mib.")
         self.handshakes = self._gauge(
-            "cakemp_handshakes", "Connections in the cluster-key handshake now (not master connections yet; at most 64).")
+            "cakemp_handshakes", "Connections in the cluster-key handshake now, or without a key before their Hello "
+            "(not master connections yet; at most 64, 8 per address).")
         self.handshakes_displaced = self._counter(
             "cakemp_handshakes_displaced_total",
-            "Connections closed in the handshake to make room for a newer one: every place for handshakes was taken.")
+            "Connections closed in the handshake, having sent nothing, to make room for a newer one: every place, or "
+            "its address's 8, was taken.")
         self.unread_replies = self._counter(
             "cakemp_unread_replies_total", "Master connections closed because a reply was not read within --frame-timeout.")
         self.accept_failures = self._counter(

@@ -32,7 +32,7 @@ from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
 from cakemp.front.devices import device_specs, front_cores
-from cakemp.front.handshakes import Handshakes
+from cakemp.front.handshakes import Handshakes, HelloPlace
 from cakemp.front.listener import Listener
 from cakemp.front.metrics import Metrics
 from cakemp.front.metrics_server import start_metrics_server
@@ -82,8 +82,10 @@ class Front:
         self.metrics = Metrics()
         self._notifier = notifier or Notifier(None)
         self._budget = BufferBudget(config.max_buffered_bytes, on_change=self.metrics.buffered_bytes.set)
-        # A connection proves the cluster key (if the node has one) before it counts as a master's.
-        self._handshakes = Handshakes(config.cluster_key, self.metrics) if config.cluster_key is not None else None
+        # A connection proves the cluster key (if the node has one), or else sends Hello, before it counts
+        # as a master's: until then it holds a handshake place.
+        self._handshakes = Handshakes(self.metrics)
+        self._masters: set[asyncio.StreamWriter] = set()  # the connections counted toward --max-connections
         self._setup = (Setup(config.setup, config.revision, self._budget, config.frame_timeout)
                        if config.setup is not None else None)
         self._discovery: asyncio.DatagramTransport | None = None
@@ -323,32 +325,58 @@ class Front:
             self.metrics.refused_connections.inc(reason="allow-from")
             writer.close()  # before the handshake: nothing read, nothing written
             return
-        if self._handshakes is not None and not await self._handshakes.authenticate(reader, writer, logger):
+        key = self.config.cluster_key
+        if key is not None and not await self._handshakes.authenticate(reader, writer, key, logger):
             writer.close()  # why was logged
             return
         if self._setup is not None and not self._setup.serves:
             await self._setup.handle(reader, writer)
             return
-        if len(self._connections) >= self.config.max_connections:
+        arrival = None
+        if key is not None:  # proved the key: a master's from now on
+            if not self._admit_master(writer, logger):
+                writer.close()
+                return
+        elif self._handshakes.enter(writer, logger):  # keyless: a master's once its Hello comes
+            arrival = HelloPlace(self._handshakes, writer, lambda: self._admit_master(writer, logger))
+        else:
+            writer.close()
+            return
+        try:
+            await self._serve_connection(reader, writer, arrival)
+        finally:
+            if arrival is not None:
+                arrival.closed()
+            if writer in self._masters:
+                self._masters.discard(writer)
+                self.metrics.connections.set(len(self._masters))
+
+    def _admit_master(self, writer: asyncio.StreamWriter, logger) -> bool:
+        """Count `writer` as a master's connection, unless --max-connections are (logged, counted)."""
+        if len(self._masters) >= self.config.max_connections:
+            peer = writer.get_extra_info("peername")
             logger.warning("refusing a connection: --max-connections reached",
                            peer=f"{peer[0]}:{peer[1]}" if peer else "?", max_connections=self.config.max_connections)
             self.metrics.refused_connections.inc(reason="max-connections")
-            writer.close()
-            return
+            return False
+        self._masters.add(writer)
+        self.metrics.connections.set(len(self._masters))
+        return True
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                arrival: HelloPlace | None) -> None:
         keep_alive(writer.get_extra_info("socket"))
         serving = self._serving
         connection = Connection(
             next(self._session_ids), reader, writer, pool=serving.pool, admission=serving.admission,
             limits=serving.limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
-            worker_info=self._worker_info, served=serving.served, trace_file=self._trace_file,
+            worker_info=self._worker_info, served=serving.served, trace_file=self._trace_file, arrival=arrival,
         )
         self._connections[connection] = asyncio.current_task()
-        self.metrics.connections.inc()
         try:
             await connection.serve()
         finally:
             del self._connections[connection]
-            self.metrics.connections.dec()
 
     def _worker_info(self, latency_ms: int) -> WorkerInfo:
         first_gpu = next((gpu for gpu in self._serving.config.devices if gpu is not None), None)

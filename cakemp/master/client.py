@@ -58,13 +58,16 @@ class WorkerClient:
         cluster_key: str | None = None,
         revision: Revision = Revision.V2,
         timeout: float = 10.0,
+        source: str | None = None,
     ) -> WorkerClient:
-        """Connect and, with a cluster key, run the handshake; `timeout` bounds each of the two.
+        """Connect (from the local address `source`, if given) and, with a cluster key, run the
+        handshake; `timeout` bounds each of the two.
 
         Sends nothing else: call `hello()` (inference) or `assign_layers()` (setup) next.
         Requests themselves have no timeout, as in Cake: a long prefill is not a fault.
         """
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        local = None if source is None else (source, 0)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=local), timeout)
         # asyncio already sets TCP_NODELAY; set it explicitly since a decode step is one small
         # frame each way and Nagle's delay would be most of its latency.
         sock = writer.get_extra_info("socket")

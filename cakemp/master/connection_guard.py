@@ -6,10 +6,13 @@ for as long as the peer likes (its keep-alive timer starts only after a response
 received stops it), so a flood of idle or slow-header connections would hold the process's file
 descriptors. Here each incomplete connection gets `deadline_s` to complete its request, from the
 moment it connected or its previous answer ended (bytes trickling in do not extend it), and at most
-`most` of them are held: a new one past that closes the oldest that has never carried a request
-(else the oldest). A real client sends its request as soon as it connects, so it is never the
-oldest for long, and its kept-alive connection between requests is closed only once no fresh
-connection is left to close; a flood of connections that never send a request closes its own.
+`most` of them are held, at most PER_SOURCE of one source address (per IPv6 /64), as the node's
+handshake places are (sources.py, the one implementation of both): past a cap a newcomer closes
+the oldest connection that has never sent a byte and is past a short grace, from its own source if
+that is at its cap, else from the source holding the most; with none, the newcomer is closed. A
+real client sends its request as soon as it connects, and its kept-alive connection has carried
+one, so neither is closed for a flood's sake; a flood from one address holds PER_SOURCE places and
+closes its own connections.
 
 The other side of the same rule: a client that stops reading its answer (uvicorn pauses writing
 once 64 KiB wait in its buffer, past the kernel's) is aborted once writing has stayed paused for
@@ -23,32 +26,45 @@ import asyncio
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from cakemp.sources import GRACE_S, PER_SOURCE, Places
+
 MOST_INCOMPLETE = 64
 DEADLINE_S = 10.0
 COMPLETE = (h11.DONE, h11.MUST_CLOSE)  # the peer's side of a request, once its whole body has arrived
 
 
 class IncompleteConnections:
-    """The connections whose request has not arrived whole, oldest first, each with its deadline."""
+    """The connections whose request has not arrived whole, each with its deadline and place."""
 
-    def __init__(self, most: int = MOST_INCOMPLETE, deadline_s: float = DEADLINE_S) -> None:
+    def __init__(self, most: int = MOST_INCOMPLETE, deadline_s: float = DEADLINE_S, per_source: int = PER_SOURCE,
+                 grace_s: float = GRACE_S) -> None:
         self.most, self.deadline_s = most, deadline_s
-        self._deadlines: dict[GuardedH11Protocol, asyncio.TimerHandle] = {}  # insertion order: oldest first
+        self._places: Places[GuardedH11Protocol] = Places(most, lambda connection: connection.close(), per_source,
+                                                          grace_s)
+        self._deadlines: dict[GuardedH11Protocol, asyncio.TimerHandle] = {}
 
     def __len__(self) -> int:
         return len(self._deadlines)
 
     def incomplete(self, connection: GuardedH11Protocol) -> None:
-        """`connection` waits for a request; its deadline runs from its first call, not its latest."""
+        """`connection` waits for a request; its deadline runs from its first call, not its latest. Closed at
+        once when no place can be made for it."""
         if connection in self._deadlines:
             return
+        if not self._places.enter(connection, connection.client_host):
+            connection.transport.close()
+            return
+        if connection.sent:  # a connection that carried a request, or its first bytes, is never displaced
+            self._places.progressed(connection)
         self._deadlines[connection] = asyncio.get_running_loop().call_later(self.deadline_s, connection.close)
-        while len(self._deadlines) > self.most:
-            oldest = next(iter(self._deadlines))
-            next((c for c in self._deadlines if not c.served), oldest).close()
+
+    def received(self, connection: GuardedH11Protocol) -> None:
+        """`connection` sent bytes: it keeps its place until its request is whole or its deadline passes."""
+        self._places.progressed(connection)
 
     def forget(self, connection: GuardedH11Protocol) -> None:
         """`connection`'s request arrived whole, or it closed."""
+        self._places.leave(connection)
         if (deadline := self._deadlines.pop(connection, None)) is not None:
             deadline.cancel()
 
@@ -59,19 +75,26 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, guard: IncompleteConnections, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.guard = guard
-        self.served = False  # whether a request of this connection's was answered
+        self.sent = False  # whether the peer has sent a byte on this connection
         self._stalled: asyncio.TimerHandle | None = None  # while writing is paused: the abort
+
+    @property
+    def client_host(self) -> str:
+        peer = self.transport.get_extra_info("peername")
+        return peer[0] if peer else "?"
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._track()
 
     def data_received(self, data: bytes) -> None:
+        if not self.sent:
+            self.sent = True
+            self.guard.received(self)
         super().data_received(data)
         self._track()
 
     def on_response_complete(self) -> None:
-        self.served = True
         super().on_response_complete()  # this may start the next request, pipelined
         self._track()
 
@@ -95,7 +118,7 @@ class GuardedH11Protocol(H11Protocol):
             self._stalled = None
 
     def close(self) -> None:
-        """Closes the connection (its deadline passed, or it was the oldest incomplete one)."""
+        """Closes the connection (its deadline passed, or it was displaced to make room)."""
         self.guard.forget(self)
         self.transport.close()
 

@@ -70,11 +70,11 @@ MAX_SETUP_CONNECTIONS = 16
 
 
 class Budget(Protocol):
-    """The node's buffer budget (front/buffer_budget.py), which setup frames share."""
+    """The node's buffer budget (front/buffer_budget.py), which setup frames share, counted by the peer's host."""
 
-    async def take(self, size: int) -> None: ...
+    async def take(self, size: int, host: str) -> object: ...
 
-    def give(self, size: int) -> None: ...
+    def give(self, held: object) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -228,8 +228,9 @@ class _SetupConnection:
     def __init__(self, setup: Setup, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._config, self._cluster_hash, self._revision = setup.config, setup.cluster_hash, setup.revision
         self._writer, self._frame_timeout = writer, setup.frame_timeout
-        self.frames = _Frames(reader, setup.revision, setup.budget, setup.config.idle_timeout, setup.frame_timeout)
         peer = writer.get_extra_info("peername")
+        self.frames = _Frames(reader, peer[0] if peer else "?", setup.revision, setup.budget,
+                              setup.config.idle_timeout, setup.frame_timeout)
         self.logger = log.get_logger(conn=f"{peer[0]}:{peer[1]}" if peer else "?")
         self._exchange: asyncio.Task | None = None
 
@@ -319,11 +320,11 @@ class _Frames:
     the header. A message's bytes stay taken from the budget until the next is asked for, or
     `release` (a pushed chunk's data is a view of them until it is written)."""
 
-    def __init__(self, reader: asyncio.StreamReader, revision: Revision, budget: Budget, idle_timeout: float,
-                 frame_timeout: float):
-        self._frames, self._budget = FrameReader(reader, revision), budget
+    def __init__(self, reader: asyncio.StreamReader, host: str, revision: Revision, budget: Budget,
+                 idle_timeout: float, frame_timeout: float):
+        self._frames, self._host, self._budget = FrameReader(reader, revision), host, budget
         self._idle_timeout, self._frame_timeout = idle_timeout, frame_timeout
-        self._held = 0  # bytes of the budget the last message holds
+        self._held: object | None = None  # what the last message holds of the budget
 
     async def next(self, max_payload: int) -> Message | None:
         """The next message, of at most `max_payload` bytes (ProtocolError, unread, if more is
@@ -336,8 +337,7 @@ class _Frames:
             raise SetupError(f"no frame within {self._idle_timeout:g} s") from None
         if size is None:
             return None
-        await self._budget.take(size)
-        self._held = size
+        self._held = await self._budget.take(size, self._host)
         try:
             async with asyncio.timeout(self._frame_timeout):
                 return await self._frames.message()
@@ -346,8 +346,9 @@ class _Frames:
 
     def release(self) -> None:
         """Give back the budget the last message holds (it is done with)."""
-        self._budget.give(self._held)
-        self._held = 0
+        if self._held is not None:
+            self._budget.give(self._held)
+            self._held = None
 
 
 def _check_layers(layers: tuple[str, ...]) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""BufferBudget: frames wait for room in order, never partly held, and cancelled waits give back what they had."""
+"""BufferBudget: frames wait for room, never partly held, shared among sources (least held first, each
+within its share), small frames passing from a reserve; cancelled waits give back what they had."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ import asyncio
 
 import pytest
 
-from cakemp.front.buffer_budget import BufferBudget
+from cakemp.front.buffer_budget import RESERVE, SMALL_FRAME, BufferBudget
+
+LARGE = 2 * SMALL_FRAME  # a frame that never comes from the reserve
+A, A_SIBLING, B = "10.0.0.1", "::ffff:10.0.0.1", "10.0.0.2"  # the first two are one source
+
+
+async def settled() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
 
 
 def test_takes_within_capacity_return_at_once_and_report_what_is_held():
@@ -14,29 +23,90 @@ def test_takes_within_capacity_return_at_once_and_report_what_is_held():
     reported = []
 
     async def main():
-        budget = BufferBudget(100, on_change=reported.append)
-        await budget.take(60)
-        await budget.take(40)
-        budget.give(60)
-        assert budget.held == 40
+        budget = BufferBudget(10 * LARGE, on_change=reported.append)
+        first = await budget.take(6 * LARGE, A)
+        await budget.take(4 * LARGE, A)
+        budget.give(first)
+        assert budget.held == 4 * LARGE
 
     asyncio.run(main())
-    assert reported == [60, 100, 40]
+    assert reported == [6 * LARGE, 10 * LARGE, 4 * LARGE]
 
 
-def test_a_take_past_capacity_waits_and_later_ones_queue_behind_it():
-    """A frame that does not fit waits for room; a small one after it waits its turn (no starvation)."""
+def test_a_take_past_capacity_waits_and_later_ones_of_its_source_queue_behind_it():
+    """A frame that does not fit waits for room; a later one of the same source waits its turn (no starvation)."""
 
     async def main():
-        budget = BufferBudget(100)
-        await budget.take(90)
-        big = asyncio.create_task(budget.take(50))
-        small = asyncio.create_task(budget.take(5))
-        await asyncio.sleep(0)
-        assert not big.done() and not small.done()
-        budget.give(90)
-        await asyncio.wait_for(asyncio.gather(big, small), 5)
-        assert budget.held == 55
+        budget = BufferBudget(10 * LARGE)
+        held = await budget.take(9 * LARGE, A)
+        big = asyncio.create_task(budget.take(5 * LARGE, A))
+        later = asyncio.create_task(budget.take(2 * LARGE, A_SIBLING))
+        await settled()
+        assert not big.done() and not later.done()
+        budget.give(held)
+        await asyncio.wait_for(asyncio.gather(big, later), 5)
+        assert budget.held == 7 * LARGE
+
+    asyncio.run(main())
+
+
+def test_a_source_holding_nothing_is_served_before_one_that_holds_the_budget():
+    """A source holds the whole budget and waits for more; another source's frame, asked later, gets
+    the first bytes given back, ahead of the first source's own waiting frames."""
+
+    async def main():
+        budget = BufferBudget(4 * LARGE)
+        stalled = [await budget.take(LARGE, A) for _ in range(4)]
+        more = [asyncio.create_task(budget.take(LARGE, A)) for _ in range(3)]
+        other = asyncio.create_task(budget.take(LARGE, B))
+        await settled()
+        budget.give(stalled[0])
+        await asyncio.wait_for(other, 5)
+        assert not any(task.done() for task in more)
+        for task in more:
+            task.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_source_holding_bytes_takes_more_only_within_its_share():
+    """Two sources hold 4 of 10 each: the share is 5, so A's next 2 waits though 2 are free, and B's next 1
+    passes; A's goes once B holds nothing."""
+
+    async def main():
+        budget = BufferBudget(10 * LARGE)
+        await budget.take(4 * LARGE, A)
+        from_b = await budget.take(4 * LARGE, B)
+        over = asyncio.create_task(budget.take(2 * LARGE, A))
+        await settled()
+        assert not over.done()
+        again = await asyncio.wait_for(budget.take(LARGE, B), 5)
+        budget.give(from_b)
+        await settled()
+        assert not over.done()  # A's 4 + 2 is still past its share of 5
+        budget.give(again)  # B holds nothing: A's share is the whole budget
+        await asyncio.wait_for(over, 5)
+
+    asyncio.run(main())
+
+
+def test_a_small_frame_passes_from_the_reserve_one_per_source_when_the_budget_is_spent():
+    """The budget is spent and a large frame waits: a Hello-sized frame of another source still passes
+    at once, from the reserve; that source's second one waits; the reserve is held beside the capacity."""
+
+    async def main():
+        budget = BufferBudget(2 * LARGE)
+        held = [await budget.take(LARGE, A) for _ in range(2)]
+        waiting = asyncio.create_task(budget.take(LARGE, A))
+        hello = await asyncio.wait_for(budget.take(100, B), 5)
+        assert budget.held == 2 * LARGE + 100 <= 2 * LARGE + RESERVE
+        second = asyncio.create_task(budget.take(100, B))
+        await settled()
+        assert not second.done() and not waiting.done()
+        budget.give(hello)
+        budget.give(held[0])
+        budget.give(await asyncio.wait_for(second, 5))
+        await asyncio.wait_for(waiting, 5)
 
     asyncio.run(main())
 
@@ -45,16 +115,16 @@ def test_a_cancelled_wait_leaves_nothing_held_and_lets_the_next_in():
     """A connection closed while it waits gives up its place; the one behind it is served."""
 
     async def main():
-        budget = BufferBudget(100)
-        await budget.take(80)
-        first = asyncio.create_task(budget.take(50))
-        second = asyncio.create_task(budget.take(20))
-        await asyncio.sleep(0)
+        budget = BufferBudget(10 * LARGE)
+        await budget.take(8 * LARGE, A)
+        first = asyncio.create_task(budget.take(5 * LARGE, B))
+        second = asyncio.create_task(budget.take(2 * LARGE, B))
+        await settled()
         first.cancel()
         await asyncio.wait_for(second, 5)
         with pytest.raises(asyncio.CancelledError):
             await first
-        assert budget.held == 100
+        assert budget.held == 10 * LARGE
 
     asyncio.run(main())
 
@@ -64,6 +134,6 @@ def test_more_than_the_whole_budget_is_refused():
 
     async def main():
         with pytest.raises(ValueError):
-            await BufferBudget(10).take(11)
+            await BufferBudget(10).take(11, A)
 
     asyncio.run(main())

@@ -14,7 +14,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from cakemp.master.connection_guard import GuardedH11Protocol, IncompleteConnections  # noqa: E402
 
-MOST, DEADLINE_S = 4, 2.0
+MOST, PER_SOURCE, DEADLINE_S, GRACE_S = 4, 2, 2.0, 0.5
 ANSWER = b"ok"
 STREAMED = 64 << 20  # far more than the kernel's and uvicorn's buffers hold
 
@@ -48,7 +48,7 @@ class App:
 async def guarded_server(app):
     """A uvicorn server of `app` with the guard, listening on a free port: yields (host, port)."""
     listener = socket.create_server(("127.0.0.1", 0))
-    guarded = functools.partial(GuardedH11Protocol, guard=IncompleteConnections(MOST, DEADLINE_S))
+    guarded = functools.partial(GuardedH11Protocol, guard=IncompleteConnections(MOST, DEADLINE_S, PER_SOURCE, GRACE_S))
     server = uvicorn.Server(uvicorn.Config(app, http=guarded, log_config=None, lifespan="off"))
     task = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started:
@@ -61,8 +61,9 @@ async def guarded_server(app):
         listener.close()
 
 
-async def connect(address, receive_buffer: int | None = None) -> socket.socket:
+async def connect(address, receive_buffer: int | None = None, source: str = "127.0.0.1") -> socket.socket:
     sock = socket.socket()
+    sock.bind((source, 0))
     if receive_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     sock.setblocking(False)
@@ -98,16 +99,37 @@ async def get(sock: socket.socket, path: str = "/") -> bytes:
     return answer
 
 
-def test_past_the_cap_the_oldest_fresh_connection_closes_and_a_served_one_outlives_them():
-    """A client served once keeps its connection while 6 fresh idle ones come: the 3 oldest fresh ones
-    close at once (cap 4, the kept-alive one among them), and its next request on that connection is answered."""
+def test_past_the_cap_newcomers_wait_out_the_grace_then_displace_the_oldest_fresh_one_not_a_served_one():
+    """A client served once keeps its connection while 6 fresh idle ones come from 6 addresses (cap 4): the 3 that find
+    the others within their grace are closed at once; past the grace a newcomer closes the oldest fresh
+    one instead, never the kept-alive one, whose next request on that connection is answered."""
     async def run():
         async with guarded_server(App()) as address:
             client = await connect(address)
             assert (await get(client)).startswith(b"HTTP/1.1 200")
-            idle = [await connect(address) for _ in range(6)]
-            assert [await closed(s, timeout=DEADLINE_S / 4) for s in idle[:3]] == [True, True, True]
-            assert [await still_open(s) for s in idle[3:]] == [True, True, True]
+            idle = [await connect(address, source=f"127.0.0.{10 + i}") for i in range(6)]  # a source each
+            assert [await still_open(s) for s in idle[:3]] == [True, True, True]
+            assert [await closed(s, timeout=DEADLINE_S / 4) for s in idle[3:]] == [True, True, True]
+            await asyncio.sleep(GRACE_S)
+            newest = await connect(address, source="127.0.0.20")
+            assert await closed(idle[0], timeout=DEADLINE_S / 4)
+            assert [await still_open(s) for s in [*idle[1:3], newest]] == [True, True, True]
+            assert (await get(client)).startswith(b"HTTP/1.1 200")
+            for sock in [client, *idle, newest]:
+                sock.close()
+
+    asyncio.run(run())
+
+
+def test_one_address_holds_at_most_its_share_and_another_address_is_served():
+    """Idle connections from one address past its per-source cap (2) are closed at once, however few
+    the others hold; a client from another address is answered meanwhile."""
+    async def run():
+        async with guarded_server(App()) as address:
+            idle = [await connect(address, source="127.0.0.3") for _ in range(4)]
+            assert [await still_open(s) for s in idle[:2]] == [True, True]
+            assert [await closed(s, timeout=DEADLINE_S / 4) for s in idle[2:]] == [True, True]
+            client = await connect(address)
             assert (await get(client)).startswith(b"HTTP/1.1 200")
             for sock in [client, *idle]:
                 sock.close()

@@ -213,9 +213,10 @@ def answered(data: bytes) -> bool:
     return isinstance(message, (Batch, SingleOp, Goodbye))
 
 
-async def fuzz_connection(port: int, frames: list[bytes], ending: bytes | None) -> None:
-    """Hello, `frames` (each must get one reply, in order), then `ending` (must close the connection unanswered)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def fuzz_connection(port: int, frames: list[bytes], ending: bytes | None, source: str) -> None:
+    """From the address `source`: Hello, `frames` (each must get one reply, in order), then `ending`
+    (must close the connection unanswered)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
     decoder = FrameDecoder(Revision.V2)
     replies = []
 
@@ -317,12 +318,13 @@ def test_fuzzed_frames_from_many_connections_leave_the_node_and_a_canary_session
         slow = [await slow_reader(node.port) for _ in range(SLOW_READERS)]
         slots = asyncio.Semaphore(CONCURRENCY)
 
-        async def one(frames, ending):
+        async def one(frames, ending, source):
             async with slots:
-                await fuzz_connection(node.port, frames, ending)
+                await fuzz_connection(node.port, frames, ending, source)
 
-        try:
-            await asyncio.gather(*(one(frames, ending) for frames, ending in connections))
+        try:  # from as many addresses as connections at once: each peer within its handshake places
+            await asyncio.gather(*(one(frames, ending, f"127.0.3.{i % CONCURRENCY + 1}")
+                                   for i, (frames, ending) in enumerate(connections)))
         finally:
             done.set()
         steps, peak = await checking
@@ -353,27 +355,35 @@ def test_fuzzed_frames_from_many_connections_leave_the_node_and_a_canary_session
 
 
 def test_frames_past_the_buffer_budget_wait_unread_until_bytes_are_given_back(node, checkpoint):
-    """Connections holding half-sent frames fill the budget exactly; a master's next request then
-    waits, unread, and is served once one of them closes; nothing stays held after."""
-    ref = HFLayers(checkpoint, LAYERS, torch.float32)
+    """Connections from one address holding half-sent frames fill the budget exactly, and one more
+    holds that address's frame of the reserve of small frames: a master from the same address then
+    waits, unread, and is served once one of them closes; a master from another address is served
+    at once meanwhile (its frames pass from the reserve); nothing stays held after."""
+    ref, other_ref = HFLayers(checkpoint, LAYERS, torch.float32), HFLayers(checkpoint, LAYERS, torch.float32)
 
     async def main():
         master = await CakeMaster.connect(node.port, LAYERS)
         x = torch.randn(1, 3, HIDDEN)
         torch.testing.assert_close(await master.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
-        sizes = [MAX_PAYLOAD] * (BUFFER_BUDGET // MAX_PAYLOAD) + [BUFFER_BUDGET % MAX_PAYLOAD]
+        # The budget exactly, then a small frame (1 KiB): the address's one of the reserve.
+        sizes = [MAX_PAYLOAD] * (BUFFER_BUDGET // MAX_PAYLOAD) + [BUFFER_BUDGET % MAX_PAYLOAD, 1 << 10]
         hogs = []
         for size in sizes:  # each announces a frame, sends one byte of it, and stalls
             reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
             writer.write(frame(Hello()) + struct.pack(">II", MAGIC, size) + b"\0")
             hogs.append(writer)
-        while scrape(node.metrics_port())["cakemp_buffered_bytes", ()] < BUFFER_BUDGET:
+        held = BUFFER_BUDGET + (1 << 10)
+        while scrape(node.metrics_port())["cakemp_buffered_bytes", ()] < held:
             await asyncio.sleep(0.05)  # the node takes the hogs' frames one by one
-        assert scrape(node.metrics_port())["cakemp_buffered_bytes", ()] == BUFFER_BUDGET
+        assert scrape(node.metrics_port())["cakemp_buffered_bytes", ()] == held
         x = torch.randn(1, 1, HIDDEN)
         waiting = asyncio.create_task(master.forward(x, 3))
-        done, _ = await asyncio.wait([waiting], timeout=1)
-        assert not done  # a blocked request cannot finish however long it is given
+        other = await CakeMaster.connect(node.port, LAYERS, source="127.0.0.2")
+        y = torch.randn(1, 2, HIDDEN)
+        torch.testing.assert_close(await asyncio.wait_for(other.forward(y, 0), 60), other_ref(y, 0),
+                                   atol=F32_ATOL, rtol=0)
+        assert not waiting.done()  # a blocked request cannot finish however long it is given
+        await other.close()
         hogs.pop().close()
         torch.testing.assert_close(await asyncio.wait_for(waiting, 60), ref(x, 3), atol=F32_ATOL, rtol=0)
         for writer in hogs:

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from cakemp import log
 from cakemp.errors import RemoteWorkerError
 from cakemp.master.client import WorkerClient
 from cakemp.wire import (
@@ -308,6 +309,59 @@ def test_connections_past_max_connections_are_closed_at_once(node):
             writer.close()
 
     run(main())
+
+
+def test_idle_connects_without_hello_hold_no_master_slot(node, hf):
+    """On a node without a cluster key, more idle connects than --max-connections (from other addresses,
+    never sending a byte) hold handshake places, not master slots: a master still connects and its
+    session decodes exactly, and the node counts only its connections as masters'. (Before: they were
+    counted as masters until the frame timeout, and the master was refused.)"""
+
+    async def main():
+        idle = [(await asyncio.open_connection("127.0.0.1", node.port, local_addr=(f"127.0.2.{i % 4 + 1}", 0)))[1]
+                for i in range(MAX_CONNECTIONS + 4)]
+        while scrape(node.metrics_port()).get(("cakemp_handshakes", ()), 0.0) < MAX_CONNECTIONS:
+            await asyncio.sleep(0.05)
+        counted = await survives(node, hf(), lambda: asyncio.to_thread(
+            lambda: scrape(node.metrics_port())[("cakemp_connections", ())]))
+        for writer in idle:
+            writer.close()
+        return counted
+
+    assert run(main()) == len(LAYERS)  # the bystander's connections alone, one per layer
+
+
+def test_refusals_naming_ever_new_layers_log_bounded_lines_and_their_counts_at_window_end(node, hf):
+    """One connection sends 2,000 requests each naming a layer never named before: every one is answered,
+    the log holds a burst of "request refused" lines per window (one kind: the error's class), and once the window has
+    ended a line reports how many were suppressed though no later refusal came. (Before: 2,000 lines,
+    each its own kind.)"""
+
+    async def flood() -> int:
+        async with await WorkerClient.connect("127.0.0.1", node.port) as client:
+            await client.hello()
+            answered = 0
+            for i in range(2000):
+                with pytest.raises(RemoteWorkerError):
+                    await client.batch(GOOD, [(f"evil{i:05d}x{'q' * (i % 7)}", 0, 0)])
+                answered += 1
+            return answered
+
+    def counted() -> tuple[int, int]:
+        """Refusal lines logged since `mark`, and the refusals they and the window-end reports say were dropped."""
+        events = node.events(mark)
+        lines = [e for e in events if e.get("event") == "request refused"]
+        reports = [e for e in events if e.get("event") == log.SUPPRESSED and e["kind"].startswith("warning:request refused")]
+        return len(lines), sum(e.get("suppressed", 0) for e in lines + reports)
+
+    mark, started = node.mark(), time.monotonic()
+    assert run(survives(node, hf(), flood)) == 2000
+    windows = (time.monotonic() - started) // log.WINDOW_S + 2  # the flood's first and last windows, and any between
+    deadline = time.monotonic() + 4 * log.WINDOW_S
+    while sum(counted()) < 2000 and time.monotonic() < deadline:  # the last window's report comes as it ends
+        time.sleep(0.2)
+    lines, suppressed = counted()
+    assert lines <= log.BURST * windows and lines + suppressed == 2000, (lines, suppressed)
 
 
 def test_sighup_stops_the_node_as_sigterm_does(node, runtime):

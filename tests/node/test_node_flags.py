@@ -90,8 +90,9 @@ def test_the_kv_budget_refuses_a_session_until_another_closes(node):
     assert kv_bytes(quiescent(port), "cpu:0") == 0  # no connection open: no cache held
 
     async def main():
-        clients = [await WorkerClient.connect("127.0.0.1", node.port) for _ in range(SESSIONS_IN_BUDGET + 1)]
-        for client in clients:
+        clients = []
+        for _ in range(SESSIONS_IN_BUDGET + 1):  # each says Hello as it connects, as a Cake master's do
+            clients.append(client := await WorkerClient.connect("127.0.0.1", node.port))
             await client.hello()
         *admitted, refused = clients
         for client in admitted:

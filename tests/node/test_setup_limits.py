@@ -19,6 +19,7 @@ import pytest
 from cakemp.errors import ProtocolError
 from cakemp.master.client import WorkerClient
 from cakemp.setup.exchange import MAX_FIRST_FRAME, MAX_SETUP_CONNECTIONS, MAX_SETUP_FRAME
+from cakemp.sources import GRACE_S
 from cakemp.wire import (
     HEADER_SIZE,
     MAGIC,
@@ -196,19 +197,21 @@ def test_setup_connections_beyond_the_cap_are_refused_and_the_next_is_served(nod
 
 
 def test_connects_that_never_authenticate_cannot_crowd_out_a_setup(node):
-    """300 connects that never send a byte (more than the node has descriptors for): at most 64
-    are in the handshake at once, descriptors stay bounded, and a master holding the key is
-    asked for its data at once. (Before: no limit at all before setup.)"""
+    """300 connects that never send a byte, from 38 addresses (more than the node has descriptors for):
+    at most 64 are in the handshake at once, descriptors stay bounded, and a master holding the key
+    is asked for its data at once, once their grace is over. (Before: no limit at all before setup.)"""
     pid = node.process.pid
 
     async def main():
         before = open_fds(pid)
-        idle = [(await asyncio.open_connection("127.0.0.1", node.port))[1] for _ in range(300)]
+        idle = [(await asyncio.open_connection("127.0.0.1", node.port, local_addr=(f"127.0.1.{i % 38 + 1}", 0)))[1]
+                for i in range(300)]
         deadline = time.monotonic() + 30
         while (await asyncio.to_thread(scrape, node.metrics_port()))["cakemp_handshakes", ()] < HANDSHAKE_PLACES:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         at_cap = open_fds(pid)
+        await asyncio.sleep(GRACE_S)  # the idle connects' grace is over: the master displaces one of them
         started = time.monotonic()
         await asks_for_data(node)
         answered_s = time.monotonic() - started

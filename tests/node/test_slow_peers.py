@@ -25,6 +25,7 @@ import torch
 from cakemp.auth import authenticate_worker
 from cakemp.front.admission import LayerAdmission
 from cakemp.master.client import WorkerClient
+from cakemp.sources import GRACE_S, PER_SOURCE
 from cakemp.wire import (
     HEADER_SIZE,
     MAGIC,
@@ -40,6 +41,7 @@ from cakemp.wire import (
     read_header,
 )
 from tests.support.checkpoints import HFLayers, make_checkpoint
+from tests.support.flood import ConnectFlood
 from tests.support.master import CakeMaster
 from tests.support.node import RunningNode, open_fds, rss, scrape, write_topology
 
@@ -173,6 +175,53 @@ def test_masters_that_stop_reading_their_replies_are_closed_and_the_budget_comes
     before, peak, hello_s = run(main())
     print(f"{slow_count} slow readers: front RSS {before >> 20} MiB before, peak {peak >> 20} MiB; "
           f"a master's Hello answered after {hello_s:.1f} s")
+
+
+def test_a_master_is_answered_at_once_beside_six_masters_that_stopped_reading(node, hf):
+    """Six masters holding the key send full-context requests and never read a reply, so their unsent
+    replies hold the budget and more of their frames wait for it: a correct master's Hello and first
+    Batch (small frames, from the reserve) are answered exactly before any of them is closed for not
+    reading. (Before: the Hello waited behind their frames until the frame timeout closed them.)"""
+    ref = hf()
+    slow_count = 6
+
+    async def main():
+        unread = await asyncio.to_thread(metric, node, "cakemp_unread_replies_total")
+        slow = [await said_hello(node.port, rcvbuf=4096) for _ in range(slow_count)]
+        for _, writer, _ in slow:  # six each; no reply is ever read
+            writer.writelines([piece for _ in range(6) for piece in encode_frame(ECHO, Revision.V2)])
+        await wait_metric(node, "cakemp_buffered_bytes", lambda held: held > BUDGET - MAX_PAYLOAD)
+        master = await bystander(node, ref)  # Hello on each connection, then a Batch of 5 positions
+        answered_unread = await asyncio.to_thread(metric, node, "cakemp_unread_replies_total")
+        await decodes(master, ref)
+        await master.close()
+        for _, writer, _ in slow:
+            writer.close()
+        await wait_metric(node, "cakemp_buffered_bytes", lambda held: held == 0)
+        return answered_unread - unread
+
+    assert run(main()) == 0
+
+
+def test_a_connect_flood_from_one_address_holds_its_own_places_and_every_master_gets_in(node, hf):
+    """While one address connects as fast as it can and never sends a byte, a master from another
+    address connects twelve times (the key handshake, Hello) and its session decodes exactly every
+    time: the flood holds at most its address's places and displaces only its own. (Before: about
+    half of the connects were reset or timed out, displaced by the flood.)"""
+
+    async def main():
+        outcomes = []
+        with ConnectFlood(node.port, "127.0.0.3") as flood:
+            await wait_metric(node, "cakemp_handshakes", lambda places: places >= PER_SOURCE)
+            for _ in range(12):
+                master = await bystander(node, hf())
+                outcomes.append(await asyncio.to_thread(metric, node, "cakemp_handshakes"))
+                await master.close()
+        return outcomes, flood.connects
+
+    outcomes, connects = run(main())
+    assert len(outcomes) == 12 and max(outcomes) <= PER_SOURCE + 1, outcomes
+    print(f"a one-address flood of {connects} connects: 12 of 12 master sessions served exactly; places held {outcomes}")
 
 
 def test_idle_masters_hold_none_of_their_answered_requests(node):
@@ -342,11 +391,12 @@ def test_out_of_descriptors_the_node_pauses_accepting_and_restarts_a_device_once
 
 
 def test_connects_that_never_authenticate_hold_a_few_places_of_their_own_and_a_master_still_gets_in(node, hf):
-    """300 connects that never send a byte, more than the node has descriptors for and far more
-    than --max-connections: at most 64 are in the handshake at once (the oldest make room for the
-    newest), so the node's descriptors stay bounded, an authenticated bystander is untouched and a
-    master holding the key connects and is served at once. (Before: they took the connection slots
-    for 10 s each, and descriptors until accept failed.)"""
+    """300 connects that never send a byte, from 38 addresses, more than the node has descriptors for
+    and far more than --max-connections: at most 64 are in the handshake at once (past their grace
+    the oldest of the busiest address make room, until then newcomers are closed), so the node's
+    descriptors stay bounded, an authenticated bystander is untouched and a master holding the key
+    connects and is served at once. (Before: they took the connection slots for 10 s each, and
+    descriptors until accept failed.)"""
     ref = hf()
     pid = node.process.pid
     idle_count = 300
@@ -354,9 +404,12 @@ def test_connects_that_never_authenticate_hold_a_few_places_of_their_own_and_a_m
     async def main():
         master = await bystander(node, ref)
         before = open_fds(pid)
-        idle = [(await asyncio.open_connection("127.0.0.1", node.port))[1] for _ in range(idle_count)]
+        refused = await asyncio.to_thread(scrape, node.metrics_port())
+        idle = [(await asyncio.open_connection("127.0.0.1", node.port, local_addr=(f"127.0.1.{i % 38 + 1}", 0)))[1]
+                for i in range(idle_count)]
         await wait_metric(node, "cakemp_handshakes", lambda places: places == HANDSHAKE_PLACES)
         at_cap = open_fds(pid)
+        await asyncio.sleep(GRACE_S)  # the idle connects' grace is over: a newcomer displaces one of them
         started = time.monotonic()
         other = await asyncio.wait_for(CakeMaster.connect(node.port, LAYERS, cluster_key=KEY), 10)
         connect_s = time.monotonic() - started
@@ -365,14 +418,16 @@ def test_connects_that_never_authenticate_hold_a_few_places_of_their_own_and_a_m
         x = torch.randn(1, 2, HIDDEN)
         torch.testing.assert_close(await other.forward(x, 0), hf()(x, 0), atol=F32_ATOL, rtol=0)
         await other.close()
-        displaced = await asyncio.to_thread(metric, node, "cakemp_handshakes_displaced_total")
+        after = await asyncio.to_thread(scrape, node.metrics_port())
+        closed = sum(after.get(key, 0.0) - refused.get(key, 0.0) for key in (
+            ("cakemp_handshakes_displaced_total", ()), ("cakemp_refused_connections_total", (("reason", "handshake-places"),))))
         for writer in idle:
             writer.close()
-        return before, at_cap, connect_s, displaced
+        return before, at_cap, connect_s, closed
 
-    before, at_cap, connect_s, displaced = run(main())
+    before, at_cap, connect_s, closed = run(main())
     assert at_cap <= before + HANDSHAKE_PLACES + 8, (before, at_cap)
-    assert displaced >= idle_count - HANDSHAKE_PLACES
+    assert closed >= idle_count - HANDSHAKE_PLACES
     print(f"{idle_count} idle connects: front fds {before} before, {at_cap} at the cap of {HANDSHAKE_PLACES} "
           f"(ulimit -n {NOFILE}); a master connected in {connect_s * 1000:.0f} ms")
 

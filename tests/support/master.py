@@ -34,10 +34,14 @@ class CakeMaster:
 
     @classmethod
     async def connect(cls, port: int, layers: Sequence[int], *, cluster_key: str | None = None,
-                      revision: Revision = Revision.V2, prefix: str = "model.layers") -> CakeMaster:
+                      revision: Revision = Revision.V2, prefix: str = "model.layers",
+                      source: str | None = None) -> CakeMaster:
+        """A master of `layers` on the node at 127.0.0.1:`port`, connecting from `source` (another
+        loopback address: 127.0.0.2, ...) if given."""
         clients = []
         for _ in layers:  # sequentially, one per remote layer, as Cake does
-            client = await WorkerClient.connect("127.0.0.1", port, cluster_key=cluster_key, revision=revision)
+            client = await WorkerClient.connect("127.0.0.1", port, cluster_key=cluster_key, revision=revision,
+                                                source=source)
             await client.hello()
             clients.append(client)
         return cls(clients, layers, prefix)
