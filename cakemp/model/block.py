@@ -147,11 +147,15 @@ class DecoderBlock:
         if self.qk_norm == "head":
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
-        q = q.transpose(1, 2)  # [1, H_q, N, D]
-        k = k.transpose(1, 2)  # [1, H_kv, N, D]
+        if cos is None:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, H_q, N, D], [1, H_kv, N, D]
+        else:
+            # q and k rotated as one tensor, [1, H_q + H_kv, N, D]: one pass of rotate's ops, not two.
+            # Untouched by norms or a gate, they are one view of qkv's first rows; else one copy.
+            plain = self.qk_norm is None and not self.output_gate
+            qk = qkv[..., :(self.heads + n_kv) * D].view(B, N, -1, D) if plain else torch.cat([q, k], dim=2)
+            q, k = rotate(qk.transpose(1, 2), cos, sin).split([self.heads, n_kv], dim=1)
         v = v.view(B, N, n_kv, D).transpose(1, 2)  # [1, H_kv, N, D]
-        if cos is not None:
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
 
         # A sliding window only narrows what is read: the cache keeps every position of every
         # layer, local (Gemma 3, EXAONE 4, Mistral, Phi-3) or global (as Cake's full-attention

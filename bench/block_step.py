@@ -1,0 +1,98 @@
+"""Block step benchmark: the CPU time of one decode step through a tiny model's layers in-process,
+this tree against an earlier checkout, side by side in one run.
+
+    python -m bench.block_step --before DIR [--steps 400] [--rounds 6] [--hidden 256]
+
+DIR is a checkout of an earlier commit (e.g. `git archive <commit> | tar -x -C DIR`). The
+checkpoint is bench/request_cost.py's random 2-layer Llama (hidden 256, intermediate 768, 4 query
+heads on 2 kv heads, f32; --hidden scales all three widths). One child process per tree, each
+importing its own tree's cakemp (PYTHONPATH), loads both layers as a node's CPU device does (f32
+packed, no prefix reuse, one torch thread) and, when told, runs --steps one-token requests of one
+session through both (BlockRunner.run_batch, contexts 8 to 8 + steps, then the session starts over)
+and reports its CPU time (time.process_time). The children take turns, --rounds each; the
+figures are each tree's total CPU µs per step, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.pool import machine_line
+from bench.request_cost import LAYERS, SHAPE
+from tests.support.checkpoints import make_checkpoint
+
+# What each child runs, with only the APIs both trees have: one line on stdin (a count of steps)
+# -> one line on stdout (the CPU seconds they took).
+CHILD = """
+import sys, time, torch
+from cakemp.compute.runner import BlockRunner, Request
+torch.set_num_threads(1)
+layers = [f"model.layers.{i}" for i in range({layers})]
+runner = BlockRunner.load(sys.argv[1], layers, "cpu", torch.float32)
+hidden = runner.config.hidden_size
+print("ready", flush=True)
+with torch.inference_mode():
+    for line in sys.stdin:
+        runner.free_session(1)
+        runner.run(1, torch.randn(1, 8, hidden), runner.ops([(layer, 0, i) for i, layer in enumerate(layers)]))
+        inputs = [torch.randn(1, 1, hidden) for _ in range(int(line))]
+        start = time.process_time()
+        for position, x in enumerate(inputs, 8):
+            runner.run_batch([Request(1, x, runner.ops([(layer, position, i) for i, layer in enumerate(layers)]))])
+        print(time.process_time() - start, flush=True)
+"""
+
+
+def start(tree: Path, model: Path) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", CHILD.replace("{layers}", str(LAYERS)), str(model)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tree,
+                             env={**os.environ, "PYTHONPATH": str(tree)})
+    if child.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"the child from {tree} did not start")
+    return child
+
+
+def step_seconds(child: subprocess.Popen, steps: int) -> float:
+    child.stdin.write(f"{steps}\n")
+    child.stdin.flush()
+    return float(child.stdout.readline())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", type=Path, required=True, help="checkout of the earlier commit")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=SHAPE["hidden_size"])
+    args = parser.parse_args()
+    scale = args.hidden / SHAPE["hidden_size"]
+    shape = {**SHAPE, "hidden_size": args.hidden, "intermediate_size": int(SHAPE["intermediate_size"] * scale)}
+    print(machine_line())
+    with tempfile.TemporaryDirectory() as work:
+        model = make_checkpoint(Path(work), "llama", **shape)
+        trees = {f"before ({args.before.name})": args.before.resolve(), "this tree": Path.cwd()}
+        children = {name: start(tree, model) for name, tree in trees.items()}
+        totals = dict.fromkeys(children, 0.0)
+        for child in children.values():
+            step_seconds(child, 20)  # warm-up
+        for _ in range(args.rounds):
+            for name, child in children.items():
+                totals[name] += step_seconds(child, args.steps)
+        for child in children.values():
+            child.stdin.close()
+            child.wait()
+    per_step = {name: seconds / (args.rounds * args.steps) * 1e6 for name, seconds in totals.items()}
+    print(f"hidden {args.hidden}, {LAYERS} layers, CPU µs per decode step (sum of {args.rounds} rounds of {args.steps})")
+    for name, micros in per_step.items():
+        print(f"  {name}: {micros:.1f}")
+    before, after = per_step.values()
+    print(f"this tree / before: {after / before:.3f}")
+
+
+if __name__ == "__main__":
+    main()
