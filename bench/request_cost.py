@@ -1,6 +1,6 @@
 """Request cost benchmark: the CPU time a node spends per decode Batch, process by process.
 
-    python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--profile-seconds 4]
+    python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--profile-seconds 4] [--before DIR]
 
 Writes a random 2-layer Llama checkpoint (hidden 256, intermediate 768, 4 query heads on 2 kv
 heads, f32) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over both
@@ -24,6 +24,11 @@ once; each sample is put in the stage of its innermost frame that some rule of S
 process's main thread (where its Python runs) is printed as its µs per request, then each
 process's --top innermost frames and their shares. py-spy counts only samples of threads
 running Python or C code, not waiting in select or recv, so a share is a share of CPU time.
+
+With --before DIR (a checkout of an earlier commit, e.g. `git archive <commit> | tar -x -C DIR`),
+a second node runs from DIR (PYTHONPATH=DIR) beside this tree's, its windows taking turns with
+this tree's in every round, and its front and device CPU per request are printed beside them
+(profiles are of this tree's node only).
 """
 
 from __future__ import annotations
@@ -132,21 +137,28 @@ def in_process_window(runner: BlockRunner, count: int, steps: int) -> float:
         return time.process_time() - start
 
 
-async def measure(port: int, pids: dict[str, int], runner: BlockRunner, counts: list[int], steps: int,
-                  rounds: int) -> dict[int, dict[str, float]]:
-    """{count: {process: CPU µs per request}}, node windows and in-process windows alternating."""
-    figures = {}
+async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRunner, counts: list[int], steps: int,
+                  rounds: int) -> dict[str, dict[int, dict[str, float]]]:
+    """{node: {count: {process: CPU µs per request}}} for each node (its port and pids) and "in-process",
+    their windows taking turns."""
+    figures = {name: {} for name in nodes}
     for count in counts:
-        sessions = [await Session.open(port, HIDDEN, LAYERS) for _ in range(count)]
-        await node_window(sessions, 5, pids)  # warm-up
+        sessions = {name: [await Session.open(port, HIDDEN, LAYERS) for _ in range(count)]
+                    for name, (port, _) in nodes.items()}
+        for name, (_, pids) in nodes.items():
+            await node_window(sessions[name], 5, pids)  # warm-up
         in_process_window(runner, count, 5)
-        totals = Counter()
+        totals = {name: Counter() for name in nodes}
         for _ in range(rounds):
-            totals.update(await node_window(sessions, steps, pids))
-            totals["in-process"] += in_process_window(runner, count, steps)
-        for session in sessions:
+            for name, (_, pids) in nodes.items():
+                totals[name].update(await node_window(sessions[name], steps, pids))
+            in_process = in_process_window(runner, count, steps)
+            for name in nodes:
+                totals[name]["in-process"] += in_process
+        for session in (session for group in sessions.values() for session in group):
             await session.close()
-        figures[count] = {name: seconds / (rounds * steps * count) * 1e6 for name, seconds in totals.items()}
+        for name in nodes:
+            figures[name][count] = {key: seconds / (rounds * steps * count) * 1e6 for key, seconds in totals[name].items()}
     return figures
 
 
@@ -214,6 +226,19 @@ def print_profile(profiled: dict[str, tuple[Counter, Counter]], per_request: dic
                                                         for frame, n in by_frame.most_common(top)))
 
 
+def print_before(by_node: dict[str, dict[int, dict[str, float]]]) -> None:
+    """Each node's front and device CPU µs per request, and this tree's over the earlier one's."""
+    (before, old), (_, new) = by_node.items()
+    print(f"\n{before} against this tree, CPU µs per request, measured in the same rounds")
+    print("| sessions | front before | front now | ratio | device beyond in-process, before | now |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for count in new:
+        front_old, front_new = old[count]["front (process)"], new[count]["front (process)"]
+        beyond = [cost[count]["device (process)"] - cost[count]["in-process"] for cost in (old, new)]
+        print(f"| {count} | {front_old:.0f} | {front_new:.0f} | {front_new / front_old:.3f} | "
+              f"{beyond[0]:+.0f} | {beyond[1]:+.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="decode Batches per session per window")
@@ -221,6 +246,7 @@ def main() -> None:
     parser.add_argument("--counts", default="1,8", help="concurrent sessions to measure")
     parser.add_argument("--profile-seconds", type=int, default=4, help="py-spy's time on each process; 0: none")
     parser.add_argument("--top", type=int, default=10, help="innermost frames listed per process")
+    parser.add_argument("--before", type=Path, help="checkout of an earlier commit, whose node runs beside this tree's")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     torch.set_num_threads(1)
@@ -230,15 +256,22 @@ def main() -> None:
         model = make_checkpoint(work, "llama", **SHAPE)
         layers = [f"model.layers.{i}" for i in range(LAYERS)]
         runner = BlockRunner.load(model, layers, "cpu", torch.float32, pack_weights=True, prefix_reuse=False)
-        node, port = start_cakemp(model, work, "cpu:1", *NODE_ARGS, layers=LAYERS)
+        trees = {"this tree": None} if args.before is None else \
+            {f"before ({args.before.name})": args.before.resolve(), "this tree": None}
+        started = {name: start_cakemp(model, work, "cpu:1", *NODE_ARGS, layers=LAYERS, source=tree)
+                   for name, tree in trees.items()}
         try:
-            pids = {"front": node.pid, "device": device_pid(node.pid)}
-            figures = asyncio.run(measure(port, pids, runner, counts, args.steps, args.rounds))
+            nodes = {name: (port, {"front": node.pid, "device": device_pid(node.pid)})
+                     for name, (node, port) in started.items()}
+            by_node = asyncio.run(measure(nodes, runner, counts, args.steps, args.rounds))
+            figures = by_node["this tree"]
+            port, pids = nodes["this tree"]
             samples = {count: asyncio.run(profile(port, pids, count, args.profile_seconds, work))
                        for count in counts if args.profile_seconds}
         finally:
-            node.terminate()
-            node.wait()
+            for node, _ in started.values():
+                node.terminate()
+                node.wait()
     print(f"\n{LAYERS} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(NODE_ARGS)}`; "
           f"{args.rounds} windows of {args.steps} decode Batches per session; CPU µs per request (utime + stime)")
     print("| sessions | front | device | in-process run_batch | device beyond in-process |")
@@ -250,6 +283,8 @@ def main() -> None:
           + "; ".join(f"{count} session(s): " + ", ".join(f"{name} {value:.0f}" for name, value in sorted(cost.items())
                                                           if "(process)" not in name and name != "in-process")
                       for count, cost in figures.items()))
+    if args.before is not None:
+        print_before(by_node)
     for count, by_process in samples.items():
         print_profile(by_process, {name: figures[count][name] for name in pids}, count, args.top)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
