@@ -121,7 +121,7 @@ async def _generate(story: _Story, generator: Generator, kept_layer: str) -> lis
         batches = sum(run.host is not None for run in gen.runs)
         story.say(
             f"master      embeddings, final norm, lm_head and {kept_layer} here; "
-            f"{len(gen.clients)} connections, {batches} Batch round trips per token"
+            f"{len(gen.pool.hosts)} connections, {batches} Batch round trips per token"
         )
         story.say(f"generating  {MAX_TOKENS} tokens, temperature 1.0, seeded:")
         story.say()
