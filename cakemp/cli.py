@@ -106,7 +106,7 @@ def _cluster_flags(command):
         _flag("--discovery-timeout", type=click.FloatRange(0, min_open=True), default=10.0,
               help="Seconds to collect discovery replies."),
         _flag("--min-workers", type=click.IntRange(min=0), default=0,
-              help="Stop collecting replies once this many workers answered (0: wait the whole timeout)."),
+              help="Stop collecting replies once this many addresses answered (0: wait the whole timeout)."),
     )
     for flag in reversed(flags):
         command = flag(command)

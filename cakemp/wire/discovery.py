@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 
 from cakemp.errors import ProtocolError
@@ -121,6 +122,7 @@ def _gpu(value: object) -> GpuInfo:
     vram, tflops = value.get("vram_bytes"), value.get("tflops", 0.0)
     if not isinstance(vram, int) or isinstance(vram, bool) or vram < 0:
         raise ProtocolError(f"discovery reply: invalid vram_bytes {vram!r}")
-    if not isinstance(tflops, (int, float)) or isinstance(tflops, bool):
+    # Python's JSON reads NaN and Infinity, which no worker sends and every weighing of layers breaks on.
+    if not isinstance(tflops, (int, float)) or isinstance(tflops, bool) or not 0 <= tflops < math.inf:
         raise ProtocolError(f"discovery reply: invalid tflops {tflops!r}")
     return GpuInfo(_string(value, "name"), vram, float(tflops))

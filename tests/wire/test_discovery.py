@@ -64,6 +64,9 @@ def test_a_datagram_that_is_not_a_probe_is_a_protocol_error(datagram):
     b'{"cluster_hash":"h","worker_name":"w","port":1,"gpus":[{"name":"g","vram_bytes":-1}]}',
     b'{"cluster_hash":"h","worker_name":"w","port":1,"gpus":[{"name":"g","vram_bytes":1,"tflops":"x"}]}',
     b'{"cluster_hash":"h","worker_name":"w","port":1,"gpus":[7]}',
+    b'{"cluster_hash":"h","worker_name":"w","port":1,"gpus":[{"name":"g","vram_bytes":1,"tflops":NaN}]}',
+    b'{"cluster_hash":"h","worker_name":"w","port":1,"gpus":[{"name":"g","vram_bytes":1,"tflops":Infinity}]}',
+    b'{"cluster_hash":"h","worker_name":"w","port":1,"gpus":[{"name":"g","vram_bytes":1,"tflops":-1.0}]}',
 ])
 def test_a_reply_missing_or_mistyping_a_required_field_is_a_protocol_error(body):
     with pytest.raises(ProtocolError):
