@@ -13,7 +13,10 @@ and is older than `grace_s`: from its own source when that source is at its cap,
 source holding the most places, its oldest. With no such entry the newcomer is refused. So a
 flood from one address holds `per_source` places and the others stay free for other sources; a
 connection whose handshake is progressing is never displaced by one that has sent nothing, and
-none is displaced before it had `grace_s` to show itself.
+none is displaced before it had `grace_s` to show itself. An entry that is `resting` (an HTTP
+connection kept alive between the requests it carried: real, but doing nothing) yields its place
+to a newcomer of its own source only, so a client with more connections than its share (a pool,
+a proxy) closes its own idle ones, never a flood's newcomers another client's.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def source_of(host: str) -> str:
 class _Entry:
     source: str
     since: float  # when it entered (the clock's seconds)
+    resting: bool  # displaced by its own source's newcomers only
     progressed: bool = False
 
 
@@ -67,22 +71,23 @@ class Places(Generic[Item]):
     def __contains__(self, item: object) -> bool:
         return item in self._entries
 
-    def enter(self, item: Item, host: str) -> bool:
-        """Give `item`, from `host`, a place, displacing another if a cap is reached; False: refused, none was free."""
+    def enter(self, item: Item, host: str, resting: bool = False) -> bool:
+        """Give `item`, from `host`, a place, displacing another if a cap is reached; False: refused, none was free.
+        A `resting` item yields its place to its own source's newcomers only."""
         source = source_of(host)
         if self._held[source] >= self.per_source:
-            crowded = [other for other, entry in self._entries.items() if entry.source == source]
+            crowded, own = [other for other, entry in self._entries.items() if entry.source == source], True
         elif len(self._entries) >= self.most:
-            crowded = list(self._entries)
+            crowded, own = list(self._entries), False
         else:
             crowded = None
         if crowded is not None:
-            victim = self._displaceable(crowded)
+            victim = self._displaceable(crowded, own)
             if victim is None:
                 return False
             self.leave(victim)
             self._displace(victim)
-        self._entries[item] = _Entry(source, self._clock())
+        self._entries[item] = _Entry(source, self._clock(), resting)
         self._held[source] += 1
         return True
 
@@ -99,9 +104,14 @@ class Places(Generic[Item]):
             if not self._held[entry.source]:
                 del self._held[entry.source]
 
-    def _displaceable(self, items: list[Item]) -> Item | None:
+    def _displaceable(self, items: list[Item], own_source: bool) -> Item | None:
         """Of `items` (oldest first), the oldest of the source holding the most places among those that
-        have shown nothing and are past their grace; None if none is."""
+        have shown nothing (or rest, for a newcomer of their `own_source`) and are past their grace; None
+        if none is."""
         settled = self._clock() - self._grace_s
-        idle = [item for item in items if not self._entries[item].progressed and self._entries[item].since <= settled]
+
+        def open_to_newcomer(entry: _Entry) -> bool:
+            return not entry.progressed and (own_source or not entry.resting) and entry.since <= settled
+
+        idle = [item for item in items if open_to_newcomer(self._entries[item])]
         return max(idle, key=lambda item: self._held[self._entries[item].source], default=None)

@@ -10,8 +10,10 @@ moment it connected or its previous answer ended (bytes trickling in do not exte
 handshake places are (sources.py, the one implementation of both): past a cap a newcomer closes
 the oldest connection that has never sent a byte and is past a short grace, from its own source if
 that is at its cap, else from the source holding the most; with none, the newcomer is closed. A
-real client sends its request as soon as it connects, and its kept-alive connection has carried
-one, so neither is closed for a flood's sake; a flood from one address holds PER_SOURCE places and
+real client sends its request as soon as it connects, so it is not closed for a flood's sake, and
+a connection kept alive between requests gives its place only to a newcomer from its own source
+(a client whose pool keeps more than PER_SOURCE connections closes its own idle ones, as a
+keep-alive timeout would, and is answered); a flood from one address holds PER_SOURCE places and
 closes its own connections.
 
 The other side of the same rule: a client that stops reading its answer (uvicorn pauses writing
@@ -51,15 +53,16 @@ class IncompleteConnections:
         once when no place can be made for it."""
         if connection in self._deadlines:
             return
-        if not self._places.enter(connection, connection.client_host):
+        if not self._places.enter(connection, connection.client_host, resting=connection.served):
             connection.transport.close()
             return
-        if connection.sent:  # a connection that carried a request, or its first bytes, is never displaced
+        if connection.sent:  # a connection that has its request's first bytes is never displaced
             self._places.progressed(connection)
         self._deadlines[connection] = asyncio.get_running_loop().call_later(self.deadline_s, connection.close)
 
     def received(self, connection: GuardedH11Protocol) -> None:
-        """`connection` sent bytes: it keeps its place until its request is whole or its deadline passes."""
+        """`connection` sent its request's first bytes: it keeps its place until the request is whole or its
+        deadline passes."""
         self._places.progressed(connection)
 
     def forget(self, connection: GuardedH11Protocol) -> None:
@@ -75,7 +78,8 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, guard: IncompleteConnections, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.guard = guard
-        self.sent = False  # whether the peer has sent a byte on this connection
+        self.sent = False  # whether the peer has sent a byte of the request it is on
+        self.served = False  # whether it has carried a whole request and its answer (kept alive since)
         self._stalled: asyncio.TimerHandle | None = None  # while writing is paused: the abort
 
     @property
@@ -95,6 +99,7 @@ class GuardedH11Protocol(H11Protocol):
         self._track()
 
     def on_response_complete(self) -> None:
+        self.served, self.sent = True, False  # resting until the next request's first byte
         super().on_response_complete()  # this may start the next request, pipelined
         self._track()
 

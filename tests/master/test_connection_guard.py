@@ -121,6 +121,26 @@ def test_past_the_cap_newcomers_wait_out_the_grace_then_displace_the_oldest_fres
     asyncio.run(run())
 
 
+def test_a_client_with_more_kept_alive_connections_than_its_share_closes_its_own_idle_one_and_is_served():
+    """Two connections from one address (its cap), each served once and kept alive: a third from the same
+    address, past their grace, takes the place of the oldest of them (closed, as a keep-alive timeout
+    would) and is answered; the other stays open and is answered again."""
+    async def run():
+        async with guarded_server(App()) as address:
+            kept = [await connect(address) for _ in range(PER_SOURCE)]
+            for sock in kept:
+                assert (await get(sock)).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(GRACE_S)
+            newcomer = await connect(address)
+            assert await closed(kept[0], timeout=DEADLINE_S / 4)
+            assert (await get(newcomer)).startswith(b"HTTP/1.1 200")
+            assert (await get(kept[1])).startswith(b"HTTP/1.1 200")
+            for sock in [*kept, newcomer]:
+                sock.close()
+
+    asyncio.run(run())
+
+
 def test_one_address_holds_at_most_its_share_and_another_address_is_served():
     """Idle connections from one address past its per-source cap (2) are closed at once, however few
     the others hold; a client from another address is answered meanwhile."""
