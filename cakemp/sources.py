@@ -15,8 +15,8 @@ flood from one address holds `per_source` places and the others stay free for ot
 connection whose handshake is progressing is never displaced by one that has sent nothing, and
 none is displaced before it had `grace_s` to show itself. An entry that is `resting` (an HTTP
 connection kept alive between the requests it carried: real, but doing nothing) yields its place
-to a newcomer of its own source only, so a client with more connections than its share (a pool,
-a proxy) closes its own idle ones, never a flood's newcomers another client's.
+to a newcomer of its own source only, at once, so a client with more connections than its share
+(a pool, a proxy) closes its own idle ones, and a flood's newcomers never another client's.
 """
 
 from __future__ import annotations
@@ -106,12 +106,16 @@ class Places(Generic[Item]):
 
     def _displaceable(self, items: list[Item], own_source: bool) -> Item | None:
         """Of `items` (oldest first), the oldest of the source holding the most places among those that
-        have shown nothing (or rest, for a newcomer of their `own_source`) and are past their grace; None
+        have shown nothing and are past their grace, or rest (for a newcomer of their `own_source`); None
         if none is."""
         settled = self._clock() - self._grace_s
 
         def open_to_newcomer(entry: _Entry) -> bool:
-            return not entry.progressed and (own_source or not entry.resting) and entry.since <= settled
+            if entry.progressed:
+                return False
+            if entry.resting:  # it has had its turn: no grace, and only its own source's newcomer may take it
+                return own_source
+            return entry.since <= settled
 
         idle = [item for item in items if open_to_newcomer(self._entries[item])]
         return max(idle, key=lambda item: self._held[self._entries[item].source], default=None)
