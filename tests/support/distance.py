@@ -48,8 +48,11 @@ class Distance:
         except OSError:
             client_writer.close()
             return
-        await asyncio.gather(self._late(client_reader, target_writer), self._late(target_reader, client_writer),
-                             return_exceptions=True)
+        try:
+            await asyncio.gather(self._late(client_reader, target_writer), self._late(target_reader, client_writer),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:
+            pass  # the relay stopping: this handler's end, which asyncio's server would log as an error
         for writer in (client_writer, target_writer):
             writer.close()
 
