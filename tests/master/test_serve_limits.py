@@ -15,14 +15,12 @@ import urllib.request
 
 import openai
 import pytest
-import yaml
 
-from cakemp.demo.local_node import free_port
 from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
 from tests.master.chat_templates import CHATML, with_template
-from tests.support.node import LoggedProcess, RunningNode
+from tests.master.test_serve import Node
+from tests.support.node import LoggedProcess
 
-NODE_LAYERS = ["model.layers.1-3", "model.layers.5"]
 MODEL_ID = "tiny-chat"
 CONTEXT = 1 << 17
 MAX_TOKENS = 24
@@ -41,22 +39,6 @@ def model(tmp_path_factory):
     base.mkdir()
     write_checkpoint(base, SyntheticSpec(max_position_embeddings=CONTEXT))
     return with_template(base, tmp_path_factory.mktemp("chat") / MODEL_ID, HOSTILE, in_jinja_file=True)
-
-
-class Node:
-    """The cluster's one node on a fixed port, so that it can be stopped and started where the server finds it."""
-
-    def __init__(self, model, work):
-        self.model, self.port = model, free_port()
-        self.node_topology = work / "node.yml"
-        self.node_topology.write_text(yaml.safe_dump({"worker": {"host": "127.0.0.1:10128", "layers": NODE_LAYERS}}))
-        self.topology = work / "master.yml"
-        self.topology.write_text(yaml.safe_dump({"worker": {"host": f"127.0.0.1:{self.port}", "layers": NODE_LAYERS}}))
-        self.start()
-
-    def start(self):
-        self.running = RunningNode(self.model, self.node_topology, "--gpus", "cpu:2", "--dtype", "f32",
-                                   "--address", f"127.0.0.1:{self.port}")
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,8 @@ from cakemp.model.linear import linear
 from cakemp.model.weights import ggml, gptq, int4, int8, mlx
 from cakemp.model.weights.gguf import GgufCheckpoint
 from cakemp.model.weights.safetensors import Checkpoint
-from tests.support.checkpoints import make_checkpoint
 from tests.support.gguf_files import RANDOM_BLOCKS, GgufSpec, needs_gguf, random_blocks, write_gguf
-from tests.support.int4_checkpoints import random_gptq, random_mlx
+from tests.support.int4_checkpoints import GROUPS, LAYER, random_gptq, random_mlx
 
 OUT, IN = 96, 512
 BF16_EPS = torch.finfo(torch.bfloat16).eps
@@ -144,17 +143,6 @@ def test_what_torch_s_int4_kernel_cannot_take_is_dequantized():
 
 def test_the_kernel_check_passes_on_the_cpu_s_own_kernel():
     assert int4.kernel_works(torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("plain"), "llama")
-
-
-LAYER = "model.layers.1"
-GROUPS = {"w_qkv": [f"{LAYER}.self_attn.{p}_proj.weight" for p in "qkv"],
-          "w_gate_up": [f"{LAYER}.mlp.{p}_proj.weight" for p in ("gate", "up")],
-          "w_down": [f"{LAYER}.mlp.down_proj.weight"], "input_norm": [f"{LAYER}.input_layernorm.weight"]}
 
 
 def assert_loaded_int4(checkpoint, kept_keys: set[str], form: type = int4.Int4Weight) -> None:

@@ -16,8 +16,7 @@ from cakemp.compute.runner import BlockRunner
 from cakemp.model.linear import linear
 from cakemp.model.weights import gptq, int4, int8, mlx
 from cakemp.model.weights.safetensors import Checkpoint
-from tests.support.checkpoints import make_checkpoint
-from tests.support.int4_checkpoints import random_gptq
+from tests.support.int4_checkpoints import GROUPS, LAYER, random_gptq
 
 OUT, IN = 96, 512
 BF16_EPS = torch.finfo(torch.bfloat16).eps
@@ -66,17 +65,6 @@ def test_mlx_8_bit_codes_of_one_group_a_row_through_the_int8_kernel_give_the_deq
 def test_the_kernel_check_passes_on_the_cpu_s_own_kernel_and_a_gpu_is_not_tried():
     assert int8.kernel_works(torch.device("cpu"))
     assert not int8.kernel_works(torch.device("cuda", 0))
-
-
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("plain"), "llama")
-
-
-LAYER = "model.layers.1"
-GROUPS = {"w_qkv": [f"{LAYER}.self_attn.{p}_proj.weight" for p in "qkv"],
-          "w_gate_up": [f"{LAYER}.mlp.{p}_proj.weight" for p in ("gate", "up")],
-          "w_down": [f"{LAYER}.mlp.down_proj.weight"], "input_norm": [f"{LAYER}.input_layernorm.weight"]}
 
 
 def test_a_gptq_8_bit_checkpoint_of_one_group_keeps_its_fused_matrices_int8_and_counts_them(tmp_path, plain):

@@ -13,7 +13,6 @@ from cakemp.compute.loading import Rounding
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import ConfigError
 from cakemp.model.weights import int4, int8, rtn
-from tests.support.checkpoints import make_checkpoint
 from tests.support.int4_checkpoints import random_gptq
 from tests.support.tolerance import rel_error
 
@@ -44,11 +43,6 @@ def test_int8_rounding_is_torchao_s_symmetric_per_channel_bit_for_bit():
     parts = rtn.int8_parts(w)
     assert torch.equal(parts.codes, primitives.quantize_affine(w, block, scale, zero, torch.int8, -128, 127))
     assert torch.equal(parts.scales, scale.view(-1)) and not parts.corrections.any()
-
-
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("plain"), "llama")
 
 
 @pytest.mark.parametrize("quantize", [Rounding("int8", 128), Rounding("int4", 32), Rounding("int4", 64)], ids=str)

@@ -22,6 +22,12 @@ from cakemp.checkpoint.quantization import Gptq
 from cakemp.model.weights import gptq
 from tests.support.quantized import GptqSpec, _write_like, layer_matrix
 
+# One layer of a make_checkpoint Llama and its fused weight groups, as the loader reads them.
+LAYER = "model.layers.1"
+GROUPS = {"w_qkv": [f"{LAYER}.self_attn.{p}_proj.weight" for p in "qkv"],
+          "w_gate_up": [f"{LAYER}.mlp.{p}_proj.weight" for p in ("gate", "up")],
+          "w_down": [f"{LAYER}.mlp.down_proj.weight"], "input_norm": [f"{LAYER}.input_layernorm.weight"]}
+
 
 def _tensors(plain: Path) -> dict[str, torch.Tensor]:
     with safe_open(plain / "model.safetensors", framework="pt") as f:
