@@ -206,7 +206,8 @@ class Generator:
         """
         if max_tokens < 1:
             raise ConfigError(f"max tokens must be at least 1, got {max_tokens}")
-        sequence = SequenceState(self.encode(prompt), max_tokens, Sampler(sampling), Detokenizer(self.tokenizer),
+        prompt_tokens = self.encode(prompt)
+        sequence = SequenceState(prompt_tokens, max_tokens, Sampler(sampling), Detokenizer(self.tokenizer, prompt_tokens),
                                  isolation, on_text, on_token_time, halt if halt is not None else asyncio.Event(),
                                  trace)
         self.loop.submit(sequence)
