@@ -129,7 +129,8 @@ class Turns:
         generation, error = None, None
         try:
             generation = await self.generator.generate(c.prompt, c.max_tokens, c.sampling, on_text=job.on_text,
-                                                       halt=job.halt, isolation=c.isolation or self.keyless)
+                                                       halt=job.halt, isolation=c.isolation or self.keyless,
+                                                       on_token_time=self.metrics.token)
         except Exception as exc:  # the request's failure, told to its client; the server goes on
             error = _failure(exc, job.id)
             self.metrics.errors.inc(status=str(error.status))
@@ -137,7 +138,7 @@ class Turns:
             self.admitted -= 1
             job.ended(generation, error)
         if generation is not None:
-            self.metrics.served(generation.waited, len(c.prompt), generation.latencies)
+            self.metrics.prompt_tokens.inc(len(c.prompt))
             log.get_logger().info("request served", kind=c.kind, prompt_tokens=len(c.prompt),
                                   completion_tokens=len(generation.tokens), finish=job.finish_reason,
                                   halted=generation.halted, waited=round(generation.waited, 3),

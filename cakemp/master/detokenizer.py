@@ -8,22 +8,33 @@ that strips or merges at a window's start decodes them as it would in context) a
 `read_offset` (not yet shown). What the window decodes to past the shown tokens' text is the new
 text. Byte-level tokens can end inside a UTF-8 character, which decodes to U+FFFD: such a tail waits
 for the token that completes it, and `flush` hands out whatever is left once the generation ends.
+
+The window starts in the prompt's last `PROMPT_CONTEXT` tokens, shown already, as vLLM's does: a
+tokenizer that strips a word's leading space at the start of a text (SentencePiece's Metaspace,
+llama.cpp's add_space_prefix) would otherwise drop the first generated word's ("time" + "▁there"
+shown as "timethere"). Decoded after the prompt's tail, the first token's text is what it adds to the
+prompt's: the generated text is decode(prompt + completion) less decode(prompt).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers import Tokenizer
+
+# Prompt tokens the first window starts with: enough that the last word's text is decoded whole.
+PROMPT_CONTEXT = 5
 
 
 class Detokenizer:
     """Feeds on one generation's tokens, one at a time; hands back the text each adds."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.tokens: list[int] = []
+        self.tokens: list[int] = list(prompt[-PROMPT_CONTEXT:])  # the prompt's tail, then what is generated
         self._prefix_offset = 0  # the window's start: tokens before it are never decoded again
-        self._read_offset = 0  # tokens before it are shown
-        self.text = ""  # everything handed out so far
+        self._read_offset = len(self.tokens)  # tokens before it are shown (the prompt's, by its client)
+        self.text = ""  # everything handed out so far: the prompt's tail excluded
 
     def add(self, token: int) -> str:
         """The text `token` completes ("" while a character waits for its last byte)."""

@@ -194,18 +194,22 @@ class Generator:
         trace: list[RemoteCall] | None = None,
         halt: asyncio.Event | None = None,
         isolation: tuple[str, ...] | None = None,
+        on_token_time: Callable[[float, bool], None] | None = None,
     ) -> Generation:
         """Generate up to `max_tokens` tokens after `prompt` (text or ids, see `encode`), stopping early
         at an end token, or once `halt` is set (checked before each step; a cancelled caller sets it).
 
         `on_text` gets the text as it grows; `trace`, when given, receives every Batch round trip.
         `isolation`: the key of the clients whose requests may reuse each other's prefixes on the
-        workers (connections.py); None: no other request's.
+        workers (connections.py); None: no other request's. `on_token_time` is told each token's
+        seconds as it is sampled, and whether it is the first (`SequenceState.on_token_time`).
         """
         if max_tokens < 1:
             raise ConfigError(f"max tokens must be at least 1, got {max_tokens}")
-        sequence = SequenceState(self.encode(prompt), max_tokens, Sampler(sampling), Detokenizer(self.tokenizer),
-                                 isolation, on_text, halt if halt is not None else asyncio.Event(), trace)
+        prompt_tokens = self.encode(prompt)
+        sequence = SequenceState(prompt_tokens, max_tokens, Sampler(sampling), Detokenizer(self.tokenizer, prompt_tokens),
+                                 isolation, on_text, on_token_time, halt if halt is not None else asyncio.Event(),
+                                 trace)
         self.loop.submit(sequence)
         try:
             return await asyncio.shield(sequence.done)

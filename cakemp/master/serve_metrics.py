@@ -1,9 +1,10 @@
 """`cakemp serve`'s /metrics: what its requests cost, in Prometheus' text format (prometheus.py).
 
 Requests running and waiting are read from the step loop when scraped; time to first token (from
-the request's arrival, its wait included) and each later token's latency are observed as a
-request ends; completion tokens are counted (their rate is tokens/s), and every error answer by
-its HTTP status.
+the request's arrival, its wait included) and each later token's latency are observed as each
+token is sampled, so a long stream shows while it runs; completion tokens are counted as they come
+(their rate is tokens/s), a request's prompt tokens once it ends, and every error answer by its
+HTTP status.
 """
 
 from __future__ import annotations
@@ -36,14 +37,10 @@ class ServeMetrics:
         self.prompt_tokens = Counter("cakemp_serve_prompt_tokens_total", "Prompt tokens of the requests served.")
         self.errors = Counter("cakemp_serve_errors_total", "Error answers, by HTTP status.", ["status"])
 
-    def served(self, waited: float, prompt_tokens: int, latencies: tuple[float, ...]) -> None:
-        """A request that generated: `waited` seconds in the queue, then `latencies` per token."""
-        if latencies:
-            self.first_token.observe(waited + latencies[0])
-        for latency in latencies[1:]:
-            self.token_latency.observe(latency)
-        self.completion_tokens.inc(len(latencies))
-        self.prompt_tokens.inc(prompt_tokens)
+    def token(self, seconds: float, first: bool) -> None:
+        """A token sampled `seconds` after its request arrived (`first`) or after its previous token."""
+        (self.first_token if first else self.token_latency).observe(seconds)
+        self.completion_tokens.inc()
 
     def render(self) -> str:
         metrics = (self.running, self.waiting, self.first_token, self.token_latency, self.completion_tokens,

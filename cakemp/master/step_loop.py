@@ -74,6 +74,9 @@ class SequenceState:
     detokenizer: Detokenizer
     key: tuple[str, ...] | None  # its isolation key (connections.py); None: it named none
     on_text: Callable[[str], None] | None = None
+    # Told each token's seconds as it is sampled, and whether it is the first (then from the request's
+    # arrival, its wait included; later ones from the token before): /metrics sees a stream that runs.
+    on_token_time: Callable[[float, bool], None] | None = None
     halt: asyncio.Event | None = None
     trace: list[RemoteCall] | None = None
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -99,6 +102,20 @@ class SequenceState:
     def samples(self, fed: int) -> bool:
         """Whether the step that feeds it `fed` tokens ends with a token sampled (not a mid-prompt chunk)."""
         return self.position + fed >= len(self.prompt)
+
+    def sampled(self, token: int, now: float, end: bool) -> None:
+        """`token` sampled at `now`: its latency recorded and told, its text (none for an end token) shown."""
+        latency = now - self.since
+        self.since = now
+        self.latencies.append(latency)
+        self.tokens.append(token)
+        if self.on_token_time is not None:
+            first = len(self.latencies) == 1
+            self.on_token_time(self.waited + latency if first else latency, first)
+        if not end:
+            piece = self.detokenizer.add(token)
+            if piece and self.on_text is not None:
+                self.on_text(piece)
 
     def fail(self, exc: BaseException) -> None:
         self.failed = exc
@@ -188,13 +205,7 @@ class StepLoop:
                 sequence.position += len(feed)
         now = time.perf_counter()
         for (sequence, _), token in zip(sampling, tokens, strict=True):
-            sequence.latencies.append(now - sequence.since)
-            sequence.since = now
-            sequence.tokens.append(token)
-            if token not in self.eos_ids:  # an end token is never text
-                piece = sequence.detokenizer.add(token)
-                if piece and sequence.on_text is not None:
-                    sequence.on_text(piece)
+            sequence.sampled(token, now, token in self.eos_ids)  # an end token is never text
 
     def _run_local(self, run: LayerRun, sequences: list[SequenceState], xs: list[torch.Tensor]) -> list:
         """The master's own layers of `run` for every request at once (in a thread): outputs or exceptions."""

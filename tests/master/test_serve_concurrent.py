@@ -180,6 +180,27 @@ def test_leaving_mid_stream_and_refused_or_gone_mid_queue_leave_the_others_answe
                what="nothing waiting on the node")
 
 
+def test_a_running_stream_shows_its_first_token_and_token_latencies_in_metrics(client, server):
+    """While a long stream still runs, /metrics has observed its time to first token and the latencies of
+    the tokens read so far: they are observed as each token is sampled, not once the request ends."""
+    def counts():
+        metrics = serve_metrics(server)
+        return (metrics.get(("cakemp_serve_time_to_first_token_seconds_count", ()), 0.0),
+                metrics.get(("cakemp_serve_token_latency_seconds_count", ()), 0.0),
+                metrics[("cakemp_serve_completion_tokens_total", ())])
+
+    first_before, later_before, tokens_before = counts()
+    stream = client.chat.completions.create(model=MODEL_ID, messages=chat(QUESTIONS[0]), stream=True,
+                                            temperature=0, max_tokens=1500)
+    read_some(stream, pieces=4)  # the role chunk, then three tokens' text
+    first, later, tokens = counts()
+    assert in_flight(server) == (1, 0)  # it still runs
+    stream.close()
+    assert first - first_before == 1
+    assert later - later_before >= 2
+    assert tokens - tokens_before >= 3
+
+
 def test_isolation_keys_keep_prefix_reuse_within_one_user(client, node):
     """A prompt a user sent is reused on the node by that user's next request only: not by another user
     (another cache_salt), nor by requests naming no key (the server does not share across clients)."""
