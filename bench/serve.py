@@ -12,7 +12,9 @@ greedy answers run the whole length). For each count N, the N requests are sent 
 then all at once (the order alternating from round to round); printed per N and mode: aggregate
 completion tokens/s (all tokens over the wall time), time to first token p50/p99 and the median
 latency per later token; then the concurrent/sequential throughput ratio, and the slowest
-concurrent time to first token over a lone request's.
+concurrent time to first token over a lone request's. Then, for 1 and 8 clients at once, where the
+step loop's time went (its counters in /metrics, read before and after): the master's own layer, its
+head and sampling (in their threads), the workers' round trips, and the rest, the event loop's own.
 
 With --before DIR (a checkout of an earlier cakemp, e.g. `git archive <commit> | tar -x -C DIR`), a
 second server from that checkout over the same node answers the lone request too, alternating with
@@ -27,6 +29,7 @@ import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,11 +38,12 @@ import yaml
 
 from bench.pool import machine_line
 from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
-from tests.support.node import LoggedProcess, RunningNode
+from tests.support.node import LoggedProcess, RunningNode, samples
 
 SPEC = SyntheticSpec(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
                      num_key_value_heads=2, max_position_embeddings=2048)
 COUNTS = (1, 2, 4, 8)
+STEP_PARTS = ("local_layers", "head", "workers")
 
 
 def start_node(model: Path, work: Path) -> tuple[RunningNode, Path]:
@@ -135,6 +139,29 @@ def measure(client, prompts, tokens: int, rounds: int) -> dict[int, dict[str, tu
     return best
 
 
+def step_times(port: int) -> dict[str, float]:
+    """The step loop's counters: steps, and seconds of the loop and of each part."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        metrics = samples(response.read().decode())
+    return {"steps": metrics[("cakemp_serve_steps_total", ())],
+            **{part: metrics[(f"cakemp_serve_{part}_seconds_total", ())] for part in ("loop", *STEP_PARTS)}}
+
+
+def where_the_time_goes(client, port: int, prompts, tokens: int) -> None:
+    """Per step, at 1 and 8 clients at once: each part's milliseconds and share of the loop's time."""
+    for n in (1, max(COUNTS)):
+        before = step_times(port)
+        concurrent(client, prompts[:n], tokens)
+        after = step_times(port)
+        spent = {name: after[name] - before[name] for name in after}
+        steps, loop = spent["steps"], spent["loop"]
+        rest = loop - sum(spent[part] for part in STEP_PARTS)
+        shares = "  ".join(f"{part} {spent[part] / steps * 1e3:5.2f} ms ({spent[part] / loop:4.0%})"
+                           for part in STEP_PARTS)
+        print(f"{n} at once, {steps:.0f} steps of {loop / steps * 1e3:5.2f} ms: {shares}  "
+              f"event loop {rest / steps * 1e3:5.2f} ms ({rest / loop:4.0%})")
+
+
 def lone_against_before(model, topology, before: Path, prompt: str, tokens: int, rounds: int, client) -> None:
     earlier = start_server(model, topology, before)
     try:
@@ -178,6 +205,7 @@ def main() -> None:
                 ratio = (sum(t.tokens for t in con) / con_wall) / (sum(t.tokens for t in seq) / seq_wall)
                 print(f"  concurrent / sequential throughput {ratio:.2f}x; slowest first token "
                       f"{max(t.first for t in con) / lone:.1f}x a lone request's")
+            where_the_time_goes(client, server.port, prompts, args.tokens)
             if args.before is not None:
                 lone_against_before(model, topology, args.before, prompts[0], args.tokens, args.rounds, client)
         finally:

@@ -104,7 +104,8 @@ class Turns:
         # The isolation key of requests that name none: shared by all of them, or none (each its own).
         self.keyless = SHARED_KEY if share_prefixes_across_clients else None
         self.admitted = 0  # requests running or waiting
-        self.metrics = ServeMetrics(lambda: len(generator.loop.running), lambda: len(generator.loop.waiting))
+        loop = generator.loop
+        self.metrics = ServeMetrics(lambda: len(loop.running), lambda: len(loop.waiting), loop.spent)
         self._tasks: set[asyncio.Task] = set()  # strong references to the running generations
 
     @property

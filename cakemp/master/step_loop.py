@@ -15,6 +15,9 @@ arrival order. Each step:
   them onto the vocabulary as one matrix product, then samples each with its own sampler (seed,
   temperature, top-p): in the same thread.
 
+Where a step's time goes is summed in `StepLoop.spent` (StepTimes), a few clock reads a step:
+/metrics shows it.
+
 A request whose `halt` is set (a stop string, a client gone), that sampled an end token or its
 `max_tokens`, or whose step failed, leaves before the next step: its set says Goodbye (in the
 background, the others step on) and goes back to the pool; a connection that broke is closed
@@ -62,6 +65,19 @@ class RemoteCall:
     ops: tuple[LayerOp, ...]
     x: torch.Tensor  # [1, T, H] sent
     y: torch.Tensor  # [1, T, H] received
+
+
+@dataclass
+class StepTimes:
+    """Seconds the step loop spent, summed over its steps. `loop` is its whole wall time while requests
+    ran or waited; the others are parts of it: what is left is the event loop's own (embedding,
+    detokenizing, handing work to threads and back, and the HTTP tasks that ran between)."""
+
+    steps: int = 0
+    loop: float = 0.0
+    local_layers: float = 0.0  # the master's own layers, in their thread
+    head: float = 0.0  # final norm, lm_head and sampling, in their thread
+    workers: float = 0.0  # from sending the Batches of a remote run to its last reply
 
 
 @dataclass(eq=False)
@@ -137,6 +153,7 @@ class StepLoop:
         self.running: list[SequenceState] = []
         self._task: asyncio.Task | None = None
         self._leaving: set[asyncio.Task] = set()  # Goodbyes in flight
+        self.spent = StepTimes()
 
     def submit(self, sequence: SequenceState) -> None:
         """Queue `sequence`; the loop runs while any request runs or waits."""
@@ -153,11 +170,14 @@ class StepLoop:
 
     async def _loop(self) -> None:
         while self.waiting or self.running:
+            started = time.perf_counter()
             await self._admit()
             if self.running:
                 await self._step(self.running)
+                self.spent.steps += 1
             self._retire()
             await asyncio.sleep(0)  # a step without an await (every layer local, every request halted) yields
+            self.spent.loop += time.perf_counter() - started
 
     async def _admit(self) -> None:
         """Waiting requests take sets, in arrival order, while the pool has one; one that left while it
@@ -189,8 +209,10 @@ class StepLoop:
                 outputs = await asyncio.to_thread(self._run_local, run, [running[i] for i in live],
                                                   [xs[i] for i in live])
             else:
+                sent = time.perf_counter()
                 outputs = await asyncio.gather(*(self._run_remote(run, running[i], xs[i]) for i in live),
                                                return_exceptions=True)
+                self.spent.workers += time.perf_counter() - sent
             for i, output in zip(live, outputs, strict=True):
                 if isinstance(output, BaseException):
                     running[i].fail(output)
@@ -209,10 +231,13 @@ class StepLoop:
 
     def _run_local(self, run: LayerRun, sequences: list[SequenceState], xs: list[torch.Tensor]) -> list:
         """The master's own layers of `run` for every request at once (in a thread): outputs or exceptions."""
+        started = time.perf_counter()
         requests = [Request(sequence.connections.session, x,
                             [Op(local, sequence.position, index) for local, index in self._local[run]])
                     for sequence, x in zip(sequences, xs, strict=True)]
-        return self.runner.run_batch(requests)
+        outputs = self.runner.run_batch(requests)
+        self.spent.local_layers += time.perf_counter() - started  # the loop awaits this thread: no race
+        return outputs
 
     async def _run_remote(self, run: LayerRun, sequence: SequenceState, x: torch.Tensor) -> torch.Tensor:
         """x [1, T, H] through a worker's run, on the request's own connection -> [1, T, H]."""
@@ -226,9 +251,12 @@ class StepLoop:
     def _sample(self, sampling: list[tuple[SequenceState, torch.Tensor]]) -> list[int]:
         """Each request's next token: the final norm and lm_head over every last position at once
         ([B, H] -> [B, V]), then each request's own sampler (in a thread)."""
+        started = time.perf_counter()
         with torch.inference_mode():
             logits = self.head.project(torch.stack([x[0, -1] for _, x in sampling]))  # [B, H] -> [B, V]
-            return [sequence.sampler.sample(row, sequence.tokens) for (sequence, _), row in zip(sampling, logits)]
+            tokens = [sequence.sampler.sample(row, sequence.tokens) for (sequence, _), row in zip(sampling, logits)]
+        self.spent.head += time.perf_counter() - started
+        return tokens
 
     def _retire(self) -> None:
         """Every request that is done leaves now: halted, failed, at an end token or its max_tokens."""

@@ -11,6 +11,7 @@ import pytest
 
 from cakemp.front.metrics import Metrics
 from cakemp.master.serve_metrics import ServeMetrics
+from cakemp.master.step_loop import StepTimes
 from cakemp.prometheus import Histogram
 
 promql = pytest.importorskip("promql_parser")
@@ -26,7 +27,7 @@ def exported() -> dict[str, set[str]]:
     declarations."""
     metrics = Metrics()
     names = {}
-    for metric in [*vars(metrics).values(), *vars(ServeMetrics(lambda: 0, lambda: 0)).values()]:
+    for metric in [*vars(metrics).values(), *vars(ServeMetrics(lambda: 0, lambda: 0, StepTimes())).values()]:
         if not hasattr(metric, "labelnames"):
             continue
         labels = set(metric.labelnames) | TARGET_LABELS

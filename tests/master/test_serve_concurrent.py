@@ -199,6 +199,10 @@ def test_a_running_stream_shows_its_first_token_and_token_latencies_in_metrics(c
     assert first - first_before == 1
     assert later - later_before >= 2
     assert tokens - tokens_before >= 3
+    metrics = serve_metrics(server)
+    parts = sum(metrics[(f"cakemp_serve_{part}_seconds_total", ())] for part in ("local_layers", "head", "workers"))
+    assert metrics[("cakemp_serve_steps_total", ())] >= 3
+    assert 0 < parts <= metrics[("cakemp_serve_loop_seconds_total", ())]  # the step loop's parts of its time
 
 
 def test_isolation_keys_keep_prefix_reuse_within_one_user(client, node):
