@@ -80,7 +80,7 @@ class ConnectionPool:
         self.dialer = dialer
         self.hosts = tuple(hosts)
         self.size = size
-        self.broken = False  # a set was dropped for a broken connection, and none dialed since
+        self.broken = False  # a set was dropped for a broken connection, or failed to dial, and none dialed since
         self._idle: list[ConnectionSet] = []  # least recently used first
         self._taken = 0  # sets held by requests (or saying Goodbye)
         self._sessions = itertools.count()
@@ -148,6 +148,10 @@ class ConnectionPool:
             await connections.close()
 
     async def _dial(self) -> ConnectionSet:
-        connections = ConnectionSet(await self.dialer.connect(self.hosts), next(self._sessions))
+        try:
+            connections = ConnectionSet(await self.dialer.connect(self.hosts), next(self._sessions))
+        except (CakempError, OSError):
+            self.broken = True  # no set could be dialed: the next request tries again
+            raise
         self.broken = False
         return connections
