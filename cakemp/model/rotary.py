@@ -8,11 +8,6 @@ import torch
 
 from cakemp.checkpoint.config import LinearRopeScaling, Llama3RopeScaling, LongRopeScaling, Rope
 
-# Positions below this are read from a table (cos and sin [TABLED, R] per compute dtype, built at
-# the first request: 8 MiB at R = 128 in f32), so a decode step slices two rows instead of
-# computing them (~10 ops); positions past it are computed per request.
-TABLED = 8192
-
 
 class Rotary:
     """cos/sin for absolute positions of one rotary embedding, shared by the layers that use it."""
@@ -38,14 +33,12 @@ class Rotary:
             elif isinstance(scaling, LinearRopeScaling):
                 inv_freq = inv_freq / scaling.factor
         self.inv_freq = inv_freq.to(device)
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, index_pos: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [length, dim] in `dtype` for positions index_pos .. index_pos+length-1.
 
-        Rows of a table of the first TABLED positions where the request lies within it (the same
-        values: each row is computed as below, from the same f32 position), else computed for the
-        request: a table up to a 128k context limit would cost over 100 MiB per device.
+        Computed per request rather than tabled up to the context limit: a table for 128k
+        positions would cost tens of MiB per device, and this is dim/2 * length products.
         Longrope switches to its long factors for a whole request once the request reaches past
         the original context, as transformers does per forward call (keys cached earlier keep
         the short factors).
@@ -53,15 +46,6 @@ class Rotary:
         inv_freq = self.inv_freq
         if self.long_inv_freq is not None and index_pos + length > self.rope.scaling.original_max_position_embeddings:
             inv_freq = self.long_inv_freq
-        elif index_pos + length <= TABLED:
-            if dtype not in self._tables:
-                self._tables[dtype] = self._computed(inv_freq, 0, TABLED, dtype)
-            cos, sin = self._tables[dtype]
-            return cos[index_pos:index_pos + length], sin[index_pos:index_pos + length]
-        return self._computed(inv_freq, index_pos, length, dtype)
-
-    def _computed(self, inv_freq: torch.Tensor, index_pos: int, length: int,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(index_pos, index_pos + length, device=inv_freq.device, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)  # [T, dim/2] f32
         angles = torch.cat((angles, angles), dim=-1)  # [T, dim]: both halves rotate by the same angle
