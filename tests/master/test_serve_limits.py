@@ -18,7 +18,7 @@ import pytest
 
 from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
 from tests.master.chat_templates import CHATML, with_template
-from tests.master.test_serve import Node
+from tests.master.test_serve import node  # noqa: F401  (the module's node, over this module's model)
 from tests.support.node import LoggedProcess
 
 MODEL_ID = "tiny-chat"
@@ -42,14 +42,7 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def node(model, tmp_path_factory):
-    node = Node(model, tmp_path_factory.mktemp("node"))
-    yield node
-    assert node.running.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def server(model, node):
+def server(model, node):  # noqa: F811
     serving = LoggedProcess(["serve", "--model", str(model), "--topology", str(node.topology), "--dtype", "f32",
                              "--address", "127.0.0.1:0", "--repeat-penalty", "1", "--max-tokens", str(MAX_TOKENS),
                              "--max-body-kib", "2048", "--chat-template-seconds", "4", "--log-format", "json"],
@@ -208,7 +201,7 @@ def test_a_lone_surrogate_is_a_400_and_no_error(client, server, expected):
     assert not [e for e in server.events(mark) if e.get("level") == "error"]
 
 
-def test_a_502_names_no_worker_and_the_log_has_why(client, server, node, expected):
+def test_a_502_names_no_worker_and_the_log_has_why(client, server, node, expected):  # noqa: F811
     """With the node stopped behind the server, a request gets 502 (cluster_error) whose message names
     neither the worker's address nor its error, only the request's id; the server's log has an error-level
     line under that id saying which worker and what failed. /health answers meanwhile, and once the node is
