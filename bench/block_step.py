@@ -9,8 +9,10 @@ heads on 2 kv heads, f32; --hidden scales all three widths). One child process p
 importing its own tree's cakemp (PYTHONPATH), loads both layers as a node's CPU device does (f32
 packed, no prefix reuse, one torch thread) and, when told, runs --steps one-token requests of one
 session through both (BlockRunner.run_batch, contexts 8 to 8 + steps, then the session starts over)
-and reports its CPU time (time.process_time). The children take turns, --rounds each; the
-figures are each tree's total CPU µs per step, and their ratio.
+and reports its CPU time (time.process_time), then that of the same steps' four matrix products
+alone on the layers' own weights (the floor no cut of the small ops goes below). The children
+take turns, --rounds each; the figures are each tree's total CPU µs per step, its products'
+share, and the trees' ratio.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from bench.request_cost import LAYERS, SHAPE
 from tests.support.checkpoints import make_checkpoint
 
 # What each child runs, with only the APIs both trees have: one line on stdin (a count of steps)
-# -> one line on stdout (the CPU seconds they took).
+# -> one line on stdout (the CPU seconds the steps took, then the seconds of their products alone).
 CHILD = """
 import sys, time, torch
 from cakemp.compute.runner import BlockRunner, Request
+from cakemp.model.linear import linear
 torch.set_num_threads(1)
 layers = [f"model.layers.{i}" for i in range({layers})]
 runner = BlockRunner.load(sys.argv[1], layers, "cpu", torch.float32)
@@ -44,7 +47,16 @@ with torch.inference_mode():
         start = time.process_time()
         for position, x in enumerate(inputs, 8):
             runner.run_batch([Request(1, x, runner.ops([(layer, position, i) for i, layer in enumerate(layers)]))])
-        print(time.process_time() - start, flush=True)
+        steps = time.process_time() - start
+        # The floor: the same steps' four matrix products alone (q/k/v, o, gate/up, down of each layer,
+        # on the layers' own weights, one token), what no cut of the small ops can go below.
+        start = time.process_time()
+        for x in inputs:
+            for block in runner.blocks:
+                linear(x, block.w_qkv), linear(x, block.w_o)  # H_q * D == H in this model
+                gate, up = linear(x, block.mlp.w_gate_up).chunk(2, dim=-1)
+                linear(up, block.mlp.w_down)
+        print(steps, time.process_time() - start, flush=True)
 """
 
 
@@ -57,10 +69,12 @@ def start(tree: Path, model: Path) -> subprocess.Popen:
     return child
 
 
-def step_seconds(child: subprocess.Popen, steps: int) -> float:
+def step_seconds(child: subprocess.Popen, steps: int) -> tuple[float, float]:
+    """(CPU seconds of `steps` decode steps, of the same steps' matrix products alone)."""
     child.stdin.write(f"{steps}\n")
     child.stdin.flush()
-    return float(child.stdout.readline())
+    whole, products = child.stdout.readline().split()
+    return float(whole), float(products)
 
 
 def main() -> None:
@@ -77,22 +91,22 @@ def main() -> None:
         model = make_checkpoint(Path(work), "llama", **shape)
         trees = {f"before ({args.before.name})": args.before.resolve(), "this tree": Path.cwd()}
         children = {name: start(tree, model) for name, tree in trees.items()}
-        totals = dict.fromkeys(children, 0.0)
+        totals = {name: [0.0, 0.0] for name in children}
         for child in children.values():
             step_seconds(child, 20)  # warm-up
         for _ in range(args.rounds):
             for name, child in children.items():
-                totals[name] += step_seconds(child, args.steps)
+                for i, seconds in enumerate(step_seconds(child, args.steps)):
+                    totals[name][i] += seconds
         for child in children.values():
             child.stdin.close()
             child.wait()
-    per_step = {name: seconds / (args.rounds * args.steps) * 1e6 for name, seconds in totals.items()}
+    micros = {name: [s / (args.rounds * args.steps) * 1e6 for s in pair] for name, pair in totals.items()}
     print(f"hidden {args.hidden}, {LAYERS} layers, CPU µs per decode step (sum of {args.rounds} rounds of {args.steps})")
-    for name, micros in per_step.items():
-        print(f"  {name}: {micros:.1f}")
-    before, after = per_step.values()
+    for name, (whole, products) in micros.items():
+        print(f"  {name}: {whole:.1f}; its matrix products alone {products:.1f} ({products / whole:.2f} of it)")
+    (before, _), (after, _) = micros.values()
     print(f"this tree / before: {after / before:.3f}")
-
 
 if __name__ == "__main__":
     main()
