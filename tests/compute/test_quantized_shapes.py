@@ -27,23 +27,31 @@ import json, resource, sys
 import torch
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import CheckpointError
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-try:
-    BlockRunner.load(sys.argv[1], [sys.argv[2]], "cpu", torch.float32)
-    error = None
-except CheckpointError as e:
-    error = str(e)
-grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
-print(json.dumps({"error": error, "grown": grown}))
+layer = sys.argv[1]
+for path in sys.argv[2:]:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        BlockRunner.load(path, [layer], "cpu", torch.float32)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    print("outcome", json.dumps({"error": error, "grown": grown}), flush=True)
 """
 
 
-def load_in_a_process(path):
-    """Load LAYER of `path` in a fresh process: (its CheckpointError's text or None, peak RSS growth in bytes)."""
-    result = subprocess.run([sys.executable, "-c", LOAD, str(path), LAYER], capture_output=True, text=True, timeout=300)
+def load_in_a_process(*paths):
+    """Load LAYER of each of `paths` in turn, in one fresh process: per path (its CheckpointError's text or
+    None, the growth of the process's peak RSS during that load, in bytes). The peak only rises, so a path
+    whose growth matters goes first."""
+    result = subprocess.run([sys.executable, "-c", LOAD, LAYER, *map(str, paths)], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    outcome = json.loads(result.stdout.strip().splitlines()[-1])
-    return outcome["error"], outcome["grown"]
+    # The loader may log to stdout too: the outcomes are the lines the script marked.
+    outcomes = [json.loads(line.removeprefix("outcome ")) for line in result.stdout.splitlines()
+                if line.startswith("outcome ")]
+    assert len(outcomes) == len(paths), result.stdout[-3000:]
+    return [(outcome["error"], outcome["grown"]) for outcome in outcomes]
 
 
 def rewritten(path, replace):
@@ -59,9 +67,9 @@ def test_a_gptq_weight_claiming_a_huge_matrix_is_refused_by_name_before_it_is_de
     implies [64, 128]: a CheckpointError naming the weight and both shapes, and the process's peak memory
     grows by far less than the matrix's 256 MiB. The same checkpoint with the config's shape loads."""
     spec = GptqSpec("llama", bits=4, group_size=32, desc_act=desc_act)
-    assert load_in_a_process(gptq_shaped(tmp_path / "good", "llama", spec))[0] is None
     path = gptq_shaped(tmp_path / "bad", "llama", spec, shapes={MODULE: (HUGE, HUGE)})
-    error, grown = load_in_a_process(path)
+    (error, grown), (good, _) = load_in_a_process(path, gptq_shaped(tmp_path / "good", "llama", spec))
+    assert good is None
     assert error is not None and f"{MODULE}.weight ({HUGE}, {HUGE})" in error and "(64, 128)" in error
     assert grown < (HUGE * HUGE * 4) // 8
 
@@ -73,7 +81,7 @@ def test_gptq_scales_that_claim_more_than_the_qweight_holds_are_refused_naming_t
     path = rewritten(gptq_shaped(tmp_path, "llama", spec), lambda _: {
         f"{MODULE}.scales": torch.ones(claimed["scales"], dtype=torch.float16),
         f"{MODULE}.g_idx": torch.zeros(claimed["g_idx"], dtype=torch.int32)})
-    error, grown = load_in_a_process(path)
+    [(error, grown)] = load_in_a_process(path)
     assert error is not None and error.startswith(f"{MODULE}.qweight has shape")
     assert grown < (HUGE * HUGE * 4) // 8
 
@@ -87,13 +95,12 @@ def test_an_mlx_weight_claiming_a_huge_matrix_is_refused_by_name_before_it_is_de
     rewritten(path, lambda t: {f"{MODULE}.weight": torch.zeros(HUGE, HUGE * 4 // 32, dtype=torch.uint32),
                                **{f"{MODULE}.{p}": torch.ones(HUGE, HUGE // 32, dtype=torch.bfloat16)
                                   for p in ("scales", "biases")}})
-    error, grown = load_in_a_process(path)
+    scales, _ = mlx_checkpoint(tmp_path / "scales", "llama", bits=4, group_size=32)
+    rewritten(scales, lambda t: {f"{MODULE}.scales": torch.ones(HUGE, 4, dtype=torch.bfloat16)})
+    (error, grown), (scales_error, _) = load_in_a_process(path, scales)
     assert error is not None and f"{MODULE}.weight ({HUGE}, {HUGE})" in error and "(64, 128)" in error
     assert grown < (HUGE * HUGE * 4) // 8
-    path, _ = mlx_checkpoint(tmp_path / "scales", "llama", bits=4, group_size=32)
-    rewritten(path, lambda t: {f"{MODULE}.scales": torch.ones(HUGE, 4, dtype=torch.bfloat16)})
-    error, _ = load_in_a_process(path)
-    assert error is not None and error.startswith(f"{MODULE}.scales has shape")
+    assert scales_error is not None and scales_error.startswith(f"{MODULE}.scales has shape")
 
 
 def test_an_fp8_weight_claiming_a_huge_matrix_is_refused_by_name_before_it_is_dequantized(tmp_path):
@@ -101,11 +108,12 @@ def test_an_fp8_weight_claiming_a_huge_matrix_is_refused_by_name_before_it_is_de
     with scales to match (64 MiB stored), config.json implying [64, 128]: refused naming the weight and
     both shapes before dequantization (which costs 12 bytes per stored byte), the process's peak memory
     far below the stored weight's f32 matrix. The honest checkpoint loads."""
-    path = make_checkpoint(tmp_path, "llama", fp8_block=(128, 128))
-    assert load_in_a_process(path)[0] is None
+    good = make_checkpoint(tmp_path / "good", "llama", fp8_block=(128, 128))
+    path = make_checkpoint(tmp_path / "bad", "llama", fp8_block=(128, 128))
     rewritten(path, lambda _: {f"{MODULE}.weight": torch.zeros(HUGE, HUGE, dtype=torch.float8_e4m3fn),
                                f"{MODULE}.weight_scale_inv": torch.ones(HUGE // 128, HUGE // 128)})
-    error, grown = load_in_a_process(path)
+    (error, grown), (good_error, _) = load_in_a_process(path, good)
+    assert good_error is None
     assert error is not None and f"{MODULE}.weight ({HUGE}, {HUGE})" in error and "(64, 128)" in error
     assert "\n" not in error and grown < HUGE * HUGE * 4 // 4
 
@@ -115,12 +123,13 @@ def test_an_act_order_gptq_weight_of_more_groups_than_its_inputs_make_is_refused
     2^20 groups (u8 would do; here f16, 80 MiB of parts) with every g_idx 0: the matrix has the config's
     shape, so only the group count tells. Refused naming the scales, before the zero points are unpacked."""
     spec = GptqSpec("llama", bits=2, group_size=32, desc_act=True)
-    path = gptq_shaped(tmp_path, "llama", spec)
-    assert load_in_a_process(path)[0] is None
+    good = gptq_shaped(tmp_path / "good", "llama", spec)
+    path = gptq_shaped(tmp_path / "bad", "llama", spec)
     groups = 1 << 20
     rewritten(path, lambda tensors: {
         f"{MODULE}.scales": torch.ones(groups, 64, dtype=torch.float16),
         f"{MODULE}.qzeros": torch.zeros(groups, tensors[f"{MODULE}.qzeros"].shape[1], dtype=torch.int32)})
-    error, grown = load_in_a_process(path)
+    (error, grown), (good_error, _) = load_in_a_process(path, good)
+    assert good_error is None
     assert error is not None and error.startswith(f"{MODULE}.scales: {groups} groups of scales for 128 inputs")
     assert "\n" not in error and grown < groups * 64 * 4
