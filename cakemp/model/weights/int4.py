@@ -32,9 +32,10 @@ and 8 K of `order` for an act-order weight.
 
 The kernels take bf16 activations: `matmul` rounds x to bf16 and returns x's dtype, so a node
 computing in f32 keeps its f32 activations between the matmuls. On a CPU the int4 kernel's time
-grows with the rows (a decode step: 3x faster than f32; a 128-token prompt chunk: 1.9x slower,
-bench/quantized_decode.py), while its bf16 GEMM barely does; from `_DEQUANTIZED_ROWS` rows on, the
-weight is dequantized to bf16 a tile of outputs at a time, in cache, and multiplied by that GEMM.
+grows with the rows (a decode step: 3x faster than f32; 128 rows: 1.9x slower, bench/int4_crossover.py),
+while the bf16 GEMM's barely does; from `_DEQUANTIZED_ROWS` rows on, W^T is dequantized to bf16 a
+tile of outputs at a time (each value the formula's, rounded once to bf16) and multiplied by that
+GEMM: a 128-token prompt chunk then takes about the dequantized f32 path's time.
 `kernel_works` tries the kernel (and that tiling) on the device against this formula before any
 weight uses it.
 """
