@@ -273,3 +273,22 @@ def test_a_gpu_runner_keeps_gptq_int4_and_computes_what_the_dequantized_one_does
     ops = [(layer, 0, i) for i, layer in enumerate(layers)]
     ours, theirs = (r.run(1, x, r.ops(ops)).float() for r in (kept, dequantized))
     assert ((ours - theirs).norm() / theirs.norm()).item() < 4 * BF16_EPS
+
+
+def test_from_64_rows_a_cpu_product_multiplies_the_weight_rounded_to_bf16_and_below_the_kernel_s_exact_one():
+    """Which path a CPU product took shows in its result where W = (q - 8) + 1/128 (scale 1, zero
+    1/128) is not a bf16 value for |q - 8| >= 2, and x is ones: every sum is exact in f32 (multiples
+    of 2^-7 below 2^12), so the kernel (below 64 rows) returns the sum over the f32 W rounded once to
+    bf16, and the tiles (from 64 rows) the sum over bf16(W) (their dequantized values) rounded once."""
+    generator = torch.Generator().manual_seed(0)
+    rows, group = 1088, 64  # 17 blocks of 64 outputs: a full tile and a ragged one
+    parts = int4.Int4Parts(torch.randint(0, 16, (rows, IN), generator=generator, dtype=torch.uint8),
+                           torch.ones(rows, IN // group), torch.full((rows, IN // group), 2.0**-7), group)
+    weight = int4.Int4Weight.create(parts)
+    exact = int4.reference_weight(parts)
+    for count in (1, 63, 64, 130):
+        ones = torch.ones(count, IN)
+        got = linear(ones, weight)
+        through = exact if count < 64 else exact.bfloat16().float()
+        assert torch.equal(got, (ones @ through.t()).bfloat16().float()), count
+    assert not torch.equal(exact.sum(1).bfloat16(), exact.bfloat16().float().sum(1).bfloat16())

@@ -32,9 +32,10 @@ and 8 K of `order` for an act-order weight.
 
 The kernels take bf16 activations: `matmul` rounds x to bf16 and returns x's dtype, so a node
 computing in f32 keeps its f32 activations between the matmuls. On a CPU the int4 kernel's time
-grows with the rows (a decode step: 3x faster than f32; a 128-token prompt chunk: 1.9x slower,
-bench/quantized_decode.py), while its bf16 GEMM barely does; from `_DEQUANTIZED_ROWS` rows on, the
-weight is dequantized to bf16 a tile of outputs at a time, in cache, and multiplied by that GEMM.
+grows with the rows (a decode step: 3x faster than f32; 128 rows: 1.9x slower, bench/int4_crossover.py),
+while the bf16 GEMM's barely does; from `_DEQUANTIZED_ROWS` rows on, W^T is dequantized to bf16 a
+tile of outputs at a time (each value the formula's, rounded once to bf16) and multiplied by that
+GEMM: a 128-token prompt chunk then takes about the dequantized f32 path's time.
 `kernel_works` tries the kernel (and that tiling) on the device against this formula before any
 weight uses it.
 """
@@ -55,10 +56,11 @@ GROUP_SIZES = resident.INT4_GROUP_SIZES  # the group sizes torch's kernels take
 _OFFSET = 8  # the kernel's codes are q - 8
 _CPU_BLOCK = 64  # the CPU layout's block of outputs
 # Activation rows from which a CPU product dequantizes tiles to bf16 instead of calling the int4
-# kernel. Measured on the 2-core Xeon, one thread, TinyLlama's [5632, 2048] in groups of 128: the
-# kernel 8.5 ms at 32 rows, 17 at 64, 33 at 128; the tiles 16, 18, 21 (f32 through MKL: 17 at 128).
+# kernel (bench/int4_crossover.py measures both per shape; docs/benchmarks.md has the figures).
 _DEQUANTIZED_ROWS = 64
-_TILE_BLOCKS = 4  # outputs dequantized at once: 256 rows of bf16 (1 MiB at K = 2048), in L2
+# Outputs dequantized at once: 1024 rows (4 MiB of bf16 at K = 2048). Fewer, larger ops beat a tile
+# that fits L2 (256 rows) here: each op's fixed cost, not the cache, bounds the small ones.
+_TILE_BLOCKS = 16
 
 
 class Int4Shape(NamedTuple):
@@ -160,24 +162,37 @@ class Int4Weight:
         return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, K] bf16 -> x @ W^T: [T, N] bf16 on a CPU, W dequantized to bf16 `_TILE_BLOCKS` blocks
-        of the CPU layout at a time (each [blocks, K, 64]: W^T's columns of those outputs)."""
+        """x: [T, K] bf16 -> x @ W^T: [T, N] bf16 on a CPU, W^T dequantized to bf16 `_TILE_BLOCKS` blocks
+        of the CPU layout at a time into one [K, outputs] buffer (each value bf16 of the formula's f32
+        value: `reference_weight` rounded once) and multiplied by one bf16 GEMM."""
         rows, cols = self.shape
-        blocks, groups = rows // _CPU_BLOCK, cols // self.group_size
-        codes = self.packed.view(blocks, cols, _CPU_BLOCK // 2)
-        scales_and_zeros = self.scales_and_zeros.view(groups, blocks, _CPU_BLOCK, 2)
-        out = torch.empty(x.shape[0], blocks, _CPU_BLOCK, dtype=torch.bfloat16)
+        blocks, groups, half = rows // _CPU_BLOCK, cols // self.group_size, _CPU_BLOCK // 2
+        codes = self.packed.view(blocks, cols, half)  # block b, input k, byte j: outputs 64 b + j, 64 b + 32 + j
+        scales_and_zeros = self.scales_and_zeros.view(groups, rows, 2)
+        most = min(blocks, _TILE_BLOCKS)
+        # Reused by every tile (fresh pages per tile cost more than the arithmetic); ops write whole
+        # contiguous tensors where they can, as strided outputs and broadcasts run several times slower.
+        low, high = (torch.empty(most, cols, half, dtype=torch.uint8) for _ in range(2))
+        buffer = torch.empty(cols, most * _CPU_BLOCK, dtype=torch.bfloat16)
+        out = torch.empty(x.shape[0], rows, dtype=torch.bfloat16)
         for first in range(0, blocks, _TILE_BLOCKS):
-            tile = codes[first:first + _TILE_BLOCKS]
-            count = tile.shape[0]
-            # [count, K/g, g, 64]: each input's codes for the block's 64 outputs.
-            codes_f32 = torch.cat((tile & 15, tile >> 4), dim=-1).float().view(count, groups, -1, _CPU_BLOCK)
-            held = scales_and_zeros[:, first:first + count].permute(1, 0, 2, 3).float()  # [count, K/g, 64, 2]
-            # (q - 8) s + z = q s + (z - 8 s) in f32 (q s exact; f32 rounding past it), rounded once to bf16.
-            weight = codes_f32.mul_(held[..., 0].unsqueeze(2)).add_((held[..., 1] - _OFFSET * held[..., 0]).unsqueeze(2))
-            weight = weight.to(torch.bfloat16)
-            out[:, first:first + count] = torch.matmul(x, weight.view(count, cols, _CPU_BLOCK)).transpose(0, 1)
-        return out.view(x.shape[0], rows)
+            count = min(_TILE_BLOCKS, blocks - first)
+            outputs = slice(first * _CPU_BLOCK, (first + count) * _CPU_BLOCK)
+            tile = codes[first:first + count]  # [count, K, 32] uint8
+            # q - 8 as int8, exactly: (q + 248) mod 256.
+            low_codes = torch.bitwise_and(tile, 15, out=low[:count]).add_(256 - _OFFSET).view(torch.int8)
+            high_codes = torch.bitwise_right_shift(tile, 4, out=high[:count]).add_(256 - _OFFSET).view(torch.int8)
+            weight = buffer[:, :count * _CPU_BLOCK]  # [K, count * 64]: W^T's columns of these outputs
+            by_block = weight.view(cols, count, _CPU_BLOCK)
+            by_block[..., :half].copy_(low_codes.permute(1, 0, 2))
+            by_block[..., half:].copy_(high_codes.permute(1, 0, 2))
+            held = scales_and_zeros[:, outputs]  # [K/g, count * 64, 2]
+            grouped = weight.view(groups, self.group_size, -1)
+            # (q - 8) s + z in place: bf16 addcmul computes in f32 (q s exact) and rounds the sum once.
+            torch.addcmul(held[..., 1].contiguous().unsqueeze(1), grouped, held[..., 0].contiguous().unsqueeze(1),
+                          out=grouped)
+            out[:, outputs] = torch.mm(x, weight)
+        return out
 
     @property
     def nbytes(self) -> int:
