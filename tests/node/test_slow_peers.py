@@ -219,6 +219,10 @@ def test_a_connect_flood_from_one_address_holds_its_own_places_and_every_master_
             for _ in range(6):
                 outcomes.append(await far_master_session(far.port, hf()))
                 held.append(await asyncio.to_thread(metric, node, "cakemp_handshakes"))
+        # Every session was closed (the last one's close still on its way when the relay stopped):
+        # none is counted as a master's any more, and the flood's connects hold no place.
+        await wait_metric(node, "cakemp_connections", lambda open_: open_ == 0)
+        await wait_metric(node, "cakemp_handshakes", lambda places: places == 0)
         return outcomes, held, flood.connects
 
     outcomes, held, connects = run(main())

@@ -5,6 +5,11 @@ A client connects to the relay's `port`; the relay connects on to the target fro
 `one_way_s` late, in order. So a handshake through it takes its round trips as over a real
 distance, and the target sees the connection sit silent between them. It runs its own event loop
 in a thread, so blocking clients (the openai client) and asyncio ones can use it alike.
+
+Leaving the `with` block closes every socket the relay holds, both sides, before it returns: bytes
+still on their way (a client's close a moment ago) are dropped, and the target sees each of its
+connections end. Left to the garbage collector, a stopped loop's sockets stay open at the target
+for as long as the process lives (a node would count them as masters' connections).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ class Distance:
         self._target, self._source, self._one_way_s = port, source, one_way_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._writers: set[asyncio.StreamWriter] = set()  # every socket the relay holds open, either side
         self.port = 0
 
     def __enter__(self) -> Distance:
@@ -34,27 +40,36 @@ class Distance:
     def __exit__(self, *exc) -> None:
         async def stop():
             self._server.close()
-            for task in asyncio.all_tasks() - {asyncio.current_task()}:
+            relaying = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in relaying:
                 task.cancel()
+            await asyncio.gather(*relaying, return_exceptions=True)
+            for writer in self._writers:
+                writer.transport.abort()  # a close would wait for its unsent bytes, which nothing sends now
+            await asyncio.sleep(0)  # the transports' closing callbacks run (they close the sockets)
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+        self._loop.close()
 
     async def _relay(self, client_reader, client_writer) -> None:
+        writers = [client_writer]
+        self._writers.add(client_writer)
         try:
             target_reader, target_writer = await asyncio.open_connection(
                 "127.0.0.1", self._target, local_addr=(self._source, 0))
-        except OSError:
-            client_writer.close()
-            return
-        try:
+            writers.append(target_writer)
+            self._writers.add(target_writer)
             await asyncio.gather(self._late(client_reader, target_writer), self._late(target_reader, client_writer),
                                  return_exceptions=True)
+        except OSError:
+            pass  # the target refused: the client's connection ends at once
         except asyncio.CancelledError:
-            pass  # the relay stopping: this handler's end, which asyncio's server would log as an error
-        for writer in (client_writer, target_writer):
+            return  # the relay stopping closes the sockets; a cancelled handler asyncio's server would log as an error
+        for writer in writers:
             writer.close()
+            self._writers.discard(writer)
 
     async def _late(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Carry `reader`'s bytes to `writer`, each chunk `one_way_s` after it came; then end `writer`."""
