@@ -235,7 +235,11 @@ async def far_master_session(port: int, ref: HFLayers) -> str:
     """A master connecting through `port` (a Distance), prefilling 5 positions: "served exactly", or
     the exception it met on the way (the node reset or closed it)."""
     try:
-        master = await CakeMaster.connect(port, LAYERS, cluster_key=KEY)
+        # The relay completes the master's TCP connect at once and makes the node's only then, so
+        # the node's (its SYN dropped while the flood fills the kernel's accept backlog, resent after
+        # 1 s, 3 s, 7 s: no place rule's doing) falls within the key handshake's bound: twice the
+        # client's 10 s, the connect's bound and the handshake's that a master dialling the node has.
+        master = await CakeMaster.connect(port, LAYERS, cluster_key=KEY, timeout=20)
     except (OSError, EOFError, CakempError) as e:
         return f"{type(e).__name__}: {e}"
     try:
