@@ -9,7 +9,9 @@ of it unpacked), one from DIR (PYTHONPATH=DIR), side by side in one run:
 
 * `stalled-6`, `stalled-64`: that many masters holding the key (from 127.0.0.1), each sending
   twelve 0.5 MiB requests (echoed: no layer to run) and never reading a reply;
-* `flood`: one address (127.0.0.3) connecting as fast as one thread can, never sending a byte.
+* `flood`: one address (127.0.0.3) connecting from four threads as fast as they can, never
+  sending a byte; the master is 100 ms away (a round trip, through tests/support/distance.py),
+  so its proof is on the way while the flood's newer connects arrive.
 
 Then a correct master from 127.0.0.2 connects --connects times, one after another: the key
 handshake and Hello, then a Batch of 5 positions through both layers. Printed per scenario and
@@ -38,6 +40,7 @@ from cakemp.auth import authenticate_worker
 from cakemp.master.client import WorkerClient
 from cakemp.wire import Batch, DType, Hello, RawTensor, Revision, encode_frame
 from tests.support.checkpoints import make_checkpoint
+from tests.support.distance import Distance
 from tests.support.flood import ConnectFlood
 
 KEY = "bench peer bounds"
@@ -78,12 +81,13 @@ async def stall(port: int) -> asyncio.StreamWriter:
     return writer
 
 
-async def one_master(port: int, limit: float) -> tuple[float, float] | None:
-    """Seconds to WorkerInfo and to the first Batch's answer, from 127.0.0.2; None if it failed."""
+async def one_master(port: int, limit: float, source: str | None = "127.0.0.2") -> tuple[float, float] | None:
+    """Seconds to WorkerInfo and to the first Batch's answer, from `source` (None: a Distance's port
+    relays it from its own); None if it failed."""
     started = time.perf_counter()
     try:
         async with asyncio.timeout(limit):
-            client = await WorkerClient.connect("127.0.0.1", port, cluster_key=KEY, source="127.0.0.2", timeout=limit)
+            client = await WorkerClient.connect("127.0.0.1", port, cluster_key=KEY, source=source, timeout=limit)
             async with client:
                 await client.hello()
                 hello_s = time.perf_counter() - started
@@ -95,9 +99,9 @@ async def one_master(port: int, limit: float) -> tuple[float, float] | None:
 
 async def scenario(name: str, port: int, connects: int, frame_timeout: float) -> list[tuple[float, float] | None]:
     if name == "flood":
-        with ConnectFlood(port, "127.0.0.3"):
+        with ConnectFlood(port, "127.0.0.3"), Distance(port, "127.0.0.2", 0.05) as far:
             await asyncio.sleep(1)
-            return [await one_master(port, 3 * frame_timeout) for _ in range(connects)]
+            return [await one_master(far.port, 3 * frame_timeout, source=None) for _ in range(connects)]
     stalled = [await stall(port) for _ in range(int(name.split("-")[1]))]
     await asyncio.sleep(1)  # their frames taken, their replies stuck
     try:

@@ -35,15 +35,19 @@ class CakeMaster:
     @classmethod
     async def connect(cls, port: int, layers: Sequence[int], *, cluster_key: str | None = None,
                       revision: Revision = Revision.V2, prefix: str = "model.layers",
-                      source: str | None = None) -> CakeMaster:
+                      source: str | None = None, timeout: float = 10.0) -> CakeMaster:
         """A master of `layers` on the node at 127.0.0.1:`port`, connecting from `source` (another
-        loopback address: 127.0.0.2, ...) if given."""
+        loopback address: 127.0.0.2, ...) if given; `timeout` bounds each connect and key handshake."""
         clients = []
-        for _ in layers:  # sequentially, one per remote layer, as Cake does
-            client = await WorkerClient.connect("127.0.0.1", port, cluster_key=cluster_key, revision=revision,
-                                                source=source)
-            await client.hello()
-            clients.append(client)
+        try:
+            for _ in layers:  # sequentially, one per remote layer, as Cake does
+                client = await WorkerClient.connect("127.0.0.1", port, cluster_key=cluster_key, revision=revision,
+                                                    timeout=timeout, source=source)
+                clients.append(client)
+                await client.hello()
+        except BaseException:  # the node refused one: the connections it already took are closed, not left open
+            await asyncio.gather(*(client.close() for client in clients))
+            raise
         return cls(clients, layers, prefix)
 
     async def forward(self, x: torch.Tensor, index_pos: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
