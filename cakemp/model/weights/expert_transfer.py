@@ -68,10 +68,10 @@ class Waitable(Protocol):
 
 class PinnedPool:
     """A ring of `capacity` bytes of host memory (pinned where `pin`), allocated at first use and
-    reused: each staged tensor is a copy in the next free bytes, busy until the event of the copy
-    out of it (`copied`) is done; staging over busy bytes first waits for those copies, the oldest
-    first. A tensor larger than the ring grows it to that size once every copy is done, so the
-    pool holds at most max(capacity, the largest tensor staged)."""
+    reused: each tensor moved `through` it is copied into the next free bytes, which stay busy
+    until the copy out of them is done; bytes still busy are waited for before reuse, the oldest
+    copy first. A tensor larger than the ring grows it to that size once every copy is done, so
+    the pool holds at most max(capacity, the largest tensor moved through it)."""
 
     def __init__(self, capacity: int, pin: bool):
         self.capacity = capacity
@@ -80,11 +80,11 @@ class PinnedPool:
         self.waits = 0  # copies waited for before their bytes were reused
         self._ring: torch.Tensor | None = None  # [capacity] uint8
         self._head = 0  # where the next tensor goes
-        self._staged: list[tuple[int, int]] = []  # [start, end) of tensors staged since `copied`
-        self._busy: deque[tuple[int, int, Waitable]] = deque()  # oldest first
+        self._busy: deque[tuple[int, int, Waitable]] = deque()  # [start, end) and its copy's event, oldest first
 
-    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of `tensor` in the ring (a view of it), to be copied out before `copied` is next called."""
+    def through(self, tensor: torch.Tensor, move: Callable[[torch.Tensor], tuple[torch.Tensor, Waitable]]) -> torch.Tensor:
+        """What `move` makes of a copy of `tensor` in the ring (`move` -> the moved tensor, and what is
+        done once the ring's bytes have been read: a CUDA event recorded after a non_blocking copy)."""
         size = -(-tensor.nbytes // _ALIGN) * _ALIGN
         if self._ring is None or size > self._ring.numel():
             self._allocate(max(self.capacity, size))
@@ -95,14 +95,10 @@ class PinnedPool:
             self._busy.popleft()[2].synchronize()
             self.waits += 1
         self._head = end
-        self._staged.append((start, end))
-        view = self._ring[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-        return view.copy_(tensor)
-
-    def copied(self, event: Waitable) -> None:
-        """The tensors staged since the last call are being copied out until `event` is done."""
-        self._busy.extend((start, end, event) for start, end in self._staged)
-        self._staged.clear()
+        staged = self._ring[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        moved, done = move(staged)
+        self._busy.append((start, end, done))
+        return moved
 
     def _allocate(self, size: int) -> None:
         while self._busy:
@@ -144,13 +140,15 @@ class StagedCopies:
 
     def begin(self, load: ExpertLoad) -> InFlight:
         host = load(HOST, _stacked)  # (gate/up, down): plain tensors, or kept parts stacked, on the host
-        staged = [_each_tensor(weight, self.pool.stage) for weight in host]
         stream = self.stream or torch.cuda.current_stream(self.device)
+
+        def copied(staged: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+            return staged.to(self.device, non_blocking=True), stream.record_event()
+
         with torch.cuda.stream(stream):
-            moved = [_each_tensor(weight, lambda t: t.to(self.device, non_blocking=True)) for weight in staged]
+            moved = [_each_tensor(weight, lambda t: self.pool.through(t, copied)) for weight in host]
             pair = tuple(weight if isinstance(weight, torch.Tensor) else weight.kept() for weight in moved)
             event = stream.record_event()
-        self.pool.copied(event)
         return InFlight(pair, event, self.device)
 
 
