@@ -121,7 +121,7 @@ def test_staged_copies_deliver_tensors_and_int4_parts_exactly_on_a_side_stream()
     parts = Int4Parts(torch.randint(0, 16, (64, 256), generator=generator, dtype=torch.uint8),
                       torch.rand(64, 2, generator=generator) / 16 + 1e-3, torch.randn(64, 2, generator=generator) / 16, 128)
     pending = []
-    for step in range(8):
+    for _ in range(8):
         plain = torch.randn(64, 256, generator=generator).to(torch.bfloat16)
         pending.append((plain, copies.begin(lambda device, fuse, plain=plain: (plain, fuse([parts])))))
     for plain, flight in pending:
