@@ -2,8 +2,8 @@
 
     python -m tools.gpu_check [--out FILE] [--rehearse]
 
-About five to six minutes on one GPU (Python 3.12, torch 2.11 or 2.13; sections 7-9 estimated
-at ~1.5 minutes together, none of it measured yet). Each section records its
+About six minutes on one GPU (Python 3.12, torch 2.11 or 2.13; sections 7-10 estimated
+at ~2.5 minutes together, none of it measured yet). Each section records its
 findings, or the error that stopped it, and the next one runs regardless:
 
 1. machine: torch, CUDA and driver versions, the GPU, `nvidia-smi -L`, and
@@ -39,11 +39,16 @@ findings, or the error that stopped it, and the next one runs regardless:
    served by `cakemp run --gpus all --model-type image-model --dtype f32`, each component's
    reply against the same modules run in this process on the GPU in f32 (the largest
    difference), and whether the node logged an error.
-10. experts (~20 s): MoE layers with their routed experts offloaded (--expert-offload) on the GPU:
+10. experts (~60 s, estimated): MoE layers with their routed experts offloaded (--expert-offload) on
+   the GPU, staged through pinned memory and copied on a side stream (model/weights/expert_transfer.py):
    a plain Qwen3.5-MoE (stacked experts) and a 4-bit GPTQ Qwen3-MoE (per-expert, kept int4 in
    bf16), each against the same layers with every expert resident (bit-equal where both
    dequantize; the largest relative difference where offloaded experts stay int4), with a cache
-   of every expert and one smaller than one expert, and the cache's hits and misses.
+   of every expert and one smaller than one expert, the cache's hits and misses and what it holds
+   its experts as; then 2 Qwen3-MoE layers of 64 experts, top-4, bf16, offloaded into a cache of a
+   quarter of them against all resident: outputs (within the bf16 bound), GPU bytes held, decode
+   tokens/s on repeating and varied inputs, hit rate, and the same offload with its copies on the
+   compute stream instead of the side stream (`side_stream_speedup`: whether they overlapped).
 
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
 ./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
@@ -638,8 +643,7 @@ def check_expert_offload(device: torch.device, rehearse: bool) -> None:
     from tests.support.checkpoints import make_checkpoint
     from tests.support.tolerance import half_bound, rel_error
 
-    shape = SHAPE if rehearse else SHAPE | dict(hidden_size=1024, num_attention_heads=16, moe_intermediate_size=512,
-                                                num_hidden_layers=3)
+    shape = SHAPE if rehearse else SHAPE | dict(hidden_size=1024, num_attention_heads=16, moe_intermediate_size=512)
     layers = [f"model.layers.{i}" for i in range(shape["num_hidden_layers"])]
     expert = 3 * shape["hidden_size"] * shape["moe_intermediate_size"] * 2  # bf16 bytes
     quarter = len(layers) * shape["num_experts"] // 4 * expert
