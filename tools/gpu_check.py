@@ -2,8 +2,8 @@
 
     python -m tools.gpu_check [--out FILE] [--rehearse]
 
-About five to six minutes on one GPU (Python 3.12, torch 2.11 or 2.13; sections 7-9 estimated
-at ~1.5 minutes together, none of it measured yet). Each section records its
+About six minutes on one GPU (Python 3.12, torch 2.11 or 2.13; sections 7-10 estimated
+at ~2.5 minutes together, none of it measured yet). Each section records its
 findings, or the error that stopped it, and the next one runs regardless:
 
 1. machine: torch, CUDA and driver versions, the GPU, `nvidia-smi -L`, and
@@ -39,11 +39,16 @@ findings, or the error that stopped it, and the next one runs regardless:
    served by `cakemp run --gpus all --model-type image-model --dtype f32`, each component's
    reply against the same modules run in this process on the GPU in f32 (the largest
    difference), and whether the node logged an error.
-10. experts (~20 s): MoE layers with their routed experts offloaded (--expert-offload) on the GPU:
+10. experts (~60 s, estimated): MoE layers with their routed experts offloaded (--expert-offload) on
+   the GPU, staged through pinned memory and copied on a side stream (model/weights/expert_transfer.py):
    a plain Qwen3.5-MoE (stacked experts) and a 4-bit GPTQ Qwen3-MoE (per-expert, kept int4 in
    bf16), each against the same layers with every expert resident (bit-equal where both
    dequantize; the largest relative difference where offloaded experts stay int4), with a cache
-   of every expert and one smaller than one expert, and the cache's hits and misses.
+   of every expert and one smaller than one expert, the cache's hits and misses and what it holds
+   its experts as; then 2 Qwen3-MoE layers of 64 experts, top-4, bf16, offloaded into a cache of a
+   quarter of them against all resident: outputs (within the bf16 bound), GPU bytes held, decode
+   tokens/s on repeating and varied inputs, hit rate, and the same offload with its copies on the
+   compute stream instead of the side stream (`side_stream_speedup`: whether they overlapped).
 
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
 ./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
@@ -187,7 +192,7 @@ def main() -> None:
 
     @section("experts")
     def experts_section():
-        check_experts(device)
+        check_experts(device, rehearse)
 
     finding("total_seconds", round(time.monotonic() - started, 1))
     Path(args.out).write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
@@ -585,7 +590,13 @@ def check_int4(device: torch.device, rehearse: bool) -> None:
 
 # --- 10. offloaded MoE experts -------------------------------------------------------------
 
-def check_experts(device: torch.device) -> None:
+def check_experts(device: torch.device, rehearse: bool) -> None:
+    check_expert_formats(device)
+    check_expert_offload(device, rehearse)
+
+
+
+def check_expert_formats(device: torch.device) -> None:
     from cakemp.compute.runner import BlockRunner
     from tests.support.checkpoints import make_checkpoint
     from tests.support.int4_checkpoints import random_gptq
@@ -610,12 +621,96 @@ def check_experts(device: torch.device) -> None:
                 worst = {cache: max(((a - b).norm() / b.norm()).item() for a, b in zip(got, outputs[None]))
                          for cache, got in outputs.items() if cache is not None}
                 stats = runners[1 << 30].expert_cache
+                held = [weight for pair, _ in stats._held.values() for weight in pair]
                 finding(f"experts.{name}.{'int4' if keep else 'dequantized'}", {
                     "relative_difference_to_resident": worst, "hits": stats.hits, "misses": stats.misses,
-                    "held_mib": round(stats.resident_bytes / 2**20, 2)})
+                    "held_mib": round(stats.resident_bytes / 2**20, 2),
+                    "held_as": sorted({type(weight).__name__ for weight in held}),
+                    "transfer": type(runners[1 << 30].block(named[0]).mlp.experts.transfer).__name__})
                 runners = None
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+
+
+OFFLOAD_PROMPT = 32
+
+
+def check_expert_offload(device: torch.device, rehearse: bool) -> None:
+    """A Qwen3-MoE of 64 experts, top-4, bf16, its experts offloaded into a cache of a quarter of them
+    against all resident: outputs, GPU bytes held, decode speed, and (on a GPU) the same offload with
+    the copies on the compute stream instead of the side stream, to tell whether they overlapped."""
+    from bench.expert_offload import SHAPE
+    from tests.support.checkpoints import make_checkpoint
+    from tests.support.tolerance import half_bound, rel_error
+
+    shape = SHAPE if rehearse else SHAPE | dict(hidden_size=1024, num_attention_heads=16, moe_intermediate_size=512)
+    layers = [f"model.layers.{i}" for i in range(shape["num_hidden_layers"])]
+    expert = 3 * shape["hidden_size"] * shape["moe_intermediate_size"] * 2  # bf16 bytes
+    quarter = len(layers) * shape["num_experts"] // 4 * expert
+    runs = {"resident": (None, True), "offload_quarter": (quarter, True)}
+    if device.type == "cuda":
+        runs["offload_quarter_compute_stream"] = (quarter, False)
+    finding("experts.offload64.shape", f"{len(layers)} Qwen3-MoE layers, hidden {shape['hidden_size']}, 64 experts "
+            f"of {shape['moe_intermediate_size']}, top-4, bf16 ({expert / 2**20:.1f} MiB an expert); cache "
+            f"{quarter / 2**20:.0f} MiB, a quarter of the experts")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(Path(tmp), "qwen3_moe", dtype=torch.bfloat16, **shape)
+        results = {name: offload_run(path, layers, device, cache, side, 8 if rehearse else 32)
+                   for name, (cache, side) in runs.items()}
+    outputs = {name: result.pop("outputs") for name, result in results.items()}
+    base = results["resident"]
+    for name, result in results.items():
+        difference = max(rel_error(a, b) for a, b in zip(outputs[name], outputs["resident"], strict=True))
+        result["max_relative_difference"] = difference
+        result["within_bound"] = difference <= half_bound(torch.bfloat16)
+        result["held_ratio"] = round(result["held_mib"] / base["held_mib"], 3)
+        result["speed_ratio"] = {inputs: round(base["step_ms"][inputs] / ms, 3) for inputs, ms in result["step_ms"].items()}
+        finding(f"experts.offload64.{name}", result)
+    if "offload_quarter_compute_stream" in results:
+        one, side = results["offload_quarter_compute_stream"]["step_ms"], results["offload_quarter"]["step_ms"]
+        finding("experts.offload64.side_stream_speedup", {inputs: round(one[inputs] / side[inputs], 3) for inputs in side})
+
+
+def offload_run(path: Path, layers: list[str], device: torch.device, cache: int | None, side_stream: bool,
+                steps: int) -> dict:
+    """One runner's outputs (a prompt, then `steps` decode steps of repeating inputs, session 0, and of
+    varied ones, session 1), its median decode step per kind, the GPU bytes it holds and its cache's counts."""
+    from cakemp.compute.runner import BlockRunner
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    runner = BlockRunner.load(path, layers, device, torch.bfloat16, expert_cache_bytes=cache)
+    transfer = runner.block(layers[0]).mlp.experts.transfer if cache is not None else None
+    if not side_stream:
+        transfer.stream = None  # one StagedCopies serves every layer of the device
+    generator = torch.Generator().manual_seed(0)
+    hidden = runner.config.hidden_size
+    outputs, step_ms = [], {}
+
+    def run(session: int, position: int, x: torch.Tensor) -> None:
+        ops = runner.ops([(layer, position, i) for i, layer in enumerate(layers)])
+        outputs.append(runner.run(session, x.to(device, torch.bfloat16), ops).float().cpu())
+
+    cycle = [torch.randn(1, 1, hidden, generator=generator) for _ in range(4)]
+    for session, inputs in enumerate(("repeating", "varied")):
+        run(session, 0, torch.randn(1, OFFLOAD_PROMPT, hidden, generator=generator))
+        times = []
+        for step in range(steps):
+            x = cycle[step % 4] if inputs == "repeating" else torch.randn(1, 1, hidden, generator=generator)
+            times.append(1e3 * timed(lambda x=x, step=step: run(session, OFFLOAD_PROMPT + step, x), device))
+        step_ms[inputs] = round(sorted(times)[len(times) // 2], 3)
+    stats = runner.expert_cache
+    held = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else \
+        runner.weight_bytes + (stats.resident_bytes if stats else 0)
+    result = {"outputs": outputs, "held_mib": round(held / 2**20, 1), "step_ms": step_ms,
+              "tokens_per_second": {inputs: round(1e3 / ms, 1) for inputs, ms in step_ms.items()}}
+    if stats is not None:
+        result |= {"hit_rate": round(stats.hits / (stats.hits + stats.misses), 3),
+                   "cache_mib": round(stats.resident_bytes / 2**20, 1), "transfer": type(transfer).__name__}
+    if hasattr(transfer, "pool"):
+        result |= {"pinned_pool_waits": transfer.pool.waits, "pinned_pool_allocations": transfer.pool.allocations}
+    return result
 
 
 # --- 8. dequantization on the GPU against the CPU -----------------------------------------

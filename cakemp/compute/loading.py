@@ -25,7 +25,7 @@ from cakemp.model import attention
 from cakemp.model.block import MATRICES, NORMS, DecoderBlock
 from cakemp.model.linear_block import LinearAttentionBlock
 from cakemp.model.moe import STACKED, SparseMoe
-from cakemp.model.weights import fp8, int4, int8, kept, rtn
+from cakemp.model.weights import expert_transfer, fp8, int4, int8, kept, rtn
 from cakemp.model.weights.experts import ExpertCache, ExpertRead, ExpertStore, OffloadedExperts
 from cakemp.model.weights.source import WeightSource
 
@@ -118,7 +118,8 @@ class LoadPlan:
     def expert_stores(self, checkpoint: WeightSource, device: torch.device, dtype: torch.dtype,
                       kernels: frozenset[str], cache: ExpertCache) -> dict[str, ExpertStore]:
         """Each offloaded layer's experts, read on demand through the checkpoint's files, mapped once
-        for them all and kept so, into `cache` (quantized ones kept so where one of `kernels` takes them)."""
+        for them all and kept so, into `cache` (quantized ones kept so where one of `kernels` takes them),
+        each reaching `device` the one way it is moved there (model/weights/expert_transfer.py)."""
         if not self.offloaded:
             return {}
         moe, H = self.config.moe, self.config.hidden_size
@@ -127,7 +128,8 @@ class LoadPlan:
                  for key, names in read(j)[0].items()}
         mapped = checkpoint.mapped(every)
         shapes = ((2 * moe.intermediate_size, H), (H, moe.intermediate_size))
-        return {layer: OffloadedExperts(layer, moe.experts, read, shapes, mapped, cache, device, dtype, kernels)
+        moved = expert_transfer.transfer(device)
+        return {layer: OffloadedExperts(layer, moe.experts, read, shapes, mapped, cache, moved, dtype, kernels)
                 for layer, read in reads.items()}
 
     def _check_quantized_shapes(self, checkpoint: WeightSource) -> None:

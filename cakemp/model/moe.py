@@ -17,11 +17,14 @@ Qwen3.5-MoE files), stacked with gate and up apart (`mlp.switch_mlp.{gate,up,dow
 
 The experts are an ExpertStore (model/weights/experts.py): resident, as loaded, or offloaded
 (`--expert-offload`: the weights hold "experts", a store reading each expert on demand, from
-`expert_reads`, which says where expert j lies in each of these layouts).
+`expert_reads`, which says where expert j lies in each of these layouts). The store is asked for
+a step's experts right after the router, before the shared expert, so that reading the offloaded
+ones overlaps it; the held ones may come first, each expert's rows are its own either way.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -124,16 +127,18 @@ class SparseMoe:
         order = flat.argsort(stable=True)
         tokens = order // self.top_k  # the token of each sorted pair
         counts = torch.bincount(flat, minlength=self.experts.count).tolist()
+        starts = [0, *itertools.accumulate(counts)]
         routed = x[tokens]  # [N k, H]
-        outputs = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                rows = routed[start : start + count]
-                outputs.append(GatedMlp(*self.experts.pair(expert), self.activation)(rows))
-                start += count
-        mixed = torch.cat(outputs) * weights.reshape(-1)[order, None]  # [N k, H]
-        out = torch.zeros_like(x).index_add_(0, tokens, mixed)
+        # The router has chosen: offloaded experts not held start their reads (a GPU's copies) now,
+        # to overlap the shared expert and the held experts' products computed meanwhile.
+        fetched = self.experts.fetch([expert for expert, count in enumerate(counts) if count])
+        shared = None
         if self.shared is not None:
-            out = out + torch.sigmoid(linear(x, self.shared_gate)) * self.shared(x)
+            shared = torch.sigmoid(linear(x, self.shared_gate)) * self.shared(x)  # [N, H]
+        outputs = {expert: GatedMlp(*pair, self.activation)(routed[starts[expert]:starts[expert + 1]])
+                   for expert, pair in fetched}
+        mixed = torch.cat([outputs[expert] for expert in sorted(outputs)]) * weights.reshape(-1)[order, None]  # [N k, H]
+        out = torch.zeros_like(x).index_add_(0, tokens, mixed)
+        if shared is not None:
+            out = out + shared
         return out.view(shape)

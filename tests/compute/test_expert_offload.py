@@ -13,6 +13,8 @@ than a single expert (each read, used and dropped). Kept 4-bit (the default on a
 offloaded experts are int4 (model/weights/int4.py) where the resident ones are dequantized at load
 (stacked), so the outputs are within the kept path's bound (its bf16 roundings) of the resident
 kept layers', and still equal whatever the cache's size. The cache's counts move as they should.
+`--quantize` rounds the same matrices with experts offloaded or not (never the routed experts), so
+the outputs are equal. On a GPU (marked `gpu`), the same comparisons in bf16 through the staged copies.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.compute.loading import Rounding
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.model.weights.int4 import Int4Weight
 from tests.support.checkpoints import make_checkpoint
@@ -125,3 +128,53 @@ def test_kept_4_bit_experts_stay_int4_and_match_within_the_kept_bound(checkpoint
     tiny = _outputs(_runner(checkpoint, keep_int4=True, cache=1024))
     assert all(torch.equal(a, b) for a, b in zip(tiny, got, strict=True))
     assert kept == four_bit
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantize_rounds_the_same_matrices_with_experts_offloaded(tmp_path_factory, scheme):
+    """--quantize rounds attention's and the shared expert's matrices, not the routed experts (stacked
+    [E, ...], resident or offloaded): offloaded, a quantized layer computes exactly what it does resident."""
+    path = make_checkpoint(tmp_path_factory.mktemp("quantize"), "qwen3_5_moe")
+    layers = [f"model.language_model.layers.{i}" for i in LAYERS]
+
+    def load(cache):
+        return BlockRunner.load(path, layers, "cpu", torch.float32, quantize=Rounding(scheme, 32),
+                                expert_cache_bytes=cache)
+
+    offloaded = load(1024)
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(offloaded), _outputs(load(None)), strict=True))
+    moe = offloaded.block(layers[-1]).mlp
+    assert not isinstance(moe.shared.w_gate_up, torch.Tensor)  # rounded: a kept weight
+    assert all(isinstance(weight, torch.Tensor) for _, pair in moe.experts.fetch(range(2)) for weight in pair)
+
+
+GPU_CASES = {"qwen3_5_moe-plain": ("qwen3_5_moe", _plain), "qwen3_moe-gptq": ("qwen3_moe", _gptq)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_on_a_gpu_offloaded_experts_are_staged_and_compute_what_resident_ones_do(tmp_path_factory, name):
+    """bf16 on a GPU: the experts staged through pinned memory and copied on a side stream compute what
+    the resident layers do (bit for bit where both dequantize; kept int4, within the kept bound) with a
+    cache of every expert and one smaller than one expert; a 4-bit expert stays int4 in the GPU's cache."""
+    family, build = GPU_CASES[name]
+    path = build(tmp_path_factory.mktemp(name), family)
+    prefix = ModelConfig.from_dir(path).layer_prefix
+    layers = [f"{prefix}.{i}" for i in LAYERS]
+    generator = torch.Generator().manual_seed(0)
+    inputs = [(position, torch.randn(1, T, 64, generator=generator).to("cuda", torch.bfloat16))
+              for position, T in ((0, 7), (7, 1), (8, 1), (9, 1))]
+    for keep_int4 in (False, True):
+        runners = [BlockRunner.load(path, layers, "cuda", torch.bfloat16, keep_int4=keep_int4, expert_cache_bytes=cache)
+                   for cache in (None, BIG, 1024)]
+        outputs = [[runner.run(0, x, runner.ops([(layer, position, i) for i, layer in enumerate(layers)])).float()
+                    for position, x in inputs] for runner in runners]
+        resident, big, tiny = outputs
+        assert all(torch.equal(a, b) for a, b in zip(tiny, big, strict=True))
+        if keep_int4 and name.endswith("gptq"):
+            assert max(rel_error(a, b) for a, b in zip(big, resident, strict=True)) <= INT4_KEPT_REL
+            held = [weight for pair, _ in runners[1].expert_cache._held.values() for weight in pair]
+            assert held and all(isinstance(weight, Int4Weight) and weight.packed.is_cuda for weight in held)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(big, resident, strict=True))
+        assert runners[1].expert_cache.hits > 0 and runners[2].expert_cache.resident_bytes == 0

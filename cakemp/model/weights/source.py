@@ -11,11 +11,14 @@ stacked into one plain tensor (stacking.py).
 `WeightSource.mapped` keeps a checkpoint's files open for reads repeated while a node serves
 (an offloaded MoE's routed experts, model/weights/experts.py): `Mapped.load` reads groups as
 `load` does or, given an `index`, only matrix `index` of each member stored stacked [E, ...],
-its bytes alone read from the mapped file, in its stored form (4-bit codes stay 4-bit).
+its bytes alone read from the mapped file, in its stored form (4-bit codes stay 4-bit), and its
+kept groups made, by default, the weights that multiply or (`fuse`) their parts stacked, for a read
+that goes on to another device (model/weights/expert_transfer.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -29,6 +32,9 @@ from cakemp.model.weights.stacking import stack_rows
 K = TypeVar("K")
 Shape = tuple[int, ...]
 Loaded = torch.Tensor | fp8.Fp8Weight | kept.KeptWeight
+# What a kept group's members' parts become: the weight that multiplies (kept.weight), or (a read that
+# goes on to another device first, model/weights/expert_copies.py) the parts stacked (KeptParts.cat).
+Fuse = Callable[[list[kept.KeptParts]], kept.KeptWeight | kept.KeptParts]
 
 
 class WeightSource(Protocol):
@@ -98,14 +104,15 @@ class Reader:
 
     def _load(self, store: Any, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype,
               keep_fp8: bool = False, plus_one: frozenset[K] = frozenset(), kernels: frozenset[str] = frozenset(),
-              index: int | None = None) -> dict[K, Loaded]:
-        """`load` over an opened store; with `index`, matrix `index` of each (stacked) member alone."""
+              index: int | None = None, fuse: Fuse = kept.weight) -> dict[K, Loaded]:
+        """`load` over an opened store; with `index`, matrix `index` of each (stacked) member alone; a
+        kept group's members' parts made one by `fuse`."""
         out = {}
         for key, members in groups.items():
             if keep_fp8 and index is None and self._kept_fp8(store, members):
                 out[key] = self._fp8_weight(store, members, device)
             elif self._kept(store, members, kernels, index):
-                out[key] = kept.weight([self._kept_parts(store, name, device, index) for name in members])
+                out[key] = fuse([self._kept_parts(store, name, device, index) for name in members])
             else:
                 sources = [self._source(store, name, device, index) for name in members]
                 out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
@@ -194,9 +201,10 @@ class Mapped:
         self._store = reader._opened(self._stack, groups)
 
     def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype,
-             kernels: frozenset[str] = frozenset(), index: int | None = None) -> dict[K, Loaded]:
-        """As `Reader.load`; with `index`, only matrix `index` of each member (stored stacked [E, ...]) is read."""
-        return self._reader._load(self._store, groups, device, dtype, kernels=kernels, index=index)
+             kernels: frozenset[str] = frozenset(), index: int | None = None, fuse: Fuse = kept.weight) -> dict[K, Loaded]:
+        """As `Reader.load`; with `index`, only matrix `index` of each member (stored stacked [E, ...]) is read;
+        `fuse`: what a kept group's parts become (`Fuse`)."""
+        return self._reader._load(self._store, groups, device, dtype, kernels=kernels, index=index, fuse=fuse)
 
     def stored_nbytes(self, names: list[str]) -> int:
         """The bytes these tensors are stored in, their quantized parts' together (headers alone)."""
