@@ -18,8 +18,8 @@ A generation runs as a task of its own, never inside the HTTP handler: a client 
 (mid-stream, or while it waits for a whole answer) sets the generation's `halt`, the generation
 leaves the step loop after the step in flight and says Goodbye, its place taken by the next.
 Request bodies are bounded (`max_body_bytes`, 413 past it); every refusal is OpenAI's JSON error
-object. What a connection may hold before and after its request is bounded
-by `connection_guard.py`.
+object. A client that leaves while its request is read (rendered, tokenized) cancels that reading.
+What a connection may hold before and after its request is bounded by `connection_guard.py`.
 """
 
 from __future__ import annotations
@@ -171,9 +171,35 @@ class EventStream:
 
 async def _halt_when_gone(receive: Receive, job: Job) -> None:
     """Halts `job` when its client disconnects (read once its request body has been)."""
+    await _gone(receive)
+    job.halt.set()
+
+
+async def _gone(receive: Receive) -> None:
+    """Returns when the client disconnects (read once its request body has been)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    job.halt.set()
+
+
+class ClientGone(Exception):
+    """The client left while its request was read (its chat rendered, its prompt tokenized)."""
+
+
+async def _unless_gone(reading: Awaitable[Completion], receive: Receive) -> Completion:
+    """`reading`'s completion, or ClientGone when the client leaves first. Reading is cancelled then: a
+    rendering or tokenizing still waiting for its thread (behind other clients') never runs, so requests
+    sent and abandoned cost no more than the one in progress."""
+    read, gone = asyncio.ensure_future(reading), asyncio.create_task(_gone(receive))
+    try:
+        await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        left = not read.done()
+        if left:
+            read.cancel()
+    if left:
+        raise ClientGone
+    return read.result()
 
 
 class Api:
@@ -208,7 +234,9 @@ class Api:
     def _endpoint(self, read: Callable[[object], Awaitable[Completion]]) -> Callable[[Request], Awaitable[object]]:
         async def endpoint(request: Request) -> object:
             try:
-                job = self.turns.start(await read(await self._body(request)))
+                job = self.turns.start(await _unless_gone(read(await self._body(request)), request.receive))
+            except ClientGone:  # nobody to answer, and nothing counted: its reading was dropped
+                return Response(status_code=400)
             except ApiError as exc:
                 self.turns.metrics.errors.inc(status=str(exc.status))
                 return _error(exc)

@@ -7,7 +7,10 @@ cakemp.master.template_process`) that has only the template: it reads one JSON l
 answers one JSON line with the text, and is killed and started afresh when an answer takes longer
 than `seconds`. Its address space is capped (`MEMORY_BYTES`, where the platform has
 RLIMIT_AS) and a rendering longer than `most_bytes` is refused there, before it travels back.
-Renderings take the child one at a time; each blocks a thread of the caller, never its event loop.
+Renderings take the child one at a time, in a thread of their own: never the event loop, nor the
+default executor's threads, which the step loop computes in (renderings waiting behind a slow one
+would otherwise hold every one of those threads, and every client's next token with them). A
+rendering cancelled before its turn (its client left) is never sent to the child.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from cakemp.master.chat import ChatTemplate, Message, TemplateRefused, compile_template, render_template
 
@@ -31,7 +35,7 @@ class TemplateProcess:
         self.seconds = seconds
         self._setup = json.dumps({"source": template.source, "special_tokens": template.special_tokens,
                                   "most_bytes": most_bytes}) + "\n"
-        self._one_at_a_time = threading.Lock()  # a rendering's request and answer, never interleaved
+        self._one_at_a_time = ThreadPoolExecutor(1, "chat-template")  # a request and its answer, never interleaved
         self._child = self._start()
 
     def __enter__(self) -> TemplateProcess:
@@ -42,30 +46,35 @@ class TemplateProcess:
 
     async def render(self, messages: Sequence[Message]) -> str:
         """The template's text for `messages`; TemplateRefused when it refuses them, fails, or overruns."""
-        return await asyncio.to_thread(self._render, json.dumps([dict(m) for m in messages]) + "\n")
+        line = json.dumps([dict(m) for m in messages]) + "\n"
+        return await asyncio.get_running_loop().run_in_executor(self._one_at_a_time, self._render, line)
 
     def close(self) -> None:
+        self._one_at_a_time.shutdown(cancel_futures=True)
+        self._stop_child()
+
+    def _stop_child(self) -> None:
         self._child.kill()
-        self._child.wait()
+        with self._child:  # its pipes closed and the child reaped, now rather than when collected
+            pass
 
     def _render(self, line: str) -> str:
-        with self._one_at_a_time:
-            overran = threading.Event()
-            timer = threading.Timer(self.seconds, lambda: (overran.set(), self._child.kill()))
-            timer.start()
-            try:
-                self._child.stdin.write(line.encode())
-                self._child.stdin.flush()
-                answer = self._child.stdout.readline()
-            except OSError:  # the child is gone: killed by the timer, or dead of its own
-                answer = b""
-            finally:
-                timer.cancel()
-            if not answer:
-                self.close()
-                self._child = self._start()
-                raise TemplateRefused(f"the chat template took longer than {self.seconds:g} s on these messages"
-                                      if overran.is_set() else "the chat template failed on these messages")
+        overran = threading.Event()
+        timer = threading.Timer(self.seconds, lambda: (overran.set(), self._child.kill()))
+        timer.start()
+        try:
+            self._child.stdin.write(line.encode())
+            self._child.stdin.flush()
+            answer = self._child.stdout.readline()
+        except OSError:  # the child is gone: killed by the timer, or dead of its own
+            answer = b""
+        finally:
+            timer.cancel()
+        if not answer:
+            self._stop_child()
+            self._child = self._start()
+            raise TemplateRefused(f"the chat template took longer than {self.seconds:g} s on these messages"
+                                  if overran.is_set() else "the chat template failed on these messages")
         reply = json.loads(answer)
         if "refused" in reply:
             raise TemplateRefused(reply["refused"])

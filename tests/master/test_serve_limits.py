@@ -8,10 +8,12 @@ The server: --max-tokens 24, --max-body-kib 2048, --chat-template-seconds 4.
 """
 
 import json
+import os
 import re
 import socket
 import threading
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -19,12 +21,13 @@ import pytest
 from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
 from tests.master.chat_templates import CHATML, with_template
 from tests.master.test_serve import node  # noqa: F401  (the module's node, over this module's model)
-from tests.support.node import LoggedProcess
+from tests.support.node import LoggedProcess, gone, scrape
 
 MODEL_ID = "tiny-chat"
 CONTEXT = 1 << 17
 MAX_TOKENS = 24
 GREEDY = {"temperature": 0, "max_tokens": 20}
+REFUSED = ("cakemp_serve_errors_total", (("status", "400"),))
 MESSAGES = [{"role": "user", "content": "Once upon a time"}]
 # The hostile branches depend on the messages, so that jinja cannot fold them into constants at compile time.
 HOSTILE = ("{% if messages[-1].content == 'loop' %}{% for a in range(100000) %}{% for b in range(100000) %}"
@@ -149,6 +152,32 @@ def test_a_chat_template_that_loops_or_explodes_is_stopped(client, server, expec
     assert (status, answer_body["error"]["message"], answer_body["error"]["param"]) == (400, refusal, "messages")
     assert client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, **GREEDY).choices[0].message.content \
         == expected
+
+
+
+def test_chats_waiting_behind_a_slow_template_hold_no_ones_tokens(client, server, expected, expected_raw):
+    """More looping chats than the server's default thread pool has threads (its step loop computes there)
+    wait for the one template child: another client's completion (raw, no template) still gets its greedy
+    answer before any of them is answered (rendered in that pool, the waiting chats held every thread and
+    the completion's steps waited for three renderings). Their clients then leave: the renderings still
+    waiting are dropped, not run (each would cost 4 s): none of them is counted as a 400 before another
+    client's chat is rendered and answered; the server keeps one child and no zombie."""
+    threads = min(32, os.cpu_count() + 4)  # ThreadPoolExecutor's default, as asyncio's default executor has it
+    refusals_before = scrape(server.port).get(REFUSED, 0)
+    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "loop"}]}).encode()
+    hostile = [send(server, "/v1/chat/completions", body) for _ in range(threads + 2)]
+    assert client.completions.create(model=MODEL_ID, prompt="Once upon a time", **GREEDY).choices[0].text \
+        == expected_raw
+    assert not any(answered(sock) for sock in hostile)
+    for sock in hostile:
+        sock.close()
+    assert client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, **GREEDY).choices[0].message.content \
+        == expected
+    assert scrape(server.port).get(REFUSED, 0) - refusals_before <= 1  # at most the one rendering when they left
+    pid = server.process.pid  # its children, a zombie included, under each thread that started one
+    (child,) = {int(c) for task in os.listdir(f"/proc/{pid}/task")
+                for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()}
+    assert not gone(child)
 
 
 def refused(client, **kwargs) -> tuple[int, str | None]:
