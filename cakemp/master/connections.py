@@ -11,16 +11,23 @@ connection's retired prefixes are dropped). So a set carries the isolation key o
 a request reuses only a set whose last request had its key, and a set that last served another key,
 or a request that named none, is closed and dialed afresh before it serves again: its worker
 sessions, and what they kept, are gone.
+
+A set to dial is dialed in the background (`take` hands out a future), never in the step that
+runs the other requests: a dial opens a connection, runs the cluster-key handshake and says Hello,
+one remote layer after another, each bounded by the connect timeout, and a distant or busy worker
+takes long at each. At most `DIALS_AT_ONCE` sets are dialed at a time, so that the master itself
+never holds more of a node's handshake places (sources.PER_SOURCE per source address) than a few.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cakemp import log
-from cakemp.errors import CakempError
+from cakemp.errors import CakempError, WorkerUnreachable
 from cakemp.master.address import dial
 from cakemp.master.client import WorkerClient
 from cakemp.wire import Revision
@@ -29,6 +36,9 @@ from cakemp.wire import Revision
 FRESH = ("fresh",)
 # The key a set gets from a request that named none: no later request matches it.
 NOBODY = ("nobody",)
+# Sets dialed at once at most. Each dial has one connection in its handshake at a time, so the master
+# holds at most this many of a node's handshake places, well under the 8 a node keeps per address.
+DIALS_AT_ONCE = 4
 
 
 @dataclass(frozen=True)
@@ -41,13 +51,16 @@ class Dialer:
 
     async def connect(self, hosts: Sequence[tuple[int, str]]) -> dict[int, WorkerClient]:
         """A connection per remote layer (`hosts`: (block index, host) in layer order), each said Hello, one
-        after another as Cake connects; none is left open when one fails."""
+        after another as Cake connects; none is left open when one fails or the dial is cancelled."""
         clients: dict[int, WorkerClient] = {}
         try:
             for index, host in hosts:
                 clients[index] = await dial(host, cluster_key=self.cluster_key, revision=self.revision,
                                             timeout=self.timeout)
-                await clients[index].hello()
+                try:
+                    await asyncio.wait_for(clients[index].hello(), self.timeout)
+                except TimeoutError:  # a worker that never answers would hold a dial's place for ever
+                    raise WorkerUnreachable(f"{host} did not answer Hello within {self.timeout:g} s") from None
         except BaseException:
             for client in clients.values():
                 await client.close()
@@ -82,8 +95,10 @@ class ConnectionPool:
         self.size = size
         self.broken = False  # a set was dropped for a broken connection, or failed to dial, and none dialed since
         self._idle: list[ConnectionSet] = []  # least recently used first
-        self._taken = 0  # sets held by requests (or saying Goodbye)
+        self._taken = 0  # sets held by requests (being dialed for them, or saying Goodbye)
         self._sessions = itertools.count()
+        self._dials = asyncio.Semaphore(DIALS_AT_ONCE)
+        self._dialing: set[asyncio.Task] = set()  # dials in flight
 
     async def open(self) -> None:
         """Dial every set now: the first failure of the first set is raised; a later one means the
@@ -104,26 +119,26 @@ class ConnectionPool:
         """Whether a request can take a set now (an open one, or room to dial one)."""
         return self._taken < self.size
 
-    async def take(self, key: tuple[str, ...] | None) -> ConnectionSet:
-        """A set for a request of isolation `key` (None: it named none): an idle one that last served
-        `key`, else a fresh one, else the least recently used, closed and dialed afresh."""
+    def take(self, key: tuple[str, ...] | None) -> asyncio.Future[ConnectionSet]:
+        """A set for a request of isolation `key` (None: it named none), while `free`, as a future: an idle
+        set that last served `key`, else a fresh one, at once (the future is done); else a set dialed in the
+        background, in place of the least recently used idle set when there is no room for one more (that
+        one closed first). The request may cancel the future while it dials: the set, once dialed, stays
+        idle and fresh for the next."""
         self._taken += 1
-        try:
-            chosen = next((s for s in reversed(self._idle) if key is not None and s.key == key), None) or \
-                next((s for s in self._idle if s.key == FRESH), None)
-            if chosen is not None:
-                self._idle.remove(chosen)
-            elif len(self._idle) + self._taken > self.size:  # no room to dial: recycle one
-                stale = self._idle.pop(0)
-                await stale.close()
-                chosen = await self._dial()
-            else:
-                chosen = await self._dial()
-        except BaseException:
-            self._taken -= 1
-            raise
+        ready = asyncio.get_running_loop().create_future()
+        chosen = next((s for s in reversed(self._idle) if key is not None and s.key == key), None) or \
+            next((s for s in self._idle if s.key == FRESH), None)
+        if chosen is None:
+            stale = self._idle.pop(0) if len(self._idle) + self._taken > self.size else None
+            dialing = asyncio.create_task(self._dial_for(ready, key, stale))
+            self._dialing.add(dialing)
+            dialing.add_done_callback(self._dialing.discard)
+            return ready
+        self._idle.remove(chosen)
         chosen.key = NOBODY if key is None else key
-        return chosen
+        ready.set_result(chosen)
+        return ready
 
     async def give_back(self, connections: ConnectionSet, broken: bool) -> None:
         """A request's set, once it ended: said Goodbye and kept, or closed when its connection broke
@@ -143,9 +158,31 @@ class ConnectionPool:
             self._taken -= 1
 
     async def close(self) -> None:
+        """Close every idle set, once the dials in flight (those of requests that left included) have ended."""
+        await asyncio.gather(*self._dialing, return_exceptions=True)
         idle, self._idle = self._idle, []
         for connections in idle:
             await connections.close()
+
+    async def _dial_for(self, ready: asyncio.Future, key: tuple[str, ...] | None, stale: ConnectionSet | None) -> None:
+        """Dial `ready`'s set, once `stale` (whose place it takes) is closed and a dial's place is free; a
+        failed dial fails `ready` and frees its place, as does one whose request left (`ready` cancelled)."""
+        try:
+            if stale is not None:
+                await stale.close()
+            async with self._dials:
+                connections = await self._dial()
+        except Exception as exc:  # (CakempError, OSError), or a bug: the request fails with it, alone
+            self._taken -= 1
+            if not ready.cancelled():
+                ready.set_exception(exc)
+            return
+        if ready.cancelled():
+            self._taken -= 1
+            self._idle.append(connections)  # fresh: no request ran on it
+        else:
+            connections.key = NOBODY if key is None else key
+            ready.set_result(connections)
 
     async def _dial(self) -> ConnectionSet:
         try:

@@ -2,7 +2,9 @@
 
 Requests join and leave at step boundaries, as continuous batching does (vLLM, SGLang). Up to the
 pool's size run at once, each on its own `ConnectionSet` (connections.py); the rest wait in
-arrival order. Each step:
+arrival order. A request given a place whose set must be dialed still waits, while the pool dials
+it in the background: it joins the running ones at the first step boundary after its set is
+ready, and no step waits for a dial. Each step:
 
 * gathers every running request's next input: a chunk of its prompt (at most `PROMPT_CHUNK`
   tokens, so a long prompt neither stalls the others' decode steps nor waits for them) or its
@@ -21,7 +23,9 @@ Where a step's time goes is summed in `StepLoop.spent` (StepTimes), a few clock 
 A request whose `halt` is set (a stop string, a client gone), that sampled an end token or its
 `max_tokens`, or whose step failed, leaves before the next step: its set says Goodbye (in the
 background, the others step on) and goes back to the pool; a connection that broke is closed
-instead, and the pool dials afresh. A worker's own error (WorkerError) fails that request alone.
+instead, and the pool dials afresh. A worker's own error (WorkerError) fails that request alone,
+as a failed dial fails the request it was for. A waiting request whose `halt` is set leaves at
+the next step boundary, or within `IDLE_CHECK_S` while none runs, its dial left to the pool.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ from cakemp.wire import DType, LayerOp
 # Prompt tokens a request computes in one step at most: its prompt joins the running decodes as
 # chunks. A lone request's prompt up to this long is one prefill, as before.
 PROMPT_CHUNK = 256
+# While no request runs, the longest the loop sleeps before it looks again for waiting requests that
+# left (their `halt` is an Event nobody tells the loop of); a ready set, a Goodbye that freed a place or
+# a new request wakes it at once.
+IDLE_CHECK_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,8 @@ class SequenceState:
     trace: list[RemoteCall] | None = None
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     tokens: list[int] = field(default_factory=list)  # sampled ids, an end token included
-    connections: ConnectionSet | None = None
+    taking: asyncio.Future[ConnectionSet] | None = None  # its set, from the pool, once it has a place
+    connections: ConnectionSet | None = None  # its set, once it runs
     position: int = 0  # positions computed so far
     latencies: list[float] = field(default_factory=list)  # seconds per sampled token
     since: float = field(default_factory=time.perf_counter)  # when the latency of its next token began
@@ -149,15 +158,17 @@ class StepLoop:
                        for run in self.runs if run.host is None} if runner is not None else {}
         self.eos_ids, self.wire_dtype = eos_ids, wire_dtype
         self._ended = ended  # told of each request as it leaves, before its future resolves
-        self.waiting: deque[SequenceState] = deque()
+        self.waiting: deque[SequenceState] = deque()  # in arrival order, until their sets are ready
         self.running: list[SequenceState] = []
         self._task: asyncio.Task | None = None
         self._leaving: set[asyncio.Task] = set()  # Goodbyes in flight
+        self._news = asyncio.Event()  # set when a request came, a set is ready or a Goodbye freed a place
         self.spent = StepTimes()
 
     def submit(self, sequence: SequenceState) -> None:
         """Queue `sequence`; the loop runs while any request runs or waits."""
         self.waiting.append(sequence)
+        self._news.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop())
 
@@ -171,31 +182,61 @@ class StepLoop:
     async def _loop(self) -> None:
         while self.waiting or self.running:
             started = time.perf_counter()
-            await self._admit()
+            self._news.clear()  # before _admit looks: news from then on wakes an idle loop
+            self._admit()
             if self.running:
                 await self._step(self.running)
                 self.spent.steps += 1
+            else:
+                await self._idle()
             self._retire()
             await asyncio.sleep(0)  # a step without an await (every layer local, every request halted) yields
             self.spent.loop += time.perf_counter() - started
 
-    async def _admit(self) -> None:
-        """Waiting requests take sets, in arrival order, while the pool has one; one that left while it
-        waited costs the cluster nothing."""
-        while self.waiting and (self.waiting[0].halted or self.pool.free):
-            sequence = self.waiting.popleft()
-            if sequence.halted:
+    def _admit(self) -> None:
+        """Waiting requests take places in arrival order, while the pool has one (each its set at once, or
+        dialed); those whose sets are ready join the running ones, and those that left go (one that left
+        before its set was ready gave the cluster no work)."""
+        for sequence in self.waiting:
+            if sequence.taking is None and not sequence.halted:
+                if not self.pool.free:
+                    break
+                sequence.taking = self.pool.take(sequence.key)
+                sequence.taking.add_done_callback(lambda _: self._news.set())
+        still_waiting: deque[SequenceState] = deque()
+        for sequence in self.waiting:
+            if sequence.taking is not None and sequence.taking.done():
+                self._join(sequence)
+            elif sequence.halted:
+                if sequence.taking is not None:
+                    sequence.taking.cancel()  # the pool keeps the set it dials for the next request
                 self._finish(sequence)
-                continue
-            try:
-                sequence.connections = await self.pool.take(sequence.key)
-            except Exception as exc:  # the workers cannot be reached: this request fails, the next tries again
-                sequence.fail(exc)
-                self._finish(sequence)
-                continue
-            now = time.perf_counter()
-            sequence.since, sequence.waited = now, now - sequence.since
-            self.running.append(sequence)
+            else:
+                still_waiting.append(sequence)
+        self.waiting = still_waiting
+
+    def _join(self, sequence: SequenceState) -> None:
+        """`sequence`'s set is ready: it runs from the next step, unless it left or its dial failed (the
+        workers cannot be reached: this request fails, the next dials again)."""
+        try:
+            sequence.connections = sequence.taking.result()
+        except Exception as exc:
+            sequence.fail(exc)
+            self._finish(sequence)
+            return
+        if sequence.halted:
+            self._finish(sequence)
+            return
+        now = time.perf_counter()
+        sequence.since, sequence.waited = now, now - sequence.since
+        self.running.append(sequence)
+
+    async def _idle(self) -> None:
+        """No request runs: wait for news, or `IDLE_CHECK_S`."""
+        try:
+            await asyncio.wait_for(self._news.wait(), IDLE_CHECK_S)
+        except TimeoutError:
+            pass
 
     async def _step(self, running: list[SequenceState]) -> None:
         """One step of every running request (what each sampled, or why it failed, recorded on it)."""
@@ -279,4 +320,5 @@ class StepLoop:
             task = asyncio.create_task(self.pool.give_back(connections, sequence.broken))
             self._leaving.add(task)
             task.add_done_callback(self._leaving.discard)
+            task.add_done_callback(lambda _: self._news.set())  # its place is free
         self._ended(sequence)

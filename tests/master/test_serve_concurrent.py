@@ -15,6 +15,7 @@ named, not silently compared.
 
 import asyncio
 import json
+import socket
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
+import yaml
 
 from cakemp.cli import DEFAULT_SYSTEM_PROMPT
 from cakemp.master.generator import Generator
 from cakemp.master.sampler import SamplingParams
 from cakemp.topology import Topology
-from tests.master.test_serve import DEVICES, MODEL_ID, Node, model  # noqa: F401  (the module's checkpoint)
+from tests.master.test_serve import DEVICES, MODEL_ID, NODE_LAYERS, Node, model  # noqa: F401  (the module's checkpoint)
+from tests.support.distance import Distance
 from tests.support.node import LoggedProcess, samples, scrape, wait_until, waiting
 from tests.support.tolerance import F32_REL
 
@@ -258,3 +261,60 @@ def test_health_answers_during_an_all_local_generation(model):  # noqa: F811
         stream.close()
     finally:
         assert serving.stop() == 0
+
+
+def test_running_streams_step_on_while_another_request_dials(model, node, tmp_path):  # noqa: F811
+    """A server (--max-concurrent 2) reaching the node through a door that holds new connections: a request
+    naming no user, whose set must be dialed (both sets last served users), waits while its dial is held,
+    counted as waiting; meanwhile a stream on the set its user last had runs to its end; released, the
+    dialed request is answered, each as alone. A request whose client leaves while its dial is held is
+    gone at once, and its place is free again: two streams then run at once."""
+    topology = tmp_path / "through-the-door.yml"
+    with Distance(node.port, "127.0.0.1", 0) as door, ThreadPoolExecutor(1) as pool:
+        topology.write_text(yaml.safe_dump({"worker": {"host": f"127.0.0.1:{door.port}", "layers": NODE_LAYERS}}))
+        serving = start_server(model, "--topology", str(topology), "--max-concurrent", "2")
+        try:
+            # A limit for a stream that would otherwise wait for the held dial for as long as it is held.
+            near = openai.OpenAI(base_url=f"http://127.0.0.1:{serving.port}/v1", api_key="unused", max_retries=0,
+                                 timeout=30)
+            alone = [answer(near, q) for q in QUESTIONS[:2]]
+            for user in ("alice", "bob"):  # a raw prompt: no 16 rows in common with a chat's, so nothing reused
+                near.completions.create(model=MODEL_ID, prompt="Zebra crossing", max_tokens=1, user=user)
+            door.hold()
+            dialed = pool.submit(answer, near, QUESTIONS[1])  # in place of alice's set, the least recent
+            wait_until(lambda: door.held == 1, what="the dial held at the door")
+            stream = near.chat.completions.create(model=MODEL_ID, messages=chat(QUESTIONS[0]), stream=True,
+                                                  user="bob", **GREEDY)
+            pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+            assert door.held == 1  # the whole stream came while the other request's dial was held
+            assert in_flight(serving) == (0, 1)
+            door.release()
+            assert [dialed.result(timeout=60), "".join(pieces)] == alone[::-1]
+            assert len(pieces) >= STEPS // 2
+
+            door.hold()
+            leaving = post_unread(serving, {"model": MODEL_ID, "messages": chat(QUESTIONS[0]), **GREEDY})
+            wait_until(lambda: door.held == 1 and in_flight(serving) == (0, 1), what="a request dialing")
+            leaving.close()
+            wait_until(lambda: in_flight(serving) == (0, 0), what="the leaving request gone")
+            assert door.held == 1
+            door.release()
+            streams = [near.chat.completions.create(model=MODEL_ID, messages=chat(q), stream=True, temperature=0,
+                                                    max_tokens=1500) for q in QUESTIONS[:2]]
+            for each in streams:
+                read_some(each)
+            assert in_flight(serving) == (2, 0)
+            for each in streams:
+                each.close()
+        finally:
+            door.release()  # before the pool's thread is waited for
+            assert serving.stop() == 0
+
+
+def post_unread(server, body):
+    """A connection that has sent one whole chat completion request of `body` (its answer left unread)."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock

@@ -10,6 +10,10 @@ Leaving the `with` block closes every socket the relay holds, both sides, before
 still on their way (a client's close a moment ago) are dropped, and the target sees each of its
 connections end. Left to the garbage collector, a stopped loop's sockets stay open at the target
 for as long as the process lives (a node would count them as masters' connections).
+
+`hold()` makes the connections that arrive from then on wait, accepted but not yet connected on
+(their bytes unread), until `release()`: a peer whose handshake never comes, for as long as a test
+likes; `held` counts those waiting.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ class Distance:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._writers: set[asyncio.StreamWriter] = set()  # every socket the relay holds open, either side
+        self._open = asyncio.Event()  # cleared while new connections are held
+        self._open.set()
+        self.held = 0
         self.port = 0
 
     def __enter__(self) -> Distance:
@@ -53,10 +60,20 @@ class Distance:
         self._thread.join()
         self._loop.close()
 
+    def hold(self) -> None:
+        self._open.clear()  # a flag, read by the next connection: no waiter to wake, so safe from this thread
+
+    def release(self) -> None:
+        self._loop.call_soon_threadsafe(self._open.set)
+
     async def _relay(self, client_reader, client_writer) -> None:
         writers = [client_writer]
         self._writers.add(client_writer)
         try:
+            if not self._open.is_set():
+                self.held += 1
+                await self._open.wait()
+                self.held -= 1
             target_reader, target_writer = await asyncio.open_connection(
                 "127.0.0.1", self._target, local_addr=(self._source, 0))
             writers.append(target_writer)
