@@ -8,6 +8,10 @@ that strips or merges at a window's start decodes them as it would in context) a
 `read_offset` (not yet shown). What the window decodes to past the shown tokens' text is the new
 text. Byte-level tokens can end inside a UTF-8 character, which decodes to U+FFFD: such a tail waits
 for the token that completes it, and `flush` hands out whatever is left once the generation ends.
+It waits for `MOST_PENDING` tokens at most, as it does for tokens that add no text: a run of bytes
+that never make a character (a model's garbage, or a client's prompt that asks for it) would
+otherwise grow the window with every token, and cost O(n^2) again. Past that the window shows what
+it decodes to, U+FFFD included, and moves on.
 
 The window starts in the prompt's last `PROMPT_CONTEXT` tokens, shown already, as vLLM's does: a
 tokenizer that strips a word's leading space at the start of a text (SentencePiece's Metaspace,
@@ -24,6 +28,9 @@ from tokenizers import Tokenizer
 
 # Prompt tokens the first window starts with: enough that the last word's text is decoded whole.
 PROMPT_CONTEXT = 5
+# Tokens not yet shown that the window waits for at most. A UTF-8 character is 4 bytes at most, so a
+# character cut across byte tokens is complete within 4, even behind a few bytes that make none.
+MOST_PENDING = 8
 
 
 class Detokenizer:
@@ -37,11 +44,12 @@ class Detokenizer:
         self.text = ""  # everything handed out so far: the prompt's tail excluded
 
     def add(self, token: int) -> str:
-        """The text `token` completes ("" while a character waits for its last byte)."""
+        """The text `token` completes ("" while a character waits for its last byte, up to MOST_PENDING tokens)."""
         self.tokens.append(token)
         shown = self.tokenizer.decode(self.tokens[self._prefix_offset:self._read_offset])
         window = self.tokenizer.decode(self.tokens[self._prefix_offset:])
-        if len(window) <= len(shown) or window.endswith("\ufffd"):
+        waits = len(window) <= len(shown) or window.endswith("\ufffd")
+        if waits and len(self.tokens) - self._read_offset < MOST_PENDING:
             return ""
         piece = window[len(shown):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)

@@ -9,6 +9,11 @@ differently by where it is cut), built two ways: a tokenizer.json with the Metas
 decoder (as Mistral's), beside a synthetic checkpoint directory; and the tokenizer.ggml.* metadata of a
 GGUF file (tokenizer.ggml.model llama, cakemp's spm.py). Every layer is local; the streamed pieces and
 the Generation's text are each compared with decode(prompt + completion) less decode(prompt).
+
+Then the Detokenizer alone over a byte-level vocabulary (a token per byte, and a special token): a
+character cut across byte tokens is shown whole once its last byte comes, and a long run of tokens
+that make no character, or no text, is decoded a bounded window at a time (the ids asked of the
+tokenizer are counted), its text what the whole run decodes to.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
+from cakemp.master.detokenizer import MOST_PENDING, Detokenizer
 from cakemp.master.generator import Generator
 from cakemp.master.sampler import SamplingParams
 from cakemp.topology import Topology
@@ -109,3 +115,52 @@ def test_a_metaspace_tokenizer_json_keeps_the_first_generated_word_s_space(direc
 @needs_gguf
 def test_a_gguf_sentencepiece_vocabulary_keeps_the_first_generated_word_s_space(tmp_path):
     assert_texts_in_context(*generations(gguf_file(tmp_path)))
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A token per byte (the byte-level alphabet, no merges), and <|end|> after them, decoded as no text."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|end|>"])
+    return tokenizer
+
+
+class CountedDecodes:
+    """A tokenizer that remembers the longest list of ids it was asked to decode."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.longest = tokenizer, 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.longest = max(self.longest, len(ids))
+        return self.tokenizer.decode(ids)
+
+
+def streamed(tokenizer, prompt: list[int], completion: list[int]) -> list[str]:
+    """The pieces a Detokenizer hands out for `completion`, its flush last."""
+    detokenizer = Detokenizer(tokenizer, prompt)
+    pieces = [detokenizer.add(token) for token in completion]
+    return [*pieces, detokenizer.flush()]
+
+
+def test_characters_cut_across_byte_tokens_are_shown_whole():
+    tokenizer = byte_tokenizer()
+    text = "naïve 日本語, 😀 and 𝄞 ok"
+    completion = tokenizer.encode(text).ids
+    assert len(completion) > len(text)  # some characters are several tokens
+    pieces = streamed(tokenizer, tokenizer.encode("Once").ids, completion)
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+@pytest.mark.parametrize("filler", ["a lone continuation byte", "a special token"])
+def test_a_run_of_tokens_that_make_no_character_costs_a_bounded_window_each(filler):
+    tokenizer = byte_tokenizer()
+    token = tokenizer.encode("é").ids[1] if filler == "a lone continuation byte" else tokenizer.token_to_id("<|end|>")
+    completion = [token] * 2000 + tokenizer.encode("ok").ids
+    counted = CountedDecodes(tokenizer)
+    pieces = streamed(counted, tokenizer.encode("Once").ids, completion)
+    assert counted.longest <= 2 * MOST_PENDING  # the tokens shown last, and those pending
+    assert "".join(pieces) == tokenizer.decode(completion)  # 2000 U+FFFD then "ok", or "ok"
