@@ -18,7 +18,9 @@ A windowed prefill thus never holds more than [window, 2 * window] of mask and s
 time, whatever the prompt length. cuDNN attention is switched off on CUDA (`use_fused_kernels`):
 SDPA tries it first on sm90, and it builds an execution graph per sequence length, i.e. at
 every decode step. `backends_used` says which kernel really ran for a call: the choice is
-verified (tests, tools/gpu_check.py), not assumed.
+verified (tests, tools/gpu_check.py), not assumed. (On a CPU, which has no fused lower-right
+kernel, a causal prefill after earlier positions passes its [T, S] mask: what torch's causal
+bias would materialise there.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
-from torch.nn.attention.bias import causal_lower_right
 
 # The aten op each SDPA backend runs as (what the profiler records), by backend name.
 _BACKEND_OPS = {
@@ -40,8 +41,11 @@ _BACKEND_OPS = {
 
 
 def use_fused_kernels() -> None:
-    """Process-wide: keep cuDNN attention out of SDPA's choice (see the module docstring)."""
+    """Process-wide, on a CUDA device: keep cuDNN attention out of SDPA's choice (see the module
+    docstring), and import `causal_lower_right`'s module now, at the device's start, not at its first
+    chunked prefill (it imports torch._dynamo: about a second)."""
     torch.backends.cuda.enable_cudnn_sdp(False)
+    from torch.nn.attention import bias  # noqa: F401  (the import is the point)
 
 
 def attend(
@@ -86,11 +90,25 @@ def attend(
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention with the diagonal aligned to the last key (the cache may hold earlier
-    positions: chunked prefill). causal_lower_right materialises no mask where a fused kernel
-    takes the call, and lets kernels skip masked blocks."""
+    positions: chunked prefill).
+
+    From position 0 (T == S) that is SDPA's own is_causal. After earlier positions, on CUDA,
+    causal_lower_right: it materialises no mask where a fused kernel takes the call, and lets kernels
+    skip masked blocks. On a CPU no fused kernel takes a lower-right causal call (torch materialises
+    its mask there), so the [T, S] mask is built here, and a CPU device never imports
+    torch.nn.attention.bias, whose import of torch._dynamo would cost its start about a second.
+    """
     T, S = q.shape[2], k.shape[2]
     k, v, gqa = _kv_heads_for(q, k, v, flash_possible=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), scale=scale, enable_gqa=gqa)
+    if T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if q.device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right  # imported at the device's start (use_fused_kernels)
+
+        mask = causal_lower_right(T, S)
+    else:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # query i sees keys <= S - T + i
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def _kv_heads_for(
