@@ -155,6 +155,8 @@ MUTANTS = (
     Mutant("window-off-by-one", "cakemp/model/attention.py",
            "first = 0 if window is None else max(0, end - window)",
            "first = 0 if window is None else max(0, end - window - 1)", BLOCK),
+    Mutant("chunk-after-a-prefix-causal-from-its-first-key", "cakemp/model/attention.py",
+           "tril(S - T)", "tril(0)", BLOCK),
     Mutant("softmax-scale-10-percent-off", "cakemp/model/block.py",
            "self.scale = config.attention_scale", "self.scale = config.attention_scale * 1.1", BLOCK),
     Mutant("qk-norm-skipped-on-k", "cakemp/model/block.py",
