@@ -33,7 +33,7 @@ K = TypeVar("K")
 Shape = tuple[int, ...]
 Loaded = torch.Tensor | fp8.Fp8Weight | kept.KeptWeight
 # What a kept group's members' parts become: the weight that multiplies (kept.weight), or (a read that
-# goes on to another device first, model/weights/expert_copies.py) the parts stacked (KeptParts.cat).
+# goes on to another device first, model/weights/expert_transfer.py) the parts stacked (KeptParts.cat).
 Fuse = Callable[[list[kept.KeptParts]], kept.KeptWeight | kept.KeptParts]
 
 
