@@ -118,12 +118,21 @@ MUTANTS = (
            ("tests/node/test_node_flags.py", "tests/test_cli.py")),
     # --- runner
     Mutant("rotary-offset-dropped", "cakemp/compute/runner.py",
-           "tables = [rotary.cos_sin(start, T, self.dtype) for start, T in zip(starts, lengths, strict=True)]",
-           "tables = [rotary.cos_sin(0, T, self.dtype) for start, T in zip(starts, lengths, strict=True)]", RUNNER),
+           "return rotary.cos_sin(step.positions[index], self.dtype, long)",
+           "return rotary.cos_sin(step.positions[index] - step.positions[index, 0], self.dtype, long)", RUNNER),
     # The same bug against the end-to-end generation oracle alone (the issue: it saw nothing).
     Mutant("rotary-offset-dropped/generation", "cakemp/compute/runner.py",
-           "tables = [rotary.cos_sin(start, T, self.dtype) for start, T in zip(starts, lengths, strict=True)]",
-           "tables = [rotary.cos_sin(0, T, self.dtype) for start, T in zip(starts, lengths, strict=True)]", GENERATION),
+           "return rotary.cos_sin(step.positions[index], self.dtype, long)",
+           "return rotary.cos_sin(step.positions[index] - step.positions[index, 0], self.dtype, long)", GENERATION),
+    # --- the paged KV cache and the batched step
+    Mutant("shared-block-written-in-place", "cakemp/compute/kv_cache.py",
+           "if self._owners[table[i]] > 1:", "if False:", RUNNER),
+    Mutant("taken-blocks-not-zeroed", "cakemp/compute/kv_cache.py",
+           "        self.k.index_fill_(1, ids, 0)\n        self.v.index_fill_(1, ids, 0)\n", "", RUNNER),
+    Mutant("decode-window-ignored", "cakemp/compute/paged_step.py",
+           "            if window is not None:\n                seen &=", "            if False:\n                seen &=", RUNNER),
+    Mutant("decode-sees-padding", "cakemp/compute/paged_step.py",
+           "seen = keys < end", "seen = keys >= 0", RUNNER),
     # The same bug against the f32 parity tests alone (the issue: 4 of 5 families let it through).
     Mutant("rms-eps-10x/parity", "cakemp/model/block.py",
            "self.eps = config.rms_norm_eps", "self.eps = config.rms_norm_eps * 10",

@@ -1,37 +1,43 @@
-"""Per-session KV caches of one device process, under one byte budget and one context limit.
+"""The session state of one device process: K/V rows in one paged pool, linear-attention states,
+under one byte budget and one context limit.
 
-Allocation strategy: every (session, block_idx) owns two contiguous buffers
-`k, v: [1, H_kv, capacity, D]` in the compute dtype, and a length. A request for positions
-[p, p+T) first makes sure capacity >= p+T, growing by doubling (from 256 positions, capped at
-the context limit), then the block writes rows [p, p+T) in place and attends over a view of
-rows [0, p+T) -- no copy, no concatenation per step.
+Every attention layer of every session keeps its K and V rows in blocks of BLOCK positions of one
+pool per device, `k, v: [H_kv, blocks, BLOCK, D]` in the compute dtype. A slot (one session's one
+layer, by block_idx) is a block table: the ids of its blocks in position order, and a length.
+Position p of a slot lives at row `p % BLOCK` of block `table[p // BLOCK]`, so the pool's
+flattened row `table[p // BLOCK] * BLOCK + p % BLOCK` (its slot id) addresses it, which is how a
+step writes every new row of every session with one indexed copy and gathers every session's
+keys with one indexed read (compute/paged_step.py).
 
-Why not fixed-size pages: torch's SDPA wants each sequence's K/V as one strided tensor, so
-pages would have to be gathered into a contiguous copy on every step (the whole context,
-every token), which costs more than the amortised O(1) doubling copy. Contiguous buffers
-also keep the cache addressable without any Python object per token: a later cross-session
-batch can index buffers by (session, block_idx) and lengths, and CUDA-graph replay can ask
-for buffers preallocated at the context limit (stable addresses) through `reserve`.
+The live sessions' tables are also kept on the device, `tables: [rows, slots, width]` (a session's
+row, block_idx, then its block ids), written where a table changes (a new block every BLOCK
+positions, a copy on write, a slot attached), so that a step reads every request's table with
+one gather instead of building it in Python.
+
+Allocation is in blocks: a request for positions [p, p+T) takes the blocks its slot lacks up to
+p+T, and no more. Nothing is ever copied to grow a slot; the pool itself grows by doubling (up to
+the budget's blocks) where the device has no fixed budget to size it from at start.
+
+Blocks are reference-counted: prefix reuse (prefix_cache.py) shares a kept prefix's blocks with
+a session that continues from its rows (`shared`) instead of copying them. A block with more
+than one owner is copied before a row of it is written (copy on write, in `reserve`), so no
+owner ever sees another's rows change. The budget counts blocks in use once, however many
+tables hold them (`nbytes` the live sessions' share of them, `room` what is left).
 
 What each layer kind keeps: every attention layer, global or local (a sliding-window layer of
 Mistral, Qwen, Gemma 3, EXAONE 4, Phi-3), keeps all its positions; a local layer reads only the
-last `window` of them (model/block.py), so it costs as much memory as a global one. Keeping
-only the window would need a ring buffer whose rows no longer sit in position order.
+last `window` of them, so it costs as much memory as a global one.
 
 Linear-attention layers (Qwen3.5's Gated DeltaNet) keep no rows: per (session, block_idx) a
 `LinearSlot` holds the convolution's last inputs and the recurrent state, f32, of a fixed size
-allocated on the slot's first use. They share the byte budget with the KV buffers and are
-freed with the session. The slot's state tensors are replaced whole (`LinearSlot.install`) once
-a request has succeeded, never updated in place part-way.
+allocated on the slot's first use. They share the byte budget with the blocks and are freed
+with the session. The slot's state tensors are replaced whole (`LinearSlot.install`) once a
+request has succeeded, never updated in place part-way.
 
-The budget counts allocated capacity, not used positions, since that is what the device
-actually holds. Growth falls back to the exact size needed when doubling would pass the
-budget, so a session is refused only when the positions it needs cannot fit.
-
-What prefix reuse keeps (prefix_cache.py) lives inside the same budget as the `spare`: the
-cache counts its bytes as taken, and asks for them back (`Spare.release`) before it grows a
-slot any less than doubled or refuses a session. Its KV slots leave the cache when a session
-is retired (`detach`) and come back when another adopts them (`attach`, `resume`).
+What prefix reuse keeps besides blocks (output rows, state points) lives inside the same budget
+as the `spare`: the cache counts its bytes as taken, and asks for room back (`Spare.release`)
+before it refuses a session. Its KV slots leave the cache's sessions when a session is retired
+(`detach`: their blocks stay in use, counted) and come back when another adopts them (`attach`).
 """
 
 from __future__ import annotations
@@ -47,20 +53,20 @@ from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded
 from cakemp.model.deltanet import LinearState
 from cakemp.units import human_bytes
 
-MIN_CAPACITY = 256
+BLOCK = 16  # positions per block
+MIN_POOL_BLOCKS = 64  # the pool's first size, in blocks, where it grows
 
 
 @dataclass
 class KVSlot:
-    """One layer's keys and values for one session; rows [0, length) are valid."""
+    """One layer's keys and values for one session: its blocks in position order; rows [0, length) valid."""
 
-    k: torch.Tensor  # [1, H_kv, capacity, D]
-    v: torch.Tensor  # [1, H_kv, capacity, D]
+    table: list[int]
     length: int = 0
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return len(self.table) * BLOCK
 
 
 @dataclass
@@ -77,12 +83,12 @@ class LinearSlot:
 
 
 class Spare(Protocol):
-    """Bytes held inside the budget that are given back on demand (prefix reuse's)."""
+    """Bytes held inside the budget besides the blocks, given back on demand (prefix reuse's)."""
 
     def nbytes(self) -> int: ...
 
     def release(self, nbytes: int) -> None:
-        """Free at least `nbytes`, or all there is."""
+        """Give back what it holds (blocks included) until the budget has `nbytes` more room, or all there is."""
 
 
 class KVCache:
@@ -103,32 +109,57 @@ class KVCache:
         self.device = device
         self.max_context = max_context
         self.budget_bytes = budget_bytes
-        # K and V rows of one position, together.
+        # K and V rows of one position, together; and of one block.
         self.bytes_per_position = 2 * kv_heads * head_dim * dtype.itemsize
+        self.bytes_per_block = BLOCK * self.bytes_per_position
+        self.max_blocks = None if budget_bytes is None else budget_bytes // self.bytes_per_block
         self.linear_shapes = linear_shapes  # held in f32 whatever the compute dtype
         self.bytes_per_linear_slot = 0 if linear_shapes is None else \
             torch.float32.itemsize * sum(math.prod(s) for s in linear_shapes)
+        self.k = torch.empty(kv_heads, 0, BLOCK, head_dim, dtype=dtype, device=device)  # [H_kv, blocks, BLOCK, D]
+        self.v = torch.empty_like(self.k)
+        self._owners: list[int] = []  # block id -> the tables holding it (0: free)
+        self._live: list[int] = []  # block id -> the live sessions' tables holding it
+        self._free: list[int] = []
+        self._used = 0  # blocks with an owner
+        self._live_used = 0  # blocks a live session holds
         self._sessions: dict[int, dict[int, KVSlot]] = {}
+        self._rows: dict[int, int] = {}  # session -> its row of `tables`
+        self._free_rows: list[int] = []
+        self.tables = torch.zeros(0, 0, 0, dtype=torch.int64, device=device)  # [rows, slots, width] block ids
         self._linear: dict[int, dict[int, LinearSlot]] = {}
-        self._bytes = 0
+        self._linear_bytes = 0  # the live sessions' linear-attention states
         self.spare: Spare | None = None
 
     def nbytes(self) -> int:
-        """Bytes the sessions' slots hold (not the spare's)."""
-        return self._bytes
+        """Bytes the live sessions hold: their blocks (each once) and linear states (not the spare's)."""
+        return self._live_used * self.bytes_per_block + self._linear_bytes
 
     def room(self) -> int | None:
-        """Bytes of the budget neither the sessions nor the spare hold (None: no budget)."""
+        """Bytes of the budget neither the blocks in use, the sessions' linear states nor the spare
+        hold (None: no budget)."""
         if self.budget_bytes is None:
             return None
-        return self.budget_bytes - self._bytes - (0 if self.spare is None else self.spare.nbytes())
+        spare = 0 if self.spare is None else self.spare.nbytes()
+        return self.budget_bytes - self._used * self.bytes_per_block - self._linear_bytes - spare
 
     def session_count(self) -> int:
         return len(self._sessions.keys() | self._linear.keys())
 
+    def slots(self, session: int) -> dict[int, KVSlot]:
+        """The session's KV slots by block_idx (empty when it has none)."""
+        return self._sessions.get(session, {})
+
+    def slot(self, session: int, block_idx: int) -> KVSlot | None:
+        return self.slots(session).get(block_idx)
+
+    def row(self, session: int) -> int:
+        """The session's row of `tables` (it holds a KV slot)."""
+        return self._rows[session]
+
     def length(self, session: int, block_idx: int) -> int:
         """Positions cached for this layer of this session (0 when nothing is)."""
-        slot = self._sessions.get(session, {}).get(block_idx)
+        slot = self.slot(session, block_idx)
         return 0 if slot is None else slot.length
 
     def linear_length(self, session: int, block_idx: int) -> int:
@@ -137,91 +168,169 @@ class KVCache:
         return 0 if slot is None else slot.length
 
     def reserve(
-        self, session: int, ends: dict[int, int], linear_ends: dict[int, int] | None = None
+        self, session: int, writes: dict[int, tuple[int, int]], linear_ends: dict[int, int] | None = None
     ) -> dict[int, KVSlot]:
-        """Slots of `session` for each block_idx in `ends`, each with capacity >= its end; and
-        a linear-attention slot (`linear_slot`) for each block_idx in `linear_ends`, zeros when new.
+        """Slots of `session` for each block_idx in `writes` (-> the rows [start, end) a request will
+        write), each holding blocks to `end`, those of rows it writes its own; and a linear-attention
+        slot (`linear_slot`) for each block_idx in `linear_ends`, zeros when new.
 
-        All or nothing: limits and the budget are checked for every slot before any buffer
-        is allocated, so a refusal leaves every session's cache as it was.
+        A slot's blocks past `end` are freed: rows past what a request writes are never read again
+        (it replaces them, or falls back to before them). All or nothing: limits and the budget are
+        checked for every slot before any block is taken, so a refusal leaves every session as it was.
         """
         linear_ends = linear_ends or {}
-        for block_idx, end in [*ends.items(), *linear_ends.items()]:
+        for block_idx, end in linear_ends.items():
             if end > self.max_context:
                 raise ContextLimitExceeded(
                     f"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions"
                 )
-        slots = self._sessions.get(session, {})
-        growth = {}
-        for block_idx, end in ends.items():
-            capacity = slots[block_idx].capacity if block_idx in slots else 0
-            if end > capacity:
-                growth[block_idx] = (capacity, end, min(self.max_context, max(2 * capacity, MIN_CAPACITY, end)))
+        slots, owners = self._sessions.get(session, {}), self._owners
+        needed, changes = 0, []
+        for block_idx, (start, end) in writes.items():
+            if end > self.max_context:
+                raise ContextLimitExceeded(
+                    f"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions"
+                )
+            blocks = -(-end // BLOCK)
+            slot = slots.get(block_idx)
+            table = () if slot is None else slot.table
+            kept = min(len(table), blocks)
+            shared = sum(owners[b] > 1 for b in table[start // BLOCK:kept])  # copies on write
+            if shared or len(table) != blocks:
+                needed += blocks - kept + shared
+                changes.append((block_idx, start, end))
         linear = self._linear.get(session, {})
         new_linear = [block_idx for block_idx in linear_ends if block_idx not in linear]
-        growth = self._fitted(growth, len(new_linear) * self.bytes_per_linear_slot)
-        if ends:
+        self._fit(needed * self.bytes_per_block + len(new_linear) * self.bytes_per_linear_slot)
+        if changes:
             slots = self._sessions.setdefault(session, slots)
-        for block_idx, (_, _, new_capacity) in growth.items():
-            self._grow(slots, block_idx, new_capacity)
+        for block_idx, start, end in changes:
+            slot = slots.setdefault(block_idx, KVSlot([]))
+            self._write_blocks(slot, start, end)
+            self._publish(session, block_idx, slot)
         if linear_ends:
             linear = self._linear.setdefault(session, linear)
         for block_idx in new_linear:
             conv, recurrent = (torch.zeros(shape, dtype=torch.float32, device=self.device) for shape in self.linear_shapes)
             linear[block_idx] = LinearSlot(conv, recurrent)
-            self._bytes += self.bytes_per_linear_slot
-        return {block_idx: slots[block_idx] for block_idx in ends}
+            self._linear_bytes += self.bytes_per_linear_slot
+        return {block_idx: slots[block_idx] for block_idx in writes}
 
     def linear_slot(self, session: int, block_idx: int) -> LinearSlot:
         """A linear-attention slot `reserve` made for `session`."""
         return self._linear[session][block_idx]
 
-    def _fitted(self, growth: dict[int, tuple[int, int, int]], linear_bytes: int = 0) -> dict[int, tuple[int, int, int]]:
-        """`growth` (block_idx -> old capacity, end, doubled capacity) as it fits the budget: doubled,
-        else exact (capacity = end); CacheBudgetExceeded if even that does not fit.
-
-        `linear_bytes`: new linear-attention state, a fixed size that must fit as well.
-        """
-        if self.budget_bytes is None or not (growth or linear_bytes):
-            return growth
-        left = self.room() - linear_bytes
-        doubled = sum(new - old for old, _, new in growth.values()) * self.bytes_per_position
-        if doubled > left and self.spare is not None:
-            self.spare.release(doubled - left)
-            left = self.room() - linear_bytes
-        if doubled <= left:
-            return growth
-        exact = sum(end - old for old, end, _ in growth.values()) * self.bytes_per_position
-        if exact > left:
+    def _fit(self, nbytes: int) -> None:
+        """Make sure `nbytes` more fit the budget, asking the spare for room first; else CacheBudgetExceeded."""
+        if self.budget_bytes is None or nbytes == 0:
+            return
+        if self.room() < nbytes and self.spare is not None:
+            self.spare.release(nbytes)
+        left = self.room()
+        if nbytes > left:
             raise CacheBudgetExceeded(
-                f"the KV cache would need {human_bytes(exact + linear_bytes)} more but only "
-                f"{human_bytes(max(left + linear_bytes, 0))} of this device's {human_bytes(self.budget_bytes)} budget is left"
+                f"the KV cache would need {human_bytes(nbytes)} more but only {human_bytes(max(left, 0))} "
+                f"of this device's {human_bytes(self.budget_bytes)} budget is left"
             )
-        return {block_idx: (old, end, end) for block_idx, (old, end, _) in growth.items()}
 
-    def _grow(self, slots: dict[int, KVSlot], block_idx: int, capacity: int) -> None:
-        shape = (1, self.kv_heads, capacity, self.head_dim)
-        k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        old = slots.get(block_idx)
-        length = 0
-        if old is not None:
-            length = old.length
-            k[:, :, :length] = old.k[:, :, :length]
-            v[:, :, :length] = old.v[:, :, :length]
-            self._bytes -= old.capacity * self.bytes_per_position
-        slots[block_idx] = KVSlot(k, v, length)
-        self._bytes += capacity * self.bytes_per_position
+    def _write_blocks(self, slot: KVSlot, start: int, end: int) -> None:
+        """A live slot made to hold exactly the blocks to `end`, those of rows [start, end) its own."""
+        table, blocks = slot.table, -(-end // BLOCK)
+        if len(table) > blocks:
+            self._release(table[blocks:], live=True)
+            del table[blocks:]
+        for i in range(start // BLOCK, len(table)):
+            if self._owners[table[i]] > 1:  # shared: the rows it keeps are copied to a block of its own
+                (copy,) = self._take(1)
+                kept = max(0, start - i * BLOCK)  # rows of the block before the write (the rest stay zero)
+                self.k[:, copy, :kept] = self.k[:, table[i], :kept]
+                self.v[:, copy, :kept] = self.v[:, table[i], :kept]
+                self._release([table[i]], live=True)
+                table[i] = copy
+        table.extend(self._take(blocks - len(table)))
+
+    def _publish(self, session: int, block_idx: int, slot: KVSlot) -> None:
+        """Write a live slot's table into `tables` (growing it, doubling, to hold the row, slot and blocks)."""
+        row = self._rows.get(session)
+        if row is None:
+            row = self._rows[session] = self._free_rows.pop() if self._free_rows else len(self._rows)
+        rows, slots, width = self.tables.shape
+        if row >= rows or block_idx >= slots or len(slot.table) > width:
+            grown = torch.zeros(max(rows, 2 * row, row + 1, 8), max(slots, block_idx + 1),
+                                max(width, 2 * width if len(slot.table) > width else 0, len(slot.table), 16),
+                                dtype=torch.int64, device=self.device)
+            grown[:rows, :slots, :width] = self.tables
+            self.tables = grown
+        if slot.table:
+            self.tables[row, block_idx, : len(slot.table)] = torch.tensor(slot.table, dtype=torch.int64)
+
+    def _take(self, n: int) -> list[int]:
+        """n free blocks (zeros: `_release`), owned by one live table; the pool grows (doubling) when it has too few."""
+        if n == 0:
+            return []
+        if n > len(self._free):
+            self._grow_pool(len(self._owners) + n - len(self._free))
+        taken = [self._free.pop() for _ in range(n)]
+        for b in taken:
+            self._owners[b] = self._live[b] = 1
+        self._used += n
+        self._live_used += n
+        return taken
+
+    def _grow_pool(self, at_least: int) -> None:
+        size = max(at_least, 2 * len(self._owners), MIN_POOL_BLOCKS)
+        if self.max_blocks is not None:
+            size = max(at_least, min(size, self.max_blocks))
+        old = len(self._owners)
+        k = self.k.new_zeros(self.kv_heads, size, BLOCK, self.head_dim)
+        v = self.v.new_zeros(self.kv_heads, size, BLOCK, self.head_dim)
+        k[:, :old], v[:, :old] = self.k, self.v
+        self.k, self.v = k, v
+        self._owners.extend([0] * (size - old))
+        self._live.extend([0] * (size - old))
+        self._free.extend(range(size - 1, old - 1, -1))  # popped lowest first
+
+    def _release(self, blocks: Iterable[int], live: bool) -> None:
+        """One owner (a live session's table when `live`) lets go of `blocks`; a block nobody owns is
+        zeroed and free.
+
+        Zeroed because a step reads whole blocks: rows past a request's keys are masked out, but a
+        masked row still enters the product with weight 0, and 0 * inf is NaN. No row a session left
+        in a block (whatever its input made of it) can reach a later owner's result."""
+        freed = []
+        for b in blocks:
+            if live:
+                self._live[b] -= 1
+                self._live_used -= self._live[b] == 0
+            self._owners[b] -= 1
+            if self._owners[b] == 0:
+                freed.append(b)
+        if freed:
+            ids = torch.tensor(freed, device=self.device)
+            self.k.index_fill_(1, ids, 0)
+            self.v.index_fill_(1, ids, 0)
+            self._used -= len(freed)
+            self._free.extend(freed)
+
+    def _hold_live(self, slots: Iterable[KVSlot], delta: int) -> None:
+        for slot in slots:
+            for b in slot.table:
+                self._live_used += (self._live[b] == 0) if delta > 0 else -(self._live[b] == 1)
+                self._live[b] += delta
 
     def detach(self, session: int) -> tuple[dict[int, KVSlot], dict[int, LinearSlot]]:
-        """Take every slot of `session` out of the cache, uncounted (unknown sessions: none)."""
+        """Take every slot of `session` out of the live sessions: its blocks stay in use, held by
+        whoever keeps the slots (prefix reuse), until `drop`; its linear states are uncounted."""
         slots, linear = self._sessions.pop(session, {}), self._linear.pop(session, {})
-        self._bytes -= sum(slot.capacity for slot in slots.values()) * self.bytes_per_position
-        self._bytes -= len(linear) * self.bytes_per_linear_slot
+        self._hold_live(slots.values(), -1)
+        row = self._rows.pop(session, None)
+        if row is not None:
+            self._free_rows.append(row)
+        self._linear_bytes -= len(linear) * self.bytes_per_linear_slot
         return slots, linear
 
     def attach(self, session: int, slots: dict[int, KVSlot], linear: dict[int, LinearSlot] | None = None) -> None:
-        """Make `slots` and `linear` (detached, or copied) `session`'s, counted; it must hold none of those block_idx."""
+        """Make `slots` and `linear` (detached, or shared) `session`'s, counted; it must hold none of those block_idx."""
         linear = linear or {}
         mine, mine_linear = self._sessions.get(session, {}), self._linear.get(session, {})
         if mine.keys() & slots.keys() or mine_linear.keys() & linear.keys():
@@ -230,22 +339,28 @@ class KVCache:
             self._sessions.setdefault(session, mine).update(slots)
         if linear:
             self._linear.setdefault(session, mine_linear).update(linear)
-        self._bytes += sum(slot.capacity for slot in slots.values()) * self.bytes_per_position
-        self._bytes += len(linear) * self.bytes_per_linear_slot
+        self._hold_live(slots.values(), +1)
+        for block_idx, slot in slots.items():
+            self._publish(session, block_idx, slot)
+        self._linear_bytes += len(linear) * self.bytes_per_linear_slot
 
-    def copied(self, session: int, blocks: Iterable[int], length: int, capacity: int) -> dict[int, KVSlot]:
-        """New slots holding the first `length` rows of `session`'s slots `blocks`, of `capacity`
-        positions (at least `length`; not counted until attached)."""
-        capacity = max(capacity, length)
-        copies = {}
+    def drop(self, slots: Iterable[KVSlot]) -> None:
+        """Free detached slots (a kept prefix given up): their blocks go back unless another table holds them."""
+        slots = list(slots)
+        self._release([b for slot in slots for b in slot.table], live=False)
+        for slot in slots:
+            slot.table = []
+
+    def shared_from(self, slots: dict[int, KVSlot], blocks: Iterable[int], length: int) -> dict[int, KVSlot]:
+        """New slots holding the first `length` rows of `slots` `blocks` (a session's, or detached),
+        their blocks shared (not counted until attached; a write copies a shared block first)."""
+        shares = {}
         for block_idx in blocks:
-            slot = self._sessions[session][block_idx]
-            copy = KVSlot(slot.k.new_empty(*slot.k.shape[:2], capacity, slot.k.shape[3]),
-                          slot.v.new_empty(*slot.v.shape[:2], capacity, slot.v.shape[3]), length)
-            copy.k[:, :, :length] = slot.k[:, :, :length]
-            copy.v[:, :, :length] = slot.v[:, :, :length]
-            copies[block_idx] = copy
-        return copies
+            table = slots[block_idx].table[: -(-length // BLOCK)]
+            for b in table:
+                self._owners[b] += 1
+            shares[block_idx] = KVSlot(table, length)
+        return shares
 
     def resume(self, session: int, blocks: Iterable[int], length: int, states: dict[int, LinearState]) -> None:
         """Set `session`'s attention slots `blocks` to their first `length` rows, and its
@@ -257,9 +372,16 @@ class KVCache:
         linear = self._linear.setdefault(session, {}) if states else {}
         for block_idx, state in states.items():
             if block_idx not in linear:
-                self._bytes += self.bytes_per_linear_slot
+                self._linear_bytes += self.bytes_per_linear_slot
             linear[block_idx] = LinearSlot(state.conv, state.recurrent, length)
 
+    def rows(self, slot: KVSlot, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's K and V rows [start, end), [H_kv, end - start, D] each (a copy; tests and checks)."""
+        ids = torch.tensor([slot.table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)], device=self.device)
+        flat = self.kv_heads, -1, self.head_dim
+        return self.k.view(flat)[:, ids], self.v.view(flat)[:, ids]
+
     def clear(self, session: int) -> None:
-        """Free every buffer of `session` (unknown sessions are a no-op)."""
-        self.detach(session)
+        """Free every block and state of `session` (unknown sessions are a no-op)."""
+        slots, _ = self.detach(session)
+        self.drop(slots.values())

@@ -7,8 +7,8 @@ KV slots, its `LayerPath`, from position 0) is followed as it goes: a chain of d
 input rows (row_chain.py), its output rows, and for a run with linear-attention layers their
 states where each request of more than one row ended (`StatePoint`s: every prompt chunk's
 end). On Goodbye, or when the session starts again at position 0, that becomes a retired
-`Prefix` holding the session's KV slots as they were (moved, not copied), with a state point
-at its end.
+`Prefix` holding the session's KV slots as they were (moved, not copied: their blocks stay
+where they are), with a state point at its end.
 
 A request at position 0 whose first rows agree with a retired prefix of its domain and layer path
 (MIN_REUSE rows at least, or the whole of a shorter request) adopts it: its KV slots become
@@ -23,8 +23,8 @@ Across devices a hit propagates: the next device's input is this one's output, t
 bit for bit.
 
 Chats interleaved on one connection share their first rows (a system prompt): a session that
-leaves an adopted prefix before its end continues on copies of the rows it shares and puts the
-prefix back whole (`_put_back`), and one whose rows agree further with another retired prefix
+leaves an adopted prefix before its end continues on the blocks of the rows it shares (shared, copied only
+where it writes) and puts the prefix back whole (`_put_back`), and one whose rows agree further with another retired prefix
 holding all of its rows so far switches to it (`_switch`).
 
 Everything kept for reuse alone (retired prefixes, and live sessions' output rows and state
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cakemp.compute.kv_cache import MIN_CAPACITY, KVCache, KVSlot
+from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.compute.row_chain import Extension, RowChain
 from cakemp.model.deltanet import LinearState
 from cakemp.op import Op
@@ -218,22 +218,27 @@ class PrefixCache:
             return
         kv, linear = self._cache.detach(session)
         attention, recurrent = self._attention(prefix.layer_path), self._recurrent_slots(prefix.layer_path)
-        if not (set(attention) <= kv.keys() and set(recurrent) <= linear.keys()):
-            return  # not the state this run left (freed with the rest)
+        kept = {block_idx: kv.pop(block_idx) for block_idx in attention if block_idx in kv}
+        self._cache.drop(kv.values())  # slots outside the run
+        if not (len(kept) == len(attention) and set(recurrent) <= linear.keys()):
+            self._cache.drop(kept.values())  # not the state this run left
+            return
         if prefix.ahead is not None:
             # Adopted rows not all followed yet: nothing past the slots' length was written, so
             # the adopted prefix is whole still and is kept whole again.
             prefix.chain, prefix.ahead = prefix.ahead, None
-        elif any(kv[b].length != prefix.chain.length for b in attention) or \
+        elif any(kept[b].length != prefix.chain.length for b in attention) or \
                 any(linear[b].length != prefix.chain.length for b in recurrent):
+            self._cache.drop(kept.values())
             return
         length = prefix.chain.length
         if length < MIN_REUSE:
-            return  # too short to be worth keeping
+            self._cache.drop(kept.values())  # too short to be worth keeping
+            return
         if recurrent and length not in prefix.points:
             prefix.points[length] = {block_idx: LinearState(linear[block_idx].conv, linear[block_idx].recurrent)
                                      for block_idx in recurrent}
-        prefix.slots = {block_idx: kv[block_idx] for block_idx in attention}
+        prefix.slots = kept
         for slot in prefix.slots.values():
             slot.length = length
         self._keep(prefix)
@@ -245,30 +250,32 @@ class PrefixCache:
             self.retire(session)
             return
         self._live.pop(session, None)
-        self._retired = [prefix for prefix in self._retired if prefix.domain != session]
+        for prefix in [prefix for prefix in self._retired if prefix.domain == session]:
+            self._discard(prefix)
 
     def release(self, nbytes: int) -> None:
-        """Free at least `nbytes` of what is kept for reuse, if there is that much: a live session
-        needs the room. Retired prefixes go first, oldest first, then what live sessions keep."""
-        freed = 0
-        while freed < nbytes and self._retired:
-            freed += self._bytes(self._retired.pop(0))
-            self.evictions += 1
+        """Give up what is kept for reuse until the budget has `nbytes` of room, if there is that
+        much: a live session needs it. Retired prefixes go first, oldest first, then what live
+        sessions keep. Room is the cache's own count: a prefix whose blocks a session shares frees
+        only the blocks no one else holds."""
+        if self._make_room(nbytes):
+            return
         # A session whose state lags behind rows it was answered needs its record to catch up.
         followed = sorted((s for s, prefix in self._live.items() if not prefix.lags), key=lambda s: self._live[s].used)
         for session in followed:
-            if freed >= nbytes:
+            if self._cache.room() >= nbytes:
                 break
-            freed += self._bytes(self._live[session])
             self._drop(session, evicted=True)
 
     # -- figures
 
     def nbytes(self) -> int:
-        """Bytes held for reuse alone: retired prefixes and what live sessions keep."""
-        return self.retired_bytes() + self.kept_bytes()
+        """Bytes held for reuse alone besides KV blocks (which the cache counts): output rows, state
+        points and pending rows, of retired prefixes and live sessions."""
+        return sum(self._bytes(prefix, blocks=False) for prefix in [*self._retired, *self._live.values()])
 
     def retired_bytes(self) -> int:
+        """Bytes retired prefixes hold, their KV blocks included."""
         return sum(self._bytes(prefix) for prefix in self._retired)
 
     def kept_bytes(self) -> int:
@@ -295,6 +302,7 @@ class PrefixCache:
         self._retired.remove(best)
         self._cache.clear(session)  # whatever the session held outside a followed run
         self._cache.attach(session, best.slots)
+        best.slots = {}
         prefix.outputs, prefix.points, prefix.ahead = best.outputs, best.points, best.chain
         self.hits += 1
 
@@ -355,6 +363,7 @@ class PrefixCache:
         for slot in best.slots.values():
             slot.length = prefix.resumed  # rows before it computed from the same rows as the session's
         self._cache.attach(session, best.slots, linear)
+        best.slots = {}
         prefix.ahead, prefix.outputs = best.chain, best.outputs
         prefix.points = {**best.points, **{p: point for p, point in prefix.points.items() if p <= start}}
         return True
@@ -366,18 +375,18 @@ class PrefixCache:
 
     def _put_back(self, session: int, prefix: Prefix, resume: int, start: int, end: int) -> None:
         """The session's rows leave the adopted prefix: retire the prefix whole again, its slots'
-        rows untouched, and give the session copies of the KV rows before `resume` (slots for `end`
-        positions) and of the output rows before the request's `start` or `resume`, so that another
-        chat sharing only its start does not cut it short. If they do not fit the budget, the
-        prefix's rows past `resume` are the session's to overwrite."""
+        rows untouched, and give the session the blocks of the KV rows before `resume` (shared: the
+        session's writes copy a shared block first) and a copy of the output rows before the
+        request's `start` or `resume`, so that another chat sharing only its start does not cut it
+        short. If the output rows do not fit the budget, the prefix's rows past `resume` are the
+        session's to overwrite."""
         attention = self._attention(prefix.layer_path)
-        capacity = min(self._cache.max_context, max(MIN_CAPACITY, end))
         outputs = OutputRows(self._hidden, self._cache.dtype, self._cache.device)
-        if not self._make_room(len(attention) * capacity * self._cache.bytes_per_position + outputs.growth(end)):
+        if not self._make_room(outputs.growth(end)):
             return
-        copies = self._cache.copied(session, attention, resume, capacity)
+        shares = self._cache.shared_from(self._cache.slots(session), attention, resume)
         kv, linear = self._cache.detach(session)
-        self._cache.attach(session, copies, linear)
+        self._cache.attach(session, shares, linear)
         outputs.write(0, prefix.outputs.rows(0, max(resume, start)))
         self._keep_whole(prefix, kv)
         prefix.outputs = outputs
@@ -386,24 +395,30 @@ class PrefixCache:
         """Retire the prefix `prefix` follows (`prefix.ahead`) whole again, its KV slots `kv` (detached
         from the session, nothing past its rows written) at its length."""
         attention = self._attention(prefix.layer_path)
-        for block_idx in attention:
-            kv[block_idx].length = prefix.ahead.length
+        slots = {block_idx: kv.pop(block_idx) for block_idx in attention}
+        self._cache.drop(kv.values())  # slots outside the run
+        for slot in slots.values():
+            slot.length = prefix.ahead.length
         self._keep(Prefix(prefix.domain, prefix.layer_path, prefix.ahead, prefix.outputs, dict(prefix.points),
-                          slots={block_idx: kv[block_idx] for block_idx in attention}, used=prefix.used))
+                          slots=slots, used=prefix.used))
 
     def _keep(self, prefix: Prefix) -> None:
         """Retire `prefix` (its slots at its chain's length), the newest; past MAX_RETIRED the oldest goes."""
         self._retired.append(prefix)
         if len(self._retired) > MAX_RETIRED:
-            self._retired.pop(0)
-            self.evictions += 1
+            self._discard(self._retired[0], evicted=True)
 
     def _make_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit the budget, once retired prefixes (oldest first) are freed as needed."""
         while (room := self._cache.room()) is not None and room < nbytes and self._retired:
-            self._retired.pop(0)
-            self.evictions += 1
+            self._discard(self._retired[0], evicted=True)
         return room is None or room >= nbytes
+
+    def _discard(self, prefix: Prefix, evicted: bool = False) -> None:
+        """A retired prefix given up, its blocks freed (those no session shares)."""
+        self._retired.remove(prefix)
+        self._cache.drop(prefix.slots.values())
+        self.evictions += evicted
 
     def _drop(self, session: int, evicted: bool = False) -> None:
         """Stop following the session (its KV state stays the session's)."""
@@ -424,8 +439,9 @@ class PrefixCache:
     def _point_bytes(self, path: LayerPath) -> int:
         return sum(self._recurrent[layer] for layer, _ in path) * self._cache.bytes_per_linear_slot
 
-    def _bytes(self, prefix: Prefix) -> int:
-        kv = sum(slot.capacity for slot in prefix.slots.values()) * self._cache.bytes_per_position
+    def _bytes(self, prefix: Prefix, blocks: bool = True) -> int:
+        """What `prefix` holds: output rows, state points, pending rows, and with `blocks` its KV blocks."""
+        kv = sum(slot.capacity for slot in prefix.slots.values()) * self._cache.bytes_per_position if blocks else 0
         pending = 0 if prefix.pending is None else prefix.pending.numel() * prefix.pending.element_size()
         return kv + prefix.outputs.nbytes + len(prefix.points) * self._point_bytes(prefix.layer_path) + pending
 

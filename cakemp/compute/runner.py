@@ -17,9 +17,10 @@ from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import memory
 from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.compute.loading import Block, LoadPlan, Rounding, check_quantizable, kept_kernels
+from cakemp.compute.paged_step import StepRows
 from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import InternalError, PositionGap, RecurrentRewind, UnknownLayer
-from cakemp.model.block import MATRICES, Span
+from cakemp.model.block import MATRICES
 from cakemp.model.deltanet import LinearState
 from cakemp.model.rotary import Rotary
 from cakemp.model.weights import packed
@@ -139,6 +140,7 @@ class BlockRunner:
         self.weight_bytes: int | None = None
         self.layers = tuple(blocks)  # Op.layer indexes these
         self.blocks = tuple(blocks.values())
+        self.recurrent = tuple(block.recurrent for block in self.blocks)  # a linear-attention layer's state is a recurrence
         self.device = device
         self.dtype = dtype
         # Each layer's rotary (None: the layer has none); layers sharing one share its tables.
@@ -342,9 +344,11 @@ class BlockRunner:
             x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
             ops = [Op(op.layer, begun.resume, op.block_idx) for op in ops]
         T = x.shape[1]
-        ends, linear_ends = {}, {}
-        for layer, index_pos, block_idx in ((op.layer, op.index_pos, op.block_idx) for op in ops):
-            if self.blocks[layer].recurrent:
+        writes, linear_ends = {}, {}  # block_idx -> the rows [start, end) its ops write; -> the end
+        held, recurrent = self.cache.slots(session), self.recurrent
+        for op in ops:
+            layer, index_pos, block_idx = op.layer, op.index_pos, op.block_idx
+            if recurrent[layer]:
                 # An earlier op of this request on the same slot counts as consumed.
                 consumed = linear_ends.get(block_idx, self.cache.linear_length(session, block_idx))
                 if 0 < index_pos < consumed:
@@ -355,58 +359,74 @@ class BlockRunner:
                     )
                 cached = consumed
             else:
-                cached = self.cache.length(session, block_idx)
+                cached = held[block_idx].length if block_idx in held else 0
             if index_pos < 0 or index_pos > cached:
                 raise PositionGap(
                     f"index_pos {index_pos} for block {block_idx} does not follow the {cached} positions cached in this session"
                 )
-            if self.blocks[layer].recurrent:
+            if recurrent[layer]:
                 linear_ends[block_idx] = index_pos + T
+            elif block_idx in writes:
+                start, end = writes[block_idx]
+                writes[block_idx] = (min(start, index_pos), max(end, index_pos + T))
             else:
-                ends[block_idx] = max(ends.get(block_idx, 0), index_pos + T)
-        slots = self.cache.reserve(session, ends, linear_ends)
+                writes[block_idx] = (index_pos, index_pos + T)
+        slots = self.cache.reserve(session, writes, linear_ends)
         restore = [(slots[op.block_idx], min(slots[op.block_idx].length, op.index_pos))
-                   for op in ops if not self.blocks[op.layer].recurrent]
+                   for op in ops if not recurrent[op.layer]]
         return _Planned(session, x, tuple(ops), slots, restore, begun)
 
     def _run(self, group: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
-        """The outputs of `group`'s requests, which share one run, computed together."""
-        lengths = [planned.x.shape[1] for planned in group]
-        x = group[0].x if len(group) == 1 else torch.cat([planned.x for planned in group], dim=1)  # [1, N, H]
+        """The outputs of `group`'s requests, which share one run, computed together: the decode
+        requests first in x (the step's pages take them in one attention call), outputs in `group`'s order."""
+        order = sorted(range(len(group)), key=lambda i: group[i].x.shape[1] > 1)
+        members = [group[i] for i in order]
+        lengths = [planned.x.shape[1] for planned in members]
+        x = members[0].x if len(members) == 1 else torch.cat([planned.x for planned in members], dim=1)  # [1, N, H]
+        where = [(tuple(planned.ops[j].index_pos for planned in members), tuple(planned.ops[j].block_idx for planned in members))
+                 for j in range(len(members[0].ops))]  # per op: each request's index_pos, block_idx
+        attention = [j for j, op in enumerate(members[0].ops) if not self.recurrent[op.layer]]
+        step = None if not attention else StepRows(
+            self.cache, [planned.session for planned in members], lengths, [where[j] for j in attention],
+            [[planned.slots[block_idx] for planned, block_idx in zip(members, where[j][1], strict=True)] for j in attention])
         rotations = {}  # (rotary, each request's index_pos) -> cos, sin: [N, R]
-        for j, op in enumerate(group[0].ops):
+        for j, op in enumerate(members[0].ops):
             if j and j % _OPS_BETWEEN_CALLS == 0 and between_ops is not None:
                 between_ops()
             block = self.blocks[op.layer]
-            where = [(planned.ops[j].index_pos, planned.ops[j].block_idx) for planned in group]
+            starts, slots = where[j]
             if block.recurrent:
                 segments = [(T, planned.linear_state(self.cache, block_idx, index_pos))
-                            for planned, T, (index_pos, block_idx) in zip(group, lengths, where, strict=True)]
+                            for planned, T, index_pos, block_idx in zip(members, lengths, starts, slots, strict=True)]
                 x, states = block.forward(x, segments)
-                for planned, T, (index_pos, block_idx), state in zip(group, lengths, where, states, strict=True):
+                for planned, T, index_pos, block_idx, state in zip(members, lengths, starts, slots, states, strict=True):
                     planned.computed[block_idx] = (state, index_pos + T)
                 continue
             rotary = self.rotaries[op.layer]
-            key = (rotary, tuple(index_pos for index_pos, _ in where))
-            if key not in rotations:
-                rotations[key] = self._rotation(rotary, [index_pos for index_pos, _ in where], lengths)
-            cos, sin = rotations[key]
-            spans = [Span(planned.slots[block_idx].k, planned.slots[block_idx].v, index_pos, T)
-                     for planned, T, (index_pos, block_idx) in zip(group, lengths, where, strict=True)]
-            x = block.forward(x, cos, sin, spans)
-            for planned, T, (index_pos, block_idx) in zip(group, lengths, where, strict=True):
-                planned.slots[block_idx].length = index_pos + T
-        return [x] if len(group) == 1 else list(x.split(lengths, dim=1))
+            if (rotary, starts) not in rotations:
+                rotations[rotary, starts] = self._rotation(rotary, step, attention.index(j))
+            cos, sin = rotations[rotary, starts]
+            x = block.forward(x, cos, sin, step.layer(attention.index(j)))
+        for planned, T in zip(members, lengths, strict=True):
+            for op in planned.ops:
+                if not self.recurrent[op.layer]:
+                    planned.slots[op.block_idx].length = op.index_pos + T
+        outputs = [x] if len(members) == 1 else list(x.split(lengths, dim=1))
+        in_order: list[torch.Tensor] = [None] * len(group)
+        for i, output in zip(order, outputs, strict=True):
+            in_order[i] = output
+        return in_order
 
-    def _rotation(self, rotary: Rotary | None, starts: list[int], lengths: list[int]):
-        """cos, sin: [N, R] for tokens at starts[i]..starts[i] + lengths[i] - 1, request after
-        request (each request's own table: longrope picks its factors per request); None, None without a rotary."""
+    def _rotation(self, rotary: Rotary | None, step: StepRows, index: int):
+        """cos, sin: [N, R] for the step's rows at attention layer `index`'s positions (longrope picks
+        its factors per request); None, None without a rotary."""
         if rotary is None:
             return None, None
-        tables = [rotary.cos_sin(start, T, self.dtype) for start, T in zip(starts, lengths, strict=True)]
-        if len(tables) == 1:
-            return tables[0]
-        return torch.cat([cos for cos, _ in tables]), torch.cat([sin for _, sin in tables])
+        long = None
+        if rotary.long_inv_freq is not None:
+            reaches = [rotary.reaches_long(start + T) for start, T in zip(step.starts[index], step.lengths, strict=True)]
+            long = torch.tensor(reaches, device=self.device)[step.request]
+        return rotary.cos_sin(step.positions[index], self.dtype, long)
 
     def _check_input(self, x: torch.Tensor) -> None:
         hidden = self.config.hidden_size

@@ -88,6 +88,22 @@ def attend(
     return out
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode rows of several requests in one call: q: [B, H_q, D], request b's one query; k, v:
+    [B, H_kv, S, D], its keys padded to the longest; visible: [B, S] bool, which keys it sees
+    -> [B, H_q, D].
+
+    As `attend`'s decode: the n_rep query heads of a kv head become n_rep query rows of it, so each
+    K/V row is read once and no GQA flag is needed; the mask takes the padding and the window
+    (CUDA: the memory-efficient kernel; a CPU: its flash kernel).
+    """
+    B, H_q, D = q.shape
+    H_kv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.view(B, H_kv, H_q // H_kv, D), k, v, attn_mask=visible[:, None, None, :],
+                                         scale=scale)  # [B, H_kv, n_rep, D]
+    return out.reshape(B, H_q, D)
+
+
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention with the diagonal aligned to the last key (the cache may hold earlier
     positions: chunked prefill).

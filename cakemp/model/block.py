@@ -8,14 +8,13 @@ Qwen3.5's linear-attention layers are LinearAttentionBlock (linear_block.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.model import attention
 from cakemp.model.linear import linear
 from cakemp.model.mlp import GatedMlp
 from cakemp.model.moe import SparseMoe
@@ -28,15 +27,16 @@ NORMS = frozenset({"input_norm", "attn_out_norm", "post_norm", "mlp_out_norm", "
 MATRICES = frozenset({"w_qkv", "w_o", "w_gate_up", "w_down", "w_in", "w_out", "shared_gate_up", "shared_down"})
 
 
-@dataclass(frozen=True)
-class Span:
-    """One request's tokens in a forward over several: the next `length` rows of x, at positions
-    start..start+length-1 of the request's own KV buffers of this layer."""
+class Pages(Protocol):
+    """Where one layer's step keeps its K/V rows and what each row attends over: the requests of
+    a step, their rows of x one after another, each at its own positions of its own KV slot
+    (compute/paged_step.LayerPages)."""
 
-    k: torch.Tensor  # [1, H_kv, capacity, D]; rows [0, start) hold earlier positions
-    v: torch.Tensor  # [1, H_kv, capacity, D]
-    start: int
-    length: int
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [1, H_kv, N, D], every row's keys and values, into the requests' slots."""
+
+    def attend(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+        """q: [1, H_q, N, D] -> [1, H_q, N, D], each row over its own request's keys to its position."""
 
 
 class DecoderBlock:
@@ -114,23 +114,22 @@ class DecoderBlock:
             **feed_forward_shapes(config, stored),
         }
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                spans: Sequence[Span]) -> torch.Tensor:
-        """x: [1, N, H], the tokens of len(spans) requests one after another -> [1, N, H].
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, pages: Pages) -> torch.Tensor:
+        """x: [1, N, H], the tokens of a step's requests one after another -> [1, N, H].
 
         Every projection and the MLP run once over all N tokens (one pass over each weight,
-        whatever the number of requests); attention runs per span, over that request's own KV
-        buffers, where this writes rows [start, start + length).
+        whatever the number of requests); `pages` keeps each request's new K/V rows and gives
+        each row its attention over its own request's keys.
         cos, sin: [N, R], each token's rotation (R < D: partial), or None for a layer without one.
         """
-        attended = self._attention(self._norm(x, self.input_norm), cos, sin, spans)
+        attended = self._attention(self._norm(x, self.input_norm), cos, sin, pages)
         x = x + self._norm(attended, self.attn_out_norm)
         return x + self._norm(self.mlp(self._norm(x, self.post_norm)), self.mlp_out_norm)
 
     def _norm(self, x, weight):
         return x if weight is None else rms_norm(x, weight, self.eps)
 
-    def _attention(self, h, cos, sin, spans):
+    def _attention(self, h, cos, sin, pages):
         B, N, _ = h.shape
         D, n_kv = self.head_dim, self.kv_heads
         q_width = self.heads * D * (2 if self.output_gate else 1)
@@ -163,14 +162,8 @@ class DecoderBlock:
         # the window. SDPA's kernels (CPU flash, CUDA flash / memory-efficient; math only unless
         # allow_fp16_bf16_reduction_math_sdp is switched on) keep the softmax max, sum and P@V
         # accumulator in f32 for f16/bf16 inputs; tests/model/test_block.py checks it.
-        outs, first = [], 0
-        for span in spans:
-            rows = slice(first, first + span.length)
-            span.k[:, :, span.start : span.start + span.length] = k[:, :, rows]
-            span.v[:, :, span.start : span.start + span.length] = v[:, :, rows]
-            outs.append(attention.attend(q[:, :, rows], span.k, span.v, span.start, self.window, self.scale))
-            first += span.length
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H_q, N, D]
+        pages.write(k, v)
+        out = pages.attend(q, self.window, self.scale)  # [1, H_q, N, D]
         out = out.transpose(1, 2).reshape(B, N, self.heads * D)
         if self.output_gate:
             out = out * torch.sigmoid(gate.reshape(B, N, self.heads * D))

@@ -34,25 +34,28 @@ class Rotary:
                 inv_freq = inv_freq / scaling.factor
         self.inv_freq = inv_freq.to(device)
 
-    def cos_sin(self, index_pos: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [length, dim] in `dtype` for positions index_pos .. index_pos+length-1.
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, long: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [N, dim] in `dtype` for positions: [N] (int), the rows of a step's requests.
 
-        Computed per request rather than tabled up to the context limit: a table for 128k
-        positions would cost tens of MiB per device, and this is dim/2 * length products.
-        Longrope switches to its long factors for a whole request once the request reaches past
-        the original context, as transformers does per forward call (keys cached earlier keep
-        the short factors).
+        Computed per step rather than tabled up to the context limit: a table for 128k positions
+        would cost tens of MiB per device, and this is dim/2 * N products. Longrope switches to its
+        long factors for a whole request once the request reaches past the original context, as
+        transformers does per forward call (keys cached earlier keep the short factors): `long`
+        [N] bool marks the rows of such requests (`reaches_long`).
         """
-        inv_freq = self.inv_freq
-        if self.long_inv_freq is not None and index_pos + length > self.rope.scaling.original_max_position_embeddings:
-            inv_freq = self.long_inv_freq
-        positions = torch.arange(index_pos, index_pos + length, device=inv_freq.device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)  # [T, dim/2] f32
-        angles = torch.cat((angles, angles), dim=-1)  # [T, dim]: both halves rotate by the same angle
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq  # [N, dim/2] f32, as torch.outer
+        if long is not None:
+            angles = torch.where(long[:, None], positions.to(torch.float32)[:, None] * self.long_inv_freq, angles)
+        angles = torch.cat((angles, angles), dim=-1)  # [N, dim]: both halves rotate by the same angle
         cos, sin = angles.cos(), angles.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
+
+    def reaches_long(self, end: int) -> bool:
+        """Whether a request ending before position `end` takes longrope's long factors (never without longrope)."""
+        return self.long_inv_freq is not None and end > self.rope.scaling.original_max_position_embeddings
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:

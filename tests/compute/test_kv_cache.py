@@ -1,75 +1,97 @@
-"""KVCache: growth by doubling, exact growth under a tight budget, limits, freeing."""
+"""KVCache: blocks taken as positions need them, shared blocks copied on write, limits, the budget, freeing."""
 
 import pytest
 import torch
 
-from cakemp.compute.kv_cache import MIN_CAPACITY, KVCache
+from cakemp.compute.kv_cache import BLOCK, KVCache
 from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded
 
 PER_POSITION = 2 * 2 * 8 * 4  # K+V x 2 kv heads x 8 dims x f32
+PER_BLOCK = BLOCK * PER_POSITION
 
 
 def cache(**kwargs):
     return KVCache(kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"), **kwargs)
 
 
-def test_first_use_allocates_min_capacity_then_doubles_keeping_rows():
-    """A slot starts at MIN_CAPACITY positions, doubles when outgrown, and keeps its rows."""
+def write(c: KVCache, session: int, block_idx: int, start: int, values: torch.Tensor) -> None:
+    """Rows [start, start + n) of a slot set to `values` ([n]: each row's K all that value, V its negation)."""
+    slot = c.slot(session, block_idx)
+    for i, value in enumerate(values.tolist()):
+        p = start + i
+        c.k[:, slot.table[p // BLOCK], p % BLOCK] = value
+        c.v[:, slot.table[p // BLOCK], p % BLOCK] = -value
+    slot.length = max(slot.length, start + len(values))
+
+
+def values(c: KVCache, session: int, block_idx: int, end: int) -> torch.Tensor:
+    k, v = c.rows(c.slot(session, block_idx), 0, end)
+    assert torch.equal(v, -k)
+    return k[0, :, 0]
+
+
+def test_blocks_are_taken_as_positions_need_them_and_never_move():
+    """A slot holds ceil(end / BLOCK) blocks; growing takes new ones, the old ones and their rows stay."""
     c = cache(max_context=4096)
-    slot = c.reserve(1, {0: 10})[0]
-    assert slot.capacity == MIN_CAPACITY and c.nbytes() == MIN_CAPACITY * PER_POSITION
-    slot.k[:, :, :10] = torch.arange(10.0)[None, None, :, None]
-    slot.length = 10
-    grown = c.reserve(1, {0: MIN_CAPACITY + 1})[0]
-    assert grown.capacity == 2 * MIN_CAPACITY and grown.length == 10
-    assert torch.equal(grown.k[0, 1, :10, 3], torch.arange(10.0))
-    assert c.nbytes() == 2 * MIN_CAPACITY * PER_POSITION
+    slot = c.reserve(1, {0: (0, 10)})[0]
+    assert slot.capacity == BLOCK and c.nbytes() == PER_BLOCK
+    write(c, 1, 0, 0, torch.arange(10.0))
+    first = list(slot.table)
+    grown = c.reserve(1, {0: (10, BLOCK + 1)})[0]
+    assert grown.table[:1] == first and len(grown.table) == 2 and grown.length == 10
+    assert torch.equal(values(c, 1, 0, 10), torch.arange(10.0))
+    assert c.nbytes() == 2 * PER_BLOCK
 
 
-def test_growth_is_capped_at_the_context_limit():
-    """Doubling never allocates past max_context."""
-    c = cache(max_context=300)
-    c.reserve(1, {0: 10})
-    assert c.reserve(1, {0: MIN_CAPACITY + 1})[0].capacity == 300
+def test_the_device_tables_mirror_each_live_slot():
+    """`tables[row, block_idx]` holds a live slot's block ids, what a step gathers its keys by."""
+    c = cache(max_context=4096)
+    c.reserve(1, {0: (0, 40), 3: (0, 5)})
+    c.reserve(2, {3: (0, 20)})
+    for session, block_idx in [(1, 0), (1, 3), (2, 3)]:
+        table = c.slot(session, block_idx).table
+        assert c.tables[c.row(session), block_idx, : len(table)].tolist() == table
+
+
+def test_a_rewind_frees_the_blocks_past_what_it_writes():
+    """A request at p < length replaces the rest: blocks past its end go back to the pool."""
+    c = cache(max_context=4096)
+    c.reserve(1, {0: (0, 5 * BLOCK)})
+    c.reserve(1, {0: (3, 4)})
+    assert len(c.slot(1, 0).table) == 1 and c.nbytes() == PER_BLOCK
 
 
 def test_context_limit_is_named():
     """An end past max_context is ContextLimitExceeded, and nothing is allocated."""
     c = cache(max_context=100)
     with pytest.raises(ContextLimitExceeded, match="position 100 .* limit of 100"):
-        c.reserve(1, {0: 50, 1: 101})
+        c.reserve(1, {0: (0, 50), 1: (0, 101)})
     assert c.nbytes() == 0 and c.session_count() == 0
 
 
-def test_tight_budget_grows_exactly_instead_of_doubling():
-    """When doubling would pass the budget but the needed positions fit, exactly those are allocated."""
-    c = cache(max_context=4096, budget_bytes=100 * PER_POSITION)
-    assert c.reserve(1, {0: 60, 1: 40})[0].capacity == 60
-    assert c.nbytes() == 100 * PER_POSITION
-
-
 def test_budget_refusal_is_all_or_nothing():
-    """A reservation that cannot fit allocates none of its slots and leaves other sessions alone; the
-    refusal gives its figures in units a person reads (262 positions of 128 bytes need 32.8 KiB)."""
-    c = cache(max_context=4096, budget_bytes=2 * MIN_CAPACITY * PER_POSITION)
-    c.reserve(1, {0: 5})
-    with pytest.raises(CacheBudgetExceeded, match=r"^the KV cache would need 32\.8 KiB more but only 32\.0 KiB "
-                                                  r"of this device's 64\.0 KiB budget is left$"):
-        c.reserve(2, {0: 5, 1: MIN_CAPACITY + 1})
-    assert c.nbytes() == MIN_CAPACITY * PER_POSITION and c.session_count() == 1
+    """A reservation that cannot fit takes none of its blocks and leaves other sessions alone; the
+    refusal gives its figures in units a person reads."""
+    c = cache(max_context=4096, budget_bytes=4 * PER_BLOCK)
+    c.reserve(1, {0: (0, 5)})
+    with pytest.raises(CacheBudgetExceeded, match=r"^the KV cache would need 8\.0 KiB more but only 6\.0 KiB "
+                                                  r"of this device's 8\.0 KiB budget is left$"):
+        c.reserve(2, {0: (0, 5), 1: (0, 3 * BLOCK)})
+    assert c.nbytes() == PER_BLOCK and c.session_count() == 1 and c.room() == 3 * PER_BLOCK
 
 
 def test_clear_frees_only_that_session():
-    """clear() returns a session's bytes to the budget and forgets its lengths."""
-    c = cache(max_context=4096)
-    c.reserve(1, {0: 5, 3: 5})[3].length = 5
-    c.reserve(2, {0: 5})
+    """clear() returns a session's blocks to the budget and forgets its lengths."""
+    c = cache(max_context=4096, budget_bytes=8 * PER_BLOCK)
+    c.reserve(1, {0: (0, 5), 3: (0, 5)})[3].length = 5
+    c.reserve(2, {0: (0, 5)})
     c.clear(1)
-    assert c.nbytes() == MIN_CAPACITY * PER_POSITION and c.length(1, 3) == 0 and c.session_count() == 1
+    assert c.nbytes() == PER_BLOCK and c.length(1, 3) == 0 and c.session_count() == 1
+    assert c.room() == 7 * PER_BLOCK
 
 
 class Spare:
-    """What prefix reuse holds inside the budget, as the cache sees it."""
+    """What prefix reuse holds inside the budget besides blocks, as the cache sees it."""
 
     def __init__(self, held: int):
         self.held, self.asked = held, []
@@ -82,34 +104,57 @@ class Spare:
         self.held = max(0, self.held - nbytes)
 
 
-def test_the_spare_gives_back_room_before_growth_falls_short_of_doubling():
-    """With the budget held by the spare, a slot's growth asks it for the room doubling needs and
-    grows doubled; once neither the budget nor the spare has room left, a session is refused."""
-    c = cache(max_context=4096, budget_bytes=2 * MIN_CAPACITY * PER_POSITION)
-    c.spare = Spare(2 * MIN_CAPACITY * PER_POSITION)
+def test_the_spare_gives_back_room_before_a_session_is_refused():
+    """With the budget held by the spare, a reservation asks it for the room it needs; once neither
+    the budget nor the spare has room left, a session is refused."""
+    c = cache(max_context=4096, budget_bytes=2 * PER_BLOCK)
+    c.spare = Spare(2 * PER_BLOCK)
     assert c.room() == 0
-    assert c.reserve(1, {0: 10})[0].capacity == MIN_CAPACITY
-    assert c.spare.asked == [MIN_CAPACITY * PER_POSITION] and c.room() == 0
-    c.spare = Spare(MIN_CAPACITY * PER_POSITION - 10 * PER_POSITION)  # holds all but 10 positions' room
-    assert c.reserve(2, {0: 5})[0].capacity == MIN_CAPACITY and c.spare.held == 0 and c.room() == 0
+    assert c.reserve(1, {0: (0, 10)})[0].capacity == BLOCK
+    assert c.spare.asked == [PER_BLOCK] and c.room() == 0
+    c.spare = Spare(PER_BLOCK)
+    assert c.reserve(2, {0: (0, 5)})[0].capacity == BLOCK and c.spare.held == 0 and c.room() == 0
     with pytest.raises(CacheBudgetExceeded):
-        c.reserve(3, {0: 1})
+        c.reserve(3, {0: (0, 1)})
+
+
+def test_shared_blocks_are_counted_once_and_copied_before_a_write():
+    """A slot shared from another holds the same blocks (no bytes more); writing into a shared block
+    copies it first, so the first owner's rows are untouched; the rows before stay shared."""
+    c = cache(max_context=4096, budget_bytes=16 * PER_BLOCK)
+    c.reserve(1, {0: (0, 2 * BLOCK + 4)})
+    write(c, 1, 0, 0, torch.arange(2.0 * BLOCK + 4))
+    kv, _ = c.detach(1)  # kept, as a retired prefix holds them
+    shares = c.shared_from(kv, [0], BLOCK + 3)
+    c.attach(2, shares)
+    assert shares[0].table == kv[0].table[:2] and c.room() == 13 * PER_BLOCK  # 3 blocks in use, once
+    c.reserve(2, {0: (BLOCK + 3, BLOCK + 5)})  # into the second block: it is copied
+    write(c, 2, 0, BLOCK + 3, torch.tensor([-1.0, -2.0]))
+    assert c.slot(2, 0).table[0] == kv[0].table[0] and c.slot(2, 0).table[1] != kv[0].table[1]
+    assert c.room() == 12 * PER_BLOCK
+    k, _ = c.rows(kv[0], 0, 2 * BLOCK + 4)
+    assert torch.equal(k[0, :, 0], torch.arange(2.0 * BLOCK + 4))  # the first owner's rows, as written
+    assert torch.equal(values(c, 2, 0, BLOCK + 5),
+                       torch.cat([torch.arange(BLOCK + 3.0), torch.tensor([-1.0, -2.0])]))
+    c.drop(kv.values())  # the first owner gives up: only the block the second still shares stays
+    assert c.room() == 14 * PER_BLOCK and c.nbytes() == 2 * PER_BLOCK
+    c.clear(2)
+    assert c.room() == 16 * PER_BLOCK
 
 
 def test_slots_detached_and_attached_leave_and_rejoin_the_count():
-    """detach takes a session's slots out of the count, attach puts them (or copies) back under
-    another session, copied slots holding the first rows."""
-    c = cache(max_context=4096)
-    slot = c.reserve(1, {0: 10, 1: 10})[0]
-    slot.k[:, :, :10] = 1.0
-    slot.length = 10
+    """detach takes a session's slots out of the live count (their blocks stay in use), attach puts
+    them back under another session; resume sets lengths; a session cannot take a slot twice."""
+    c = cache(max_context=4096, budget_bytes=8 * PER_BLOCK)
+    c.reserve(1, {0: (0, 10), 1: (0, 10)})
+    write(c, 1, 0, 0, torch.ones(10))
     kv, linear = c.detach(1)
     assert c.nbytes() == 0 and c.session_count() == 0 and set(kv) == {0, 1} and linear == {}
+    assert c.room() == 6 * PER_BLOCK
     c.attach(2, kv)
-    assert c.nbytes() == 2 * MIN_CAPACITY * PER_POSITION and c.length(2, 0) == 10
-    copies = c.copied(2, [0], 6, 300)
-    assert copies[0].capacity == 300 and copies[0].length == 6 and torch.equal(copies[0].k[:, :, :6], slot.k[:, :, :6])
+    assert c.nbytes() == 2 * PER_BLOCK and c.length(2, 0) == 10
+    assert torch.equal(values(c, 2, 0, 10), torch.ones(10))
     c.resume(2, [0, 1], 4, {})
     assert c.length(2, 0) == c.length(2, 1) == 4
     with pytest.raises(ValueError):
-        c.attach(2, copies)
+        c.attach(2, {0: kv[0]})

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.compute.kv_cache import MIN_CAPACITY
+from cakemp.compute.kv_cache import BLOCK
 from cakemp.compute.prefix_cache import MAX_RETIRED
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import ContextLimitExceeded
@@ -216,8 +216,8 @@ def test_prefixes_are_reused_within_their_session_unless_shared(llama):
 
 
 def test_retired_prefixes_give_way_to_live_sessions(llama):
-    """With a budget that holds one session's 256-row slots and kept rows, a second session's prompt
-    evicts the first's retired prefix rather than fail, and decodes on to its slots' capacity."""
+    """With a budget that holds one session's blocks and kept rows, a second session's prompt evicts
+    the first's retired prefix rather than fail, and decodes on to the end of its blocks."""
     probe = Node(llama, prefix_reuse=True)
     probe.prompt(1, rows(20, 0))
     one_session = probe.runner.kv_bytes() + probe.runner.prefixes.kept_bytes()
@@ -226,19 +226,19 @@ def test_retired_prefixes_give_way_to_live_sessions(llama):
     assert node.runner.prefixes.retired_count() == 1
     node.prompt(2, rows(20, 2))
     assert node.runner.prefixes.retired_count() == 0 and figures(node.runner)[2] == 1
-    node.decode(2, rows(MIN_CAPACITY - 20, 3), 20)  # up to the slots' capacity, within the budget
+    node.decode(2, rows(-(-20 // BLOCK) * BLOCK - 20, 3), 20)  # up to its blocks' end, within the budget
     assert node.runner.kv_bytes() <= one_session
 
 
 def test_a_live_session_gives_up_its_kept_rows_before_it_is_refused(llama):
-    """Budget for the KV rows of 256 positions and no more: the output rows kept for reuse go (the
+    """Budget for the KV blocks of a 20-row prompt and no more: the output rows kept for reuse go (the
     session is no longer followed), the session's requests all succeed."""
     probe = Node(llama)
     probe.prompt(1, rows(20, 0))
     node = Node(llama, prefix_reuse=True, kv_budget_bytes=probe.runner.kv_bytes())
     node.prompt(1, rows(20, 0))
     assert node.runner.prefixes.kept_bytes() == 0 and figures(node.runner)[2] == 1
-    node.decode(1, rows(100, 1), 20)
+    node.decode(1, rows(-(-20 // BLOCK) * BLOCK - 20, 1), 20)
 
 
 def test_a_failed_request_leaves_a_prefix_that_still_matches(llama):

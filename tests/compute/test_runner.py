@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cakemp.compute.kv_cache import MIN_CAPACITY
+from cakemp.compute.kv_cache import BLOCK
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded, InternalError, PositionGap, UnknownLayer
 from tests.support.checkpoints import make_checkpoint
@@ -133,11 +133,11 @@ def test_context_limit_is_enforced_and_leaves_the_session_usable(checkpoint):
 
 def test_budget_refuses_a_second_session_until_the_first_ends(checkpoint):
     """With room for one session's cache, a second gets CacheBudgetExceeded, then fits after end_session."""
-    # 2 layers x first capacity x (K+V) x 2 kv heads x 16 dims x 4 bytes = one session's first buffers.
-    one_session = 2 * MIN_CAPACITY * 2 * 2 * 16 * 4
+    # 2 layers x one block x (K+V) x 2 kv heads x 16 dims x 4 bytes = one session's first blocks.
+    one_session = 2 * BLOCK * 2 * 2 * 16 * 4
     runner = load(checkpoint, kv_budget_bytes=one_session)
     first = runner.run(1, tokens(4, 0), runner.ops(ops(0)))
-    with pytest.raises(CacheBudgetExceeded, match=r"would need 2\.0 KiB more but only 0 B of this device's 128\.0 KiB"):
+    with pytest.raises(CacheBudgetExceeded, match=r"would need 8\.0 KiB more but only 0 B of this device's 8\.0 KiB"):
         runner.run(2, tokens(4, 0), runner.ops(ops(0)))
     assert runner.kv_bytes() == one_session and runner.session_count() == 1
     runner.free_session(1)
@@ -145,8 +145,8 @@ def test_budget_refuses_a_second_session_until_the_first_ends(checkpoint):
 
 
 def test_budget_refusal_mid_span_allocates_nothing(checkpoint):
-    """When the second layer's buffer would not fit, the first layer's is not allocated either."""
-    exact_one_layer = 3 * 2 * 2 * 16 * 4  # 3 positions, one layer
+    """When the second layer's block would not fit, the first layer's is not taken either."""
+    exact_one_layer = BLOCK * 2 * 2 * 16 * 4  # one block, one layer
     runner = load(checkpoint, kv_budget_bytes=exact_one_layer)
     with pytest.raises(CacheBudgetExceeded):
         runner.run(1, tokens(3, 0), runner.ops(ops(0)))

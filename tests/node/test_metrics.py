@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import cakemp
 from cakemp.cli import cli
-from cakemp.compute.kv_cache import MIN_CAPACITY
+from cakemp.compute.kv_cache import BLOCK
 from cakemp.front.metrics import Metrics
 from cakemp.front.metrics_server import start_metrics_server
 from cakemp.prometheus import Counter, Histogram
@@ -323,8 +323,8 @@ def test_a_known_load_moves_every_series_by_its_exact_amount(node):
     assert moved("cakemp_received_bytes_total") == sent
     assert moved("cakemp_sent_bytes_total") == received
     assert moved("cakemp_connections", since=before) == len(LAYERS)
-    # Per device, f32: 2 layers x (K and V) x kv heads x the first capacity x head dim x 4 bytes.
-    kv_bytes = 2 * 2 * TINY["num_key_value_heads"] * MIN_CAPACITY * (HIDDEN // TINY["num_attention_heads"]) * 4
+    # Per device, f32: 2 layers x (K and V) x kv heads x one block (its 8 positions) x head dim x 4 bytes.
+    kv_bytes = 2 * 2 * TINY["num_key_value_heads"] * BLOCK * (HIDDEN // TINY["num_attention_heads"]) * 4
     for device in ("cpu:0", "cpu:1"):
         labels = (("device", device),)
         assert moved("cakemp_sessions", labels, since=before) == 1  # only the run's first connection sends

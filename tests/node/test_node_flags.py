@@ -36,8 +36,9 @@ LAYERS = [0, 1, 2, 3]
 OPS = [(f"model.layers.{i}", 0, i) for i in LAYERS]
 BUDGET_MIB = 1
 # The tiny checkpoint in f16: 2 (K and V) * 2 kv heads * 16 dims * 2 bytes = 128 bytes per
-# position and layer; a first request reserves 256 positions (kv_cache.MIN_CAPACITY) in each of
-# the 4 layers, 128 KiB, so 8 sessions fill the 1 MiB budget exactly.
+# position and layer; a PROMPT-token prompt takes 16 blocks of 16 positions (kv_cache.BLOCK) in each
+# of the 4 layers, 128 KiB, so 8 sessions fill the 1 MiB budget exactly.
+PROMPT = 255
 SESSION_BYTES = 128 * 256 * len(LAYERS)
 SESSIONS_IN_BUDGET = BUDGET_MIB * 2**20 // SESSION_BYTES
 # Not what the node would choose by itself (the cores divided among its one CPU device).
@@ -96,12 +97,12 @@ def test_the_kv_budget_refuses_a_session_until_another_closes(node):
             await client.hello()
         *admitted, refused = clients
         for client in admitted:
-            await client.batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), OPS)
+            await client.batch(to_raw(torch.randn(1, PROMPT, HIDDEN), torch.float16), OPS)
         full = await asyncio.to_thread(scrape, port)
         with pytest.raises(RemoteWorkerError, match=r"only 0 B of this device.s 1\.0 MiB budget is left"):
             await refused.batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), OPS)
-        # A session already in decodes on within its reserved rows.
-        await admitted[0].batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), [(n, 1, i) for n, _, i in OPS])
+        # A session already in decodes on within its last block.
+        await admitted[0].batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), [(n, PROMPT, i) for n, _, i in OPS])
         await admitted[-1].close()
         await asyncio.to_thread(wait_until_freed, port, full)
         y = await refused.batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), OPS)

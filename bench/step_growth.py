@@ -1,0 +1,132 @@
+"""Step growth benchmark: what each extra session adds to one batched decode step, in-process,
+cakemp's BlockRunner.run_batch beside transformers' own layers batched, side by side in one run.
+
+    python -m bench.step_growth [--shape tiny|tinyllama] [--counts 1,8,32] [--cached 16]
+                                [--steps 50] [--rounds 5] [--threads 1]
+
+A random Llama checkpoint (tiny: hidden 64, intermediate 192, 4 query heads on 2 kv heads of 16;
+tinyllama: TinyLlama-1.1B's layer, hidden 2048, intermediate 5632, 32 query heads on 4 kv heads
+of 64; 2 layers, f32) is loaded both ways. For each count of sessions N, each session first runs
+a --cached-token prompt, then both compute --steps decode steps of all N sessions at once:
+
+* cakemp: one `run_batch` of N one-token requests per step, the runner loaded as a batching CPU
+  device loads it (f32 matrices packed);
+* transformers: its LlamaDecoderLayers on x: [N, 1, H] over one DynamicCache of batch N (every
+  session at the same length, so no padding: the cheapest batched step transformers has).
+
+Printed per count: each side's CPU ms per step (process time: steadier than wall on a shared
+machine; the median of --rounds windows, the two alternating), and the growth per session from
+the first count to the last in µs, with cakemp's growth over transformers'. Compute at the tiny
+shape is negligible, so its growth is the Python and dispatch cost of a session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+from bench.pool import machine_line
+from cakemp.compute.runner import BlockRunner, Request
+from tests.support.checkpoints import make_checkpoint
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2),
+    "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4),
+}
+LAYERS = 2
+
+
+class Cakemp:
+    def __init__(self, path, sessions: int, cached: int):
+        self.runner = BlockRunner.load(path, [f"model.layers.{i}" for i in range(LAYERS)], "cpu", torch.float32)
+        self.hidden = self.runner.config.hidden_size
+        self.sessions, self.position = sessions, cached
+        for s in range(sessions):
+            self.runner.run(s, torch.randn(1, cached, self.hidden), self._ops(0))
+
+    def _ops(self, position: int):
+        return self.runner.ops([(f"model.layers.{i}", position, i) for i in range(LAYERS)])
+
+    def step(self) -> None:
+        ops = self._ops(self.position)
+        self.runner.run_batch([Request(s, torch.randn(1, 1, self.hidden), ops) for s in range(self.sessions)])
+        self.position += 1
+
+
+class Transformers:
+    def __init__(self, path, sessions: int, cached: int):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        self.model = model.model
+        self.hidden = model.config.hidden_size
+        self.sessions, self.position = sessions, cached
+        self.cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            self._forward(torch.randn(sessions, cached, self.hidden), 0)
+
+    def _forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        positions = torch.arange(start, start + x.shape[1])[None, :].expand(x.shape[0], -1)
+        cos_sin = self.model.rotary_emb(x, position_ids=positions)
+        mask = None if x.shape[1] == 1 else transformers.masking_utils.create_causal_mask(
+            config=self.model.config, inputs_embeds=x, attention_mask=None, cache=self.cache,
+            position_ids=positions, layer_idx=0)
+        for layer in self.model.layers[:LAYERS]:
+            x = layer(x, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
+        return x
+
+    def step(self) -> None:
+        self._forward(torch.randn(self.sessions, 1, self.hidden), self.position)
+        self.position += 1
+
+
+def per_step_ms(side, steps: int) -> float:
+    with torch.inference_mode():
+        start = time.process_time()
+        for _ in range(steps):
+            side.step()
+        return (time.process_time() - start) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=SHAPES, default="tiny")
+    parser.add_argument("--counts", default="1,8,32")
+    parser.add_argument("--cached", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    counts = [int(c) for c in args.counts.split(",")]
+    print(machine_line())
+    print(f"{args.shape} layers x{LAYERS}, f32, {args.cached} cached tokens, {args.threads} thread(s), "
+          f"{args.steps} steps a window, median of {args.rounds}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(tmp, "llama", num_hidden_layers=LAYERS, vocab_size=64,
+                               max_position_embeddings=args.cached + args.steps * (args.rounds + 1) + 8,
+                               **SHAPES[args.shape])
+        figures = {}
+        for n in counts:
+            sides = {"cakemp": Cakemp(path, n, args.cached), "transformers": Transformers(path, n, args.cached)}
+            for side in sides.values():
+                per_step_ms(side, 2)  # warm-up
+            times = {name: [] for name in sides}
+            for _ in range(args.rounds):
+                for name, side in sides.items():
+                    times[name].append(per_step_ms(side, args.steps))
+            figures[n] = {name: statistics.median(t) for name, t in times.items()}
+            print(f"{n:3d} sessions: cakemp {figures[n]['cakemp']:8.3f} ms/step   "
+                  f"transformers {figures[n]['transformers']:8.3f} ms/step")
+    first, last = counts[0], counts[-1]
+    growth = {name: (figures[last][name] - figures[first][name]) / (last - first) * 1e3 for name in figures[first]}
+    print(f"growth per session {first}->{last}: cakemp {growth['cakemp']:.1f} µs, transformers "
+          f"{growth['transformers']:.1f} µs, ratio {growth['cakemp'] / growth['transformers']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""One batched step's view of the paged KV pool: every request's rows, positions and blocks as tensors.
+
+A step computes the requests of one layer run together: x: [1, N, H] holds their rows one request
+after another, decode requests (one row) first. What attention needs of the pool is built here,
+once per step, as a few tensors; no torch call inside a layer is made per request but a prompt
+chunk's own attention:
+
+* `StepRows`, once per step: per attention layer and row of x its position and its slot id in the
+  pool (two small tensors for the whole step, built from the slots' block tables), and, where decode
+  rows are batched, each request's block table (one gather from `KVCache.tables`) and which keys
+  each decode row sees;
+* `LayerPages`, one per attention layer: `write` puts the step's K/V rows at their slot ids (one
+  indexed copy for K, one for V); `attend` runs every decode row in one attention call over its own
+  blocks (gathered, padded to the longest and masked), each prompt chunk in one call of its own.
+
+A request alone in its step whose blocks lie in one run of the pool (a session that grew while no
+other took blocks: the common case for one session, and for every prompt's first chunk) reads
+its keys as a view of the pool, with no gather and no mask: the same call the contiguous cache
+made.
+
+Why decode rows go in one call and chunks one each: a decode row's attention is a few hundred
+FLOPs per key, so one call per session is mostly dispatch; a chunk's is T times that and a call of
+its own is amortised (and takes SDPA's fused causal kernels).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from cakemp.compute.kv_cache import BLOCK, KVCache, KVSlot
+from cakemp.model import attention
+
+
+class StepRows:
+    """The requests of one step, their rows of x (decode requests first), and per attention layer
+    where each row's K/V goes and what each decode row reads."""
+
+    def __init__(self, cache: KVCache, sessions: Sequence[int], lengths: Sequence[int],
+                 layers: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], slots: Sequence[Sequence[KVSlot]]):
+        """layers: per attention layer of the step, in order, each request's (index_pos, block_idx)
+        as two tuples (request i at positions starts[i].. of its slot block_idx[i]); slots: those
+        slots, per layer and request, holding blocks to each request's end."""
+        self.cache = cache
+        self.sessions = tuple(sessions)
+        self.lengths = tuple(lengths)
+        self.decodes = sum(T == 1 for T in lengths)  # requests [0, decodes) have one row each
+        if any(T != 1 for T in lengths[: self.decodes]):
+            raise ValueError(f"decode requests must come first, got lengths {lengths}")
+        self.firsts = [0, *itertools.accumulate(lengths)][:-1]  # each request's first row of x
+        self.starts = [starts for starts, _ in layers]
+        self.block_idx = [block_idx for _, block_idx in layers]
+        self.slots = slots
+        positions, slot_ids = [], []
+        for starts, layer_slots in zip(self.starts, slots, strict=True):
+            for start, T, slot in zip(starts, lengths, layer_slots, strict=True):
+                table = slot.table
+                for p in range(start, start + T):
+                    positions.append(p)
+                    slot_ids.append(table[p // BLOCK] * BLOCK + p % BLOCK)
+        shape = len(layers), sum(lengths)
+        self.positions = torch.tensor(positions, device=cache.device).view(shape)  # [L, N]
+        self.slot_ids = torch.tensor(slot_ids, device=cache.device).view(shape)  # [L, N] rows of the flat pool
+        self._request: torch.Tensor | None = None
+        self._tables: torch.Tensor | None = None
+        self._visible: dict[tuple, tuple[int, int, torch.Tensor]] = {}
+
+    @property
+    def request(self) -> torch.Tensor:
+        """Each row's request, [N]."""
+        if self._request is None:
+            device = self.cache.device
+            self._request = torch.repeat_interleave(torch.arange(len(self.lengths), device=device),
+                                                    torch.tensor(self.lengths, device=device))
+        return self._request
+
+    def tables(self, index: int) -> torch.Tensor:
+        """Attention layer `index`'s block table of each request, [B, width] (past a table's end: unused),
+        gathered for every layer of the step at its first use."""
+        if self._tables is None:
+            device = self.cache.device
+            rows = torch.tensor([self.cache.row(session) for session in self.sessions], device=device)
+            self._tables = self.cache.tables[rows[None, :], torch.tensor(self.block_idx, device=device)]
+        return self._tables[index]
+
+    def layer(self, index: int) -> LayerPages:
+        """The pages of the step's `index`-th attention layer."""
+        return LayerPages(self, index)
+
+    def visible(self, index: int, window: int | None) -> tuple[int, int, torch.Tensor]:
+        """For the decode rows of attention layer `index`: the blocks [first, last) their keys lie in
+        and which keys of those each sees, [d, S] bool (shared by layers at the same positions and window)."""
+        ends = self.starts[index][: self.decodes]
+        key = (ends, window)
+        found = self._visible.get(key)
+        if found is None:
+            last = -(-(max(ends) + 1) // BLOCK)  # blocks to the furthest end
+            first = 0 if window is None else max(0, min(ends) + 1 - window) // BLOCK  # blocks before every window
+            keys = torch.arange(first * BLOCK, last * BLOCK, device=self.cache.device)  # [S] each key's position
+            end = self.positions[index, : self.decodes, None] + 1  # [d, 1]
+            seen = keys < end
+            if window is not None:
+                seen &= keys >= end - window
+            found = self._visible[key] = first, last, seen
+        return found
+
+
+class LayerPages:
+    """Where one layer's step writes its K/V rows and what each row attends over (model.block.Pages)."""
+
+    def __init__(self, step: StepRows, index: int):
+        self.step, self.index = step, index
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [1, H_kv, N, D], the step's new rows, into each request's blocks."""
+        cache = self.step.cache
+        flat = cache.kv_heads, -1, cache.head_dim
+        slot_ids = self.step.slot_ids[self.index]
+        cache.k.view(flat).index_copy_(1, slot_ids, k[0])
+        cache.v.view(flat).index_copy_(1, slot_ids, v[0])
+
+    def attend(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+        """q: [1, H_q, N, D] -> [1, H_q, N, D]: each row over its request's keys up to its own position
+        (the last `window` of them where there is one), the step's rows already written."""
+        step = self.step
+        d, B = step.decodes, len(step.lengths)
+        if B == 1 or d == 0:  # each request in a call of its own (one request, or prompt chunks only)
+            return self._each(q, range(B), window, scale)
+        if d == B:
+            return self._decode_rows(q[0].transpose(0, 1), window, scale).transpose(0, 1)[None]
+        out = torch.empty_like(q)
+        out[0, :, :d] = self._decode_rows(q[0, :, :d].transpose(0, 1), window, scale).transpose(0, 1)
+        out[:, :, d:] = self._each(q[:, :, d:], range(d, B), window, scale)
+        return out
+
+    def _each(self, q: torch.Tensor, requests: range, window: int | None, scale: float) -> torch.Tensor:
+        """q: [1, H_q, n, D], the rows of `requests` -> [1, H_q, n, D], each request attended on its own."""
+        step, starts = self.step, self.step.starts[self.index]
+        outs = []
+        for i in requests:
+            start, T, first = starts[i], step.lengths[i], step.firsts[i] - step.firsts[requests[0]]
+            k, v = self._keys(i, start + T)
+            outs.append(attention.attend(q[:, :, first : first + T], k, v, start, window, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _keys(self, i: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i's K and V, [1, H_kv, S >= end, D]: a view of the pool where its blocks to `end` are
+        one run, else gathered."""
+        cache = self.step.cache
+        table = self.step.slots[self.index][i].table[: -(-end // BLOCK)]
+        first = table[0]
+        if table[-1] - first == len(table) - 1 and table == list(range(first, first + len(table))):
+            rows = slice(first * BLOCK, (first + len(table)) * BLOCK)
+            flat = 1, cache.kv_heads, -1, cache.head_dim
+            return cache.k.view(flat)[:, :, rows], cache.v.view(flat)[:, :, rows]
+        return self._gathered(self.step.tables(self.index)[i : i + 1, : len(table)])
+
+    def _decode_rows(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+        """q: [d, H_q, D], the decode rows (one per request) -> [d, H_q, D]."""
+        first, last, visible = self.step.visible(self.index, window)
+        k, v = self._gathered(self.step.tables(self.index)[: q.shape[0], first:last])  # [d, H_kv, S, D]
+        return attention.attend_rows(q, k, v, visible, scale)
+
+    def _gathered(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tables: [b, n] block ids -> the K and V of those blocks, [b, H_kv, n * BLOCK, D] each (a copy)."""
+        cache = self.step.cache
+        b, n = tables.shape
+        ids = tables.reshape(-1)
+        shape = cache.kv_heads, b, n * BLOCK, cache.head_dim
+        # index_select copies whole blocks (advanced indexing goes element by element: ~10x slower on a CPU).
+        return (cache.k.index_select(1, ids).view(shape).transpose(0, 1),
+                cache.v.index_select(1, ids).view(shape).transpose(0, 1))
