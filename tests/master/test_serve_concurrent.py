@@ -370,3 +370,44 @@ def test_a_request_whose_client_left_before_it_had_a_place_takes_none_and_dials_
 
     with Distance(node.port, "127.0.0.1", 0) as door:
         assert asyncio.run(main(door)) == (True, True, 0)
+
+
+def test_a_spray_of_one_shot_users_leaves_a_returning_user_its_set(node):
+    """A pool of 8 sets: alice's request comes back and reuses her set; then 200 requests, three at a time,
+    each naming a new user, close and dial sets, while alice comes back after every 20 of them: she gets
+    her own set every time (its worker sessions, and the prefixes they keep, intact). A user whose set was
+    closed for others' and who comes back counts as returning from then on. (Before, each one-shot user
+    closed the least recently used set, whoever's, and alice's was gone after a few.)"""
+
+    async def main():
+        pool = ConnectionPool(Dialer(), [(1, f"127.0.0.1:{node.port}")], size=8)
+        await pool.open()
+
+        async def request(key):
+            connections = await pool.take(key)
+            await pool.give_back(connections, broken=False)
+            return connections
+
+        async def spray(name: str, count: int, alice_every: int | None = None) -> list:
+            """`count` one-shot users, three at a time; alice after every `alice_every` of them."""
+            alices = []
+            for start in range(0, count, 3):
+                await asyncio.gather(*(request((f"{name}-{i}", "")) for i in range(start, min(start + 3, count))))
+                if alice_every is not None and (start + 3) % alice_every == 0:
+                    alices.append(await request(("alice", "")))
+            return alices
+
+        alice = await request(("alice", ""))
+        got = [await request(("alice", ""))] + await spray("once", 200, 21)
+        # bob's set is closed by a spray; once he is back, he keeps his next one.
+        bob = await request(("bob", ""))
+        await spray("twice", 30)
+        bob_again = await request(("bob", ""))
+        await spray("thrice", 30)
+        bob_kept = await request(("bob", ""))
+        await pool.close()
+        return [each is alice for each in got], bob_again is not bob, bob_kept is bob_again
+
+    kept, bob_redialed, bob_kept = asyncio.run(main())
+    assert kept == [True] * len(kept) and len(kept) == 10
+    assert bob_redialed and bob_kept
