@@ -16,9 +16,15 @@ served:
   arrival; a frame that does not fit yet is not overtaken by later ones of sources holding as
   much or more, so a large frame is not starved by a stream of small ones, and a correct master's
   frame waits for the first bytes given back, not behind every stalled peer's next frame;
-* a small frame (at most SMALL_FRAME: a Hello, a decode step) that finds no room takes one of the
-  RESERVE bytes kept beside `capacity`, one frame per source at a time, so that a peer's Hello and
-  decode steps pass however much stalled peers hold.
+* a small frame (at most SMALL_FRAME: a Hello, a decode step) that finds no room passes from a
+  reserve beside `capacity`, which has one place per source: each source holds at most one small
+  frame of it at a time, and no source's frame waits for another's place. So a peer's Hello and
+  decode steps pass however many other sources stall, each holding its share and its place. A
+  pool of places that a few sources could fill would not do that: sixty-four stalled addresses,
+  each holding one place, locked out every later master. The places are `reserve_sources` at
+  most, which the node sets to the connections it admits (--max-connections, and the handshake
+  places of connections not yet a master's), so the reserve never binds before admission does;
+  each place costs no more than the 64 KiB a connection's reader already buffers unread.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ from dataclasses import dataclass
 from cakemp.sources import source_of
 
 SMALL_FRAME = 64 << 10
-RESERVE = 16 * SMALL_FRAME  # beside the capacity: small frames of 16 sources at once
 
 
 @dataclass(frozen=True)
@@ -53,13 +58,16 @@ class _Waiter:
 
 
 class BufferBudget:
-    def __init__(self, capacity: int, on_change: Callable[[int], None] | None = None):
+    def __init__(self, capacity: int, reserve_sources: int, on_change: Callable[[int], None] | None = None):
+        """`reserve_sources`: how many sources may hold a small frame of the reserve at once (at most
+        `reserve_sources * SMALL_FRAME` bytes beside `capacity`)."""
         self.capacity = capacity
+        self.reserve_sources = reserve_sources
         self.held = 0  # bytes held, the reserve's included
         self._on_change = on_change  # told the bytes held after every change (the front's gauge)
         self._in_capacity = 0  # bytes held of `capacity` (the rest, of the reserve)
         self._by_source: Counter[str] = Counter()  # bytes of `capacity` each source holds
-        self._reserved: dict[str, int] = {}  # source -> the small frame it holds of the reserve
+        self._reserved: dict[str, int] = {}  # source -> the size of the small frame it holds of the reserve
         self._waiters: list[_Waiter] = []  # arrival order
         self._seq = itertools.count()
 
@@ -96,10 +104,11 @@ class BufferBudget:
         self._grant()
 
     def _grant(self) -> None:
-        """Grant the waiting frames that may go now: of the capacity, then small ones of the reserve."""
+        """Grant the waiting frames that may go now: of the capacity, then small ones of the reserve,
+        the first waiting of each source that holds no place."""
         self._grant_capacity()
-        for waiter in [w for w in self._waiters if w.size <= SMALL_FRAME]:
-            if waiter.source not in self._reserved and sum(self._reserved.values()) + waiter.size <= RESERVE:
+        for waiter in [w for w in self._waiters if w.size <= SMALL_FRAME and not w.granted.cancelled()]:
+            if waiter.source not in self._reserved and len(self._reserved) < self.reserve_sources:
                 self._waiters.remove(waiter)
                 self._reserved[waiter.source] = waiter.size
                 self._change(waiter.size)
@@ -107,10 +116,13 @@ class BufferBudget:
 
     def _grant_capacity(self) -> None:
         """Grant the frames that fit the capacity and their source's share: least held by their source first."""
-        while self._waiters:
-            sources = set(self._by_source) | {w.source for w in self._waiters}
+        while True:
+            # A waiter cancelled (its connection closed) leaves the list only once its task runs; several
+            # cancelled at once must not be granted by one another's leaving meanwhile.
+            waiting = [w for w in self._waiters if not w.granted.cancelled()]
+            sources = set(self._by_source) | {w.source for w in waiting}
             share = self.capacity // max(len(sources), 1)
-            within = [w for w in self._waiters if not self._by_source[w.source] or
+            within = [w for w in waiting if not self._by_source[w.source] or
                       self._by_source[w.source] + w.size <= share]
             if not within:
                 return

@@ -32,7 +32,7 @@ from cakemp.front.component_admission import ComponentAdmission
 from cakemp.front.config import WIRE_DTYPE_NAMES, NodeConfig
 from cakemp.front.connection import Connection, ConnectionLimits, keep_alive
 from cakemp.front.devices import device_specs, front_cores
-from cakemp.front.handshakes import Handshakes, HelloPlace
+from cakemp.front.handshakes import MAX_HANDSHAKES, Handshakes, HelloPlace
 from cakemp.front.listener import Listener
 from cakemp.front.metrics import Metrics
 from cakemp.front.metrics_server import start_metrics_server
@@ -81,7 +81,9 @@ class Front:
         self._device_main = device_main
         self.metrics = Metrics()
         self._notifier = notifier or Notifier(None)
-        self._budget = BufferBudget(config.max_buffered_bytes, on_change=self.metrics.buffered_bytes.set)
+        # A place in the reserve of small frames for every source that can hold a connection reading frames.
+        self._budget = BufferBudget(config.max_buffered_bytes, config.max_connections + MAX_HANDSHAKES,
+                                    on_change=self.metrics.buffered_bytes.set)
         # A connection proves the cluster key (if the node has one), or else sends Hello, before it counts
         # as a master's: until then it holds a handshake place.
         self._handshakes = Handshakes(self.metrics)

@@ -140,7 +140,7 @@ class Turns:
             job.ended(generation, error)
         if generation is not None:
             self.metrics.prompt_tokens.inc(len(c.prompt))
-            log.get_logger().info("request served", kind=c.kind, prompt_tokens=len(c.prompt),
+            log.get_logger().info("request served", id=job.id, kind=c.kind, prompt_tokens=len(c.prompt),
                                   completion_tokens=len(generation.tokens), finish=job.finish_reason,
                                   halted=generation.halted, waited=round(generation.waited, 3),
                                   seconds=round(time.perf_counter() - started, 3))

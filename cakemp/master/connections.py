@@ -12,6 +12,16 @@ a request reuses only a set whose last request had its key, and a set that last 
 or a request that named none, is closed and dialed afresh before it serves again: its worker
 sessions, and what they kept, are gone.
 
+When a request's key matches no idle set and the pool has no room for one more, an idle set is
+closed for it: one whose key has not come back (it served a single request of its key), least
+recently used first, and only when every idle set's key has come back the least recently used of
+them. So a stream of one-shot keys (a new `user` on every request) closes its own kind's sets and
+leaves a returning user its set and its prefixes. A key whose set was closed for another's and that
+comes back (remembered, by hash, among the last GONE_KEYS closed) counts as returning from its
+new set's first request. Requests naming no key never match: each takes a fresh set or closes
+another and dials afresh, so they never reuse a prefix (`--share-prefixes-across-clients` gives
+them one shared key instead).
+
 A set to dial is dialed in the background (`take` hands out a future), never in the step that
 runs the other requests: a dial opens a connection, runs the cluster-key handshake and says Hello,
 one remote layer after another, each bounded by the connect timeout, and a distant or busy worker
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +50,9 @@ NOBODY = ("nobody",)
 # Sets dialed at once at most. Each dial has one connection in its handshake at a time, so the master
 # holds at most this many of a node's handshake places, well under the 8 a node keeps per address.
 DIALS_AT_ONCE = 4
+# Keys (their hashes) whose sets were closed for another key's, remembered so that one coming back
+# counts as returning: a bound on the pool's memory, far past the sets a pool holds.
+GONE_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,7 @@ class ConnectionSet:
         self.clients = clients
         self.session = session
         self.key: tuple[str, ...] = FRESH  # the isolation key of the last request it served
+        self.returned = False  # whether its key came back: it served a second request of it, or was closed before
 
     async def goodbye(self) -> None:
         """End the request as Cake does: Goodbye on every remote layer's connection, in layer order."""
@@ -99,6 +114,7 @@ class ConnectionPool:
         self._sessions = itertools.count()
         self._dials = asyncio.Semaphore(DIALS_AT_ONCE)
         self._dialing: set[asyncio.Task] = set()  # dials in flight
+        self._gone: OrderedDict[int, None] = OrderedDict()  # hashes of keys whose sets were closed for others
 
     async def open(self) -> None:
         """Dial every set now: the first failure of the first set is raised; a later one means the
@@ -130,15 +146,35 @@ class ConnectionPool:
         chosen = next((s for s in reversed(self._idle) if key is not None and s.key == key), None) or \
             next((s for s in self._idle if s.key == FRESH), None)
         if chosen is None:
-            stale = self._idle.pop(0) if len(self._idle) + self._taken > self.size else None
+            stale = self._stale() if len(self._idle) + self._taken > self.size else None
             dialing = asyncio.create_task(self._dial_for(ready, key, stale))
             self._dialing.add(dialing)
             dialing.add_done_callback(self._dialing.discard)
             return ready
         self._idle.remove(chosen)
+        chosen.returned = chosen.key == key or self._came_back(key)
         chosen.key = NOBODY if key is None else key
         ready.set_result(chosen)
         return ready
+
+    def _stale(self) -> ConnectionSet:
+        """The idle set to close for another key's: the least recently used whose key has not come back,
+        else the least recently used; its key remembered as gone."""
+        stale = next((s for s in self._idle if not s.returned), self._idle[0])
+        self._idle.remove(stale)
+        if stale.key not in (FRESH, NOBODY):
+            self._gone[hash(stale.key)] = None
+            self._gone.move_to_end(hash(stale.key))
+            if len(self._gone) > GONE_KEYS:
+                self._gone.popitem(last=False)
+        return stale
+
+    def _came_back(self, key: tuple[str, ...] | None) -> bool:
+        """Whether `key`'s set was closed for another's before: it is a returning key."""
+        if key is None or hash(key) not in self._gone:
+            return False
+        del self._gone[hash(key)]
+        return True
 
     async def give_back(self, connections: ConnectionSet, broken: bool) -> None:
         """A request's set, once it ended: said Goodbye and kept, or closed when its connection broke
@@ -181,6 +217,7 @@ class ConnectionPool:
             self._taken -= 1
             self._idle.append(connections)  # fresh: no request ran on it
         else:
+            connections.returned = self._came_back(key)
             connections.key = NOBODY if key is None else key
             ready.set_result(connections)
 

@@ -55,7 +55,10 @@ class TemplateProcess:
 
     def _stop_child(self) -> None:
         self._child.kill()
-        with self._child:  # its pipes closed and the child reaped, now rather than when collected
+        try:
+            with self._child:  # its pipes closed and the child reaped, now rather than when collected
+                pass
+        except BrokenPipeError:  # its stdin held bytes the killed child never read (reaped all the same)
             pass
 
     def _render(self, line: str) -> str:
@@ -70,9 +73,13 @@ class TemplateProcess:
             answer = b""
         finally:
             timer.cancel()
-        if not answer:
+            timer.join()  # a kill already under way has finished: `overran` says whether the child was killed
+        if overran.is_set() or not answer.endswith(b"\n"):
+            # Killed, even just after it answered (the timer fired before it was cancelled), or dead: the
+            # next rendering gets a child afresh, not the killed one.
             self._stop_child()
             self._child = self._start()
+        if not answer.endswith(b"\n"):
             raise TemplateRefused(f"the chat template took longer than {self.seconds:g} s on these messages"
                                   if overran.is_set() else "the chat template failed on these messages")
         reply = json.loads(answer)

@@ -220,8 +220,8 @@ def test_bad_requests_and_a_client_leaving_mid_stream_leave_the_stream_and_the_c
     client then leaves, the generation ends after the step in flight (it says Goodbye), far short of its
     max_tokens, with no request left waiting on the node's devices, and the next request is served."""
     running, _ = node
-    expected = client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content
-    mark = server.mark()
+    first = client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY)
+    expected, mark = first.choices[0].message.content, served_mark(server, first.id)
     stream = client.chat.completions.create(model=MODEL_ID, messages=chat(), stream=True, temperature=0,
                                             max_tokens=1500)
     chunks = iter(stream)
@@ -243,6 +243,14 @@ def test_bad_requests_and_a_client_leaving_mid_stream_leave_the_stream_and_the_c
     metrics = scrape(running.metrics_port())
     assert all(waiting(metrics, device) == 0 for device in DEVICES)
     assert client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content == expected
+
+
+def served_mark(server, request_id: str) -> int:
+    """A mark in the server's log past the "request served" line of `request_id` (which the server may
+    write after its client has the answer), and so past every earlier request's: a `wait_for` from it
+    finds only later requests' lines."""
+    server.wait_for(lambda e: e.get("event") == "request served" and e.get("id") == request_id, timeout=60)
+    return server.mark()
 
 
 def closed_by_server(sockets):
@@ -329,9 +337,9 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_the_cluster(client, 
     step in flight (it says Goodbye), far short of its max_tokens, with no request left waiting on the node's
     devices; the next request is served with the greedy answer."""
     running, _ = node
-    expected = client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY).choices[0].message.content
+    first = client.chat.completions.create(model=MODEL_ID, messages=chat(), **GREEDY)
+    expected, mark = first.choices[0].message.content, served_mark(server, first.id)
     before = answered(scrape(running.metrics_port()), DEVICES[0])
-    mark = server.mark()
     body = json.dumps({"model": MODEL_ID, "messages": chat(), "temperature": 0, "max_tokens": 1500}).encode()
     leaving = socket.create_connection(("127.0.0.1", server.port))
     leaving.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

@@ -26,9 +26,12 @@ import torch
 import yaml
 
 from cakemp.cli import DEFAULT_SYSTEM_PROMPT
+from cakemp.master.connections import DIALS_AT_ONCE, ConnectionPool, Dialer
 from cakemp.master.generator import Generator
 from cakemp.master.sampler import SamplingParams
+from cakemp.master.step_loop import LayerRun, SequenceState, StepLoop
 from cakemp.topology import Topology
+from cakemp.wire import DType
 from tests.master.test_serve import DEVICES, MODEL_ID, NODE_LAYERS, Node, model  # noqa: F401  (the module's checkpoint)
 from tests.support.distance import Distance
 from tests.support.node import LoggedProcess, samples, scrape, wait_until, waiting
@@ -318,3 +321,93 @@ def post_unread(server, body):
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
     return sock
+
+
+def test_at_most_four_sets_are_dialed_at_once_however_many_requests_may_run(node):
+    """A pool of 8 sets, every one to dial, behind a door that holds new connections: 8 requests naming
+    8 users take their places at once, and 4 dials reach the door (each dial has one connection in its
+    handshake at a time), never more; released, all 8 sets are dialed and said Hello."""
+
+    async def main(door):
+        pool = ConnectionPool(Dialer(), [(1, f"127.0.0.1:{door.port}")], size=8)
+        door.hold()
+        taking = [pool.take(("user", str(i))) for i in range(8)]
+        await asyncio.to_thread(wait_until, lambda: door.held >= DIALS_AT_ONCE, what="four dials at the door")
+        most = max([door.held] + [await asyncio.sleep(0.05) or door.held for _ in range(20)])
+        door.release()
+        sets = await asyncio.wait_for(asyncio.gather(*taking), 60)
+        for connections in sets:
+            await pool.give_back(connections, broken=False)
+        await pool.close()
+        return most, len(sets)
+
+    with Distance(node.port, "127.0.0.1", 0) as door:
+        most, dialed = asyncio.run(main(door))
+    assert (most, dialed) == (DIALS_AT_ONCE, 8)
+
+
+def test_a_request_whose_client_left_before_it_had_a_place_takes_none_and_dials_nothing(node):
+    """The step loop is handed a request whose client has already left (its `halt` set) while the pool
+    has a place free and a set to dial for its user: the request ends without taking the place, and no
+    dial begins (the door, holding new connections, sees none; the pool's place stays free)."""
+
+    async def main(door):
+        host = f"127.0.0.1:{door.port}"
+        pool = ConnectionPool(Dialer(), [(1, host)], size=1)
+        ended = []
+        loop = StepLoop(None, None, [LayerRun(host, (("model.layers.1", 1),))], pool, frozenset(), DType.F32,
+                        ended.append)
+        door.hold()
+        halt = asyncio.Event()
+        halt.set()
+        gone = SequenceState((1, 2, 3), 4, None, None, ("user", "gone"), halt=halt)
+        loop.submit(gone)
+        await asyncio.wait_for(loop.close(), 10)
+        free = pool.free
+        door.release()
+        await pool.close()
+        return ended == [gone], free, door.held
+
+    with Distance(node.port, "127.0.0.1", 0) as door:
+        assert asyncio.run(main(door)) == (True, True, 0)
+
+
+def test_a_spray_of_one_shot_users_leaves_a_returning_user_its_set(node):
+    """A pool of 8 sets: alice's request comes back and reuses her set; then 200 requests, three at a time,
+    each naming a new user, close and dial sets, while alice comes back after every 20 of them: she gets
+    her own set every time (its worker sessions, and the prefixes they keep, intact). A user whose set was
+    closed for others' and who comes back counts as returning from then on. (Before, each one-shot user
+    closed the least recently used set, whoever's, and alice's was gone after a few.)"""
+
+    async def main():
+        pool = ConnectionPool(Dialer(), [(1, f"127.0.0.1:{node.port}")], size=8)
+        await pool.open()
+
+        async def request(key):
+            connections = await pool.take(key)
+            await pool.give_back(connections, broken=False)
+            return connections
+
+        async def spray(name: str, count: int, alice_every: int | None = None) -> list:
+            """`count` one-shot users, three at a time; alice after every `alice_every` of them."""
+            alices = []
+            for start in range(0, count, 3):
+                await asyncio.gather(*(request((f"{name}-{i}", "")) for i in range(start, min(start + 3, count))))
+                if alice_every is not None and (start + 3) % alice_every == 0:
+                    alices.append(await request(("alice", "")))
+            return alices
+
+        alice = await request(("alice", ""))
+        got = [await request(("alice", ""))] + await spray("once", 200, 21)
+        # bob's set is closed by a spray; once he is back, he keeps his next one.
+        bob = await request(("bob", ""))
+        await spray("twice", 30)
+        bob_again = await request(("bob", ""))
+        await spray("thrice", 30)
+        bob_kept = await request(("bob", ""))
+        await pool.close()
+        return [each is alice for each in got], bob_again is not bob, bob_kept is bob_again
+
+    kept, bob_redialed, bob_kept = asyncio.run(main())
+    assert kept == [True] * len(kept) and len(kept) == 10
+    assert bob_redialed and bob_kept

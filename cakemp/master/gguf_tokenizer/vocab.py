@@ -15,6 +15,12 @@ from tokenizers import AddedToken, Tokenizer, processors
 from cakemp.checkpoint.gguf import GgufFile, NumberArray, StringArray
 from cakemp.errors import CheckpointError
 
+# The most tokens, or merges, a tokenizer may have: twice the largest vocabularies real models use
+# (Gemma's 262,144 tokens; a byte-level BPE has about as many merges). A file past it is refused by
+# name before anything is built: building a tokenizer costs some microseconds an entry, so a valid
+# file of millions of entries would hold `cakemp generate`/`serve` at start for minutes.
+MAX_ENTRIES = 1 << 19
+
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -84,6 +90,9 @@ def strings(gguf: GgufFile, key: str) -> StringArray:
     value: Any = gguf.metadata.get(key)
     if not isinstance(value, StringArray):
         raise CheckpointError(f"{gguf.path}: GGUF metadata {key} is not a list of strings")
+    if len(value) > MAX_ENTRIES:
+        raise CheckpointError(f"{gguf.path}: GGUF metadata {key} holds {len(value)} entries, more than the "
+                              f"{MAX_ENTRIES} of any tokenizer cakemp builds (real models' hold at most about 262,144)")
     return value
 
 
