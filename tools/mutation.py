@@ -127,8 +127,8 @@ MUTANTS = (
     # --- the paged KV cache and the batched step
     Mutant("shared-block-written-in-place", "cakemp/compute/kv_cache.py",
            "if self._owners[table[i]] > 1:", "if False:", RUNNER),
-    Mutant("taken-blocks-not-zeroed", "cakemp/compute/kv_cache.py",
-           "        self.k.index_fill_(1, ids, 0)\n        self.v.index_fill_(1, ids, 0)\n", "", RUNNER),
+    Mutant("freed-blocks-not-zeroed", "cakemp/compute/kv_cache.py",
+           "            self.k.index_fill_(1, ids, 0)\n            self.v.index_fill_(1, ids, 0)\n", "", RUNNER),
     Mutant("decode-window-ignored", "cakemp/compute/paged_step.py",
            "            if window is not None:\n                seen &=", "            if False:\n                seen &=", RUNNER),
     Mutant("decode-sees-padding", "cakemp/compute/paged_step.py",

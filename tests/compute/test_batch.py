@@ -184,3 +184,21 @@ def test_a_batch_holds_one_request_per_session(family):
     x = tokens(1, 0, runner.config.hidden_size)
     with pytest.raises(ValueError, match="one request per session"):
         runner.run_batch([Request(1, x, ops(family, 0)), Request(1, x, ops(family, 0))])
+
+
+def test_rows_another_session_left_in_a_reused_block_never_reach_a_batched_decode(family):
+    """A session whose activations are NaN writes NaN K/V rows into its blocks and leaves; a new
+    session takes those blocks back. Batched with a longer session, its decode row reads its last
+    block whole (masked past its length): the rows the first session left there must not turn its
+    answer into NaN (0 * NaN is NaN, so a freed block must be wiped, not only masked)."""
+    runner, alone = load(family), load(family)
+    hidden = runner.config.hidden_size
+    runner.run(1, torch.full((1, 12, hidden), float("nan")), ops(family, 0))
+    runner.free_session(1)
+    for session, T in ((2, 3), (3, 40)):
+        x = tokens(T, session, hidden)
+        runner.run(session, x, ops(family, 0))
+        alone.run(session, x, ops(family, 0))
+    requests = [Request(2, tokens(1, 20, hidden), ops(family, 3)), Request(3, tokens(1, 30, hidden), ops(family, 40))]
+    for request, result in zip(requests, runner.run_batch(requests), strict=True):
+        assert_close(result, alone.run(request.session, request.x, request.ops))
