@@ -251,8 +251,9 @@ class BlockRunner:
 
         Requests of distinct sessions, each run as `run` would run it alone. Those with the
         same run (the same layers in the same order) are computed together, layer by layer: the
-        GEMMs over all their tokens at once, attention per request over its own KV slots (a
-        decode step reads the weights once, not once per session). Runs that differ form
+        GEMMs over all their tokens at once (a decode step reads the weights once, not once per
+        session), every decode row's attention in one call over its own blocks of the paged KV
+        pool, a prompt chunk's in one of its own (compute/paged_step.py). Runs that differ form
         separate groups, one after another: the runs a master sends are its topology entry's
         layers, so sessions either share a run or share nothing that a merge could exploit.
 

@@ -119,8 +119,8 @@ def device_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """Variables the front sets for the device processes it spawns (they inherit its environment).
 
     CUDA_DEVICE_ORDER=PCI_BUS_ID: GPUs numbered as nvidia-smi lists them, as `gpus.parse_gpus`
-    counts them. Unless the operator configured torch's allocator: expandable segments, so that KV
-    caches growing by doubling and requests of every size strand less memory between segments.
+    counts them. Unless the operator configured torch's allocator: expandable segments, so that a KV
+    pool growing by doubling and requests of every size strand less memory between segments.
     """
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
