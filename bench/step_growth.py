@@ -43,44 +43,60 @@ LAYERS = 2
 
 
 class Cakemp:
-    def __init__(self, path, sessions: int, cached: int):
-        self.runner = BlockRunner.load(path, [f"model.layers.{i}" for i in range(LAYERS)], "cpu", torch.float32)
-        self.hidden = self.runner.config.hidden_size
+    """`sessions` sessions of BlockRunner over the first `layers` layers, each `cached` tokens in; `step`
+    decodes one token of each, all in one run_batch."""
+
+    def __init__(self, path, sessions: int, cached: int, layers: int = LAYERS, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, runner: BlockRunner | None = None):
+        self.layers = layers
+        self.runner = runner or BlockRunner.load(path, [f"model.layers.{i}" for i in range(layers)], device, dtype)
+        self.hidden, self.device, self.dtype = self.runner.config.hidden_size, self.runner.device, self.runner.dtype
         self.sessions, self.position = sessions, cached
         for s in range(sessions):
-            self.runner.run(s, torch.randn(1, cached, self.hidden), self._ops(0))
+            self.runner.free_session(s)
+            self.runner.run(s, self._x(cached), self._ops(0))
+
+    def _x(self, T: int) -> torch.Tensor:
+        return torch.randn(1, T, self.hidden, device=self.device).to(self.dtype)
 
     def _ops(self, position: int):
-        return self.runner.ops([(f"model.layers.{i}", position, i) for i in range(LAYERS)])
+        return self.runner.ops([(f"model.layers.{i}", position, i) for i in range(self.layers)])
 
     def step(self) -> None:
         ops = self._ops(self.position)
-        self.runner.run_batch([Request(s, torch.randn(1, 1, self.hidden), ops) for s in range(self.sessions)])
+        self.runner.run_batch([Request(s, self._x(1), ops) for s in range(self.sessions)])
         self.position += 1
 
 
 class Transformers:
-    def __init__(self, path, sessions: int, cached: int):
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-        self.model = model.model
+    """transformers' own decoder layers over the same checkpoint, `sessions` as one batch of a DynamicCache."""
+
+    def __init__(self, path, sessions: int, cached: int, layers: int = LAYERS, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, model=None):
+        model = model or transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                                           attn_implementation="sdpa").to(device)
+        self.model, self.layers, self.device, self.dtype = model.model, layers, torch.device(device), dtype
         self.hidden = model.config.hidden_size
         self.sessions, self.position = sessions, cached
         self.cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            self._forward(torch.randn(sessions, cached, self.hidden), 0)
+            self._forward(self._x(sessions, cached), 0)
+
+    def _x(self, B: int, T: int) -> torch.Tensor:
+        return torch.randn(B, T, self.hidden, device=self.device).to(self.dtype)
 
     def _forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        positions = torch.arange(start, start + x.shape[1])[None, :].expand(x.shape[0], -1)
+        positions = torch.arange(start, start + x.shape[1], device=x.device)[None, :].expand(x.shape[0], -1)
         cos_sin = self.model.rotary_emb(x, position_ids=positions)
         mask = None if x.shape[1] == 1 else transformers.masking_utils.create_causal_mask(
             config=self.model.config, inputs_embeds=x, attention_mask=None, cache=self.cache,
             position_ids=positions, layer_idx=0)
-        for layer in self.model.layers[:LAYERS]:
+        for layer in self.model.layers[: self.layers]:
             x = layer(x, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
         return x
 
     def step(self) -> None:
-        self._forward(torch.randn(self.sessions, 1, self.hidden), self.position)
+        self._forward(self._x(self.sessions, 1), self.position)
         self.position += 1
 
 

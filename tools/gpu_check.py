@@ -23,9 +23,10 @@ findings, or the error that stopped it, and the next one runs regardless:
 5. decode: per-layer decode time of Llama-3-8B-shaped layers (bf16; FP8 where it runs) against
    the bandwidth floor, weight bytes / the HBM bandwidth measured by a copy in the same run;
 6. node: `cakemp run --gpus all` on the demo checkpoint: only its device processes hold a CUDA
-   context (the front maps no CUDA library), its output matches the same layers run here, an
-   out-of-memory request (this process takes all but a few MiB of the GPU) is answered with
-   WorkerError, and the node serves again once the memory is back.
+   context (the front maps no CUDA library), its output matches the same layers run here; with
+   this process holding all but a few MiB of the GPU, new sessions' 2048-token prompts grow the
+   device's KV pool until it runs out of memory: that request is answered with WorkerError, the
+   first session goes on matching, and the node serves again once the memory is back.
 7. int4 (~40 s): one Llama-3-8B-shaped layer as GPTQ (group 128), MLX affine (group 128) and
    GGUF (Q4_0 attention, Q4_K gate/up, Q4_1 down) checkpoints of random 4-bit codes, loaded with the 4-bit
    matrices kept int4 (torch's int4 matmul, model/weights/int4.py) and dequantized to bf16: resident
@@ -50,6 +51,12 @@ findings, or the error that stopped it, and the next one runs regardless:
    tokens/s on repeating and varied inputs, hit rate, and the same offload with its copies on the
    compute stream instead of the side stream (`side_stream_speedup`: whether they overlapped).
 
+11. node-perf (~90 s, estimated): 4 Llama-3-8B-shaped layers of a random bf16 checkpoint: the
+   bandwidth floor of one decode step (weight bytes / a copy measured here), decode steps of 1, 8
+   and 32 sessions 512 tokens in, in this process through BlockRunner.run_batch and through
+   transformers' own layers batched, and through `cakemp run --gpus all --dtype bf16` from 1, 8
+   and 32 concurrent masters (tokens/s, each against in-process); a 512-token prompt through the
+   node against in-process.
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
 ./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
 at small sizes (no kernel restriction, no OOM), to catch a broken script before GPU time is
@@ -66,6 +73,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -193,6 +201,10 @@ def main() -> None:
     @section("experts")
     def experts_section():
         check_experts(device, rehearse)
+
+    @section("node-perf")
+    def node_perf_section():
+        asyncio.run(check_node_perf(device, rehearse))
 
     finding("total_seconds", round(time.monotonic() - started, 1))
     Path(args.out).write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
@@ -463,13 +475,25 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
                     finding("node.oom", "skipped (rehearsal)")
                     return
                 hog = take_gpu_memory()
+                # The device process has memory of its own cached: new sessions' prompts grow its KV pool
+                # (by doubling) until the pool's next size is more than it holds and the GPU has left.
+                long = torch.randn(1, 2048, hidden, generator=generator).to(torch.bfloat16)
+                others, outcome = [], "every session answered: the requests found memory (not an OOM test)"
                 try:
-                    long = torch.randn(1, 2048, hidden, generator=generator).to(torch.bfloat16)
-                    await client.batch(wire(long), [(layer, 0, i) for i, layer in enumerate(layers)])
-                    finding("node.oom_request", "answered without error: the request found memory (not an OOM test)")
-                except RemoteWorkerError as e:
-                    finding("node.oom_request", f"WorkerError: {e}")
+                    for session in range(128):
+                        other = await WorkerClient.connect("127.0.0.1", port)
+                        others.append(other)
+                        await other.hello()
+                        try:
+                            await other.batch(wire(long), [(layer, 0, i) for i, layer in enumerate(layers)])
+                        except RemoteWorkerError as e:
+                            outcome = f"session {session}: WorkerError: {e}"
+                            break
+                    finding("node.oom_request", outcome)
+                    finding("node.oom_first_session_still_matches", await matches(client, 1, 65, 1))
                 finally:
+                    for other in others:
+                        await other.close()
                     del hog
                     torch.cuda.empty_cache()
             async with await WorkerClient.connect("127.0.0.1", port) as client:
@@ -815,6 +839,102 @@ async def check_image(device: torch.device, rehearse: bool) -> None:
     finding("image.max_abs_diff_node_vs_in_process", {
         name: (served[name] - here[name].float().cpu()).abs().max().item() if served[name].shape == here[name].shape
         else f"shape {tuple(served[name].shape)} vs {tuple(here[name].shape)}" for name in here})
+
+
+
+# --- 11. the node's speed against its layers in-process -------------------------------------
+
+async def check_node_perf(device: torch.device, rehearse: bool) -> None:
+    import transformers
+
+    from bench.step_growth import Cakemp, Transformers
+    from cakemp.compute.runner import BlockRunner
+    from cakemp.demo.local_node import LocalNode, free_port
+    from cakemp.master.client import WorkerClient
+    from cakemp.wire import DType, RawTensor
+    from tests.support.checkpoints import make_checkpoint
+
+    layers, cached, counts = 4, (64 if rehearse else 512), (1, 8, 32)
+    steps, seconds = (5, 2.0) if rehearse else (30, 5.0)
+    hidden, inter, heads, kv = (512, 1792, 4, 1) if rehearse else (4096, 14336, 32, 8)
+    names = [f"model.layers.{i}" for i in range(layers)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(tmp, "llama", dtype=torch.bfloat16, num_hidden_layers=layers, vocab_size=128,
+                               hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                               num_key_value_heads=kv, max_position_embeddings=4096)
+        runner = BlockRunner.load(path, names, device, torch.bfloat16)
+        floor_ms = runner.weight_bytes / bandwidth(device) * 1e3
+        finding("node_perf.floor_ms", round(floor_ms, 4))
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                                  attn_implementation="sdpa").to(device)
+        in_process = {}
+        for n in counts:
+            with torch.inference_mode():
+                ours = Cakemp(path, n, cached, layers, runner=runner)
+                theirs = Transformers(path, n, cached, layers, device, torch.bfloat16, model=model)
+                ms = {name: 1e3 * statistics.median(timed(side.step, device) for _ in range(steps))
+                      for name, side in (("cakemp", ours), ("transformers", theirs))}
+            in_process[n] = n / ms["cakemp"] * 1e3
+            finding(f"node_perf.in_process_{n}", {
+                "cakemp_ms": round(ms["cakemp"], 3), "transformers_ms": round(ms["transformers"], 3),
+                "cakemp_tok_s": round(in_process[n]), "to_floor": round(ms["cakemp"] / floor_ms, 2),
+                "cakemp_over_transformers_tok_s": round(ms["transformers"] / ms["cakemp"], 2)})
+        for s in range(max(counts)):
+            runner.free_session(s)
+        prompt = torch.randn(1, 512, hidden).to(torch.bfloat16)
+        ops = runner.ops([(name, 0, i) for i, name in enumerate(names)])
+        with torch.inference_mode():
+            prompt_ms = 1e3 * min(timed(lambda: runner.run(0, prompt.to(device), ops), device) for _ in range(3))
+        model = runner = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        def wire(x: torch.Tensor) -> RawTensor:
+            return RawTensor(x.view(torch.uint16).numpy().tobytes(), DType.BF16, tuple(x.shape))
+
+        topology = Path(tmp) / "topology.yml"
+        topology.write_text(f"perf:\n  host: 127.0.0.1:10128\n  layers:\n    - model.layers.0-{layers - 1}\n")
+        node = LocalNode(name="perf", model_dir=path, topology=topology, port=free_port(),
+                         gpus="cpu" if rehearse else "all", dtype="bf16", log_path=Path(tmp) / "node.log")
+        node.start()
+        try:
+            await node.wait_ready(timeout=300)
+            port = int(node.address.rsplit(":", 1)[1])
+            ops = lambda position: [(name, position, i) for i, name in enumerate(names)]  # noqa: E731
+            async with await WorkerClient.connect("127.0.0.1", port) as client:
+                await client.hello()
+                times = []
+                for _ in range(3):  # a new prompt each time: the same one again would be prefix reuse's
+                    await client.goodbye()
+                    x = wire(torch.randn(1, 512, hidden).to(torch.bfloat16))
+                    start = time.perf_counter()
+                    await client.batch(x, ops(0))
+                    times.append(time.perf_counter() - start)
+            finding("node_perf.prompt_512", {"node_ms": round(1e3 * min(times), 2), "in_process_ms": round(prompt_ms, 2),
+                                              "ratio": round(1e3 * min(times) / prompt_ms, 2)})
+            for n in counts:
+                clients = []
+                for _ in range(n):  # each says Hello as it connects (a handshake place is held until then)
+                    clients.append(client := await WorkerClient.connect("127.0.0.1", port))
+                    await client.hello()
+                    await client.batch(wire(torch.randn(1, cached, hidden).to(torch.bfloat16)), ops(0))
+                done = [0] * n
+                token = wire(torch.randn(1, 1, hidden).to(torch.bfloat16))
+
+                async def decode(i: int) -> None:
+                    while time.perf_counter() < deadline:
+                        await clients[i].batch(token, ops(cached + done[i]))
+                        done[i] += 1
+
+                start = time.perf_counter()
+                deadline = start + seconds
+                await asyncio.gather(*(decode(i) for i in range(n)))
+                rate = sum(done) / (time.perf_counter() - start)
+                finding(f"node_perf.node_{n}", {"tok_s": round(rate), "over_in_process": round(rate / in_process[n], 2)})
+                for client in clients:
+                    await client.close()
+        finally:
+            finding("node_perf.exit_status", node.stop())
 
 
 if __name__ == "__main__":

@@ -146,15 +146,19 @@ MUTANTS = (
            "            self.prefixes.end(session)", RUNNER + POOL),
     # --- KV cache
     Mutant("kv-rewind-keeps-blocks", "cakemp/compute/kv_cache.py",
-           "        if len(table) > blocks:\n            self._release(table[blocks:], live=True)\n            del table[blocks:]\n",
-           "", KV),
+           "        if len(table) > blocks:\n            self._release(table[blocks:], live=True)\n"
+           "            del table[blocks:]\n", "", KV),
     Mutant("kv-clear-keeps-bytes", "cakemp/compute/kv_cache.py",
            "                self._live_used -= self._live[b] == 0\n", "", KV),
     Mutant("kv-budget-ignored", "cakemp/compute/kv_cache.py",
            "if nbytes > left:", "if False:", KV),
     Mutant("kv-context-limit-off-by-one", "cakemp/compute/kv_cache.py",
-           "            if end > self.max_context:\n                raise ContextLimitExceeded(\n                    f\"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions\"\n                )\n            blocks",
-           "            if end > self.max_context + 1:\n                raise ContextLimitExceeded(\n                    f\"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions\"\n                )\n            blocks", KV),
+           "            if end > self.max_context:\n                raise ContextLimitExceeded(\n"
+           "                    f\"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context}"
+           " positions\"\n                )\n            blocks",
+           "            if end > self.max_context + 1:\n                raise ContextLimitExceeded(\n"
+           "                    f\"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context}"
+           " positions\"\n                )\n            blocks", KV),
     Mutant("kv-table-not-published", "cakemp/compute/kv_cache.py",
            "            self._publish(session, block_idx, slot)\n        if linear_ends:", "        if linear_ends:", KV),
     # --- block math

@@ -233,6 +233,7 @@ class KVCache:
                 f"of this device's {human_bytes(self.budget_bytes)} budget is left"
             )
 
+    @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def _write_blocks(self, slot: KVSlot, start: int, end: int) -> None:
         """A live slot made to hold exactly the blocks to `end`, those of rows [start, end) its own."""
         table, blocks = slot.table, -(-end // BLOCK)
@@ -249,6 +250,7 @@ class KVCache:
                 table[i] = copy
         table.extend(self._take(blocks - len(table)))
 
+    @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def _publish(self, session: int, block_idx: int, slot: KVSlot) -> None:
         """Write a live slot's table into `tables` (growing it, doubling, to hold the row, slot and blocks)."""
         row = self._rows.get(session)
@@ -277,6 +279,7 @@ class KVCache:
         self._live_used += n
         return taken
 
+    @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def _grow_pool(self, at_least: int) -> None:
         size = max(at_least, 2 * len(self._owners), MIN_POOL_BLOCKS)
         if self.max_blocks is not None:
@@ -290,6 +293,7 @@ class KVCache:
         self._live.extend([0] * (size - old))
         self._free.extend(range(size - 1, old - 1, -1))  # popped lowest first
 
+    @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def _release(self, blocks: Iterable[int], live: bool) -> None:
         """One owner (a live session's table when `live`) lets go of `blocks`; a block nobody owns is
         zeroed and free.
