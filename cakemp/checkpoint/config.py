@@ -458,11 +458,6 @@ class ModelConfig:
         """The --model-type a node serving this model runs with: "text-model", or VibeVoice's "audio-model"."""
         return FAMILIES[self.family].model_type
 
-    @property
-    def fp8_block(self) -> tuple[int, int] | None:
-        """FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None otherwise."""
-        return None if self.quantization is None else self.quantization.fp8_block
-
     def layer_name(self, index: int) -> str:
         """7 -> "model.layers.7": the name of this model's layer number `index` (stacks counted in order)."""
         for prefix, first, count in self.stacks[:-1]:

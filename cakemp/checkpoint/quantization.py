@@ -3,9 +3,10 @@ tensors make each quantized weight. No torch: the front refuses a format here, b
 device starts; model/weights/fp8.py, model/weights/gptq.py and model/weights/mlx.py dequantize
 (model/weights/quantized.py: FORMATS, one row per config class below).
 
-Each format is one frozen config (a `Quantization`: what `parse` returns, through METHODS) whose
+Each format is one METHODS row (the settings of config.json that declare it, and their parse into
+one frozen config, a `Quantization`: what `parse` returns) whose
 `parts` names the stored tensors of a weight as a `Parts` (their names, and the shape rule of
-the matrix they make, and `kept_form`: how one of torch's kept kernels takes it, checkpoint/resident.py),
+the matrix they make, and `kept_form`: how one of the kept kernels takes it, checkpoint/resident.py),
 so the readers and the sizing never ask which format it is.
 
 | format     | config.json                                            | a weight `P.weight` is stored as          |
@@ -30,9 +31,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from cakemp.checkpoint.resident import INT4, INT8, KeptForm, int4_unfit_reason
+from cakemp.checkpoint.resident import FP8, FP8_BLOCK, INT4, INT8, KeptForm, fp8_unfit_reason, int4_unfit_reason
 from cakemp.checkpoint.values import as_list, mapping, shown, whole
 
 Shape = tuple[int, ...]
@@ -66,11 +67,6 @@ class Parts(Protocol):
 class Quantization(Protocol):
     """A checkpoint's quantization, as config.json declares it (one frozen config per format)."""
 
-    @property
-    def fp8_block(self) -> tuple[int, int] | None:
-        """(rows, cols) of one scale block where weights are e4m3 tensors scaled block-wise (FP8),
-        else None."""
-
     def parts(self, weight: str, stored: Callable[[str], bool]) -> Parts | None:
         """The stored tensors of `weight` ("P.weight") if it is stored as several parts, else None
         (`stored(name)`: whether the checkpoint holds tensor `name`)."""
@@ -82,14 +78,34 @@ class Fp8:
 
     block: tuple[int, int]
 
-    @property
-    def fp8_block(self) -> tuple[int, int]:
-        return self.block
+    def parts(self, weight: str, stored: Callable[[str], bool]) -> Fp8Parts | None:
+        """The weight and its scales (P.weight_scale_inv, stored beside it) if it is stored so, else None."""
+        scale_inv = f"{weight}_scale_inv"
+        return Fp8Parts(weight, scale_inv, self.block) if stored(scale_inv) else None
 
-    def parts(self, weight: str, stored: Callable[[str], bool]) -> None:
-        """None: an FP8 weight is stored under its own name, its scale beside it (P.weight_scale_inv),
-        and read as one tensor of its stored shape."""
-        return None
+
+class Fp8Parts(NamedTuple):
+    weight: str  # e4m3 [..., rows, cols]
+    scale_inv: str  # f32 [..., ceil(rows / block[0]), ceil(cols / block[1])]: w = e4m3 * its block's scale
+    block: tuple[int, int]
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        return self.weight, self.scale_inv
+
+    def matrix_shape(self, shape: Callable[[str], Shape]) -> Shape:
+        """The weight's own stored shape, its scales checked to cover it in blocks (ValueError naming them)."""
+        *lead, rows, cols = _ranked(self.weight, shape(self.weight), 2, at_least=True)
+        bm, bn = self.block
+        _expect(self.scale_inv, shape(self.scale_inv), (*lead, -(-rows // bm), -(-cols // bn)))
+        return (*lead, rows, cols)
+
+    def kept_form(self, shape: Callable[[str], Shape]) -> KeptForm | str:
+        """fp8 for one matrix in 128x128 blocks, each side a whole number of them, else why not."""
+        stored = self.matrix_shape(shape)
+        if len(stored) != 2:
+            return f"FP8 stacked weights of shape {stored}"
+        return fp8_unfit_reason(*stored, self.block) or KeptForm(FP8, *stored, FP8_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -99,7 +115,6 @@ class Gptq:
     desc_act: bool  # act-order: groups follow g_idx, not the input order
     sym: bool  # informative only: symmetric checkpoints store their (constant) zero points too
     v1: bool  # zero points stored minus 1 (checkpoint_format "gptq"), else as they are ("gptq_v2")
-    fp8_block: ClassVar[None] = None
 
     def int4_group(self, out_features: int, in_features: int, groups: int) -> int | str:
         """The group size torch's int4 matmul can take such a weight in, or why not: 4 bits, groups of one
@@ -170,7 +185,6 @@ class MlxAffine:
     # Per-module overrides, as mlx-lm writes them beside bits and group_size (routers at 8 bits):
     # (module path, (bits, group_size)), or (module path, None) for a module left unquantized.
     overrides: tuple[tuple[str, tuple[int, int] | None], ...] = ()
-    fp8_block: ClassVar[None] = None
 
     def parts(self, weight: str, stored: Callable[[str], bool]) -> MlxParts | None:
         """The stored tensors of `weight` ("P.weight") and their bits and group size if it is
@@ -225,20 +239,17 @@ class MlxParts(NamedTuple):
 
 
 def parse(d: dict[str, Any]) -> Quantization | None:
-    """The quantization a (text model's) config.json declares, or None; ValueError naming what is refused."""
-    mlx = d.get("quantization")
-    quant = d.get("quantization_config")
-    if mlx is not None:  # mlx-lm writes both keys alike; `quantization` is MLX's own
-        return _mlx(mapping("quantization", mlx))
-    quant = mapping("quantization_config", quant or None)
+    """The quantization a (text model's) config.json declares, or None: the first METHODS row whose
+    settings it holds; ValueError naming what is refused."""
+    for method in METHODS:
+        settings = method.settings(d)
+        if settings is not None:
+            return method.parse(settings)
+    quant = mapping("quantization_config", d.get("quantization_config") or None)
     if not quant:
         return None
-    method = quant.get("quant_method")
-    if method is None and "bits" in quant and "group_size" in quant:
-        return _mlx(quant)  # an MLX conversion that kept only quantization_config
-    if method not in METHODS:
-        raise ValueError(f"quantization {shown(method)} is not supported (only {', '.join(METHODS)} and MLX affine)")
-    return METHODS[method](quant)
+    raise ValueError(f"quantization {shown(quant.get('quant_method'))} is not supported "
+                     f"(only {', '.join(method.name for method in METHODS)})")
 
 
 def norms_carry_one(conv_shape: tuple[int, ...] | None) -> bool:
@@ -278,9 +289,29 @@ def _gptq(quant: dict[str, Any]) -> Gptq:
                 _bool("sym", quant.get("sym", True)), _GPTQ_FORMATS[fmt])
 
 
-# One row per quant_method of quantization_config: its parse into a frozen config (MLX affine,
-# told apart by its own `quantization` key or by bits and group_size alone, is parsed by `parse`).
-METHODS: dict[str, Callable[[dict[str, Any]], Quantization]] = {"fp8": _fp8, "gptq": _gptq}
+class Method(NamedTuple):
+    """One quantization format as config.json declares it: the settings that name it, and their parse."""
+
+    name: str
+    settings: Callable[[dict[str, Any]], dict[str, Any] | None]  # config.json -> its settings, if it declares this format
+    parse: Callable[[dict[str, Any]], Quantization]  # the settings -> the format's frozen config
+
+
+def _quant_method(method: str) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    """The settings of a format named by quantization_config's quant_method."""
+    def settings(d: dict[str, Any]) -> dict[str, Any] | None:
+        quant = mapping("quantization_config", d.get("quantization_config") or None)
+        return quant if quant and quant.get("quant_method") == method else None
+    return settings
+
+
+def _mlx_settings(d: dict[str, Any]) -> dict[str, Any] | None:
+    """MLX's own `quantization` key (mlx-lm copies it to quantization_config), or a conversion that kept
+    only quantization_config: bits and group_size with no quant_method."""
+    if d.get("quantization") is not None:
+        return mapping("quantization", d["quantization"])
+    quant = mapping("quantization_config", d.get("quantization_config") or None)
+    return quant if quant and quant.get("quant_method") is None and "bits" in quant and "group_size" in quant else None
 
 
 def _mlx(quant: dict[str, Any]) -> MlxAffine:
@@ -309,6 +340,14 @@ def _mlx_params(name: str, quant: dict[str, Any]) -> tuple[int, int]:
     if group_size not in MLX_GROUP_SIZES:
         raise ValueError(f"MLX affine group_size {group_size} is not supported (only 32, 64 and 128)")
     return bits, group_size
+
+
+# One row per format, tried in order (MLX first: its own key wins over the quantization_config it copies).
+METHODS: tuple[Method, ...] = (
+    Method("MLX affine", _mlx_settings, _mlx),
+    Method("fp8", _quant_method("fp8"), _fp8),
+    Method("gptq", _quant_method("gptq"), _gptq),
+)
 
 
 def _ranked(name: str, shape: Shape, rank: int, at_least: bool = False) -> Shape:

@@ -10,7 +10,8 @@ from cakemp.checkpoint import quantization
 from cakemp.master import cluster
 from cakemp.model.weights import gguf, quantized, safetensors, source
 
-FORMAT_NAMES = {"Gptq", "GptqParts", "GptqWeight", "MlxAffine", "MlxParts", "MlxWeight", "gptq", "mlx"}
+FORMAT_NAMES = {"Gptq", "GptqParts", "GptqWeight", "MlxAffine", "MlxParts", "MlxWeight", "gptq", "mlx",
+                "Fp8", "Fp8Parts", "StoredFp8", "Fp8Weight", "fp8", "fp8_block", "keep_fp8"}
 
 
 def names_in(module) -> set[str]:
@@ -21,13 +22,15 @@ def names_in(module) -> set[str]:
 
 
 def test_each_config_stored_as_parts_has_one_row():
-    assert set(quantized.FORMATS) == {quantization.Gptq, quantization.MlxAffine}
+    assert set(quantized.FORMATS) == {quantization.Fp8, quantization.Gptq, quantization.MlxAffine}
+    fp8 = quantization.Fp8((128, 128))
     gptq = quantization.Gptq(4, 128, False, True, True)
     mlx = quantization.MlxAffine(4, 64)
-    for config, stored in ((gptq, {"m.qweight", "m.qzeros", "m.scales"}), (mlx, {"m.weight", "m.scales", "m.biases"})):
+    for config, stored in ((fp8, {"m.weight", "m.weight_scale_inv"}), (gptq, {"m.qweight", "m.qzeros", "m.scales"}),
+                           (mlx, {"m.weight", "m.scales", "m.biases"})):
         weight = quantized.parts_of(config, "m.weight", stored.__contains__)
         assert set(weight.parts.stored) == stored
-    assert quantized.parts_of(quantization.Fp8((128, 128)), "m.weight", lambda name: True) is None
+    assert quantized.parts_of(fp8, "m.norm.weight", {"m.norm.weight"}.__contains__) is None  # no scales: as stored
     assert quantized.parts_of(None, "m.weight", lambda name: True) is None
 
 
