@@ -1,7 +1,7 @@
 """How a checkpoint's weights are quantized, read from its config.json, and which stored
 tensors make each quantized weight. No torch: the front refuses a format here, before any
 device starts; model/weights/fp8.py, model/weights/gptq.py and model/weights/mlx.py dequantize
-(model/weights/quantized.py: FORMATS, one row per config class below).
+(model/weights/quantized.py imports the one each METHODS row names).
 
 Each format is one METHODS row (the settings of config.json that declare it, and their parse into
 one frozen config, a `Quantization`: what `parse` returns) whose
@@ -15,9 +15,12 @@ so the readers and the sizing never ask which format it is.
 | GPTQ       | quantization_config: quant_method "gptq", bits, group_size, desc_act, sym, checkpoint_format | P.qweight, P.qzeros, P.scales (P.g_idx) |
 | MLX affine | quantization (mlx-lm copies it to quantization_config): bits, group_size, mode, per-module overrides | P.weight (u32), P.scales, P.biases |
 
-In a GPTQ or MLX checkpoint only some weights are quantized (GPTQ releases keep attention,
-routers or shared experts in 16 bits; mlx-lm skips matrices whose width its group size does
-not divide): a weight is read quantized exactly when its quantized parts are stored.
+In a quantized checkpoint only some weights are quantized (FP8 releases keep norms in 16 bits,
+GPTQ releases attention, routers or shared experts; mlx-lm skips matrices whose width its group
+size does not divide): a weight is read quantized exactly when its quantized parts are stored.
+
+A new form is one file (its config, its Parts and its torch side) and one METHODS row
+(tests/model/test_new_form.py shows one); the readers, the loader and the sizing are unchanged.
 
 Anything else is refused by name (a CheckpointError, exit 78), never loaded as if plain: AWQ,
 bitsandbytes, compressed-tensors and the rest; GPTQ bit widths but 2, 3, 4 and 8, packings but
@@ -290,15 +293,20 @@ def _gptq(quant: dict[str, Any]) -> Gptq:
 
 
 class Method(NamedTuple):
-    """One quantization format as config.json declares it: the settings that name it, and their parse."""
+    """One stored weight form as config.json declares it, declared once: the settings that name it,
+    their parse into its frozen config, and its torch side, named by path so that this table imports
+    no torch (model/weights/quantized.py imports it on a device: a QuantizedParts made from the
+    config's parts, which dequantizes them or keeps them for a kernel)."""
 
     name: str
-    settings: Callable[[dict[str, Any]], dict[str, Any] | None]  # config.json -> its settings, if it declares this format
-    parse: Callable[[dict[str, Any]], Quantization]  # the settings -> the format's frozen config
+    settings: Callable[[dict[str, Any]], dict[str, Any] | None]  # config.json -> its settings, if it declares this form
+    parse: Callable[[dict[str, Any]], Quantization]  # the settings -> the form's frozen config
+    config: type  # the class `parse` returns
+    weights: str  # "module:Class" of its torch side
 
 
-def _quant_method(method: str) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
-    """The settings of a format named by quantization_config's quant_method."""
+def named_by(method: str) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    """The settings of a form named by quantization_config's quant_method."""
     def settings(d: dict[str, Any]) -> dict[str, Any] | None:
         quant = mapping("quantization_config", d.get("quantization_config") or None)
         return quant if quant and quant.get("quant_method") == method else None
@@ -342,11 +350,11 @@ def _mlx_params(name: str, quant: dict[str, Any]) -> tuple[int, int]:
     return bits, group_size
 
 
-# One row per format, tried in order (MLX first: its own key wins over the quantization_config it copies).
+# One row per stored form, tried in order (MLX first: its own key wins over the quantization_config it copies).
 METHODS: tuple[Method, ...] = (
-    Method("MLX affine", _mlx_settings, _mlx),
-    Method("fp8", _quant_method("fp8"), _fp8),
-    Method("gptq", _quant_method("gptq"), _gptq),
+    Method("MLX affine", _mlx_settings, _mlx, MlxAffine, "cakemp.model.weights.mlx:MlxWeight"),
+    Method("fp8", named_by("fp8"), _fp8, Fp8, "cakemp.model.weights.fp8:StoredFp8"),
+    Method("gptq", named_by("gptq"), _gptq, Gptq, "cakemp.model.weights.gptq:GptqWeight"),
 )
 
 

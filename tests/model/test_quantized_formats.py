@@ -1,5 +1,6 @@
 """The formats stored as several parts plug in at one place: each torch-free config with parts has
-its one row in model/weights/quantized.FORMATS, and the readers and the sizing name no format."""
+its one row in checkpoint/quantization.METHODS, naming its torch side, and the readers and the
+sizing name no format."""
 
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ def names_in(module) -> set[str]:
 
 
 def test_each_config_stored_as_parts_has_one_row():
-    assert set(quantized.FORMATS) == {quantization.Fp8, quantization.Gptq, quantization.MlxAffine}
+    assert [method.config for method in quantization.METHODS] == [quantization.MlxAffine, quantization.Fp8,
+                                                                  quantization.Gptq]
     fp8 = quantization.Fp8((128, 128))
     gptq = quantization.Gptq(4, 128, False, True, True)
     mlx = quantization.MlxAffine(4, 64)
     for config, stored in ((fp8, {"m.weight", "m.weight_scale_inv"}), (gptq, {"m.qweight", "m.qzeros", "m.scales"}),
                            (mlx, {"m.weight", "m.scales", "m.biases"})):
         weight = quantized.parts_of(config, "m.weight", stored.__contains__)
-        assert set(weight.parts.stored) == stored
+        assert set(weight.parts.stored) == stored and type(weight) is quantized.torch_side(config)
     assert quantized.parts_of(fp8, "m.norm.weight", {"m.norm.weight"}.__contains__) is None  # no scales: as stored
     assert quantized.parts_of(None, "m.weight", lambda name: True) is None
 
