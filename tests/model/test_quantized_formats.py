@@ -5,11 +5,13 @@ sizing name no format."""
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 
 from cakemp.checkpoint import quantization
+from cakemp.checkpoint.gguf_model import GGML_FAMILIES
 from cakemp.master import cluster
-from cakemp.model.weights import gguf, quantized, safetensors, source
+from cakemp.model.weights import ggml, gguf, quantized, safetensors, source
 
 FORMAT_NAMES = {"Gptq", "GptqParts", "GptqWeight", "MlxAffine", "MlxParts", "MlxWeight", "gptq", "mlx",
                 "Fp8", "Fp8Parts", "StoredFp8", "Fp8Weight", "fp8", "fp8_block", "keep_fp8"}
@@ -39,3 +41,15 @@ def test_each_config_stored_as_parts_has_one_row():
 def test_the_readers_and_the_sizing_name_no_format():
     for module in (safetensors, gguf, source, cluster):  # the master sizes workers through the readers
         assert not names_in(module) & FORMAT_NAMES, module.__name__
+
+
+def test_each_ggml_family_is_one_module_and_one_row():
+    """Each GGML_FAMILIES row names exactly the types its module dequantizes (and keeps int4 only among
+    them); no type is in two families; every dequantized type has its block size from the file format's table."""
+    seen = []
+    for family in GGML_FAMILIES:
+        module = importlib.import_module(family.module)
+        assert tuple(module.DEQUANTIZERS) == family.types and set(module.INT4) <= set(family.types), family.name
+        seen += family.types
+    assert len(seen) == len(set(seen)) and set(ggml.DEQUANTIZERS) == set(seen)
+    assert set(ggml.INT4_TYPES) == {"Q4_0", "Q4_1", "Q4_K"}
