@@ -61,3 +61,27 @@ def test_kernel_reads_strided_scales():
     expected, tolerance = bound(x, weight, torch.float32)
     got = fp8_gemm.matmul(x, weight.weight, weight.scale_inv)
     assert ((got - expected).abs() <= tolerance).all()
+
+
+def test_fp8_checkpoint_kept_fp8_multiplies_through_the_kernel_picked(tmp_path, monkeypatch):
+    """Where start-up picks the Triton kernel, an FP8 checkpoint's matrices in 128x128 blocks load kept
+    (Fp8Weight) and `linear` multiplies by them through it: each product within the kernel's bound of
+    the emulation. (On a CPU the pick is forced: a CPU never keeps FP8.)"""
+    from cakemp.checkpoint.config import ModelConfig
+    from cakemp.model.block import DecoderBlock
+    from cakemp.model.linear import linear
+    from cakemp.model.weights.safetensors import Checkpoint
+    from tests.support.checkpoints import make_checkpoint
+
+    monkeypatch.setattr(fp8, "_gemm", lambda device, dtype: fp8.TRITON)
+    path = make_checkpoint(tmp_path, "llama", fp8_block=(128, 128), hidden_size=128, intermediate_size=256)
+    config = ModelConfig.from_dir(path)
+    groups = {key: [f"model.layers.0.{name}" for name in members]
+              for key, members in DecoderBlock.weight_groups(config, 0, lambda name: True).items()}
+    weights = Checkpoint(path, config).load(groups, DEVICE, torch.float32, kernels=frozenset({fp8.KERNEL}))
+    kept = {key: w for key, w in weights.items() if isinstance(w, fp8.Fp8Weight)}
+    assert set(kept) == {"w_o", "w_gate_up", "w_down"}  # q/k/v: k and v have 64 rows, dequantized
+    for w in kept.values():
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(9)).to(DEVICE)
+        expected, tolerance = bound(x, w, torch.float32)
+        assert ((linear(x, w) - expected).abs() <= tolerance).all()

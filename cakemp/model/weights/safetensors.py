@@ -30,6 +30,7 @@ from cakemp.model.weights.quantized import QuantizedParts
 from cakemp.model.weights.source import Reader
 
 K = TypeVar("K")
+_SCALED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Bytes per value of each safetensors dtype a checkpoint may store.
 _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
              "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
@@ -230,6 +231,9 @@ class Checkpoint(Reader):
             except ValueError as exc:
                 raise CheckpointError(f"{name}: {exc}") from None
         tensor = self._read(files, name, index)
+        if tensor.dtype in _SCALED_DTYPES:  # 8-bit floats mean nothing without the scales a form declares
+            raise CheckpointError(f"{name} is stored as {tensor.dtype}, but config.json declares no quantization "
+                                  "whose scales it is read with")
         if name.endswith(LINEAR_CONV) and tensor.dim() == 3 and tensor.shape[1] > 1 and tensor.shape[2] == 1:
             return tensor.transpose(1, 2)  # MLX's depthwise conv layout [C, K, 1] -> HF's [C, 1, K]
         return tensor
