@@ -58,7 +58,7 @@ from cakemp.checkpoint.files import CONFIG, container_of, layer_prefix, split_la
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.checkpoint.gguf_model import hf_config
 from cakemp.checkpoint.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, QWEN3_5, BlockLayout
-from cakemp.checkpoint.quantization import Quantization
+from cakemp.checkpoint.stored import Quantization
 from cakemp.checkpoint.values import as_list, mapping, real, shown, whole
 from cakemp.errors import CheckpointError
 

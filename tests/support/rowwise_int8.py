@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from cakemp.checkpoint.quantization import Method, Shape, named_by
+from cakemp.checkpoint.stored import Method, Shape, named_by
 from cakemp.checkpoint.resident import INT8, KeptForm
 from cakemp.model.weights import int8
 

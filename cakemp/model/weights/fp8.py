@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from cakemp import log
 from cakemp.checkpoint import resident
-from cakemp.checkpoint.quantization import Fp8Parts, Shape
+from cakemp.checkpoint.fp8 import Fp8Parts
+from cakemp.checkpoint.stored import Shape
 
 KERNEL = resident.FP8
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

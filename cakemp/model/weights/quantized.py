@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from cakemp.checkpoint import quantization
-from cakemp.checkpoint.quantization import Parts, Quantization, Shape
+from cakemp.checkpoint.stored import Parts, Quantization, Shape
 from cakemp.model.weights import kept
 
 
