@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from cakemp.checkpoint.stored import Method, Shape, named_by
 from cakemp.checkpoint.resident import INT8, KeptForm
+from cakemp.checkpoint.stored import Method, Shape, named_by
 from cakemp.model.weights import int8
 
 
