@@ -1,5 +1,13 @@
-import pytest
-import torch
+import os
+
+# Triton's interpreter runs Triton kernels on a CPU (tests/model/test_fp8_gemm.py). It is chosen when
+# Triton is imported, which torch._dynamo does early (torch.utils._triton), so it is set here, before
+# torch; a machine with an NVIDIA driver compiles the kernels for its GPU instead.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

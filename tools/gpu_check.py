@@ -18,10 +18,17 @@ findings, or the error that stopped it, and the next one runs regardless:
    full-causal prefill from 0 and after a cached prefix, and sliding-window prefill longer
    than the window (4096, Mistral's). Per shape: the kernel that ran, the error against an f32
    reference, and the peak memory against the f32 [heads, T, S] scores the math kernel holds;
-4. fp8: whether the block-scaled FP8 matmul runs here; an FP8 checkpoint loaded with its
-   matrices kept FP8, its outputs against the same layers dequantized, and the bytes of each;
-5. decode: per-layer decode time of Llama-3-8B-shaped layers (bf16; FP8 where it runs) against
-   the bandwidth floor, weight bytes / the HBM bandwidth measured by a copy in the same run;
+4. fp8: whether cuBLAS's block-scaled FP8 matmul runs here, and which FP8 matmul start-up picks
+   (cuBLAS's, the Triton kernel of model/weights/fp8_gemm.py, or none); the Triton kernel against
+   the emulation (in units of the bound tests/model/test_fp8_gemm.py holds it to: at most 1 is
+   within) at 1, 7 and 512 rows of a 4096x4096 matrix, and its time against a bf16 F.linear of
+   the same shape; an FP8 checkpoint loaded with its matrices kept FP8 (`fp8.kept_as_fp8`), their
+   resident bytes against bf16's, each kept matrix's product against the emulation, and the
+   layers' outputs against the same layers dequantized in f32. Rehearsal: the kernel through
+   Triton's interpreter on the CPU (the loaded layers are dequantized there);
+5. decode: per-layer decode time of Llama-3-8B-shaped layers (bf16; FP8 where a matmul is picked)
+   against the bandwidth floor, weight bytes / the HBM bandwidth measured by a copy in the same
+   run, and FP8's time over bf16's;
 6. node: `cakemp run --gpus all` on the demo checkpoint: only its device processes hold a CUDA
    context (the front maps no CUDA library), its output matches the same layers run here; with
    this process holding all but a few MiB of the GPU, new sessions' 2048-token prompts grow the
@@ -81,13 +88,18 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+if "--rehearse" in sys.argv:
+    # The CPU runs the Triton kernel through Triton's interpreter, which is chosen when Triton is
+    # imported (torch._dynamo imports it), so before torch.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.blocks import timed
-from cakemp.model import attention
-from cakemp.model.weights import fp8
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from bench.blocks import timed  # noqa: E402
+from cakemp.model import attention  # noqa: E402
+from cakemp.model.weights import fp8  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -314,9 +326,11 @@ def check_fp8(device: torch.device, rehearse: bool) -> None:
     from cakemp.compute.runner import BlockRunner
     from tests.support.checkpoints import make_checkpoint  # transformers: only this section needs it
 
-    works = fp8.scaled_mm_works(device, torch.bfloat16)
-    finding("fp8.scaled_mm_works_bf16", works)
+    finding("fp8.scaled_mm_works_bf16", fp8.scaled_mm_works(device, torch.bfloat16))
     finding("fp8.scaled_mm_works_f16", fp8.scaled_mm_works(device, torch.float16))
+    finding("fp8.gemm_bf16", fp8.gemm(device, torch.bfloat16))
+    finding("fp8.gemm_f16", fp8.gemm(device, torch.float16))
+    check_fp8_kernel(device, rehearse)
     layers = ["model.layers.0", "model.layers.1"]
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(Path(tmp), "llama", fp8_block=(128, 128), hidden_size=1024, intermediate_size=2816,
@@ -325,8 +339,18 @@ def check_fp8(device: torch.device, rehearse: bool) -> None:
         matrices = [{"w_qkv": b.w_qkv, "w_o": b.w_o, "w_gate_up": b.mlp.w_gate_up, "w_down": b.mlp.w_down}
                     for b in kept.blocks]
         finding("fp8.kept_as_fp8", {name: isinstance(w, fp8.Fp8Weight) for name, w in matrices[0].items()})
-        finding("fp8.weight_bytes_kept", sum(w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
-                                             for block in matrices for w in block.values()))
+        kept_bytes = sum(w.nbytes for block in matrices for w in block.values())
+        finding("fp8.weight_bytes_kept", kept_bytes)
+        finding("fp8.weight_bytes_ratio_to_bf16", round(kept_bytes / sum(
+            math.prod(w.shape) * 2 for block in matrices for w in block.values()), 4))
+        # Each kept matrix's product against the emulation, in units of the bound the CPU test holds
+        # the Triton kernel to (tests/model/test_fp8_gemm.py): at most 1 is within it.
+        worst = {}
+        for name, w in matrices[0].items():
+            if isinstance(w, fp8.Fp8Weight):
+                x = torch.randn(7, w.shape[1], generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+                worst[name] = round(fp8_over_bound(w.matmul(x), x, w, torch.bfloat16), 4)
+        finding("fp8.matmul_vs_emulation_over_bound", worst)
         exact = BlockRunner.load(path, layers, "cpu", torch.float32)  # dequantized, f32
         generator = torch.Generator().manual_seed(0)
         worst = 0.0
@@ -337,6 +361,47 @@ def check_fp8(device: torch.device, rehearse: bool) -> None:
             truth = exact.run(1, x, exact.ops(ops))
             worst = max(worst, ((ours - truth).norm() / truth.norm()).item())
         finding("fp8.relative_error_vs_dequantized_f32", worst)
+
+
+def fp8_over_bound(got: torch.Tensor, x: torch.Tensor, weight, dtype: torch.dtype) -> float:
+    """The largest |got - emulation| over the bound on it: the same f32 products summed in another
+    order (K f32 steps of the sum of their magnitudes), then one rounding to `dtype`."""
+    x_q, x_scale = fp8.quantize_activation(x.float())
+    w_scale = weight.scale_inv.repeat_interleave(128, dim=0)  # [N, K/128]
+    magnitude = torch.zeros(x.shape[0], weight.shape[0], device=x.device)
+    for b in range(x_scale.shape[1]):
+        columns = slice(b * 128, (b + 1) * 128)
+        products = x_q[:, columns].float().abs() @ weight.weight[:, columns].float().abs().t()
+        magnitude += products * x_scale[:, b, None] * w_scale[None, :, b]
+    expected = fp8.emulated_matmul(x, weight)
+    bound = x.shape[1] * torch.finfo(torch.float32).eps * magnitude + torch.finfo(dtype).eps * expected.abs()
+    return ((got.float() - expected).abs() / bound.clamp(min=1e-30)).max().item()
+
+
+def check_fp8_kernel(device: torch.device, rehearse: bool) -> None:
+    """The Triton kernel alone, whatever `gemm` picked: against the emulation at a decode step, a
+    ragged batch and a prefill, and its time against cuBLAS's bf16 matmul of the same shape."""
+    try:
+        from cakemp.model.weights import fp8_gemm
+    except ImportError as e:
+        finding("fp8.triton", f"not importable: {e}")
+        return
+    N, K = (256, 384) if rehearse else (4096, 4096)
+    generator = torch.Generator().manual_seed(2)
+    stored = (torch.randn(N, K, generator=generator) * 64).to(torch.float8_e4m3fn)
+    weight = fp8.Fp8Weight.create(stored.to(device), (torch.rand(N // 128, K // 128, generator=generator) / 64
+                                                      + 1e-3).to(device))
+    over, speed = {}, {}
+    for rows in (1, 7) if rehearse else (1, 7, 512):
+        x = torch.randn(rows, K, generator=generator).to(device, torch.bfloat16)
+        over[rows] = round(fp8_over_bound(fp8_gemm.matmul(x, weight.weight, weight.scale_inv), x, weight,
+                                          torch.bfloat16), 4)
+        if device.type == "cuda":
+            plain = stored.to(device, torch.bfloat16)
+            speed[rows] = round(timed(lambda: F.linear(x, plain), device) /
+                                timed(lambda: fp8_gemm.matmul(x, weight.weight, weight.scale_inv), device), 3)
+    finding("fp8.triton_vs_emulation_over_bound", over)
+    finding("fp8.triton_speedup_over_bf16_linear", speed or "rehearsal: not timed")
 
 
 # --- 5. decode against the bandwidth floor -------------------------------------------------
@@ -387,7 +452,8 @@ def check_decode(device: torch.device, rehearse: bool) -> None:
     config = llama8b_config(layers, rehearse)
     rate = bandwidth(device)
     finding("decode.copy_bandwidth_gb_s", round(rate / 1e9, 1))
-    variants = [("bf16", False)] + ([("fp8", True)] if fp8.scaled_mm_works(device, torch.bfloat16) else [])
+    variants = [("bf16", False)] + ([("fp8", True)] if fp8.gemm(device, torch.bfloat16) else [])
+    per_layer_ms = {}
     for name, as_fp8 in variants:
         blocks = random_blocks(config, device, torch.bfloat16, as_fp8)
         runner = BlockRunner(config, blocks, device, torch.bfloat16, kv_budget_bytes=None, max_context=8192)
@@ -399,8 +465,8 @@ def check_decode(device: torch.device, rehearse: bool) -> None:
             times.append(1e3 * timed(lambda: runner.run(1, x, runner.ops(ops(context + step))), device))
         per_layer = sorted(times)[len(times) // 2] / layers
         block = next(iter(blocks.values()))
-        weight_bytes = sum(w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes
-                           for w in (block.w_qkv, block.w_o, block.mlp.w_gate_up, block.mlp.w_down))
+        weight_bytes = sum(w.nbytes for w in (block.w_qkv, block.w_o, block.mlp.w_gate_up, block.mlp.w_down))
+        per_layer_ms[name] = per_layer
         floor_ms = weight_bytes / rate * 1e3
         finding(f"decode.{name}", {
             "per_layer_ms_median": round(per_layer, 4), "weight_mib": round(weight_bytes / 2**20, 1),
@@ -409,6 +475,8 @@ def check_decode(device: torch.device, rehearse: bool) -> None:
         runner = blocks = None  # freed before empty_cache (not `del`: the lambdas above close over them)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if "fp8" in per_layer_ms:
+        finding("decode.fp8_over_bf16_per_layer", round(per_layer_ms["fp8"] / per_layer_ms["bf16"], 3))
 
 
 # --- 6. a node with --gpus all ------------------------------------------------------------

@@ -58,7 +58,7 @@ from cakemp.checkpoint.files import CONFIG, container_of, layer_prefix, split_la
 from cakemp.checkpoint.gguf import GgufFile
 from cakemp.checkpoint.gguf_model import hf_config
 from cakemp.checkpoint.layout import GEMMA3, PHI3, POST_NORM, PRE_NORM, QWEN3_5, BlockLayout
-from cakemp.checkpoint.quantization import Quantization
+from cakemp.checkpoint.stored import Quantization
 from cakemp.checkpoint.values import as_list, mapping, real, shown, whole
 from cakemp.errors import CheckpointError
 
@@ -457,11 +457,6 @@ class ModelConfig:
     def model_type(self) -> str:
         """The --model-type a node serving this model runs with: "text-model", or VibeVoice's "audio-model"."""
         return FAMILIES[self.family].model_type
-
-    @property
-    def fp8_block(self) -> tuple[int, int] | None:
-        """FP8 checkpoints: (rows, cols) of one weight_scale_inv block; None otherwise."""
-        return None if self.quantization is None else self.quantization.fp8_block
 
     def layer_name(self, index: int) -> str:
         """7 -> "model.layers.7": the name of this model's layer number `index` (stacks counted in order)."""

@@ -24,7 +24,7 @@ output.weight ties lm_head to the embeddings.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from cakemp.checkpoint.gguf import GgufFile, NumberArray
 from cakemp.errors import CheckpointError
@@ -36,10 +36,27 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 _PERMUTED = frozenset({"llama"})
-# The ggml types model/weights/ggml.py dequantizes; a file with another among its tensors is refused here,
-# before any device starts.
-DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                     "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")
+
+
+class GgmlFamily(NamedTuple):
+    """A family of ggml types read alike: its types and the module that dequantizes them (and keeps
+    those it can int4), named by path so that this stays torch-free (model/weights/ggml.py imports it)."""
+
+    name: str
+    types: tuple[str, ...]
+    module: str
+
+
+# One row per ggml family cakemp reads (a family is its module and this row).
+GGML_FAMILIES = (
+    GgmlFamily("legacy", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"), "cakemp.model.weights.ggml_legacy"),
+    GgmlFamily("K-quants", ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), "cakemp.model.weights.ggml_k"),
+    GgmlFamily("IQ4", ("IQ4_NL", "IQ4_XS"), "cakemp.model.weights.ggml_iq4"),
+    GgmlFamily("ternary", ("TQ1_0", "TQ2_0"), "cakemp.model.weights.ggml_ternary"),
+)
+# The ggml types read: floats as they are, the families' dequantized; a file with another among its
+# tensors is refused here, before any device starts.
+DEQUANTIZED_TYPES = ("F32", "F16", "BF16") + tuple(kind for family in GGML_FAMILIES for kind in family.types)
 ROPE_FREQS = "rope_freqs.weight"
 
 # GGUF tensor name -> HF name: the model's own, then each layer's (under blk.N. and model.layers.N.).

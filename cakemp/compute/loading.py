@@ -77,14 +77,13 @@ class LoadPlan:
              quantize: Rounding | None = None, reserved: int = 0) -> dict[tuple[str, str], torch.Tensor]:
         """(layer, key) -> its tensor on `device`, one layer at a time (`on_layer(n)` after n),
         after checking on a GPU that they fit beside `reserved` bytes (an expert cache's) (counting
-        what stays FP8, int4 or int8 as such); each checked against the shape config.json implies.
+        what stays int4, int8 or FP8 as such); each checked against the shape config.json implies.
         With `quantize` (--quantize), each layer's plain matrices are rounded into kept int8 or int4
         weights as soon as that layer is read (model/weights/rtn.py), so no more than one layer is
         ever held unquantized."""
         self._check_quantized_shapes(checkpoint)
         wanted = [self._wanted(layer) for layer in self.layers]
-        keep_fp8 = self.config.fp8_block is not None and fp8.scaled_mm_works(device, dtype)
-        needed = self.nbytes(checkpoint, dtype, keep_fp8, kernels) + reserved
+        needed = self.nbytes(checkpoint, dtype, kernels) + reserved
         free = None
         if device.type == "cuda":
             attention.use_fused_kernels()
@@ -97,7 +96,7 @@ class LoadPlan:
         # Opening a shard again per layer costs only its header (the file is memory-mapped).
         try:
             for loaded, (kept, plain) in enumerate(wanted, 1):
-                read = checkpoint.load(kept, device, dtype, keep_fp8, plus_one=plus_one & kept.keys(), kernels=kernels)
+                read = checkpoint.load(kept, device, dtype, plus_one=plus_one & kept.keys(), kernels=kernels)
                 weights.update(read if quantize is None else _rounded(read, quantize))
                 weights.update(checkpoint.load(plain, device, dtype))
                 if on_layer is not None:
@@ -146,14 +145,13 @@ class LoadPlan:
                     raise CheckpointError(f"{layer}: {read} (dequantized) cannot make the shape config.json "
                                           f"implies, {self.shapes[layer][key]}")
 
-    def nbytes(self, checkpoint: WeightSource, dtype: torch.dtype, keep_fp8: bool = False,
-               kernels: frozenset[str] = frozenset()) -> int:
+    def nbytes(self, checkpoint: WeightSource, dtype: torch.dtype, kernels: frozenset[str] = frozenset()) -> int:
         """The bytes the layers take once loaded (quantized formats counted as what they are loaded as)."""
-        return sum(checkpoint.nbytes(kept, dtype, keep_fp8, kernels) + checkpoint.nbytes(plain, dtype)
+        return sum(checkpoint.nbytes(kept, dtype, kernels) + checkpoint.nbytes(plain, dtype)
                    for kept, plain in map(self._wanted, self.layers))
 
     def _wanted(self, layer: str) -> tuple[dict, dict]:
-        """The layer's groups that may stay FP8, and those that must be plain tensors (stacked
+        """The layer's groups that may stay quantized, and those that must be plain tensors (stacked
         experts, viewed as [E, rows, cols]): (layer, key) -> checkpoint names, each."""
         named = {(layer, key): [f"{layer}.{name}" for name in members] for key, members in self.groups[layer].items()}
         return ({k: v for k, v in named.items() if k[1] not in STACKED},
@@ -195,9 +193,10 @@ def check_quantizable(checkpoint: WeightSource, quantize: Rounding, device: torc
 def kept_kernels(checkpoint: WeightSource, device: torch.device, dtype: torch.dtype) -> frozenset[str]:
     """The kernels quantized matrices may stay quantized for here (model/weights/kept.py): those the
     device kind keeps them for (checkpoint/resident.device_kernels: on a CPU "int4" in any compute
-    dtype, each product's input rounded to bf16, and "int8"; on a GPU "int4" in bf16) where torch's
-    kernel works on this device (int4.kernel_works, int8.kernel_works). For a checkpoint that may
-    hold such matrices, why one is not used is logged once."""
+    dtype, each product's input rounded to bf16, and "int8"; on a GPU "fp8", and "int4" in bf16) where
+    the kernel works on this device (int4.kernel_works, int8.kernel_works, fp8.gemm: cuBLAS's or the
+    Triton kernel, whichever is picked is logged). For a checkpoint that may hold such matrices, why one
+    is not used is logged once."""
     return usable_kernels(device, dtype) if checkpoint.stores_kept else frozenset()
 
 
@@ -211,4 +210,5 @@ def usable_kernels(device: torch.device, dtype: torch.dtype) -> frozenset[str]:
     elif not int4.kernel_works(device):
         kept.dequantized(f"torch's int4 matmul does not run, or miscomputes, on {device}")
         wanted -= {int4.KERNEL}
-    return frozenset(kernel for kernel in wanted if kernel != int8.KERNEL or int8.kernel_works(device))
+    works = {int8.KERNEL: int8.kernel_works, fp8.KERNEL: lambda device: fp8.gemm(device, dtype) is not None}
+    return frozenset(kernel for kernel in wanted if kernel not in works or works[kernel](device))

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from cakemp.checkpoint.config import FAMILIES, LinearRopeScaling, Llama3RopeScaling, ModelConfig, Rope
+from cakemp.checkpoint.quantization import Fp8
 from cakemp.errors import CheckpointError
 from tests.support.checkpoints import make_config
 
@@ -21,7 +22,7 @@ def test_llama_has_no_biases_no_qk_norm_no_window():
     c = parsed("llama")
     assert (c.family, c.head_dim, c.num_attention_heads, c.num_key_value_heads) == ("llama", 16, 4, 2)
     assert not c.qkv_bias and not c.o_bias and not c.qk_norm
-    assert c.layer_windows == (None,) * 4 and c.rope_scaling is None and c.fp8_block is None
+    assert c.layer_windows == (None,) * 4 and c.rope_scaling is None and c.quantization is None
 
 
 def test_a_family_that_reuses_switches_is_one_row(monkeypatch):
@@ -123,9 +124,9 @@ def test_from_dir_reads_fp8_block_size(tmp_path):
     d = make_config("llama").to_dict()
     d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [64, 32]}
     (tmp_path / "config.json").write_text(json.dumps(d))
-    assert ModelConfig.from_dir(tmp_path).fp8_block == (64, 32)
+    assert ModelConfig.from_dir(tmp_path).quantization == Fp8((64, 32))
     d["quantization_config"] = {"quant_method": "fp8"}
-    assert ModelConfig.from_dict(d).fp8_block == (128, 128)
+    assert ModelConfig.from_dict(d).quantization == Fp8((128, 128))
 
 
 def test_layer_index_accepts_only_this_models_layers():

@@ -51,12 +51,12 @@ def test_mlx_configs_as_mlx_lm_writes_them():
     assert parsed(quantization=with_overrides, quantization_config=with_overrides) == expected
     assert parsed(quantization_config=MLX | {"bits": 8, "group_size": 32}) == MlxAffine(8, 32)
     hybrid = ModelConfig.from_dict(QWEN3_5_MOE | {"quantization": MLX})  # at the top level beside text_config
-    assert hybrid.quantization == MlxAffine(4, 64) and hybrid.fp8_block is None
+    assert hybrid.quantization == MlxAffine(4, 64)
 
 
 def test_fp8_stays_as_it_was():
     assert parsed(quantization_config={"quant_method": "fp8", "weight_block_size": [64, 32]}) == Fp8((64, 32))
-    assert ModelConfig.from_dict(LLAMA | {"quantization_config": {"quant_method": "fp8"}}).fp8_block == (128, 128)
+    assert ModelConfig.from_dict(LLAMA | {"quantization_config": {"quant_method": "fp8"}}).quantization == Fp8((128, 128))
 
 
 REFUSED = {

@@ -41,7 +41,7 @@ def test_no_room_left_for_kv_caches_is_a_configuration_error():
 
 
 def loaded_bytes(weights) -> int:
-    return sum(w.weight.nbytes if isinstance(w, fp8.Fp8Weight) else w.nbytes for w in weights.values())
+    return sum(w.nbytes for w in weights.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -56,14 +56,15 @@ def test_load_size_estimate_is_what_loading_allocates(tmp_path, dtype):
 
 
 def test_fp8_groups_in_128_blocks_stay_fp8_and_are_counted_at_a_byte(tmp_path):
-    """With keep_fp8, matrices in 128x128 blocks stay e4m3 (an Fp8Weight over the stored bytes and
-    scales) and count one byte per element; q/k/v, whose k and v have 64 rows, is dequantized."""
+    """Kept for the fp8 kernel, matrices in 128x128 blocks stay e4m3 (an Fp8Weight over the stored bytes
+    and scales) and count one byte per element and their scales; q/k/v, whose k and v have 64 rows, is
+    dequantized."""
     path = make_checkpoint(tmp_path, "llama", fp8_block=(128, 128), hidden_size=128, intermediate_size=256)
     config = ModelConfig.from_dir(path)
     checkpoint = Checkpoint(path, config)
     groups = {key: [f"model.layers.0.{name}" for name in members]
               for key, members in DecoderBlock.weight_groups(config, 0, lambda name: True).items()}
-    weights = checkpoint.load(groups, torch.device("cpu"), torch.bfloat16, keep_fp8=True)
+    weights = checkpoint.load(groups, torch.device("cpu"), torch.bfloat16, kernels=frozenset({fp8.KERNEL}))
     kept = {key for key, w in weights.items() if isinstance(w, fp8.Fp8Weight)}
     assert kept == {"w_o", "w_gate_up", "w_down"}
     dequantized = checkpoint.load(groups, torch.device("cpu"), torch.float32)
@@ -71,7 +72,7 @@ def test_fp8_groups_in_128_blocks_stay_fp8_and_are_counted_at_a_byte(tmp_path):
         w = weights[key]
         assert w.weight.dtype == torch.float8_e4m3fn
         assert torch.equal(fp8.dequantize(w.weight, w.scale_inv, (128, 128)), dequantized[key])
-    assert checkpoint.nbytes(groups, torch.bfloat16, keep_fp8=True) == loaded_bytes(weights)
+    assert checkpoint.nbytes(groups, torch.bfloat16, kernels=frozenset({fp8.KERNEL})) == loaded_bytes(weights)
 
 
 @pytest.mark.gpu

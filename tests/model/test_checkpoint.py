@@ -122,6 +122,18 @@ def test_fp8_checkpoint_with_ragged_blocks_is_dequantized_on_load(tmp_path):
     assert torch.equal(block.input_norm, stored["model.layers.2.input_layernorm.weight"])
 
 
+def test_fp8_weights_without_a_quantization_to_scale_them_are_refused_by_name(tmp_path):
+    """An FP8 checkpoint whose config.json lost its quantization_config: its e4m3 weights are refused
+    naming the first one, not read as if their codes were values."""
+    path = make_checkpoint(tmp_path, "llama", fp8_block=(128, 128))
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"q_proj.weight is stored as torch.float8_e4m3fn, but config.json "
+                                              "declares no quantization"):
+        BlockRunner.load(path, ["model.layers.0"], "cpu", torch.float32)
+
+
 def test_weights_that_disagree_with_config_are_refused_at_load(tmp_path):
     """A config.json that does not match the tensors (intermediate size) fails at load, naming the weight."""
     path = make_checkpoint(tmp_path, "llama")

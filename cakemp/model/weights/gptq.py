@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cakemp.checkpoint.quantization import Gptq, GptqParts, Shape
+from cakemp.checkpoint.gptq import Gptq, GptqParts
+from cakemp.checkpoint.stored import Shape
 from cakemp.model.weights import bitfields, int4, int8, kept
 
 _VALUES_PER_STEP = 1 << 20

@@ -1,20 +1,27 @@
-"""Quantized matrices kept quantized for a kernel (int4.py, int8.py): what both forms answer, so that
-the readers (source.py) and the loaders never ask which form a weight takes.
+"""Quantized matrices kept quantized for a kernel (int4.py, int8.py, fp8.py): what every kept form
+answers, so that the readers (source.py) and the loaders never ask which form a weight takes.
 
-A form's shape (`Int4Shape`, `Int8Shape`: known from a checkpoint's headers) names its `kernel`,
-its `nbytes` and its input `order` (act-order's gather, or None), and says why matrices cannot be
-fused into one weight (`fuse_reason`); its parts (`Int4Parts`, `Int8Parts`) stack along the
-outputs (`cat`) and become the weight that multiplies (`kept`).
+A form's shape (`Int4Shape`, `Int8Shape`, `Fp8Shape`: known from a checkpoint's headers) names its
+`kernel`, its `nbytes` and its input `order` (act-order's gather, or None), and says why matrices
+cannot be fused into one weight (`fuse_reason`); its parts (`Int4Parts`, `Int8Parts`, `Fp8Codes`)
+stack along the outputs (`cat`) and become the weight that multiplies (`kept`), whose `matmul`
+model/linear.py calls.
+
+| kept form | kernel                                               | devices                      |
+|-----------|------------------------------------------------------|------------------------------|
+| int4      | torch's int4 weight-only matmul (tinygemm)           | CPU; CUDA computing in bf16  |
+| int8      | torch's int8 weight-only matmul                      | CPU                          |
+| fp8       | cuBLAS's block-scaled scaled_mm, else a Triton kernel | CUDA where either works      |
 """
 
 from __future__ import annotations
 
 from cakemp import log
-from cakemp.model.weights import int4, int8
+from cakemp.model.weights import fp8, int4, int8
 
-KeptShape = int4.Int4Shape | int8.Int8Shape
-KeptParts = int4.Int4Parts | int8.Int8Parts
-KeptWeight = int4.Int4Weight | int8.Int8Weight
+KeptShape = int4.Int4Shape | int8.Int8Shape | fp8.Fp8Shape
+KeptParts = int4.Int4Parts | int8.Int8Parts | fp8.Fp8Codes
+KeptWeight = int4.Int4Weight | int8.Int8Weight | fp8.Fp8Weight
 
 _logged: set[str] = set()
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cakemp.checkpoint.quantization import MlxParts, Shape
+from cakemp.checkpoint.mlx import MlxParts
+from cakemp.checkpoint.stored import Shape
 from cakemp.model.weights import bitfields, int4, int8, kept
 
 _VALUES_PER_STEP = 1 << 20

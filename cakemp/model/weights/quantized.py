@@ -1,21 +1,21 @@
-"""The torch side of the quantized formats whose weights are stored as several tensors (GPTQ,
-MLX affine), declared once: `QuantizedParts`, what the safetensors reader asks of one such
-weight, and FORMATS, one row per format keyed by its torch-free config class
-(checkpoint/quantization.py), each implemented in a file of its own (gptq.py, mlx.py).
-
-A format adds its config (and its METHODS row) in checkpoint/quantization.py, a file here
-with its QuantizedParts, and one row in FORMATS; the readers never ask which format a weight is.
+"""The torch side of the stored weight forms (FP8 beside its block scales, GPTQ, MLX affine), declared
+once: `QuantizedParts`, what the safetensors reader asks of one such weight, each implemented in a
+file of its own (fp8.py, gptq.py, mlx.py) that its checkpoint/quantization.METHODS row names, so
+that the readers never ask which form a weight is.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from cakemp.checkpoint.quantization import Gptq, MlxAffine, Parts, Quantization, Shape
-from cakemp.model.weights import gptq, kept, mlx
+from cakemp.checkpoint import quantization
+from cakemp.checkpoint.stored import Parts, Quantization, Shape
+from cakemp.model.weights import kept
 
 
 class QuantizedParts(Protocol):
@@ -28,27 +28,33 @@ class QuantizedParts(Protocol):
 
     def kept_shape(self, shape: Callable[[str], Shape],
                    tensor: Callable[[str], torch.Tensor]) -> kept.KeptShape | str:
-        """Its kept.KeptShape if one of torch's kept kernels (int4.py, int8.py) takes the weight with
+        """Its kept.KeptShape if one of the kept kernels (int4.py, int8.py, fp8.py) takes the weight with
         its codes unchanged, else why not, from the parts' stored shapes (`shape(part)`) and, where a
         format needs one, a small part's values (`tensor(part)`); ValueError naming a part that does not fit."""
 
     def kept_parts(self, stored: Mapping[str, torch.Tensor]) -> kept.KeptParts:
-        """A weight `kept_shape` accepted, in its kernel's convention (model/weights/int4.py, int8.py)."""
+        """A weight `kept_shape` accepted, in its kernel's convention (model/weights/int4.py, int8.py, fp8.py)."""
 
 
-FORMATS: dict[type, Callable[[Any], QuantizedParts]] = {
-    Gptq: gptq.GptqWeight,
-    MlxAffine: mlx.MlxWeight,
-}
-
-
-def parts_of(quantization: Quantization | None, weight: str, stored: Callable[[str], bool]) -> QuantizedParts | None:
+def parts_of(config: Quantization | None, weight: str, stored: Callable[[str], bool]) -> QuantizedParts | None:
     """`weight` as its quantized parts where the checkpoint stores it so, else None (read as stored);
     ValueError where the config and the stored tensors disagree."""
-    parts = None if quantization is None else quantization.parts(weight, stored)
-    return None if parts is None else FORMATS[type(quantization)](parts)
+    parts = None if config is None else config.parts(weight, stored)
+    return None if parts is None else torch_side(config)(parts)
 
 
-def stores_parts(quantization: Quantization | None) -> bool:
-    """Whether a checkpoint so quantized may hold weights stored as parts (whose 4- and 8-bit ones may stay so)."""
-    return type(quantization) in FORMATS
+def stores_parts(config: Quantization | None) -> bool:
+    """Whether a checkpoint so quantized may hold weights stored as parts (which may stay quantized)."""
+    return config is not None
+
+
+def torch_side(config: Quantization) -> Callable[[Parts], QuantizedParts]:
+    """The torch side its METHODS row names (imported once)."""
+    row = next(method for method in quantization.METHODS if isinstance(config, method.config))
+    return _imported(row.weights)
+
+
+@functools.cache
+def _imported(path: str) -> Callable[[Parts], QuantizedParts]:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)

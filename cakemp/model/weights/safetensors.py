@@ -1,14 +1,12 @@
 """A safetensors checkpoint directory, read one layer span at a time.
 
-A weight is read as stored, or dequantized into the compute dtype where the checkpoint is
-quantized: FP8 e4m3 beside its block scales, or a weight stored as several parts (GPTQ's
-qweight/qzeros/scales/g_idx, MLX's packed weight/scales/biases), which model/weights/quantized.py
-picks the format's QuantizedParts for, so nothing here asks which format it is. FP8 may stay
-quantized on a GPU that multiplies it (model/weights/fp8.py), and so may 4-bit matrices whose groups
-torch's int4 matmul takes (model/weights/int4.py) and 8-bit ones of one group a row, on a CPU
-(int8.py); everything else is dequantized where it goes, in f32
-on the device, then cast. A WeightSource (source.py), whose group loop it shares with the GGUF
-reader; how a shard is opened and a stored tensor read is its own.
+A weight is read as stored, or where the checkpoint is quantized as the parts it is stored as
+(FP8's e4m3 beside its block scales, GPTQ's qweight/qzeros/scales/g_idx, MLX's packed
+weight/scales/biases), which model/weights/quantized.py picks the format's QuantizedParts for, so
+nothing here asks which format it is: the parts say whether a kept kernel takes them
+(model/weights/kept.py: int4, int8, fp8) and how they dequantize, in f32 on the device, then cast.
+A WeightSource (source.py), whose group loop it shares with the GGUF reader; how a shard is opened
+and a stored tensor read is its own.
 """
 
 from __future__ import annotations
@@ -27,11 +25,12 @@ from cakemp.checkpoint.files import DIRECTORY, INDEX, SINGLE, read_weight_map
 from cakemp.checkpoint.layout import LINEAR_CONV
 from cakemp.checkpoint.quantization import norms_carry_one
 from cakemp.errors import CheckpointError
-from cakemp.model.weights import fp8, kept, quantized
+from cakemp.model.weights import kept, quantized
 from cakemp.model.weights.quantized import QuantizedParts
 from cakemp.model.weights.source import Reader
 
 K = TypeVar("K")
+_SCALED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Bytes per value of each safetensors dtype a checkpoint may store.
 _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
              "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
@@ -78,17 +77,17 @@ class Checkpoint(Reader):
         return name in self._single_names
 
     def dequantized_shapes(self, groups: dict[K, list[str]]) -> dict[K, list[tuple[int, ...]]]:
-        """The groups holding a GPTQ, MLX or FP8 weight, each member's shape once read, from the shards'
-        headers alone, no value read: a quantized weight's is the matrix it is dequantized into (the
-        parts checked to fit; an FP8 weight's, its stored shape)."""
-        quantized = {key: names for key, names in groups.items() if any(self._dequantized(name) for name in names)}
+        """The groups holding a quantized weight, each member's shape once read, from the shards' headers
+        alone, no value read: a quantized weight's is the matrix it is dequantized into (the parts
+        checked to fit)."""
+        quantized = {key: names for key, names in groups.items() if any(self._parts(name) for name in names)}
         with ExitStack() as stack:
             files = self._headers(stack, quantized)
             return {key: [self._shape(files, name) for name in members] for key, members in quantized.items()}
 
     @property
     def stores_kept(self) -> bool:
-        """Whether the checkpoint may hold matrices of 4- or 8-bit codes (GPTQ, MLX), which may stay so."""
+        """Whether the checkpoint may hold weights stored as quantized parts, which may stay quantized."""
         return quantized.stores_parts(self.config.quantization)
 
     @property
@@ -113,12 +112,8 @@ class Checkpoint(Reader):
             f, _ = self._headers(stack, {conv: [conv]})[self.file_of(conv)]
             return not norms_carry_one(tuple(f.get_slice(conv).get_shape()))
 
-    def _dequantized(self, name: str) -> bool:
-        """Whether `name` is stored quantized: as parts (GPTQ, MLX), or FP8 with its scales beside it."""
-        return self._parts(name) is not None or (self.config.fp8_block is not None and self.has(name + "_scale_inv"))
-
     def _parts(self, name: str) -> QuantizedParts | None:
-        """The quantized parts `name` is stored as (GPTQ, MLX affine), or None for a tensor read as stored."""
+        """The quantized parts `name` is stored as, or None for a tensor read as stored."""
         try:
             return quantized.parts_of(self.config.quantization, name, self.has)
         except ValueError as exc:
@@ -176,8 +171,7 @@ class Checkpoint(Reader):
     def _kept_shapes(self, files: dict[str, tuple], members: list[str],
                      index: int | None) -> list[kept.KeptShape] | None:
         """Each member's kept.KeptShape (of its matrix `index`, for a stacked one) if every member is a
-        GPTQ or MLX matrix one of torch's kept kernels takes; else None (logged once why, for a quantized
-        group)."""
+        quantized matrix one of the kept kernels takes; else None (logged once why, for a quantized group)."""
         shapes = []
         for name in members:
             parts = self._parts(name)
@@ -191,7 +185,7 @@ class Checkpoint(Reader):
         return shapes
 
     def _kept_shape(self, files: dict[str, tuple], parts: QuantizedParts, index: int | None) -> kept.KeptShape | str:
-        """The kept.KeptShape of a quantized matrix (`index`: of a stacked one's) one of torch's kept
+        """The kept.KeptShape of a quantized matrix (`index`: of a stacked one's) one of the kept
         kernels takes, or why not (headers, and what small part a format reads to tell: GPTQ's g_idx)."""
         def shape(name: str) -> tuple[int, ...]:
             stored = tuple(self._get(files, name).get_slice(name).get_shape())
@@ -227,25 +221,6 @@ class Checkpoint(Reader):
             total += math.prod(stored.get_shape()) * _ITEMSIZE[stored.get_dtype()]
         return total
 
-    def _fp8_weight(self, files: dict[str, tuple], members: list[str], device: torch.device) -> fp8.Fp8Weight:
-        stored = [(files[self.file_of(name)][0].get_tensor(name),
-                   files[self.file_of(name)][0].get_tensor(name + "_scale_inv")) for name in members]
-        return fp8.Fp8Weight.create(torch.cat([w.to(device) for w, _ in stored]),
-                                    torch.cat([s.to(device) for _, s in stored]))
-
-    def _kept_fp8(self, files: dict[str, tuple], members: list[str]) -> bool:
-        """Whether a group can stay FP8: every member stored e4m3 with its scales, in 128x128 blocks."""
-        if self.config.fp8_block != (fp8.BLOCK, fp8.BLOCK):
-            return False
-        for name in members:
-            f, present = files[self.file_of(name)]
-            if name not in present or name + "_scale_inv" not in present:
-                return False
-            stored = f.get_slice(name)
-            if stored.get_dtype() != "F8_E4M3" or any(side % fp8.BLOCK for side in stored.get_shape()):
-                return False
-        return True
-
     def _source(self, files: dict[str, tuple], name: str, device: torch.device, index: int | None) -> torch.Tensor:
         """The stored tensor (`index`: its matrix `index`), a view of the mapped file, or its f32
         dequantization on `device`."""
@@ -255,18 +230,10 @@ class Checkpoint(Reader):
                 return parts.dequantize(self._stored_on(files, name, device, index))
             except ValueError as exc:
                 raise CheckpointError(f"{name}: {exc}") from None
-        f, present = files[self.file_of(name)]
         tensor = self._read(files, name, index)
+        if tensor.dtype in _SCALED_DTYPES:  # 8-bit floats mean nothing without the scales a form declares
+            raise CheckpointError(f"{name} is stored as {tensor.dtype}, but config.json declares no quantization "
+                                  "whose scales it is read with")
         if name.endswith(LINEAR_CONV) and tensor.dim() == 3 and tensor.shape[1] > 1 and tensor.shape[2] == 1:
             return tensor.transpose(1, 2)  # MLX's depthwise conv layout [C, K, 1] -> HF's [C, 1, K]
-        scale_name = name + "_scale_inv"
-        if tensor.dtype != torch.float8_e4m3fn or scale_name not in present:
-            return tensor
-        if self.config.fp8_block is None:
-            raise CheckpointError(f"{name} has a {scale_name} but config.json declares no fp8 quantization")
-        try:
-            # Dequantize where the weight goes: the e4m3 bytes are a quarter of its f32 size.
-            return fp8.dequantize(tensor.to(device), self._read(files, scale_name, index).to(device),
-                                  self.config.fp8_block)
-        except ValueError as exc:
-            raise CheckpointError(f"{name}: {exc}") from None
+        return tensor

@@ -4,9 +4,9 @@ weight groups both readers (safetensors.py, gguf.py) share, each supplying how i
 files and reads one stored tensor.
 
 A group is one weight made of several stored tensors stacked along dim 0 (q/k/v, gate/up,
-experts): it stays FP8 where the reader and the device keep it so, stays 4-bit or 8-bit where
-one of the device's kept kernels (int4.py, int8.py: kept.py) takes every member, and is otherwise
-stacked into one plain tensor (stacking.py).
+experts): it stays quantized (4-bit, 8-bit or FP8) where one of the device's kept kernels (int4.py,
+int8.py, fp8.py: kept.py) takes every member, and is otherwise stacked into one plain tensor
+(stacking.py).
 
 `WeightSource.mapped` keeps a checkpoint's files open for reads repeated while a node serves
 (an offloaded MoE's routed experts, model/weights/experts.py): `Mapped.load` reads groups as
@@ -26,12 +26,12 @@ import torch
 
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.files import Container
-from cakemp.model.weights import fp8, kept
+from cakemp.model.weights import kept
 from cakemp.model.weights.stacking import stack_rows
 
 K = TypeVar("K")
 Shape = tuple[int, ...]
-Loaded = torch.Tensor | fp8.Fp8Weight | kept.KeptWeight
+Loaded = torch.Tensor | kept.KeptWeight
 # What a kept group's members' parts become: the weight that multiplies (kept.weight), or (a read that
 # goes on to another device first, model/weights/expert_transfer.py) the parts stacked (KeptParts.cat).
 Fuse = Callable[[list[kept.KeptParts]], kept.KeptWeight | kept.KeptParts]
@@ -45,7 +45,7 @@ class WeightSource(Protocol):
 
     @property
     def stores_kept(self) -> bool:
-        """Whether it may hold matrices of 4- or 8-bit codes, which may stay so (compute/loading.kept_kernels)."""
+        """Whether it may hold quantized matrices, which may stay so (compute/loading.kept_kernels)."""
 
     @property
     def quantized(self) -> bool:
@@ -58,12 +58,11 @@ class WeightSource(Protocol):
     def has(self, name: str) -> bool:
         """Whether it holds tensor `name` (HF's name), to tell one storage layout from another."""
 
-    def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
+    def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype,
              plus_one: frozenset[K] = frozenset(), kernels: frozenset[str] = frozenset()) -> dict[K, Loaded]:
-        """One `dtype` tensor on `device` per group (or one kept FP8, int4 or int8: `Reader.load`)."""
+        """One `dtype` tensor on `device` per group (or one kept int4, int8 or FP8 weight: `Reader.load`)."""
 
-    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
-               kernels: frozenset[str] = frozenset()) -> int:
+    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, kernels: frozenset[str] = frozenset()) -> int:
         """Bytes `load` would allocate for these groups on the device, from headers alone."""
 
     def dequantized_shapes(self, groups: dict[K, list[str]]) -> dict[K, list[Shape]]:
@@ -79,7 +78,7 @@ class Reader:
     """`load` and `nbytes` over weight groups, once for every reader. A subclass says how its files
     are opened (`_headers`, `_opened`, entered on an ExitStack) and how one stored tensor is read."""
 
-    def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
+    def load(self, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype,
              plus_one: frozenset[K] = frozenset(), kernels: frozenset[str] = frozenset()) -> dict[K, Loaded]:
         """One `dtype` tensor on `device` per group: its tensors concatenated along dim 0.
 
@@ -91,38 +90,34 @@ class Reader:
 
         Every destination is allocated once and filled by one copy_ per source tensor, which
         casts on the way, so fused weights (q/k/v) cost no extra pass over the bytes. Quantized
-        weights are dequantized (in f32, on `device`) first, unless `keep_fp8` and the group is
-        FP8 in 128x128 blocks: then it stays FP8, an `fp8.Fp8Weight`. Likewise a group of matrices
-        one of `kernels` takes (compute/loading.kept_kernels: "int4", "int8") stays quantized, an
-        `int4.Int4Weight` or `int8.Int8Weight` (others are dequantized, and why is logged once).
+        weights are dequantized (in f32, on `device`) first, unless one of `kernels`
+        (compute/loading.kept_kernels: "int4", "int8", "fp8") takes every matrix of the group: then
+        it stays quantized, a kept.KeptWeight (others are dequantized, and why is logged once).
         """
         with ExitStack() as stack:
-            return self._load(self._opened(stack, groups), groups, device, dtype, keep_fp8, plus_one, kernels)
+            return self._load(self._opened(stack, groups), groups, device, dtype, plus_one, kernels)
 
     def mapped(self, groups: dict[K, list[str]]) -> Mapped:
         return Mapped(self, groups)
 
     def _load(self, store: Any, groups: dict[K, list[str]], device: torch.device, dtype: torch.dtype,
-              keep_fp8: bool = False, plus_one: frozenset[K] = frozenset(), kernels: frozenset[str] = frozenset(),
+              plus_one: frozenset[K] = frozenset(), kernels: frozenset[str] = frozenset(),
               index: int | None = None, fuse: Fuse = kept.weight) -> dict[K, Loaded]:
         """`load` over an opened store; with `index`, matrix `index` of each (stacked) member alone; a
         kept group's members' parts made one by `fuse`."""
         out = {}
         for key, members in groups.items():
-            if keep_fp8 and index is None and self._kept_fp8(store, members):
-                out[key] = self._fp8_weight(store, members, device)
-            elif self._kept(store, members, kernels, index):
+            if self._kept(store, members, kernels, index):
                 out[key] = fuse([self._kept_parts(store, name, device, index) for name in members])
             else:
                 sources = [self._source(store, name, device, index) for name in members]
                 out[key] = stack_rows(members, sources, dtype, device, plus_one=key in plus_one)
         return out
 
-    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, keep_fp8: bool = False,
-               kernels: frozenset[str] = frozenset()) -> int:
+    def nbytes(self, groups: dict[K, list[str]], dtype: torch.dtype, kernels: frozenset[str] = frozenset()) -> int:
         """Bytes `load` would allocate for these groups on the device (from the headers): a quantized
-        weight counts as what it is loaded as: FP8 bytes or int4/int8 codes and scales where kept, else
-        the plain matrix it is dequantized into."""
+        weight counts as what it is loaded as: its kept form's codes and scales where kept, else the
+        plain matrix it is dequantized into."""
         with ExitStack() as stack:
             store = self._headers(stack, groups)
             total = 0
@@ -131,8 +126,7 @@ class Reader:
                 if shapes:
                     total += kept.resident_bytes(shapes)
                     continue
-                fp8_kept = keep_fp8 and self._kept_fp8(store, members)
-                total += sum(self._numel(store, name) for name in members) * (1 if fp8_kept else dtype.itemsize)
+                total += sum(self._numel(store, name) for name in members) * dtype.itemsize
             return total
 
     def _kept(self, store: Any, members: list[str], kernels: frozenset[str],
@@ -146,7 +140,7 @@ class Reader:
             return None
         reason = kept.fuse_reason(shapes)
         if reason is None and shapes[0].kernel not in kernels:
-            reason = f"torch's {shapes[0].kernel} matmul is not used on this device"
+            reason = f"the {shapes[0].kernel} matmul is not used on this device (compute/loading.kept_kernels)"
         if reason is not None:
             kept.dequantized(reason)
             return None
@@ -158,14 +152,6 @@ class Reader:
 
     def _opened(self, stack: ExitStack, groups: dict[K, list[str]]) -> Any:
         """What reading the groups' values needs (every name checked before any file is read)."""
-        raise NotImplementedError
-
-    def _kept_fp8(self, store: Any, members: list[str]) -> bool:
-        """Whether a group can stay FP8 (a container without FP8 weights: never)."""
-        return False
-
-    def _fp8_weight(self, store: Any, members: list[str], device: torch.device) -> fp8.Fp8Weight:
-        """A group `_kept_fp8` accepted, stacked as stored on `device`."""
         raise NotImplementedError
 
     def _kept_shapes(self, store: Any, members: list[str], index: int | None) -> list[kept.KeptShape] | None:
