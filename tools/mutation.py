@@ -128,7 +128,7 @@ MUTANTS = (
     Mutant("shared-block-written-in-place", "cakemp/compute/kv_cache.py",
            "if self._owners[table[i]] > 1:", "if False:", RUNNER),
     Mutant("freed-blocks-not-zeroed", "cakemp/compute/kv_cache.py",
-           "            self.k.index_fill_(1, ids, 0)\n            self.v.index_fill_(1, ids, 0)\n", "", RUNNER),
+           "            self.k.index_fill_(0, ids, 0)\n            self.v.index_fill_(0, ids, 0)\n", "", RUNNER),
     Mutant("decode-window-ignored", "cakemp/compute/paged_step.py",
            "            if window is not None:\n                seen &=", "            if False:\n                seen &=", RUNNER),
     Mutant("decode-sees-padding", "cakemp/compute/paged_step.py",

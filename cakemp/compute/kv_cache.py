@@ -2,7 +2,8 @@
 under one byte budget and one context limit.
 
 Every attention layer of every session keeps its K and V rows in blocks of BLOCK positions of one
-pool per device, `k, v: [H_kv, blocks, BLOCK, D]` in the compute dtype. A slot (one session's one
+pool per device, `k, v: [blocks, BLOCK, H_kv, D]` in the compute dtype (a block's rows contiguous,
+so that reading blocks and writing rows are copies along the first dimension, the fast ones). A slot (one session's one
 layer, by block_idx) is a block table: the ids of its blocks in position order, and a length.
 Position p of a slot lives at row `p % BLOCK` of block `table[p // BLOCK]`, so the pool's
 flattened row `table[p // BLOCK] * BLOCK + p % BLOCK` (its slot id) addresses it, which is how a
@@ -116,7 +117,7 @@ class KVCache:
         self.linear_shapes = linear_shapes  # held in f32 whatever the compute dtype
         self.bytes_per_linear_slot = 0 if linear_shapes is None else \
             torch.float32.itemsize * sum(math.prod(s) for s in linear_shapes)
-        self.k = torch.empty(kv_heads, 0, BLOCK, head_dim, dtype=dtype, device=device)  # [H_kv, blocks, BLOCK, D]
+        self.k = torch.empty(0, BLOCK, kv_heads, head_dim, dtype=dtype, device=device)  # [blocks, BLOCK, H_kv, D]
         self.v = torch.empty_like(self.k)
         self._owners: list[int] = []  # block id -> the tables holding it (0: free)
         self._live: list[int] = []  # block id -> the live sessions' tables holding it
@@ -244,8 +245,8 @@ class KVCache:
             if self._owners[table[i]] > 1:  # shared: the rows it keeps are copied to a block of its own
                 (copy,) = self._take(1)
                 kept = max(0, start - i * BLOCK)  # rows of the block before the write (the rest stay zero)
-                self.k[:, copy, :kept] = self.k[:, table[i], :kept]
-                self.v[:, copy, :kept] = self.v[:, table[i], :kept]
+                self.k[copy, :kept] = self.k[table[i], :kept]
+                self.v[copy, :kept] = self.v[table[i], :kept]
                 self._release([table[i]], live=True)
                 table[i] = copy
         table.extend(self._take(blocks - len(table)))
@@ -285,9 +286,9 @@ class KVCache:
         if self.max_blocks is not None:
             size = max(at_least, min(size, self.max_blocks))
         old = len(self._owners)
-        k = self.k.new_zeros(self.kv_heads, size, BLOCK, self.head_dim)
-        v = self.v.new_zeros(self.kv_heads, size, BLOCK, self.head_dim)
-        k[:, :old], v[:, :old] = self.k, self.v
+        k = self.k.new_zeros(size, BLOCK, self.kv_heads, self.head_dim)
+        v = self.v.new_zeros(size, BLOCK, self.kv_heads, self.head_dim)
+        k[:old], v[:old] = self.k, self.v
         self.k, self.v = k, v
         self._owners.extend([0] * (size - old))
         self._live.extend([0] * (size - old))
@@ -311,8 +312,8 @@ class KVCache:
                 freed.append(b)
         if freed:
             ids = torch.tensor(freed, device=self.device)
-            self.k.index_fill_(1, ids, 0)
-            self.v.index_fill_(1, ids, 0)
+            self.k.index_fill_(0, ids, 0)
+            self.v.index_fill_(0, ids, 0)
             self._used -= len(freed)
             self._free.extend(freed)
 
@@ -382,8 +383,8 @@ class KVCache:
     def rows(self, slot: KVSlot, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A slot's K and V rows [start, end), [H_kv, end - start, D] each (a copy; tests and checks)."""
         ids = torch.tensor([slot.table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)], device=self.device)
-        flat = self.kv_heads, -1, self.head_dim
-        return self.k.view(flat)[:, ids], self.v.view(flat)[:, ids]
+        flat = -1, self.kv_heads, self.head_dim
+        return self.k.view(flat)[ids].transpose(0, 1), self.v.view(flat)[ids].transpose(0, 1)
 
     def clear(self, session: int) -> None:
         """Free every block and state of `session` (unknown sessions are a no-op)."""

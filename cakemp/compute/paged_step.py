@@ -116,10 +116,10 @@ class LayerPages:
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [1, H_kv, N, D], the step's new rows, into each request's blocks."""
         cache = self.step.cache
-        flat = cache.kv_heads, -1, cache.head_dim
+        flat = -1, cache.kv_heads, cache.head_dim
         slot_ids = self.step.slot_ids[self.index]
-        cache.k.view(flat).index_copy_(1, slot_ids, k[0])
-        cache.v.view(flat).index_copy_(1, slot_ids, v[0])
+        cache.k.view(flat).index_copy_(0, slot_ids, k[0].transpose(0, 1))  # [N, H_kv, D] rows
+        cache.v.view(flat).index_copy_(0, slot_ids, v[0].transpose(0, 1))
 
     def attend(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         """q: [1, H_q, N, D] -> [1, H_q, N, D]: each row over its request's keys up to its own position
@@ -153,8 +153,8 @@ class LayerPages:
         first = table[0]
         if table[-1] - first == len(table) - 1 and table == list(range(first, first + len(table))):
             rows = slice(first * BLOCK, (first + len(table)) * BLOCK)
-            flat = 1, cache.kv_heads, -1, cache.head_dim
-            return cache.k.view(flat)[:, :, rows], cache.v.view(flat)[:, :, rows]
+            flat = -1, cache.kv_heads, cache.head_dim
+            return cache.k.view(flat)[rows].transpose(0, 1)[None], cache.v.view(flat)[rows].transpose(0, 1)[None]
         return self._gathered(self.step.tables(self.index)[i : i + 1, : len(table)])
 
     def _decode_rows(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
@@ -168,7 +168,8 @@ class LayerPages:
         cache = self.step.cache
         b, n = tables.shape
         ids = tables.reshape(-1)
-        shape = cache.kv_heads, b, n * BLOCK, cache.head_dim
-        # index_select copies whole blocks (advanced indexing goes element by element: ~10x slower on a CPU).
-        return (cache.k.index_select(1, ids).view(shape).transpose(0, 1),
-                cache.v.index_select(1, ids).view(shape).transpose(0, 1))
+        shape = b, n * BLOCK, cache.kv_heads, cache.head_dim
+        # index_select along the first dimension copies whole blocks (advanced indexing, or another
+        # dimension, goes element by element: ~10x slower on a CPU). [b, S, H_kv, D] -> a strided view.
+        return (cache.k.index_select(0, ids).view(shape).transpose(1, 2),
+                cache.v.index_select(0, ids).view(shape).transpose(1, 2))

@@ -17,10 +17,11 @@ def cache(**kwargs):
 def write(c: KVCache, session: int, block_idx: int, start: int, values: torch.Tensor) -> None:
     """Rows [start, start + n) of a slot set to `values` ([n]: each row's K all that value, V its negation)."""
     slot = c.slot(session, block_idx)
-    for i, value in enumerate(values.tolist()):
-        p = start + i
-        c.k[:, slot.table[p // BLOCK], p % BLOCK] = value
-        c.v[:, slot.table[p // BLOCK], p % BLOCK] = -value
+    with torch.inference_mode():  # as a step writes the pool
+        for i, value in enumerate(values.tolist()):
+            p = start + i
+            c.k[slot.table[p // BLOCK], p % BLOCK] = value
+            c.v[slot.table[p // BLOCK], p % BLOCK] = -value
     slot.length = max(slot.length, start + len(values))
 
 
