@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from cakemp import log
 from cakemp.errors import CakempError, WorkerUnreachable
 from cakemp.master.address import dial
-from cakemp.master.client import WorkerClient
+from cakemp.master.client import NO_KEY_HINT, WorkerClient
 from cakemp.wire import Revision
 
 # What a fresh set's key is: no request ran on it, any request may take it.
@@ -60,7 +60,8 @@ class Dialer:
                 try:
                     await asyncio.wait_for(clients[index].hello(), self.timeout)
                 except TimeoutError:  # a worker that never answers would hold a dial's place for ever
-                    raise WorkerUnreachable(f"{host} did not answer Hello within {self.timeout:g} s") from None
+                    hint = "" if self.cluster_key else NO_KEY_HINT
+                    raise WorkerUnreachable(f"{host} did not answer Hello within {self.timeout:g} s{hint}") from None
         except BaseException:
             for client in clients.values():
                 await client.close()
