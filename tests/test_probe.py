@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from cakemp.cli import cli, main
 from cakemp.demo.local_node import LocalNode, free_port
 from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
-from cakemp.errors import WorkerUnreachable
+from cakemp.errors import ProtocolError, WorkerUnreachable
 from cakemp.master.connections import Dialer
 
 KEY = "probe secret"
@@ -78,6 +78,22 @@ def test_a_master_without_the_key_is_told_the_node_expects_one(node):
     handshake and waits), ends naming the cluster key rather than as a worker that hangs."""
     with pytest.raises(WorkerUnreachable, match="did not answer Hello within 0.5 s .does it expect a cluster key"):
         asyncio.run(Dialer(timeout=0.5).connect([(0, node.address)]))
+
+
+def test_a_master_without_a_key_whose_hello_is_closed_unanswered_hears_of_the_key():
+    """A keyed node closes a connection whose handshake did not come in time (its own timeout, which may
+    come before the master's): a keyless master's dial that sees its Hello closed unanswered names the key."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def close_after_reading():
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(64)
+
+        thread = threading.Thread(target=close_after_reading, daemon=True)
+        thread.start()
+        with pytest.raises(ProtocolError, match="closed the connection.*does it expect a cluster key"):
+            asyncio.run(Dialer(timeout=5).connect([(0, f"127.0.0.1:{server.getsockname()[1]}")]))
+        thread.join(5)
 
 
 def test_nothing_listening_is_down():
