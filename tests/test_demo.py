@@ -32,3 +32,15 @@ def test_demo_runs_to_the_end_from_the_repository_root_and_from_elsewhere(tmp_pa
     elsewhere.mkdir()
     again = demo(elsewhere, cache)
     assert "(reused)" in again and "node stopped cleanly (exit status 0)" in again
+    assert "cakemp demo --checkpoint" in again
+
+
+def test_demo_checkpoint_prints_the_directory_the_demo_runs_on(tmp_path):
+    """`cakemp demo --checkpoint` builds the demo's checkpoint once and prints its directory, which holds
+    a model and its chat template, for a node of one's own."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    printed = [subprocess.run([sys.executable, "-m", "cakemp", "demo", "--checkpoint"], env=env, capture_output=True,
+                              text=True, timeout=120, check=True).stdout for _ in range(2)]
+    directory = Path(printed[0].strip())
+    assert printed[0] == printed[1] == f"{directory}\n" and directory.parent == tmp_path / "cakemp"
+    assert (directory / "config.json").is_file() and (directory / "chat_template.jinja").is_file()

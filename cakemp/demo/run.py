@@ -82,6 +82,8 @@ async def run_demo(out: TextIO = sys.stdout) -> None:
         if status != 0:
             raise NodeFailed(f"the node exited with status {status} on SIGTERM{node.log_tail()}")
         story.say("shutdown    Goodbye sent on every connection, node stopped cleanly (exit status 0)")
+        story.say('next        a node of your own on this checkpoint: README.md, "Your own node" '
+                  "(cakemp demo --checkpoint prints its directory)")
 
 
 class _Story:
