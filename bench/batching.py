@@ -9,9 +9,11 @@ one run, each with the same --threads torch threads:
 
 * the single-process worker (bench/single_worker.py: Cake's design, each connection's step
   computed on its own, inline; weights plain);
-* `cakemp run --gpus cpu:1 --max-batch 1` (cakemp computing each request alone; weights plain);
-* `cakemp run --gpus cpu:1` (batching: every waiting decode step in one step of the device;
-  f32 weights packed for MKL's GEMM).
+* `cakemp run --gpus cpu:1 --max-batch 1` (cakemp computing each request alone);
+* `cakemp run --gpus cpu:1` (batching: every waiting decode step in one step of the device).
+
+Both nodes keep f32 matrices packed for MKL's GEMM where that costs at most 1.1x their bytes
+(cakemp/model/weights/packed.py): at this shape, none.
 
 For each count of sessions (--counts), each worker in turn serves that many Cake-style
 masters (bench.pool.Session: a connection per layer, an 8-token prompt, then one Batch through
@@ -30,14 +32,13 @@ of 20 decode steps (--steps each), then in turns --prefills prompts of 512 token
 node's first block a warm-up; ratios are medians over rounds (a block of each node, back to
 back). A session alone must be no slower than before (5% allowed).
 
-With --packing, the same layers are also loaded into this process twice, the f32 weights
-plain (as `--max-batch 1` keeps them) and packed for MKL's GEMM (as a batching node does,
-cakemp/model/weights/packed.py), and one session's decode steps (--steps) and 128-token prompt chunks
+With --packing, the same layers are also loaded into this process twice, plain and as a node
+loads them (`pack_weights`, cakemp/model/weights/packed.py), and one session's decode steps (--steps) and 128-token prompt chunks
 (--prefills; the piece of a prompt a device runs per step) through BlockRunner.run are
-timed, the two alternating: what packing costs a session alone, without the node around it.
+timed, the two alternating (bench/packed_weights.py compares shapes where packing is used).
 
-With --in-process, the batched computation alone: BlockRunner.run_batch in this process, its
-f32 weights packed as the batched node's, over each count's sessions' one-token requests at
+With --in-process, the batched computation alone: BlockRunner.run_batch in this process, loaded
+as the batched node loads it, over each count's sessions' one-token requests at
 once, step after step for --seconds; and the batched node's rate over it (the target: >= 0.85x
 at 8 sessions).
 
@@ -117,9 +118,9 @@ def sweep(ports: dict[str, int], metrics_port: int, counts: list[int], seconds: 
 
 
 def in_process(model: Path, threads: int, counts: list[int], seconds: float) -> dict[int, float]:
-    """{count: tokens/s} of BlockRunner.run_batch in this process, as the batched node loads it (f32 weights
-    packed), over `count` sessions' one-token requests at once, step after step for `seconds` (after an
-    8-token prompt each, as the masters send): the same batched computation, without front, ZeroMQ or TCP."""
+    """{count: tokens/s} of BlockRunner.run_batch in this process, as the batched node loads it, over
+    `count` sessions' one-token requests at once, step after step for `seconds` (after an 8-token
+    prompt each, as the masters send): the same batched computation, without front, ZeroMQ or TCP."""
     torch.set_num_threads(threads)
     layers = [f"model.layers.{i}" for i in range(LAYERS)]
     runner = BlockRunner.load(model, layers, "cpu", torch.float32, pack_weights=True, prefix_reuse=True)
@@ -159,9 +160,9 @@ async def alone(ports: dict[str, int], steps: int, prefills: int) -> tuple[dict,
 
 
 async def packing(model: Path, threads: int, steps: int, chunks: int) -> tuple[dict, dict]:
-    """In this process, one session through BlockRunner.run with the f32 weights plain (as
-    --max-batch 1 loads them) and packed for MKL's GEMM (as a batching node does): decode step
-    and 128-token prompt chunk times in ms, the two alternating."""
+    """In this process, one session through BlockRunner.run with the f32 weights plain and as a node
+    loads them (packed where that costs little): decode step and 128-token prompt chunk times in ms,
+    the two alternating."""
     torch.set_num_threads(threads)
     layers = [f"model.layers.{i}" for i in range(LAYERS)]
     runners = {f"weights {'packed' if pack else 'plain'}": BlockRunner.load(model, layers, "cpu", torch.float32,
@@ -231,7 +232,7 @@ def main() -> None:
             local = in_process(model, args.threads, counts, args.seconds)
     print_sweep(rates, batch, counts)
     if args.in_process:
-        print(f"\nthe batched node against BlockRunner.run_batch in this process (packed weights, {args.threads} torch "
+        print(f"\nthe batched node against BlockRunner.run_batch in this process (loaded as the node, {args.threads} torch "
               f"thread(s)) over the same sessions' one-token requests, {args.seconds:g} s each")
         print(f"| sessions | in-process tokens/s | {BATCHED} | node / in-process |\n|---:|---:|---:|---:|")
         for count in counts:

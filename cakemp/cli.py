@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import os
 import sys
+from pathlib import PurePath
 
 import click
 
@@ -200,7 +201,7 @@ def generate(prompt, system_prompt, raw, max_tokens, temperature, top_k, top_p, 
 @_flag("--address", default="127.0.0.1:8080", envvar="CAKEMP_SERVE_ADDRESS",  # not `cakemp run`'s CAKEMP_ADDRESS
        help="host:port the API listens on (port 0: any free one).")
 @_flag("--model-id", help="The model's name in the API (/v1/models, requests' `model`) [default: the model "
-       "directory's name, or the Hugging Face id --model gives].")
+       "directory's name, a GGUF file's name without .gguf, or the Hugging Face id --model gives].")
 @_flag("--max-tokens", type=click.IntRange(min=1), default=2048,
        help="Most tokens a request may ask for (more: 400), and what it gets when it names no max_tokens (cut to "
        "the context left).")
@@ -226,14 +227,17 @@ def serve(address, model_id, max_tokens, repeat_penalty, repeat_last_n, max_body
     from cakemp.master.serve import ServeOptions, serve_api
 
     log.configure(log_format, log_level)
-    options = ServeOptions(address, model_id or _model_name(cluster["model"]), max_tokens, repeat_penalty,
+    options = ServeOptions(address, model_id or api_model_name(cluster["model"]), max_tokens, repeat_penalty,
                            repeat_last_n, max_body_kib * 1024, max_waiting, chat_template_seconds,
                            share_prefixes_across_clients)
     _run_or_exit(serve_api(_open_generator(**cluster, max_concurrent=max_concurrent), options))
 
 
-def _model_name(model: str) -> str:
-    """The API's name for `--model`: a directory's own name, or the Hugging Face id as given."""
+def api_model_name(model: str) -> str:
+    """The API's name for `--model`: a directory's own name, a GGUF file's (a path or a repository's
+    file) without `.gguf`, or the Hugging Face id as given."""
+    if model.endswith(".gguf"):
+        return PurePath(model).stem
     return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
 
 
@@ -278,8 +282,15 @@ def probe(address, cluster_key, as_json, timeout, protocol, metrics_address) -> 
 
 
 @cli.command()
-def demo() -> None:
-    """Run a synthetic model through a local two-device node, no download needed (about a minute)."""
+@_flag("--checkpoint", "checkpoint_only", is_flag=True,
+       help="Only build (once) the demo's checkpoint and print its directory, for a node of your own.")
+def demo(checkpoint_only: bool) -> None:
+    """Run a synthetic model through a local two-device node, no download needed (about 15 s)."""
+    if checkpoint_only:
+        from cakemp.demo.synthetic import demo_checkpoint
+
+        click.echo(demo_checkpoint())
+        return
     from cakemp.demo.run import run_demo
 
     _run_or_exit(run_demo())

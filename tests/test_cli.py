@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
 from cakemp.front.config import KEY_PLACEHOLDER
 from tests.support.hub_cache import write_snapshot
 from tests.support.node import write_topology
@@ -111,6 +112,20 @@ def test_a_node_open_beyond_loopback_without_key_or_allow_list_warns_at_start(tm
     warning = next(json.loads(line) for line in result.stdout.splitlines() if "any peer that reaches" in line)
     assert (warning["level"], warning["address"]) == ("warning", "0.0.0.0:0")
     assert_config_error(result, "no-model")
+
+
+def test_a_layer_the_checkpoint_lacks_exits_78_before_any_device_starts(tmp_path):
+    """A topology entry naming layers past the checkpoint's is refused from config.json, naming them and
+    the layers there are, before a device process is started (none logs "device layers")."""
+    (tmp_path / "model").mkdir()
+    write_checkpoint(tmp_path / "model", SyntheticSpec(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                                       num_attention_heads=4, num_key_value_heads=2))
+    topology = write_topology(tmp_path / "topology.yml", ["model.layers.1-3"], name="w1")
+    result = cakemp_run("--name", "w1", "--topology", str(topology), "--model", str(tmp_path / "model"),
+                        "--gpus", "cpu", "--address", "127.0.0.1:0")
+    assert_config_error(result, "topology entry 'w1' names model.layers.2-3, which")
+    assert "its layers: model.layers.0..model.layers.1" in result.stderr
+    assert "device layers" not in result.stdout
 
 
 def test_unknown_name_in_a_topology_of_several_entries_exits_78(tmp_path):

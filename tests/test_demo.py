@@ -19,7 +19,8 @@ def demo(cwd: Path, cache: Path) -> str:
 
 def test_demo_runs_to_the_end_from_the_repository_root_and_from_elsewhere(tmp_path):
     """From the repository's root the demo builds its checkpoint in the cache, generates through a node,
-    passes its check and stops the node; from another directory it does the same on the cached checkpoint."""
+    passes its check and stops the node; from another directory it does the same on the cached checkpoint,
+    which `cakemp demo --checkpoint` names."""
     cache = tmp_path / "cache"
     out = demo(REPOSITORY, cache)
     assert "synthetic" in out and "gibberish" in out
@@ -32,3 +33,11 @@ def test_demo_runs_to_the_end_from_the_repository_root_and_from_elsewhere(tmp_pa
     elsewhere.mkdir()
     again = demo(elsewhere, cache)
     assert "(reused)" in again and "node stopped cleanly (exit status 0)" in again
+    assert "cakemp demo --checkpoint" in again
+    # --checkpoint prints the directory the demo ran on, with its chat template, for a node of one's own
+    printed = subprocess.run([sys.executable, "-m", "cakemp", "demo", "--checkpoint"], capture_output=True, text=True,
+                             env={**os.environ, "XDG_CACHE_HOME": str(cache)}, timeout=120, check=True).stdout
+    directory = Path(printed.strip())
+    assert f"checkpoint  {directory} (reused)" in again and printed == f"{directory}\n"
+    assert (directory / "chat_template.jinja").is_file()
+

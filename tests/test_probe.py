@@ -14,6 +14,8 @@ from click.testing import CliRunner
 from cakemp.cli import cli, main
 from cakemp.demo.local_node import LocalNode, free_port
 from cakemp.demo.synthetic import SyntheticSpec, write_checkpoint
+from cakemp.errors import ProtocolError, WorkerUnreachable
+from cakemp.master.connections import Dialer
 
 KEY = "probe secret"
 
@@ -69,6 +71,29 @@ def test_no_key_against_a_keyed_node_times_out(node):
     result = probe(node.address, "--timeout", "0.5")
     assert result.exit_code == 3
     assert result.stderr.count("\n") == 1 and "expect a cluster key" in result.stderr
+
+
+def test_a_master_without_the_key_is_told_the_node_expects_one(node):
+    """A master's dial without a key, against a keyed node (which takes the Hello for the start of the
+    handshake and waits), ends naming the cluster key rather than as a worker that hangs."""
+    with pytest.raises(WorkerUnreachable, match="did not answer Hello within 0.5 s .does it expect a cluster key"):
+        asyncio.run(Dialer(timeout=0.5).connect([(0, node.address)]))
+
+
+def test_a_master_without_a_key_whose_hello_is_closed_unanswered_hears_of_the_key():
+    """A keyed node closes a connection whose handshake did not come in time (its own timeout, which may
+    come before the master's): a keyless master's dial that sees its Hello closed unanswered names the key."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def close_after_reading():
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(64)
+
+        thread = threading.Thread(target=close_after_reading, daemon=True)
+        thread.start()
+        with pytest.raises(ProtocolError, match="closed the connection.*does it expect a cluster key"):
+            asyncio.run(Dialer(timeout=5).connect([(0, f"127.0.0.1:{server.getsockname()[1]}")]))
+        thread.join(5)
 
 
 def test_nothing_listening_is_down():

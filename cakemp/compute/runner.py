@@ -179,9 +179,9 @@ class BlockRunner:
     ) -> BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
 
-        `pack_weights`: on the CPU, keep f32 matrices packed for MKL's GEMM beside their plain
-        copy (model/weights/packed.py): batched decode steps and prompt chunks then cost far less, at
-        twice the weights' memory.
+        `pack_weights`: on the CPU, keep f32 matrices packed for MKL's GEMM instead of plain where
+        that costs at most 1.1x their bytes (model/weights/packed.py): decode steps, batched ones
+        most, and prompt chunks then cost less.
 
         `keep_int4`: keep 4-bit and 8-bit matrices so where torch's int4/int8 matmuls take them
         (compute/loading.kept_kernels); False dequantizes them all (--dequantize-4bit).
@@ -469,10 +469,11 @@ def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[in
 
 
 def _pack_matrices(weights: dict[tuple[str, str], Any]) -> None:
-    """On the CPU, f32 matrices also packed for MKL's GEMM, once, at load (model/weights/packed.py says why)."""
+    """On the CPU, f32 matrices packed for MKL's GEMM instead, once, at load, where that costs little
+    memory (model/weights/packed.py says why)."""
     for (layer, key), tensor in weights.items():
         if key in MATRICES and isinstance(tensor, torch.Tensor) and packed.packable(tensor):
-            weights[layer, key] = packed.PackedWeight.create(tensor)
+            weights[layer, key] = packed.packed_or_plain(tensor)
 
 
 def _held_bytes(weight: object) -> int:

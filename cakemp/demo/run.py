@@ -24,7 +24,7 @@ from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute.runner import BlockRunner
 from cakemp.compute.tensors import compute_dtype
 from cakemp.demo.local_node import LocalNode, NodeFailed, free_port
-from cakemp.demo.synthetic import SyntheticSpec, demo_checkpoint, demo_dir
+from cakemp.demo.synthetic import DEMO, demo_checkpoint, demo_dir
 from cakemp.errors import NodeFault
 from cakemp.master.generator import Generator
 from cakemp.master.sampler import SamplingParams
@@ -82,6 +82,8 @@ async def run_demo(out: TextIO = sys.stdout) -> None:
         if status != 0:
             raise NodeFailed(f"the node exited with status {status} on SIGTERM{node.log_tail()}")
         story.say("shutdown    Goodbye sent on every connection, node stopped cleanly (exit status 0)")
+        story.say('next        a node of your own on this checkpoint: README.md, "Your own node" '
+                  "(cakemp demo --checkpoint prints its directory)")
 
 
 class _Story:
@@ -101,10 +103,9 @@ class _Story:
 
 def _checkpoint(story: _Story) -> tuple[Path, ModelConfig]:
     """The synthetic checkpoint (built once, then reused) and its config."""
-    spec = SyntheticSpec()
-    cached = demo_dir(spec).is_dir()
+    cached = demo_dir(DEMO).is_dir()
     start = time.perf_counter()
-    model_dir = demo_checkpoint(spec)
+    model_dir = demo_checkpoint(DEMO)
     built = "reused" if cached else f"built in {time.perf_counter() - start:.1f} s"
     config = ModelConfig.from_dir(model_dir)
     story.say(

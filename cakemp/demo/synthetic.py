@@ -2,9 +2,11 @@
 
 The checkpoint has the layout of a real Hugging Face Llama export: `config.json`
 (LlamaForCausalLM), seeded random bf16 weights sharded into several safetensors files with a
-`model.safetensors.index.json`, and a byte-level BPE `tokenizer.json` that adds `<s>` in
-front of every prompt. The weights are random, so generated text is gibberish; everything
-else (shapes, names, GQA, tokenizer) is what a real model gives the code paths.
+`model.safetensors.index.json`, a byte-level BPE `tokenizer.json` that adds `<s>` in front of
+every prompt and, in the demo's checkpoint, a chat template (`chat_template.jinja`) as instruct
+models ship one, so that `cakemp generate` and `cakemp serve`'s chat route take it. The weights
+are random, so generated text is gibberish; everything else (shapes, names, GQA, tokenizer) is
+what a real model gives the code paths.
 
 `demo_checkpoint()` builds it once into the user's cache directory and reuses it after.
 """
@@ -45,6 +47,18 @@ its weights were random, so every sentence it said was a happy jumble of words a
 of words. It said hello to the world, and the world said hello back, one token at a time.
 """
 
+# A chat template in the form instruct models ship it: each turn opened by its role, closed by the
+# end token (so a generated answer stops at `</s>`), then the assistant's turn opened.
+CHAT_TEMPLATE = """\
+{{- bos_token }}
+{%- for message in messages %}
+    {{- '<|' + message.role + '|>\\n' + message.content | trim + eos_token + '\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|assistant|>\\n' }}
+{%- endif %}
+"""
+
 
 @dataclass(frozen=True)
 class SyntheticSpec:
@@ -62,14 +76,19 @@ class SyntheticSpec:
     tie_word_embeddings: bool = False
     shards: int = 2
     seed: int = 20260303
+    chat_template: bool = False  # write CHAT_TEMPLATE as chat_template.jinja
 
     def version_hash(self) -> str:
         """A short digest of everything that decides the written files."""
         key = json.dumps(
-            {"format": FORMAT_VERSION, "spec": dataclasses.asdict(self), "corpus": CORPUS},
+            {"format": FORMAT_VERSION, "spec": dataclasses.asdict(self), "corpus": CORPUS, "template": CHAT_TEMPLATE},
             sort_keys=True,
         )
         return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+# The demo's checkpoint: the default shape, with a chat template.
+DEMO = SyntheticSpec(chat_template=True)
 
 
 def cache_root() -> Path:
@@ -83,7 +102,7 @@ def demo_dir(spec: SyntheticSpec) -> Path:
     return cache_root() / f"demo-{spec.version_hash()}"
 
 
-def demo_checkpoint(spec: SyntheticSpec = SyntheticSpec()) -> Path:
+def demo_checkpoint(spec: SyntheticSpec = DEMO) -> Path:
     """The cached checkpoint for `spec`, written first if it is not there yet."""
     final = demo_dir(spec)
     if final.is_dir():
@@ -134,6 +153,8 @@ def write_checkpoint(directory: Path, spec: SyntheticSpec = SyntheticSpec()) -> 
         json.dumps({"bos_token": BOS, "eos_token": EOS, "model_max_length": spec.max_position_embeddings,
                     "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n"
     )
+    if spec.chat_template:
+        (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     _write_shards(directory, _weights(spec, vocab_size, _unprintable(tokenizer)), spec.shards)
 
 

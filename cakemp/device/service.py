@@ -73,7 +73,6 @@ class DeviceService:
         runner = BlockRunner.load(
             spec.checkpoint_path, spec.parts, device, tensors.compute_dtype(spec.dtype),
             kv_budget_bytes=spec.kv_budget_bytes, max_context=spec.max_context, on_layer=on_layer,
-            pack_weights=spec.max_batch > 1,  # twice the weight memory, worth it only where steps batch
             prefix_reuse=spec.prefix_reuse, share_prefixes=spec.share_prefixes, keep_int4=spec.keep_int4,
             expert_cache_bytes=spec.expert_cache_bytes,
             quantize=None if spec.quantize is None else Rounding(spec.quantize, spec.quantize_group),

@@ -208,7 +208,7 @@ class NodeConfig:
     quantize: str | None = knob(
         "--quantize", None, click.Choice(["int8", "int4"]), "Round a plain (f32, bf16, f16) checkpoint's matrices "
         "at load, to nearest, into int8 (one scale a row) or int4 (--quantize-group inputs a scale and zero) for "
-        "torch's CPU kernels: 0.27-0.5 of the bf16 memory, and the results change (README, Quantize on load).")
+        "torch's CPU kernels: 0.27-0.5 of the bf16 memory, and the results change (docs/checkpoints.md, Quantize on load).")
     quantize_group: int = knob(
         "--quantize-group", "128", click.Choice(["32", "64", "128"]), "Inputs per scale and zero of --quantize int4.",
         convert=int)

@@ -417,6 +417,12 @@ def _judge(config: NodeConfig) -> tuple[Admission, frozenset[str]]:
     if model.model_type != config.workload.model_type:
         raise CheckpointError(f"{config.checkpoint_path}: {model.architecture} layers are served with --model-type "
                               f"{model.model_type}, not {config.workload.model_type}")
+    # Here, before any device process starts, rather than in each device's load.
+    missing = [layer for layer in config.parts if model.layer_index(layer) is None]
+    if missing:
+        raise ConfigError(f"topology entry '{config.name}' names {', '.join(collapse_layers(missing))}, which "
+                          f"{config.checkpoint_path} does not have (its layers: {model.layer_name(0)}.."
+                          f"{model.layer_name(model.num_hidden_layers - 1)})")
     recurrent = frozenset(layer for layer in config.parts if model.layer_index(layer) in model.linear_layers)
     return LayerAdmission.for_model(model, config.parts, config.max_context), recurrent
 

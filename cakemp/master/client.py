@@ -35,6 +35,11 @@ from cakemp.wire import (
     encode_frame,
 )
 
+# What a master without a key tells of a worker that never answered its Hello: a node started with
+# a key reads a Hello frame as the start of the handshake's 32 bytes and waits for the rest.
+NO_KEY_HINT = (" (does it expect a cluster key? A node started with one waits for the handshake before any Hello:"
+               " give CAKE_CLUSTER_KEY the same key here)")
+
 
 class WorkerClient:
     """One connection to a Cake worker. Requests are serialized: each waits for its reply

@@ -38,9 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cakemp import log
-from cakemp.errors import CakempError, WorkerUnreachable
+from cakemp.errors import CakempError, ProtocolError, WorkerUnreachable
 from cakemp.master.address import dial
-from cakemp.master.client import WorkerClient
+from cakemp.master.client import NO_KEY_HINT, WorkerClient
 from cakemp.wire import Revision
 
 # What a fresh set's key is: no request ran on it, any request may take it.
@@ -71,10 +71,13 @@ class Dialer:
             for index, host in hosts:
                 clients[index] = await dial(host, cluster_key=self.cluster_key, revision=self.revision,
                                             timeout=self.timeout)
+                hint = "" if self.cluster_key else NO_KEY_HINT
                 try:
                     await asyncio.wait_for(clients[index].hello(), self.timeout)
                 except TimeoutError:  # a worker that never answers would hold a dial's place for ever
-                    raise WorkerUnreachable(f"{host} did not answer Hello within {self.timeout:g} s") from None
+                    raise WorkerUnreachable(f"{host} did not answer Hello within {self.timeout:g} s{hint}") from None
+                except ProtocolError as exc:  # a keyed node closes a handshake that never comes after its own timeout
+                    raise ProtocolError(f"{exc}{hint}") from None
         except BaseException:
             for client in clients.values():
                 await client.close()

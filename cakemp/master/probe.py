@@ -12,6 +12,7 @@ import urllib.request
 from cakemp.address import parse_address
 from cakemp.errors import ProtocolError, RemoteWorkerError, WorkerUnreachable
 from cakemp.master.address import dial
+from cakemp.master.client import NO_KEY_HINT
 from cakemp.wire import Revision, WorkerInfo
 
 
@@ -27,7 +28,7 @@ async def probe(
     try:
         return await asyncio.wait_for(client.hello(), timeout)
     except TimeoutError:
-        hint = "" if cluster_key else " (does it expect a cluster key?)"
+        hint = "" if cluster_key else NO_KEY_HINT
         raise ProtocolError(f"{address} did not answer Hello within {timeout:g} s{hint}") from None
     except RemoteWorkerError as exc:
         raise ProtocolError(f"{address} answered Hello with an error: {exc}") from None

@@ -6,7 +6,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from cakemp.demo.synthetic import SyntheticSpec, cache_root, demo_checkpoint, write_checkpoint
+from cakemp.demo.synthetic import DEMO, EOS, SyntheticSpec, cache_root, demo_checkpoint, write_checkpoint
+from cakemp.master.chat import ChatTemplate, conversation
 
 SMALL = SyntheticSpec(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, shards=3)
@@ -119,3 +120,19 @@ def test_attention_depends_on_position(tmp_path):
         outputs.append(runner.run(session, step, runner.ops([("model.layers.0", 12, 0)])))
     update = (outputs[0] - step).abs().max()  # what the layer adds to the residual stream
     assert (outputs[0] - outputs[1]).abs().max() > 0.2 * update
+
+
+def test_the_demos_checkpoint_has_a_chat_template_rendered_as_transformers_renders_it(tmp_path):
+    """The demo's checkpoint ships a chat template (so `cakemp serve`'s chat route answers on it): its
+    ids are transformers' apply_chat_template's, and the turn before the answer ends in the end token."""
+    transformers = pytest.importorskip("transformers")
+    write_checkpoint(tmp_path, dataclasses.replace(SMALL, chat_template=DEMO.chat_template))
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    messages = [*conversation("Be brief.", "hello"), {"role": "assistant", "content": "hi"},
+                {"role": "user", "content": "and then?"}]
+    ours = ChatTemplate.load(tmp_path, tokenizer)
+    assert ours is not None
+    expected = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ours.encode(messages) == expected
+    assert ours.render(messages).endswith(f"and then?{EOS}\n<|assistant|>\n")

@@ -28,6 +28,7 @@ from cakemp.master.gguf_tokenizer import gguf_chat_template, gguf_eos_ids, gguf_
 from cakemp.master.sampler import SamplingParams
 from cakemp.topology import Topology
 from tests.support.gguf_files import GgufSpec, needs_gguf, write_gguf
+from tests.support.node import LoggedProcess
 
 pytestmark = needs_gguf
 transformers = pytest.importorskip("transformers")
@@ -145,6 +146,27 @@ def test_cakemp_generate_through_a_node_serving_the_file_prints_transformers_gre
     eos = theirs.convert_tokens_to_ids(EOS)
     shown = expected[: expected.index(eos)] if eos in expected else expected
     assert result.stdout == PROMPT + theirs.decode(shown) + "\n"
+
+
+def test_cakemp_serve_names_the_model_by_the_files_stem(path, hf):
+    """`cakemp serve --model tiny-llama.gguf` (every layer here) serves it as "tiny-llama": the name
+    /v1/models lists and a chat naming it is answered with transformers' greedy tokens."""
+    openai = pytest.importorskip("openai")
+    model, theirs = hf
+    server = LoggedProcess(["serve", "--model", str(path), "--dtype", "f32", "--address", "127.0.0.1:0",
+                            "--repeat-penalty", "1", "--log-format", "json"], ready="api listening")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["tiny-llama"]
+        messages = [{"role": "user", "content": PROMPT}]
+        answer = client.chat.completions.create(model="tiny-llama", messages=messages, temperature=0, max_tokens=STEPS)
+    finally:
+        assert server.stop() == 0
+    ids = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = list(hf_greedy(model, ids, STEPS))
+    eos = theirs.convert_tokens_to_ids(EOS)
+    assert answer.choices[0].message.content == theirs.decode(expected[: expected.index(eos)] if eos in expected
+                                                              else expected)
 
 
 def test_a_tokenizer_not_built_is_refused_by_name(tmp_path):

@@ -1,9 +1,12 @@
-"""PackedWeight: MKL's packed GEMM gives F.linear's products for any batch size, or weights stay plain."""
+"""PackedWeight: MKL's packed GEMM gives F.linear's products for any batch size, kept only where it costs
+little memory, or weights stay plain."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from cakemp.compute.runner import BlockRunner
+from cakemp.demo.synthetic import write_checkpoint
 from cakemp.model.linear import linear
 from cakemp.model.weights import packed
 from tests.support.tolerance import assert_close
@@ -35,3 +38,30 @@ def test_only_f32_cpu_matrices_are_packed():
     assert not packed.packable(torch.randn(8, 8, dtype=torch.bfloat16))
     assert not packed.packable(torch.randn(8))
     assert packed.packable(torch.randn(8, 8)) == packed.packing_works()
+
+
+@needs_mkl
+def test_a_matrix_is_kept_packed_only_where_that_costs_at_most_a_tenth_more():
+    """A [6144, 4096] matrix (Llama-3-8B's fused q/k/v) is kept packed alone, its packed buffer at most
+    1.1x its plain bytes; a [256, 256] one, whose packed buffer would hold 20x its bytes, stays plain."""
+    big = torch.randn(6144, 4096)
+    kept = packed.packed_or_plain(big)
+    assert isinstance(kept, packed.PackedWeight) and kept.shape == big.shape
+    assert [name for name, part in vars(kept).items() if isinstance(part, torch.Tensor)] == ["packed"]
+    assert kept.packed.nbytes <= packed.MAX_GROWTH * big.nbytes
+    x = torch.randn(1, 3, 4096)
+    assert_close(linear(x, kept), F.linear(x, big))
+    small = torch.randn(256, 256)
+    assert packed.packed_or_plain(small) is small
+    assert packed.PackedWeight.create(small).packed.nbytes > 10 * small.nbytes
+
+
+@needs_mkl
+def test_a_batching_runners_weights_on_the_demos_shape_hold_their_plain_bytes(tmp_path):
+    """The demo's checkpoint in f32, loaded as a batching CPU device loads it (pack_weights), holds what
+    the plain weights hold: none of its small matrices is worth MKL's packed layout."""
+    write_checkpoint(tmp_path)
+    layers = [f"model.layers.{i}" for i in range(6)]
+    plain, batching = (BlockRunner.load(tmp_path, layers, "cpu", torch.float32, pack_weights=pack).weight_bytes
+                       for pack in (False, True))
+    assert batching == plain

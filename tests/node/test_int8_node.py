@@ -15,7 +15,7 @@ reports its weights hold against the zero-config master's rule (checkpoint/resid
 
 from __future__ import annotations
 
-from tests.node.test_int4_node import UNPACKED, check_kept, check_weight_bytes
+from tests.node.test_int4_node import KEPT, check_kept, check_weight_bytes
 from tests.support.checkpoints import make_checkpoint
 from tests.support.int4_checkpoints import gptq_reference, random_gptq
 from tests.support.quantized import mlx_checkpoint, needs_mlx
@@ -24,7 +24,7 @@ from tests.support.tolerance import INT8_KEPT_REL
 
 
 def served_against_reference(path, reference, tmp_path) -> None:
-    node = start(path, tmp_path, flags=UNPACKED)
+    node = start(path, tmp_path, flags=KEPT)
     try:
         check_kept(node, path, reference, INT8_KEPT_REL)
         check_weight_bytes(node, path)

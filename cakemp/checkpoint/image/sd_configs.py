@@ -51,7 +51,7 @@ def _clip(hidden: int, layers: int, heads: int, act: str) -> dict[str, Any]:
 
 
 # candle's Activation::Gelu is written "gelu" here, as the hub's config.json files write it;
-# sd.py turns it into the tanh approximation candle computes (README, "Image components").
+# sd.py turns it into the tanh approximation candle computes (docs/components.md, Image components).
 _XL_CLIP = _clip(768, 12, 12, "quick_gelu")
 CLIPS: dict[str, dict[str, Any]] = {
     "v1-5": _XL_CLIP, "v2-1": _clip(1024, 23, 16, "gelu"), "xl": _XL_CLIP, "turbo": _XL_CLIP,
