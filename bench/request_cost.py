@@ -19,12 +19,15 @@ by thread: its main thread, and ZeroMQ's I/O threads
 (ZMQbg/IO/0), whose work (moving frames between sockets) py-spy does not see.
 
 Then, for each count, a profile of each live process while the sessions decode: py-spy record
---format raw --nonblocking on the front's pid and the device's, --profile-seconds each, both at
-once; each sample is put in the stage of its innermost frame that some rule of STAGES names
+--format raw --nonblocking --gil on the front's pid and the device's, --profile-seconds each, both
+at once; each sample is put in the stage of its innermost frame that some rule of STAGES names
 (the file it is in), and each stage's share of the samples times the CPU µs per request of the
 process's main thread (where its Python runs) is printed as its µs per request, then each
-process's --top innermost frames and their shares. py-spy counts only samples of threads
-running Python or C code, not waiting in select or recv, so a share is a share of CPU time.
+process's --top innermost frames and their shares. With --gil, py-spy counts only samples of the
+thread holding the GIL, so a share is a share of the Python thread's own work: without it, a
+thread preempted inside a syscall was counted as running there (a ZeroMQ send, whose write to its
+I/O thread's eventfd let that thread run first, took ~200 µs of wall time for ~25 µs of CPU and
+showed as half the front's samples).
 
 Then --prompts prompts of --prompt tokens (0: none), each a fresh session's one Batch from
 position 0 through both layers, through each node and in this process, taking turns: the wall
@@ -231,7 +234,7 @@ async def profile(port: int, pids: dict[str, int], count: int, seconds: int,
     """{process: samples by stage, and by innermost frame} from py-spy on each live process while `count` sessions decode."""
     sessions = [await Session.open(port, HIDDEN, LAYERS) for _ in range(count)]
     outputs = {name: workdir / f"{name}.raw" for name in pids}
-    spies = [subprocess.Popen(["py-spy", "record", "--format", "raw", "--nonblocking", "--rate", "500",
+    spies = [subprocess.Popen(["py-spy", "record", "--format", "raw", "--nonblocking", "--gil", "--rate", "500",
                                "--duration", str(seconds), "--pid", str(pid), "--output", str(outputs[name])],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name, pid in pids.items()]
 

@@ -30,8 +30,9 @@ from cakemp.ipc import Clear, End
 from cakemp.ipc.spec import chunk_bounds
 
 # After a step, the device waits for its sessions' next requests at most this fraction of the
-# step's time, and never more than GATHER_MAX_S.
+# step's time, but at least GATHER_MIN_S, and never more than GATHER_MAX_S.
 GATHER_FRACTION = 0.25
+GATHER_MIN_S = 0.005
 GATHER_MAX_S = 0.02
 
 
@@ -148,7 +149,9 @@ class Gathering:
     would split into cohorts taking turns. So the device waits for them, but only briefly
     (GATHER_FRACTION of the last step's time, at most GATHER_MAX_S: 16 sessions' requests took
     more than 5 ms to come back through the front and a master on 2 vCPUs, and half of them then
-    missed each step), and only for sessions that came back that fast last time: a Cake master
+    missed each step; at least GATHER_MIN_S: after a step of a millisecond, 8 sessions took 2 to
+    5 ms to come back there, and a quarter of the step split them into cohorts of about 4), and
+    only for sessions that came back that fast last time: a Cake master
     whose other layers run on other workers returns long after, and waiting for it would only
     delay the others. A session that does not come back within a step is no longer awaited.
     """
@@ -166,7 +169,7 @@ class Gathering:
 
     def stepped(self, sessions: set[int], step_s: float, now: float) -> None:
         """A step of `sessions` took `step_s` and was answered at `now`."""
-        self.window_s = min(GATHER_FRACTION * step_s, GATHER_MAX_S)
+        self.window_s = min(max(GATHER_FRACTION * step_s, GATHER_MIN_S), GATHER_MAX_S)
         self._answered = dict.fromkeys(sessions, now)
 
     def owed(self) -> bool:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from cakemp.device.scheduler import GATHER_FRACTION, GATHER_MAX_S, Gathering, Scheduler
+from cakemp.device.scheduler import GATHER_FRACTION, GATHER_MAX_S, GATHER_MIN_S, Gathering, Scheduler
 from cakemp.ipc import Clear, End
 
 
@@ -94,19 +94,21 @@ def test_the_waiting_sessions_are_known():
 
 
 def test_a_step_awaits_its_sessions_only_while_they_come_back_within_the_window():
-    """After a 20 ms step the window is 5 ms: sessions not back are awaited until they show they take
+    """After a 40 ms step the window is 10 ms: sessions not back are awaited until they show they take
     longer than that (a master busy with other workers), and a session that skipped a step is dropped."""
     gathering = Gathering()
     assert gathering.awaited() == set() and gathering.window_s == 0.0
-    gathering.stepped({1, 2, 3}, step_s=0.020, now=10.0)
-    assert gathering.window_s == pytest.approx(GATHER_FRACTION * 0.020)
+    gathering.stepped({1, 2, 3}, step_s=0.040, now=10.0)
+    assert gathering.window_s == pytest.approx(GATHER_FRACTION * 0.040)
     assert gathering.awaited() == {1, 2, 3}  # never seen leaving before: assumed quick
     gathering.arrived(1, now=10.001)  # back in 1 ms
     gathering.arrived(2, now=10.050)  # back in 50 ms: slower than the window
     assert gathering.awaited() == {3}
-    gathering.stepped({1, 2}, step_s=0.020, now=11.0)  # 3 did not come back: no longer awaited
+    gathering.stepped({1, 2}, step_s=0.040, now=11.0)  # 3 did not come back: no longer awaited
     assert gathering.awaited() == {1}
     gathering.stepped({1, 2}, step_s=1.0, now=12.0)  # a long step: the window is capped
     assert gathering.window_s == GATHER_MAX_S
+    gathering.stepped({1, 2}, step_s=0.001, now=12.5)  # a short one: it has a floor
+    assert gathering.window_s == GATHER_MIN_S
     gathering.ended(1)  # its connection closed
     assert gathering.awaited() == set()  # 2 took 50 ms last time, past even the capped window
