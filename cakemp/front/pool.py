@@ -102,6 +102,7 @@ class DevicePool:
         """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind.
         `workload`: whether requests keep state and are cut into chunks of `prefill_chunk` tokens."""
         self.specs = tuple(specs)
+        self._labels = tuple(spec.label for spec in self.specs)  # as metrics and logs name each device
         self._router = Router([spec.parts for spec in self.specs])
         self._device_main = device_main  # the spawn target: the front never imports the device package
         self.failed = asyncio.Event()  # set when a device could not be restarted; `failure` says why
@@ -198,7 +199,7 @@ class DevicePool:
         return await self._control(device, session, End(session, next(self._request_ids)))
 
     def label(self, device: int) -> str:
-        return self.specs[device].label
+        return self._labels[device]
 
     def waiting(self, device: int) -> int:
         """Requests owed by `device` now."""
