@@ -100,7 +100,8 @@ class Workload:
 
     @property
     def chunked(self) -> bool:
-        """A request longer than --prefill-chunk tokens is cut into chunks that follow each other down the route."""
+        """A request longer than --prefill-chunk tokens is cut into chunks: by the front where its route
+        spans devices (they follow each other down the route), else by its device, one a step."""
         return self.image is None
 
     @property
@@ -133,7 +134,7 @@ class DeviceSpec:
     kv_budget_bytes: int | None = None
     max_context: int | None = None
     max_batch: int = MAX_BATCH  # requests run together in one step at most
-    prefill_chunk: int = PREFILL_CHUNK  # prefill tokens per step (beyond the first chunk); the front's chunk size
+    prefill_chunk: int = PREFILL_CHUNK  # prefill tokens per step (beyond the first chunk); the chunk size
     threads: int | None = None  # torch intra-op threads (None: torch's default, one per core)
     cpus: tuple[int, ...] | None = None  # the cores the process is pinned to (--pin-cpus; None: not pinned)
     poll_s: float = 0.0  # owed a request, look at the socket this long before sleeping (--device-poll-ms)
