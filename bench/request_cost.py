@@ -11,12 +11,13 @@ Batches each per window; between windows every session starts over (a Goodbye an
 outside the window), so contexts stay short. CPU time is each thread's sum_exec_runtime
 (/proc/<pid>/task/<tid>/schedstat, in ns; utime and stime tick at 10 ms), what the machine's load
 does not inflate much, unlike wall time, of the front process and of its device process, over
-each window, divided by the requests in it. Each window is followed by the same compute in this process: BlockRunner.run_batch over the same layers (loaded as the node's
-device loads them: f32 weights packed, no prefix reuse), one torch thread, on the same number of
-sessions' one-token requests, its CPU time (time.process_time) per request. --rounds windows
-of each, alternating; figures are sums over all of them. Each process's CPU time is also split
-by thread: its main thread, and ZeroMQ's I/O threads
-(ZMQbg/IO/0), whose work (moving frames between sockets) py-spy does not see.
+each window, divided by the requests in it. Each window is followed by the same compute in this
+process: BlockRunner.run_batch over the same layers (loaded as the node's device loads them: f32
+weights packed, no prefix reuse), one torch thread, on the same number of sessions' one-token
+requests, its CPU time (time.process_time) per request. --rounds windows of each, alternating;
+figures are sums over all of them. Each process's CPU time is also split by thread: its main
+thread, and ZeroMQ's I/O threads (ZMQbg/IO/0), whose work (moving frames between sockets) py-spy
+does not see.
 
 Then, for each count, a profile of each live process while the sessions decode: py-spy record
 --format raw --nonblocking --gil on the front's pid and the device's, --profile-seconds each, both

@@ -43,7 +43,7 @@ from cakemp.ipc.message import MESSAGES
 from tests.support.spelling import identifiers
 
 ROUTE = (Stage(0, 3, (Op(0, 5, 12), Op(1, 5, 13))), Stage(2, 1, (Op(0, 5, 14),)))
-TEXT = "position 70 is past the context limit of 64 positions".encode()
+TEXT = b"position 70 is past the context limit of 64 positions"
 MESSAGES_BY_HAND = [
     Hops((Hop(7, 42, 4, 3 * 64 * 2, 2, 5, (1, 3, 64), ROUTE, (123, 2**40)),
           Hop(2**64 - 1, 2**64 - 1, 5, 0, 0, 1, (), ())), memoryview(bytearray(range(256)) * 3)[: 3 * 64 * 2]),
