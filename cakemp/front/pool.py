@@ -89,10 +89,7 @@ class _Outbox:
         self.hops: list[tuple[Hop, Buffer, Route]] = []
         self.controls: list[tuple[Clear | End, Route]] = []
         self.flushing = False  # a flush is scheduled, or waits for the socket
-        self.waiter: asyncio.Task | None = None  # the flush that waits for the socket
-
-    def __bool__(self) -> bool:
-        return bool(self.hops or self.controls)
+        self.waiter: asyncio.Task | None = None  # the flush that waits for the socket (held: tasks are weakly kept)
 
 
 class DevicePool:
