@@ -324,6 +324,8 @@ class DeviceService:
             return None
         # Cast on the device: torch casts within a host copy on the CPU, single-threaded.
         x = x.to(self.runner.device).to(self.runner.dtype)
+        if len(lengths) == sum(lengths):  # decodes alone: [N, 1, 1, H] unbound in one call
+            return list(x.view(len(lengths), 1, 1, hidden).unbind(0))
         return [x.unsqueeze(0) for x in x.split(lengths)]
 
     def _input(self, hop: Hop, data: Buffer) -> torch.Tensor | Exception:

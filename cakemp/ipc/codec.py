@@ -47,12 +47,21 @@ class _Integers:
     def __init__(self, code: str) -> None:
         self.code = code
         self.min_size = struct.calcsize(code)
+        self._structs: dict[int, struct.Struct] = {}  # by count: a shape's 3 dims, a route's 1 stage's kv...
+
+    def _struct(self, n: int) -> struct.Struct:
+        layout = self._structs.get(n)
+        if layout is None:
+            layout = struct.Struct(f"<{n}{self.code}")
+            if n <= 16:  # the counts that recur; a long tuple is packed once in a while
+                self._structs[n] = layout
+        return layout
 
     def write_all(self, head: bytearray, items: tuple) -> None:
-        head += struct.pack(f"<{len(items)}{self.code}", *items)
+        head += self._struct(len(items)).pack(*items)
 
     def read_all(self, header: _Header, n: int) -> tuple:
-        values = struct.unpack_from(f"<{n}{self.code}", header.frame, header.at)
+        values = self._struct(n).unpack_from(header.frame, header.at)
         header.at += n * self.min_size
         return values
 
