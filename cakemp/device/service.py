@@ -110,7 +110,7 @@ class _Fault(NamedTuple):
 
 @dataclass
 class DeviceService:
-    """One device's runner behind the ipc contract: messages in, at most one message out each."""
+    """One device's runner behind the ipc contract: a message's hops in, a step's results out."""
 
     runner: Runner  # the front's ops index its `layers` (a text model's layers, or image components)
     workload: Workload = TEXT  # what the hops are: a text model's activations, or image components' calls
