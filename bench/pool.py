@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
+from cakemp.ipc import Activation, Answers, DeviceChannel, FrontChannel, Hop, Hops, Op, Stage
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
 from tests.support.checkpoints import make_checkpoint
@@ -186,12 +186,13 @@ async def throughput(port: int, hidden: int, sessions: int, seconds: float,
 
 
 def echo_device(endpoint: str, parent_pipe, busy_s: float) -> None:
-    """A device process that answers each Hop with its own bytes after `busy_s` of busy work."""
+    """A device process that answers each Hops message with its own bytes after `busy_s` of busy work."""
     channel = DeviceChannel(endpoint, parent_pipe.fileno())
-    while (requests := channel.receive()) is not None:
-        for request in requests:
+    while (messages := channel.receive()) is not None:
+        for message in messages:
             busy(busy_s)
-            channel.send(Activation(request.request_id, request.dtype, request.shape, request.data))
+            channel.send(Answers(tuple(Activation(hop.request_id, hop.dtype, hop.nbytes, hop.chunk, hop.shape)
+                                       for hop in message.hops), data=message.data))
 
 
 def echo_unix(path: str, busy_s: float, nbytes: int) -> None:
@@ -234,7 +235,8 @@ async def ipc_hop(workdir: Path, steps: int, busy_s: float, hidden: int = 4096) 
     unix_reader, unix_writer = await accepted.get()
 
     async def over_zmq(i: int) -> None:
-        await channel.send(Hop(1, i, DType.F16, (1, 1, hidden), (Stage(0, 1, (Op(0, i, 0),)),), body))
+        await channel.send(Hops((Hop(1, i, DType.F16, body.nbytes, 0, 1, (1, 1, hidden), (Stage(0, 1, (Op(0, i, 0),)),)),),
+                                body))
         await replies.get()
 
     async def over_unix(i: int) -> None:

@@ -1,29 +1,40 @@
 """Request cost benchmark: the CPU time a node spends per decode Batch, process by process.
 
     python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--profile-seconds 4] [--before DIR]
+                                 [--prompt 512] [--prompts 10]
 
 Writes a random 2-layer Llama checkpoint (hidden 256, intermediate 768, 4 query heads on 2 kv
 heads, f32) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over both
 layers. For each count of sessions (--counts), that many Cake-style masters (bench.pool.Session:
 an 8-token prompt, then one decode Batch through both layers per token) decode at once, --steps
 Batches each per window; between windows every session starts over (a Goodbye and a new prompt,
-outside the window), so contexts stay short. CPU time is utime + stime from /proc/<pid>/stat
-(what the machine's load does not inflate much, unlike wall time), of the front process and of
-its device process, over each window, divided by the requests in it. Each window is followed by
-the same compute in this process: BlockRunner.run_batch over the same layers (loaded as the node's
-device loads them: f32 weights packed, no prefix reuse), one torch thread, on the same number of
-sessions' one-token requests, its CPU time (time.process_time) per request. --rounds windows
-of each, alternating; figures are sums over all of them. Each process's CPU time is also split
-by thread, from /proc/<pid>/task/<tid>/stat: its main thread, and ZeroMQ's I/O threads
-(ZMQbg/IO/0), whose work (moving frames between sockets) py-spy does not see.
+outside the window), so contexts stay short. CPU time is each thread's sum_exec_runtime
+(/proc/<pid>/task/<tid>/schedstat, in ns; utime and stime tick at 10 ms), what the machine's load
+does not inflate much, unlike wall time, of the front process and of its device process, over
+each window, divided by the requests in it. Each window is followed by the same compute in this
+process: BlockRunner.run_batch over the same layers (loaded as the node's device loads them: f32
+weights packed, no prefix reuse), one torch thread, on the same number of sessions' one-token
+requests, its CPU time (time.process_time) per request. --rounds windows of each, alternating;
+figures are sums over all of them. Each process's CPU time is also split by thread: its main
+thread, and ZeroMQ's I/O threads (ZMQbg/IO/0), whose work (moving frames between sockets) py-spy
+does not see.
 
 Then, for each count, a profile of each live process while the sessions decode: py-spy record
---format raw --nonblocking on the front's pid and the device's, --profile-seconds each, both at
-once; each sample is put in the stage of its innermost frame that some rule of STAGES names
+--format raw --nonblocking --gil on the front's pid and the device's, --profile-seconds each, both
+at once; each sample is put in the stage of its innermost frame that some rule of STAGES names
 (the file it is in), and each stage's share of the samples times the CPU µs per request of the
 process's main thread (where its Python runs) is printed as its µs per request, then each
-process's --top innermost frames and their shares. py-spy counts only samples of threads
-running Python or C code, not waiting in select or recv, so a share is a share of CPU time.
+process's --top innermost frames and their shares. With --gil, py-spy counts only samples of the
+thread holding the GIL, so a share is a share of the Python thread's own work: without it, a
+thread preempted inside a syscall was counted as running there (a ZeroMQ send, whose write to its
+I/O thread's eventfd let that thread run first, took ~200 µs of wall time for ~25 µs of CPU and
+showed as half the front's samples).
+
+Then --prompts prompts of --prompt tokens (0: none), each a fresh session's one Batch from
+position 0 through both layers, through each node and in this process, taking turns: the wall
+time a master waits for each, and the node's CPU time (front and device) for it, beside the same
+prompt run in-process (BlockRunner.run, CPU time of this process) whole and in the node's
+--prefill-chunk pieces (128 tokens, `chunk_bounds`), medians over the prompts.
 
 With --before DIR (a checkout of an earlier commit, e.g. `git archive <commit> | tar -x -C DIR`),
 a second node runs from DIR (PYTHONPATH=DIR) beside this tree's, its windows taking turns with
@@ -36,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -44,9 +56,10 @@ from pathlib import Path
 
 import torch
 
-from bench.pool import MAX_POSITIONS, Session, machine_line, start_cakemp
-from bench.route import children, process_seconds
+from bench.pool import MAX_POSITIONS, Session, machine_line, raw, start_cakemp
+from bench.route import children
 from cakemp.compute.runner import BlockRunner, Request
+from cakemp.ipc.spec import PREFILL_CHUNK, chunk_bounds
 from tests.support.checkpoints import make_checkpoint
 
 LAYERS = 2
@@ -88,17 +101,19 @@ def device_pid(front: int) -> int:
 
 def thread_seconds(pids: dict[str, int]) -> Counter:
     """CPU seconds of every thread of the processes in `pids`, summed by process and thread name
-    ("front" and "front ZMQbg/IO/0", say: the Python thread's name is the process's own)."""
+    ("front" and "front ZMQbg/IO/0", say: the Python thread's name is the process's own), and each
+    process's in all ("front (process)"): the scheduler's own count of the time each ran
+    (sum_exec_runtime in /proc/<pid>/task/<tid>/schedstat, in ns; utime and stime tick at 10 ms)."""
     seconds = Counter()
     for name, pid in pids.items():
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
                 thread = (task / "comm").read_text().strip()
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                ran = int((task / "schedstat").read_text().split()[0]) / 1e9
             except FileNotFoundError:  # the thread ended meanwhile
                 continue
-            key = name if task.name == str(pid) else f"{name} {thread}"
-            seconds[key] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            seconds[name if task.name == str(pid) else f"{name} {thread}"] += ran
+            seconds[f"{name} (process)"] += ran
     return seconds
 
 
@@ -107,7 +122,6 @@ async def node_window(sessions: list[Session], steps: int, pids: dict[str, int])
     session decodes `steps` Batches at once."""
     for session in sessions:
         await session.restart()
-    before = {name: process_seconds(pid) for name, pid in pids.items()}
     threads = thread_seconds(pids)
 
     async def decode(session: Session) -> None:
@@ -117,7 +131,6 @@ async def node_window(sessions: list[Session], steps: int, pids: dict[str, int])
     await asyncio.gather(*(decode(session) for session in sessions))
     spent = thread_seconds(pids)
     spent.subtract(threads)
-    spent.update({f"{name} (process)": process_seconds(pid) - before[name] for name, pid in pids.items()})
     return spent
 
 
@@ -162,12 +175,67 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
     return figures
 
 
+def in_process_prompt(runner: BlockRunner, x: torch.Tensor, chunked: bool) -> tuple[float, float]:
+    """(wall, CPU) seconds of x ([1, T, H]) through both layers from position 0 in this process: whole, or
+    in the node's chunks one after another."""
+    layers = [f"model.layers.{i}" for i in range(LAYERS)]
+    runner.free_session(1)
+    bounds = chunk_bounds(x.shape[1], PREFILL_CHUNK) if chunked else ((0, x.shape[1]),)
+    start, cpu = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        for a, b in bounds:
+            runner.run(1, x[:, a:b], runner.ops([(layer, a, i) for i, layer in enumerate(layers)]))
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+async def prompts(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRunner, tokens: int,
+                  count: int) -> dict[str, dict[str, float]]:
+    """{node or in-process way: {"wall": median s, "cpu": median s}} of `count` prompts of `tokens`
+    tokens each, through each node (its front and device CPU) and in-process, taking turns."""
+    sessions = {name: await Session.open(port, HIDDEN, LAYERS) for name, (port, _) in nodes.items()}
+    times = {name: {"wall": [], "cpu": []} for name in [*nodes, "in-process whole", "in-process in chunks"]}
+    layers = [(f"model.layers.{i}", 0, i) for i in range(LAYERS)]
+    for round_ in range(count + 1):  # the first round warms up
+        x = torch.randn(1, tokens, HIDDEN)
+        for name, (_, pids) in nodes.items():
+            session = sessions[name]
+            await session.clients[0].goodbye()
+            before = thread_seconds(pids)
+            start = time.perf_counter()
+            await session.clients[0].batch(raw(x), layers)
+            wall = time.perf_counter() - start
+            if round_:
+                times[name]["wall"].append(wall)
+                spent = thread_seconds(pids)
+                times[name]["cpu"].append(sum(spent[f"{process} (process)"] - before[f"{process} (process)"]
+                                              for process in pids))
+        for name, chunked in (("in-process whole", False), ("in-process in chunks", True)):
+            wall, cpu = in_process_prompt(runner, x, chunked)
+            if round_:
+                times[name]["wall"].append(wall)
+                times[name]["cpu"].append(cpu)
+    for session in sessions.values():
+        await session.close()
+    return {name: {kind: statistics.median(values) for kind, values in kinds.items()} for name, kinds in times.items()}
+
+
+def print_prompts(figures: dict[str, dict[str, float]], tokens: int, count: int) -> None:
+    whole = figures["in-process whole"]
+    print(f"\na {tokens}-token prompt (one Batch from position 0 through both layers), median of {count}: ms, "
+          "and its ratio to the same prompt in-process whole")
+    print("| way | wall ms | wall ratio | CPU ms | CPU ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for name, cost in figures.items():
+        print(f"| {name} | {cost['wall'] * 1e3:.2f} | {cost['wall'] / whole['wall']:.2f} | {cost['cpu'] * 1e3:.2f} | "
+              f"{cost['cpu'] / whole['cpu']:.2f} |")
+
+
 async def profile(port: int, pids: dict[str, int], count: int, seconds: int,
                   workdir: Path) -> dict[str, tuple[Counter, Counter]]:
     """{process: samples by stage, and by innermost frame} from py-spy on each live process while `count` sessions decode."""
     sessions = [await Session.open(port, HIDDEN, LAYERS) for _ in range(count)]
     outputs = {name: workdir / f"{name}.raw" for name in pids}
-    spies = [subprocess.Popen(["py-spy", "record", "--format", "raw", "--nonblocking", "--rate", "500",
+    spies = [subprocess.Popen(["py-spy", "record", "--format", "raw", "--nonblocking", "--gil", "--rate", "500",
                                "--duration", str(seconds), "--pid", str(pid), "--output", str(outputs[name])],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name, pid in pids.items()]
 
@@ -246,6 +314,8 @@ def main() -> None:
     parser.add_argument("--counts", default="1,8", help="concurrent sessions to measure")
     parser.add_argument("--profile-seconds", type=int, default=4, help="py-spy's time on each process; 0: none")
     parser.add_argument("--top", type=int, default=10, help="innermost frames listed per process")
+    parser.add_argument("--prompt", type=int, default=512, help="tokens of the prompt measured; 0: none")
+    parser.add_argument("--prompts", type=int, default=10, help="prompts measured through each node and in-process")
     parser.add_argument("--before", type=Path, help="checkout of an earlier commit, whose node runs beside this tree's")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
@@ -264,6 +334,7 @@ def main() -> None:
             nodes = {name: (port, {"front": node.pid, "device": device_pid(node.pid)})
                      for name, (node, port) in started.items()}
             by_node = asyncio.run(measure(nodes, runner, counts, args.steps, args.rounds))
+            prompt = asyncio.run(prompts(nodes, runner, args.prompt, args.prompts)) if args.prompt else None
             figures = by_node["this tree"]
             port, pids = nodes["this tree"]
             samples = {count: asyncio.run(profile(port, pids, count, args.profile_seconds, work))
@@ -273,7 +344,7 @@ def main() -> None:
                 node.terminate()
                 node.wait()
     print(f"\n{LAYERS} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(NODE_ARGS)}`; "
-          f"{args.rounds} windows of {args.steps} decode Batches per session; CPU µs per request (utime + stime)")
+          f"{args.rounds} windows of {args.steps} decode Batches per session; CPU µs per request")
     print("| sessions | front | device | in-process run_batch | device beyond in-process |")
     print("|---:|---:|---:|---:|---:|")
     for count, cost in figures.items():
@@ -285,6 +356,8 @@ def main() -> None:
                       for count, cost in figures.items()))
     if args.before is not None:
         print_before(by_node)
+    if prompt is not None:
+        print_prompts(prompt, args.prompt, args.prompts)
     for count, by_process in samples.items():
         print_profile(by_process, {name: figures[count][name] for name in pids}, count, args.top)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

@@ -35,7 +35,7 @@ from pathlib import Path
 from bench import breakdown
 from bench.pool import alternate, busy, machine_line, pct, start_single
 from bench.route_node import HIDDEN, LAYERS, MAX_POSITIONS, PROMPT, Master, start_node
-from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
+from cakemp.ipc import Activation, Answers, DeviceChannel, FrontChannel, Hop, Hops, Op, Stage
 from tests.support.checkpoints import make_checkpoint
 
 BLOCK = 25
@@ -84,14 +84,17 @@ async def measure(ports: dict[str, int], pids: dict[str, int], steps: int, prefi
 def echo_device(endpoint: str, peers: tuple[str, ...], parent_pipe, busy_s: float) -> None:
     """A device process that busy-waits `busy_s` per Hop, then hands it on or answers the front."""
     channel = DeviceChannel(endpoint, parent_pipe.fileno(), peers)
-    while (hops := channel.receive()) is not None:
-        for hop in hops:
+    while (messages := channel.receive()) is not None:
+        for message in messages:
+            (hop,) = message.hops
             busy(busy_s)
             rest = hop.stages[1:]
             if rest:
-                channel.hand_off(rest[0].device, Hop(hop.session, hop.request_id, hop.dtype, hop.shape, rest, hop.data))
+                channel.hand_off(rest[0].device, Hops((Hop(hop.session, hop.request_id, hop.dtype, hop.nbytes, 0, 1,
+                                                           hop.shape, rest),), message.data))
             else:
-                channel.send(Activation(hop.request_id, hop.dtype, hop.shape, hop.data))
+                channel.send(Answers((Activation(hop.request_id, hop.dtype, hop.nbytes, 0, hop.shape),),
+                                     data=message.data))
 
 
 async def hops(workdir: Path, steps: int, busy_s: float) -> dict[str, list[float]]:
@@ -111,13 +114,13 @@ async def hops(workdir: Path, steps: int, busy_s: float) -> dict[str, list[float
     stage = [Stage(i, 1, (Op(0, 0, 0),)) for i in range(2)]
 
     async def routed(i: int) -> None:
-        await channels[0].send(Hop(1, i, 0, (1, 1, HIDDEN), (stage[0], stage[1]), body))
+        await channels[0].send(Hops((Hop(1, i, 0, body.nbytes, 0, 1, (1, 1, HIDDEN), (stage[0], stage[1])),), body))
         await replies.get()
 
     async def relayed(i: int) -> None:
         data = body
         for device in range(2):
-            await channels[device].send(Hop(1, i, 0, (1, 1, HIDDEN), (stage[device],), data))
+            await channels[device].send(Hops((Hop(1, i, 0, body.nbytes, 0, 1, (1, 1, HIDDEN), (stage[device],)),), data))
             data = (await replies.get()).data
 
     times = await alternate({"routed: front → 0 → 1 → front": routed, "relayed: front → 0 → front → 1 → front": relayed},

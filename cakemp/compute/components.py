@@ -27,6 +27,7 @@ from cakemp.checkpoint.image.archs import ARCHS
 from cakemp.compute import memory
 from cakemp.errors import BadTensor, CacheBudgetExceeded, ConfigError
 from cakemp.model.image.component import Component, Files
+from cakemp.op import Op
 from cakemp.units import human_bytes
 from cakemp.wire import DType, RawTensor
 from cakemp.wire.packing import unpack_layout
@@ -46,10 +47,16 @@ class Call(NamedTuple):
     # FLUX.2's text encoder: the prompt's real token count, which Cake's master sends as the op's index_pos.
     token_count: int = 0
 
+    @classmethod
+    def of(cls, session: int, x: RawTensor, ops: Sequence[Op]) -> Call:
+        """The call a SingleOp asks for: its one op names the component, its index_pos a token count."""
+        return cls(session, x, ops[0].layer, ops[0].index_pos)
+
 
 class ComponentRunner:
     """A device's image components (`layers`: their names, in the order ops index them)."""
 
+    request = Call.of  # the Runner protocol's: the master's wire tensor through one component
     prefixes = None  # the Runner protocol's: no prefix reuse, nothing is kept between calls
     expert_cache = None  # the Runner protocol's: no MoE experts offloaded
     weight_bytes = None  # the Runner protocol's: components' weights are not counted

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -41,9 +41,15 @@ class Request(NamedTuple):
     ops: Sequence[Op]
 
 
-class Runner(Protocol):
+X = TypeVar("X", contravariant=True)  # what a runner's request is made of: the activation as the device holds it
+R = TypeVar("R")  # a runner's request: BlockRunner's Request, ComponentRunner's Call (compute/components.py)
+
+
+class Runner(Protocol[X, R]):
     """What a device service calls of the compute it serves: BlockRunner (a text model's layers,
-    below) and ComponentRunner (an image model's components, compute/components.py) implement it."""
+    below: `Runner[torch.Tensor, Request]`) and ComponentRunner (an image model's components,
+    compute/components.py: `Runner[RawTensor, Call]`) implement it. Each declares its request and
+    how one is made from a hop's activation and ops, so the service hands requests on unread."""
 
     device: torch.device
     dtype: torch.dtype  # the compute dtype
@@ -51,12 +57,14 @@ class Runner(Protocol):
     expert_cache: ExpertCache | None  # what holds offloaded MoE experts, and its counts (None: none offloaded)
     weight_bytes: int | None  # the bytes its weights hold (None: not counted, an image model's components)
 
-    def run_batch(self, requests: Sequence[Any], between_ops: Callable[[], None] | None = None,
+    def request(self, session: int, x: X, ops: Sequence[Op]) -> R:
+        """The request of `session` computing `ops` over `x`."""
+
+    def run_batch(self, requests: Sequence[R], between_ops: Callable[[], None] | None = None,
                   together: Callable[[Sequence[int]], None] | None = None) -> list[torch.Tensor | Exception]:
         """Each request's result, in order, or the exception that failed it alone; `between_ops` is
         called now and then while a long step computes, `together` with the indices of each set of
-        requests computed as one batch, before it computes (the device reports it: StepReport).
-        BlockRunner takes `Request`s, ComponentRunner `Call`s."""
+        requests computed as one batch, before it computes (the device reports it in its answers)."""
 
     def clear_session(self, session: int) -> None:
         """Goodbye: the session starts afresh (what it ran may be kept for reuse)."""
@@ -118,6 +126,8 @@ class _Planned:
 
 class BlockRunner:
     """A device's layers (`layers`, in the order ops index them) and its sessions' KV caches."""
+
+    request = Request  # the Runner protocol's: Request(session, x: [1, T, H] on the device, ops)
 
     def __init__(
         self,

@@ -4,11 +4,11 @@ Lifecycle: die with the parent (PR_SET_PDEATHSIG and a parent-death pipe), load 
 device's layers (reporting Loaded progress after each), report Ready (or StartFailure), then
 serve until the parent is gone. It drains every message waiting on its sockets into a
 Scheduler (scheduler.py says which run together) and runs them a step at a time: several
-sessions' hops as one batch (DeviceService.run_step), each result going to the next device
-of its route or, from the last, to the front; a Ping is answered at once. Each batch the
-runner computes together (a text step; an image step's groups) is reported to the front
-(StepReport) for its metrics, and so is what prefix reuse did (PrefixReport), whenever that
-changed. While a step runs long, the device tells the front every `progress_s` seconds
+sessions' hops as one batch (DeviceService.run_step), and a piece of a prompt it cuts. Each
+step sends one message to the front (`Answers`: every activation and failure it finished, the
+batches the runner computed together, for the metrics, and what prefix reuse and the experts'
+cache did, when that changed) and one `Hops` to each next device of the routes it ran; a Ping
+is answered at once. While a step runs long, the device tells the front every `progress_s` seconds
 (between slices of its ops), so that the front's watchdog never takes a busy device for a hung
 one. This module is imported by the front to name the spawn target, so torch (via
 DeviceService) is imported only inside `main`, in the child.
@@ -26,23 +26,25 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from cakemp import log
-from cakemp.device.scheduler import Gathering, Scheduler, tokens
+from cakemp.device.scheduler import Gathering, Scheduler
 from cakemp.ipc import (
     Activation,
+    Answers,
     Clear,
     DeviceChannel,
     End,
     ErrorCode,
     Failure,
     Hop,
+    Hops,
     Loaded,
     Ping,
     Pong,
     Progress,
     Ready,
     StartFailure,
-    StepReport,
     error_code,
+    joined,
     trace,
 )
 from cakemp.ipc.spec import DeviceSpec
@@ -85,7 +87,7 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
 
 def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
     """Run steps until the parent is gone (or the device faults: then exit 1)."""
-    scheduler = Scheduler(spec.max_batch, spec.prefill_chunk)
+    scheduler = Scheduler(spec.max_batch, spec.prefill_chunk, cut=spec.workload.chunked)
     gathering = Gathering()
 
     def take(timeout_s: float | None, poll_s: float = 0.0) -> bool:
@@ -96,11 +98,15 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
             return False
         now = time.monotonic()
         for message in messages:
-            if isinstance(message, Ping):
+            if isinstance(message, Hops):
+                for task in service.tasks(message):
+                    if task.hop.trace:
+                        task.hop = replace(task.hop, trace=(*task.hop.trace, trace.now()))
+                    gathering.arrived(task.session, now)
+                    scheduler.add(task)
+            elif isinstance(message, Ping):
                 channel.send(Pong())
-            elif isinstance(message, Hop | Clear | End):
-                if isinstance(message, Hop) and message.trace:
-                    message = replace(message, trace=(*message.trace, trace.now()))
+            elif isinstance(message, Clear | End):
                 gathering.arrived(message.session, now)
                 scheduler.add(message)
             else:
@@ -117,20 +123,24 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
             if isinstance(control, End):
                 gathering.ended(control.session)
             done = service.handle(control)
-            _report_prefixes(channel, service)  # before the answer, so the front counts it by then
+            reports = _reports(service)  # before the answer, so the front counts them by then
+            if isinstance(done, tuple):
+                failure, text = done
+                channel.send(Answers(failures=(failure,), **reports, data=text))
+                continue
+            if reports:
+                channel.send(Answers(**reports))
             channel.send(done)
-        if step.hops:
+        if step.pieces:
             started = time.monotonic_ns()  # the same clock as time.monotonic(), in ns for the trace
-            replies = service.run_step(step.hops, lambda batch: channel.send(
-                StepReport(len(batch), sum(tokens(hop) for hop in batch))))
+            stepped = service.run_step(step.pieces)
             ran = time.monotonic_ns()
-            _report_prefixes(channel, service)
-            for hop, reply in zip(step.hops, replies, strict=True):
-                if hop.trace and isinstance(reply, Hop | Activation):
-                    reply = replace(reply, trace=(*hop.trace, started, ran, trace.now()))
-                _send_on(spec, channel, reply)
+            _send_step(spec, channel, service, stepped, started, ran)
+            for onward in stepped.onward:
+                if isinstance(onward.item, Failure):
+                    scheduler.drop(onward.task)  # pieces of it left: they run no more
             now = time.monotonic()
-            gathering.stepped({hop.session for hop in step.hops}, now - started / 1e9, now)
+            gathering.stepped({onward.task.session for onward in stepped.onward}, now - started / 1e9, now)
         if service.poisoned is not None:
             # The CUDA context fails every call from now on: end, for the front to start afresh.
             logger.error("device fault; exiting so that the front restarts this device", device_label=spec.label,
@@ -142,23 +152,40 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
     channel.close()
 
 
-def _send_on(spec: DeviceSpec, channel: DeviceChannel, reply) -> None:
-    """A hop's result: handed to the next device of its route, or sent to the front (None: nothing)."""
-    if isinstance(reply, Hop):
-        if not channel.hand_off(reply.stages[0].device, reply):
-            # Every chunk gets its answer: this one's is that it went no further.
-            channel.send(Failure(reply.request_id, ErrorCode.DEVICE_LOST,
-                                 f"device {spec.label} could not pass the activation on to device "
-                                 f"#{reply.stages[0].device} (its queue is full or it is gone)", reply.chunk))
-    elif reply is not None:
-        channel.send(reply)
+def _send_step(spec: DeviceSpec, channel: DeviceChannel, service, stepped, started: int, ran: int) -> None:
+    """A step's results in one message to each next device of their routes (Hops) and one to the
+    front (Answers: its activations and failures, with the step's batches and reports). A hand-off
+    a next device cannot take is answered to the front: every chunk gets its answer."""
+    activations, failures, hand_offs = [], [], {}
+    for task, device, item, data in stepped.onward:
+        if task.hop.trace and not isinstance(item, Failure):
+            item = replace(item, trace=(*task.hop.trace, started, ran, trace.now()))
+        if isinstance(item, Hop):
+            hand_offs.setdefault(device, []).append((item, data))
+        else:
+            (activations if isinstance(item, Activation) else failures).append((item, data))
+    for device, hops in hand_offs.items():
+        message = Hops(tuple(hop for hop, _ in hops), joined([data for _, data in hops]))
+        if not channel.hand_off(device, message):
+            for hop, _ in hops:
+                text = (f"device {spec.label} could not pass the activation on to device #{device} (its queue is "
+                        "full or it is gone)").encode()
+                failures.append((Failure(hop.request_id, ErrorCode.DEVICE_LOST, hop.chunk, 1, len(text)), text))
+    answered = activations + failures
+    channel.send(Answers(tuple(item for item, _ in activations), tuple(item for item, _ in failures),
+                         tuple(stepped.batches), **_reports(service),
+                         data=joined([data for _, data in answered]) if answered else b""))
 
 
-def _report_prefixes(channel: DeviceChannel, service) -> None:
-    """Tell the front what prefix reuse and the offloaded experts' cache did, if anything changed."""
-    for report in (service.prefix_report(), service.expert_report()):
-        if report is not None:
-            channel.send(report)
+def _reports(service) -> dict[str, tuple]:
+    """What prefix reuse and the offloaded experts' cache did, if anything changed (as Answers' fields)."""
+    prefix, experts = service.prefix_report(), service.expert_report()
+    reports = {}
+    if prefix is not None:
+        reports["prefixes"] = (prefix,)
+    if experts is not None:
+        reports["experts"] = (experts,)
+    return reports
 
 
 def _reporter(channel: DeviceChannel, every_s: float):

@@ -1,98 +1,144 @@
-"""Which of the messages waiting at a device run in its next step (pure: no torch, no sockets).
+"""Which of the work waiting at a device runs in its next step (pure: no torch, no sockets).
 
 A device drains every message waiting on its sockets into a `Scheduler`, then runs one step
-at a time. A step takes, in arrival order: every decode hop (one token) up to `max_batch`
-requests in all, and prefill chunks (several tokens) while their tokens stay within
-`prefill_chunk`, but always the first chunk that waits, so a prompt is never starved; the
-front cuts prompts into chunks of at most that many tokens (`--prefill-chunk`), so a step
-holding a prompt costs about one chunk more than a step of decodes alone. Decodes are never
-starved either: each step takes every one waiting, up to the batch limit, oldest first.
+at a time. A step takes, in arrival order: every decode (one token) up to `max_batch` requests
+in all, and prefill pieces (several tokens) while their tokens stay within `prefill_chunk`, but
+always the first piece that waits, so a prompt is never starved. A prompt longer than
+`prefill_chunk` that comes whole (its route is this device alone) is cut here, by
+`chunk_bounds`, into pieces of at most that many tokens, one piece a step: a step holding a
+prompt costs about one chunk more than a step of decodes alone, and the prompt is answered
+once its last piece has run. Decodes are never starved either: each step takes every one
+waiting, up to the batch limit, oldest first.
 
-A session's messages keep their order: a step takes at most one hop per session (its next
-chunk depends on this one's KV rows), and once one of a session's messages stays behind, so
-do all its later ones. Clear and End run before the step's hops, so they are taken only when
-none of their session's hops is in the step.
+A session's work keeps its order: a step takes at most one piece per session (its next piece
+depends on this one's KV rows), and once one of a session's messages stays behind (or has pieces
+left), so do all its later ones. Clear and End run before the step's pieces, so they are taken
+only when none of their session's work is in the step.
 
+What waits is a `Work` (the device's request: its session and its tokens) or a Clear or End.
 `Gathering` decides how long a device waits, before a step, for sessions of its last step to
 come back (see there).
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
-from cakemp.ipc import Clear, End, Hop
+from cakemp.ipc import Clear, End
+from cakemp.ipc.spec import chunk_bounds
 
 # After a step, the device waits for its sessions' next requests at most this fraction of the
-# step's time, and never more than GATHER_MAX_S.
+# step's time, but at least GATHER_MIN_S, and never more than GATHER_MAX_S.
 GATHER_FRACTION = 0.25
+GATHER_MIN_S = 0.005
 GATHER_MAX_S = 0.02
+
+
+class Work(Protocol):
+    session: int
+    tokens: int  # T of its [1, T, H]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens [start, end) of `work`: all of them, or one piece of a prompt cut here."""
+
+    work: Work
+    start: int
+    end: int
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.work.tokens
 
 
 @dataclass(frozen=True)
 class Step:
     controls: tuple[Clear | End, ...]  # to run first, in order
-    hops: tuple[Hop, ...]  # to run together
-    tokens: int  # the hops' tokens
+    pieces: tuple[Piece, ...]  # to run together
+    tokens: int  # the pieces' tokens
 
 
-def tokens(hop: Hop) -> int:
-    """Tokens the hop carries: T of its [1, T, H] (a malformed shape counts all but its last dim)."""
-    return math.prod(hop.shape[:-1]) if len(hop.shape) > 1 else 1
+class _Waiting:
+    """A work waiting, with the bounds of its pieces and the next one to run."""
+
+    __slots__ = ("work", "session", "bounds", "next")
+
+    def __init__(self, work: Work, bounds: tuple[tuple[int, int], ...]):
+        self.work, self.session, self.bounds, self.next = work, work.session, bounds, 0
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, prefill_chunk: int):
+    def __init__(self, max_batch: int, prefill_chunk: int, cut: bool = True):
+        """`cut`: a prompt longer than `prefill_chunk` is cut into pieces (a text model's; an image
+        component's call never is)."""
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
-        self._waiting: deque[Hop | Clear | End] = deque()
+        self.cut = cut
+        self._waiting: deque[_Waiting | Clear | End] = deque()
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def add(self, message: Hop | Clear | End) -> None:
-        self._waiting.append(message)
+    def add(self, item: Work | Clear | End) -> None:
+        if isinstance(item, Clear | End):
+            self._waiting.append(item)
+            return
+        tokens = item.tokens
+        cut = self.cut and tokens > self.prefill_chunk
+        self._waiting.append(_Waiting(item, chunk_bounds(tokens, self.prefill_chunk) if cut else ((0, tokens),)))
+
+    def drop(self, work: Work) -> None:
+        """Forget the pieces of `work` still waiting (its request failed)."""
+        self._waiting = deque(item for item in self._waiting if not (isinstance(item, _Waiting) and item.work is work))
 
     def sessions(self) -> set[int]:
-        """The sessions with a message waiting."""
-        return {message.session for message in self._waiting}
+        """The sessions with something waiting."""
+        return {item.session for item in self._waiting}
 
     def next_step(self) -> Step:
-        """Take the next step's messages out of the queue (an empty step when none waits)."""
-        controls, hops, left = [], [], deque()
-        stepped, held = set(), set()  # sessions with a hop in this step; sessions with a message left behind
+        """Take the next step's work out of the queue (an empty step when none waits)."""
+        controls, pieces, left = [], [], deque()
+        stepped, held = set(), set()  # sessions with a piece in this step; sessions with something left behind
         prefill = total = 0  # the step's prompt tokens; all its tokens
-        for message in self._waiting:
-            session = message.session
+        for item in self._waiting:
+            session = item.session
             if session in held:
-                left.append(message)
+                left.append(item)
                 continue
-            if not isinstance(message, Hop):
+            if not isinstance(item, _Waiting):
                 if session in stepped:
                     held.add(session)
-                    left.append(message)
+                    left.append(item)
                 else:
-                    controls.append(message)
+                    controls.append(item)
                 continue
-            count = tokens(message)
-            if session in stepped or len(hops) >= self.max_batch:
+            start, end = item.bounds[item.next]
+            count = end - start
+            if session in stepped or len(pieces) >= self.max_batch:
                 fits = False
             elif count == 1:
                 fits = True
             else:
                 fits = not prefill or prefill + count <= self.prefill_chunk
             if fits:
-                hops.append(message)
+                pieces.append(Piece(item.work, start, end))
                 stepped.add(session)
                 total += count
                 prefill += count if count > 1 else 0
-            else:
-                held.add(session)
-                left.append(message)
+                item.next += 1
+                if item.next == len(item.bounds):
+                    continue
+            held.add(session)
+            left.append(item)
         self._waiting = left
-        return Step(tuple(controls), tuple(hops), total)
+        return Step(tuple(controls), tuple(pieces), total)
 
 
 class Gathering:
@@ -103,7 +149,9 @@ class Gathering:
     would split into cohorts taking turns. So the device waits for them, but only briefly
     (GATHER_FRACTION of the last step's time, at most GATHER_MAX_S: 16 sessions' requests took
     more than 5 ms to come back through the front and a master on 2 vCPUs, and half of them then
-    missed each step), and only for sessions that came back that fast last time: a Cake master
+    missed each step; at least GATHER_MIN_S: after a step of a millisecond, 8 sessions took 2 to
+    5 ms to come back there, and a quarter of the step split them into cohorts of about 4), and
+    only for sessions that came back that fast last time: a Cake master
     whose other layers run on other workers returns long after, and waiting for it would only
     delay the others. A session that does not come back within a step is no longer awaited.
     """
@@ -121,7 +169,7 @@ class Gathering:
 
     def stepped(self, sessions: set[int], step_s: float, now: float) -> None:
         """A step of `sessions` took `step_s` and was answered at `now`."""
-        self.window_s = min(GATHER_FRACTION * step_s, GATHER_MAX_S)
+        self.window_s = min(max(GATHER_FRACTION * step_s, GATHER_MIN_S), GATHER_MAX_S)
         self._answered = dict.fromkeys(sessions, now)
 
     def owed(self) -> bool:

@@ -34,6 +34,7 @@ _FRAME_OVERHEAD = 64 * 1024
 _MAX_NAME = 256
 # How much of a peer's text an error repeats back.
 _SHOWN_CHARS = 64
+_ITEMSIZE = {int(dtype): dtype.itemsize for dtype in ACTIVATION_DTYPES}  # by tag: no enum call per request
 
 
 class Admission(Protocol):
@@ -108,7 +109,7 @@ class LayerAdmission:
         if shape[1] > self.max_context:
             raise ContextLimitExceeded(f"{shape[1]} positions in one request pass the context limit of "
                                        f"{self.max_context} positions")
-        expected = shape[1] * self.hidden_size * DType(x.dtype).itemsize
+        expected = shape[1] * self.hidden_size * _ITEMSIZE[x.dtype]
         if memoryview(x.data).nbytes != expected:
             raise BadTensor(f"activation data is {memoryview(x.data).nbytes} bytes, shape {list(shape)} of "
                             f"{DType(x.dtype).name} needs {expected}")

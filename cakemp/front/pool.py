@@ -2,11 +2,15 @@
 
 One spawned process per device, each behind its own ipc socket, and one inbox per device for
 hand-offs from the others. `run` sends a request to the first device of its route; each
-device passes its result to the next, the last answers here. A prompt longer than
-`prefill_chunk` tokens is cut into chunks: a device runs at most about one chunk per step
-beside its decodes (device/scheduler.py), so a long prompt does not stall other sessions, and
-across devices the chunks follow each other down the route, so that device 1 works on chunk k
-while device 0 works on chunk k + 1.
+device passes its result to the next, the last answers here. What the requests of one wake-up
+of the event loop have for a device goes to it as one message (`Hops`), sent once the loop has
+run every task that wake-up woke, and each device answers a whole step in one message
+(`Answers`): ZeroMQ's cost, the codec's and this class's bookkeeping are paid per device step,
+not per request. A prompt longer than `prefill_chunk` tokens whose route is one device goes to
+it whole: the device cuts it into chunks, one a step beside its decodes (device/scheduler.py),
+so a long prompt does not stall other sessions. Only a route spanning devices has the front cut
+it, so that the chunks follow each other down the route and device 1 works on chunk k while
+device 0 works on chunk k + 1.
 
 All the bookkeeping (device states, requests owed, deadlines, restarts) is `PoolState`
 (pool_state.py), which has no I/O; this class feeds it events (messages, process exits, its
@@ -31,31 +35,31 @@ from cakemp.errors import BadIpcMessage, CakempError, InternalError, RequestErro
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
-from cakemp.front.router import Route, Router, chunk_bounds
+from cakemp.front.router import Route, Router
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import (
-    Activation,
+    Answers,
+    Buffer,
     Clear,
     Done,
     End,
-    ExpertReport,
-    Failure,
     FrontChannel,
     Hop,
+    Hops,
     Loaded,
     Message,
     Ping,
-    PrefixReport,
     Progress,
     Ready,
     Stage,
     StartFailure,
-    StepReport,
     encode,
     error_from,
+    rows,
     trace,
 )
-from cakemp.ipc.spec import DeviceMain, DeviceSpec, Workload
+from cakemp.ipc.message import joined
+from cakemp.ipc.spec import DeviceMain, DeviceSpec, Workload, chunk_bounds
 from cakemp.wire import LayerOp, RawTensor
 
 # A starting device that reports no loaded layer for this long is hung. Not --request-timeout:
@@ -77,6 +81,17 @@ class _Pending:
     stamps: list[int] | None = None  # the request's stamps when traced (ipc/trace.py): the answer's go here
 
 
+class _Outbox:
+    """What the requests of this wake-up have for one device, until it is sent: hops (with their
+    bytes and routes), then Clears and Ends, in the order they came."""
+
+    def __init__(self) -> None:
+        self.hops: list[tuple[Hop, Buffer, Route]] = []
+        self.controls: list[tuple[Clear | End, Route]] = []
+        self.flushing = False  # a flush is scheduled, or waits for the socket
+        self.waiter: asyncio.Task | None = None  # the flush that waits for the socket (held: tasks are weakly kept)
+
+
 class DevicePool:
     def __init__(self, specs: Sequence[DeviceSpec], device_main: DeviceMain, *, status: NodeStatus, metrics: Metrics,
                  request_timeout: float, restart_attempts: int, workload: Workload, prefill_chunk: int,
@@ -84,6 +99,7 @@ class DevicePool:
         """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind.
         `workload`: whether requests keep state and are cut into chunks of `prefill_chunk` tokens."""
         self.specs = tuple(specs)
+        self._labels = tuple(spec.label for spec in self.specs)  # as metrics and logs name each device
         self._router = Router([spec.parts for spec in self.specs])
         self._device_main = device_main  # the spawn target: the front never imports the device package
         self.failed = asyncio.Event()  # set when a device could not be restarted; `failure` says why
@@ -103,6 +119,7 @@ class DevicePool:
         self._readies: list[Ready | None] = [None] * len(self.specs)
         self._started: asyncio.Future = self._loop.create_future()
         self._pending: dict[int, _Pending] = {}
+        self._outboxes = [_Outbox() for _ in self.specs]
         self._request_ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
@@ -143,20 +160,21 @@ class DevicePool:
         stateful = self._workload.stateful
         self._state.admit(session, devices, [stateful and any(op.index_pos > 0 for op in stage.ops)
                                              for stage in route.stages])
-        chunks = list(self._chunks(x))
+        chunks = list(self._chunks(x, route))
         request_id = next(self._request_ids)
         carried = ()
         if stamps is not None:
             stamps.append(trace.now())  # routed
             carried = tuple(stamps)
-        messages = [Hop(session, request_id, x.dtype, chunk_shape, route.shifted(first), chunk_data, i, len(chunks),
-                        trace=carried) for i, (first, chunk_shape, chunk_data) in enumerate(chunks)]
+        hops = [(Hop(session, request_id, x.dtype, memoryview(data).nbytes, i, len(chunks), chunk_shape,
+                     route.shifted(first), trace=carried), data)
+                for i, (first, chunk_shape, data) in enumerate(chunks)]
         start = self._loop.time()
         passed = tuple(dict.fromkeys(devices))  # every device of the route, once
         for device in passed:
             self._metrics.requests_waiting.inc(device=self.label(device))
         try:
-            outputs = await self._request(session, route, messages, stamps)
+            outputs = await self._request(session, route, hops, stamps)
         finally:
             for device in passed:
                 self._metrics.requests_waiting.dec(device=self.label(device))
@@ -178,7 +196,7 @@ class DevicePool:
         return await self._control(device, session, End(session, next(self._request_ids)))
 
     def label(self, device: int) -> str:
-        return self.specs[device].label
+        return self._labels[device]
 
     def waiting(self, device: int) -> int:
         """Requests owed by `device` now."""
@@ -211,11 +229,11 @@ class DevicePool:
 
     # -- requests
 
-    def _chunks(self, x: RawTensor) -> Iterator[tuple[int, tuple[int, ...], object]]:
+    def _chunks(self, x: RawTensor, route: Route) -> Iterator[tuple[int, tuple[int, ...], Buffer]]:
         """(first token, shape, bytes) of each chunk of x ([1, T, H], admitted): the whole request
-        unless it is longer than one chunk."""
+        unless it is longer than one chunk and its route spans devices (one device cuts it itself)."""
         shape = x.shape
-        if not self._workload.chunked or shape[1] <= self._prefill_chunk:
+        if not self._workload.chunked or shape[1] <= self._prefill_chunk or len(route.stages) == 1:
             yield 0, shape, x.data
             return
         view = memoryview(x.data).cast("B")
@@ -226,66 +244,118 @@ class DevicePool:
     async def _control(self, device: int, session: int, msg: Clear | End) -> Done:
         return await self._request(session, Route((Stage(device, self._state.generation(device), ()),)), [msg])
 
-    async def _request(self, session: int, route: Route, messages: list[Hop | Clear | End],
+    async def _request(self, session: int, route: Route, messages: list[tuple[Hop, Buffer]] | list[Clear | End],
                        stamps: list[int] | None = None) -> list[RawTensor] | Done:
-        """Send `messages` (a request's chunks, or one control message) to the first device of
-        `route`; the chunks' outputs once every one is answered (a control message's Done)."""
+        """Queue `messages` (a request's chunks and their bytes, or one control message) for the first
+        device of `route`; the chunks' outputs once every one is answered (a control message's Done).
+        DeviceLost at once if a device of the route is down or changed process (its new process would
+        drop the hop)."""
+        if (error := self._unusable(route)) is not None:
+            raise error
         devices = route.devices
-        request_id = messages[0].request_id
-        # Encoded before anything is registered: a request that cannot be encoded leaves nothing behind.
-        frames = [encode(msg) for msg in messages]
+        first = messages[0][0] if isinstance(messages[0], tuple) else messages[0]
+        request_id = first.request_id
         pending = _Pending(self._loop.create_future(), devices, stamps=stamps)
-        sent = 0
+        now = self._loop.time()
+        # Owed from now: what is queued for a device that dies is failed with the rest it owed.
+        for _ in messages:
+            self._state.sent(request_id, session, devices, now)
+        self._pending[request_id] = pending
+        self._state.sealed(request_id)  # nothing is answered yet: no action
+        outbox = self._outboxes[route.stages[0].device]
+        if isinstance(messages[0], tuple):
+            outbox.hops += [(hop, data, route) for hop, data in messages]
+        else:
+            outbox.controls.append((first, route))
+        if not outbox.flushing:
+            outbox.flushing = True
+            self._loop.call_soon(self._flush, route.stages[0].device)
         try:
-            for chunk in frames:
-                await self._send(route, chunk)
-                # Registered in the same step as the send succeeded: owed exactly when sent.
-                self._state.sent(request_id, session, devices, self._loop.time())
-                self._pending[request_id] = pending
-                self._arm()
-                sent += 1
+            return await pending.future
         except BaseException:
-            # The chunks already sent stay owed until answered; nobody waits for them any more.
-            if sent:
-                self._act(self._state.sealed(request_id))
-            if pending.future.done() and not pending.future.cancelled():
-                pending.future.exception()  # retrieved: it was answered as the sending failed
+            # What was queued or sent stays owed until answered; nobody waits for it any more.
             pending.future.cancel()
             raise
-        self._act(self._state.sealed(request_id))
-        return await pending.future
 
-    async def _send(self, route: Route, frames) -> None:
-        """Hand encoded frames to the socket of the route's first device; DeviceLost if a device
-        of the route goes down or changes process first (its new process would drop the hop)."""
-        channel = self._channels[route.stages[0].device]
-        while True:
-            for stage in route.stages:
-                if (error := self._state.unusable(stage.device, stage.generation)) is not None:
-                    raise error
-            if channel.try_send(frames):
-                return
-            await channel.writable()
+    def _unusable(self, route: Route) -> CakempError | None:
+        for stage in route.stages:
+            if (error := self._state.unusable(stage.device, stage.generation)) is not None:
+                return error
+        return None
+
+    def _flush(self, device: int) -> None:
+        """Send what the requests of the last wake-up queued for `device`: every hop in one Hops
+        message, then each Clear and End. What can no longer go (its device went down, or changed
+        process) is answered with why; what the socket does not take waits until it can."""
+        outbox = self._outboxes[device]
+        if self._closed:
+            return
+        now = self._loop.time()
+        actions: list[ps.Action] = []
+        hops = []
+        for hop, data, route in outbox.hops:
+            if not self._state.owed(hop.request_id):  # failed meanwhile (its device died): gone
+                continue
+            if (error := self._unusable(route)) is not None:
+                actions += self._state.answered(device, hop.request_id, now, error, hop.chunk)
+                continue
+            hops.append((hop, data, route))
+        outbox.hops = hops
+        channel = self._channels[device]
+        if hops:
+            try:
+                frames = encode(Hops(tuple(hop for hop, _, _ in hops), joined([data for _, data, _ in hops])))
+            except CakempError:  # a hop whose fields do not fit (BadTensor): it fails alone
+                frames, failed = self._encodable(hops)
+                for hop, error in failed:
+                    actions += self._state.answered(device, hop.request_id, now, error, hop.chunk)
+            if frames is not None and not channel.try_send(frames):
+                return self._wait(device, actions)
+            outbox.hops = []
+        while outbox.controls:
+            control, route = outbox.controls[0]
+            if self._state.owed(control.request_id):
+                if (error := self._unusable(route)) is not None:
+                    actions += self._state.answered(device, control.request_id, now, error)
+                elif not channel.try_send(encode(control)):
+                    return self._wait(device, actions)
+            outbox.controls.pop(0)
+        outbox.flushing = False
+        self._act(actions)
+
+    def _encodable(self, hops: list[tuple[Hop, Buffer, Route]]) -> tuple[list | None, list[tuple[Hop, CakempError]]]:
+        """The frames of the hops that encode (None: none), and each that does not with its error."""
+        good, failed = [], []
+        for hop, data, _ in hops:
+            try:
+                encode(Hops((hop,), data))
+                good.append((hop, data))
+            except CakempError as e:
+                failed.append((hop, e))
+        frames = encode(Hops(tuple(hop for hop, _ in good), joined([data for _, data in good]))) if good else None
+        return frames, failed
+
+    def _wait(self, device: int, actions: list[ps.Action]) -> None:
+        """The socket of `device` takes nothing now: flush again once it may."""
+        self._act(actions)
+
+        async def flush_when_writable() -> None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._channels[device].writable()
+                self._flush(device)
+
+        self._outboxes[device].waiter = self._loop.create_task(flush_when_writable())
 
     # -- events
 
     def _on_message(self, device: int, msg: Message) -> None:
         now = self._loop.time()
         match msg:
-            case Activation():
-                pending = self._pending.get(msg.request_id)
-                if pending is not None:
-                    pending.outputs.append((msg.chunk, RawTensor(msg.data, msg.dtype, msg.shape)))
-                    if pending.stamps is not None and msg.trace:
-                        pending.stamps[:] = (*msg.trace, trace.now())  # answered
-                    for stage_device, kv_bytes in zip(pending.devices, msg.kv):
-                        self._metrics.kv_bytes.set(kv_bytes, device=self.label(stage_device))
-                self._act(self._state.answered(device, msg.request_id, now))
-            case Failure():
-                error = error_from(msg.code, msg.message)
-                if not isinstance(error, RequestError):  # a start code on a request: the device's own fault
-                    error = InternalError(msg.message)
-                self._act(self._state.answered(device, msg.request_id, now, error, msg.chunk))
+            case Answers():
+                try:
+                    self._answers(device, msg, now)
+                except BadIpcMessage as e:
+                    self._on_garbage(device, e)
             case Done():
                 pending = self._pending.get(msg.request_id)
                 if pending is not None:
@@ -294,19 +364,6 @@ class DevicePool:
                 self._act(self._state.answered(device, msg.request_id, now))
             case Progress():
                 self._state.progressed(device, msg.request_id, now)
-            case StepReport():
-                self._state.heard(device, now)
-                label = self.label(device)
-                self._metrics.batch_requests.set(msg.requests, device=label)
-                self._metrics.batch_size.observe(msg.requests, device=label)
-                self._metrics.step_tokens.observe(msg.tokens, device=label)
-            case PrefixReport():
-                self._state.heard(device, now)
-                self._metrics.prefixes(self.label(device), msg.hits, msg.tokens, msg.evictions, msg.retired_bytes,
-                                       msg.kept_bytes)
-            case ExpertReport():
-                self._state.heard(device, now)
-                self._metrics.experts(self.label(device), msg.hits, msg.misses, msg.read_bytes, msg.resident_bytes)
             case Loaded():
                 self._state.heard(device, now)
                 self._status.loaded(device, msg.layers)
@@ -318,6 +375,41 @@ class DevicePool:
                 self._act(self._state.start_failed(device, now, error_from(msg.code, msg.message)))
             case _:  # Pong
                 self._state.heard(device, now)
+
+    def _answers(self, device: int, msg: Answers, now: float) -> None:
+        """A step's answers: each activation and failure to its request, the batches and reports to the metrics."""
+        self._state.heard(device, now)
+        data = rows((*msg.activations, *msg.failures), msg.data)
+        actions: list[ps.Action] = []
+        kv: dict[int, int] = {}  # device -> its KV bytes, as the latest answer through it says
+        for activation, body in zip(msg.activations, data):
+            request_id = activation.request_id
+            pending = self._pending.get(request_id)
+            if pending is not None:
+                pending.outputs.append((activation.chunk, RawTensor(body, activation.dtype, activation.shape)))
+                if pending.stamps is not None and activation.trace:
+                    pending.stamps[:] = (*activation.trace, trace.now())  # answered
+                kv.update(zip(pending.devices, activation.kv))
+            actions += self._state.answered(device, request_id, now)
+        for failure, text in zip(msg.failures, data[len(msg.activations):]):
+            message = bytes(text).decode(errors="replace")
+            error = error_from(failure.code, message)
+            if not isinstance(error, RequestError):  # a start code on a request: the device's own fault
+                error = InternalError(message)
+            actions += self._state.answered(device, failure.request_id, now, error, failure.chunk, bool(failure.ran))
+        for stage_device, kv_bytes in kv.items():
+            self._metrics.kv_bytes.set(kv_bytes, device=self.label(stage_device))
+        label = self.label(device)
+        for batch in msg.batches:
+            self._metrics.batch_requests.set(batch.requests, device=label)
+            self._metrics.batch_size.observe(batch.requests, device=label)
+            self._metrics.step_tokens.observe(batch.tokens, device=label)
+        for report in msg.prefixes:
+            self._metrics.prefixes(label, report.hits, report.tokens, report.evictions, report.retired_bytes,
+                                   report.kept_bytes)
+        for report in msg.experts:
+            self._metrics.experts(label, report.hits, report.misses, report.read_bytes, report.resident_bytes)
+        self._act(actions)
 
     def _on_garbage(self, device: int, error: BadIpcMessage) -> None:
         self._log.error("bad ipc reply", device=device, error=str(error))

@@ -27,8 +27,8 @@ event does in each phase:
 Each spawn is a new generation of the device; a route names the generation it expects, so a
 hand-off meant for a dead process is dropped by its successor. `stop` makes every device Stopped.
 
-A request is owed by every device on its route from the moment its first chunk is sent (never
-before: nothing is registered for a request that could not be sent) until each chunk sent has
+A request is owed by every device on its route from the moment its chunks are queued for the
+first device (a request refused before, its device down, registers nothing) until each chunk has
 its answer, or one of those devices dies. Its silence counts from the last word about it (the
 send, an answered chunk, a progress report). When it has been silent for `request_timeout`,
 the devices on its route are probed (pinged): a device that answers, or reports progress on any
@@ -398,8 +398,9 @@ class PoolState:
         return self._settle(request_id, request)
 
     def answered(self, device: int, request_id: int, now: float, error: RequestError | None = None,
-                 chunk: int = 0) -> list[Action]:
-        """Chunk `chunk`'s answer came from `device` (its Activation or Done, or a Failure with `error`)."""
+                 chunk: int = 0, ran: bool = False) -> list[Action]:
+        """Chunk `chunk`'s answer came from `device` (its Activation or Done, or a Failure with `error`;
+        `ran`: part of the chunk had run on `device` before it failed, a prompt the device cut)."""
         self._devices[device].heard = now
         request = self._requests.get(request_id)
         if request is None:  # already failed (a death, the stop) or a dead process's late reply
@@ -407,8 +408,9 @@ class PoolState:
         request.answered += 1
         if error is not None and request.error is None:
             request.error = error
-            # Only a failure of the first chunk on the route's first device comes before anything ran.
-            request.partial = (device, chunk) != (request.devices[0], 0)
+            # Only a failure of the first chunk on the route's first device, before any of it ran
+            # there, comes before anything ran.
+            request.partial = ran or (device, chunk) != (request.devices[0], 0)
         request.deadline, request.pinged_at = now + self._request_timeout, None
         return self._settle(request_id, request)
 

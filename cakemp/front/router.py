@@ -1,4 +1,5 @@
-"""Which device runs which part of a request's layer run, and how a long prompt is cut (pure, no I/O)."""
+"""Which device runs which part of a request's layer run (pure, no I/O); how a long prompt is cut is
+`cakemp.ipc.spec.chunk_bounds`, which both the front and the devices cut by."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from cakemp.ipc import Op, Stage
+from cakemp.ipc.spec import chunk_bounds as chunk_bounds  # cut by the front and the devices alike
 from cakemp.wire import LayerOp
 
 
@@ -45,30 +47,3 @@ class Router:
                 stages.append((device, []))
             stages[-1][1].append(Op(index, op.index_pos, op.block_idx))
         return Route(tuple(Stage(device, generation(device), tuple(run)) for device, run in stages))
-
-
-def chunk_bounds(tokens: int, chunk: int) -> tuple[tuple[int, int], ...]:
-    """[start, end) token ranges of at most `chunk` tokens covering `tokens`, as even as they can be.
-
-    A prompt that fits one chunk is not cut; one that does not is cut into the fewest chunks
-    of at most `chunk` tokens, of equal size within one token, whatever the route's stages.
-
-    Why, across S devices that each take about as long on a chunk as the others (the layers
-    split evenly): chunk i taking t_i on every stage, the last answer comes after
-    sum(t_i) + (S - 1) * max(t_i), in whatever order and sizes the chunks come (a proportionate
-    flow shop: the stages after the first wait, in all, for the longest chunk once each, wherever
-    it lies). So grading the sizes (small first and last chunks, large ones between) does not
-    shorten it: only a smaller longest chunk does, and a smaller chunk costs more per token (each
-    reads all its layers' weights once); the fewest chunks of at most `chunk` make the least
-    sum for that longest chunk. One stage has no pipeline, and the fewest chunks cost the least
-    there too. `--prefill-chunk` sets the trade for a machine: docs/benchmarks.md, "Graded
-    prefill chunks", has the measurements.
-    """
-    count = max(1, -(-tokens // chunk))
-    base, extra = divmod(tokens, count)
-    bounds, start = [], 0
-    for i in range(count):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return tuple(bounds)

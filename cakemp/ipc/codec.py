@@ -28,7 +28,7 @@ _FRAMES = ("body", "text")  # the marks of fields that travel as frames of their
 
 
 class _Header:
-    """A header frame being read; every count is checked against the bytes left first."""
+    """A header frame being read (`at`: where); every count is checked against the bytes left first."""
 
     def __init__(self, frame: Buffer) -> None:
         self.frame = frame
@@ -40,12 +40,6 @@ class _Header:
         self.at += layout.size
         return values
 
-    def count(self, item_size: int) -> int:
-        (n,) = self.take(_COUNT)
-        if n * item_size > self.size - self.at:
-            raise ValueError(f"{n} items claimed, {self.size - self.at} bytes left")
-        return n
-
 
 class _Integers:
     """The items of a tuple of integers, packed and unpacked in one struct call."""
@@ -53,12 +47,21 @@ class _Integers:
     def __init__(self, code: str) -> None:
         self.code = code
         self.min_size = struct.calcsize(code)
+        self._structs: dict[int, struct.Struct] = {}  # by count: a shape's 3 dims, a route's 1 stage's kv...
+
+    def _struct(self, n: int) -> struct.Struct:
+        layout = self._structs.get(n)
+        if layout is None:
+            layout = struct.Struct(f"<{n}{self.code}")
+            if n <= 16:  # the counts that recur; a long tuple is packed once in a while
+                self._structs[n] = layout
+        return layout
 
     def write_all(self, head: bytearray, items: tuple) -> None:
-        head += struct.pack(f"<{len(items)}{self.code}", *items)
+        head += self._struct(len(items)).pack(*items)
 
     def read_all(self, header: _Header, n: int) -> tuple:
-        values = struct.unpack_from(f"<{n}{self.code}", header.frame, header.at)
+        values = self._struct(n).unpack_from(header.frame, header.at)
         header.at += n * self.min_size
         return values
 
@@ -99,24 +102,35 @@ class _Layout:
         head += b"".join([pack(*integers(value)) for value in items])
 
     def read(self, header: _Header, frames: Sequence[Buffer] = ()) -> object:
+        # The header's reads inlined (a call each cost more than the read): this runs per item.
+        frame, fixed = header.frame, self.fixed
         if self.flat:
-            return self.build(*header.take(self.fixed))
-        values = list(header.take(self.fixed))
+            values = fixed.unpack_from(frame, header.at)
+            header.at += fixed.size
+            return self.build(*values)
+        values = list(fixed.unpack_from(frame, header.at))
+        header.at += fixed.size
         for index, enum in self.enums:
             values[index] = enum(values[index])
         for _, item in self.tuples:
-            values.append(item.read_all(header, header.count(item.min_size)))
+            (n,) = _COUNT.unpack_from(frame, header.at)
+            header.at += _COUNT.size
+            if n * item.min_size > header.size - header.at:
+                raise ValueError(f"{n} items claimed, {header.size - header.at} bytes left")
+            values.append(item.read_all(header, n) if n else ())
         for index, (_, mark) in enumerate(self.frames, 1):
             values.append(frames[index] if mark == "body" else bytes(frames[index]).decode())
         return self.build(*values)
 
     def read_all(self, header: _Header, n: int) -> tuple:
         if not self.flat:
-            return tuple(self.read(header) for _ in range(n))
+            read = self.read
+            return tuple([read(header) for _ in range(n)])
         end = header.at + n * self.fixed.size
         items = memoryview(header.frame)[header.at : end]
         header.at = end
-        return tuple(self.build(*values) for values in self.fixed.iter_unpack(items))
+        build = self.build
+        return tuple([build(*values) for values in self.fixed.iter_unpack(items)])
 
 
 def _mark(hint: object) -> str | None:

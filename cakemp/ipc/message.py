@@ -9,8 +9,14 @@ count and its items, after them; `Body` and `Text` travel as frames of their own
 A Hop names its whole route: the stages still to run, each a device, the generation of
 that device's process the front expects, and the ops for it. The device that runs stage 0
 passes the result, as a Hop holding the remaining stages, straight to the next device;
-the last one answers the front with an Activation. A prompt cut into chunks is one Hop per
-chunk, all with the request's id and their `chunk` of `chunks`.
+the last one answers the front with an Activation. A prompt cut into chunks (only where its
+route spans devices) is one Hop per chunk, all with the request's id and their `chunk` of `chunks`.
+
+One message carries a whole device step in each direction: `Hops` every request the front (or
+a device handing on) has for a device at once, `Answers` every result a device's step has for
+the front. Their items carry no bytes of their own: item i's bytes are `nbytes` of the
+message's one `data` frame, after the earlier items' (`rows`), so the codec, the tensor
+conversion and the socket's work are paid once per message, not once per request.
 
 The activation bytes are never copied or interpreted here: a `Body` frame is the caller's
 buffer (a memoryview into the master's Cake frame on the way in, the device's tensor memory on
@@ -19,35 +25,31 @@ the way out), handed to zmq with copy=False.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Annotated, Union, dataclass_transform
 
-from cakemp.errors import ErrorCode
+from cakemp.errors import BadIpcMessage, ErrorCode
 from cakemp.op import Op
 
 Buffer = bytes | bytearray | memoryview
 
 
 class Kind(IntEnum):
-    # front -> device (and device -> device: HOP)
-    HOP = 1
+    # front -> device (and device -> device: HOPS)
+    HOPS = 1
     CLEAR = 2  # Goodbye: drop the session's caches, keep the session usable
     END = 3  # the connection closed: free everything of the session
     PING = 4  # are you alive? (asked of the devices of a request that went silent)
     # device -> front
     READY = 16
-    ACTIVATION = 17
-    FAILURE = 18
+    ANSWERS = 17  # a step's activations, failures and reports
     DONE = 19
     LOADED = 20
     START_FAILURE = 21
     PROGRESS = 22  # still computing a request: not hung
     PONG = 23
-    STEP_REPORT = 24  # a step began: its size, for the metrics
-    PREFIX_REPORT = 25  # what prefix reuse did, for the metrics
-    EXPERT_REPORT = 26  # what the offloaded experts' cache did, for the metrics
 
 
 # How a field travels (the codec knows these marks).
@@ -83,26 +85,36 @@ class Stage:
     ops: tuple[Op, ...]
 
 
-@message(Kind.HOP)
+@dataclass(frozen=True)
 class Hop:
-    """A chunk of a request on its way down its route: run `stages[0]` over x, then hand the
-    result to the next stage's device as a Hop (or, from the last stage, answer the front).
+    """A chunk of a request on its way down its route (an item of `Hops`): run `stages[0]` over x,
+    then hand the result to the next stage's device (or, from the last stage, answer the front).
 
-    `data` holds [1, T, H] little-endian elements of wire `dtype` (`shape`), chunk `chunk` of the
-    request's `chunks`; `kv` is the KV bytes reported by the stages already run, in route order;
-    `trace` the request's stamps so far when the front traces it (ipc/trace.py; else empty).
+    x is [1, T, H] little-endian elements of wire `dtype` (`shape`): `nbytes` of its message's
+    data; chunk `chunk` of the request's `chunks`; `kv` the KV bytes reported by the stages
+    already run, in route order; `trace` the request's stamps so far when the front traces it
+    (ipc/trace.py; else empty). Fields in the order the codec reads them (integers, then tuples).
     """
 
     session: U64
     request_id: U64
     dtype: U8
+    nbytes: U64
+    chunk: U32
+    chunks: U32
     shape: tuple[U64, ...]
     stages: tuple[Stage, ...]
-    data: Body
-    chunk: U32 = 0
-    chunks: U32 = 1
     kv: tuple[U64, ...] = ()
     trace: tuple[U64, ...] = ()
+
+
+@message(Kind.HOPS)
+class Hops:
+    """Every hop one sender has for a device at once (distinct sessions or not), their bytes one
+    after another in `data`."""
+
+    hops: tuple[Hop, ...]
+    data: Body
 
 
 @message(Kind.CLEAR)
@@ -152,9 +164,10 @@ class StartFailure:
     message: Text
 
 
-@message(Kind.ACTIVATION)
+@dataclass(frozen=True)
 class Activation:
-    """The last stage's answer to chunk `chunk` of a request: same dtype and shape as that chunk.
+    """The last stage's answer to chunk `chunk` of a request (an item of `Answers`): `nbytes` of the
+    message's data, of the chunk's dtype and shape (an image component's: its own).
 
     `kv` is the KV cache size of every stage's device after the request, in route order, for
     the front's metrics (it grows with every decode step, long before a Done would report it);
@@ -163,39 +176,36 @@ class Activation:
 
     request_id: U64
     dtype: U8
+    nbytes: U64
+    chunk: U32
     shape: tuple[U64, ...]
-    data: Body
-    chunk: U32 = 0
     kv: tuple[U64, ...] = ()
     trace: tuple[U64, ...] = ()
 
 
-@message(Kind.FAILURE)
+@dataclass(frozen=True)
 class Failure:
-    """Chunk `chunk` of a request failed on the device that sends this."""
+    """Chunk `chunk` of a request failed on the device that sends this (an item of `Answers`); its
+    message is `nbytes` of the message's data, UTF-8. `ran`: part of the request had run on this
+    device before it failed (an earlier piece of a prompt the device cut), so state that cannot be
+    rewound is half-applied there."""
 
     request_id: U64
     code: Code
-    message: Text
-    chunk: U32 = 0
+    chunk: U32
+    ran: U8
+    nbytes: U64
 
 
-@message(Kind.PROGRESS)
-class Progress:
-    """The device is still computing `request_id` (sent while a request runs long)."""
-
-    request_id: U64
-
-
-@message(Kind.STEP_REPORT)
-class StepReport:
-    """The device began computing `requests` requests of `tokens` tokens as one batch (for the front's metrics)."""
+@dataclass(frozen=True)
+class Batch:
+    """The device computed `requests` requests of `tokens` tokens as one batch (for the front's metrics)."""
 
     requests: U64
     tokens: U64
 
 
-@message(Kind.PREFIX_REPORT)
+@dataclass(frozen=True)
 class PrefixReport:
     """What prefix reuse did on the device since its last report: requests that adopted a retired
     prefix (`hits`), positions answered from kept rows instead of computed (`tokens`), prefixes
@@ -209,7 +219,7 @@ class PrefixReport:
     kept_bytes: U64
 
 
-@message(Kind.EXPERT_REPORT)
+@dataclass(frozen=True)
 class ExpertReport:
     """What the device's cache of offloaded MoE experts did since its last report: experts found in
     it (`hits`), experts read from the checkpoint (`misses`, `read_bytes` of it as stored); and the
@@ -219,6 +229,48 @@ class ExpertReport:
     misses: U64
     read_bytes: U64
     resident_bytes: U64
+
+
+@message(Kind.PROGRESS)
+class Progress:
+    """The device is still computing `request_id` (sent while a request runs long)."""
+
+    request_id: U64
+
+
+@message(Kind.ANSWERS)
+class Answers:
+    """What one step of a device has for the front: the activations it finished and the failures,
+    their bytes one after another in `data` (the activations' first); the batches it computed; and
+    what prefix reuse and the offloaded experts did, when that changed (at most one of each)."""
+
+    activations: tuple[Activation, ...] = ()
+    failures: tuple[Failure, ...] = ()
+    batches: tuple[Batch, ...] = ()
+    prefixes: tuple[PrefixReport, ...] = ()
+    experts: tuple[ExpertReport, ...] = ()
+    data: Body = b""
+
+
+def rows(items: Sequence[Hop | Activation | Failure], data: Buffer, at: int = 0) -> list[memoryview]:
+    """Each item's bytes: `nbytes` of `data` after the earlier items' (from byte `at`), as views (no copy).
+    Raises BadIpcMessage when they claim more than `data` holds."""
+    view = memoryview(data).cast("B")
+    slices = []
+    for item in items:
+        end = at + item.nbytes
+        slices.append(view[at:end])
+        at = end
+    if at > view.nbytes:
+        raise BadIpcMessage(f"malformed ipc message: its items claim {at} bytes of its {view.nbytes}")
+    return slices
+
+
+def joined(buffers: Sequence[Buffer]) -> Buffer:
+    """One buffer of `buffers` one after another: the only one as it is, else one copy of them all."""
+    if len(buffers) == 1:
+        return buffers[0]
+    return b"".join(buffers)
 
 
 @message(Kind.DONE)
@@ -232,4 +284,5 @@ class Done:
 
 Message = Union[tuple(MESSAGES.values())]  # noqa: UP007 (built from the declarations)
 
-__all__ = ["Kind", "Op", "Stage", "Message", *(cls.__name__ for cls in MESSAGES.values())]
+__all__ = ["Kind", "Op", "Stage", "Hop", "Activation", "Failure", "Batch", "PrefixReport", "ExpertReport", "Message",
+           "Buffer", "rows", "joined", *(cls.__name__ for cls in MESSAGES.values())]

@@ -15,6 +15,35 @@ PREFILL_CHUNK = 128
 MAX_BATCH = 32
 
 
+def chunk_bounds(tokens: int, chunk: int) -> tuple[tuple[int, int], ...]:
+    """[start, end) token ranges of at most `chunk` tokens covering `tokens`, as even as they can be.
+
+    A prompt that fits one chunk is not cut; one that does not is cut into the fewest chunks
+    of at most `chunk` tokens, of equal size within one token, whatever the route's stages: by
+    the front where its route spans devices (the chunks then flow down the route), else by the
+    device that computes it, one chunk a step between its decode steps.
+
+    Why, across S devices that each take about as long on a chunk as the others (the layers
+    split evenly): chunk i taking t_i on every stage, the last answer comes after
+    sum(t_i) + (S - 1) * max(t_i), in whatever order and sizes the chunks come (a proportionate
+    flow shop: the stages after the first wait, in all, for the longest chunk once each, wherever
+    it lies). So grading the sizes (small first and last chunks, large ones between) does not
+    shorten it: only a smaller longest chunk does, and a smaller chunk costs more per token (each
+    reads all its layers' weights once); the fewest chunks of at most `chunk` make the least
+    sum for that longest chunk. One stage has no pipeline, and the fewest chunks cost the least
+    there too. `--prefill-chunk` sets the trade for a machine: docs/benchmarks.md, "Graded
+    prefill chunks", has the measurements.
+    """
+    count = max(1, -(-tokens // chunk))
+    base, extra = divmod(tokens, count)
+    bounds, start = [], 0
+    for i in range(count):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return tuple(bounds)
+
+
 @dataclass(frozen=True)
 class ComponentFile:
     """Where an image component's weights are, and its config.json (None: its version's standard one)."""
@@ -71,7 +100,8 @@ class Workload:
 
     @property
     def chunked(self) -> bool:
-        """A request longer than --prefill-chunk tokens is cut into chunks that follow each other down the route."""
+        """A request longer than --prefill-chunk tokens is cut into chunks: by the front where its route
+        spans devices (they follow each other down the route), else by its device, one a step."""
         return self.image is None
 
     @property
@@ -104,7 +134,7 @@ class DeviceSpec:
     kv_budget_bytes: int | None = None
     max_context: int | None = None
     max_batch: int = MAX_BATCH  # requests run together in one step at most
-    prefill_chunk: int = PREFILL_CHUNK  # prefill tokens per step (beyond the first chunk); the front's chunk size
+    prefill_chunk: int = PREFILL_CHUNK  # prefill tokens per step (beyond the first chunk); the chunk size
     threads: int | None = None  # torch intra-op threads (None: torch's default, one per core)
     cpus: tuple[int, ...] | None = None  # the cores the process is pinned to (--pin-cpus; None: not pinned)
     poll_s: float = 0.0  # owed a request, look at the socket this long before sleeping (--device-poll-ms)

@@ -12,10 +12,12 @@ import torch
 from cakemp.device import process
 from cakemp.ipc import (
     Activation,
+    Answers,
+    Batch,
     ErrorCode,
-    Failure,
     FrontChannel,
     Hop,
+    Hops,
     Loaded,
     Op,
     Ping,
@@ -24,7 +26,7 @@ from cakemp.ipc import (
     Ready,
     Stage,
     StartFailure,
-    StepReport,
+    rows,
 )
 from cakemp.ipc.spec import DeviceSpec
 from cakemp.wire import DType
@@ -56,6 +58,18 @@ async def spawn(spec: DeviceSpec, generation: int = 1, target=process.main):
     return front, child, writer
 
 
+def hops(*hops: tuple[int, int, tuple[int, ...], tuple[Stage, ...], bytes, tuple[int, ...]]) -> Hops:
+    """A Hops message of (session, request id, shape, stages, f32 bytes, stamps) each."""
+    return Hops(tuple(Hop(session, request_id, DType.F32, len(data), 0, 1, shape, stages, trace=stamps)
+                      for session, request_id, shape, stages, data, stamps in hops), b"".join(h[4] for h in hops))
+
+
+def answered(answers: Answers) -> list[tuple[object, bytes]]:
+    """Each activation and failure of the answers, with its bytes (a failure's: its message)."""
+    items = (*answers.activations, *answers.failures)
+    return [(item, bytes(data)) for item, data in zip(items, rows(items, answers.data))]
+
+
 async def join(child, timeout: float = 20.0) -> int:
     """The child's exit code once it exits (None if it still runs after `timeout` s)."""
     await asyncio.to_thread(child.join, timeout)
@@ -83,24 +97,24 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
         def stage(layer):
             return (Stage(0, 1, (Op(layer, 0, 1),)),)
 
-        await front.channel.send(Hop(1, 1, DType.F32, (1, 3, 64), stage(5), bytearray(x.numpy().tobytes())))
-        assert await front.receive(10) == StepReport(1, 3)  # each step is reported before it runs
-        refused = await front.receive(10)
-        await front.channel.send(Hop(1, 2, DType.F32, (1, 3, 64), stage(0), bytearray(x.numpy().tobytes())))
-        assert await front.receive(10) == StepReport(1, 3)
-        # Prefix reuse now keeps the session's output rows (256 rows of 64 f32 at first): said before the answer.
-        assert await front.receive(10) == PrefixReport(0, 0, 0, 0, 256 * 64 * 4)
-        answered = await front.receive(10)
+        await front.channel.send(hops((1, 1, (1, 3, 64), stage(5), x.numpy().tobytes(), ())))
+        refused = await front.receive(10)  # the step's one message: its failure and its batch
+        await front.channel.send(hops((1, 2, (1, 3, 64), stage(0), x.numpy().tobytes(), ())))
+        answers = await front.receive(10)
         parent_pipe.close()
         exitcode = await join(child)
         front.channel.close()
-        return refused, answered, exitcode
+        return refused, answers, exitcode
 
-    refused, answered, exitcode = asyncio.run(main())
-    assert isinstance(refused, Failure) and refused.code == ErrorCode.INTERNAL
-    assert refused.message == "internal error on device cpu:0"
-    assert isinstance(answered, Activation) and answered.request_id == 2 and answered.kv[0] > 0
-    y = torch.frombuffer(bytearray(answered.data), dtype=torch.float32).view(1, 3, 64)
+    refused, answers, exitcode = asyncio.run(main())
+    ((failure, message),) = answered(refused)
+    assert (failure.code, message) == (ErrorCode.INTERNAL, b"internal error on device cpu:0")
+    assert refused.batches == (Batch(1, 3),) and not refused.activations  # its step, counted as it began
+    ((activation, data),) = answered(answers)
+    assert activation.request_id == 2 and activation.kv[0] > 0 and answers.batches == (Batch(1, 3),)
+    # Prefix reuse now keeps the session's output rows (256 rows of 64 f32 at first): said with the answer.
+    assert answers.prefixes == (PrefixReport(0, 0, 0, 0, 256 * 64 * 4),)
+    y = torch.frombuffer(bytearray(data), dtype=torch.float32).view(1, 3, 64)
     assert_close(y, HFLayers(checkpoint, [1], torch.float32)(x, 0))
     assert exitcode == 0
 
@@ -137,18 +151,16 @@ def test_a_poisoned_context_fails_its_request_then_the_process_exits(tmp_path, c
         front, child, parent_pipe = await spawn(spec, target=faulting_gpu.main)
         while not isinstance(await front.receive(60), Ready):
             pass
-        await front.channel.send(Hop(1, 4, DType.F32, (1, 3, 64), (Stage(0, 1, (Op(0, 0, 1),)),),
-                                     bytearray(x.numpy().tobytes())))
-        assert await front.receive(10) == StepReport(1, 3)
-        failure = await front.receive(10)
+        await front.channel.send(hops((1, 4, (1, 3, 64), (Stage(0, 1, (Op(0, 0, 1),)),), x.numpy().tobytes(), ())))
+        ((failure, message),) = answered(await front.receive(10))
         exitcode = await join(child)
         front.channel.close()
         parent_pipe.close()
-        return failure, exitcode
+        return failure, message, exitcode
 
-    failure, exitcode = asyncio.run(main())
-    assert isinstance(failure, Failure) and (failure.request_id, failure.code) == (4, ErrorCode.DEVICE_LOST)
-    assert "illegal memory access" in failure.message
+    failure, message, exitcode = asyncio.run(main())
+    assert (failure.request_id, failure.code) == (4, ErrorCode.DEVICE_LOST)
+    assert b"illegal memory access" in message
     assert exitcode == 1
 
 
@@ -163,13 +175,13 @@ def test_a_pinned_polling_device_answers_and_stamps_only_traced_hops(tmp_path, c
     ref = HFLayers(checkpoint, [1], torch.float32)
     xs = [torch.randn(1, 1, 64) for _ in range(3)]
 
-    async def step(front, position: int, stamps: tuple[int, ...]) -> tuple[Activation, int, int]:
+    async def step(front, position: int, stamps: tuple[int, ...]) -> tuple[tuple[Activation, bytes], int, int]:
         sent = time.monotonic_ns()
-        await front.channel.send(Hop(1, position + 1, DType.F32, (1, 1, 64), (Stage(0, 1, (Op(0, position, 1),)),),
-                                     bytearray(xs[position].numpy().tobytes()), trace=stamps))
-        while not isinstance(reply := await front.receive(10), Activation):
+        await front.channel.send(hops((1, position + 1, (1, 1, 64), (Stage(0, 1, (Op(0, position, 1),)),),
+                                       xs[position].numpy().tobytes(), stamps)))
+        while not isinstance(reply := await front.receive(10), Answers) or not reply.activations:
             pass
-        return reply, sent, time.monotonic_ns()
+        return answered(reply)[0], sent, time.monotonic_ns()
 
     async def main():
         front, child, parent_pipe = await spawn(spec)
@@ -187,10 +199,11 @@ def test_a_pinned_polling_device_answers_and_stamps_only_traced_hops(tmp_path, c
 
     affinity, (traced, sent, got), untraced, late = asyncio.run(main())
     assert affinity == {core}
-    assert traced.trace[:2] == (7, 8) and len(traced.trace) == 2 + 4
-    assert sent <= traced.trace[2] <= traced.trace[3] <= traced.trace[4] <= traced.trace[5] <= got
-    assert untraced[0].trace == () and late[0].trace == ()
+    stamps = traced[0].trace
+    assert stamps[:2] == (7, 8) and len(stamps) == 2 + 4
+    assert sent <= stamps[2] <= stamps[3] <= stamps[4] <= stamps[5] <= got
+    assert untraced[0][0].trace == () and late[0][0].trace == ()
     # Three decode steps are HF's layer over the three tokens at once.
-    outputs = [torch.frombuffer(bytearray(a.data), dtype=torch.float32).view(1, 1, 64)
-               for a in (traced, untraced[0], late[0])]
+    outputs = [torch.frombuffer(bytearray(data), dtype=torch.float32).view(1, 1, 64)
+               for _, data in (traced, untraced[0], late[0])]
     assert_close(torch.cat(outputs, dim=1), ref(torch.cat(xs, dim=1), 0))

@@ -1,23 +1,33 @@
-"""Scheduler: which waiting messages a device step takes, and in what order."""
+"""Scheduler: which waiting work a device step takes, in what order, and how it cuts a long prompt."""
+
+from dataclasses import dataclass
 
 import pytest
 
-from cakemp.device.scheduler import GATHER_FRACTION, GATHER_MAX_S, Gathering, Scheduler
-from cakemp.ipc import Clear, End, Hop, Op, Stage
-
-STAGE = (Stage(0, 1, (Op(0, 0, 0),)),)
+from cakemp.device.scheduler import GATHER_FRACTION, GATHER_MAX_S, GATHER_MIN_S, Gathering, Scheduler
+from cakemp.ipc import Clear, End
 
 
-def hop(session, tokens=1, request_id=None):
-    return Hop(session, request_id or session, 5, (1, tokens, 64), STAGE, b"")
+@dataclass(eq=False)
+class Work:
+    session: int
+    tokens: int = 1
+
+
+def hop(session, tokens=1):
+    return Work(session, tokens)
 
 
 def taken(step):
-    return [(type(m).__name__, m.session) for m in (*step.controls, *step.hops)]
+    return [(type(m).__name__, m.session) for m in (*step.controls, *(piece.work for piece in step.pieces))]
 
 
-def queue(*messages, max_batch=32, prefill_chunk=128):
-    scheduler = Scheduler(max_batch, prefill_chunk)
+def sessions(step):
+    return [piece.work.session for piece in step.pieces]
+
+
+def queue(*messages, max_batch=32, prefill_chunk=128, cut=True):
+    scheduler = Scheduler(max_batch, prefill_chunk, cut)
     for message in messages:
         scheduler.add(message)
     return scheduler
@@ -26,29 +36,55 @@ def queue(*messages, max_batch=32, prefill_chunk=128):
 def test_every_waiting_decode_runs_in_one_step_up_to_the_batch_limit():
     scheduler = queue(*(hop(s) for s in range(5)), max_batch=3)
     first = scheduler.next_step()
-    assert [h.session for h in first.hops] == [0, 1, 2] and first.tokens == 3
-    assert [h.session for h in scheduler.next_step().hops] == [3, 4]
-    assert not scheduler and not scheduler.next_step().hops
+    assert sessions(first) == [0, 1, 2] and first.tokens == 3
+    assert sessions(scheduler.next_step()) == [3, 4]
+    assert not scheduler and not scheduler.next_step().pieces
 
 
 def test_prefill_chunks_share_a_step_within_the_token_budget_and_the_first_always_runs():
     """Chunks of 100 and 28 tokens fill a prefill budget of 128 (decodes come on top); a third (50)
-    waits. A chunk larger than the budget still runs when it is the step's first."""
+    waits. A call larger than the budget that is never cut (an image component's) still runs when
+    it is the step's first."""
     scheduler = queue(hop(1), hop(2, 100), hop(3), hop(4, 28), hop(5, 50), prefill_chunk=128)
     step = scheduler.next_step()
-    assert [h.session for h in step.hops] == [1, 2, 3, 4] and step.tokens == 130
-    assert [h.session for h in scheduler.next_step().hops] == [5]
-    huge = queue(hop(1, 500), hop(2), prefill_chunk=128).next_step()
-    assert [h.session for h in huge.hops] == [1, 2]
+    assert sessions(step) == [1, 2, 3, 4] and step.tokens == 130
+    assert sessions(scheduler.next_step()) == [5]
+    huge = queue(hop(1, 500), hop(2), prefill_chunk=128, cut=False).next_step()
+    assert sessions(huge) == [1, 2] and [(p.start, p.end) for p in huge.pieces] == [(0, 500), (0, 1)]
+
+
+def test_a_long_prompt_is_cut_into_even_pieces_one_a_step_beside_the_decodes():
+    """A 300-token prompt with a budget of 128 runs as pieces of 100, 100 and 100 tokens in three steps,
+    every decode waiting running beside each; the session's later work waits for its last piece, and
+    a dropped prompt's pieces run no more."""
+    prompt = hop(1, 300)
+    scheduler = queue(hop(2), prompt, hop(1), hop(3), prefill_chunk=128)
+    steps = []
+    for _ in range(3):
+        step = scheduler.next_step()
+        steps.append([(p.work.session, p.start, p.end, p.first, p.last) for p in step.pieces])
+        scheduler.add(hop(2))
+        scheduler.add(hop(3))
+    assert steps == [
+        [(2, 0, 1, True, True), (1, 0, 100, True, False), (3, 0, 1, True, True)],
+        [(1, 100, 200, False, False), (2, 0, 1, True, True), (3, 0, 1, True, True)],
+        [(1, 200, 300, False, True), (2, 0, 1, True, True), (3, 0, 1, True, True)],
+    ]
+    assert sessions(scheduler.next_step()) == [1, 2, 3]  # the session's decode, after its prompt
+    other = hop(4, 300)
+    scheduler = queue(other, hop(4))
+    assert [(p.start, p.end) for p in scheduler.next_step().pieces] == [(0, 100)]
+    scheduler.drop(other)
+    assert [(p.work.session, p.end) for p in scheduler.next_step().pieces] == [(4, 1)]
 
 
 def test_a_session_runs_one_hop_per_step_and_keeps_its_order():
     """Two chunks of one prompt run in successive steps; a Clear behind a session's hop waits for it,
     and the session's later hop waits behind the Clear; another session's End runs at once."""
-    scheduler = queue(hop(1, 4, 10), hop(1, 4, 10), Clear(1, 11), hop(1, 1, 12), End(2, 13), hop(3))
-    assert taken(scheduler.next_step()) == [("End", 2), ("Hop", 1), ("Hop", 3)]
-    assert taken(scheduler.next_step()) == [("Hop", 1)]
-    assert taken(scheduler.next_step()) == [("Clear", 1), ("Hop", 1)]
+    scheduler = queue(hop(1, 4), hop(1, 4), Clear(1, 11), hop(1, 1), End(2, 13), hop(3))
+    assert taken(scheduler.next_step()) == [("End", 2), ("Work", 1), ("Work", 3)]
+    assert taken(scheduler.next_step()) == [("Work", 1)]
+    assert taken(scheduler.next_step()) == [("Clear", 1), ("Work", 1)]
     assert not scheduler
 
 
@@ -58,19 +94,21 @@ def test_the_waiting_sessions_are_known():
 
 
 def test_a_step_awaits_its_sessions_only_while_they_come_back_within_the_window():
-    """After a 20 ms step the window is 5 ms: sessions not back are awaited until they show they take
+    """After a 40 ms step the window is 10 ms: sessions not back are awaited until they show they take
     longer than that (a master busy with other workers), and a session that skipped a step is dropped."""
     gathering = Gathering()
     assert gathering.awaited() == set() and gathering.window_s == 0.0
-    gathering.stepped({1, 2, 3}, step_s=0.020, now=10.0)
-    assert gathering.window_s == pytest.approx(GATHER_FRACTION * 0.020)
+    gathering.stepped({1, 2, 3}, step_s=0.040, now=10.0)
+    assert gathering.window_s == pytest.approx(GATHER_FRACTION * 0.040)
     assert gathering.awaited() == {1, 2, 3}  # never seen leaving before: assumed quick
     gathering.arrived(1, now=10.001)  # back in 1 ms
     gathering.arrived(2, now=10.050)  # back in 50 ms: slower than the window
     assert gathering.awaited() == {3}
-    gathering.stepped({1, 2}, step_s=0.020, now=11.0)  # 3 did not come back: no longer awaited
+    gathering.stepped({1, 2}, step_s=0.040, now=11.0)  # 3 did not come back: no longer awaited
     assert gathering.awaited() == {1}
     gathering.stepped({1, 2}, step_s=1.0, now=12.0)  # a long step: the window is capped
     assert gathering.window_s == GATHER_MAX_S
+    gathering.stepped({1, 2}, step_s=0.001, now=12.5)  # a short one: it has a floor
+    assert gathering.window_s == GATHER_MIN_S
     gathering.ended(1)  # its connection closed
     assert gathering.awaited() == set()  # 2 took 50 ms last time, past even the capped window

@@ -1,17 +1,20 @@
-"""DeviceService, the device process's message handling, run in-process on a real runner."""
+"""DeviceService, the device process's work, run in-process on a real runner: hops as they arrive
+(one Hops message, decoded from its frames), the scheduler's steps, and what each sends on."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from cakemp.compute.runner import BlockRunner
 from cakemp.device import fault
+from cakemp.device.scheduler import Scheduler
 from cakemp.device.service import DeviceService
 from cakemp.errors import ConfigError
-from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, Op, Stage
+from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, Hops, Op, Stage, decode, encode
 from cakemp.ipc.spec import DeviceSpec
 from cakemp.wire import DType
 
@@ -25,55 +28,114 @@ def service(checkpoint):
     return DeviceService.load(spec, generation=GENERATION)
 
 
-def raw(x: torch.Tensor, wire=DType.F32) -> bytearray:
-    return bytearray(x.to({DType.F32: torch.float32, DType.F16: torch.float16}[wire]).reshape(-1)
-                     .view(torch.uint8).numpy().tobytes())
+def raw(x: torch.Tensor, wire=DType.F32) -> bytes:
+    return x.to({DType.F32: torch.float32, DType.F16: torch.float16}[wire]).reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def forward(x: torch.Tensor, ops, session=1, request_id=1, wire=DType.F32, data=None, rest=(), chunk=0, chunks=1,
-            device=1, generation=GENERATION) -> Hop:
+            device=1, generation=GENERATION) -> tuple[Hop, bytes]:
     stages = (Stage(device, generation, tuple(ops)), *rest)
-    return Hop(session, request_id, wire, tuple(x.shape), stages, raw(x, wire) if data is None else data,
-                   chunk, chunks)
+    data = raw(x, wire) if data is None else bytes(data)
+    return Hop(session, request_id, wire, len(data), chunk, chunks, tuple(x.shape), stages), data
 
 
-def tensor(reply) -> torch.Tensor:
-    return torch.frombuffer(bytearray(reply.data), dtype=torch.float32).view(reply.shape)
+class Reply(NamedTuple):
+    item: Hop | Activation | Failure
+    data: bytes
+    device: int | None  # where it goes: None for the front
+
+    @property
+    def message(self) -> str:
+        return self.data.decode()
+
+
+def step(service: DeviceService, *hops: tuple[Hop, bytes], prefill_chunk: int = 128) -> list[Reply | None]:
+    """The hops sent as one Hops message (as the device receives it: decoded from its frames), run
+    through a scheduler to the end: each hop's reply, in order (None for a hop dropped)."""
+    message = decode(encode(Hops(tuple(hop for hop, _ in hops), b"".join(data for _, data in hops))))
+    tasks = service.tasks(message)
+    scheduler = Scheduler(32, prefill_chunk)
+    for task in tasks:
+        scheduler.add(task)
+    replies = {}
+    while scheduler:
+        for onward in service.run_step(scheduler.next_step().pieces).onward:
+            if isinstance(onward.item, Failure):
+                scheduler.drop(onward.task)
+            replies[onward.task.hop.request_id, onward.task.session] = Reply(onward.item, bytes(onward.data),
+                                                                             onward.device)
+    return [replies.get((hop.request_id, hop.session)) for hop, _ in hops]
+
+
+def answer(service: DeviceService, hop: tuple[Hop, bytes], prefill_chunk: int = 128) -> Reply:
+    (reply,) = step(service, hop, prefill_chunk=prefill_chunk)
+    return reply
+
+
+def tensor(reply: Reply) -> torch.Tensor:
+    return torch.frombuffer(bytearray(reply.data), dtype=torch.float32).view(reply.item.shape)
 
 
 def test_the_last_stage_answers_the_front_like_the_runner(service, checkpoint):
     """Ops naming layers by index give the runner's own output for those layers, as F32 bytes, with the KV bytes."""
     x = torch.randn(1, 4, 64)
-    reply = service.handle(forward(x, [Op(0, 0, 2), Op(1, 0, 3)], request_id=5))
+    reply = answer(service, forward(x, [Op(0, 0, 2), Op(1, 0, 3)], request_id=5))
     runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
     expected = runner.run(9, x, runner.ops([("model.layers.2", 0, 2), ("model.layers.3", 0, 3)]))
-    assert isinstance(reply, Activation) and (reply.request_id, reply.dtype, reply.shape) == (5, DType.F32, (1, 4, 64))
-    assert reply.kv == (service.runner.kv_bytes(),) and reply.kv[0] > 0
+    item = reply.item
+    assert isinstance(item, Activation) and (item.request_id, item.dtype, item.shape) == (5, DType.F32, (1, 4, 64))
+    assert reply.device is None and item.nbytes == len(reply.data) == 4 * 64 * 4
+    assert item.kv == (service.runner.kv_bytes(),) and item.kv[0] > 0
     torch.testing.assert_close(tensor(reply), expected)
+
+
+def test_the_hops_of_one_message_are_converted_at_once_and_answered_each_like_the_runner(service, checkpoint):
+    """Three sessions' hops in one message become views of one converted buffer, run as one batch
+    (one Batch of 3 requests, 1 + 2 + 3 tokens), and each answer equals the runner's for that session."""
+    xs = [torch.randn(1, t, 64) for t in (1, 2, 3)]
+    message = decode(encode(Hops(tuple(forward(x, [Op(0, 0, 2)], session=s, request_id=s)[0]
+                                      for s, x in enumerate(xs, 1)), b"".join(raw(x) for x in xs))))
+    tasks = service.tasks(message)
+    assert len({task.x.untyped_storage().data_ptr() for task in tasks}) == 1
+    stepped = service.run_step(_pieces(tasks))
+    assert [(batch.requests, batch.tokens) for batch in stepped.batches] == [(3, 6)]
+    runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
+    for onward, x in zip(stepped.onward, xs, strict=True):
+        expected = runner.run(onward.task.session, x, runner.ops([("model.layers.2", 0, 2)]))
+        got = torch.frombuffer(bytearray(onward.data), dtype=torch.float32).view(onward.item.shape)
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
+
+
+def _pieces(tasks):
+    scheduler = Scheduler(32, 128)
+    for task in tasks:
+        scheduler.add(task)
+    return scheduler.next_step().pieces
 
 
 def test_a_stage_with_more_to_run_is_handed_on_with_the_rest_of_the_route(service):
     """With a later stage on the route, the result becomes a Hop for that stage, its chunk and KV report kept."""
     later = Stage(0, 2, (Op(0, 0, 4),))
     x = torch.randn(1, 3, 64)
-    reply = service.handle(forward(x, [Op(0, 0, 2)], request_id=6, rest=(later,), chunk=1, chunks=3))
-    assert isinstance(reply, Hop)
-    assert (reply.session, reply.request_id, reply.stages, reply.chunk, reply.chunks) == (1, 6, (later,), 1, 3)
-    assert reply.kv == (service.runner.kv_bytes(),) and len(bytes(reply.data)) == 3 * 64 * 4
+    reply = answer(service, forward(x, [Op(0, 0, 2)], request_id=6, rest=(later,), chunk=1, chunks=3))
+    item = reply.item
+    assert isinstance(item, Hop) and reply.device == 0
+    assert (item.session, item.request_id, item.stages, item.chunk, item.chunks) == (1, 6, (later,), 1, 3)
+    assert item.kv == (service.runner.kv_bytes(),) and item.nbytes == len(reply.data) == 3 * 64 * 4
 
 
 def test_a_route_for_another_process_or_device_is_dropped(service):
     """A hand-off naming an earlier generation of this device (its process died since), or another device, is dropped."""
     x = torch.randn(1, 2, 64)
-    assert service.handle(forward(x, [Op(0, 0, 2)], generation=GENERATION - 1)) is None
-    assert service.handle(forward(x, [Op(0, 0, 2)], device=0)) is None
+    assert step(service, forward(x, [Op(0, 0, 2)], generation=GENERATION - 1),
+                forward(x, [Op(0, 0, 2)], session=2, device=0)) == [None, None]
     assert service.runner.session_count() == 0
 
 
 def test_an_f16_request_is_answered_in_f16(service):
     """The reply keeps the request's wire dtype whatever the device computes in."""
-    reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], wire=DType.F16))
-    assert reply.dtype == DType.F16 and len(bytes(reply.data)) == 2 * 64 * 2
+    reply = answer(service, forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], wire=DType.F16))
+    assert reply.item.dtype == DType.F16 and len(reply.data) == 2 * 64 * 2
 
 
 def test_chunks_in_order_equal_the_whole_prompt(service, checkpoint):
@@ -83,9 +145,39 @@ def test_chunks_in_order_equal_the_whole_prompt(service, checkpoint):
     expected = runner.run(9, x, runner.ops([("model.layers.2", 0, 2), ("model.layers.3", 0, 3)]))
     parts = []
     for chunk, (start, end) in enumerate(((0, 4), (4, 7), (7, 10))):
-        reply = service.handle(forward(x[:, start:end], [Op(0, start, 2), Op(1, start, 3)], chunk=chunk, chunks=3))
+        reply = answer(service, forward(x[:, start:end], [Op(0, start, 2), Op(1, start, 3)], chunk=chunk, chunks=3))
         parts.append(tensor(reply))
     torch.testing.assert_close(torch.cat(parts, dim=1), expected, atol=2e-6, rtol=0)
+
+
+def test_a_prompt_cut_here_equals_the_whole_prompt_and_is_answered_once(service, checkpoint):
+    """A 10-token prompt on a device cutting by 4 runs as three pieces (4, 3 and 3 tokens, one a step)
+    and is answered once, with the unchunked result within f32 tolerance."""
+    x = torch.randn(1, 10, 64)
+    runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
+    expected = runner.run(9, x, runner.ops([("model.layers.2", 0, 2), ("model.layers.3", 0, 3)]))
+    message = decode(encode(Hops((forward(x, [Op(0, 0, 2), Op(1, 0, 3)])[0],), raw(x))))
+    scheduler = Scheduler(32, 4)
+    (task,) = service.tasks(message)
+    scheduler.add(task)
+    steps = []
+    while scheduler:
+        stepped = service.run_step(scheduler.next_step().pieces)
+        steps.append(([batch.tokens for batch in stepped.batches], stepped.onward))
+    assert [tokens for tokens, _ in steps] == [[4], [3], [3]] and [len(onward) for _, onward in steps] == [0, 0, 1]
+    (onward,) = steps[-1][1]
+    assert onward.item.shape == (1, 10, 64)
+    torch.testing.assert_close(tensor(Reply(onward.item, bytes(onward.data), None)), expected, atol=2e-6, rtol=0)
+
+
+def test_a_prompt_cut_here_that_fails_part_way_says_part_of_it_ran_and_runs_no_further(service):
+    """Past the context limit (32) in its third piece, a 40-token prompt cut by 16 is answered once
+    with the failure, marked as having run in part here (state that cannot be rewound is then dropped
+    by the front); its pieces run no more."""
+    reply = answer(service, forward(torch.randn(1, 40, 64), [Op(0, 0, 2)]), prefill_chunk=16)
+    assert isinstance(reply.item, Failure) and reply.item.code == ErrorCode.CONTEXT_LIMIT and reply.item.ran == 1
+    whole = answer(service, forward(torch.randn(1, 40, 64), [Op(0, 0, 2)], request_id=2))
+    assert whole.item.code == ErrorCode.CONTEXT_LIMIT and whole.item.ran == 0
 
 
 @pytest.mark.parametrize("make, code, words", [
@@ -95,35 +187,38 @@ def test_chunks_in_order_equal_the_whole_prompt(service, checkpoint):
 def test_requests_that_cannot_be_served_become_failures(service, make, code, words):
     """A request this session's state cannot serve is answered with a Failure carrying the error's code
     and what was wrong."""
-    reply = service.handle(make(torch.randn(1, 2, 64)))
-    assert isinstance(reply, Failure) and reply.code == code and words in reply.message, reply
+    reply = answer(service, make(torch.randn(1, 2, 64)))
+    assert isinstance(reply.item, Failure) and reply.item.code == code and words in reply.message, reply
 
 
 @pytest.mark.parametrize("make", [
     lambda x: forward(x, [Op(2, 0, 2)]),  # a layer index this device does not have
     lambda x: forward(x, [Op(0, 0, 2)], data=bytearray(7)),
-    lambda x: Hop(1, 1, DType.F64, (1, 2, 64), (Stage(1, GENERATION, (Op(0, 0, 2),)),), bytearray(2 * 64 * 8)),
+    lambda x: (Hop(1, 1, DType.F64, 2 * 64 * 8, 0, 1, (1, 2, 64), (Stage(1, GENERATION, (Op(0, 0, 2),)),)),
+               bytes(2 * 64 * 8)),
     lambda x: forward(torch.randn(1, 2, 32), [Op(0, 0, 2)]),
 ], ids=["layer-index", "byte-count", "dtype", "hidden-size"])
 def test_requests_that_break_the_contract_are_internal_failures(service, make):
     """What the front's admission refuses (a layer index, byte count, dtype or shape no master may send)
     reaching a device is the node's bug: an INTERNAL failure naming no detail, and the service serves on."""
-    reply = service.handle(make(torch.randn(1, 2, 64)))
-    assert isinstance(reply, Failure) and reply.code == ErrorCode.INTERNAL, reply
-    assert reply.message == "internal error on device cpu:1"
-    assert isinstance(service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=9)), Activation)
+    bad, good = step(service, make(torch.randn(1, 2, 64)), forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], session=2))
+    assert isinstance(bad.item, Failure) and bad.item.code == ErrorCode.INTERNAL, bad
+    assert bad.message == "internal error on device cpu:1"
+    assert isinstance(good.item, Activation)  # its neighbour in the message
+    assert isinstance(answer(service, forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=9)).item, Activation)
 
 
 def test_once_a_chunk_fails_the_later_chunks_get_the_same_failure_unrun(service):
     """Chunk 0 of 3 fails (a position gap); chunks 1 and 2 are answered with that failure without running,
     after which the request id is forgotten."""
     x = torch.randn(1, 2, 64)
-    first = service.handle(forward(x, [Op(0, 5, 2)], request_id=8, chunks=3))
-    assert isinstance(first, Failure) and first.code == ErrorCode.POSITION_GAP
-    later = [service.handle(forward(x, [Op(0, 0, 2)], request_id=8, chunk=c, chunks=3)) for c in (1, 2)]
-    assert [(f.code, f.message, f.chunk) for f in later] == [(first.code, first.message, 1), (first.code, first.message, 2)]
+    first = answer(service, forward(x, [Op(0, 5, 2)], request_id=8, chunks=3))
+    assert isinstance(first.item, Failure) and first.item.code == ErrorCode.POSITION_GAP
+    later = [answer(service, forward(x, [Op(0, 0, 2)], request_id=8, chunk=c, chunks=3)) for c in (1, 2)]
+    assert [(f.item.code, f.message, f.item.chunk) for f in later] == [
+        (first.item.code, first.message, 1), (first.item.code, first.message, 2)]
     assert service.runner.session_count() == 0  # chunk 1 at position 0 would have created the session
-    assert isinstance(service.handle(forward(x, [Op(0, 0, 2)], request_id=8)), Activation)
+    assert isinstance(answer(service, forward(x, [Op(0, 0, 2)], request_id=8)).item, Activation)
 
 
 def test_a_fault_that_is_not_a_request_error_names_no_class_or_detail(service, monkeypatch):
@@ -133,8 +228,8 @@ def test_a_fault_that_is_not_a_request_error_names_no_class_or_detail(service, m
         raise RuntimeError("/secret/path/libtorch.so: boom at 0x7f00")
 
     monkeypatch.setattr(service.runner, "_run", broken)
-    reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)]))
-    assert isinstance(reply, Failure) and reply.code == ErrorCode.INTERNAL
+    reply = answer(service, forward(torch.randn(1, 2, 64), [Op(0, 0, 2)]))
+    assert isinstance(reply.item, Failure) and reply.item.code == ErrorCode.INTERNAL
     assert reply.message == "internal error on device cpu:1"
 
 
@@ -145,8 +240,8 @@ def test_a_long_run_of_ops_reports_progress_between_slices(service):
     service.progress = reported.append
     x = torch.randn(1, 1, 64)
     ops = [Op(i % 2, 0, 2 + i % 2) for i in range(40)]
-    reply = service.handle(forward(x, ops, request_id=11))
-    assert isinstance(reply, Activation)
+    reply = answer(service, forward(x, ops, request_id=11))
+    assert isinstance(reply.item, Activation)
     assert reported and set(reported) == {11}
     expected = service.runner.run(2, x, service.runner.ops([(LAYERS[op.layer], 0, op.block_idx) for op in ops]))
     torch.testing.assert_close(tensor(reply), expected, atol=2e-6, rtol=0)
@@ -155,7 +250,8 @@ def test_a_long_run_of_ops_reports_progress_between_slices(service):
 def test_clear_and_end_report_the_sessions_left(service):
     """Done after Clear and End carries the device's session count and KV bytes."""
     for session in (1, 2):
-        assert isinstance(service.handle(forward(torch.randn(1, 3, 64), [Op(0, 0, 2)], session=session)), Activation)
+        assert isinstance(answer(service, forward(torch.randn(1, 3, 64), [Op(0, 0, 2)], session=session)).item,
+                          Activation)
     both = service.runner.kv_bytes()
     cleared = service.handle(Clear(1, 7))
     assert isinstance(cleared, Done) and cleared.request_id == 7
@@ -203,8 +299,8 @@ def failing(service, monkeypatch):
 def test_a_poisoning_error_fails_its_request_and_marks_the_process_to_end(failing):
     """An illegal memory access is answered as DeviceLost (the device restarts) and sets `poisoned`."""
     service = failing(RuntimeError(ILLEGAL_ACCESS))
-    reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=3))
-    assert isinstance(reply, Failure) and (reply.request_id, reply.code) == (3, ErrorCode.DEVICE_LOST)
+    reply = answer(service, forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=3))
+    assert isinstance(reply.item, Failure) and (reply.item.request_id, reply.item.code) == (3, ErrorCode.DEVICE_LOST)
     assert "illegal memory access" in reply.message and "restarts" in reply.message
     assert service.poisoned is not None and "illegal memory access" in service.poisoned
 
@@ -217,10 +313,10 @@ def test_a_poisoning_error_fails_its_request_and_marks_the_process_to_end(failin
 def test_other_faults_fail_their_request_and_the_device_serves_on(failing, error, code, words):
     """Out of memory (in two sentences, not torch's paragraph) and ordinary failures leave the process serving."""
     service = failing(error)
-    reply = service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)]))
-    assert isinstance(reply, Failure) and reply.code == code and reply.message == words, reply
+    reply = answer(service, forward(torch.randn(1, 2, 64), [Op(0, 0, 2)]))
+    assert isinstance(reply.item, Failure) and reply.item.code == code and reply.message == words, reply
     assert service.poisoned is None
-    assert isinstance(service.handle(forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=2)), Activation)
+    assert isinstance(answer(service, forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], request_id=2)).item, Activation)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA finds no GPU")
@@ -232,22 +328,22 @@ def test_a_gpu_this_process_cannot_use_is_a_configuration_error(checkpoint):
 
 def test_a_failure_copying_one_result_to_the_host_fails_that_hop_alone(service, monkeypatch):
     """The copy of a result to the host is where an asynchronous CUDA error surfaces: raised there for
-    session 1's result, it becomes session 1's INTERNAL failure, session 2's hop of the same step is
-    answered, and run_step does not raise (security review L8: it once ended the process)."""
+    session 1's result (so for the step's results copied together too), it becomes session 1's
+    INTERNAL failure, session 2's hop of the same step is answered, and run_step does not raise."""
     from cakemp.compute import tensors
 
     to_bytes = tensors.to_bytes
 
     def failing(y, dtype):
-        if y.shape[1] == 3:  # session 1's hop carries 3 tokens, session 2's 2
+        if y.numel() != 2 * 64:  # session 1's hop carries 3 tokens, session 2's 2
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return to_bytes(y, dtype)
 
     monkeypatch.setattr(tensors, "to_bytes", failing)
-    replies = service.run_step([forward(torch.randn(1, 3, 64), [Op(0, 0, 2)], session=1, request_id=1),
-                                forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], session=2, request_id=2)])
-    assert isinstance(replies[0], Failure) and replies[0].request_id == 1
-    assert isinstance(replies[1], Activation) and replies[1].request_id == 2
+    first, second = step(service, forward(torch.randn(1, 3, 64), [Op(0, 0, 2)], session=1, request_id=1),
+                         forward(torch.randn(1, 2, 64), [Op(0, 0, 2)], session=2, request_id=2))
+    assert isinstance(first.item, Failure) and first.item.request_id == 1
+    assert isinstance(second.item, Activation) and second.item.request_id == 2
 
 
 def test_goodbye_keeps_a_sessions_rows_and_a_closed_connection_frees_them(checkpoint):
@@ -256,11 +352,11 @@ def test_goodbye_keeps_a_sessions_rows_and_a_closed_connection_frees_them(checkp
     spec = DeviceSpec(1, None, LAYERS, str(checkpoint), "f32", "ipc://unused")
     service = DeviceService.load(spec, generation=GENERATION)
     x = torch.randn(1, 20, 64)
-    first = tensor(service.handle(forward(x, [Op(0, 0, 2), Op(1, 0, 3)])))
+    first = tensor(answer(service, forward(x, [Op(0, 0, 2), Op(1, 0, 3)])))
     assert isinstance(service.handle(Clear(1, 2)), Done) and service.runner.session_count() == 0
     retired = service.prefix_report().retired_bytes
     assert retired > 0 and service.prefix_report() is None  # nothing changed since
-    again = tensor(service.handle(forward(x, [Op(0, 0, 2), Op(1, 0, 3)], request_id=3)))
+    again = tensor(answer(service, forward(x, [Op(0, 0, 2), Op(1, 0, 3)], request_id=3)))
     report = service.prefix_report()
     assert torch.equal(again, first) and (report.hits, report.tokens) == (1, 20)
     service.handle(Clear(1, 4))

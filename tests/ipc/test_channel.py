@@ -6,12 +6,12 @@ import asyncio
 import os
 import threading
 
-from cakemp.ipc import Activation, DeviceChannel, FrontChannel, Hop, Op, Stage
+from cakemp.ipc import Activation, Answers, DeviceChannel, FrontChannel, Hop, Hops, Op, Stage, rows
 
 
 def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
-    """A 4 MiB Hop routed over two devices reaches the first, goes to the second's inbox
-    straight from it, and the second's Activation reaches the front with the same bytes."""
+    """Two 2 MiB Hops in one message routed over two devices reach the first, go to the second's
+    inbox straight from it, and the second's Answers reach the front with the same bytes."""
     endpoints = [f"ipc://{tmp_path}/device-{i}" for i in range(2)]
     body = os.urandom(4 << 20)
     parent_read, parent_write = os.pipe()
@@ -19,12 +19,14 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
     def device(index: int):
         channel = DeviceChannel(endpoints[index], parent_read, endpoints)
         (request,) = channel.receive()
-        rest = request.stages[1:]
+        rest = request.hops[0].stages[1:]
         if rest:
-            assert channel.hand_off(rest[0].device, Hop(request.session, request.request_id, request.dtype,
-                                                            request.shape, rest, request.data))
+            assert channel.hand_off(rest[0].device, Hops(tuple(Hop(hop.session, hop.request_id, hop.dtype, hop.nbytes,
+                                                                   0, 1, hop.shape, rest) for hop in request.hops),
+                                                         request.data))
         else:
-            channel.send(Activation(request.request_id, request.dtype, request.shape, request.data))
+            channel.send(Answers(tuple(Activation(hop.request_id, hop.dtype, hop.nbytes, 0, hop.shape)
+                                       for hop in request.hops), data=request.data))
         channel.close(linger_ms=10_000)  # let the message leave before the socket goes
 
     async def front():
@@ -34,7 +36,9 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
         for thread in threads:
             thread.start()
         route = (Stage(0, 1, (Op(0, 0, 0),)), Stage(1, 1, (Op(0, 0, 1),)))
-        await channels[0].send(Hop(3, 9, 5, (1, 1024, 1024), route, memoryview(body)))
+        half = len(body) // 2
+        await channels[0].send(Hops((Hop(3, 9, 5, half, 0, 1, (1, 512, 1024), route),
+                                     Hop(4, 10, 5, half, 0, 1, (1, 512, 1024), route)), memoryview(body)))
         reply = await asyncio.wait_for(replies.get(), 10)
         for thread in threads:
             thread.join()
@@ -43,8 +47,8 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
         return reply
 
     reply = asyncio.run(front())
-    assert (reply.request_id, reply.shape) == (9, (1, 1024, 1024))
-    assert bytes(reply.data) == body
+    assert [(a.request_id, a.shape) for a in reply.activations] == [(9, (1, 512, 1024)), (10, (1, 512, 1024))]
+    assert b"".join(rows(reply.activations, reply.data)) == body
     os.close(parent_read)
     os.close(parent_write)
 
@@ -54,7 +58,7 @@ def test_a_hand_off_to_a_device_that_is_not_a_peer_is_refused(tmp_path):
     parent_read, parent_write = os.pipe()
     endpoint = f"ipc://{tmp_path}/device-0"
     channel = DeviceChannel(endpoint, parent_read, [endpoint])
-    assert channel.hand_off(1, Activation(1, 5, (1, 1, 1), b"ab")) is False
+    assert channel.hand_off(1, Hops((), b"")) is False
     channel.close()
     os.close(parent_read)
     os.close(parent_write)

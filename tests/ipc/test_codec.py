@@ -15,43 +15,51 @@ import cakemp.ipc
 from cakemp.errors import BadIpcMessage, BadTensor, NodeFault, PeerFault
 from cakemp.ipc import (
     Activation,
+    Answers,
+    Batch,
     Clear,
     Done,
     End,
     ErrorCode,
+    ExpertReport,
     Failure,
     Hop,
+    Hops,
     Kind,
     Loaded,
     Op,
     Ping,
     Pong,
+    PrefixReport,
     Progress,
     Ready,
     Stage,
     StartFailure,
-    StepReport,
     decode,
     encode,
+    rows,
 )
 from cakemp.ipc.message import MESSAGES
 from tests.support.spelling import identifiers
 
 ROUTE = (Stage(0, 3, (Op(0, 5, 12), Op(1, 5, 13))), Stage(2, 1, (Op(0, 5, 14),)))
+TEXT = b"position 70 is past the context limit of 64 positions"
 MESSAGES_BY_HAND = [
-    Hop(7, 42, 4, (1, 3, 64), ROUTE, memoryview(bytearray(range(256)) * 3)[: 3 * 64 * 2], 2, 5, (123, 2**40)),
-    Hop(2**64 - 1, 2**64 - 1, 5, (), (), b""),
-    Activation(42, 3, (1, 1, 4096), memoryview(bytearray(8192)), chunk=4, kv=(2**40 + 3, 7)),
+    Hops((Hop(7, 42, 4, 3 * 64 * 2, 2, 5, (1, 3, 64), ROUTE, (123, 2**40)),
+          Hop(2**64 - 1, 2**64 - 1, 5, 0, 0, 1, (), ())), memoryview(bytearray(range(256)) * 3)[: 3 * 64 * 2]),
+    Hops((), b""),
+    Answers((Activation(42, 3, 8192, 4, (1, 1, 4096), kv=(2**40 + 3, 7)),),
+            (Failure(45, ErrorCode.CONTEXT_LIMIT, 3, 1, len(TEXT)),), (Batch(16, 2**33),),
+            (PrefixReport(1, 2, 3, 4, 5),), (ExpertReport(6, 7, 8, 9),), memoryview(bytearray(8192) + TEXT)),
+    Answers(),
     Clear(7, 43),
     End(7, 44),
     Ping(),
     Pong(),
     Progress(45),
     Done(44, 3, 123456789),
-    StepReport(16, 2**33),
     Ready("cuda", 16 * 2**30, 16),
     Loaded(3, 16),
-    Failure(45, ErrorCode.CONTEXT_LIMIT, "position 70 is past the context limit of 64 positions", 3),
     StartFailure(ErrorCode.CHECKPOINT, "multi\nline message"),
 ]
 
@@ -122,44 +130,58 @@ def test_each_message_is_spelled_once_in_the_ipc_package():
 
 
 def test_the_header_is_the_kind_then_the_integers_then_the_tuples():
-    """The layout the codec derives, spelled out for one Hop: kind, integers in declaration order,
-    each tuple as a count and its items (an Op's plain ints as u64s), the body as a frame of its own;
-    an untraced Hop's stamps are an empty tuple, a count of 0."""
+    """The layout the codec derives, spelled out for a Hops of one Hop: kind, the count of hops, each
+    hop's integers in declaration order, then its tuples as a count and its items (an Op's plain ints
+    as u64s); the bytes as a frame of their own. An untraced Hop's stamps are an empty tuple, a count of 0."""
     data = memoryview(bytearray(16))
-    frames = encode(Hop(7, 42, 4, (1, 8), ROUTE, data, 2, 5, (123,)))
-    expected = (struct.pack("<BQQBII", Kind.HOP, 7, 42, 4, 2, 5) + struct.pack("<I2Q", 2, 1, 8)
+    frames = encode(Hops((Hop(7, 42, 4, 16, 2, 5, (1, 8), ROUTE, (123,)),), data))
+    expected = (struct.pack("<BI", Kind.HOPS, 1) + struct.pack("<QQBQII", 7, 42, 4, 16, 2, 5)
+                + struct.pack("<I2Q", 2, 1, 8)
                 + struct.pack("<I", 2) + struct.pack("<III", 0, 3, 2) + struct.pack("<QQQ", 0, 5, 12)
                 + struct.pack("<QQQ", 1, 5, 13) + struct.pack("<III", 2, 1, 1) + struct.pack("<QQQ", 0, 5, 14)
                 + struct.pack("<IQ", 1, 123))
     assert bytes(frames[0]) == expected + struct.pack("<I", 0)
     assert frames[1:] == [data]
-    traced = encode(Hop(7, 42, 4, (1, 8), ROUTE, data, 2, 5, (123,), trace=(10**18, 7)))
+    traced = encode(Hops((Hop(7, 42, 4, 16, 2, 5, (1, 8), ROUTE, (123,), trace=(10**18, 7)),), data))
     assert bytes(traced[0]) == expected + struct.pack("<I2Q", 2, 10**18, 7)
-    assert decode(traced).trace == (10**18, 7)
+    assert decode(traced).hops[0].trace == (10**18, 7)
 
 
 def test_activation_bytes_are_handed_on_not_copied():
-    """The body frame is the caller's buffer on the way out, and the received buffer on the way in."""
-    data = memoryview(bytearray(1 << 20))
-    frames = encode(Hop(1, 1, 5, (1, 1024, 256), ROUTE, data))
+    """The data frame is the caller's buffer on the way out, and the received buffer on the way in;
+    each item's bytes are views of it, one after another."""
+    data = bytearray(1 << 20)
+    frames = encode(Hops((Hop(1, 1, 5, 1 << 19, 0, 1, (1, 512, 256), ROUTE), Hop(2, 2, 5, 1 << 19, 0, 1, (1, 512, 256),
+                                                                                ROUTE)), data))
     assert frames[1] is data
-    assert decode(frames).data is frames[1]
+    back = decode(frames)
+    assert back.data is frames[1]
+    first, second = rows(back.hops, back.data)
+    data[0], data[1 << 19] = 1, 2  # the views see the received buffer itself
+    assert (first.nbytes, second.nbytes, first[0], second[0]) == (1 << 19, 1 << 19, 1, 2)
+
+
+def test_items_claiming_more_bytes_than_the_message_holds_are_this_nodes_fault():
+    answers = decode(encode(Answers((Activation(1, 5, 8, 0, (1, 1, 2)),), data=bytes(4))))
+    with pytest.raises(BadIpcMessage, match="claim 8 bytes of its 4"):
+        rows(answers.activations, answers.data)
 
 
 def test_a_shape_of_any_ndim_round_trips():
     """300 dimensions (a one-byte ndim would wrap to 44) come back as sent: the device, not the header, judges them."""
     shape = (1,) * 299 + (64,)
-    back = decode(encode(Hop(1, 1, 5, shape, ROUTE, bytes(256))))
-    assert back.shape == shape
+    back = decode(encode(Hops((Hop(1, 1, 5, 256, 0, 1, shape, ROUTE),), bytes(256))))
+    assert back.hops[0].shape == shape
 
 
 def test_a_field_too_large_for_the_header_is_a_request_error():
     """A dimension past 2^64 - 1 is refused as BadTensor (the master's WorkerError), not a struct error."""
     with pytest.raises(BadTensor, match="does not fit the device header"):
-        encode(Hop(1, 1, 5, (2**64, 0), ROUTE, b""))
+        encode(Hops((Hop(1, 1, 5, 0, 0, 1, (2**64, 0), ROUTE),), b""))
 
 
-HOP_FIXED = struct.pack("<BQQBII", Kind.HOP, 1, 1, 5, 0, 1)  # kind, session, request id, dtype, chunk, chunks
+# kind, one hop: session, request id, dtype, nbytes, chunk, chunks
+HOP_FIXED = struct.pack("<BIQQBQII", Kind.HOPS, 1, 1, 1, 5, 0, 0, 1)
 
 
 @pytest.mark.parametrize("frames", [
@@ -170,9 +192,10 @@ HOP_FIXED = struct.pack("<BQQBII", Kind.HOP, 1, 1, 5, 0, 1)  # kind, session, re
     pytest.param([HOP_FIXED + struct.pack("<I", 2**32 - 1)], id="2^32 - 1 dims claimed"),
     pytest.param([HOP_FIXED + struct.pack("<II", 0, 2)], id="2 stages claimed, none there"),
     pytest.param([HOP_FIXED + struct.pack("<IIIIII", 0, 1, 0, 0, 9, 0)], id="a stage claims 9 ops, none there"),
-    pytest.param([HOP_FIXED + struct.pack("<III", 0, 0, 0)], id="Hop without its body frame"),
-    pytest.param([struct.pack("<BQII", Kind.FAILURE, 1, 99, 0), b"x"], id="unknown error code"),
-    pytest.param([struct.pack("<BQII", Kind.FAILURE, 1, 1, 0), b"\xff"], id="text not UTF-8"),
+    pytest.param([HOP_FIXED + struct.pack("<IIII", 0, 0, 0, 0)], id="Hops without its data frame"),
+    pytest.param([struct.pack("<BII", Kind.ANSWERS, 0, 1) + struct.pack("<QIIBQ", 1, 99, 0, 0, 0)
+                   + struct.pack("<III", 0, 0, 0), b""], id="unknown error code"),
+    pytest.param([struct.pack("<BI", Kind.START_FAILURE, 1), b"\xff"], id="text not UTF-8"),
 ])
 def test_garbage_is_this_nodes_fault(frames):
     """Short, unknown or incomplete messages raise BadIpcMessage, a NodeFault (only cakemp writes
@@ -192,10 +215,10 @@ ops = st.lists(st.builds(Op, u32, u64, u64), max_size=20).map(tuple)
        stages=st.lists(st.builds(Stage, u32, u32, ops), max_size=4).map(tuple),
        chunk=u32, chunks=u32, kv=st.lists(u64, max_size=4).map(tuple), data=st.binary(max_size=64))
 def test_any_hop_round_trips(session, request_id, dtype, shape, stages, chunk, chunks, kv, data):
-    """Every field of a Hop survives the codec at the edges of its integer range."""
-    back = decode(encode(Hop(session, request_id, dtype, shape, stages, data, chunk, chunks, kv)))
-    assert (back.session, back.request_id, back.dtype, back.shape, back.stages, back.chunk, back.chunks, back.kv,
-            bytes(back.data)) == (session, request_id, dtype, shape, stages, chunk, chunks, kv, data)
+    """Every field of a Hop survives the codec at the edges of its integer range, its bytes with it."""
+    hop = Hop(session, request_id, dtype, len(data), chunk, chunks, shape, stages, kv)
+    back = decode(encode(Hops((hop, hop), data + data)))
+    assert back.hops == (hop, hop) and [bytes(row) for row in rows(back.hops, back.data)] == [data, data]
 
 
 @given(st.lists(st.binary(max_size=80), min_size=1, max_size=3))
