@@ -122,15 +122,7 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
         for control in step.controls:
             if isinstance(control, End):
                 gathering.ended(control.session)
-            done = service.handle(control)
-            reports = _reports(service)  # before the answer, so the front counts them by then
-            if isinstance(done, tuple):
-                failure, text = done
-                channel.send(Answers(failures=(failure,), **reports, data=text))
-                continue
-            if reports:
-                channel.send(Answers(**reports))
-            channel.send(done)
+            _answer_control(channel, service, control)
         if step.pieces:
             started = time.monotonic_ns()  # the same clock as time.monotonic(), in ns for the trace
             stepped = service.run_step(step.pieces)
@@ -150,6 +142,20 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
         # Idle: a device owed a session's next request looks for it a while before it sleeps.
         alive = alive and (take(0) if scheduler else take(None, spec.poll_s if gathering.owed() else 0.0))
     channel.close()
+
+
+def _answer_control(channel: DeviceChannel, service, control: Clear | End) -> None:
+    """A Goodbye's or a closed connection's freeing done, answered (after the reports it changed,
+    so that the front counts them by then)."""
+    done = service.handle(control)
+    reports = _reports(service)
+    if isinstance(done, tuple):
+        failure, text = done
+        channel.send(Answers(failures=(failure,), **reports, data=text))
+        return
+    if reports:
+        channel.send(Answers(**reports))
+    channel.send(done)
 
 
 def _send_step(spec: DeviceSpec, channel: DeviceChannel, service, stepped, started: int, ran: int) -> None:
