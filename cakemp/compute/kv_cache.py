@@ -195,8 +195,11 @@ class KVCache:
             blocks = -(-end // BLOCK)
             slot = slots.get(block_idx)
             table = () if slot is None else slot.table
-            kept = min(len(table), blocks)
-            shared = sum(owners[b] > 1 for b in table[start // BLOCK:kept])  # copies on write
+            kept = len(table) if len(table) < blocks else blocks
+            shared = 0  # copies on write
+            for b in table[start // BLOCK:kept]:
+                if owners[b] > 1:
+                    shared += 1
             if shared or len(table) != blocks:
                 needed += blocks - kept + shared
                 changes.append((block_idx, start, end))

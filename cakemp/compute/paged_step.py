@@ -80,9 +80,12 @@ class StepRows:
         """Attention layer `index`'s block table of each request, [B, width] (past a table's end: unused),
         gathered for every layer of the step at its first use."""
         if self._tables is None:
-            device = self.cache.device
-            rows = torch.tensor([self.cache.row(session) for session in self.sessions], device=device)
-            self._tables = self.cache.tables[rows[None, :], torch.tensor(self.block_idx, device=device)]
+            cache = self.cache
+            rows, slots, width = cache.tables.shape
+            flat = [cache.row(session) * slots for session in self.sessions]  # each request's first slot's row
+            picked = torch.tensor([row + b for block_idx in self.block_idx for row, b in zip(flat, block_idx, strict=True)],
+                                  device=cache.device)
+            self._tables = cache.tables.view(rows * slots, width).index_select(0, picked).view(len(self.block_idx), -1, width)
         return self._tables[index]
 
     def layer(self, index: int) -> LayerPages:

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from cakemp.model.weights import fp8, fp8_gemm  # noqa: E402
+from tests.support.tolerance import fp8_matmul_bound  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -22,22 +23,6 @@ def fp8_weight(rows, cols, seed):
     return fp8.Fp8Weight.create(weight.to(DEVICE), scale_inv.to(DEVICE))
 
 
-def bound(x, weight, dtype):
-    """(the emulation's result, the bound on the kernel's distance from it). Both sum the same f32
-    products x_q w * x_scale * w_scale, in different orders: a sum of K terms errs by at most K f32
-    steps of the sum of their magnitudes; then the output rounds once to `dtype`."""
-    x_q, x_scale = fp8.quantize_activation(x.float())
-    w_scale = weight.scale_inv.repeat_interleave(128, dim=0)  # [N, K/128]
-    magnitude = torch.zeros(x.shape[0], weight.shape[0], device=x.device)
-    for b in range(x_scale.shape[1]):
-        columns = slice(b * 128, (b + 1) * 128)
-        products = x_q[:, columns].float().abs() @ weight.weight[:, columns].float().abs().t()
-        magnitude += products * x_scale[:, b, None] * w_scale[None, :, b]
-    expected = fp8.emulated_matmul(x, weight)
-    eps = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
-    return expected, x.shape[1] * torch.finfo(torch.float32).eps * magnitude + eps * expected.abs()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("rows", [1, 5, 20, 70], ids=["decode", "ragged", "two-row-tiles", "wide-tiles"])
 def test_kernel_matches_the_emulation(rows, dtype):
@@ -48,7 +33,7 @@ def test_kernel_matches_the_emulation(rows, dtype):
         DEVICE, dtype)
     got = fp8_gemm.matmul(x, weight.weight, weight.scale_inv)
     assert got.dtype == dtype and got.shape == (rows, 256)
-    expected, tolerance = bound(x, weight, dtype)
+    expected, tolerance = fp8_matmul_bound(x, weight, dtype)
     assert ((got.float() - expected).abs() <= tolerance).all()
 
 
@@ -58,7 +43,7 @@ def test_kernel_reads_strided_scales():
     weight = fp8_weight(128, 640, seed=3)  # K/128 = 5 -> rows of 8 in the padded grid
     assert weight.scale_inv.shape == (1, 5) and weight.scale_inv.stride(0) == 8
     x = torch.randn(3, 640, generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    expected, tolerance = bound(x, weight, torch.float32)
+    expected, tolerance = fp8_matmul_bound(x, weight, torch.float32)
     got = fp8_gemm.matmul(x, weight.weight, weight.scale_inv)
     assert ((got - expected).abs() <= tolerance).all()
 
@@ -83,5 +68,5 @@ def test_fp8_checkpoint_kept_fp8_multiplies_through_the_kernel_picked(tmp_path, 
     assert set(kept) == {"w_o", "w_gate_up", "w_down"}  # q/k/v: k and v have 64 rows, dequantized
     for w in kept.values():
         x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(9)).to(DEVICE)
-        expected, tolerance = bound(x, w, torch.float32)
+        expected, tolerance = fp8_matmul_bound(x, w, torch.float32)
         assert ((linear(x, w) - expected).abs() <= tolerance).all()

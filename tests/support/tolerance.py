@@ -252,3 +252,22 @@ class Accuracy:
             limit = bound.factor * hf + floor * u
             assert ours <= limit, (f"{name} error {ours:.3g} ({ours / u:.1f} u) > {bound.factor:g} x HF's "
                                    f"{hf:.3g} + {floor:g} u = {limit:.3g}")
+
+
+def fp8_matmul_bound(x: torch.Tensor, weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the block-scaled FP8 emulation's x @ weight.T, the bound on a kernel's distance from it).
+    Both sum the same f32 products x_q w * x_scale * w_scale, in different orders: a sum of K terms
+    errs by at most K f32 steps of the sum of their magnitudes; then the output rounds once to
+    `dtype` (no rounding for f32). x: [M, K]; weight: an fp8.Fp8Weight [N, K] with 128x128 blocks."""
+    from cakemp.model.weights import fp8
+
+    x_q, x_scale = fp8.quantize_activation(x.float())
+    w_scale = weight.scale_inv.repeat_interleave(128, dim=0)  # [N, K/128]
+    magnitude = torch.zeros(x.shape[0], weight.shape[0], device=x.device)
+    for b in range(x_scale.shape[1]):
+        columns = slice(b * 128, (b + 1) * 128)
+        products = x_q[:, columns].float().abs() @ weight.weight[:, columns].float().abs().t()
+        magnitude += products * x_scale[:, b, None] * w_scale[None, :, b]
+    expected = fp8.emulated_matmul(x, weight)
+    eps = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    return expected, x.shape[1] * torch.finfo(torch.float32).eps * magnitude + eps * expected.abs()
