@@ -21,6 +21,7 @@ to a newcomer of its own source only, at once, so a client with more connections
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import time
 from collections import Counter
@@ -34,6 +35,7 @@ GRACE_S = 0.5
 Item = TypeVar("Item", bound=Hashable)
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every frame; bounded, so a spray of addresses only evicts
 def source_of(host: str) -> str:
     """The source `host` (a peer address as the socket gives it) is counted under."""
     try:
