@@ -252,6 +252,35 @@ def test_an_idle_session_is_freed_and_told_once(node, hf):
     run(main())
 
 
+def test_a_session_of_nan_activations_leaves_nothing_in_the_blocks_others_take_next(node, hf):
+    """A master whose activations are NaN fills its KV blocks with NaN rows and leaves. Two sessions
+    that start after it take those blocks back and decode side by side (one step where they meet:
+    each decode row reads its blocks whole, masked past its length, and 0 * NaN is NaN): each equals
+    HF's layers, and so does the bystander."""
+    prompts = [torch.randn(1, 3, HIDDEN) for _ in range(2)]
+    tokens = [torch.randn(1, 1, HIDDEN) for _ in range(2)]
+    expected = []
+    for x, y in zip(prompts, tokens, strict=True):
+        ref = hf()
+        expected.append((ref(x, 0), ref(y, 3)))
+
+    async def attack():
+        hostile = await CakeMaster.connect(node.port, LAYERS)
+        await hostile.forward(torch.full((1, 12, HIDDEN), float("nan")), 0)
+        await hostile.close()
+        await asyncio.sleep(0.5)  # its End reaches both devices, which free its blocks
+        masters = [await CakeMaster.connect(node.port, LAYERS) for _ in prompts]
+        for master, x, (want, _) in zip(masters, prompts, expected, strict=True):
+            torch.testing.assert_close(await master.forward(x, 0), want, atol=F32_ATOL, rtol=0)
+        decoded = await asyncio.gather(*(master.forward(y, 3) for master, y in zip(masters, tokens, strict=True)))
+        for got, (_, want) in zip(decoded, expected, strict=True):
+            torch.testing.assert_close(got, want, atol=F32_ATOL, rtol=0)
+        for master in masters:
+            await master.close()
+
+    run(survives(node, hf(), attack))
+
+
 def test_master_connections_have_tcp_keepalive(node):
     """The node's end of a master connection runs the keepalive timer (so a master gone without a
     FIN is found), as `ss` shows it."""
