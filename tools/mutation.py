@@ -126,9 +126,9 @@ MUTANTS = (
            "return rotary.cos_sin(step.positions[index] - step.positions[index, 0], self.dtype, long)", GENERATION),
     # --- the paged KV cache and the batched step
     Mutant("shared-block-written-in-place", "cakemp/compute/kv_cache.py",
-           "if self._owners[table[i]] > 1:", "if False:", RUNNER),
+           "if pool.owners[table[i]] > 1:", "if False:", RUNNER),
     Mutant("freed-blocks-not-zeroed", "cakemp/compute/kv_cache.py",
-           "            self.k.index_fill_(0, ids, 0)\n            self.v.index_fill_(0, ids, 0)\n", "", RUNNER),
+           "            pool.k.index_fill_(0, ids, 0)\n            pool.v.index_fill_(0, ids, 0)\n", "", RUNNER),
     Mutant("decode-window-ignored", "cakemp/compute/paged_step.py",
            "            if window is not None:\n                seen &=", "            if False:\n                seen &=", RUNNER),
     Mutant("decode-sees-padding", "cakemp/compute/paged_step.py",
@@ -146,10 +146,10 @@ MUTANTS = (
            "            self.prefixes.end(session)", RUNNER + POOL),
     # --- KV cache
     Mutant("kv-rewind-keeps-blocks", "cakemp/compute/kv_cache.py",
-           "        if len(table) > blocks:\n            self._release(table[blocks:], live=True)\n"
+           "        if len(table) > blocks:\n            self._release(pool, table[blocks:], live=True)\n"
            "            del table[blocks:]\n", "", KV),
     Mutant("kv-clear-keeps-bytes", "cakemp/compute/kv_cache.py",
-           "                self._live_used -= self._live[b] == 0\n", "", KV),
+           "                self._live_used -= pool.live[b] == 0\n", "", KV),
     Mutant("kv-budget-ignored", "cakemp/compute/kv_cache.py",
            "if nbytes > left:", "if False:", KV),
     Mutant("kv-context-limit-off-by-one", "cakemp/compute/kv_cache.py",

@@ -1,9 +1,12 @@
 """The session state of one device process: K/V rows in one paged pool, linear-attention states,
 under one byte budget and one context limit.
 
-Every attention layer of every session keeps its K and V rows in blocks of BLOCK positions of one
-pool per device, `k, v: [blocks, BLOCK, H_kv, D]` in the compute dtype (a block's rows contiguous,
-so that reading blocks and writing rows are copies along the first dimension, the fast ones). A slot (one session's one
+Every attention layer of every session keeps its K and V rows in blocks of BLOCK positions of the
+pool of its KV slot index (block_idx), shared by every session, `k, v: [blocks, BLOCK, H_kv, D]` in
+the compute dtype (a block's rows contiguous, so that reading blocks and writing rows are copies
+along the first dimension, the fast ones). A pool per layer rather than one per device keeps a
+session's blocks of one layer in one run of the pool while no other session takes blocks there,
+which a step reads as a view, without gathering them. A slot (one session's one
 layer, by block_idx) is a block table: the ids of its blocks in position order, and a length.
 Position p of a slot lives at row `p % BLOCK` of block `table[p // BLOCK]`, so the pool's
 flattened row `table[p // BLOCK] * BLOCK + p % BLOCK` (its slot id) addresses it, which is how a
@@ -60,8 +63,10 @@ MIN_POOL_BLOCKS = 64  # the pool's first size, in blocks, where it grows
 
 @dataclass
 class KVSlot:
-    """One layer's keys and values for one session: its blocks in position order; rows [0, length) valid."""
+    """One layer's keys and values for one session: its blocks (of the pool of block_idx `pool`) in
+    position order; rows [0, length) valid."""
 
+    pool: int
     table: list[int]
     length: int = 0
 
@@ -92,6 +97,32 @@ class Spare(Protocol):
         """Give back what it holds (blocks included) until the budget has `nbytes` more room, or all there is."""
 
 
+class Pool:
+    """The blocks of one KV slot index (block_idx) across sessions: K and V, and who holds each block."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.k = torch.empty(0, BLOCK, kv_heads, head_dim, dtype=dtype, device=device)  # [blocks, BLOCK, H_kv, D]
+        self.v = torch.empty_like(self.k)
+        self.owners: list[int] = []  # block id -> the tables holding it (0: free)
+        self.live: list[int] = []  # block id -> the live sessions' tables holding it
+        self.free: list[int] = []
+
+    @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
+    def grow(self, at_least: int, cap: int | None) -> None:
+        """At least `at_least` blocks: doubling (up to `cap` blocks, where there is a budget), new ones zeros."""
+        size = max(at_least, 2 * len(self.owners), MIN_POOL_BLOCKS)
+        if cap is not None:
+            size = max(at_least, min(size, cap))
+        old = len(self.owners)
+        k = self.k.new_zeros(size, *self.k.shape[1:])
+        v = self.v.new_zeros(size, *self.v.shape[1:])
+        k[:old], v[:old] = self.k, self.v
+        self.k, self.v = k, v
+        self.owners.extend([0] * (size - old))
+        self.live.extend([0] * (size - old))
+        self.free.extend(range(size - 1, old - 1, -1))  # popped lowest first
+
+
 class KVCache:
     def __init__(
         self,
@@ -117,11 +148,7 @@ class KVCache:
         self.linear_shapes = linear_shapes  # held in f32 whatever the compute dtype
         self.bytes_per_linear_slot = 0 if linear_shapes is None else \
             torch.float32.itemsize * sum(math.prod(s) for s in linear_shapes)
-        self.k = torch.empty(0, BLOCK, kv_heads, head_dim, dtype=dtype, device=device)  # [blocks, BLOCK, H_kv, D]
-        self.v = torch.empty_like(self.k)
-        self._owners: list[int] = []  # block id -> the tables holding it (0: free)
-        self._live: list[int] = []  # block id -> the live sessions' tables holding it
-        self._free: list[int] = []
+        self.pools: dict[int, Pool] = {}  # block_idx -> its blocks, made at its first use
         self._used = 0  # blocks with an owner
         self._live_used = 0  # blocks a live session holds
         self._sessions: dict[int, dict[int, KVSlot]] = {}
@@ -185,7 +212,7 @@ class KVCache:
                 raise ContextLimitExceeded(
                     f"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions"
                 )
-        slots, owners = self._sessions.get(session, {}), self._owners
+        slots = self._sessions.get(session, {})
         needed, changes = 0, []
         for block_idx, (start, end) in writes.items():
             if end > self.max_context:
@@ -195,6 +222,7 @@ class KVCache:
             blocks = -(-end // BLOCK)
             slot = slots.get(block_idx)
             table = () if slot is None else slot.table
+            owners = self.pool(block_idx).owners
             kept = len(table) if len(table) < blocks else blocks
             shared = 0  # copies on write
             for b in table[start // BLOCK:kept]:
@@ -209,7 +237,7 @@ class KVCache:
         if changes:
             slots = self._sessions.setdefault(session, slots)
         for block_idx, start, end in changes:
-            slot = slots.setdefault(block_idx, KVSlot([]))
+            slot = slots.setdefault(block_idx, KVSlot(block_idx, []))
             self._write_blocks(slot, start, end)
             self._publish(session, block_idx, slot)
         if linear_ends:
@@ -219,6 +247,13 @@ class KVCache:
             linear[block_idx] = LinearSlot(conv, recurrent)
             self._linear_bytes += self.bytes_per_linear_slot
         return {block_idx: slots[block_idx] for block_idx in writes}
+
+    def pool(self, block_idx: int) -> Pool:
+        """The pool of KV slot index `block_idx` (made empty at its first use)."""
+        pool = self.pools.get(block_idx)
+        if pool is None:
+            pool = self.pools[block_idx] = Pool(self.kv_heads, self.head_dim, self.dtype, self.device)
+        return pool
 
     def linear_slot(self, session: int, block_idx: int) -> LinearSlot:
         """A linear-attention slot `reserve` made for `session`."""
@@ -240,19 +275,19 @@ class KVCache:
     @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def _write_blocks(self, slot: KVSlot, start: int, end: int) -> None:
         """A live slot made to hold exactly the blocks to `end`, those of rows [start, end) its own."""
-        table, blocks = slot.table, -(-end // BLOCK)
+        table, blocks, pool = slot.table, -(-end // BLOCK), self.pools[slot.pool]
         if len(table) > blocks:
-            self._release(table[blocks:], live=True)
+            self._release(pool, table[blocks:], live=True)
             del table[blocks:]
         for i in range(start // BLOCK, len(table)):
-            if self._owners[table[i]] > 1:  # shared: the rows it keeps are copied to a block of its own
-                (copy,) = self._take(1)
+            if pool.owners[table[i]] > 1:  # shared: the rows it keeps are copied to a block of its own
+                (copy,) = self._take(pool, 1)
                 kept = max(0, start - i * BLOCK)  # rows of the block before the write (the rest stay zero)
-                self.k[copy, :kept] = self.k[table[i], :kept]
-                self.v[copy, :kept] = self.v[table[i], :kept]
-                self._release([table[i]], live=True)
+                pool.k[copy, :kept] = pool.k[table[i], :kept]
+                pool.v[copy, :kept] = pool.v[table[i], :kept]
+                self._release(pool, [table[i]], live=True)
                 table[i] = copy
-        table.extend(self._take(blocks - len(table)))
+        table.extend(self._take(pool, blocks - len(table)))
 
     @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def _publish(self, session: int, block_idx: int, slot: KVSlot) -> None:
@@ -270,35 +305,21 @@ class KVCache:
         if slot.table:
             self.tables[row, block_idx, : len(slot.table)] = torch.tensor(slot.table, dtype=torch.int64)
 
-    def _take(self, n: int) -> list[int]:
-        """n free blocks (zeros: `_release`), owned by one live table; the pool grows (doubling) when it has too few."""
+    def _take(self, pool: Pool, n: int) -> list[int]:
+        """n free blocks of `pool` (zeros: `_release`), owned by one live table; the pool grows when it has too few."""
         if n == 0:
             return []
-        if n > len(self._free):
-            self._grow_pool(len(self._owners) + n - len(self._free))
-        taken = [self._free.pop() for _ in range(n)]
+        if n > len(pool.free):
+            pool.grow(len(pool.owners) + n - len(pool.free), self.max_blocks)
+        taken = [pool.free.pop() for _ in range(n)]
         for b in taken:
-            self._owners[b] = self._live[b] = 1
+            pool.owners[b] = pool.live[b] = 1
         self._used += n
         self._live_used += n
         return taken
 
     @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
-    def _grow_pool(self, at_least: int) -> None:
-        size = max(at_least, 2 * len(self._owners), MIN_POOL_BLOCKS)
-        if self.max_blocks is not None:
-            size = max(at_least, min(size, self.max_blocks))
-        old = len(self._owners)
-        k = self.k.new_zeros(size, BLOCK, self.kv_heads, self.head_dim)
-        v = self.v.new_zeros(size, BLOCK, self.kv_heads, self.head_dim)
-        k[:old], v[:old] = self.k, self.v
-        self.k, self.v = k, v
-        self._owners.extend([0] * (size - old))
-        self._live.extend([0] * (size - old))
-        self._free.extend(range(size - 1, old - 1, -1))  # popped lowest first
-
-    @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
-    def _release(self, blocks: Iterable[int], live: bool) -> None:
+    def _release(self, pool: Pool, blocks: Iterable[int], live: bool) -> None:
         """One owner (a live session's table when `live`) lets go of `blocks`; a block nobody owns is
         zeroed and free.
 
@@ -308,23 +329,24 @@ class KVCache:
         freed = []
         for b in blocks:
             if live:
-                self._live[b] -= 1
-                self._live_used -= self._live[b] == 0
-            self._owners[b] -= 1
-            if self._owners[b] == 0:
+                pool.live[b] -= 1
+                self._live_used -= pool.live[b] == 0
+            pool.owners[b] -= 1
+            if pool.owners[b] == 0:
                 freed.append(b)
         if freed:
             ids = torch.tensor(freed, device=self.device)
-            self.k.index_fill_(0, ids, 0)
-            self.v.index_fill_(0, ids, 0)
+            pool.k.index_fill_(0, ids, 0)
+            pool.v.index_fill_(0, ids, 0)
             self._used -= len(freed)
-            self._free.extend(freed)
+            pool.free.extend(freed)
 
     def _hold_live(self, slots: Iterable[KVSlot], delta: int) -> None:
         for slot in slots:
+            live = self.pools[slot.pool].live
             for b in slot.table:
-                self._live_used += (self._live[b] == 0) if delta > 0 else -(self._live[b] == 1)
-                self._live[b] += delta
+                self._live_used += (live[b] == 0) if delta > 0 else -(live[b] == 1)
+                live[b] += delta
 
     def detach(self, session: int) -> tuple[dict[int, KVSlot], dict[int, LinearSlot]]:
         """Take every slot of `session` out of the live sessions: its blocks stay in use, held by
@@ -354,9 +376,8 @@ class KVCache:
 
     def drop(self, slots: Iterable[KVSlot]) -> None:
         """Free detached slots (a kept prefix given up): their blocks go back unless another table holds them."""
-        slots = list(slots)
-        self._release([b for slot in slots for b in slot.table], live=False)
         for slot in slots:
+            self._release(self.pools[slot.pool], slot.table, live=False)
             slot.table = []
 
     def shared_from(self, slots: dict[int, KVSlot], blocks: Iterable[int], length: int) -> dict[int, KVSlot]:
@@ -364,10 +385,12 @@ class KVCache:
         their blocks shared (not counted until attached; a write copies a shared block first)."""
         shares = {}
         for block_idx in blocks:
-            table = slots[block_idx].table[: -(-length // BLOCK)]
+            slot = slots[block_idx]
+            table = slot.table[: -(-length // BLOCK)]
+            owners = self.pools[slot.pool].owners
             for b in table:
-                self._owners[b] += 1
-            shares[block_idx] = KVSlot(table, length)
+                owners[b] += 1
+            shares[block_idx] = KVSlot(slot.pool, table, length)
         return shares
 
     def resume(self, session: int, blocks: Iterable[int], length: int, states: dict[int, LinearState]) -> None:
@@ -386,8 +409,8 @@ class KVCache:
     def rows(self, slot: KVSlot, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A slot's K and V rows [start, end), [H_kv, end - start, D] each (a copy; tests and checks)."""
         ids = torch.tensor([slot.table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)], device=self.device)
-        flat = -1, self.kv_heads, self.head_dim
-        return self.k.view(flat)[ids].transpose(0, 1), self.v.view(flat)[ids].transpose(0, 1)
+        flat, pool = (-1, self.kv_heads, self.head_dim), self.pools[slot.pool]
+        return pool.k.view(flat)[ids].transpose(0, 1), pool.v.view(flat)[ids].transpose(0, 1)
 
     def clear(self, session: int) -> None:
         """Free every block and state of `session` (unknown sessions are a no-op)."""

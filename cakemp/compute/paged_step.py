@@ -13,10 +13,11 @@ chunk's own attention:
   indexed copy for K, one for V); `attend` runs every decode row in one attention call over its own
   blocks (gathered, padded to the longest and masked), each prompt chunk in one call of its own.
 
-A request alone in its step whose blocks lie in one run of the pool (a session that grew while no
-other took blocks: the common case for one session, and for every prompt's first chunk) reads
-its keys as a view of the pool, with no gather and no mask: the same call the contiguous cache
-made.
+A step's requests share each layer's KV slot index (the runner groups them so), so a layer reads
+and writes one pool (kv_cache.Pool). A request alone in its step whose blocks of a layer lie in one
+run of the pool (a session that grew while no other took blocks there: the common case for one
+session, and for every prompt's first chunk) reads its keys as a view of the pool, with no gather
+and no mask: the same call the contiguous cache made.
 
 Why decode rows go in one call and chunks one each: a decode row's attention is a few hundred
 FLOPs per key, so one call per session is mostly dispatch; a chunk's is T times that and a call of
@@ -52,6 +53,9 @@ class StepRows:
         self.firsts = [0, *itertools.accumulate(lengths)][:-1]  # each request's first row of x
         self.starts = [starts for starts, _ in layers]
         self.block_idx = [block_idx for _, block_idx in layers]
+        if any(len(set(block_idx)) != 1 for block_idx in self.block_idx):
+            raise ValueError(f"a step's requests share each layer's KV slot, got {self.block_idx}")
+        self.pools = [cache.pools[block_idx[0]] for block_idx in self.block_idx]  # each layer's
         self.slots = slots
         positions, slot_ids = [], []
         for starts, layer_slots in zip(self.starts, slots, strict=True):
@@ -60,9 +64,9 @@ class StepRows:
                 for p in range(start, start + T):
                     positions.append(p)
                     slot_ids.append(table[p // BLOCK] * BLOCK + p % BLOCK)
-        shape = len(layers), sum(lengths)
-        self.positions = torch.tensor(positions, device=cache.device).view(shape)  # [L, N]
-        self.slot_ids = torch.tensor(slot_ids, device=cache.device).view(shape)  # [L, N] rows of the flat pool
+        # One tensor for both (a tensor's making costs more than its size here): [2, L, N].
+        both = torch.tensor([positions, slot_ids], device=cache.device).view(2, len(layers), sum(lengths))
+        self.positions, self.slot_ids = both  # [L, N] each row's position; its row of the flat pool
         self._request: torch.Tensor | None = None
         self._tables: torch.Tensor | None = None
         self._visible: dict[tuple, tuple[int, int, torch.Tensor]] = {}
@@ -118,11 +122,11 @@ class LayerPages:
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [1, H_kv, N, D], the step's new rows, into each request's blocks."""
-        cache = self.step.cache
+        cache, pool = self.step.cache, self.step.pools[self.index]
         flat = -1, cache.kv_heads, cache.head_dim
         slot_ids = self.step.slot_ids[self.index]
-        cache.k.view(flat).index_copy_(0, slot_ids, k[0].transpose(0, 1))  # [N, H_kv, D] rows
-        cache.v.view(flat).index_copy_(0, slot_ids, v[0].transpose(0, 1))
+        pool.k.view(flat).index_copy_(0, slot_ids, k[0].transpose(0, 1))  # [N, H_kv, D] rows
+        pool.v.view(flat).index_copy_(0, slot_ids, v[0].transpose(0, 1))
 
     def attend(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         """q: [1, H_q, N, D] -> [1, H_q, N, D]: each row over its request's keys up to its own position
@@ -151,13 +155,13 @@ class LayerPages:
     def _keys(self, i: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Request i's K and V, [1, H_kv, S >= end, D]: a view of the pool where its blocks to `end` are
         one run, else gathered."""
-        cache = self.step.cache
+        cache, pool = self.step.cache, self.step.pools[self.index]
         table = self.step.slots[self.index][i].table[: -(-end // BLOCK)]
         first = table[0]
         if table[-1] - first == len(table) - 1 and table == list(range(first, first + len(table))):
             rows = slice(first * BLOCK, (first + len(table)) * BLOCK)
             flat = -1, cache.kv_heads, cache.head_dim
-            return cache.k.view(flat)[rows].transpose(0, 1)[None], cache.v.view(flat)[rows].transpose(0, 1)[None]
+            return pool.k.view(flat)[rows].transpose(0, 1)[None], pool.v.view(flat)[rows].transpose(0, 1)[None]
         return self._gathered(self.step.tables(self.index)[i : i + 1, : len(table)])
 
     def _decode_rows(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
@@ -168,11 +172,11 @@ class LayerPages:
 
     def _gathered(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tables: [b, n] block ids -> the K and V of those blocks, [b, H_kv, n * BLOCK, D] each (a copy)."""
-        cache = self.step.cache
+        cache, pool = self.step.cache, self.step.pools[self.index]
         b, n = tables.shape
         ids = tables.reshape(-1)
         shape = b, n * BLOCK, cache.kv_heads, cache.head_dim
         # index_select along the first dimension copies whole blocks (advanced indexing, or another
         # dimension, goes element by element: ~10x slower on a CPU). [b, S, H_kv, D] -> a strided view.
-        return (cache.k.index_select(0, ids).view(shape).transpose(1, 2),
-                cache.v.index_select(0, ids).view(shape).transpose(1, 2))
+        return (pool.k.index_select(0, ids).view(shape).transpose(1, 2),
+                pool.v.index_select(0, ids).view(shape).transpose(1, 2))

@@ -307,7 +307,8 @@ class BlockRunner:
             if planned.begun is not None and not planned.begun.computes:  # every row kept
                 results[i] = planned.answer(None)
             else:
-                groups.setdefault(tuple(op.layer for op in request.ops), []).append((i, planned))
+                # Together only along the same layers and KV slots: a step's layer reads one pool.
+                groups.setdefault(tuple((op.layer, op.block_idx) for op in planned.ops), []).append((i, planned))
         for group in groups.values():
             outputs = self._run_group([planned for _, planned in group], between_ops)
             for (i, planned), output in zip(group, outputs, strict=True):

@@ -20,8 +20,8 @@ def write(c: KVCache, session: int, block_idx: int, start: int, values: torch.Te
     with torch.inference_mode():  # as a step writes the pool
         for i, value in enumerate(values.tolist()):
             p = start + i
-            c.k[slot.table[p // BLOCK], p % BLOCK] = value
-            c.v[slot.table[p // BLOCK], p % BLOCK] = -value
+            c.pools[slot.pool].k[slot.table[p // BLOCK], p % BLOCK] = value
+            c.pools[slot.pool].v[slot.table[p // BLOCK], p % BLOCK] = -value
     slot.length = max(slot.length, start + len(values))
 
 
