@@ -1,4 +1,4 @@
-"""The session state of one device process: K/V rows in one paged pool, linear-attention states,
+"""The session state of one device process: K/V rows in paged pools, linear-attention states,
 under one byte budget and one context limit.
 
 Every attention layer of every session keeps its K and V rows in blocks of BLOCK positions of the
