@@ -80,6 +80,21 @@ def test_requests_with_different_layer_runs_are_each_computed_on_their_own_run(f
             assert_close(result, alone.run(request.session, request.x, request.ops))
 
 
+def test_sessions_keeping_a_layer_in_other_kv_slots_are_each_computed_in_their_own(family):
+    """The same layers, but one session keeps them in the slots numbered the other way round (as a
+    master may): batched beside a session of the usual numbering, each equals itself alone (the
+    step groups them by KV slot, so each layer reads the right pool)."""
+    batched, alone = load(family), load(family)
+    hidden = batched.config.hidden_size
+    served = FAMILIES[family[0]][1]
+    for position, T in ((0, 4), (4, 1), (5, 1)):
+        usual = ops(family, position)
+        swapped = [Op(op.layer, op.index_pos, served[-1 - i]) for i, op in enumerate(usual)]
+        requests = [Request(1, tokens(T, position, hidden), usual), Request(2, tokens(T, position + 50, hidden), swapped)]
+        for request, result in zip(requests, batched.run_batch(requests), strict=True):
+            assert_close(result, alone.run(request.session, request.x, request.ops))
+
+
 @pytest.mark.parametrize("bad, error", [
     (lambda family, hidden: Request(2, tokens(1, 7, hidden), ops(family, 9)), PositionGap),
     # Past the contract admission enforces: a layer this runner lacks, a KV slot past the model's.
