@@ -260,9 +260,9 @@ class BlockRunner:
         """Each request's output [1, T, H], or the exception that failed it (and it alone).
 
         Requests of distinct sessions, each run as `run` would run it alone. Those with the
-        same run (the same layers in the same order) are computed together, layer by layer: the
+        same run (the same layers, in the same order and KV slots) are computed together: the
         GEMMs over all their tokens at once (a decode step reads the weights once, not once per
-        session), every decode row's attention in one call over its own blocks of the paged KV
+        session), every decode row's attention in one call over its own blocks of each layer's KV
         pool, a prompt chunk's in one of its own (compute/paged_step.py). Runs that differ form
         separate groups, one after another: the runs a master sends are its topology entry's
         layers, so sessions either share a run or share nothing that a merge could exploit.
@@ -307,7 +307,6 @@ class BlockRunner:
             if planned.begun is not None and not planned.begun.computes:  # every row kept
                 results[i] = planned.answer(None)
             else:
-                # Together only along the same layers and KV slots: a step's layer reads one pool.
                 groups.setdefault(tuple((op.layer, op.block_idx) for op in planned.ops), []).append((i, planned))
         for group in groups.values():
             outputs = self._run_group([planned for _, planned in group], between_ops)
