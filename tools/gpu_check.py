@@ -488,7 +488,7 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
     from cakemp.demo.synthetic import demo_checkpoint
     from cakemp.errors import RemoteWorkerError
     from cakemp.master.client import WorkerClient
-    from cakemp.wire import DType, RawTensor
+    from cakemp.wire import RawTensor
 
     model = demo_checkpoint()
     if device.type == "cuda":
@@ -514,16 +514,13 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
             hidden = runner.config.hidden_size
             generator = torch.Generator().manual_seed(0)
 
-            def wire(x: torch.Tensor) -> RawTensor:
-                return RawTensor(x.view(torch.uint16).numpy().tobytes(), DType.BF16, tuple(x.shape))
-
             def unwire(t: RawTensor) -> torch.Tensor:
                 return torch.frombuffer(bytearray(t.data), dtype=torch.bfloat16).view(t.shape)
 
             async def matches(client, session: int, position: int, T: int) -> float:
                 x = torch.randn(1, T, hidden, generator=generator).to(torch.bfloat16)
                 ops = [(layer, position, i) for i, layer in enumerate(layers)]
-                remote = unwire(await client.batch(wire(x), ops)).float()
+                remote = unwire(await client.batch(bf16_wire(x), ops)).float()
                 local = runner.run(session, x.to(device), runner.ops(ops)).float().cpu()
                 return (remote - local).abs().max().item()
 
@@ -546,7 +543,7 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
                         others.append(other)
                         await other.hello()
                         try:
-                            await other.batch(wire(long), [(layer, 0, i) for i, layer in enumerate(layers)])
+                            await other.batch(bf16_wire(long), [(layer, 0, i) for i, layer in enumerate(layers)])
                         except RemoteWorkerError as e:
                             outcome = f"session {session}: WorkerError: {e}"
                             break
@@ -566,6 +563,13 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
             log = (Path(tmp) / "node.log").read_text(errors="replace")
             errors = [line[:300] for line in log.splitlines() if re.search(r"error|Traceback", line)]
             finding("node.log_errors", errors[:10])
+
+
+def bf16_wire(x: torch.Tensor):
+    """A bf16 tensor on the CPU as a master sends it (a RawTensor)."""
+    from cakemp.wire import DType, RawTensor
+
+    return RawTensor(x.view(torch.uint16).numpy().tobytes(), DType.BF16, tuple(x.shape))
 
 
 def take_gpu_memory() -> list[torch.Tensor]:
@@ -912,7 +916,6 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
     from cakemp.compute.runner import BlockRunner
     from cakemp.demo.local_node import LocalNode, free_port
     from cakemp.master.client import WorkerClient
-    from cakemp.wire import DType, RawTensor
     from tests.support.checkpoints import make_checkpoint
 
     layers, cached, counts = 4, (64 if rehearse else 512), (1, 8, 32)
@@ -950,9 +953,6 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-        def wire(x: torch.Tensor) -> RawTensor:
-            return RawTensor(x.view(torch.uint16).numpy().tobytes(), DType.BF16, tuple(x.shape))
-
         topology = Path(tmp) / "topology.yml"
         topology.write_text(f"perf:\n  host: 127.0.0.1:10128\n  layers:\n    - model.layers.0-{layers - 1}\n")
         node = LocalNode(name="perf", model_dir=path, topology=topology, port=free_port(),
@@ -967,7 +967,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                 times = []
                 for _ in range(3):  # a new prompt each time: the same one again would be prefix reuse's
                     await client.goodbye()
-                    x = wire(torch.randn(1, 512, hidden).to(torch.bfloat16))
+                    x = bf16_wire(torch.randn(1, 512, hidden).to(torch.bfloat16))
                     start = time.perf_counter()
                     await client.batch(x, ops(0))
                     times.append(time.perf_counter() - start)
@@ -978,9 +978,9 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                 for _ in range(n):  # each says Hello as it connects (a handshake place is held until then)
                     clients.append(client := await WorkerClient.connect("127.0.0.1", port))
                     await client.hello()
-                    await client.batch(wire(torch.randn(1, cached, hidden).to(torch.bfloat16)), ops(0))
+                    await client.batch(bf16_wire(torch.randn(1, cached, hidden).to(torch.bfloat16)), ops(0))
                 done = [0] * n
-                token = wire(torch.randn(1, 1, hidden).to(torch.bfloat16))
+                token = bf16_wire(torch.randn(1, 1, hidden).to(torch.bfloat16))
 
                 async def decode(i: int) -> None:
                     while time.perf_counter() < deadline:

@@ -208,17 +208,11 @@ class KVCache:
         """
         linear_ends = linear_ends or {}
         for block_idx, end in linear_ends.items():
-            if end > self.max_context:
-                raise ContextLimitExceeded(
-                    f"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions"
-                )
+            self._check_context(block_idx, end)
         slots = self._sessions.get(session, {})
         needed, changes = 0, []
         for block_idx, (start, end) in writes.items():
-            if end > self.max_context:
-                raise ContextLimitExceeded(
-                    f"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions"
-                )
+            self._check_context(block_idx, end)
             blocks = -(-end // BLOCK)
             slot = slots.get(block_idx)
             table = () if slot is None else slot.table
@@ -239,7 +233,7 @@ class KVCache:
         for block_idx, start, end in changes:
             slot = slots.setdefault(block_idx, KVSlot(block_idx, []))
             self._write_blocks(slot, start, end)
-            self._publish(session, block_idx, slot)
+            self._publish(session, slot)
         if linear_ends:
             linear = self._linear.setdefault(session, linear)
         for block_idx in new_linear:
@@ -247,6 +241,12 @@ class KVCache:
             linear[block_idx] = LinearSlot(conv, recurrent)
             self._linear_bytes += self.bytes_per_linear_slot
         return {block_idx: slots[block_idx] for block_idx in writes}
+
+    def _check_context(self, block_idx: int, end: int) -> None:
+        if end > self.max_context:
+            raise ContextLimitExceeded(
+                f"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions"
+            )
 
     def pool(self, block_idx: int) -> Pool:
         """The pool of KV slot index `block_idx` (made empty at its first use)."""
@@ -290,9 +290,9 @@ class KVCache:
         table.extend(self._take(pool, blocks - len(table)))
 
     @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
-    def _publish(self, session: int, block_idx: int, slot: KVSlot) -> None:
+    def _publish(self, session: int, slot: KVSlot) -> None:
         """Write a live slot's table into `tables` (growing it, doubling, to hold the row, slot and blocks)."""
-        row = self._rows.get(session)
+        block_idx, row = slot.pool, self._rows.get(session)
         if row is None:
             row = self._rows[session] = self._free_rows.pop() if self._free_rows else len(self._rows)
         rows, slots, width = self.tables.shape
@@ -370,8 +370,8 @@ class KVCache:
         if linear:
             self._linear.setdefault(session, mine_linear).update(linear)
         self._hold_live(slots.values(), +1)
-        for block_idx, slot in slots.items():
-            self._publish(session, block_idx, slot)
+        for slot in slots.values():
+            self._publish(session, slot)
         self._linear_bytes += len(linear) * self.bytes_per_linear_slot
 
     def drop(self, slots: Iterable[KVSlot]) -> None:

@@ -40,10 +40,9 @@ class StepRows:
     where each row's K/V goes and what each decode row reads."""
 
     def __init__(self, cache: KVCache, sessions: Sequence[int], lengths: Sequence[int],
-                 layers: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], slots: Sequence[Sequence[KVSlot]]):
-        """layers: per attention layer of the step, in order, each request's (index_pos, block_idx)
-        as two tuples (request i at positions starts[i].. of its slot block_idx[i]); slots: those
-        slots, per layer and request, holding blocks to each request's end."""
+                 starts: Sequence[tuple[int, ...]], slots: Sequence[Sequence[KVSlot]]):
+        """Per attention layer of the step, in order: `starts`, each request's index_pos, and `slots`,
+        its KV slot there, holding blocks to its end (request i at positions starts[i].. of slots[i])."""
         self.cache = cache
         self.sessions = tuple(sessions)
         self.lengths = tuple(lengths)
@@ -51,12 +50,12 @@ class StepRows:
         if any(T != 1 for T in lengths[: self.decodes]):
             raise ValueError(f"decode requests must come first, got lengths {lengths}")
         self.firsts = [0, *itertools.accumulate(lengths)][:-1]  # each request's first row of x
-        self.starts = [starts for starts, _ in layers]
-        self.block_idx = [block_idx for _, block_idx in layers]
-        if any(len(set(block_idx)) != 1 for block_idx in self.block_idx):
-            raise ValueError(f"a step's requests share each layer's KV slot, got {self.block_idx}")
-        self.pools = [cache.pools[block_idx[0]] for block_idx in self.block_idx]  # each layer's
+        self.starts = list(starts)
         self.slots = slots
+        if any(len({slot.pool for slot in layer}) != 1 for layer in slots):
+            pools = [[slot.pool for slot in layer] for layer in slots]
+            raise ValueError(f"a step's requests share each layer's KV slot, got {pools}")
+        self.pools = [cache.pools[layer[0].pool] for layer in slots]  # each layer's
         positions, slot_ids = [], []
         for starts, layer_slots in zip(self.starts, slots, strict=True):
             for start, T, slot in zip(starts, lengths, layer_slots, strict=True):
@@ -65,7 +64,7 @@ class StepRows:
                     positions.append(p)
                     slot_ids.append(table[p // BLOCK] * BLOCK + p % BLOCK)
         # One tensor for both (a tensor's making costs more than its size here): [2, L, N].
-        both = torch.tensor([positions, slot_ids], device=cache.device).view(2, len(layers), sum(lengths))
+        both = torch.tensor([positions, slot_ids], device=cache.device).view(2, len(slots), sum(lengths))
         self.positions, self.slot_ids = both  # [L, N] each row's position; its row of the flat pool
         self._request: torch.Tensor | None = None
         self._tables: torch.Tensor | None = None
@@ -87,9 +86,9 @@ class StepRows:
             cache = self.cache
             rows, slots, width = cache.tables.shape
             flat = [cache.row(session) * slots for session in self.sessions]  # each request's first slot's row
-            picked = torch.tensor([row + b for block_idx in self.block_idx for row, b in zip(flat, block_idx, strict=True)],
+            picked = torch.tensor([row + slot.pool for layer in self.slots for row, slot in zip(flat, layer, strict=True)],
                                   device=cache.device)
-            self._tables = cache.tables.view(rows * slots, width).index_select(0, picked).view(len(self.block_idx), -1, width)
+            self._tables = cache.tables.view(rows * slots, width).index_select(0, picked).view(len(self.slots), -1, width)
         return self._tables[index]
 
     def layer(self, index: int) -> LayerPages:

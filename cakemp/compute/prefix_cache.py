@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cakemp.compute.kv_cache import KVCache, KVSlot
+from cakemp.compute.kv_cache import KVCache, KVSlot, LinearSlot
 from cakemp.compute.row_chain import Extension, RowChain
 from cakemp.model.deltanet import LinearState
 from cakemp.op import Op
@@ -217,24 +217,12 @@ class PrefixCache:
         if prefix is None:
             return
         kv, linear = self._cache.detach(session)
-        attention, recurrent = self._attention(prefix.layer_path), self._recurrent_slots(prefix.layer_path)
-        kept = {block_idx: kv.pop(block_idx) for block_idx in attention if block_idx in kv}
-        self._cache.drop(kv.values())  # slots outside the run
-        if not (len(kept) == len(attention) and set(recurrent) <= linear.keys()):
-            self._cache.drop(kept.values())  # not the state this run left
-            return
-        if prefix.ahead is not None:
-            # Adopted rows not all followed yet: nothing past the slots' length was written, so
-            # the adopted prefix is whole still and is kept whole again.
-            prefix.chain, prefix.ahead = prefix.ahead, None
-        elif any(kept[b].length != prefix.chain.length for b in attention) or \
-                any(linear[b].length != prefix.chain.length for b in recurrent):
+        recurrent = self._recurrent_slots(prefix.layer_path)
+        kept = self._run_slots(prefix.layer_path, kv)
+        if not self._keepable(prefix, kept, linear):
             self._cache.drop(kept.values())
             return
         length = prefix.chain.length
-        if length < MIN_REUSE:
-            self._cache.drop(kept.values())  # too short to be worth keeping
-            return
         if recurrent and length not in prefix.points:
             prefix.points[length] = {block_idx: LinearState(linear[block_idx].conv, linear[block_idx].recurrent)
                                      for block_idx in recurrent}
@@ -242,6 +230,21 @@ class PrefixCache:
         for slot in prefix.slots.values():
             slot.length = length
         self._keep(prefix)
+
+    def _keepable(self, prefix: Prefix, kept: dict[int, KVSlot], linear: dict[int, LinearSlot]) -> bool:
+        """Whether a retiring run's detached state (`kept`, its attention slots; `linear`) is the state
+        this run left, at its length, and long enough to be worth keeping."""
+        attention, recurrent = self._attention(prefix.layer_path), self._recurrent_slots(prefix.layer_path)
+        if not (len(kept) == len(attention) and set(recurrent) <= linear.keys()):
+            return False
+        if prefix.ahead is not None:
+            # Adopted rows not all followed yet: nothing past the slots' length was written, so
+            # the adopted prefix is whole still and is kept whole again.
+            prefix.chain, prefix.ahead = prefix.ahead, None
+        elif any(kept[b].length != prefix.chain.length for b in attention) or \
+                any(linear[b].length != prefix.chain.length for b in recurrent):
+            return False
+        return prefix.chain.length >= MIN_REUSE
 
     def end(self, session: int) -> None:
         """The session's connection closed: its rows are retired if prefixes are shared, else
@@ -394,9 +397,7 @@ class PrefixCache:
     def _keep_whole(self, prefix: Prefix, kv: dict[int, KVSlot]) -> None:
         """Retire the prefix `prefix` follows (`prefix.ahead`) whole again, its KV slots `kv` (detached
         from the session, nothing past its rows written) at its length."""
-        attention = self._attention(prefix.layer_path)
-        slots = {block_idx: kv.pop(block_idx) for block_idx in attention}
-        self._cache.drop(kv.values())  # slots outside the run
+        slots = self._run_slots(prefix.layer_path, kv)
         for slot in slots.values():
             slot.length = prefix.ahead.length
         self._keep(Prefix(prefix.domain, prefix.layer_path, prefix.ahead, prefix.outputs, dict(prefix.points),
@@ -424,6 +425,12 @@ class PrefixCache:
         """Stop following the session (its KV state stays the session's)."""
         if self._live.pop(session, None) is not None and evicted:
             self.evictions += 1
+
+    def _run_slots(self, path: LayerPath, kv: dict[int, KVSlot]) -> dict[int, KVSlot]:
+        """The KV slots of the path's attention layers among detached `kv`; the others are freed."""
+        slots = {block_idx: kv.pop(block_idx) for block_idx in self._attention(path) if block_idx in kv}
+        self._cache.drop(kv.values())
+        return slots
 
     def _linear(self, path: LayerPath) -> bool:
         return any(self._recurrent[layer] for layer, _ in path)

@@ -396,9 +396,9 @@ class BlockRunner:
         x = members[0].x if len(members) == 1 else torch.cat([planned.x for planned in members], dim=1)  # [1, N, H]
         where = [(tuple(planned.ops[j].index_pos for planned in members), tuple(planned.ops[j].block_idx for planned in members))
                  for j in range(len(members[0].ops))]  # per op: each request's index_pos, block_idx
-        attention = [j for j, op in enumerate(members[0].ops) if not self.recurrent[op.layer]]
+        attention = {j: i for i, j in enumerate(j for j, op in enumerate(members[0].ops) if not self.recurrent[op.layer])}
         step = None if not attention else StepRows(
-            self.cache, [planned.session for planned in members], lengths, [where[j] for j in attention],
+            self.cache, [planned.session for planned in members], lengths, [where[j][0] for j in attention],
             [[planned.slots[block_idx] for planned, block_idx in zip(members, where[j][1], strict=True)] for j in attention])
         rotations = {}  # (rotary, each request's index_pos) -> cos, sin: [N, R]
         for j, op in enumerate(members[0].ops):
@@ -415,9 +415,9 @@ class BlockRunner:
                 continue
             rotary = self.rotaries[op.layer]
             if (rotary, starts) not in rotations:
-                rotations[rotary, starts] = self._rotation(rotary, step, attention.index(j))
+                rotations[rotary, starts] = self._rotation(rotary, step, attention[j])
             cos, sin = rotations[rotary, starts]
-            x = block.forward(x, cos, sin, step.layer(attention.index(j)))
+            x = block.forward(x, cos, sin, step.layer(attention[j]))
         for planned, T in zip(members, lengths, strict=True):
             for op in planned.ops:
                 if not self.recurrent[op.layer]:

@@ -44,9 +44,10 @@ class Rotary:
         transformers does per forward call (keys cached earlier keep the short factors): `long`
         [N] bool marks the rows of such requests (`reaches_long`).
         """
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq  # [N, dim/2] f32, as torch.outer
+        at = positions.to(torch.float32)[:, None]  # [N, 1]
+        angles = at * self.inv_freq  # [N, dim/2] f32, as torch.outer
         if long is not None:
-            angles = torch.where(long[:, None], positions.to(torch.float32)[:, None] * self.long_inv_freq, angles)
+            angles = torch.where(long[:, None], at * self.long_inv_freq, angles)
         angles = torch.cat((angles, angles), dim=-1)  # [N, dim]: both halves rotate by the same angle
         cos, sin = angles.cos(), angles.sin()
         if self.attention_factor != 1.0:
