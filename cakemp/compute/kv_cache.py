@@ -16,7 +16,10 @@ keys with one indexed read (compute/paged_step.py).
 The live sessions' tables are also kept on the device, `tables: [rows, slots, width]` (a session's
 row, block_idx, then its block ids), written where a table changes (a new block every BLOCK
 positions, a copy on write, a slot attached), so that a step reads every request's table with
-one gather instead of building it in Python.
+one gather instead of building it in Python. An entry past a table's end names the pool's null
+block (NULL_BLOCK: zeros, held by no table, outside the budget): a batched step pads a shorter
+request's table to the longest one's, and those entries must read nothing another session wrote
+(a masked NaN key still makes the row NaN).
 
 Allocation is in blocks: a request for positions [p, p+T) takes the blocks its slot lacks up to
 p+T, and no more. Nothing is ever copied to grow a slot; the pool itself grows by doubling (up to
@@ -59,6 +62,7 @@ from cakemp.units import human_bytes
 
 BLOCK = 16  # positions per block
 MIN_POOL_BLOCKS = 64  # the pool's first size, in blocks, where it grows
+NULL_BLOCK = 0  # every pool's block of zeros that no table holds: what an unused table entry names
 
 
 @dataclass
@@ -109,18 +113,21 @@ class Pool:
 
     @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def grow(self, at_least: int, cap: int | None) -> None:
-        """At least `at_least` blocks: doubling (up to `cap` blocks, where there is a budget), new ones zeros."""
-        size = max(at_least, 2 * len(self.owners), MIN_POOL_BLOCKS)
-        if cap is not None:
-            size = max(at_least, min(size, cap))
+        """At least `at_least` blocks: doubling (up to `cap` blocks, where there is a budget, besides
+        the null block), new ones zeros."""
         old = len(self.owners)
+        size = max(at_least + (old == 0), 2 * old, MIN_POOL_BLOCKS)
+        if cap is not None:
+            size = max(at_least + (old == 0), min(size, cap + 1))
         k = self.k.new_zeros(size, *self.k.shape[1:])
         v = self.v.new_zeros(size, *self.v.shape[1:])
         k[:old], v[:old] = self.k, self.v
         self.k, self.v = k, v
         self.owners.extend([0] * (size - old))
         self.live.extend([0] * (size - old))
-        self.free.extend(range(size - 1, old - 1, -1))  # popped lowest first
+        if old == 0:
+            self.owners[NULL_BLOCK] = 1  # the pool's own, never taken nor freed
+        self.free.extend(range(size - 1, max(old, NULL_BLOCK + 1) - 1, -1))  # popped lowest first
 
 
 class KVCache:
@@ -302,8 +309,10 @@ class KVCache:
                                 dtype=torch.int64, device=self.device)
             grown[:rows, :slots, :width] = self.tables
             self.tables = grown
-        if slot.table:
-            self.tables[row, block_idx, : len(slot.table)] = torch.tensor(slot.table, dtype=torch.int64)
+        # The whole width, so that the entries past the table name the null block (not a block it held
+        # before, which another session may hold now): a batched step reads them as a shorter request's padding.
+        width = self.tables.shape[2]
+        self.tables[row, block_idx] = torch.tensor(slot.table + [NULL_BLOCK] * (width - len(slot.table)), dtype=torch.int64)
 
     def _take(self, pool: Pool, n: int) -> list[int]:
         """n free blocks of `pool` (zeros: `_release`), owned by one live table; the pool grows when it has too few."""
@@ -356,6 +365,8 @@ class KVCache:
         row = self._rows.pop(session, None)
         if row is not None:
             self._free_rows.append(row)
+            with torch.inference_mode():
+                self.tables[row] = NULL_BLOCK  # the next session on this row names none of these blocks
         self._linear_bytes -= len(linear) * self.bytes_per_linear_slot
         return slots, linear
 

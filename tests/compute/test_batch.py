@@ -217,3 +217,20 @@ def test_rows_another_session_left_in_a_reused_block_never_reach_a_batched_decod
     requests = [Request(2, tokens(1, 20, hidden), ops(family, 3)), Request(3, tokens(1, 30, hidden), ops(family, 40))]
     for request, result in zip(requests, runner.run_batch(requests), strict=True):
         assert_close(result, alone.run(request.session, request.x, request.ops))
+
+
+def test_a_live_session_of_nan_rows_never_reaches_a_shorter_neighbours_padding(family):
+    """A batched decode pads each request's block table to the longest request's; the entries past a
+    short request's own blocks must read nothing another live session holds. Here session 1 (NaN
+    activations, first to take blocks: it holds block 0, which an unwritten table entry names) stays
+    live while a short and a long session decode together: the short one's answer equals its answer alone."""
+    runner, alone = load(family), load(family)
+    hidden = runner.config.hidden_size
+    runner.run(1, torch.full((1, 40, hidden), float("nan")), ops(family, 0))
+    for session, T in ((2, 3), (3, 40)):
+        x = tokens(T, session, hidden)
+        runner.run(session, x, ops(family, 0))
+        alone.run(session, x, ops(family, 0))
+    requests = [Request(2, tokens(1, 20, hidden), ops(family, 3)), Request(3, tokens(1, 30, hidden), ops(family, 40))]
+    for request, result in zip(requests, runner.run_batch(requests), strict=True):
+        assert_close(result, alone.run(request.session, request.x, request.ops))
