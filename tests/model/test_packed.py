@@ -42,9 +42,11 @@ def test_only_f32_cpu_matrices_are_packed():
 
 @needs_mkl
 def test_a_matrix_is_kept_packed_only_where_that_costs_at_most_a_tenth_more():
-    """A [6144, 4096] matrix (Llama-3-8B's fused q/k/v) is kept packed alone, its packed buffer at most
-    1.1x its plain bytes; a [256, 256] one, whose packed buffer would hold 20x its bytes, stays plain."""
-    big = torch.randn(6144, 4096)
+    """A [28672, 4096] matrix (Llama-3-8B's fused gate/up) is kept packed alone, its packed buffer at most
+    1.1x its plain bytes; a [256, 256] one, whose packed buffer would hold 20x its bytes, stays plain.
+    (MKL's padding depends on the CPU: Llama-3-8B's [6144, 4096] q/k/v packs to 1.09x on one Xeon and
+    1.12x on another, so the test takes the shape with the most room.)"""
+    big = torch.randn(28672, 4096)
     kept = packed.packed_or_plain(big)
     assert isinstance(kept, packed.PackedWeight) and kept.shape == big.shape
     assert [name for name, part in vars(kept).items() if isinstance(part, torch.Tensor)] == ["packed"]
