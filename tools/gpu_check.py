@@ -64,6 +64,11 @@ findings, or the error that stopped it, and the next one runs regardless:
    transformers' own layers batched, and through `cakemp run --gpus all --dtype bf16` from 1, 8
    and 32 concurrent masters (tokens/s, each against in-process); a 512-token prompt through the
    node against in-process.
+12. graphs (~40 s, estimated): the same 4 layers through BlockRunner with its decode steps replayed
+   as CUDA graphs (compute/decode_graph.py) beside the paged step op by op, at 1, 8 and 32 sessions
+   512 tokens in: each replay against the same fixed-shape step run eagerly over the same buffers
+   (bit-equal expected), the graphed outputs against the paged step's (in units of the bf16 bound),
+   step times of both against the bandwidth floor, and each capture's time and memory.
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
 ./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
 at small sizes (no kernel restriction, no OOM), to catch a broken script before GPU time is
@@ -217,6 +222,10 @@ def main() -> None:
     @section("node-perf")
     def node_perf_section():
         asyncio.run(check_node_perf(device, rehearse))
+
+    @section("graphs")
+    def graphs_section():
+        check_graphs(device, rehearse)
 
     finding("total_seconds", round(time.monotonic() - started, 1))
     Path(args.out).write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
@@ -996,6 +1005,72 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                     await client.close()
         finally:
             finding("node_perf.exit_status", node.stop())
+
+
+# --- 12. the decode step replayed as CUDA graphs ---------------------------------------------
+
+def perf_checkpoint(tmp: str, layers: int, rehearse: bool) -> tuple[Path, int]:
+    """A random bf16 Llama of `layers` Llama-3-8B-shaped layers (rehearsal: small ones), and its hidden size."""
+    from tests.support.checkpoints import make_checkpoint
+
+    hidden, inter, heads, kv = (512, 1792, 4, 1) if rehearse else (4096, 14336, 32, 8)
+    path = make_checkpoint(tmp, "llama", dtype=torch.bfloat16, num_hidden_layers=layers, vocab_size=128,
+                           hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                           num_key_value_heads=kv, max_position_embeddings=4096)
+    return path, hidden
+
+
+def check_graphs(device: torch.device, rehearse: bool) -> None:
+    from bench.blocks import timed
+    from cakemp.compute.runner import BlockRunner, Request
+    from tests.support.tolerance import half_bound, rel_error
+
+    layers, cached, steps = 4, (64 if rehearse else 512), (5 if rehearse else 30)
+    names = [f"model.layers.{i}" for i in range(layers)]
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        path, hidden = perf_checkpoint(tmp, layers, rehearse)
+        paged = BlockRunner.load(path, names, device, torch.bfloat16)
+        graphed = BlockRunner.load(path, names, device, torch.bfloat16, graph_batch=32)
+        floor_ms = paged.weight_bytes / bandwidth(device) * 1e3
+        ops = lambda position: paged.ops([(name, position, i) for i, name in enumerate(names)])  # noqa: E731
+        generator = torch.Generator().manual_seed(0)
+        draw = lambda T: torch.randn(1, T, hidden, generator=generator).to(torch.bfloat16).to(device)  # noqa: E731
+        for n in (1, 8, 32):
+            for runner in (paged, graphed):
+                for s in range(32):
+                    runner.free_session(s)
+            for s in range(n):
+                x = draw(cached)
+                paged.run(s, x, ops(0))
+                graphed.run(s, x, ops(0))
+            position, worst, replay_diff = cached, 0.0, 0.0
+            made_before = set(graphed.graphs.made)
+            captured_s = time.perf_counter()
+            for step in range(steps):
+                requests = [Request(s, draw(1), ops(position)) for s in range(n)]
+                mine, theirs = graphed.run_batch(requests), paged.run_batch(requests)
+                if step == 0:
+                    captured_s = time.perf_counter() - captured_s
+                    (graph,) = [graphed.graphs.made[key] for key in set(graphed.graphs.made) - made_before] or \
+                        [g for g in graphed.graphs.made.values() if g.bucket >= n][:1]
+                    eager = graph._compute()[:, :n]  # the same buffers, op by op: the replay must equal it
+                    replay_diff = (torch.cat(mine, dim=1) - eager).abs().max().item()
+                for a, b in zip(mine, theirs, strict=True):
+                    worst = max(worst, rel_error(a, b) / half_bound(torch.bfloat16))
+                position += 1
+            # Timed at one position: each step rewrites the same row (the context stays `position`).
+            requests = [Request(s, draw(1), ops(position)) for s in range(n)]
+            times = {name: 1e3 * statistics.median(timed(lambda r=runner: r.run_batch(requests), device)
+                                                   for _ in range(steps))
+                     for name, runner in (("graphed", graphed), ("paged", paged))}
+            finding(f"graphs.sessions_{n}", {
+                "replay_vs_eager_max_abs": replay_diff, "replay_bit_equal": replay_diff == 0.0,
+                "graphed_vs_paged_over_bf16_bound": round(worst, 3),
+                "graphed_ms": round(times["graphed"], 3), "paged_ms": round(times["paged"], 3),
+                "graphed_over_paged": round(times["graphed"] / times["paged"], 2),
+                "graphed_to_floor": round(times["graphed"] / floor_ms, 2),
+                "first_step_with_capture_s": round(captured_s, 3),
+                "graphs_made": sorted((key[1], key[2]) for key in graphed.graphs.made)})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ positions, a copy on write, a slot attached), so that a step reads every request
 one gather instead of building it in Python. An entry past a table's end names the pool's null
 block (NULL_BLOCK: zeros, held by no table, outside the budget): a batched step pads a shorter
 request's table to the longest one's, and those entries must read nothing another session wrote
-(a masked NaN key still makes the row NaN).
+(a masked NaN key still makes the row NaN). A second block outside the budget, SCRATCH_BLOCK, takes
+the writes of a fixed-shape step's padding rows (compute/decode_graph.py) and is never read.
 
 Allocation is in blocks: a request for positions [p, p+T) takes the blocks its slot lacks up to
 p+T, and no more. Nothing is ever copied to grow a slot; the pool itself grows by doubling (up to
@@ -63,6 +64,8 @@ from cakemp.units import human_bytes
 BLOCK = 16  # positions per block
 MIN_POOL_BLOCKS = 64  # the pool's first size, in blocks, where it grows
 NULL_BLOCK = 0  # every pool's block of zeros that no table holds: what an unused table entry names
+SCRATCH_BLOCK = 1  # every pool's block that no table holds, where padding rows write: never read
+RESERVED = 2  # blocks 0 and 1, outside the budget
 
 
 @dataclass
@@ -114,11 +117,12 @@ class Pool:
     @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def grow(self, at_least: int, cap: int | None) -> None:
         """At least `at_least` blocks: doubling (up to `cap` blocks, where there is a budget, besides
-        the null block), new ones zeros."""
+        the RESERVED ones), new ones zeros."""
         old = len(self.owners)
-        size = max(at_least + (old == 0), 2 * old, MIN_POOL_BLOCKS)
+        at_least += RESERVED if old == 0 else 0
+        size = max(at_least, 2 * old, MIN_POOL_BLOCKS)
         if cap is not None:
-            size = max(at_least + (old == 0), min(size, cap + 1))
+            size = max(at_least, min(size, cap + RESERVED))
         k = self.k.new_zeros(size, *self.k.shape[1:])
         v = self.v.new_zeros(size, *self.v.shape[1:])
         k[:old], v[:old] = self.k, self.v
@@ -126,8 +130,8 @@ class Pool:
         self.owners.extend([0] * (size - old))
         self.live.extend([0] * (size - old))
         if old == 0:
-            self.owners[NULL_BLOCK] = 1  # the pool's own, never taken nor freed
-        self.free.extend(range(size - 1, max(old, NULL_BLOCK + 1) - 1, -1))  # popped lowest first
+            self.owners[NULL_BLOCK] = self.owners[SCRATCH_BLOCK] = 1  # the pool's own, never taken nor freed
+        self.free.extend(range(size - 1, max(old, RESERVED) - 1, -1))  # popped lowest first
 
 
 class KVCache:
@@ -224,6 +228,8 @@ class KVCache:
             slot = slots.get(block_idx)
             table = () if slot is None else slot.table
             owners = self.pool(block_idx).owners
+            if len(table) == blocks and start // BLOCK == blocks - 1 and owners[table[-1]] == 1:
+                continue  # a decode step within its own last block (most requests): nothing changes
             kept = len(table) if len(table) < blocks else blocks
             shared = 0  # copies on write
             for b in table[start // BLOCK:kept]:

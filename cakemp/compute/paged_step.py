@@ -80,8 +80,15 @@ class StepRows:
         return self._request
 
     def tables(self, index: int) -> torch.Tensor:
-        """Attention layer `index`'s block table of each request, [B, width] (past a table's end: unused),
-        gathered for every layer of the step at its first use."""
+        """Attention layer `index`'s block table of each request, [B, width] (past a table's end: the null block)."""
+        return self.all_tables()[index]
+
+    def blocks_needed(self) -> int:
+        """The blocks the step's furthest-reaching request holds in a layer, to its last row."""
+        return max(start + T - 1 for starts in self.starts for start, T in zip(starts, self.lengths, strict=True)) // BLOCK + 1
+
+    def all_tables(self) -> torch.Tensor:
+        """Every attention layer's block table of each request, [L, B, width], gathered at the first use."""
         if self._tables is None:
             cache = self.cache
             rows, slots, width = cache.tables.shape
@@ -89,7 +96,7 @@ class StepRows:
             picked = torch.tensor([row + slot.pool for layer in self.slots for row, slot in zip(flat, layer, strict=True)],
                                   device=cache.device)
             self._tables = cache.tables.view(rows * slots, width).index_select(0, picked).view(len(self.slots), -1, width)
-        return self._tables[index]
+        return self._tables
 
     def layer(self, index: int) -> LayerPages:
         """The pages of the step's `index`-th attention layer."""

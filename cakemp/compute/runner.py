@@ -15,6 +15,7 @@ import torch
 
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import memory
+from cakemp.compute.decode_graph import DecodeGraphs, capturable
 from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.compute.loading import Block, LoadPlan, Rounding, check_quantizable, kept_kernels
 from cakemp.compute.paged_step import StepRows
@@ -140,10 +141,13 @@ class BlockRunner:
         prefix_reuse: bool = False,
         share_prefixes: bool = False,
         expert_cache: ExpertCache | None = None,
+        graph_batch: int | None = None,
     ):
         """`prefix_reuse`: keep sessions' rows past their end for requests that send them again
         (compute/prefix_cache.py), reused by the same session only, or by any with `share_prefixes`.
-        `expert_cache`: what holds the offloaded experts of the blocks' MoE layers (None: none offloaded)."""
+        `expert_cache`: what holds the offloaded experts of the blocks' MoE layers (None: none offloaded).
+        `graph_batch`: decode steps of up to this many requests run as fixed-shape steps
+        (compute/decode_graph.py), captured as CUDA graphs on a GPU (None: never)."""
         self.config = config
         self.expert_cache = expert_cache
         # The bytes its layers' weights hold (kept int4/int8 as such, packed copies too), counted by `load`.
@@ -169,6 +173,8 @@ class BlockRunner:
         )
         self.prefixes = PrefixCache(self.cache, [block.recurrent for block in self.blocks], config.hidden_size,
                                     share_prefixes) if prefix_reuse else None
+        self.capturable = tuple(map(capturable, self.blocks))
+        self.graphs = None if graph_batch is None else DecodeGraphs(self.cache, graph_batch, device.type == "cuda")
 
     @classmethod
     def load(
@@ -186,6 +192,7 @@ class BlockRunner:
         keep_int4: bool = True,
         expert_cache_bytes: int | None = None,
         quantize: Rounding | None = None,
+        graph_batch: int | None = None,
     ) -> BlockRunner:
         """Load `layers` (e.g. "model.layers.3") of the checkpoint in `model_dir` onto `device`.
 
@@ -202,8 +209,7 @@ class BlockRunner:
 
         `quantize` (--quantize): round a plain checkpoint's matrices into kept int8 or int4 weights at
         load (model/weights/rtn.py; the results change); ConfigError for a checkpoint quantized already.
-
-        `on_layer(n)` is called once `n` of them are on the device (the device process reports it).
+        `graph_batch`: as the constructor's. `on_layer(n)` is called once `n` layers are on the device.
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -228,7 +234,7 @@ class BlockRunner:
         if device.type == "cuda" and kv_budget_bytes is None:
             free, total = torch.cuda.mem_get_info(device)
             kv_budget_bytes = memory.default_kv_budget(free - (cache.capacity if cache else 0), total, str(device))
-        runner = cls(config, blocks, device, dtype, kv_budget_bytes, max_context, prefix_reuse, share_prefixes, cache)
+        runner = cls(config, blocks, device, dtype, kv_budget_bytes, max_context, prefix_reuse, share_prefixes, cache, graph_batch)
         runner.weight_bytes = sum(map(_held_bytes, weights.values()))
         return runner
 
@@ -400,6 +406,31 @@ class BlockRunner:
         step = None if not attention else StepRows(
             self.cache, [planned.session for planned in members], lengths, [where[j][0] for j in attention],
             [[planned.slots[block_idx] for planned, block_idx in zip(members, where[j][1], strict=True)] for j in attention])
+        run = members[0].ops
+        if self._graphed(run, lengths, step):
+            x = self.graphs.run(tuple((op.layer, op.block_idx) for op in run), [self.blocks[op.layer] for op in run],
+                                [self.rotaries[op.layer] for op in run], step, x)
+        else:
+            x = self._layers(members, lengths, x, where, attention, step, between_ops)
+        for planned, T in zip(members, lengths, strict=True):
+            for op in planned.ops:
+                if not self.recurrent[op.layer]:
+                    planned.slots[op.block_idx].length = op.index_pos + T
+        outputs = [x] if len(members) == 1 else list(x.split(lengths, dim=1))
+        in_order: list[torch.Tensor] = [None] * len(group)
+        for i, output in zip(order, outputs, strict=True):
+            in_order[i] = output
+        return in_order
+
+    def _graphed(self, run: Sequence[Op], lengths: Sequence[int], step: StepRows | None) -> bool:
+        """Whether a step runs as a fixed-shape decode step (compute/decode_graph.py): decodes only, every
+        layer one a graph holds, and a shape within the graphs' buckets."""
+        return (self.graphs is not None and lengths[-1] == 1 and all(self.capturable[op.layer] for op in run)
+                and self.graphs.takes(len(lengths), step.blocks_needed()))
+
+    def _layers(self, members: list[_Planned], lengths: list[int], x: torch.Tensor, where: list, attention: dict[int, int],
+                step: StepRows | None, between_ops: Callable[[], None] | None) -> torch.Tensor:
+        """x: [1, N, H] through the run's layers, op by op, over the step's pages (compute/paged_step.py)."""
         rotations = {}  # (rotary, each request's index_pos) -> cos, sin: [N, R]
         for j, op in enumerate(members[0].ops):
             if j and j % _OPS_BETWEEN_CALLS == 0 and between_ops is not None:
@@ -418,15 +449,7 @@ class BlockRunner:
                 rotations[rotary, starts] = self._rotation(rotary, step, attention[j])
             cos, sin = rotations[rotary, starts]
             x = block.forward(x, cos, sin, step.layer(attention[j]))
-        for planned, T in zip(members, lengths, strict=True):
-            for op in planned.ops:
-                if not self.recurrent[op.layer]:
-                    planned.slots[op.block_idx].length = op.index_pos + T
-        outputs = [x] if len(members) == 1 else list(x.split(lengths, dim=1))
-        in_order: list[torch.Tensor] = [None] * len(group)
-        for i, output in zip(order, outputs, strict=True):
-            in_order[i] = output
-        return in_order
+        return x
 
     def _rotation(self, rotary: Rotary | None, step: StepRows, index: int):
         """cos, sin: [N, R] for the step's rows at attention layer `index`'s positions (longrope picks

@@ -145,6 +145,7 @@ class DeviceService:
             prefix_reuse=spec.prefix_reuse, share_prefixes=spec.share_prefixes, keep_int4=spec.keep_int4,
             expert_cache_bytes=spec.expert_cache_bytes,
             quantize=None if spec.quantize is None else Rounding(spec.quantize, spec.quantize_group),
+            graph_batch=spec.max_batch if spec.cuda_graphs and spec.gpu is not None else None,
         )
         return cls(runner, spec.workload, spec.index, generation, spec.label, progress)
 

@@ -171,6 +171,10 @@ class NodeConfig:
         "--max-batch", MAX_BATCH, click.IntRange(min=1),
         "Requests a device runs together in one step at most: decode steps of concurrent sessions share one "
         "pass over the weights (1: each request alone, as Cake's worker).")
+    cuda_graphs: bool = knob(
+        "--no-cuda-graphs", False, None, "Run a GPU's decode steps op by op instead of replaying them as CUDA graphs "
+        "(captured per batch size and key width as steps of each shape first come: compute/decode_graph.py).",
+        convert=lambda off: not off, is_flag=True)
     metrics_address: tuple[str, int] | None = knob(
         "--metrics-address", None, None, "host:port serving /metrics, /healthz and /readyz (default: off).",
         convert=lambda text: parse_address(text, "--metrics-address"))

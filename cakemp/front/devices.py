@@ -44,6 +44,7 @@ def device_specs(config: NodeConfig, placement: Sequence[tuple[str, ...]], runti
             kv_budget_bytes=cpu_kv_budget if gpu is None else config.kv_budget_bytes,
             max_context=config.max_context,
             max_batch=config.max_batch,
+            cuda_graphs=config.cuda_graphs,
             prefill_chunk=config.prefill_chunk,
             threads=threads[i],
             cpus=cores[i],

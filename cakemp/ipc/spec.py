@@ -134,6 +134,7 @@ class DeviceSpec:
     kv_budget_bytes: int | None = None
     max_context: int | None = None
     max_batch: int = MAX_BATCH  # requests run together in one step at most
+    cuda_graphs: bool = True  # a GPU's decode steps replayed as CUDA graphs (compute/decode_graph.py)
     prefill_chunk: int = PREFILL_CHUNK  # prefill tokens per step (beyond the first chunk); the chunk size
     threads: int | None = None  # torch intra-op threads (None: torch's default, one per core)
     cpus: tuple[int, ...] | None = None  # the cores the process is pinned to (--pin-cpus; None: not pinned)

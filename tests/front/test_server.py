@@ -24,10 +24,10 @@ def test_each_device_is_told_the_node_knobs_under_the_same_names():
     request timeout (a quarter of it), which counts a silent device as hung."""
     config = NodeConfig(name="w", checkpoint_path="/m", parts=("a", "b", "c"), devices=(None, None), dtype="bf16",
                         kv_budget_bytes=1 << 20, max_context=99, max_batch=3, prefill_chunk=7, request_timeout=8.0,
-                        log_format="json", log_level="debug")
+                        cuda_graphs=False, log_format="json", log_level="debug")
     first, second = device_specs(config, place_layers(config.parts, 2), "/run/cakemp")
     assert (first.parts, second.parts) == (("a", "b"), ("c",))
     assert (first.index, first.endpoint, second.endpoint) == (0, "ipc:///run/cakemp/device-0", "ipc:///run/cakemp/device-1")
     assert (first.checkpoint_path, first.dtype, first.kv_budget_bytes, first.max_context) == ("/m", "bf16", 1 << 20, 99)
-    assert (first.max_batch, first.prefill_chunk, first.progress_s) == (3, 7, 2.0)
+    assert (first.max_batch, first.prefill_chunk, first.progress_s, first.cuda_graphs) == (3, 7, 2.0, False)
     assert (first.log_format, first.log_level) == ("json", "debug")

@@ -1,0 +1,204 @@
+"""A batched decode step of fixed shapes: on a GPU captured once as a CUDA graph, then replayed.
+
+A decode step's kernels are many and small (norms, GEMMs, rotary, the KV write and attention of
+every layer), so on a GPU their launches, not the GPU, set a step's time. A CUDA graph launches a
+whole recorded step at once, but it replays fixed kernels over fixed buffers. So this is the paged
+step (compute/paged_step.py) over buffers of fixed shape, `DecodeGraph`:
+
+* the step's decode requests padded to a bucket of BUCKETS (1, 2, 4, 8, ... up to --max-batch): a row
+  past the last request computes on zeros, writes its K/V into the pool's scratch block and reads
+  its null block (kv_cache.SCRATCH_BLOCK, NULL_BLOCK), so it touches no session;
+* each request's keys gathered to a fixed width, in blocks (a power of two, at least MIN_WIDTH), and
+  which keys each row sees worked out from its position inside the step (its window too);
+* before each replay, the step's rows, positions, slot ids and block tables copied into the buffers
+  (StepRows builds them as it does for the paged step); after it, the outputs copied out.
+
+One graph per (run of layers and KV slots, bucket, width), made the first time a step of that
+shape comes (its time and memory logged) and made again when a pool it reads has grown (a grown
+pool is another tensor). Prompt chunks, steps mixing them with decodes, and layers a graph cannot
+hold (a MoE layer routes by data; a linear-attention layer keeps a recurrence) run the paged step.
+
+On a CPU the same buffers and the same computation run without a graph (`capture=False`): the tests
+check there that this step equals the paged one, and tools/gpu_check that a replay on a GPU equals
+the same step run eagerly, bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from cakemp.compute.kv_cache import BLOCK, NULL_BLOCK, SCRATCH_BLOCK, KVCache, Pool
+from cakemp.compute.paged_step import StepRows
+from cakemp.log import get_logger
+from cakemp.model import attention
+from cakemp.model.block import DecoderBlock
+from cakemp.model.mlp import GatedMlp
+from cakemp.model.rotary import Rotary
+
+MIN_WIDTH = 16  # blocks (256 positions): the narrowest width a step's keys are gathered to
+
+
+def capturable(block: object) -> bool:
+    """Whether a graph can hold `block`'s forward: an attention layer with a dense MLP (a MoE routes
+    tokens by their values; a linear-attention layer is a recurrence with a state of its own)."""
+    return isinstance(block, DecoderBlock) and isinstance(block.mlp, GatedMlp)
+
+
+def buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes a step is padded to: powers of two below `max_batch`, then `max_batch`."""
+    sizes = []
+    size = 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_batch)
+
+
+def width_for(blocks: int) -> int:
+    """The width, in blocks, a step whose longest table holds `blocks` is gathered to."""
+    width = MIN_WIDTH
+    while width < blocks:
+        width *= 2
+    return width
+
+
+class DecodeGraphs:
+    """A runner's decode graphs, made as steps of new shapes come."""
+
+    def __init__(self, cache: KVCache, max_batch: int, capture: bool):
+        """`capture`: record CUDA graphs (a GPU); False runs the same fixed-shape step eagerly (a CPU's tests)."""
+        self.cache = cache
+        self.buckets = buckets(max_batch)
+        self.max_width = -(-cache.max_context // BLOCK)
+        self.capture = capture
+        self.made: dict[tuple, DecodeGraph] = {}  # by (run, bucket, width)
+        self._memory_pool = torch.cuda.graph_pool_handle() if capture else None  # shared by every graph
+        self._log = get_logger()
+
+    def takes(self, sessions: int, blocks: int) -> bool:
+        """Whether a decode step of `sessions` requests whose longest table holds `blocks` fits a graph."""
+        return sessions <= self.buckets[-1] and blocks <= self.max_width
+
+    def run(self, run_key: tuple, blocks: Sequence[DecoderBlock], rotaries: Sequence[Rotary | None],
+            step: StepRows, x: torch.Tensor) -> torch.Tensor:
+        """x: [1, B, H], one decode row per request of `step` (whose every op is an attention layer of
+        `blocks`, in order) -> [1, B, H], through the graph of the step's shape."""
+        B = x.shape[1]
+        bucket = next(size for size in self.buckets if size >= B)
+        width = min(width_for(step.blocks_needed()), self.max_width)
+        key = run_key, bucket, width
+        graph = self.made.get(key)
+        if graph is None or not graph.reads(step.pools):
+            graph = self.made[key] = self._make(blocks, rotaries, step.pools, bucket, width, x)
+        return graph.run(step, x)
+
+    def _make(self, blocks, rotaries, pools, bucket, width, x) -> DecodeGraph:
+        graph = DecodeGraph(self.cache, blocks, rotaries, pools, bucket, width, x.shape[2], x.dtype)
+        if self.capture:
+            before, started = torch.cuda.memory_allocated(x.device), time.perf_counter()
+            graph.capture(self._memory_pool)
+            self._log.info("decode graph captured", layers=len(blocks), batch=bucket, width=width * BLOCK,
+                           seconds=round(time.perf_counter() - started, 3),
+                           memory_bytes=torch.cuda.memory_allocated(x.device) - before)
+        return graph
+
+
+class DecodeGraph:
+    """The buffers of one shape of decode step, the step computed over them, and (on a GPU) its graph."""
+
+    def __init__(self, cache: KVCache, blocks: Sequence[DecoderBlock], rotaries: Sequence[Rotary | None],
+                 pools: Sequence[Pool], bucket: int, width: int, hidden: int, dtype: torch.dtype):
+        device = cache.device
+        self.cache, self.blocks, self.rotaries, self.dtype = cache, tuple(blocks), tuple(rotaries), dtype
+        self.pools = tuple(pools)
+        self._pool_tensors = tuple(pool.k for pool in pools)  # what the graph reads: a grown pool is another
+        self.bucket, self.width = bucket, width
+        L = len(blocks)
+        self.x = torch.zeros(1, bucket, hidden, dtype=dtype, device=device)  # [1, bucket, H]
+        self.positions = torch.zeros(L, bucket, dtype=torch.int64, device=device)  # [L, bucket]
+        self.slot_ids = torch.full((L, bucket), SCRATCH_BLOCK * BLOCK, dtype=torch.int64, device=device)
+        self.tables = torch.full((L, bucket, width), NULL_BLOCK, dtype=torch.int64, device=device)  # [L, bucket, W]
+        self.long = torch.zeros(L, bucket, dtype=torch.bool, device=device)  # rows past a longrope's switch
+        self.keys = torch.arange(width * BLOCK, device=device)  # [S] each gathered key's position
+        self.out: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def reads(self, pools: Sequence[Pool]) -> bool:
+        """Whether this graph reads `pools` as they are now (not a tensor one of them has since grown out of)."""
+        return len(pools) == len(self.pools) and all(
+            pool is mine and pool.k is tensor for pool, mine, tensor in zip(pools, self.pools, self._pool_tensors))
+
+    def capture(self, memory_pool) -> None:
+        """Record the step as a CUDA graph: run once on a side stream first, so that what a first call
+        sets up (cuBLAS's workspace, a Triton kernel's compilation) happens outside the recording. The
+        warm-up writes padding rows to the scratch block, and real rows nowhere yet (the buffers are idle)."""
+        stream = torch.cuda.Stream(self.x.device)
+        stream.wait_stream(torch.cuda.current_stream(self.x.device))
+        with torch.cuda.stream(stream):
+            self._compute()
+        torch.cuda.current_stream(self.x.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=memory_pool):
+            self.out = self._compute()
+
+    def run(self, step: StepRows, x: torch.Tensor) -> torch.Tensor:
+        """x: [1, B, H], the step's decode rows -> [1, B, H]."""
+        B = x.shape[1]
+        self.x[:, :B] = x
+        self.x[:, B:] = 0
+        self.positions[:, :B] = step.positions
+        self.positions[:, B:] = 0
+        self.slot_ids[:, :B] = step.slot_ids
+        self.slot_ids[:, B:] = SCRATCH_BLOCK * BLOCK
+        tables = step.all_tables()  # [L, B, cache width]: past a table's end, NULL_BLOCK
+        reach = min(tables.shape[2], self.width)
+        self.tables[:, :B, :reach] = tables[:, :, :reach]
+        self.tables[:, B:] = NULL_BLOCK
+        for index, rotary in enumerate(self.rotaries):
+            if rotary is not None and rotary.long_inv_freq is not None:
+                self.long[index, :B] = torch.tensor([rotary.reaches_long(start + 1) for start in step.starts[index]])
+        if self.graph is None:
+            return self._compute()[:, :B]
+        self.graph.replay()
+        return self.out[:, :B].clone()  # the next replay overwrites `out`
+
+    def _compute(self) -> torch.Tensor:
+        """The step over the buffers, [1, bucket, H]: tensor ops only, no value read back to the host."""
+        x = self.x
+        for index, (block, rotary) in enumerate(zip(self.blocks, self.rotaries, strict=True)):
+            cos, sin = (None, None) if rotary is None else rotary.cos_sin(
+                self.positions[index], self.dtype, self.long[index] if rotary.long_inv_freq is not None else None)
+            x = block.forward(x, cos, sin, _FixedPages(self, index))
+        return x
+
+
+class _FixedPages:
+    """model.block.Pages over a DecodeGraph's buffers: attention layer `index` of the step."""
+
+    def __init__(self, graph: DecodeGraph, index: int):
+        self.graph, self.index = graph, index
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [1, H_kv, bucket, D] into the rows' slots (padding rows: the scratch block)."""
+        cache, pool = self.graph.cache, self.graph.pools[self.index]
+        flat = -1, cache.kv_heads, cache.head_dim
+        slot_ids = self.graph.slot_ids[self.index]
+        pool.k.view(flat).index_copy_(0, slot_ids, k[0].transpose(0, 1))  # [bucket, H_kv, D] rows
+        pool.v.view(flat).index_copy_(0, slot_ids, v[0].transpose(0, 1))
+
+    def attend(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+        """q: [1, H_q, bucket, D] -> [1, H_q, bucket, D], each row over its request's keys to its position."""
+        graph, cache = self.graph, self.graph.cache
+        pool = graph.pools[self.index]
+        ids = graph.tables[self.index].reshape(-1)  # [bucket * W]
+        shape = graph.bucket, graph.width * BLOCK, cache.kv_heads, cache.head_dim
+        k = pool.k.index_select(0, ids).view(shape).transpose(1, 2)  # [bucket, H_kv, S, D]
+        v = pool.v.index_select(0, ids).view(shape).transpose(1, 2)
+        end = graph.positions[self.index, :, None] + 1  # [bucket, 1]
+        seen = graph.keys < end  # [bucket, S]
+        if window is not None:
+            seen &= graph.keys >= end - window
+        return attention.attend_rows(q[0].transpose(0, 1), k, v, seen, scale).transpose(0, 1)[None]

@@ -1,0 +1,144 @@
+"""The fixed-shape decode step (compute/decode_graph.py), run on the CPU without a graph: the plan a
+GPU captures, checked against the paged step (compute/paged_step.py) of a second runner serving the
+same requests, within tests/support/tolerance.py's f32 bound (a padded batch's GEMM may round
+differently). tools/gpu_check checks on a GPU that a replay equals this step bit for bit.
+"""
+
+import pytest
+import torch
+
+from cakemp.compute.decode_graph import buckets, width_for
+from cakemp.compute.kv_cache import NULL_BLOCK, SCRATCH_BLOCK
+from cakemp.compute.runner import BlockRunner, Request
+from cakemp.op import Op
+from tests.support.checkpoints import make_checkpoint
+from tests.support.families import HUB_FAMILIES
+from tests.support.tolerance import assert_close
+
+LAYERS = [1, 2, 3]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "phi3"])
+def family(request, tmp_path_factory):
+    """Plain Llama; Qwen2's q/k/v biases; Qwen3's per-head q/k norms; Gemma 3's windows (4) and two
+    rotaries; Phi-4-mini's partial longrope (switching factors past position 16) and window (5)."""
+    name = request.param
+    path = tmp_path_factory.mktemp(name)
+    if name in HUB_FAMILIES:
+        family_name, overrides, hub = HUB_FAMILIES[name]
+        return make_checkpoint(path, family_name, hub_config=hub, **overrides)
+    return make_checkpoint(path, name)
+
+
+def load(path, **kwargs) -> BlockRunner:
+    return BlockRunner.load(path, [f"model.layers.{i}" for i in LAYERS], "cpu", torch.float32, **kwargs)
+
+
+def ops(position):
+    return [Op(i, position, layer) for i, layer in enumerate(LAYERS)]
+
+
+def tokens(T, seed, hidden):
+    return torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def decode_together(graphed, paged, lengths: dict[int, int], steps: int, seed: int = 0):
+    """Every session of `lengths` (session -> positions cached) decodes `steps` tokens together on both
+    runners; each step's outputs equal. The lengths advance."""
+    hidden = graphed.config.hidden_size
+    for step in range(steps):
+        requests = [Request(s, tokens(1, seed + 1000 * step + s, hidden), ops(lengths[s])) for s in lengths]
+        for mine, theirs in zip(graphed.run_batch(requests), paged.run_batch(requests), strict=True):
+            assert isinstance(mine, torch.Tensor), mine
+            assert_close(mine, theirs)
+        for s in lengths:
+            lengths[s] += 1
+
+
+def prefill(runners, lengths: dict[int, int]):
+    hidden = runners[0].config.hidden_size
+    for session, T in lengths.items():
+        x = tokens(T, session, hidden)
+        outputs = [runner.run(session, x, ops(0)) for runner in runners]
+        assert_close(outputs[0], outputs[1])
+
+
+def test_buckets_and_widths():
+    assert buckets(1) == (1,)
+    assert buckets(32) == (1, 2, 4, 8, 16, 32)
+    assert buckets(12) == (1, 2, 4, 8, 12)
+    assert [width_for(n) for n in (1, 16, 17, 40)] == [16, 16, 32, 64]
+
+
+def test_sessions_padded_to_a_bucket_decode_as_the_paged_step(family):
+    """Three sessions at different lengths (one past the windows, several past Phi's longrope switch)
+    decode together: padded to a bucket of 4, each equals the paged step; then one leaves and the
+    two left (a bucket of 2) still do; a prompt chunk among decodes takes the paged step."""
+    graphed, paged = load(family, graph_batch=8), load(family)
+    lengths = {1: 2, 2: 9, 3: 20}
+    prefill((graphed, paged), lengths)
+    decode_together(graphed, paged, lengths, steps=3)
+    assert {key[1] for key in graphed.graphs.made} == {4}
+    for runner in (graphed, paged):
+        runner.free_session(2)
+    del lengths[2]
+    decode_together(graphed, paged, lengths, steps=2)
+    hidden = graphed.config.hidden_size
+    mixed = [Request(1, tokens(1, 5, hidden), ops(lengths[1])), Request(9, tokens(5, 6, hidden), ops(0))]
+    for mine, theirs in zip(graphed.run_batch(mixed), paged.run_batch(mixed), strict=True):
+        assert_close(mine, theirs)
+    assert {key[1] for key in graphed.graphs.made} == {2, 4}
+
+
+def test_a_step_past_its_width_takes_a_wider_graph(family):
+    """Sessions crossing 256 positions (16 blocks) move to a graph of 32 blocks and stay equal."""
+    graphed, paged = load(family, graph_batch=4), load(family)
+    lengths = {1: 254, 2: 100}
+    prefill((graphed, paged), lengths)
+    decode_together(graphed, paged, lengths, steps=4)
+    assert {key[2] for key in graphed.graphs.made} == {16, 32}
+
+
+def test_a_grown_pool_gets_a_new_graph_and_padding_touches_no_session(tmp_path):
+    """A graph reads the pools as they were when it was made: once a pool grows (more sessions than its
+    first 64 blocks hold) the step makes another. Padding rows (whose K/V are Qwen2's biases, not zeros)
+    write the scratch block only: the null block stays zeros, and no table names the scratch block."""
+    path = make_checkpoint(tmp_path, "qwen2")
+    graphed, paged = load(path, graph_batch=8), load(path)
+    lengths = {1: 30, 2: 3, 3: 40}
+    prefill((graphed, paged), lengths)
+    decode_together(graphed, paged, lengths, steps=2)
+    (first,) = graphed.graphs.made.values()
+    grown = {s: 200 for s in range(10, 16)}  # 13 blocks each, 78 in all: past the first 64
+    prefill((graphed, paged), grown)
+    assert not first.reads(first.pools)
+    decode_together(graphed, paged, lengths, steps=2, seed=7)
+    (second,) = graphed.graphs.made.values()
+    assert second is not first and second.reads(second.pools)
+    for pool in graphed.cache.pools.values():
+        assert not pool.k[NULL_BLOCK].any() and not pool.v[NULL_BLOCK].any()
+    named = set(graphed.cache.tables.flatten().tolist())
+    assert SCRATCH_BLOCK not in named
+
+
+def test_a_live_session_of_nan_rows_never_reaches_its_neighbours_through_a_graph(tmp_path):
+    """Session 1 of NaN activations stays live beside two sessions decoding in a padded bucket: their
+    outputs equal the paged step's of a runner that never saw session 1."""
+    path = make_checkpoint(tmp_path, "llama")
+    graphed, paged = load(path, graph_batch=8), load(path)
+    graphed.run(1, torch.full((1, 40, graphed.config.hidden_size), float("nan")), ops(0))
+    lengths = {2: 3, 3: 20}
+    prefill((graphed, paged), lengths)
+    decode_together(graphed, paged, lengths, steps=3)
+    assert graphed.graphs.made
+
+
+def test_moe_and_linear_attention_layers_take_the_paged_step(tmp_path):
+    """A layer a graph cannot hold (routed experts; a recurrence) keeps its run on the paged step."""
+    for family, prefix in (("qwen3_moe", "model.layers"), ("qwen3_5", "model.language_model.layers")):
+        path = make_checkpoint(tmp_path / family, family)
+        runner = BlockRunner.load(path, [f"{prefix}.{i}" for i in LAYERS], "cpu", torch.float32, graph_batch=4)
+        hidden = runner.config.hidden_size
+        runner.run(1, tokens(3, 1, hidden), ops(0))
+        runner.run(1, tokens(1, 2, hidden), ops(3))
+        assert not runner.graphs.made
