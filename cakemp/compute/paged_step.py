@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cakemp.compute.kv_cache import BLOCK, KVCache, KVSlot
+from cakemp.compute.kv_cache import BLOCK, KVCache, KVSlot, int64_tensor
 from cakemp.model import attention
 
 
@@ -58,13 +58,17 @@ class StepRows:
         self.pools = [cache.pools[layer[0].pool] for layer in slots]  # each layer's
         positions, slot_ids = [], []
         for starts, layer_slots in zip(self.starts, slots, strict=True):
+            if self.decodes == len(lengths):  # one row a request: its position is its start
+                positions += starts
+                slot_ids += [slot.table[p // BLOCK] * BLOCK + p % BLOCK for p, slot in zip(starts, layer_slots, strict=True)]
+                continue
             for start, T, slot in zip(starts, lengths, layer_slots, strict=True):
                 table = slot.table
                 for p in range(start, start + T):
                     positions.append(p)
                     slot_ids.append(table[p // BLOCK] * BLOCK + p % BLOCK)
         # One tensor for both (a tensor's making costs more than its size here): [2, L, N].
-        both = torch.tensor([positions, slot_ids], device=cache.device).view(2, len(slots), sum(lengths))
+        both = int64_tensor(positions + slot_ids, cache.device).view(2, len(slots), sum(lengths))
         self.positions, self.slot_ids = both  # [L, N] each row's position; its row of the flat pool
         self._request: torch.Tensor | None = None
         self._tables: torch.Tensor | None = None
@@ -92,9 +96,11 @@ class StepRows:
         if self._tables is None:
             cache = self.cache
             rows, slots, width = cache.tables.shape
-            flat = [cache.row(session) * slots for session in self.sessions]  # each request's first slot's row
-            picked = torch.tensor([row + slot.pool for layer in self.slots for row, slot in zip(flat, layer, strict=True)],
-                                  device=cache.device)
+            # Row `row * slots + pool` of the flat tables: each layer's pool (shared by the step's requests)
+            # for each request's row. [L, B] -> [L * B]
+            owners = int64_tensor([cache.row(session) for session in self.sessions], cache.device)
+            pools = int64_tensor([layer[0].pool for layer in self.slots], cache.device)
+            picked = (owners[None, :] * slots + pools[:, None]).view(-1)
             self._tables = cache.tables.view(rows * slots, width).index_select(0, picked).view(len(self.slots), -1, width)
         return self._tables
 
@@ -104,14 +110,16 @@ class StepRows:
 
     def visible(self, index: int, window: int | None) -> tuple[int, int, torch.Tensor]:
         """For the decode rows of attention layer `index`: the blocks [first, last) their keys lie in
-        and which keys of those each sees, [d, S] bool (shared by layers at the same positions and window)."""
+        and which keys of those each sees, [d, S] bool, S running from the first block's first key to
+        the furthest row's own (shared by layers at the same positions and window)."""
         ends = self.starts[index][: self.decodes]
         key = (ends, window)
         found = self._visible.get(key)
         if found is None:
-            last = -(-(max(ends) + 1) // BLOCK)  # blocks to the furthest end
+            furthest = max(ends) + 1
+            last = -(-furthest // BLOCK)  # blocks to the furthest end
             first = 0 if window is None else max(0, min(ends) + 1 - window) // BLOCK  # blocks before every window
-            keys = torch.arange(first * BLOCK, last * BLOCK, device=self.cache.device)  # [S] each key's position
+            keys = torch.arange(first * BLOCK, furthest, device=self.cache.device)  # [S] each key's position
             end = self.positions[index, : self.decodes, None] + 1  # [d, 1]
             seen = keys < end
             if window is not None:
@@ -173,8 +181,9 @@ class LayerPages:
     def _decode_rows(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         """q: [d, H_q, D], the decode rows (one per request) -> [d, H_q, D]."""
         first, last, visible = self.step.visible(self.index, window)
-        k, v = self._gathered(self.step.tables(self.index)[: q.shape[0], first:last])  # [d, H_kv, S, D]
-        return attention.attend_rows(q, k, v, visible, scale)
+        k, v = self._gathered(self.step.tables(self.index)[: q.shape[0], first:last])  # [d, H_kv, blocks * BLOCK, D]
+        S = visible.shape[1]  # the keys past the furthest row's own are no row's: left out of the call
+        return attention.attend_rows(q, k[:, :, :S], v[:, :, :S], visible, scale)
 
     def _gathered(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tables: [b, n] block ids -> the K and V of those blocks, [b, H_kv, n * BLOCK, D] each (a copy)."""

@@ -87,6 +87,7 @@ class _Planned:
     session: int
     x: torch.Tensor  # [1, T, H]
     ops: tuple[Op, ...]
+    run: tuple[tuple[int, int], ...]  # each op's (layer, block_idx): requests of one run compute together
     slots: dict[int, KVSlot]  # block_idx -> its attention slot
     restore: list[tuple[KVSlot, int]]  # each slot it writes, and the length a failure leaves it at
     begun: Begun | None = None  # as prefix reuse took it: `x` and `ops` are then its rows still to compute
@@ -162,6 +163,7 @@ class BlockRunner:
         self.rotaries = tuple(rotaries.get(config.layer_ropes[config.layer_index(layer)]) for layer in self.layers)
         # What each layer's block_idx is counted on from to make its KV slot (0 but for a later stack's layers).
         self.slot_bases = tuple(config.kv_slot(layer, 0) for layer in self.layers)
+        self.slots_shifted = any(self.slot_bases)
         self.cache = KVCache(
             config.num_key_value_heads,
             config.head_dim,
@@ -313,7 +315,7 @@ class BlockRunner:
             if planned.begun is not None and not planned.begun.computes:  # every row kept
                 results[i] = planned.answer(None)
             else:
-                groups.setdefault(tuple((op.layer, op.block_idx) for op in planned.ops), []).append((i, planned))
+                groups.setdefault(planned.run, []).append((i, planned))
         for group in groups.values():
             outputs = self._run_group([planned for _, planned in group], between_ops)
             for (i, planned), output in zip(group, outputs, strict=True):
@@ -346,17 +348,19 @@ class BlockRunner:
         """Check `request` against the session's state and reserve its slots (RequestError if it cannot run)."""
         session, x, ops = request
         self._check_input(x)
-        if any(self.slot_bases):  # from here on, block_idx is the KV slot
+        layers, slots = len(self.blocks), self.config.num_hidden_layers
+        if self.slots_shifted:  # from here on, block_idx is the KV slot
             ops = [Op(op.layer, op.index_pos, self.slot_bases[op.layer] + op.block_idx)
-                   if 0 <= op.layer < len(self.blocks) else op for op in ops]
-        for op in ops:
-            if not (0 <= op.layer < len(self.blocks) and 0 <= op.block_idx < self.config.num_hidden_layers):
-                raise InternalError(f"op {op.layer}, {op.index_pos}, {op.block_idx} breaks the contract: this runner "
-                                    f"has {len(self.blocks)} layers and {self.config.num_hidden_layers} KV slots")
+                   if 0 <= op.layer < layers else op for op in ops]
+        run = tuple([(op.layer, op.block_idx) for op in ops])  # what the request shares with those it batches with
+        for layer, block_idx in run:
+            if not (0 <= layer < layers and 0 <= block_idx < slots):
+                raise InternalError(f"op {layer}, {block_idx} (layer, KV slot) breaks the contract: this runner "
+                                    f"has {layers} layers and {slots} KV slots")
         begun = None if self.prefixes is None else self.prefixes.begin(session, x, ops)
         if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
             if not begun.computes:
-                return _Planned(session, x, (), {}, [], begun)
+                return _Planned(session, x, (), (), {}, [], begun)
             start = begun.extension.start
             x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
             ops = [Op(op.layer, begun.resume, op.block_idx) for op in ops]
@@ -389,9 +393,9 @@ class BlockRunner:
             else:
                 writes[block_idx] = (index_pos, index_pos + T)
         slots = self.cache.reserve(session, writes, linear_ends)
-        restore = [(slots[op.block_idx], min(slots[op.block_idx].length, op.index_pos))
-                   for op in ops if not recurrent[op.layer]]
-        return _Planned(session, x, tuple(ops), slots, restore, begun)
+        restore = [(slot, min(slot.length, op.index_pos)) for op in ops if not recurrent[op.layer]
+                   for slot in (slots[op.block_idx],)]
+        return _Planned(session, x, tuple(ops), run, slots, restore, begun)
 
     def _run(self, group: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
         """The outputs of `group`'s requests, which share one run, computed together: the decode
@@ -406,10 +410,10 @@ class BlockRunner:
         step = None if not attention else StepRows(
             self.cache, [planned.session for planned in members], lengths, [where[j][0] for j in attention],
             [[planned.slots[block_idx] for planned, block_idx in zip(members, where[j][1], strict=True)] for j in attention])
-        run = members[0].ops
+        run = members[0].run
         if self._graphed(run, lengths, step):
-            x = self.graphs.run(tuple((op.layer, op.block_idx) for op in run), [self.blocks[op.layer] for op in run],
-                                [self.rotaries[op.layer] for op in run], step, x)
+            x = self.graphs.run(run, [self.blocks[layer] for layer, _ in run], [self.rotaries[layer] for layer, _ in run],
+                                step, x)
         else:
             x = self._layers(members, lengths, x, where, attention, step, between_ops)
         for planned, T in zip(members, lengths, strict=True):
@@ -422,10 +426,10 @@ class BlockRunner:
             in_order[i] = output
         return in_order
 
-    def _graphed(self, run: Sequence[Op], lengths: Sequence[int], step: StepRows | None) -> bool:
+    def _graphed(self, run: tuple[tuple[int, int], ...], lengths: Sequence[int], step: StepRows | None) -> bool:
         """Whether a step runs as a fixed-shape decode step (compute/decode_graph.py): decodes only, every
         layer one a graph holds, and a shape within the graphs' buckets."""
-        return (self.graphs is not None and lengths[-1] == 1 and all(self.capturable[op.layer] for op in run)
+        return (self.graphs is not None and lengths[-1] == 1 and all(self.capturable[layer] for layer, _ in run)
                 and self.graphs.takes(len(lengths), step.blocks_needed()))
 
     def _layers(self, members: list[_Planned], lengths: list[int], x: torch.Tensor, where: list, attention: dict[int, int],
