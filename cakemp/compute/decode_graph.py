@@ -92,6 +92,8 @@ class DecodeGraphs:
         key = run_key, bucket, width
         graph = self.made.get(key)
         if graph is None or not graph.reads(step.pools):
+            # Graphs of a pool that grew hold its old tensors: dropped, so that the old memory is freed.
+            self.made = {key: graph for key, graph in self.made.items() if graph.reads(graph.pools)}
             graph = self.made[key] = self._make(blocks, rotaries, step.pools, bucket, width, x)
         return graph.run(step, x)
 

@@ -101,19 +101,23 @@ def test_a_step_past_its_width_takes_a_wider_graph(family):
 
 def test_a_grown_pool_gets_a_new_graph_and_padding_touches_no_session(tmp_path):
     """A graph reads the pools as they were when it was made: once a pool grows (more sessions than its
-    first 64 blocks hold) the step makes another. Padding rows (whose K/V are Qwen2's biases, not zeros)
-    write the scratch block only: the null block stays zeros, and no table names the scratch block."""
+    first 64 blocks hold) the step makes another, and every graph of the old pool is dropped (it holds
+    the old tensors). Padding rows (whose K/V are Qwen2's biases, not zeros) write the scratch block
+    only: the null block stays zeros, and no table names the scratch block."""
     path = make_checkpoint(tmp_path, "qwen2")
     graphed, paged = load(path, graph_batch=8), load(path)
     lengths = {1: 30, 2: 3, 3: 40}
     prefill((graphed, paged), lengths)
-    decode_together(graphed, paged, lengths, steps=2)
-    (first,) = graphed.graphs.made.values()
+    decode_together(graphed, paged, {1: 30}, steps=1)  # a graph of bucket 1
+    lengths[1] += 1
+    decode_together(graphed, paged, lengths, steps=2)  # and of bucket 4
+    first = graphed.graphs.made[(tuple((i, layer) for i, layer in enumerate(LAYERS)), 4, 16)]
+    assert len(graphed.graphs.made) == 2
     grown = {s: 200 for s in range(10, 16)}  # 13 blocks each, 78 in all: past the first 64
     prefill((graphed, paged), grown)
     assert not first.reads(first.pools)
     decode_together(graphed, paged, lengths, steps=2, seed=7)
-    (second,) = graphed.graphs.made.values()
+    (second,) = graphed.graphs.made.values()  # the first, holding the pool's old tensors, dropped
     assert second is not first and second.reads(second.pools)
     for pool in graphed.cache.pools.values():
         assert not pool.k[NULL_BLOCK].any() and not pool.v[NULL_BLOCK].any()
