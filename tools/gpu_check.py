@@ -38,7 +38,8 @@ findings, or the error that stopped it, and the next one runs regardless:
    GGUF (Q4_0 attention, Q4_K gate/up, Q4_1 down) checkpoints of random 4-bit codes, loaded with the 4-bit
    matrices kept int4 (torch's int4 matmul, model/weights/int4.py) and dequantized to bf16: resident
    weight bytes of each (held, and as the fit check counts them), the int4 layer's output error
-   against the dequantized one (prefill of 64, decode), and decode time per layer of each;
+   against the dequantized one (prefill of 64, decode), and decode time per layer of each, op by op
+   and replayed as a CUDA graph (compute/decode_graph.py);
    whether BlockRunner.load itself keeps them int4 here. Rehearsal: the CPU's int4 kernel;
 8. dequantize (~15 s): GPTQ (4-bit, 3-bit act-order, 8-bit), MLX (4-, 3- and 8-bit) and every
    ggml type dequantized on the GPU against the same bytes dequantized on the CPU (the largest
@@ -618,7 +619,8 @@ def int4_checkpoints(tmp: Path, rehearse: bool) -> dict[str, Path]:
 
 def load_layer(path: Path, device: torch.device, keep_int4: bool):
     """(a BlockRunner of the checkpoint's one layer, its weights kept int4 or dequantized to bf16 as
-    `keep_int4` says, on any device (the CPU's int4 kernel in a rehearsal); the bytes the fit check counts)."""
+    `keep_int4` says, on any device (the CPU's int4 kernel in a rehearsal); the same layer's runner
+    whose decode steps are graphs (compute/decode_graph.py); the bytes the fit check counts)."""
     from cakemp.checkpoint.config import ModelConfig
     from cakemp.compute.loading import LoadPlan
     from cakemp.compute.runner import BlockRunner
@@ -632,7 +634,9 @@ def load_layer(path: Path, device: torch.device, keep_int4: bool):
     blocks = {layer: plan.kinds[layer](config, 0, {key: weights[layer, key] for key in plan.groups[layer]})
               for layer in plan.layers}
     counted = plan.nbytes(checkpoint, torch.bfloat16, kernels=kernels)
-    return BlockRunner(config, blocks, device, torch.bfloat16, kv_budget_bytes=None, max_context=4096), counted
+    return (BlockRunner(config, blocks, device, torch.bfloat16, kv_budget_bytes=None, max_context=4096),
+            BlockRunner(config, blocks, device, torch.bfloat16, kv_budget_bytes=None, max_context=4096, graph_batch=1),
+            counted)
 
 
 def held_bytes(runner) -> int:
@@ -661,8 +665,8 @@ def check_int4(device: torch.device, rehearse: bool) -> None:
                 loaded = BlockRunner.load(path, ["model.layers.0"], device, torch.bfloat16)
                 finding(f"int4.{name}.runner_load_keeps_int4", isinstance(loaded.blocks[0].w_qkv, int4.Int4Weight))
                 loaded = None
-            kept, kept_counted = load_layer(path, device, keep_int4=True)
-            plain, plain_counted = load_layer(path, device, keep_int4=False)
+            kept, kept_graphed, kept_counted = load_layer(path, device, keep_int4=True)
+            plain, plain_graphed, plain_counted = load_layer(path, device, keep_int4=False)
             generator = torch.Generator().manual_seed(0)
             worst = 0.0
             for position, T in ((0, 64), (64, 1)):
@@ -672,6 +676,7 @@ def check_int4(device: torch.device, rehearse: bool) -> None:
                 worst = max(worst, ((ours - theirs).norm() / theirs.norm()).item())
             steps = 5 if rehearse else 30
             kept_ms, plain_ms = decode_ms(kept, device, steps), decode_ms(plain, device, steps)
+            kept_graph_ms, plain_graph_ms = decode_ms(kept_graphed, device, steps), decode_ms(plain_graphed, device, steps)
             finding(f"int4.{name}", {
                 "kept_int4": {key: isinstance(w, int4.Int4Weight) for key, w in
                               (("w_qkv", kept.blocks[0].w_qkv), ("w_down", kept.blocks[0].mlp.w_down))},
@@ -680,8 +685,10 @@ def check_int4(device: torch.device, rehearse: bool) -> None:
                 "relative_error_vs_dequantized_bf16": worst,
                 "decode_ms_int4": round(kept_ms, 4), "decode_ms_bf16": round(plain_ms, 4),
                 "int4_time_ratio_to_bf16": round(kept_ms / plain_ms, 2),
+                "graphed_decode_ms_int4": round(kept_graph_ms, 4), "graphed_decode_ms_bf16": round(plain_graph_ms, 4),
+                "graphed_int4_time_ratio_to_bf16": round(kept_graph_ms / plain_graph_ms, 2),
             })
-            kept = plain = None
+            kept = plain = kept_graphed = plain_graphed = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
