@@ -281,6 +281,42 @@ def test_a_session_of_nan_activations_leaves_nothing_in_the_blocks_others_take_n
     run(survives(node, hf(), attack))
 
 
+def test_a_live_session_of_nan_activations_never_reaches_a_shorter_neighbours_padding(checkpoint, runtime, hf,
+                                                                                      tmp_path):
+    """On a fresh node, a master of NaN activations comes first (its blocks the pool's first) and stays
+    connected. A short session (3 positions) and a long one (40) then decode side by side: a batched
+    decode pads the short one's block table to the long one's, and what the padding names must be
+    nothing the NaN session holds (masked, a NaN key still makes the row NaN): each equals HF's layers."""
+    topology = write_topology(tmp_path / "topology.yml", ["model.layers.0-3"])
+    fresh = RunningNode(checkpoint, topology, "--gpus", "cpu:1", "--dtype", "f32", "--max-context", str(MAX_CONTEXT),
+                        env={"RUNTIME_DIRECTORY": str(runtime)})
+    prompts = [torch.randn(1, T, HIDDEN) for T in (3, 40)]
+    tokens = [torch.randn(1, 1, HIDDEN) for _ in prompts]
+    expected = []
+    for x, y in zip(prompts, tokens, strict=True):
+        ref = hf()
+        expected.append((ref(x, 0), ref(y, x.shape[1])))
+
+    async def main():
+        hostile = await CakeMaster.connect(fresh.port, LAYERS)
+        await hostile.forward(torch.full((1, 48, HIDDEN), float("nan")), 0)
+        masters = [await CakeMaster.connect(fresh.port, LAYERS) for _ in prompts]
+        for master, x, (want, _) in zip(masters, prompts, expected, strict=True):
+            torch.testing.assert_close(await master.forward(x, 0), want, atol=F32_ATOL, rtol=0)
+        for _ in range(3):  # the two decodes meet in a step (the device gathers its sessions' requests)
+            decoded = await asyncio.gather(*(master.forward(y, x.shape[1])
+                                             for master, x, y in zip(masters, prompts, tokens, strict=True)))
+            for got, (_, want) in zip(decoded, expected, strict=True):
+                torch.testing.assert_close(got, want, atol=F32_ATOL, rtol=0)
+        for master in (*masters, hostile):
+            await master.close()
+
+    try:
+        run(main())
+    finally:
+        fresh.kill()
+
+
 def test_master_connections_have_tcp_keepalive(node):
     """The node's end of a master connection runs the keepalive timer (so a master gone without a
     FIN is found), as `ss` shows it."""
