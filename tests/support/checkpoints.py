@@ -16,6 +16,7 @@ float8_e4m3fn with block-wise `weight_scale_inv`, as FP8 checkpoints do.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -235,12 +236,17 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], layers: int, sha
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+# How transformers names the cache its layers and masks take: `cache` from after 5.17 on (5.17's
+# `past_key_values`, deprecated since), read off the installed version.
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
 class HFLayers:
     """HF's decoder layers `indices` of the checkpoint at `path`, run eagerly with a DynamicCache.
 
     Called as transformers 5.24's own *Model.forward calls them (read from its installed
     source): `layer(x, attention_mask=..., position_embeddings=(cos, sin), position_ids=...,
-    cache=...)` (`past_key_values` is deprecated in favour of `cache`), cos/sin from
+    cache=...)` (5.17, which a lent GPU machine has, names it `past_key_values`: CACHE_ARGUMENT), cos/sin from
     `model.rotary_emb(x, position_ids)`, and the mask from `masking_utils`, sized against the
     cache layer being run (`layer_idx`) since only some layers ever see tokens here.
     """
@@ -271,11 +277,15 @@ class HFLayers:
         """x: [1, T, H] at positions index_pos.. (must continue the cache) -> [1, T, H]."""
         positions = torch.arange(index_pos, index_pos + x.shape[1])[None, :]
         if self.config.model_type != "gemma3_text":
-            cos_sin = self.model.rotary_emb(x, position_ids=positions)
+            # Qwen3.5's rotary has a position row per grid ([3, 1, T]; a text's rows are equal): 5.17 takes
+            # only that, later versions also a [1, T] they expand.
+            grids = hasattr(self.model.rotary_emb, "recomposition_frequencies")
+            cos_sin = self.model.rotary_emb(x, position_ids=positions.expand(3, 1, -1) if grids else positions)
         for i in self.indices:
             layer = self.model.layers[i]
             if getattr(layer, "block_type", None) == "linear_attention":  # Qwen3.5: no mask, no rotary
-                x = layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
+                x = layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=positions,
+                          **{CACHE_ARGUMENT: self.cache})
                 continue
             if self.config.model_type == "gemma3_text":  # one rotary per layer type
                 cos_sin = self.model.rotary_emb(x, positions, self.layer_types[i])
@@ -292,11 +302,12 @@ class HFLayers:
                 config=self.config,
                 inputs_embeds=x,
                 attention_mask=None,
-                cache=self.cache,
                 position_ids=positions,
+                **{CACHE_ARGUMENT: self.cache},
                 layer_idx=i,
             )
-            x = layer(x, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
+            x = layer(x, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions,
+                      **{CACHE_ARGUMENT: self.cache})
         return x
 
 
