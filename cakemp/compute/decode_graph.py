@@ -185,20 +185,12 @@ class _FixedPages:
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [1, H_kv, bucket, D] into the rows' slots (padding rows: the scratch block)."""
-        cache, pool = self.graph.cache, self.graph.pools[self.index]
-        flat = -1, cache.kv_heads, cache.head_dim
-        slot_ids = self.graph.slot_ids[self.index]
-        pool.k.view(flat).index_copy_(0, slot_ids, k[0].transpose(0, 1))  # [bucket, H_kv, D] rows
-        pool.v.view(flat).index_copy_(0, slot_ids, v[0].transpose(0, 1))
+        self.graph.pools[self.index].write(self.graph.slot_ids[self.index], k, v)
 
     def attend(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         """q: [1, H_q, bucket, D] -> [1, H_q, bucket, D], each row over its request's keys to its position."""
-        graph, cache = self.graph, self.graph.cache
-        pool = graph.pools[self.index]
-        ids = graph.tables[self.index].reshape(-1)  # [bucket * W]
-        shape = graph.bucket, graph.width * BLOCK, cache.kv_heads, cache.head_dim
-        k = pool.k.index_select(0, ids).view(shape).transpose(1, 2)  # [bucket, H_kv, S, D]
-        v = pool.v.index_select(0, ids).view(shape).transpose(1, 2)
+        graph = self.graph
+        k, v = graph.pools[self.index].gather(graph.tables[self.index])  # [bucket, H_kv, W * BLOCK, D]
         end = graph.positions[self.index, :, None] + 1  # [bucket, 1]
         seen = graph.keys < end  # [bucket, S]
         if window is not None:

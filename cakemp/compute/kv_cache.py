@@ -122,6 +122,22 @@ class Pool:
         self.live: list[int] = []  # block id -> the live sessions' tables holding it
         self.free: list[int] = []
 
+    def write(self, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [1, H_kv, N, D], N rows, into the pool's flat rows `slot_ids` [N] (block * BLOCK + offset)."""
+        flat = -1, *self.k.shape[2:]
+        self.k.view(flat).index_copy_(0, slot_ids, k[0].transpose(0, 1))  # [N, H_kv, D] rows
+        self.v.view(flat).index_copy_(0, slot_ids, v[0].transpose(0, 1))
+
+    def gather(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tables: [b, n] block ids -> the K and V of those blocks, [b, H_kv, n * BLOCK, D] each (a copy)."""
+        b, n = tables.shape
+        ids = tables.reshape(-1)
+        shape = b, n * BLOCK, *self.k.shape[2:]
+        # index_select along the first dimension copies whole blocks (advanced indexing, or another
+        # dimension, goes element by element: ~10x slower on a CPU). [b, S, H_kv, D] -> a strided view.
+        return (self.k.index_select(0, ids).view(shape).transpose(1, 2),
+                self.v.index_select(0, ids).view(shape).transpose(1, 2))
+
     @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def grow(self, at_least: int, cap: int | None) -> None:
         """At least `at_least` blocks: doubling (up to `cap` blocks, where there is a budget, besides

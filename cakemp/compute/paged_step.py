@@ -136,11 +136,7 @@ class LayerPages:
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [1, H_kv, N, D], the step's new rows, into each request's blocks."""
-        cache, pool = self.step.cache, self.step.pools[self.index]
-        flat = -1, cache.kv_heads, cache.head_dim
-        slot_ids = self.step.slot_ids[self.index]
-        pool.k.view(flat).index_copy_(0, slot_ids, k[0].transpose(0, 1))  # [N, H_kv, D] rows
-        pool.v.view(flat).index_copy_(0, slot_ids, v[0].transpose(0, 1))
+        self.step.pools[self.index].write(self.step.slot_ids[self.index], k, v)
 
     def attend(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         """q: [1, H_q, N, D] -> [1, H_q, N, D]: each row over its request's keys up to its own position
@@ -176,22 +172,12 @@ class LayerPages:
             rows = slice(first * BLOCK, (first + len(table)) * BLOCK)
             flat = -1, cache.kv_heads, cache.head_dim
             return pool.k.view(flat)[rows].transpose(0, 1)[None], pool.v.view(flat)[rows].transpose(0, 1)[None]
-        return self._gathered(self.step.tables(self.index)[i : i + 1, : len(table)])
+        return pool.gather(self.step.tables(self.index)[i : i + 1, : len(table)])
 
     def _decode_rows(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         """q: [d, H_q, D], the decode rows (one per request) -> [d, H_q, D]."""
         first, last, visible = self.step.visible(self.index, window)
-        k, v = self._gathered(self.step.tables(self.index)[: q.shape[0], first:last])  # [d, H_kv, blocks * BLOCK, D]
+        tables = self.step.tables(self.index)[: q.shape[0], first:last]
+        k, v = self.step.pools[self.index].gather(tables)  # [d, H_kv, blocks * BLOCK, D]
         S = visible.shape[1]  # the keys past the furthest row's own are no row's: left out of the call
         return attention.attend_rows(q, k[:, :, :S], v[:, :, :S], visible, scale)
-
-    def _gathered(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """tables: [b, n] block ids -> the K and V of those blocks, [b, H_kv, n * BLOCK, D] each (a copy)."""
-        cache, pool = self.step.cache, self.step.pools[self.index]
-        b, n = tables.shape
-        ids = tables.reshape(-1)
-        shape = b, n * BLOCK, cache.kv_heads, cache.head_dim
-        # index_select along the first dimension copies whole blocks (advanced indexing, or another
-        # dimension, goes element by element: ~10x slower on a CPU). [b, S, H_kv, D] -> a strided view.
-        return (pool.k.index_select(0, ids).view(shape).transpose(1, 2),
-                pool.v.index_select(0, ids).view(shape).transpose(1, 2))

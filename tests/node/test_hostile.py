@@ -281,15 +281,14 @@ def test_a_session_of_nan_activations_leaves_nothing_in_the_blocks_others_take_n
     run(survives(node, hf(), attack))
 
 
-def test_a_live_session_of_nan_activations_never_reaches_a_shorter_neighbours_padding(checkpoint, runtime, hf,
-                                                                                      tmp_path):
+def test_a_live_session_of_nan_activations_never_reaches_a_shorter_neighbours_padding(checkpoint, hf, tmp_path):
     """On a fresh node, a master of NaN activations comes first (its blocks the pool's first) and stays
     connected. A short session (3 positions) and a long one (40) then decode side by side: a batched
     decode pads the short one's block table to the long one's, and what the padding names must be
     nothing the NaN session holds (masked, a NaN key still makes the row NaN): each equals HF's layers."""
     topology = write_topology(tmp_path / "topology.yml", ["model.layers.0-3"])
     fresh = RunningNode(checkpoint, topology, "--gpus", "cpu:1", "--dtype", "f32", "--max-context", str(MAX_CONTEXT),
-                        env={"RUNTIME_DIRECTORY": str(runtime)})
+                        env={"RUNTIME_DIRECTORY": str(tmp_path)})  # not the module node's: it is killed
     prompts = [torch.randn(1, T, HIDDEN) for T in (3, 40)]
     tokens = [torch.randn(1, 1, HIDDEN) for _ in prompts]
     expected = []
