@@ -61,10 +61,10 @@ findings, or the error that stopped it, and the next one runs regardless:
 
 11. node-perf (~90 s, estimated): 4 Llama-3-8B-shaped layers of a random bf16 checkpoint: the
    bandwidth floor of one decode step (weight bytes / a copy measured here), decode steps of 1, 8
-   and 32 sessions 512 tokens in, in this process through BlockRunner.run_batch and through
-   transformers' own layers batched, and through `cakemp run --gpus all --dtype bf16` from 1, 8
-   and 32 concurrent masters (tokens/s, each against in-process); a 512-token prompt through the
-   node against in-process.
+   and 32 sessions 512 tokens in, in this process through BlockRunner.run_batch (its decode steps
+   CUDA graphs, as the node's) and through transformers' own layers batched, and through `cakemp
+   run --gpus all --dtype bf16` from 1, 8 and 32 concurrent masters (tokens/s, each against
+   in-process); a 512-token prompt through the node against in-process.
 12. graphs (~40 s, estimated): the same 4 layers through BlockRunner with its decode steps replayed
    as CUDA graphs (compute/decode_graph.py) beside the paged step op by op, at 1, 8 and 32 sessions
    512 tokens in: each replay against the same fixed-shape step run eagerly over the same buffers
@@ -942,7 +942,8 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
         path = make_checkpoint(tmp, "llama", dtype=torch.bfloat16, num_hidden_layers=layers, vocab_size=128,
                                hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
                                num_key_value_heads=kv, max_position_embeddings=4096)
-        runner = BlockRunner.load(path, names, device, torch.bfloat16)
+        # As the node's device computes them: decode steps replayed as CUDA graphs on a GPU.
+        runner = BlockRunner.load(path, names, device, torch.bfloat16, graph_batch=32 if device.type == "cuda" else None)
         floor_ms = runner.weight_bytes / bandwidth(device) * 1e3
         finding("node_perf.floor_ms", round(floor_ms, 4))
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
