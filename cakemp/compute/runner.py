@@ -393,8 +393,8 @@ class BlockRunner:
             else:
                 writes[block_idx] = (index_pos, index_pos + T)
         slots = self.cache.reserve(session, writes, linear_ends)
-        restore = [(slot, min(slot.length, op.index_pos)) for op in ops if not recurrent[op.layer]
-                   for slot in (slots[op.block_idx],)]
+        restore = [(slots[op.block_idx], min(slots[op.block_idx].length, op.index_pos))
+                   for op in ops if not recurrent[op.layer]]
         return _Planned(session, x, tuple(ops), run, slots, restore, begun)
 
     def _run(self, group: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
