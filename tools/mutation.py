@@ -130,7 +130,7 @@ MUTANTS = (
     Mutant("freed-blocks-not-zeroed", "cakemp/compute/kv_cache.py",
            "            pool.k.index_fill_(0, ids, 0)\n            pool.v.index_fill_(0, ids, 0)\n", "", RUNNER),
     Mutant("decode-window-ignored", "cakemp/compute/paged_step.py",
-           "            if window is not None:\n                seen &=", "            if False:\n                seen &=", RUNNER),
+           "    if window is not None:\n        seen &=", "    if False:\n        seen &=", RUNNER),
     Mutant("decode-sees-padding", "cakemp/compute/paged_step.py",
            "seen = keys < end", "seen = keys >= 0", RUNNER),
     # The same bug against the f32 parity tests alone (the issue: 4 of 5 families let it through).

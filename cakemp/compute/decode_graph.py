@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from cakemp.compute.kv_cache import BLOCK, NULL_BLOCK, SCRATCH_BLOCK, KVCache, Pool
-from cakemp.compute.paged_step import StepRows
+from cakemp.compute.paged_step import StepRows, seen_keys
 from cakemp.log import get_logger
 from cakemp.model import attention
 from cakemp.model.block import DecoderBlock
@@ -191,8 +191,5 @@ class _FixedPages:
         """q: [1, H_q, bucket, D] -> [1, H_q, bucket, D], each row over its request's keys to its position."""
         graph = self.graph
         k, v = graph.pools[self.index].gather(graph.tables[self.index])  # [bucket, H_kv, W * BLOCK, D]
-        end = graph.positions[self.index, :, None] + 1  # [bucket, 1]
-        seen = graph.keys < end  # [bucket, S]
-        if window is not None:
-            seen &= graph.keys >= end - window
+        seen = seen_keys(graph.keys, graph.positions[self.index], window)  # [bucket, S]
         return attention.attend_rows(q[0].transpose(0, 1), k, v, seen, scale).transpose(0, 1)[None]

@@ -120,12 +120,18 @@ class StepRows:
             last = -(-furthest // BLOCK)  # blocks to the furthest end
             first = 0 if window is None else max(0, min(ends) + 1 - window) // BLOCK  # blocks before every window
             keys = torch.arange(first * BLOCK, furthest, device=self.cache.device)  # [S] each key's position
-            end = self.positions[index, : self.decodes, None] + 1  # [d, 1]
-            seen = keys < end
-            if window is not None:
-                seen &= keys >= end - window
-            found = self._visible[key] = first, last, seen
+            found = self._visible[key] = first, last, seen_keys(keys, self.positions[index, : self.decodes], window)
         return found
+
+
+def seen_keys(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """keys: [S] positions, positions: [d] each decode row's own -> [d, S] bool: the keys each row sees
+    (to its own position; within the last `window` of them where there is one)."""
+    end = positions[:, None] + 1  # [d, 1]
+    seen = keys < end
+    if window is not None:
+        seen &= keys >= end - window
+    return seen
 
 
 class LayerPages:
