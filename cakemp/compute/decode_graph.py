@@ -16,7 +16,8 @@ step (compute/paged_step.py) over buffers of fixed shape, `DecodeGraph`:
 One graph per (run of layers and KV slots, bucket, width), made the first time a step of that
 shape comes (its time and memory logged) and made again when a pool it reads has grown (a grown
 pool is another tensor). Prompt chunks, steps mixing them with decodes, and layers a graph cannot
-hold (a MoE layer routes by data; a linear-attention layer keeps a recurrence) run the paged step.
+hold (a MoE layer routes by data; a linear-attention layer keeps a recurrence) run the paged step,
+and so does every step once a capture has failed (an op the capture refuses: logged once).
 
 On a CPU the same buffers and the same computation run without a graph (`capture=False`): the tests
 check there that this step equals the paged one, and tools/gpu_check that a replay on a GPU equals
@@ -75,17 +76,19 @@ class DecodeGraphs:
         self.max_width = -(-cache.max_context // BLOCK)
         self.capture = capture
         self.made: dict[tuple, DecodeGraph] = {}  # by (run, bucket, width)
-        self._memory_pool = torch.cuda.graph_pool_handle() if capture else None  # shared by every graph
+        self.failed: str | None = None  # why a capture failed: graphs are then off
+        self._memory_pool = None  # shared by every graph, made with the first
         self._log = get_logger()
 
     def takes(self, sessions: int, blocks: int) -> bool:
         """Whether a decode step of `sessions` requests whose longest table holds `blocks` fits a graph."""
-        return sessions <= self.buckets[-1] and blocks <= self.max_width
+        return self.failed is None and sessions <= self.buckets[-1] and blocks <= self.max_width
 
     def run(self, run_key: tuple, blocks: Sequence[DecoderBlock], rotaries: Sequence[Rotary | None],
-            step: StepRows, x: torch.Tensor) -> torch.Tensor:
+            step: StepRows, x: torch.Tensor) -> torch.Tensor | None:
         """x: [1, B, H], one decode row per request of `step` (whose every op is an attention layer of
-        `blocks`, in order) -> [1, B, H], through the graph of the step's shape."""
+        `blocks`, in order) -> [1, B, H], through the graph of the step's shape; None where that graph
+        could not be captured (the step then runs op by op, and so do all after it)."""
         B = x.shape[1]
         bucket = next(size for size in self.buckets if size >= B)
         width = min(width_for(step.blocks_needed()), self.max_width)
@@ -94,18 +97,36 @@ class DecodeGraphs:
         if graph is None or not graph.reads(step.pools):
             # Graphs of a pool that grew hold its old tensors: dropped, so that the old memory is freed.
             self.made = {key: graph for key, graph in self.made.items() if graph.reads(graph.pools)}
-            graph = self.made[key] = self._make(blocks, rotaries, step.pools, bucket, width, x)
+            graph = self._make(blocks, rotaries, step.pools, bucket, width, x)
+            if graph is None:
+                return None
+            self.made[key] = graph
         return graph.run(step, x)
 
-    def _make(self, blocks, rotaries, pools, bucket, width, x) -> DecodeGraph:
+    def _make(self, blocks, rotaries, pools, bucket, width, x) -> DecodeGraph | None:
+        """A graph of this shape (captured on a GPU), or None where the capture failed: logged, graphs off."""
         graph = DecodeGraph(self.cache, blocks, rotaries, pools, bucket, width, x.shape[2], x.dtype)
-        if self.capture:
-            before, started = torch.cuda.memory_allocated(x.device), time.perf_counter()
+        if not self.capture:
+            return graph
+        before, started = _allocated(x.device), time.perf_counter()
+        try:
+            if self._memory_pool is None:
+                self._memory_pool = torch.cuda.graph_pool_handle()
             graph.capture(self._memory_pool)
-            self._log.info("decode graph captured", layers=len(blocks), batch=bucket, width=width * BLOCK,
-                           seconds=round(time.perf_counter() - started, 3),
-                           memory_bytes=torch.cuda.memory_allocated(x.device) - before)
+        except torch.OutOfMemoryError:
+            raise  # the step's own rule applies: its requests are tried one by one
+        except Exception as e:  # an op the capture refuses: the paged step serves, op by op
+            self.failed = f"{type(e).__name__}: {e}"
+            self._log.error("decode graph capture failed; decode steps run op by op", error=self.failed)
+            return None
+        self._log.info("decode graph captured", layers=len(blocks), batch=bucket, width=width * BLOCK,
+                       seconds=round(time.perf_counter() - started, 3), memory_bytes=_allocated(x.device) - before)
         return graph
+
+
+def _allocated(device: torch.device) -> int:
+    """The bytes torch has allocated on a GPU (0 on a CPU, which never captures but in tests)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 class DecodeGraph:

@@ -411,11 +411,9 @@ class BlockRunner:
             self.cache, [planned.session for planned in members], lengths, [where[j][0] for j in attention],
             [[planned.slots[block_idx] for planned, block_idx in zip(members, where[j][1], strict=True)] for j in attention])
         run = members[0].run
-        if self._graphed(run, lengths, step):
-            x = self.graphs.run(run, [self.blocks[layer] for layer, _ in run], [self.rotaries[layer] for layer, _ in run],
-                                step, x)
-        else:
-            x = self._layers(members, lengths, x, where, attention, step, between_ops)
+        graphed = self.graphs.run(run, [self.blocks[layer] for layer, _ in run], [self.rotaries[layer] for layer, _ in run],
+                                  step, x) if self._graphed(run, lengths, step) else None
+        x = graphed if graphed is not None else self._layers(members, lengths, x, where, attention, step, between_ops)
         for planned, T in zip(members, lengths, strict=True):
             for op in planned.ops:
                 if not self.recurrent[op.layer]:

@@ -146,3 +146,17 @@ def test_moe_and_linear_attention_layers_take_the_paged_step(tmp_path):
         runner.run(1, tokens(3, 1, hidden), ops(0))
         runner.run(1, tokens(1, 2, hidden), ops(3))
         assert not runner.graphs.made
+
+
+def test_a_graph_that_cannot_be_captured_leaves_every_step_to_the_paged_one(tmp_path):
+    """Asked to capture where it cannot (this CPU torch has no CUDA graphs: the same path as an op a GPU's
+    capture refuses), the first decode step falls back to the paged step, its answers right and no
+    session's state touched, and graphs stay off after it, the reason kept."""
+    path = make_checkpoint(tmp_path, "llama")
+    graphed, paged = load(path, graph_batch=8), load(path)
+    graphed.graphs.capture = True
+    lengths = {1: 5, 2: 9}
+    prefill((graphed, paged), lengths)
+    decode_together(graphed, paged, lengths, steps=3)
+    assert graphed.graphs.failed is not None and not graphed.graphs.made
+    assert not graphed.graphs.takes(1, 1)
