@@ -96,7 +96,7 @@ class DecodeGraphs:
         graph = self.made.get(key)
         if graph is None or not graph.reads(step.pools):
             # Graphs of a pool that grew hold its old tensors: dropped, so that the old memory is freed.
-            self.made = {key: graph for key, graph in self.made.items() if graph.reads(graph.pools)}
+            self.made = {shape: made for shape, made in self.made.items() if made.reads(made.pools)}
             graph = self._make(blocks, rotaries, step.pools, bucket, width, x)
             if graph is None:
                 return None
