@@ -246,7 +246,7 @@ class HFLayers:
 
     Called as transformers 5.24's own *Model.forward calls them (read from its installed
     source): `layer(x, attention_mask=..., position_embeddings=(cos, sin), position_ids=...,
-    cache=...)` (5.17, which a lent GPU machine has, names it `past_key_values`: CACHE_ARGUMENT), cos/sin from
+    cache=...)` (5.17 names it `past_key_values`: CACHE_ARGUMENT), cos/sin from
     `model.rotary_emb(x, position_ids)`, and the mask from `masking_utils`, sized against the
     cache layer being run (`layer_idx`) since only some layers ever see tokens here.
     """
