@@ -87,11 +87,14 @@ class DecodeGraphs:
     def run(self, run_key: tuple, blocks: Sequence[DecoderBlock], rotaries: Sequence[Rotary | None],
             step: StepRows, x: torch.Tensor) -> torch.Tensor | None:
         """x: [1, B, H], one decode row per request of `step` (whose every op is an attention layer of
-        `blocks`, in order) -> [1, B, H], through the graph of the step's shape; None where that graph
-        could not be captured (the step then runs op by op, and so do all after it)."""
-        B = x.shape[1]
+        `blocks`, in order) -> [1, B, H], through the graph of the step's shape; None where the step fits
+        no graph (`takes`), or that graph could not be captured (the step then runs op by op, and so do
+        all after it)."""
+        B, needed = x.shape[1], step.blocks_needed()
+        if not self.takes(B, needed):
+            return None
         bucket = next(size for size in self.buckets if size >= B)
-        width = min(width_for(step.blocks_needed()), self.max_width)
+        width = min(width_for(needed), self.max_width)
         key = run_key, bucket, width
         graph = self.made.get(key)
         if graph is None or not graph.reads(step.pools):

@@ -58,10 +58,6 @@ class StepRows:
         self.pools = [cache.pools[layer[0].pool] for layer in slots]  # each layer's
         positions, slot_ids = [], []
         for starts, layer_slots in zip(self.starts, slots, strict=True):
-            if self.decodes == len(lengths):  # one row a request: its position is its start
-                positions += starts
-                slot_ids += [slot.table[p // BLOCK] * BLOCK + p % BLOCK for p, slot in zip(starts, layer_slots, strict=True)]
-                continue
             for start, T, slot in zip(starts, lengths, layer_slots, strict=True):
                 table = slot.table
                 for p in range(start, start + T):

@@ -412,7 +412,7 @@ class BlockRunner:
             [[planned.slots[block_idx] for planned, block_idx in zip(members, where[j][1], strict=True)] for j in attention])
         run = members[0].run
         graphed = self.graphs.run(run, [self.blocks[layer] for layer, _ in run], [self.rotaries[layer] for layer, _ in run],
-                                  step, x) if self._graphed(run, lengths, step) else None
+                                  step, x) if self._graphed(run, lengths) else None
         x = graphed if graphed is not None else self._layers(members, lengths, x, where, attention, step, between_ops)
         for planned, T in zip(members, lengths, strict=True):
             for op in planned.ops:
@@ -424,11 +424,10 @@ class BlockRunner:
             in_order[i] = output
         return in_order
 
-    def _graphed(self, run: tuple[tuple[int, int], ...], lengths: Sequence[int], step: StepRows | None) -> bool:
-        """Whether a step runs as a fixed-shape decode step (compute/decode_graph.py): decodes only, every
-        layer one a graph holds, and a shape within the graphs' buckets."""
-        return (self.graphs is not None and lengths[-1] == 1 and all(self.capturable[layer] for layer, _ in run)
-                and self.graphs.takes(len(lengths), step.blocks_needed()))
+    def _graphed(self, run: tuple[tuple[int, int], ...], lengths: Sequence[int]) -> bool:
+        """Whether a step may run as a fixed-shape decode step (compute/decode_graph.py, which also asks
+        that its shape fit a graph): decodes only, every layer one a graph holds."""
+        return self.graphs is not None and lengths[-1] == 1 and all(self.capturable[layer] for layer, _ in run)
 
     def _layers(self, members: list[_Planned], lengths: list[int], x: torch.Tensor, where: list, attention: dict[int, int],
                 step: StepRows | None, between_ops: Callable[[], None] | None) -> torch.Tensor:
