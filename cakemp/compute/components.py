@@ -18,7 +18,7 @@ replies as Cake's does: SD's in the node's --dtype, FLUX.2's text encoder a pack
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import NamedTuple
 
 import torch
@@ -171,9 +171,9 @@ class ComponentRunner:
         """No session state: 0 bytes."""
         return 0
 
-    def session_count(self) -> int:
-        """No session holds state: 0."""
-        return 0
+    def sessions(self) -> Set[int]:
+        """No session holds state."""
+        return frozenset()
 
 
 class _Group:

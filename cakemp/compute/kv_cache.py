@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -206,8 +206,9 @@ class KVCache:
         spare = 0 if self.spare is None else self.spare.nbytes()
         return self.budget_bytes - self._used * self.bytes_per_block - self._linear_bytes - spare
 
-    def session_count(self) -> int:
-        return len(self._sessions.keys() | self._linear.keys())
+    def sessions(self) -> Set[int]:
+        """The sessions holding KV slots or linear states."""
+        return self._sessions.keys() | self._linear.keys()
 
     def slots(self, session: int) -> dict[int, KVSlot]:
         """The session's KV slots by block_idx (empty when it has none)."""

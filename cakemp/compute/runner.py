@@ -6,7 +6,7 @@ process wraps it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -76,8 +76,8 @@ class Runner(Protocol[X, R]):
     def kv_bytes(self) -> int:
         """Bytes of session state held."""
 
-    def session_count(self) -> int:
-        """Sessions holding state."""
+    def sessions(self) -> Set[int]:
+        """The sessions holding state."""
 
 
 @dataclass
@@ -490,8 +490,8 @@ class BlockRunner:
         """Bytes the live sessions' KV slots and linear states hold (not what prefix reuse keeps)."""
         return self.cache.nbytes()
 
-    def session_count(self) -> int:
-        return self.cache.session_count()
+    def sessions(self) -> Set[int]:
+        return self.cache.sessions()
 
 
 def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -118,7 +118,7 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
         deadline = time.monotonic() + gathering.window_s
         while alive and gathering.awaited() - scheduler.sessions() and (left := deadline - time.monotonic()) > 0:
             alive = take(left)
-        step = scheduler.next_step()
+        step = scheduler.next_step(service.runner.sessions())
         for control in step.controls:
             if isinstance(control, End):
                 gathering.ended(control.session)

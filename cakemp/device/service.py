@@ -170,7 +170,7 @@ class DeviceService:
             fault = self._fault(e)
             text = fault.message.encode()
             return Failure(request.request_id, fault.code, 0, 0, len(text)), text
-        return Done(request.request_id, self.runner.session_count(), self.runner.kv_bytes())
+        return Done(request.request_id, len(self.runner.sessions()), self.runner.kv_bytes())
 
     def tasks(self, message: Hops) -> list[Task]:
         """The message's hops this process computes, each with its activation on the device. A hop

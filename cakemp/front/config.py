@@ -164,9 +164,10 @@ class NodeConfig:
                                  "Failed starts in a row of one device process after which the node exits 1.")
     prefill_chunk: int = knob(
         "--prefill-chunk", PREFILL_CHUNK, click.IntRange(min=1),
-        "Tokens per chunk of a prompt, and the prompt tokens a device runs per step beside its decodes: a long "
-        "prompt neither stalls other sessions' decodes nor waits behind them, and across several devices its "
-        "chunks flow down the route one after another, so the devices work at once.")
+        "Tokens per chunk of a prompt, and the prompt tokens a device runs per step beside other sessions' work: a "
+        "long prompt neither stalls other sessions' decodes nor waits behind them, and across several devices "
+        "its chunks flow down the route one after another, so the devices work at once. A prompt alone on its "
+        "device runs whole (in pieces of up to 4096 tokens).")
     max_batch: int = knob(
         "--max-batch", MAX_BATCH, click.IntRange(min=1),
         "Requests a device runs together in one step at most: decode steps of concurrent sessions share one "

@@ -133,7 +133,7 @@ def test_a_request_over_the_cache_budget_fails_alone(family):
                                     Request(3, tokens(2, 4, hidden), ops(family, 0))])
     assert isinstance(results[0], torch.Tensor) and isinstance(results[1], torch.Tensor)
     assert isinstance(results[2], CacheBudgetExceeded)
-    assert runner.session_count() == 2
+    assert len(runner.sessions()) == 2
 
 
 def test_a_fault_while_computing_fails_the_group_and_leaves_every_session_as_it_was(family, monkeypatch):

@@ -67,7 +67,7 @@ def test_context_limit_is_named():
     c = cache(max_context=100)
     with pytest.raises(ContextLimitExceeded, match="position 100 .* limit of 100"):
         c.reserve(1, {0: (0, 50), 1: (0, 101)})
-    assert c.nbytes() == 0 and c.session_count() == 0
+    assert c.nbytes() == 0 and len(c.sessions()) == 0
 
 
 def test_budget_refusal_is_all_or_nothing():
@@ -78,7 +78,7 @@ def test_budget_refusal_is_all_or_nothing():
     with pytest.raises(CacheBudgetExceeded, match=r"^the KV cache would need 8\.0 KiB more but only 6\.0 KiB "
                                                   r"of this device's 8\.0 KiB budget is left$"):
         c.reserve(2, {0: (0, 5), 1: (0, 3 * BLOCK)})
-    assert c.nbytes() == PER_BLOCK and c.session_count() == 1 and c.room() == 3 * PER_BLOCK
+    assert c.nbytes() == PER_BLOCK and len(c.sessions()) == 1 and c.room() == 3 * PER_BLOCK
 
 
 def test_clear_frees_only_that_session():
@@ -87,7 +87,7 @@ def test_clear_frees_only_that_session():
     c.reserve(1, {0: (0, 5), 3: (0, 5)})[3].length = 5
     c.reserve(2, {0: (0, 5)})
     c.clear(1)
-    assert c.nbytes() == PER_BLOCK and c.length(1, 3) == 0 and c.session_count() == 1
+    assert c.nbytes() == PER_BLOCK and c.length(1, 3) == 0 and len(c.sessions()) == 1
     assert c.room() == 7 * PER_BLOCK
 
 
@@ -150,7 +150,7 @@ def test_slots_detached_and_attached_leave_and_rejoin_the_count():
     c.reserve(1, {0: (0, 10), 1: (0, 10)})
     write(c, 1, 0, 0, torch.ones(10))
     kv, linear = c.detach(1)
-    assert c.nbytes() == 0 and c.session_count() == 0 and set(kv) == {0, 1} and linear == {}
+    assert c.nbytes() == 0 and len(c.sessions()) == 0 and set(kv) == {0, 1} and linear == {}
     assert c.room() == 6 * PER_BLOCK
     c.attach(2, kv)
     assert c.nbytes() == 2 * PER_BLOCK and c.length(2, 0) == 10

@@ -90,13 +90,13 @@ def test_linear_state_is_counted_in_the_budget_and_freed_with_the_session(path):
     runner.run(1, tokens(3, 0), runner.ops(ops(0)[:2]))  # the two linear layers only
     assert runner.kv_bytes() == 2 * per_slot
     runner.free_session(1)
-    assert runner.kv_bytes() == 0 and runner.session_count() == 0
+    assert runner.kv_bytes() == 0 and len(runner.sessions()) == 0
 
     tight = load(path, kv_budget_bytes=2 * per_slot)
     tight.run(1, tokens(3, 0), tight.ops(ops(0)[:2]))
     with pytest.raises(CacheBudgetExceeded):
         tight.run(2, tokens(3, 0), tight.ops(ops(0)[:1]))
-    assert tight.kv_bytes() == 2 * per_slot and tight.session_count() == 1
+    assert tight.kv_bytes() == 2 * per_slot and len(tight.sessions()) == 1
     tight.free_session(1)
     tight.run(2, tokens(3, 0), tight.ops(ops(0)[:1]))
     assert tight.kv_bytes() == per_slot

@@ -56,7 +56,7 @@ def test_interleaved_sessions_stay_independent(checkpoint):
             x = inputs[s][step]
             assert torch.equal(runner.run(s, x, runner.ops(ops(pos[s]))), expected[s][step])
             pos[s] += x.shape[1]
-    assert runner.session_count() == 2
+    assert len(runner.sessions()) == 2
 
 
 def test_restart_at_zero_without_goodbye_is_a_fresh_prompt(checkpoint):
@@ -75,11 +75,11 @@ def test_clear_and_end_session_free_the_cache(checkpoint):
     runner.run(2, tokens(3, 0), runner.ops(ops(0)))
     one_session = runner.kv_bytes() // 2
     runner.free_session(1)
-    assert runner.kv_bytes() == one_session and runner.session_count() == 1
+    assert runner.kv_bytes() == one_session and len(runner.sessions()) == 1
     runner.free_session(2)
     runner.free_session(99)
     runner.free_session(99)
-    assert runner.kv_bytes() == 0 and runner.session_count() == 0
+    assert runner.kv_bytes() == 0 and len(runner.sessions()) == 0
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,7 @@ def test_bad_ops_are_refused_without_touching_the_cache(checkpoint, bad_ops, err
     runner = load(checkpoint)
     with pytest.raises(error, match=message):
         runner.run(1, tokens(2, 0), runner.ops(bad_ops))
-    assert runner.kv_bytes() == 0 and runner.session_count() == 0
+    assert runner.kv_bytes() == 0 and len(runner.sessions()) == 0
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,7 @@ def test_budget_refuses_a_second_session_until_the_first_ends(checkpoint):
     first = runner.run(1, tokens(4, 0), runner.ops(ops(0)))
     with pytest.raises(CacheBudgetExceeded, match=r"would need 8\.0 KiB more but only 0 B of this device's 8\.0 KiB"):
         runner.run(2, tokens(4, 0), runner.ops(ops(0)))
-    assert runner.kv_bytes() == one_session and runner.session_count() == 1
+    assert runner.kv_bytes() == one_session and len(runner.sessions()) == 1
     runner.free_session(1)
     assert torch.equal(runner.run(2, tokens(4, 0), runner.ops(ops(0))), first)
 
@@ -175,4 +175,4 @@ def test_empty_op_list_returns_the_input_and_creates_no_session(checkpoint):
     runner = load(checkpoint)
     x = tokens(3, 0)
     assert runner.run(1, x, runner.ops([])) is x
-    assert runner.session_count() == 0 and runner.kv_bytes() == 0
+    assert len(runner.sessions()) == 0 and runner.kv_bytes() == 0

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from cakemp.device.scheduler import GATHER_FRACTION, GATHER_MAX_S, GATHER_MIN_S, Gathering, Scheduler
+from cakemp.device.scheduler import ALONE_CHUNK, GATHER_FRACTION, GATHER_MAX_S, GATHER_MIN_S, Gathering, Scheduler
 from cakemp.ipc import Clear, End
 
 
@@ -73,9 +73,24 @@ def test_a_long_prompt_is_cut_into_even_pieces_one_a_step_beside_the_decodes():
     assert sessions(scheduler.next_step()) == [1, 2, 3]  # the session's decode, after its prompt
     other = hop(4, 300)
     scheduler = queue(other, hop(4))
-    assert [(p.start, p.end) for p in scheduler.next_step().pieces] == [(0, 100)]
+    assert [(p.start, p.end) for p in scheduler.next_step(live={4, 9}).pieces] == [(0, 100)]
     scheduler.drop(other)
-    assert [(p.work.session, p.end) for p in scheduler.next_step().pieces] == [(4, 1)]
+    assert [(p.work.session, p.end) for p in scheduler.next_step(live={4, 9}).pieces] == [(4, 1)]
+
+
+def test_a_prompt_alone_on_its_device_is_cut_only_to_bound_its_activations():
+    """With no other session holding state or waiting, a 300-token prompt runs whole (its own session's
+    state does not count) and a 9000-token one in even pieces of at most ALONE_CHUNK; once another
+    session holds state, what is left is cut to the budget again, in even pieces."""
+    scheduler = queue(hop(1, 300), prefill_chunk=100)
+    assert [(p.start, p.end) for p in scheduler.next_step(live={1}).pieces] == [(0, 300)]
+    scheduler = queue(hop(1, 9000), prefill_chunk=100)
+    assert [(p.start, p.end) for p in scheduler.next_step().pieces] == [(0, 3000)]
+    assert ALONE_CHUNK < 9000 // 2 and 3000 <= ALONE_CHUNK
+    assert [(p.start, p.end) for p in scheduler.next_step(live={1, 2}).pieces] == [(3000, 3100)]
+    scheduler.add(hop(3))  # a decode waiting shares the device as well
+    assert [(p.work.session, p.start, p.end) for p in scheduler.next_step(live={1}).pieces] == [
+        (1, 3100, 3200), (3, 0, 1)]
 
 
 def test_a_session_runs_one_hop_per_step_and_keeps_its_order():
