@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 
 import cakemp
-from cakemp import log
+from cakemp import heap, log
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.errors import CakempError, CheckpointError, ConfigError
 from cakemp.front.admission import Admission, LayerAdmission
@@ -108,6 +108,7 @@ class Front:
     async def run(self) -> int:
         """Serve until stopped or a device cannot be restarted; returns the exit status. Raises ConfigError at start."""
         self._runtime_dir = tempfile.mkdtemp(prefix="cakemp-", dir=os.environ.get("RUNTIME_DIRECTORY") or None)
+        heap.keep_freed_memory()  # frames' buffers reused, not mapped afresh each request (heap.py)
         loop = asyncio.get_running_loop()
         for sig in _SIGNALS:
             loop.add_signal_handler(sig, self.stop)
