@@ -14,7 +14,8 @@ does not inflate much, unlike wall time, of the front process and of its device 
 each window, divided by the requests in it. Each window is followed by the same compute in this
 process: BlockRunner.run_batch over the same layers (loaded as the node's device loads them: f32
 weights packed, no prefix reuse), one torch thread, on the same number of sessions' one-token
-requests, its CPU time (time.process_time) per request. --rounds windows of each, alternating;
+requests, its CPU time (time.process_time) per request. It is timed twice: steps back to back, and
+steps each after IDLE_S asleep, as the node's device runs them (see there). --rounds windows of each, alternating;
 figures are sums over all of them. Each process's CPU time is also split by thread: its main
 thread, and ZeroMQ's I/O threads (ZMQbg/IO/0), whose work (moving frames between sockets) py-spy
 does not see.
@@ -67,6 +68,11 @@ HIDDEN = 256
 SHAPE = dict(num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=768, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS)
 NODE_ARGS = ("--cpu-threads", "1", "--no-prefix-reuse")
+# The in-process steps are timed twice: back to back, and idle this long before each, as a node's
+# device is between a step's answer and the next request (about a master's round trip at one
+# session): a step started cold (caches taken by the front and the master meanwhile, the core
+# idle) costs more CPU than one run straight after the last.
+IDLE_S = 0.001
 
 # (stage, the path fragments of the files whose frames belong to it), tried in this order on each
 # frame from the innermost out: a sample is the stage of the first frame a rule names.
@@ -134,8 +140,9 @@ async def node_window(sessions: list[Session], steps: int, pids: dict[str, int])
     return spent
 
 
-def in_process_window(runner: BlockRunner, count: int, steps: int) -> float:
-    """CPU seconds of this process for `steps` run_batch steps over `count` sessions' one-token requests."""
+def in_process_window(runner: BlockRunner, count: int, steps: int, idle_s: float = 0.0) -> float:
+    """CPU seconds of this process for `steps` run_batch steps over `count` sessions' one-token requests,
+    idle `idle_s` before each (sleeping: no CPU)."""
     layers = [f"model.layers.{i}" for i in range(LAYERS)]
     sessions = range(1, count + 1)
     with torch.inference_mode():
@@ -145,6 +152,7 @@ def in_process_window(runner: BlockRunner, count: int, steps: int) -> float:
         inputs = [[torch.randn(1, 1, HIDDEN) for _ in sessions] for _ in range(steps)]
         start = time.process_time()
         for position, xs in enumerate(inputs, 8):
+            time.sleep(idle_s)
             ops = runner.ops([(layer, position, i) for i, layer in enumerate(layers)])
             runner.run_batch([Request(session, x, ops) for session, x in zip(sessions, xs)])
         return time.process_time() - start
@@ -166,8 +174,10 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
             for name, (_, pids) in nodes.items():
                 totals[name].update(await node_window(sessions[name], steps, pids))
             in_process = in_process_window(runner, count, steps)
+            idle = in_process_window(runner, count, steps, IDLE_S)
             for name in nodes:
                 totals[name]["in-process"] += in_process
+                totals[name]["in-process idle"] += idle
         for session in (session for group in sessions.values() for session in group):
             await session.close()
         for name in nodes:
@@ -345,14 +355,16 @@ def main() -> None:
                 node.wait()
     print(f"\n{LAYERS} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(NODE_ARGS)}`; "
           f"{args.rounds} windows of {args.steps} decode Batches per session; CPU µs per request")
-    print("| sessions | front | device | in-process run_batch | device beyond in-process |")
-    print("|---:|---:|---:|---:|---:|")
+    print(f"| sessions | front | device | in-process run_batch | device beyond in-process | in-process, {IDLE_S * 1e3:g} ms "
+          "idle before each step | device beyond that |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for count, cost in figures.items():
-        front, device = cost["front (process)"], cost["device (process)"]
-        print(f"| {count} | {front:.0f} | {device:.0f} | {cost['in-process']:.0f} | {device - cost['in-process']:+.0f} |")
+        front, device, hot, idle = (cost[key] for key in ("front (process)", "device (process)", "in-process",
+                                                          "in-process idle"))
+        print(f"| {count} | {front:.0f} | {device:.0f} | {hot:.0f} | {device - hot:+.0f} | {idle:.0f} | {device - idle:+.0f} |")
     print("by thread (the unnamed one is the process's Python thread; ZMQbg: ZeroMQ's I/O threads), µs per request: "
           + "; ".join(f"{count} session(s): " + ", ".join(f"{name} {value:.0f}" for name, value in sorted(cost.items())
-                                                          if "(process)" not in name and name != "in-process")
+                                                          if "(process)" not in name and not name.startswith("in-process"))
                       for count, cost in figures.items()))
     if args.before is not None:
         print_before(by_node)
