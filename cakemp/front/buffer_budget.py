@@ -77,6 +77,9 @@ class BufferBudget:
         if size > self.capacity:
             raise ValueError(f"{size} bytes is more than the whole budget of {self.capacity}")
         source = source_of(host)
+        if not self._waiters and self._fits(size, source):  # what _grant would do for this frame alone
+            self._hold(size, source)
+            return Held(size, source, reserved=False)
         waiter = _Waiter(next(self._seq), size, source, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._grant()
@@ -101,7 +104,8 @@ class BufferBudget:
             if not self._by_source[held.source]:
                 del self._by_source[held.source]
         self._change(-held.size)
-        self._grant()
+        if self._waiters:
+            self._grant()
 
     def _grant(self) -> None:
         """Grant the waiting frames that may go now: of the capacity, then small ones of the reserve,
@@ -130,10 +134,19 @@ class BufferBudget:
             if self._in_capacity + first.size > self.capacity:
                 return
             self._waiters.remove(first)
-            self._in_capacity += first.size
-            self._by_source[first.source] += first.size
-            self._change(first.size)
+            self._hold(first.size, first.source)
             first.granted.set_result(Held(first.size, first.source, reserved=False))
+
+    def _fits(self, size: int, source: str) -> bool:
+        """Whether a frame of `size` from `source`, the only one waiting, is granted of the capacity now."""
+        held = self._by_source.get(source, 0)
+        share = self.capacity // (len(self._by_source) + (not held))
+        return (not held or held + size <= share) and self._in_capacity + size <= self.capacity
+
+    def _hold(self, size: int, source: str) -> None:
+        self._in_capacity += size
+        self._by_source[source] += size
+        self._change(size)
 
     def _change(self, change: int) -> None:
         self.held += change

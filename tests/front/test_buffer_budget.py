@@ -39,6 +39,32 @@ def test_takes_within_capacity_return_at_once_and_report_what_is_held():
     assert reported == [6 * LARGE, 10 * LARGE, 4 * LARGE]
 
 
+def test_a_frame_is_granted_at_once_exactly_up_to_its_sources_share_and_the_capacity():
+    """Two sources hold 3 LARGE each of 10 (a share of 5 each): a frame one byte past its source's
+    share waits though the capacity has room, one reaching the share exactly is granted at once; with
+    9 LARGE held, a new source's frame one byte past the capacity waits, one filling it is granted."""
+
+    async def waits(take) -> bool:
+        task = asyncio.create_task(take)
+        await settled()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return not task.done() or task.cancelled()
+
+    async def main():
+        budget = budget_of(10 * LARGE)
+        await budget.take(3 * LARGE, A)
+        await budget.take(3 * LARGE, B)
+        assert await waits(budget.take(2 * LARGE + 1, A))
+        await asyncio.wait_for(budget.take(2 * LARGE, A), 0.01)
+        await budget.take(LARGE, "10.0.0.3")
+        assert await waits(budget.take(LARGE + 1, "10.0.0.4"))
+        await asyncio.wait_for(budget.take(LARGE, "10.0.0.4"), 0.01)
+        assert budget.held == 10 * LARGE
+
+    asyncio.run(main())
+
+
 def test_a_take_past_capacity_waits_and_later_ones_of_its_source_queue_behind_it():
     """A frame that does not fit waits for room; a later one of the same source waits its turn (no starvation)."""
 
