@@ -9,6 +9,7 @@ writes in a page. Every metric is updated on its process's event loop, so nothin
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 
@@ -31,9 +32,13 @@ class Metric:
         self.labelnames = tuple(labels)
 
     def _key(self, labels: dict[str, str]) -> LabelValues:
-        if set(labels) != set(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {tuple(labels)}")
-        return tuple(str(labels[name]) for name in self.labelnames)
+        names = self.labelnames
+        if len(labels) == len(names):  # then every name given means exactly these labels
+            try:
+                return tuple([str(labels[name]) for name in names])
+            except KeyError:
+                pass
+        raise ValueError(f"{self.name} takes labels {names}, got {tuple(labels)}")
 
     def _header(self) -> list[str]:
         text = self.documentation.replace("\\", "\\\\").replace("\n", "\\n")
@@ -110,7 +115,8 @@ class Histogram(Metric):
     def observe(self, value: float, **labels: str) -> None:
         key = self._key(labels)
         counts = self._counts.setdefault(key, [0] * (len(self.buckets) + 1))
-        index = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
+        # The first bucket whose bound is >= value; NaN is below no bound: +Inf's.
+        index = bisect.bisect_left(self.buckets, value) if value == value else len(self.buckets)
         counts[index] += 1
         self._sums[key] = self._sums.get(key, 0.0) + value
 
