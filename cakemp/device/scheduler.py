@@ -8,11 +8,14 @@ always the first piece that waits, so a prompt is never starved. A prompt longer
 is shared: while another session holds state on it or has work waiting, each step takes the
 prompt's next piece of at most `prefill_chunk` tokens (`chunk_bounds` over what is left, so the
 pieces come out even), and a step holding a prompt costs about one chunk more than a step of
-decodes alone. A prompt alone on its device has no decode to make wait: it runs in pieces of up
-to ALONE_CHUNK tokens, whole below that (a smaller piece costs more per token: on a CPU, 128-token
-pieces of a 512-token prompt of hidden 256 took 1.1-1.3x the whole prompt's time). The
-prompt is answered once its last piece has run. Decodes are never starved either: each step
-takes every one waiting, up to the batch limit, oldest first.
+decodes alone. A prompt alone on its device has no decode to make wait, and a smaller piece costs
+more per token (on a CPU, 128-token pieces of a 512-token prompt of hidden 256 took 1.1-1.3x the
+whole prompt's time): it runs in pieces as large as the device computes in about ALONE_STEP_S, at
+the rate its last step of at least `prefill_chunk` tokens ran (`ran`), never fewer than
+`prefill_chunk` tokens (and so, before any such step, of `prefill_chunk`) nor more than ALONE_CHUNK.
+A session arriving meanwhile waits for at most about that long (or one such smallest piece). The prompt is answered once its
+last piece has run. Decodes are never starved either: each step takes every one waiting, up to the
+batch limit, oldest first.
 
 A session's work keeps its order: a step takes at most one piece per session (its next piece
 depends on this one's KV rows), and once one of a session's messages stays behind (or has pieces
@@ -39,9 +42,11 @@ from cakemp.ipc.spec import chunk_bounds
 GATHER_FRACTION = 0.25
 GATHER_MIN_S = 0.005
 GATHER_MAX_S = 0.02
-# Tokens of a step's piece of a prompt alone on its device: a bound on the step's transient
-# activations, not on anyone's wait (4096 tokens of Llama-3-8B's widest transients, bf16, are
-# about 0.4 GiB, inside the 2 GiB a GPU device keeps free of KV for activations).
+# A step's piece of a prompt alone on its device: about this long at the device's measured rate,
+# what a session arriving meanwhile may wait; and at most ALONE_CHUNK tokens, a bound on the step's
+# transient activations (4096 tokens of Llama-3-8B's widest, bf16, are about 0.4 GiB, inside the
+# 2 GiB a GPU device keeps free of KV for activations).
+ALONE_STEP_S = 0.25
 ALONE_CHUNK = 4096
 
 
@@ -91,6 +96,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.cut = cut
         self._waiting: deque[_Waiting | Clear | End] = deque()
+        self._token_s: float | None = None  # seconds a token took in the last step of >= prefill_chunk tokens
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -108,6 +114,18 @@ class Scheduler:
     def sessions(self) -> set[int]:
         """The sessions with something waiting."""
         return {item.session for item in self._waiting}
+
+    def ran(self, tokens: int, seconds: float) -> None:
+        """A step of `tokens` took `seconds`: a step of a prompt's piece or more sets the rate a lone
+        prompt's pieces are sized by (one of decodes alone, mostly overhead, would understate it)."""
+        if tokens >= self.prefill_chunk:
+            self._token_s = seconds / tokens
+
+    def _alone_chunk(self) -> int:
+        """Tokens of a lone prompt's next piece."""
+        if self._token_s is None:
+            return self.prefill_chunk
+        return max(self.prefill_chunk, min(ALONE_CHUNK, int(ALONE_STEP_S / max(self._token_s, 1e-9))))
 
     def next_step(self, live: Collection[int] = ()) -> Step:
         """Take the next step's work out of the queue (an empty step when none waits); `live`: the
@@ -133,7 +151,7 @@ class Scheduler:
             if self.cut and tokens - start > self.prefill_chunk:
                 if sharing is None:
                     sharing = {*live, *self.sessions()}
-                chunk = self.prefill_chunk if sharing - {session} else max(self.prefill_chunk, ALONE_CHUNK)
+                chunk = self.prefill_chunk if sharing - {session} else self._alone_chunk()
                 end = start + chunk_bounds(tokens - start, chunk)[0][1]
             count = end - start
             if session in stepped or len(pieces) >= self.max_batch:

@@ -167,7 +167,8 @@ class NodeConfig:
         "Tokens per chunk of a prompt, and the prompt tokens a device runs per step beside other sessions' work: a "
         "long prompt neither stalls other sessions' decodes nor waits behind them, and across several devices "
         "its chunks flow down the route one after another, so the devices work at once. A prompt alone on its "
-        "device runs whole (in pieces of up to 4096 tokens).")
+        "device runs in larger pieces, each what the device computes in about a quarter second (at most 4096 "
+        "tokens).")
     max_batch: int = knob(
         "--max-batch", MAX_BATCH, click.IntRange(min=1),
         "Requests a device runs together in one step at most: decode steps of concurrent sessions share one "

@@ -4,7 +4,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from cakemp.device.scheduler import ALONE_CHUNK, GATHER_FRACTION, GATHER_MAX_S, GATHER_MIN_S, Gathering, Scheduler
+from cakemp.device.scheduler import (
+    ALONE_CHUNK,
+    ALONE_STEP_S,
+    GATHER_FRACTION,
+    GATHER_MAX_S,
+    GATHER_MIN_S,
+    Gathering,
+    Scheduler,
+)
 from cakemp.ipc import Clear, End
 
 
@@ -78,15 +86,26 @@ def test_a_long_prompt_is_cut_into_even_pieces_one_a_step_beside_the_decodes():
     assert [(p.work.session, p.end) for p in scheduler.next_step(live={4, 9}).pieces] == [(4, 1)]
 
 
-def test_a_prompt_alone_on_its_device_is_cut_only_to_bound_its_activations():
-    """With no other session holding state or waiting, a 300-token prompt runs whole (its own session's
-    state does not count) and a 9000-token one in even pieces of at most ALONE_CHUNK; once another
-    session holds state, what is left is cut to the budget again, in even pieces."""
-    scheduler = queue(hop(1, 300), prefill_chunk=100)
-    assert [(p.start, p.end) for p in scheduler.next_step(live={1}).pieces] == [(0, 300)]
-    scheduler = queue(hop(1, 9000), prefill_chunk=100)
+def test_a_prompt_alone_on_its_device_runs_in_pieces_of_about_alone_step_s():
+    """With no other session holding state or waiting (its own state does not count), a prompt's
+    pieces are what the device computes in about ALONE_STEP_S at the rate of its last step of a
+    piece or more: the budget's size before any, then (1 ms a token) even pieces of at most 250
+    tokens; never more than
+    ALONE_CHUNK (even pieces of a 9000-token prompt at 1 µs a token) nor fewer than the budget (at
+    0.1 s a token). A step of decodes does not set the rate. Once another session holds state, what
+    is left is cut to the budget again."""
+    assert ALONE_STEP_S == 0.25 and ALONE_CHUNK == 4096
+    scheduler = queue(hop(1, 700), prefill_chunk=100)
+    assert [(p.start, p.end) for p in scheduler.next_step(live={1}).pieces] == [(0, 100)]
+    scheduler.ran(100, 0.1)
+    scheduler.ran(5, 1.0)  # decodes alone: no rate
+    assert [(p.start, p.end) for p in scheduler.next_step(live={1}).pieces] == [(100, 300)]
+    scheduler.ran(100, 10.0)
+    assert [(p.start, p.end) for p in scheduler.next_step().pieces] == [(300, 400)]
+    scheduler.ran(100, 1e-4)
+    assert [(p.start, p.end) for p in scheduler.next_step().pieces] == [(400, 700)]
+    scheduler.add(hop(1, 9000))
     assert [(p.start, p.end) for p in scheduler.next_step().pieces] == [(0, 3000)]
-    assert ALONE_CHUNK < 9000 // 2 and 3000 <= ALONE_CHUNK
     assert [(p.start, p.end) for p in scheduler.next_step(live={1, 2}).pieces] == [(3000, 3100)]
     scheduler.add(hop(3))  # a decode waiting shares the device as well
     assert [(p.work.session, p.start, p.end) for p in scheduler.next_step(live={1}).pieces] == [
