@@ -13,7 +13,9 @@ more per token (on a CPU, 128-token pieces of a 512-token prompt of hidden 256 t
 whole prompt's time): it runs in pieces as large as the device computes in about ALONE_STEP_S, at
 the rate its last step of at least `prefill_chunk` tokens ran (`ran`), never fewer than
 `prefill_chunk` tokens (and so, before any such step, of `prefill_chunk`) nor more than ALONE_CHUNK.
-A session arriving meanwhile waits for at most about that long (or one such smallest piece). The prompt is answered once its
+A session arriving meanwhile waits for at most about that long (or one such smallest piece); a
+step whose rows prefix reuse kept ran faster than its tokens say, and the next lone piece may then
+be larger than ALONE_STEP_S's worth, never past ALONE_CHUNK. The prompt is answered once its
 last piece has run. Decodes are never starved either: each step takes every one waiting, up to the
 batch limit, oldest first.
 
