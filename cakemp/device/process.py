@@ -127,7 +127,7 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
             started = time.monotonic_ns()  # the same clock as time.monotonic(), in ns for the trace
             stepped = service.run_step(step.pieces)
             ran = time.monotonic_ns()
-            scheduler.ran(step.tokens, (ran - started) / 1e9)
+            scheduler.ran(step, (ran - started) / 1e9)
             _send_step(spec, channel, service, stepped, started, ran)
             for onward in stepped.onward:
                 if isinstance(onward.item, Failure):

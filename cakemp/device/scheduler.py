@@ -11,8 +11,8 @@ pieces come out even), and a step holding a prompt costs about one chunk more th
 decodes alone. A prompt alone on its device has no decode to make wait, and a smaller piece costs
 more per token (on a CPU, 128-token pieces of a 512-token prompt of hidden 256 took 1.1-1.3x the
 whole prompt's time): it runs in pieces as large as the device computes in about ALONE_STEP_S, at
-the rate its last step of at least `prefill_chunk` tokens ran (`ran`), never fewer than
-`prefill_chunk` tokens (and so, before any such step, of `prefill_chunk`) nor more than ALONE_CHUNK.
+the rate its last step holding a prompt's piece ran (`ran`), never fewer than `prefill_chunk`
+tokens (and so, before any such step, of `prefill_chunk`) nor more than ALONE_CHUNK.
 A session arriving meanwhile waits for at most about that long (or one such smallest piece); a
 step whose rows prefix reuse kept ran faster than its tokens say, and the next lone piece may then
 be larger than ALONE_STEP_S's worth, never past ALONE_CHUNK. The prompt is answered once its
@@ -98,7 +98,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.cut = cut
         self._waiting: deque[_Waiting | Clear | End] = deque()
-        self._token_s: float | None = None  # seconds a token took in the last step of >= prefill_chunk tokens
+        self._token_s: float | None = None  # seconds a token took in the last step holding a prompt's piece
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -117,11 +117,12 @@ class Scheduler:
         """The sessions with something waiting."""
         return {item.session for item in self._waiting}
 
-    def ran(self, tokens: int, seconds: float) -> None:
-        """A step of `tokens` took `seconds`: a step of a prompt's piece or more sets the rate a lone
-        prompt's pieces are sized by (one of decodes alone, mostly overhead, would understate it)."""
-        if tokens >= self.prefill_chunk:
-            self._token_s = seconds / tokens
+    def ran(self, step: Step, seconds: float) -> None:
+        """`step` took `seconds`: one holding a prompt's piece (more tokens than pieces) sets the rate a
+        lone prompt's pieces are sized by. A step of decodes alone would overstate a prompt's time per
+        token (each of its rows pays for a whole pass over the weights)."""
+        if step.tokens > len(step.pieces):
+            self._token_s = seconds / step.tokens
 
     def _alone_chunk(self) -> int:
         """Tokens of a lone prompt's next piece."""

@@ -88,25 +88,32 @@ def test_a_long_prompt_is_cut_into_even_pieces_one_a_step_beside_the_decodes():
 
 def test_a_prompt_alone_on_its_device_runs_in_pieces_of_about_alone_step_s():
     """With no other session holding state or waiting (its own state does not count), a prompt's
-    pieces are what the device computes in about ALONE_STEP_S at the rate of its last step of a
-    piece or more: the budget's size before any, then (1 ms a token) even pieces of at most 250
-    tokens; never more than
-    ALONE_CHUNK (even pieces of a 9000-token prompt at 1 µs a token) nor fewer than the budget (at
-    0.1 s a token). A step of decodes does not set the rate. Once another session holds state, what
-    is left is cut to the budget again."""
+    pieces are what the device computes in about ALONE_STEP_S at the rate of its last step holding a
+    prompt's piece: the budget's size before any, then (1 ms a token) even pieces of at most 250
+    tokens; never more than ALONE_CHUNK (even pieces of a 9000-token prompt at 1 µs a token) nor
+    fewer than the budget (at 0.1 s a token). A step of decodes does not set the rate. Once another
+    session holds state, what is left is cut to the budget again."""
     assert ALONE_STEP_S == 0.25 and ALONE_CHUNK == 4096
+
+    def pieces(step):
+        return [(p.start, p.end) for p in step.pieces]
+
     scheduler = queue(hop(1, 700), prefill_chunk=100)
-    assert [(p.start, p.end) for p in scheduler.next_step(live={1}).pieces] == [(0, 100)]
-    scheduler.ran(100, 0.1)
-    scheduler.ran(5, 1.0)  # decodes alone: no rate
-    assert [(p.start, p.end) for p in scheduler.next_step(live={1}).pieces] == [(100, 300)]
-    scheduler.ran(100, 10.0)
-    assert [(p.start, p.end) for p in scheduler.next_step().pieces] == [(300, 400)]
-    scheduler.ran(100, 1e-4)
-    assert [(p.start, p.end) for p in scheduler.next_step().pieces] == [(400, 700)]
+    step = scheduler.next_step(live={1})
+    assert pieces(step) == [(0, 100)]
+    scheduler.ran(step, 0.1)  # 1 ms a token
+    decodes = queue(hop(2), hop(3)).next_step()
+    scheduler.ran(decodes, 10.0)  # decodes alone: no rate
+    step = scheduler.next_step(live={1})
+    assert pieces(step) == [(100, 300)]
+    scheduler.ran(step, 20.0)  # 0.1 s a token
+    step = scheduler.next_step()
+    assert pieces(step) == [(300, 400)]
+    scheduler.ran(step, 1e-4)  # 1 µs a token
+    assert pieces(scheduler.next_step()) == [(400, 700)]
     scheduler.add(hop(1, 9000))
-    assert [(p.start, p.end) for p in scheduler.next_step().pieces] == [(0, 3000)]
-    assert [(p.start, p.end) for p in scheduler.next_step(live={1, 2}).pieces] == [(3000, 3100)]
+    assert pieces(scheduler.next_step()) == [(0, 3000)]
+    assert pieces(scheduler.next_step(live={1, 2})) == [(3000, 3100)]
     scheduler.add(hop(3))  # a decode waiting shares the device as well
     assert [(p.work.session, p.start, p.end) for p in scheduler.next_step(live={1}).pieces] == [
         (1, 3100, 3200), (3, 0, 1)]

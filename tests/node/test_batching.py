@@ -293,6 +293,35 @@ def test_a_long_prompt_arriving_among_decodes(node, reference):
     assert ran["cakemp_device_step_tokens_bucket"] == ran["cakemp_device_step_tokens_count"]  # every step <= 32 tokens
 
 
+def test_a_prompt_alone_on_the_device_runs_in_large_pieces(node, reference):
+    """With no other session on the node, a 50-token prompt is not cut to --prefill-chunk (16: four
+    steps): at most its first piece is (before the device has measured its rate), the rest runs in
+    one step; the same again after a Goodbye runs in one step. Both answers match the prompt
+    computed whole."""
+    generator = torch.Generator().manual_seed(8)
+    port = node.metrics_port()
+    prompts = [tokens(generator, 50) for _ in range(2)]
+
+    async def main():
+        quiescent(port)
+        (session,) = await connect(node, [FULL_RUN])
+        steps = []
+        for x in prompts:
+            before = await asyncio.to_thread(scrape, port)
+            answer = await session.send(x, 0)
+            after = await asyncio.to_thread(scrape, port)
+            steps.append([device_stat(after, name) - device_stat(before, name)
+                          for name in ("cakemp_device_step_tokens_count", "cakemp_device_step_tokens_sum")])
+            reference.free_session(0)
+            assert_close(answer, reference.run(0, x, reference.ops(session.ops(0))))
+            await session.client.goodbye()
+        await close([session])
+        return steps
+
+    (first_steps, first_tokens), (second_steps, second_tokens) = run(main())
+    assert first_steps <= 2 and second_steps == 1 and first_tokens == second_tokens == 50
+
+
 def test_a_bad_request_in_a_step_fails_alone(node, reference):
     """In one step, a session skipping positions gets WorkerError while two good sessions are
     answered (and a request the front refuses, naming a layer not served here, does not hold the
