@@ -255,7 +255,8 @@ class _Struct(_Field):
         self.write_all(w, (value,))
 
     def read(self, r: _Reader) -> object:
-        return self.read_all(r, 1)[0]
+        layout = self.layouts[r.revision]
+        return layout.build(*[read(r) for read in layout.reads])
 
     def write_all(self, w: _Writer, values: tuple) -> None:
         layout = self.layouts[w.revision]
@@ -267,8 +268,8 @@ class _Struct(_Field):
                 write(w, item)
 
     def read_all(self, r: _Reader, n: int) -> tuple:
-        layout = self.layouts[r.revision]
-        return tuple(layout.build(*[read(r) for read in layout.reads]) for _ in range(n))
+        read = self.read
+        return tuple([read(r) for _ in range(n)])
 
 
 class _Layout(NamedTuple):
@@ -302,10 +303,10 @@ class _Tensor(_Struct):
     structurally broken frame is always a ProtocolError (close the connection) and BadTensor
     always means "sound frame, unusable tensor" (answer WorkerError)."""
 
-    def read_all(self, r: _Reader, n: int) -> tuple[RawTensor, ...]:
-        tensors = super().read_all(r, n)
-        r.tensors += ((self.path, tensor) for tensor in tensors)
-        return tensors
+    def read(self, r: _Reader) -> RawTensor:
+        tensor = super().read(r)
+        r.tensors.append((self.path, tensor))
+        return tensor
 
 
 _INTEGERS = {"u8": "B", "u32": "I", "usize": "Q"}
