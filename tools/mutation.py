@@ -57,6 +57,7 @@ KV = ("tests/compute/test_kv_cache.py", "tests/compute/test_runner.py", "tests/d
       "tests/node/test_node_flags.py")
 BLOCK = ("tests/model/test_block.py", "tests/compute/test_runner_parity.py", "-k", "f32 or block")
 GENERATION = ("tests/master/test_generator.py", "-k", "greedy")
+SCHEDULER = ("tests/device/test_scheduler.py", "tests/node/test_batching.py")
 # llama.cpp's own tokenizer is the oracle (skipped without llama-cpp-python: a mutant then survives).
 GGUF_TOKENIZER = ("tests/master/test_gguf_tokenizer_llama_cpp.py", "tests/master/test_gguf_tokenizer.py",
                   "tests/master/test_gguf_generator.py")
@@ -212,6 +213,20 @@ MUTANTS = (
            "not 1 <= shape[0] <= MAX_TOKEN_ROWS", "not 1 <= shape[0]", ("tests/node/test_image_node.py", "-k", "malformed")),
     Mutant("hub-ref-trusted", "cakemp/checkpoint/locate.py",
            "return commit if _COMMIT.fullmatch(commit) else None", "return commit", ("tests/checkpoint/test_locate.py",)),
+    # --- a prompt's pieces, the buffer budget's fast path, the front's heap
+    Mutant("lone-prompt-cut-to-the-budget", "cakemp/device/scheduler.py",
+           "chunk = self.prefill_chunk if sharing - {session} else self._alone_chunk()", "chunk = self.prefill_chunk",
+           SCHEDULER),
+    Mutant("shared-prompt-not-cut", "cakemp/device/scheduler.py",
+           "chunk = self.prefill_chunk if sharing - {session} else self._alone_chunk()",
+           "chunk = self._alone_chunk()", SCHEDULER),
+    Mutant("lone-prompt-rate-never-set", "cakemp/device/process.py",
+           "            scheduler.ran(step, (ran - started) / 1e9)\n", "", ("tests/node/test_batching.py",)),
+    Mutant("budget-granted-past-share", "cakemp/front/buffer_budget.py",
+           "return (not held or held + size <= share) and", "return (not held or held + size <= share + 1) and",
+           ("tests/front/test_buffer_budget.py",)),
+    Mutant("front-heap-not-kept", "cakemp/heap.py",
+           "return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and", "return True or", ("tests/test_heap.py",)),
 )
 
 
