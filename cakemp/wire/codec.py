@@ -129,7 +129,8 @@ class _Field:
 
     def read_all(self, r: _Reader, n: int) -> tuple:
         """`n` elements of a Vec (its count is read and checked already)."""
-        return tuple(self.read(r) for _ in range(n))
+        read = self.read
+        return tuple([read(r) for _ in range(n)])
 
 
 class _Int(_Field):
@@ -252,24 +253,16 @@ class _Struct(_Field):
         self.layouts = {revision: _Layout.of(cls, tuple(hints), fields, revision) for revision in Revision}
 
     def write(self, w: _Writer, value: object) -> None:
-        self.write_all(w, (value,))
+        layout = self.layouts[w.revision]
+        if layout.absent and any(getattr(value, name) != default for name, default in layout.absent):
+            raise EncodeError(f"{self.cls.__name__} has no {'/'.join(name for name, _ in layout.absent)} "
+                              f"fields at protocol revision {w.revision.value}")
+        for write, item in zip(layout.writes, layout.values(value)):
+            write(w, item)
 
     def read(self, r: _Reader) -> object:
         layout = self.layouts[r.revision]
         return layout.build(*[read(r) for read in layout.reads])
-
-    def write_all(self, w: _Writer, values: tuple) -> None:
-        layout = self.layouts[w.revision]
-        for value in values:
-            if layout.absent and any(getattr(value, name) != default for name, default in layout.absent):
-                raise EncodeError(f"{self.cls.__name__} has no {'/'.join(name for name, _ in layout.absent)} "
-                                  f"fields at protocol revision {w.revision.value}")
-            for write, item in zip(layout.writes, layout.values(value)):
-                write(w, item)
-
-    def read_all(self, r: _Reader, n: int) -> tuple:
-        read = self.read
-        return tuple([read(r) for _ in range(n)])
 
 
 class _Layout(NamedTuple):
