@@ -185,7 +185,7 @@ class DecodeGraph:
         self.tables[:, B:] = NULL_BLOCK
         for index, rotary in enumerate(self.rotaries):
             if rotary is not None and rotary.long_inv_freq is not None:
-                self.long[index, :B] = torch.tensor([rotary.reaches_long(start + 1) for start in step.starts[index]])
+                self.long[index, :B] = step.long_rows(index, rotary)
         if self.graph is None:
             return self._compute()[:, :B]
         self.graph.replay()

@@ -33,6 +33,7 @@ import torch
 
 from cakemp.compute.kv_cache import BLOCK, KVCache, KVSlot, int64_tensor
 from cakemp.model import attention
+from cakemp.model.rotary import Rotary
 
 
 class StepRows:
@@ -78,6 +79,12 @@ class StepRows:
             self._request = torch.repeat_interleave(torch.arange(len(self.lengths), device=device),
                                                     torch.tensor(self.lengths, device=device))
         return self._request
+
+    def long_rows(self, index: int, rotary: Rotary) -> torch.Tensor:
+        """[N] bool: the rows of attention layer `index` whose request reaches `rotary`'s long factors
+        (longrope picks its factors per request, by where the request ends)."""
+        reaches = [rotary.reaches_long(start + T) for start, T in zip(self.starts[index], self.lengths, strict=True)]
+        return torch.tensor(reaches, device=self.cache.device)[self.request]
 
     def tables(self, index: int) -> torch.Tensor:
         """Attention layer `index`'s block table of each request, [B, width] (past a table's end: the null block)."""

@@ -457,10 +457,7 @@ class BlockRunner:
         its factors per request); None, None without a rotary."""
         if rotary is None:
             return None, None
-        long = None
-        if rotary.long_inv_freq is not None:
-            reaches = [rotary.reaches_long(start + T) for start, T in zip(step.starts[index], step.lengths, strict=True)]
-            long = torch.tensor(reaches, device=self.device)[step.request]
+        long = step.long_rows(index, rotary) if rotary.long_inv_freq is not None else None
         return rotary.cos_sin(step.positions[index], self.dtype, long)
 
     def _check_input(self, x: torch.Tensor) -> None:
