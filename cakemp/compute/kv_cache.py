@@ -122,11 +122,16 @@ class Pool:
         self.live: list[int] = []  # block id -> the live sessions' tables holding it
         self.free: list[int] = []
 
-    def write(self, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [1, H_kv, N, D], N rows, into the pool's flat rows `slot_ids` [N] (block * BLOCK + offset)."""
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as rows, [blocks * BLOCK, H_kv, D] each (views): row block * BLOCK + offset."""
         flat = -1, *self.k.shape[2:]
-        self.k.view(flat).index_copy_(0, slot_ids, k[0].transpose(0, 1))  # [N, H_kv, D] rows
-        self.v.view(flat).index_copy_(0, slot_ids, v[0].transpose(0, 1))
+        return self.k.view(flat), self.v.view(flat)
+
+    def write(self, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [1, H_kv, N, D], N rows, into the pool's rows `slot_ids` [N] (block * BLOCK + offset)."""
+        k_rows, v_rows = self.rows()
+        k_rows.index_copy_(0, slot_ids, k[0].transpose(0, 1))  # [N, H_kv, D] rows
+        v_rows.index_copy_(0, slot_ids, v[0].transpose(0, 1))
 
     def gather(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tables: [b, n] block ids -> the K and V of those blocks, [b, H_kv, n * BLOCK, D] each (a copy)."""
@@ -451,8 +456,8 @@ class KVCache:
     def rows(self, slot: KVSlot, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A slot's K and V rows [start, end), [H_kv, end - start, D] each (a copy; tests and checks)."""
         ids = int64_tensor([slot.table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)], self.device)
-        flat, pool = (-1, self.kv_heads, self.head_dim), self.pools[slot.pool]
-        return pool.k.view(flat)[ids].transpose(0, 1), pool.v.view(flat)[ids].transpose(0, 1)
+        k_rows, v_rows = self.pools[slot.pool].rows()
+        return k_rows[ids].transpose(0, 1), v_rows[ids].transpose(0, 1)
 
     def clear(self, session: int) -> None:
         """Free every block and state of `session` (unknown sessions are a no-op)."""

@@ -174,13 +174,13 @@ class LayerPages:
     def _keys(self, i: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Request i's K and V, [1, H_kv, S >= end, D]: a view of the pool where its blocks to `end` are
         one run, else gathered."""
-        cache, pool = self.step.cache, self.step.pools[self.index]
+        pool = self.step.pools[self.index]
         table = self.step.slots[self.index][i].table[: -(-end // BLOCK)]
         first = table[0]
         if table[-1] - first == len(table) - 1 and table == list(range(first, first + len(table))):
             rows = slice(first * BLOCK, (first + len(table)) * BLOCK)
-            flat = -1, cache.kv_heads, cache.head_dim
-            return pool.k.view(flat)[rows].transpose(0, 1)[None], pool.v.view(flat)[rows].transpose(0, 1)[None]
+            k_rows, v_rows = pool.rows()
+            return k_rows[rows].transpose(0, 1)[None], v_rows[rows].transpose(0, 1)[None]
         return pool.gather(self.step.tables(self.index)[i : i + 1, : len(table)])
 
     def _decode_rows(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
