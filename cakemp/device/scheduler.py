@@ -37,19 +37,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cakemp.ipc import Clear, End
-from cakemp.ipc.spec import chunk_bounds
+from cakemp.ipc.spec import ALONE_CHUNK, ALONE_STEP_S, chunk_bounds
 
 # After a step, the device waits for its sessions' next requests at most this fraction of the
 # step's time, but at least GATHER_MIN_S, and never more than GATHER_MAX_S.
 GATHER_FRACTION = 0.25
 GATHER_MIN_S = 0.005
 GATHER_MAX_S = 0.02
-# A step's piece of a prompt alone on its device: about this long at the device's measured rate,
-# what a session arriving meanwhile may wait; and at most ALONE_CHUNK tokens, a bound on the step's
-# transient activations (4096 tokens of Llama-3-8B's widest, bf16, are about 0.4 GiB, inside the
-# 2 GiB a GPU device keeps free of KV for activations).
-ALONE_STEP_S = 0.25
-ALONE_CHUNK = 4096
 
 
 class Work(Protocol):

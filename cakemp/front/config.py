@@ -30,7 +30,16 @@ from cakemp.checkpoint.image.locator import ImageFlags
 from cakemp.checkpoint.locate import ModelSource, locate
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.errors import ConfigError
-from cakemp.ipc.spec import LAYER_WORKLOADS, MAX_BATCH, PREFILL_CHUNK, ComponentFile, ImageModel, Workload
+from cakemp.ipc.spec import (
+    ALONE_CHUNK,
+    ALONE_STEP_S,
+    LAYER_WORKLOADS,
+    MAX_BATCH,
+    PREFILL_CHUNK,
+    ComponentFile,
+    ImageModel,
+    Workload,
+)
 from cakemp.setup.cache import cache_root
 from cakemp.setup.exchange import SetupConfig
 from cakemp.topology import Topology
@@ -167,8 +176,8 @@ class NodeConfig:
         "Tokens per chunk of a prompt, and the prompt tokens a device runs per step beside other sessions' work: a "
         "long prompt neither stalls other sessions' decodes nor waits behind them, and across several devices "
         "its chunks flow down the route one after another, so the devices work at once. A prompt alone on its "
-        "device runs in larger pieces, each what the device computes in about a quarter second (at most 4096 "
-        "tokens).")
+        f"device runs in larger pieces, each what the device computes in about {ALONE_STEP_S:g} s (at most "
+        f"{ALONE_CHUNK} tokens).")
     max_batch: int = knob(
         "--max-batch", MAX_BATCH, click.IntRange(min=1),
         "Requests a device runs together in one step at most: decode steps of concurrent sessions share one "

@@ -10,6 +10,12 @@ from multiprocessing.connection import Connection
 # Tokens per chunk of a prompt, and prefill tokens per step (--prefill-chunk): docs/benchmarks.md,
 # "Route and pipelined prefill", says how it was chosen.
 PREFILL_CHUNK = 128
+# A device's piece of a prompt alone on it (device/scheduler.py): about this long at the device's
+# measured rate, what a session arriving meanwhile may wait; and at most ALONE_CHUNK tokens, a bound
+# on the step's transient activations (4096 tokens of Llama-3-8B's widest, bf16, are about 0.4 GiB,
+# inside the 2 GiB a GPU device keeps free of KV for activations).
+ALONE_STEP_S = 0.25
+ALONE_CHUNK = 4096
 # Requests a device runs in one step at most (--max-batch): past a few dozen a decode step is
 # no longer bound by reading the weights, so a larger batch only makes each step slower.
 MAX_BATCH = 32
