@@ -77,7 +77,9 @@ class BufferBudget:
         if size > self.capacity:
             raise ValueError(f"{size} bytes is more than the whole budget of {self.capacity}")
         source = source_of(host)
-        if not self._waiters and self._fits(size, source):  # what _grant would do for this frame alone
+        # What _grant would do for this frame alone: the sources are those holding bytes, and this one.
+        sources = len(self._by_source) + (source not in self._by_source)
+        if not self._waiters and self._within_share(size, source, sources) and self._in_capacity + size <= self.capacity:
             self._hold(size, source)
             return Held(size, source, reserved=False)
         waiter = _Waiter(next(self._seq), size, source, asyncio.get_running_loop().create_future())
@@ -124,10 +126,8 @@ class BufferBudget:
             # A waiter cancelled (its connection closed) leaves the list only once its task runs; several
             # cancelled at once must not be granted by one another's leaving meanwhile.
             waiting = [w for w in self._waiters if not w.granted.cancelled()]
-            sources = set(self._by_source) | {w.source for w in waiting}
-            share = self.capacity // max(len(sources), 1)
-            within = [w for w in waiting if not self._by_source[w.source] or
-                      self._by_source[w.source] + w.size <= share]
+            sources = len(set(self._by_source) | {w.source for w in waiting})
+            within = [w for w in waiting if self._within_share(w.size, w.source, sources)]
             if not within:
                 return
             first = min(within, key=lambda w: (self._by_source[w.source], w.seq))
@@ -137,11 +137,11 @@ class BufferBudget:
             self._hold(first.size, first.source)
             first.granted.set_result(Held(first.size, first.source, reserved=False))
 
-    def _fits(self, size: int, source: str) -> bool:
-        """Whether a frame of `size` from `source`, the only one waiting, is granted of the capacity now."""
+    def _within_share(self, size: int, source: str, sources: int) -> bool:
+        """Whether a frame of `size` keeps `source` within its share of the capacity among `sources`
+        (a source holding nothing may always take one frame)."""
         held = self._by_source.get(source, 0)
-        share = self.capacity // (len(self._by_source) + (not held))
-        return (not held or held + size <= share) and self._in_capacity + size <= self.capacity
+        return not held or held + size <= self.capacity // sources
 
     def _hold(self, size: int, source: str) -> None:
         self._in_capacity += size
