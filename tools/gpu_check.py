@@ -932,16 +932,12 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
     from cakemp.compute.runner import BlockRunner
     from cakemp.demo.local_node import LocalNode, free_port
     from cakemp.master.client import WorkerClient
-    from tests.support.checkpoints import make_checkpoint
 
     layers, cached, counts = 4, (64 if rehearse else 512), (1, 8, 32)
     steps, seconds = (5, 2.0) if rehearse else (30, 5.0)
-    hidden, inter, heads, kv = (512, 1792, 4, 1) if rehearse else (4096, 14336, 32, 8)
     names = [f"model.layers.{i}" for i in range(layers)]
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_checkpoint(tmp, "llama", dtype=torch.bfloat16, num_hidden_layers=layers, vocab_size=128,
-                               hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
-                               num_key_value_heads=kv, max_position_embeddings=4096)
+        path, hidden = perf_checkpoint(tmp, layers, rehearse)
         # As the node's device computes them: decode steps replayed as CUDA graphs on a GPU.
         runner = BlockRunner.load(path, names, device, torch.bfloat16, graph_batch=32 if device.type == "cuda" else None)
         floor_ms = runner.weight_bytes / bandwidth(device) * 1e3
