@@ -9,6 +9,11 @@ if not os.path.exists("/dev/nvidiactl"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Under pytest-xdist each worker computes on one thread: the suite's workers already fill the cores,
+# and two workers' thread pools on the same cores spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip cleanly on machines without CUDA."""
