@@ -65,7 +65,9 @@ class Cakemp:
     def step(self) -> None:
         ops = self._ops(self.position)
         x = torch.randn(self.sessions, 1, self.hidden, device=self.device).to(self.dtype)  # as transformers' side draws it
-        self.runner.run_batch([Request(s, x[s : s + 1], ops) for s in range(self.sessions)])
+        # Each session's [1, 1, H] row as the device makes them of a step's message: one unbind.
+        rows = x.view(self.sessions, 1, 1, self.hidden).unbind(0)
+        self.runner.run_batch([Request(s, row, ops) for s, row in enumerate(rows)])
         self.position += 1
 
 

@@ -141,7 +141,7 @@ MUTANTS = (
     Mutant("position-gap-unchecked", "cakemp/compute/runner.py",
            "if index_pos < 0 or index_pos > cached:", "if index_pos < 0:", RUNNER),
     Mutant("failed-request-keeps-length", "cakemp/compute/runner.py",
-           "            slot.length = length\n", "            pass\n", RUNNER),
+           "            self.slots[block_idx].length = start\n", "            pass\n", RUNNER),
     Mutant("runner-free-keeps-kv", "cakemp/compute/runner.py",
            "            self.prefixes.end(session)\n        self.cache.clear(session)",
            "            self.prefixes.end(session)", RUNNER + POOL),
@@ -156,7 +156,7 @@ MUTANTS = (
     Mutant("kv-context-limit-off-by-one", "cakemp/compute/kv_cache.py",
            "if end > self.max_context:", "if end > self.max_context + 1:", KV),
     Mutant("kv-table-not-published", "cakemp/compute/kv_cache.py",
-           "            self._publish(session, slot)\n        if linear_ends:", "        if linear_ends:", KV),
+           "                    self._publish(session, slot)\n", "", KV),
     # --- block math
     Mutant("rms-eps-10x", "cakemp/model/block.py",
            "self.eps = config.rms_norm_eps", "self.eps = config.rms_norm_eps * 10", BLOCK),

@@ -273,10 +273,11 @@ class KVCache:
         self._fit(needed * self.bytes_per_block + len(new_linear) * self.bytes_per_linear_slot)
         if changes:
             slots = self._sessions.setdefault(session, slots)
-        for block_idx, start, end in changes:
-            slot = slots.setdefault(block_idx, KVSlot(block_idx, []))
-            self._write_blocks(slot, start, end)
-            self._publish(session, slot)
+            with torch.inference_mode():  # once for every change: entering it costs more than a change
+                for block_idx, start, end in changes:
+                    slot = slots.setdefault(block_idx, KVSlot(block_idx, []))
+                    self._write_blocks(slot, start, end)
+                    self._publish(session, slot)
         if linear_ends:
             linear = self._linear.setdefault(session, linear)
         for block_idx in new_linear:
@@ -315,9 +316,9 @@ class KVCache:
                 f"of this device's {human_bytes(self.budget_bytes)} budget is left"
             )
 
-    @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def _write_blocks(self, slot: KVSlot, start: int, end: int) -> None:
-        """A live slot made to hold exactly the blocks to `end`, those of rows [start, end) its own."""
+        """A live slot made to hold exactly the blocks to `end`, those of rows [start, end) its own.
+        Under inference mode, the caller's: the pool may be an inference tensor, made by a step under it."""
         table, blocks, pool = slot.table, -(-end // BLOCK), self.pools[slot.pool]
         if len(table) > blocks:
             self._release(pool, table[blocks:], live=True)
@@ -332,9 +333,9 @@ class KVCache:
                 table[i] = copy
         table.extend(self._take(pool, blocks - len(table)))
 
-    @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def _publish(self, session: int, slot: KVSlot) -> None:
-        """Write a live slot's table into `tables` (growing it, doubling, to hold the row, slot and blocks)."""
+        """Write a live slot's table into `tables` (growing it, doubling, to hold the row, slot and blocks).
+        Under inference mode, the caller's: `tables` may be an inference tensor, made under it."""
         block_idx, row = slot.pool, self._rows.get(session)
         if row is None:
             row = self._rows[session] = self._free_rows.pop() if self._free_rows else len(self._rows)
@@ -417,8 +418,9 @@ class KVCache:
         if linear:
             self._linear.setdefault(session, mine_linear).update(linear)
         self._hold_live(slots.values(), +1)
-        for slot in slots.values():
-            self._publish(session, slot)
+        with torch.inference_mode():
+            for slot in slots.values():
+                self._publish(session, slot)
         self._linear_bytes += len(linear) * self.bytes_per_linear_slot
 
     def drop(self, slots: Iterable[KVSlot]) -> None:

@@ -89,7 +89,7 @@ class _Planned:
     ops: tuple[Op, ...]
     run: tuple[tuple[int, int], ...]  # each op's (layer, block_idx): requests of one run compute together
     slots: dict[int, KVSlot]  # block_idx -> its attention slot
-    restore: list[tuple[KVSlot, int]]  # each slot it writes, and the length a failure leaves it at
+    writes: dict[int, tuple[int, int]]  # block_idx -> the rows [start, end) its ops write in that slot
     begun: Begun | None = None  # as prefix reuse took it: `x` and `ops` are then its rows still to compute
     computed: dict[int, tuple[LinearState, int]] = field(default_factory=dict)  # block_idx -> (new state, consumed)
 
@@ -116,9 +116,10 @@ class _Planned:
         return LinearState(slot.conv, slot.recurrent)
 
     def roll_back(self) -> None:
-        # Rows past a slot's previous length are unused; rows a rewind overwrote are lost.
-        for slot, length in self.restore:
-            slot.length = length
+        # A slot falls back to the first row the request writes (at most what was cached: the plan
+        # checks it); rows past it are unused, and those a rewind overwrote are lost.
+        for block_idx, (start, _) in self.writes.items():
+            self.slots[block_idx].length = start
         self.computed.clear()  # the new linear states were never installed
 
     def install(self, cache: KVCache) -> None:
@@ -360,7 +361,7 @@ class BlockRunner:
         begun = None if self.prefixes is None else self.prefixes.begin(session, x, ops)
         if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
             if not begun.computes:
-                return _Planned(session, x, (), (), {}, [], begun)
+                return _Planned(session, x, (), (), {}, {}, begun)
             start = begun.extension.start
             x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
             ops = [Op(op.layer, begun.resume, op.block_idx) for op in ops]
@@ -393,9 +394,7 @@ class BlockRunner:
             else:
                 writes[block_idx] = (index_pos, index_pos + T)
         slots = self.cache.reserve(session, writes, linear_ends)
-        restore = [(slots[op.block_idx], min(slots[op.block_idx].length, op.index_pos))
-                   for op in ops if not recurrent[op.layer]]
-        return _Planned(session, x, tuple(ops), run, slots, restore, begun)
+        return _Planned(session, x, tuple(ops), run, slots, writes, begun)
 
     def _run(self, group: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
         """The outputs of `group`'s requests, which share one run, computed together: the decode
@@ -414,10 +413,9 @@ class BlockRunner:
         graphed = self.graphs.run(run, [self.blocks[layer] for layer, _ in run], [self.rotaries[layer] for layer, _ in run],
                                   step, x) if self._graphed(run, lengths) else None
         x = graphed if graphed is not None else self._layers(members, lengths, x, where, attention, step, between_ops)
-        for planned, T in zip(members, lengths, strict=True):
-            for op in planned.ops:
-                if not self.recurrent[op.layer]:
-                    planned.slots[op.block_idx].length = op.index_pos + T
+        for planned in members:
+            for block_idx, (_, end) in planned.writes.items():
+                planned.slots[block_idx].length = end
         outputs = [x] if len(members) == 1 else list(x.split(lengths, dim=1))
         in_order: list[torch.Tensor] = [None] * len(group)
         for i, output in zip(order, outputs, strict=True):

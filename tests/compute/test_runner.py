@@ -170,6 +170,25 @@ def test_failed_compute_keeps_earlier_positions(checkpoint):
     assert torch.equal(runner.run(1, tokens(1, 2), runner.ops(ops(5))), fresh.run(1, tokens(1, 2), fresh.ops(ops(5))))
 
 
+def test_a_failed_rewind_leaves_each_slot_at_its_first_rewritten_position(checkpoint):
+    """A request at 3 over 5 cached positions writes rows 3.. before it fails: every slot falls back
+    to 3 (rows past it may be overwritten), so a request at 5 is refused and one at 3 computes afresh."""
+    runner = load(checkpoint)
+    runner.run(1, tokens(5, 0), runner.ops(ops(0)))
+    block = runner.block("model.layers.2")
+    good = block.mlp.w_down
+    block.mlp.w_down = torch.zeros(3, 7)  # the second layer's MLP now fails, after the first wrote its rows
+    with pytest.raises(RuntimeError):
+        runner.run(1, tokens(2, 1), runner.ops(ops(3)))
+    block.mlp.w_down = good
+    assert [runner.cache.length(1, i) for i in (1, 2)] == [3, 3]
+    with pytest.raises(PositionGap):
+        runner.run(1, tokens(1, 2), runner.ops(ops(5)))
+    fresh = load(checkpoint)  # the same rewind, with no failure before it
+    fresh.run(1, tokens(5, 0), fresh.ops(ops(0)))
+    assert torch.equal(runner.run(1, tokens(2, 3), runner.ops(ops(3))), fresh.run(1, tokens(2, 3), fresh.ops(ops(3))))
+
+
 def test_empty_op_list_returns_the_input_and_creates_no_session(checkpoint):
     """A Batch with no layers hands x back unchanged and allocates nothing."""
     runner = load(checkpoint)
