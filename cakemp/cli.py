@@ -285,7 +285,7 @@ def probe(address, cluster_key, as_json, timeout, protocol, metrics_address) -> 
 @_flag("--checkpoint", "checkpoint_only", is_flag=True,
        help="Only build (once) the demo's checkpoint and print its directory, for a node of your own.")
 def demo(checkpoint_only: bool) -> None:
-    """Run a synthetic model through a local two-device node, no download needed (about 15 s)."""
+    """Run a synthetic model through a local two-device node, no download needed (about 5 s)."""
     if checkpoint_only:
         from cakemp.demo.synthetic import demo_checkpoint
 
