@@ -26,7 +26,7 @@ class Route:
         """The stages for a chunk whose first token is `start` tokens into the request."""
         if not start:
             return self.stages
-        return tuple(replace(stage, ops=tuple(replace(op, index_pos=op.index_pos + start) for op in stage.ops))
+        return tuple(replace(stage, ops=tuple(op._replace(index_pos=op.index_pos + start) for op in stage.ops))
                      for stage in self.stages)
 
 
