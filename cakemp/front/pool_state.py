@@ -240,6 +240,9 @@ class PoolState:
         self._devices = [_Device(label) for label in labels]
         self._recurrent = tuple(recurrent) or (False,) * len(labels)
         self._requests: dict[int, _Request] = {}
+        # Per device, the requests owed whose route passes it: `waiting` is asked once per request
+        # answered, so it is counted as requests come and go rather than over all of them each time.
+        self._owed_by = [0] * len(labels)
         self._request_timeout = request_timeout
         self._load_silence = load_silence
         self._restart_attempts = restart_attempts
@@ -260,7 +263,7 @@ class PoolState:
 
     def waiting(self, device: int) -> int:
         """Requests owed by `device` (on their way to it, running on it, or passed on by it)."""
-        return sum(1 for request in self._requests.values() if device in request.devices)
+        return self._owed_by[device]
 
     def down(self, device: int) -> DeviceLost | None:
         """Why requests to `device` cannot be served now, as the error to answer them with; None while it serves."""
@@ -357,6 +360,7 @@ class PoolState:
             labels = [self._devices[device].label for device in request.devices]
             actions.append(Complete(request_id, _stopping(labels)))
         self._requests.clear()
+        self._owed_by = [0] * len(self._devices)
         return actions
 
     # -- requests
@@ -385,7 +389,9 @@ class PoolState:
         """A chunk of the request went to the first device of its route (the first chunk registers it)."""
         request = self._requests.get(request_id)
         if request is None:
-            self._requests[request_id] = _Request(session, tuple(devices), now + self._request_timeout)
+            self._requests[request_id] = request = _Request(session, tuple(devices), now + self._request_timeout)
+            for device in set(request.devices):
+                self._owed_by[device] += 1
         else:
             request.sent += 1
 
@@ -476,16 +482,20 @@ class PoolState:
 
     def _settle(self, request_id: int, request: _Request) -> list[Action]:
         if request.sealed and request.answered >= request.sent:
-            del self._requests[request_id]
+            self._remove(request_id)
             forget = self._half_applied(request) if request.error is not None and request.partial else []
             return [*forget, Complete(request_id, request.error)]
         return []
+
+    def _remove(self, request_id: int) -> None:
+        for device in set(self._requests.pop(request_id).devices):
+            self._owed_by[device] -= 1
 
     def _fail_requests(self, device: int, error: DeviceLost) -> list[Action]:
         failed = {request_id: request for request_id, request in self._requests.items() if device in request.devices}
         actions: list[Action] = []
         for request_id, request in failed.items():
-            del self._requests[request_id]
+            self._remove(request_id)
             actions += [*self._half_applied(request, dead=device), Complete(request_id, error)]
         return actions
 

@@ -109,6 +109,22 @@ def test_a_failed_chunk_fails_the_request_once_all_chunks_are_answered():
     assert state.answered(1, 3, 1.0, second) == [Complete(3, first)]
 
 
+def test_each_device_counts_the_requests_it_owes_until_each_is_answered_failed_or_stopped():
+    """`waiting(d)` counts every request whose route passes d, once however often it passes, and
+    drops it as it completes, as its device dies, and at the stop."""
+    state = serving(3)
+    for request_id, route in ((1, (0,)), (2, (0, 1)), (3, (1, 0, 1)), (4, (2,))):
+        state.sent(request_id, request_id, route, 0.0)
+        state.sealed(request_id)
+    assert [state.waiting(d) for d in range(3)] == [3, 2, 1]
+    assert state.answered(0, 1, 1.0) == [Complete(1, None)]
+    assert [state.waiting(d) for d in range(3)] == [2, 2, 1]
+    state.exited(1, 2.0, -9)  # requests 2 and 3 pass device 1: they fail with it
+    assert not state.owed(2) and not state.owed(3) and [state.waiting(d) for d in range(3)] == [0, 0, 1]
+    state.stop()
+    assert [state.waiting(d) for d in range(3)] == [0, 0, 0]
+
+
 def test_a_request_never_sent_is_never_owed():
     """Admission alone registers nothing: no deadline, no device owes it (a send that failed leaves nothing)."""
     state = serving()
