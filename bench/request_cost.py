@@ -1,12 +1,12 @@
 """Request cost benchmark: the CPU time a node spends per decode Batch, process by process.
 
-    python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--profile-seconds 4] [--before DIR]
-                                 [--prompt 512] [--prompts 10]
+    python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--layers 2] [--profile-seconds 4]
+                                 [--before DIR] [--prompt 512] [--prompts 10]
 
-Writes a random 2-layer Llama checkpoint (hidden 256, intermediate 768, 4 query heads on 2 kv
-heads, f32) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over both
+Writes a random Llama checkpoint of --layers layers (hidden 256, intermediate 768, 4 query heads on 2 kv
+heads, f32) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over all its
 layers. For each count of sessions (--counts), that many Cake-style masters (bench.pool.Session:
-an 8-token prompt, then one decode Batch through both layers per token) decode at once, --steps
+an 8-token prompt, then one decode Batch through every layer per token) decode at once, --steps
 Batches each per window; between windows every session starts over (a Goodbye and a new prompt,
 outside the window), so contexts stay short. CPU time is each thread's sum_exec_runtime
 (/proc/<pid>/task/<tid>/schedstat, in ns; utime and stime tick at 10 ms), what the machine's load
@@ -32,7 +32,7 @@ I/O thread's eventfd let that thread run first, took ~200 µs of wall time for ~
 showed as half the front's samples).
 
 Then --prompts prompts of --prompt tokens (0: none), each a fresh session's one Batch from
-position 0 through both layers, through each node and in this process, taking turns: the wall
+position 0 through every layer, through each node and in this process, taking turns: the wall
 time a master waits for each, and the node's CPU time (front and device) for it, beside the same
 prompt run in-process (BlockRunner.run, CPU time of this process) whole and in the node's
 --prefill-chunk pieces (128 tokens, `chunk_bounds`), medians over the prompts.
@@ -63,10 +63,10 @@ from cakemp.compute.runner import BlockRunner, Request
 from cakemp.ipc.spec import PREFILL_CHUNK, chunk_bounds
 from tests.support.checkpoints import make_checkpoint
 
-LAYERS = 2
+LAYERS = 2  # the default of --layers
 HIDDEN = 256
-SHAPE = dict(num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=768, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS)
+SHAPE = dict(hidden_size=HIDDEN, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=MAX_POSITIONS)
 NODE_ARGS = ("--cpu-threads", "1", "--no-prefix-reuse")
 # The in-process steps are timed twice: back to back, and idle this long before each, as a node's
 # device is between a step's answer and the next request (about a master's round trip at one
@@ -143,7 +143,7 @@ async def node_window(sessions: list[Session], steps: int, pids: dict[str, int])
 def in_process_window(runner: BlockRunner, count: int, steps: int, idle_s: float = 0.0) -> float:
     """CPU seconds of this process for `steps` run_batch steps over `count` sessions' one-token requests,
     idle `idle_s` before each (sleeping: no CPU)."""
-    layers = [f"model.layers.{i}" for i in range(LAYERS)]
+    layers = runner.layers
     sessions = range(1, count + 1)
     with torch.inference_mode():
         for session in sessions:
@@ -164,7 +164,7 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
     their windows taking turns."""
     figures = {name: {} for name in nodes}
     for count in counts:
-        sessions = {name: [await Session.open(port, HIDDEN, LAYERS) for _ in range(count)]
+        sessions = {name: [await Session.open(port, HIDDEN, len(runner.layers)) for _ in range(count)]
                     for name, (port, _) in nodes.items()}
         for name, (_, pids) in nodes.items():
             await node_window(sessions[name], 5, pids)  # warm-up
@@ -186,9 +186,9 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
 
 
 def in_process_prompt(runner: BlockRunner, x: torch.Tensor, chunked: bool) -> tuple[float, float]:
-    """(wall, CPU) seconds of x ([1, T, H]) through both layers from position 0 in this process: whole, or
+    """(wall, CPU) seconds of x ([1, T, H]) through every layer from position 0 in this process: whole, or
     in the node's chunks one after another."""
-    layers = [f"model.layers.{i}" for i in range(LAYERS)]
+    layers = runner.layers
     runner.free_session(1)
     bounds = chunk_bounds(x.shape[1], PREFILL_CHUNK) if chunked else ((0, x.shape[1]),)
     start, cpu = time.perf_counter(), time.process_time()
@@ -202,9 +202,9 @@ async def prompts(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
                   count: int) -> dict[str, dict[str, float]]:
     """{node or in-process way: {"wall": median s, "cpu": median s}} of `count` prompts of `tokens`
     tokens each, through each node (its front and device CPU) and in-process, taking turns."""
-    sessions = {name: await Session.open(port, HIDDEN, LAYERS) for name, (port, _) in nodes.items()}
+    sessions = {name: await Session.open(port, HIDDEN, len(runner.layers)) for name, (port, _) in nodes.items()}
     times = {name: {"wall": [], "cpu": []} for name in [*nodes, "in-process whole", "in-process in chunks"]}
-    layers = [(f"model.layers.{i}", 0, i) for i in range(LAYERS)]
+    layers = [(layer, 0, i) for i, layer in enumerate(runner.layers)]
     for round_ in range(count + 1):  # the first round warms up
         x = torch.randn(1, tokens, HIDDEN)
         for name, (_, pids) in nodes.items():
@@ -231,7 +231,7 @@ async def prompts(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
 
 def print_prompts(figures: dict[str, dict[str, float]], tokens: int, count: int) -> None:
     whole = figures["in-process whole"]
-    print(f"\na {tokens}-token prompt (one Batch from position 0 through both layers), median of {count}: ms, "
+    print(f"\na {tokens}-token prompt (one Batch from position 0 through every layer), median of {count}: ms, "
           "and its ratio to the same prompt in-process whole")
     print("| way | wall ms | wall ratio | CPU ms | CPU ratio |")
     print("|---|---:|---:|---:|---:|")
@@ -240,10 +240,11 @@ def print_prompts(figures: dict[str, dict[str, float]], tokens: int, count: int)
               f"{cost['cpu'] / whole['cpu']:.2f} |")
 
 
-async def profile(port: int, pids: dict[str, int], count: int, seconds: int,
+async def profile(port: int, pids: dict[str, int], count: int, layers: int, seconds: int,
                   workdir: Path) -> dict[str, tuple[Counter, Counter]]:
-    """{process: samples by stage, and by innermost frame} from py-spy on each live process while `count` sessions decode."""
-    sessions = [await Session.open(port, HIDDEN, LAYERS) for _ in range(count)]
+    """{process: samples by stage, and by innermost frame} from py-spy on each live process while `count`
+    sessions decode through `layers` layers."""
+    sessions = [await Session.open(port, HIDDEN, layers) for _ in range(count)]
     outputs = {name: workdir / f"{name}.raw" for name in pids}
     spies = [subprocess.Popen(["py-spy", "record", "--format", "raw", "--nonblocking", "--gil", "--rate", "500",
                                "--duration", str(seconds), "--pid", str(pid), "--output", str(outputs[name])],
@@ -322,9 +323,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="decode Batches per session per window")
     parser.add_argument("--rounds", type=int, default=4, help="windows per count (node and in-process alternating)")
     parser.add_argument("--counts", default="1,8", help="concurrent sessions to measure")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="layers of the model, all served by the node")
     parser.add_argument("--profile-seconds", type=int, default=4, help="py-spy's time on each process; 0: none")
     parser.add_argument("--top", type=int, default=10, help="innermost frames listed per process")
-    parser.add_argument("--prompt", type=int, default=512, help="tokens of the prompt measured; 0: none")
+    parser.add_argument("--prompt", type=int, default=512, help="tokens of the prompt measured (0, or --prompts 0: none)")
     parser.add_argument("--prompts", type=int, default=10, help="prompts measured through each node and in-process")
     parser.add_argument("--before", type=Path, help="checkout of an earlier commit, whose node runs beside this tree's")
     args = parser.parse_args()
@@ -333,27 +335,27 @@ def main() -> None:
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = make_checkpoint(work, "llama", **SHAPE)
-        layers = [f"model.layers.{i}" for i in range(LAYERS)]
+        model = make_checkpoint(work, "llama", num_hidden_layers=args.layers, **SHAPE)
+        layers = [f"model.layers.{i}" for i in range(args.layers)]
         runner = BlockRunner.load(model, layers, "cpu", torch.float32, pack_weights=True, prefix_reuse=False)
         trees = {"this tree": None} if args.before is None else \
             {f"before ({args.before.name})": args.before.resolve(), "this tree": None}
-        started = {name: start_cakemp(model, work, "cpu:1", *NODE_ARGS, layers=LAYERS, source=tree)
+        started = {name: start_cakemp(model, work, "cpu:1", *NODE_ARGS, layers=args.layers, source=tree)
                    for name, tree in trees.items()}
         try:
             nodes = {name: (port, {"front": node.pid, "device": device_pid(node.pid)})
                      for name, (node, port) in started.items()}
             by_node = asyncio.run(measure(nodes, runner, counts, args.steps, args.rounds))
-            prompt = asyncio.run(prompts(nodes, runner, args.prompt, args.prompts)) if args.prompt else None
+            prompt = asyncio.run(prompts(nodes, runner, args.prompt, args.prompts)) if args.prompt and args.prompts else None
             figures = by_node["this tree"]
             port, pids = nodes["this tree"]
-            samples = {count: asyncio.run(profile(port, pids, count, args.profile_seconds, work))
+            samples = {count: asyncio.run(profile(port, pids, count, args.layers, args.profile_seconds, work))
                        for count in counts if args.profile_seconds}
         finally:
             for node, _ in started.values():
                 node.terminate()
                 node.wait()
-    print(f"\n{LAYERS} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(NODE_ARGS)}`; "
+    print(f"\n{args.layers} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(NODE_ARGS)}`; "
           f"{args.rounds} windows of {args.steps} decode Batches per session; CPU µs per request")
     print(f"| sessions | front | device | in-process run_batch | device beyond in-process | in-process, {IDLE_S * 1e3:g} ms "
           "idle before each step | device beyond that |")
