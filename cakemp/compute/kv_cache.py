@@ -50,6 +50,7 @@ before it refuses a session. Its KV slots leave the cache's sessions when a sess
 
 from __future__ import annotations
 
+import heapq
 import math
 from array import array
 from collections.abc import Iterable, Set
@@ -120,6 +121,9 @@ class Pool:
         self.v = torch.empty_like(self.k)
         self.owners: list[int] = []  # block id -> the tables holding it (0: free)
         self.live: list[int] = []  # block id -> the live sessions' tables holding it
+        # The free blocks as a heap: a session takes the lowest, so one growing while no other
+        # takes blocks here holds one run of the pool (read as a view), its first prompt or a later
+        # one after a Goodbye freed blocks (a stack gave those back in reverse, a run no more).
         self.free: list[int] = []
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +164,7 @@ class Pool:
         self.live.extend([0] * (size - old))
         if old == 0:
             self.owners[NULL_BLOCK] = self.owners[SCRATCH_BLOCK] = 1  # the pool's own, never taken nor freed
-        self.free.extend(range(size - 1, max(old, RESERVED) - 1, -1))  # popped lowest first
+        self.free.extend(range(max(old, RESERVED), size))  # higher than every block free before: still a heap
 
 
 class KVCache:
@@ -357,7 +361,7 @@ class KVCache:
             return []
         if n > len(pool.free):
             pool.grow(len(pool.owners) + n - len(pool.free), self.max_blocks)
-        taken = [pool.free.pop() for _ in range(n)]
+        taken = [heapq.heappop(pool.free) for _ in range(n)]
         for b in taken:
             pool.owners[b] = pool.live[b] = 1
         self._used += n
@@ -385,7 +389,8 @@ class KVCache:
             pool.k.index_fill_(0, ids, 0)
             pool.v.index_fill_(0, ids, 0)
             self._used -= len(freed)
-            pool.free.extend(freed)
+            for b in freed:
+                heapq.heappush(pool.free, b)
 
     def _hold_live(self, slots: Iterable[KVSlot], delta: int) -> None:
         for slot in slots:

@@ -44,6 +44,29 @@ def test_blocks_are_taken_as_positions_need_them_and_never_move():
     assert c.nbytes() == 2 * PER_BLOCK
 
 
+def test_a_session_growing_alone_holds_one_run_of_the_pool_whatever_was_freed_before():
+    """Blocks are taken lowest first, so a session that grows while no other takes blocks holds
+    consecutive ascending ids (a step reads its keys as a view of the pool, not gathered): its
+    first prompt, its next after a Goodbye freed them, and one after other sessions' frees."""
+    c = cache(max_context=4096)
+
+    def run(session: int) -> bool:
+        table = c.slot(session, 0).table
+        return table == list(range(table[0], table[0] + len(table)))
+
+    c.reserve(1, {0: (0, 3 * BLOCK)})
+    c.clear(1)  # Goodbye: its three blocks go back
+    c.reserve(1, {0: (0, 2 * BLOCK)})
+    c.reserve(1, {0: (2 * BLOCK, 4 * BLOCK)})  # decoding on, past the blocks it had
+    assert run(1) and c.slot(1, 0).table[0] == 2  # the pool's first block (0 and 1 are its own)
+    for session in (2, 3, 4):
+        c.reserve(session, {0: (0, 2 * BLOCK)})
+    for session in (3, 2, 4):  # freed in another order than taken
+        c.clear(session)
+    c.reserve(5, {0: (0, 6 * BLOCK)})
+    assert run(5) and c.slot(5, 0).table[0] == c.slot(1, 0).table[-1] + 1
+
+
 def test_the_device_tables_mirror_each_live_slot():
     """`tables[row, block_idx]` holds a live slot's block ids, what a step gathers its keys by."""
     c = cache(max_context=4096)
