@@ -1,14 +1,15 @@
 """Block step benchmark: the CPU time of one decode step through a tiny model's layers in-process,
 this tree against an earlier checkout, side by side in one run.
 
-    python -m bench.block_step --before DIR [--steps 400] [--rounds 6] [--hidden 256]
+    python -m bench.block_step --before DIR [--steps 400] [--rounds 6] [--hidden 256] [--prompt 8]
 
 DIR is a checkout of an earlier commit (e.g. `git archive <commit> | tar -x -C DIR`). The
 checkpoint is bench/request_cost.py's random 2-layer Llama (hidden 256, intermediate 768, 4 query
 heads on 2 kv heads, f32; --hidden scales all three widths). One child process per tree, each
 importing its own tree's cakemp (PYTHONPATH), loads both layers as a node's CPU device does (f32
 packed, no prefix reuse, one torch thread) and, when told, runs --steps one-token requests of one
-session through both (BlockRunner.run_batch, contexts 8 to 8 + steps, then the session starts over)
+session through both (BlockRunner.run_batch, contexts P to P + steps after a --prompt of P tokens, then the
+session is freed and starts over: a later conversation of a lone session)
 and reports its CPU time (time.process_time), then that of the same steps' four matrix products
 alone on the layers' own weights (the floor no cut of the small ops goes below). The children
 take turns, --rounds each; the figures are each tree's total CPU µs per step, its products'
@@ -42,10 +43,10 @@ print("ready", flush=True)
 with torch.inference_mode():
     for line in sys.stdin:
         runner.free_session(1)
-        runner.run(1, torch.randn(1, 8, hidden), runner.ops([(layer, 0, i) for i, layer in enumerate(layers)]))
+        runner.run(1, torch.randn(1, {prompt}, hidden), runner.ops([(layer, 0, i) for i, layer in enumerate(layers)]))
         inputs = [torch.randn(1, 1, hidden) for _ in range(int(line))]
         start = time.process_time()
-        for position, x in enumerate(inputs, 8):
+        for position, x in enumerate(inputs, {prompt}):
             runner.run_batch([Request(1, x, runner.ops([(layer, position, i) for i, layer in enumerate(layers)]))])
         steps = time.process_time() - start
         # The floor: the same steps' four matrix products alone (q/k/v, o, gate/up, down of each layer,
@@ -60,8 +61,9 @@ with torch.inference_mode():
 """
 
 
-def start(tree: Path, model: Path) -> subprocess.Popen:
-    child = subprocess.Popen([sys.executable, "-c", CHILD.replace("{layers}", str(LAYERS)), str(model)],
+def start(tree: Path, model: Path, prompt: int) -> subprocess.Popen:
+    code = CHILD.replace("{layers}", str(LAYERS)).replace("{prompt}", str(prompt))
+    child = subprocess.Popen([sys.executable, "-c", code, str(model)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tree,
                              env={**os.environ, "PYTHONPATH": str(tree)})
     if child.stdout.readline().strip() != "ready":
@@ -83,6 +85,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=SHAPE["hidden_size"])
+    parser.add_argument("--prompt", type=int, default=8, help="tokens cached before the decode steps")
     args = parser.parse_args()
     scale = args.hidden / SHAPE["hidden_size"]
     shape = {**SHAPE, "hidden_size": args.hidden, "intermediate_size": int(SHAPE["intermediate_size"] * scale)}
@@ -90,7 +93,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         model = make_checkpoint(Path(work), "llama", **shape)
         trees = {f"before ({args.before.name})": args.before.resolve(), "this tree": Path.cwd()}
-        children = {name: start(tree, model) for name, tree in trees.items()}
+        children = {name: start(tree, model, args.prompt) for name, tree in trees.items()}
         totals = {name: [0.0, 0.0] for name in children}
         for child in children.values():
             step_seconds(child, 20)  # warm-up
@@ -102,7 +105,8 @@ def main() -> None:
             child.stdin.close()
             child.wait()
     micros = {name: [s / (args.rounds * args.steps) * 1e6 for s in pair] for name, pair in totals.items()}
-    print(f"hidden {args.hidden}, {LAYERS} layers, CPU µs per decode step (sum of {args.rounds} rounds of {args.steps})")
+    print(f"hidden {args.hidden}, {LAYERS} layers, {args.prompt}-token prompt, CPU µs per decode step "
+          f"(sum of {args.rounds} rounds of {args.steps})")
     for name, (whole, products) in micros.items():
         print(f"  {name}: {whole:.1f}; its matrix products alone {products:.1f} ({products / whole:.2f} of it)")
     (before, _), (after, _) = micros.values()
