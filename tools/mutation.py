@@ -107,6 +107,9 @@ MUTANTS = (
     Mutant("lost-session-not-told", "cakemp/front/pool.py",
            "[stateful and any(op.index_pos > 0 for op in stage.ops)", "[stateful and False",
            ("tests/node/test_device_loss.py",)),
+    Mutant("owed-count-kept-after-answer", "cakemp/front/pool_state.py",
+           "            self._owed_by[device] -= 1\n", "            pass\n",
+           ("tests/front/test_pool_state.py", "tests/node/test_batching.py")),
     Mutant("drain-never-times-out", "cakemp/front/server.py",
            "_, pending = await asyncio.wait(tasks, timeout=self.config.drain_timeout)",
            "_, pending = await asyncio.wait(tasks)", ("tests/node/test_node_flags.py", "-k", "drain")),
@@ -157,6 +160,8 @@ MUTANTS = (
            "if end > self.max_context:", "if end > self.max_context + 1:", KV),
     Mutant("kv-table-not-published", "cakemp/compute/kv_cache.py",
            "                    self._publish(session, slot)\n", "", KV),
+    Mutant("kv-freed-blocks-taken-last-first", "cakemp/compute/kv_cache.py",
+           "taken = [heapq.heappop(pool.free) for _ in range(n)]", "taken = [pool.free.pop() for _ in range(n)]", KV),
     # --- block math
     Mutant("rms-eps-10x", "cakemp/model/block.py",
            "self.eps = config.rms_norm_eps", "self.eps = config.rms_norm_eps * 10", BLOCK),
