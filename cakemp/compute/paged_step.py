@@ -64,9 +64,14 @@ class StepRows:
                 for p in range(start, start + T):
                     positions.append(p)
                     slot_ids.append(table[p // BLOCK] * BLOCK + p % BLOCK)
-        # One tensor for both (a tensor's making costs more than its size here): [2, L, N].
-        both = int64_tensor(positions + slot_ids, cache.device).view(2, len(slots), sum(lengths))
-        self.positions, self.slot_ids = both  # [L, N] each row's position; its row of the flat pool
+        owners = [cache.row(session) for session in self.sessions]  # each request's row of `cache.tables`
+        # One tensor for all (a tensor's making costs more than its size here, and on a GPU each is a
+        # copy from the host): positions and slot ids [2, L, N], each request's owner row [B], each
+        # layer's pool [L].
+        L, N, B = len(slots), sum(lengths), len(lengths)
+        packed = int64_tensor(positions + slot_ids + owners + [layer[0].pool for layer in slots], cache.device)
+        self.positions, self.slot_ids = packed[: 2 * L * N].view(2, L, N)  # [L, N] each row's position; its row of the flat pool
+        self._owners, self._pool_ids = packed[2 * L * N : 2 * L * N + B], packed[2 * L * N + B :]
         self._request: torch.Tensor | None = None
         self._tables: torch.Tensor | None = None
         self._visible: dict[tuple, tuple[int, int, torch.Tensor]] = {}
@@ -101,9 +106,7 @@ class StepRows:
             rows, slots, width = cache.tables.shape
             # Row `row * slots + pool` of the flat tables: each layer's pool (shared by the step's requests)
             # for each request's row. [L, B] -> [L * B]
-            owners = int64_tensor([cache.row(session) for session in self.sessions], cache.device)
-            pools = int64_tensor([layer[0].pool for layer in self.slots], cache.device)
-            picked = (owners[None, :] * slots + pools[:, None]).view(-1)
+            picked = (self._owners[None, :] * slots + self._pool_ids[:, None]).view(-1)
             self._tables = cache.tables.view(rows * slots, width).index_select(0, picked).view(len(self.slots), -1, width)
         return self._tables
 
