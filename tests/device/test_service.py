@@ -42,6 +42,11 @@ def forward(x: torch.Tensor, ops, session=1, request_id=1, wire=DType.F32, data=
     return Hop(session, request_id, wire, len(data), chunk, chunks, tuple(x.shape), stages), data
 
 
+def received(message: Hops) -> Hops:
+    """`message` as a device receives it: decoded from its frames, each writable (a ZeroMQ frame's buffer is)."""
+    return decode([bytearray(frame) for frame in encode(message)])
+
+
 class Reply(NamedTuple):
     item: Hop | Activation | Failure
     data: bytes
@@ -55,7 +60,7 @@ class Reply(NamedTuple):
 def step(service: DeviceService, *hops: tuple[Hop, bytes], prefill_chunk: int = 128) -> list[Reply | None]:
     """The hops sent as one Hops message (as the device receives it: decoded from its frames), run
     through a scheduler to the end: each hop's reply, in order (None for a hop dropped)."""
-    message = decode(encode(Hops(tuple(hop for hop, _ in hops), b"".join(data for _, data in hops))))
+    message = received(Hops(tuple(hop for hop, _ in hops), b"".join(data for _, data in hops)))
     tasks = service.tasks(message)
     scheduler = Scheduler(32, prefill_chunk)
     for task in tasks:
@@ -96,8 +101,8 @@ def test_the_hops_of_one_message_are_converted_at_once_and_answered_each_like_th
     """Three sessions' hops in one message become views of one converted buffer, run as one batch
     (one Batch of 3 requests, 1 + 2 + 3 tokens), and each answer equals the runner's for that session."""
     xs = [torch.randn(1, t, 64) for t in (1, 2, 3)]
-    message = decode(encode(Hops(tuple(forward(x, [Op(0, 0, 2)], session=s, request_id=s)[0]
-                                      for s, x in enumerate(xs, 1)), b"".join(raw(x) for x in xs))))
+    message = received(Hops(tuple(forward(x, [Op(0, 0, 2)], session=s, request_id=s)[0]
+                                  for s, x in enumerate(xs, 1)), b"".join(raw(x) for x in xs)))
     tasks = service.tasks(message)
     assert len({task.x.untyped_storage().data_ptr() for task in tasks}) == 1
     stepped = service.run_step(_pieces(tasks))
@@ -159,7 +164,7 @@ def test_a_prompt_cut_here_equals_the_whole_prompt_and_is_answered_once(service,
     x = torch.randn(1, 10, 64)
     runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
     expected = runner.run(9, x, runner.ops([("model.layers.2", 0, 2), ("model.layers.3", 0, 3)]))
-    message = decode(encode(Hops((forward(x, [Op(0, 0, 2), Op(1, 0, 3)])[0],), raw(x))))
+    message = received(Hops((forward(x, [Op(0, 0, 2), Op(1, 0, 3)])[0],), raw(x)))
     scheduler = Scheduler(32, 4)
     (task,) = service.tasks(message)
     scheduler.add(task)

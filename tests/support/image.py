@@ -134,9 +134,9 @@ def pack(*tensors: torch.Tensor) -> torch.Tensor:
 
 
 def f32(vector: torch.Tensor | list[float]) -> RawTensor:
-    """A 1-D f32 vector as a wire tensor."""
+    """A 1-D f32 vector as a wire tensor (its bytes writable, as a received frame's are)."""
     data = torch.as_tensor(vector, dtype=torch.float32).contiguous()
-    return RawTensor(data.numpy().tobytes(), DType.F32, (data.numel(),))
+    return RawTensor(bytearray(data.numpy().tobytes()), DType.F32, (data.numel(),))
 
 
 def token_ids(ids: list[int] | torch.Tensor, length: int = 77) -> RawTensor:
@@ -144,7 +144,7 @@ def token_ids(ids: list[int] | torch.Tensor, length: int = 77) -> RawTensor:
     ids = list(map(int, ids))
     ids = ids + [ids[-1]] * (length - len(ids))
     data = torch.tensor([ids], dtype=torch.int32)
-    return RawTensor(data.numpy().tobytes(), DType.U32, (1, length))
+    return RawTensor(bytearray(data.numpy().tobytes()), DType.U32, (1, length))
 
 
 FLUX_REPOSITORY = "black-forest-labs/FLUX.2-klein-4B"
