@@ -17,6 +17,7 @@ from cakemp.errors import ConfigError
 from cakemp.ipc import Activation, Clear, Done, End, ErrorCode, Failure, Hop, Hops, Op, Stage, decode, encode
 from cakemp.ipc.spec import DeviceSpec
 from cakemp.wire import DType
+from tests.support.tolerance import assert_close
 
 LAYERS = ("model.layers.2", "model.layers.3")
 GENERATION = 4
@@ -111,7 +112,7 @@ def test_the_hops_of_one_message_are_converted_at_once_and_answered_each_like_th
     for onward, x in zip(stepped.onward, xs, strict=True):
         expected = runner.run(onward.task.session, x, runner.ops([("model.layers.2", 0, 2)]))
         got = torch.frombuffer(bytearray(onward.data), dtype=torch.float32).view(onward.item.shape)
-        torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
+        assert_close(got, expected)
 
 
 def _pieces(tasks):
@@ -155,7 +156,7 @@ def test_chunks_in_order_equal_the_whole_prompt(service, checkpoint):
     for chunk, (start, end) in enumerate(((0, 4), (4, 7), (7, 10))):
         reply = answer(service, forward(x[:, start:end], [Op(0, start, 2), Op(1, start, 3)], chunk=chunk, chunks=3))
         parts.append(tensor(reply))
-    torch.testing.assert_close(torch.cat(parts, dim=1), expected, atol=2e-6, rtol=0)
+    assert_close(torch.cat(parts, dim=1), expected)
 
 
 def test_a_prompt_cut_here_equals_the_whole_prompt_and_is_answered_once(service, checkpoint):
@@ -175,7 +176,7 @@ def test_a_prompt_cut_here_equals_the_whole_prompt_and_is_answered_once(service,
     assert [tokens for tokens, _ in steps] == [[4], [3], [3]] and [len(onward) for _, onward in steps] == [0, 0, 1]
     (onward,) = steps[-1][1]
     assert onward.item.shape == (1, 10, 64)
-    torch.testing.assert_close(tensor(Reply(onward.item, bytes(onward.data), None)), expected, atol=2e-6, rtol=0)
+    assert_close(tensor(Reply(onward.item, bytes(onward.data), None)), expected)
 
 
 def test_a_prompt_cut_here_that_fails_part_way_says_part_of_it_ran_and_runs_no_further(service):
@@ -252,7 +253,7 @@ def test_a_long_run_of_ops_reports_progress_between_slices(service):
     assert isinstance(reply.item, Activation)
     assert reported and set(reported) == {11}
     expected = service.runner.run(2, x, service.runner.ops([(LAYERS[op.layer], 0, op.block_idx) for op in ops]))
-    torch.testing.assert_close(tensor(reply), expected, atol=2e-6, rtol=0)
+    assert_close(tensor(reply), expected)
 
 
 def test_clear_and_end_report_the_sessions_left(service):
