@@ -22,7 +22,6 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from cakemp import log
@@ -101,7 +100,7 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
             if isinstance(message, Hops):
                 for task in service.tasks(message):
                     if task.hop.trace:
-                        task.hop = replace(task.hop, trace=(*task.hop.trace, trace.now()))
+                        task.hop = task.hop._replace(trace=(*task.hop.trace, trace.now()))
                     gathering.arrived(task.session, now)
                     scheduler.add(task)
             elif isinstance(message, Ping):
@@ -166,7 +165,7 @@ def _send_step(spec: DeviceSpec, channel: DeviceChannel, service, stepped, start
     activations, failures, hand_offs = [], [], {}
     for task, device, item, data in stepped.onward:
         if task.hop.trace and not isinstance(item, Failure):
-            item = replace(item, trace=(*task.hop.trace, started, ran, trace.now()))
+            item = item._replace(trace=(*task.hop.trace, started, ran, trace.now()))
         if isinstance(item, Hop):
             hand_offs.setdefault(device, []).append((item, data))
         else:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from cakemp.ipc import Op, Stage
 from cakemp.ipc.spec import chunk_bounds as chunk_bounds  # cut by the front and the devices alike
@@ -26,7 +26,7 @@ class Route:
         """The stages for a chunk whose first token is `start` tokens into the request."""
         if not start:
             return self.stages
-        return tuple(replace(stage, ops=tuple(op._replace(index_pos=op.index_pos + start) for op in stage.ops))
+        return tuple(stage._replace(ops=tuple(op._replace(index_pos=op.index_pos + start) for op in stage.ops))
                      for stage in self.stages)
 
 

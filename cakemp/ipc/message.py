@@ -18,6 +18,10 @@ the front. Their items carry no bytes of their own: item i's bytes are `nbytes` 
 message's one `data` frame, after the earlier items' (`rows`), so the codec, the tensor
 conversion and the socket's work are paid once per message, not once per request.
 
+A message's items (a Stage, a Hop, an Activation, a Failure, a step's Batch and reports) are
+NamedTuples: each end makes several per request, and a tuple is made in about a quarter of a frozen
+dataclass's time (a Hop: 0.29 µs against 1.15).
+
 The activation bytes are never copied or interpreted here: a `Body` frame is the caller's
 buffer (a memoryview into the master's Cake frame on the way in, the device's tensor memory on
 the way out), handed to zmq with copy=False.
@@ -28,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Annotated, Union, dataclass_transform
+from typing import Annotated, NamedTuple, Union, dataclass_transform
 
 from cakemp.errors import BadIpcMessage, ErrorCode
 from cakemp.op import Op
@@ -76,8 +80,7 @@ def message(kind: Kind) -> Callable[[type], type]:
     return declare
 
 
-@dataclass(frozen=True)
-class Stage:
+class Stage(NamedTuple):
     """The part of a route one device runs: `ops` on `device`, if its process is still `generation`."""
 
     device: U32
@@ -85,8 +88,7 @@ class Stage:
     ops: tuple[Op, ...]
 
 
-@dataclass(frozen=True)
-class Hop:
+class Hop(NamedTuple):
     """A chunk of a request on its way down its route (an item of `Hops`): run `stages[0]` over x,
     then hand the result to the next stage's device (or, from the last stage, answer the front).
 
@@ -164,8 +166,7 @@ class StartFailure:
     message: Text
 
 
-@dataclass(frozen=True)
-class Activation:
+class Activation(NamedTuple):
     """The last stage's answer to chunk `chunk` of a request (an item of `Answers`): `nbytes` of the
     message's data, of the chunk's dtype and shape (an image component's: its own).
 
@@ -183,8 +184,7 @@ class Activation:
     trace: tuple[U64, ...] = ()
 
 
-@dataclass(frozen=True)
-class Failure:
+class Failure(NamedTuple):
     """Chunk `chunk` of a request failed on the device that sends this (an item of `Answers`); its
     message is `nbytes` of the message's data, UTF-8. `ran`: part of the request had run on this
     device before it failed (an earlier piece of a prompt the device cut), so state that cannot be
@@ -197,16 +197,14 @@ class Failure:
     nbytes: U64
 
 
-@dataclass(frozen=True)
-class Batch:
+class Batch(NamedTuple):
     """The device computed `requests` requests of `tokens` tokens as one batch (for the front's metrics)."""
 
     requests: U64
     tokens: U64
 
 
-@dataclass(frozen=True)
-class PrefixReport:
+class PrefixReport(NamedTuple):
     """What prefix reuse did on the device since its last report: requests that adopted a retired
     prefix (`hits`), positions answered from kept rows instead of computed (`tokens`), prefixes
     given up for room (`evictions`); and the bytes it holds now for reuse alone: retired
@@ -219,8 +217,7 @@ class PrefixReport:
     kept_bytes: U64
 
 
-@dataclass(frozen=True)
-class ExpertReport:
+class ExpertReport(NamedTuple):
     """What the device's cache of offloaded MoE experts did since its last report: experts found in
     it (`hits`), experts read from the checkpoint (`misses`, `read_bytes` of it as stored); and the
     bytes of experts it holds now (for the front's metrics)."""
