@@ -2,11 +2,11 @@
 cakemp's BlockRunner.run_batch beside transformers' own layers batched, side by side in one run.
 
     python -m bench.step_growth [--shape tiny|tinyllama] [--counts 1,8,32] [--cached 16]
-                                [--steps 50] [--rounds 5] [--threads 1]
+                                [--steps 50] [--rounds 5] [--threads 1] [--layers 2]
 
 A random Llama checkpoint (tiny: hidden 64, intermediate 192, 4 query heads on 2 kv heads of 16;
 tinyllama: TinyLlama-1.1B's layer, hidden 2048, intermediate 5632, 32 query heads on 4 kv heads
-of 64; 2 layers, f32) is loaded both ways. For each count of sessions N, each session first runs
+of 64; --layers layers, f32) is loaded both ways. For each count of sessions N, each session first runs
 a --cached-token prompt, then both compute --steps decode steps of all N sessions at once:
 
 * cakemp: one `run_batch` of N one-token requests per step, the runner loaded as a batching CPU
@@ -39,7 +39,7 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2),
     "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4),
 }
-LAYERS = 2
+LAYERS = 2  # the default of --layers
 
 
 class Cakemp:
@@ -119,19 +119,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=LAYERS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(c) for c in args.counts.split(",")]
     print(machine_line())
-    print(f"{args.shape} layers x{LAYERS}, f32, {args.cached} cached tokens, {args.threads} thread(s), "
+    print(f"{args.shape} layers x{args.layers}, f32, {args.cached} cached tokens, {args.threads} thread(s), "
           f"{args.steps} steps a window, median of {args.rounds}")
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_checkpoint(tmp, "llama", num_hidden_layers=LAYERS, vocab_size=64,
+        path = make_checkpoint(tmp, "llama", num_hidden_layers=args.layers, vocab_size=64,
                                max_position_embeddings=args.cached + args.steps * (args.rounds + 1) + 8,
                                **SHAPES[args.shape])
         figures = {}
         for n in counts:
-            sides = {"cakemp": Cakemp(path, n, args.cached), "transformers": Transformers(path, n, args.cached)}
+            sides = {"cakemp": Cakemp(path, n, args.cached, args.layers),
+                     "transformers": Transformers(path, n, args.cached, args.layers)}
             for side in sides.values():
                 per_step_ms(side, 2)  # warm-up
             times = {name: [] for name in sides}
