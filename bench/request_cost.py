@@ -1,12 +1,13 @@
 """Request cost benchmark: the CPU time a node spends per decode Batch, process by process.
 
     python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--layers 2] [--profile-seconds 4]
-                                 [--before DIR] [--prompt 512] [--prompts 10]
+                                 [--before DIR] [--prompt 512] [--prompts 10] [--pin-cpus]
 
 Writes a random Llama checkpoint of --layers layers (hidden 256, intermediate 768, 4 query heads on 2 kv
 heads, f32) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over all its
-layers. For each count of sessions (--counts), that many Cake-style masters (bench.pool.Session:
-an 8-token prompt, then one decode Batch through every layer per token) decode at once, --steps
+layers (with --pin-cpus, pinned: the device to the first core, the front to the others). For each
+count of sessions (--counts), that many Cake-style masters (bench.pool.Session: an 8-token prompt,
+then one decode Batch through every layer per token) decode at once, --steps
 Batches each per window; between windows every session starts over (a Goodbye and a new prompt,
 outside the window), so contexts stay short. CPU time is each thread's sum_exec_runtime
 (/proc/<pid>/task/<tid>/schedstat, in ns; utime and stime tick at 10 ms), what the machine's load
@@ -329,8 +330,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512, help="tokens of the prompt measured (0, or --prompts 0: none)")
     parser.add_argument("--prompts", type=int, default=10, help="prompts measured through each node and in-process")
     parser.add_argument("--before", type=Path, help="checkout of an earlier commit, whose node runs beside this tree's")
+    parser.add_argument("--pin-cpus", action="store_true", help="start the nodes with --pin-cpus")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
+    node_args = (*NODE_ARGS, "--pin-cpus") if args.pin_cpus else NODE_ARGS
     torch.set_num_threads(1)
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
@@ -340,7 +343,7 @@ def main() -> None:
         runner = BlockRunner.load(model, layers, "cpu", torch.float32, pack_weights=True, prefix_reuse=False)
         trees = {"this tree": None} if args.before is None else \
             {f"before ({args.before.name})": args.before.resolve(), "this tree": None}
-        started = {name: start_cakemp(model, work, "cpu:1", *NODE_ARGS, layers=args.layers, source=tree)
+        started = {name: start_cakemp(model, work, "cpu:1", *node_args, layers=args.layers, source=tree)
                    for name, tree in trees.items()}
         try:
             nodes = {name: (port, {"front": node.pid, "device": device_pid(node.pid)})
@@ -355,7 +358,7 @@ def main() -> None:
             for node, _ in started.values():
                 node.terminate()
                 node.wait()
-    print(f"\n{args.layers} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(NODE_ARGS)}`; "
+    print(f"\n{args.layers} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(node_args)}`; "
           f"{args.rounds} windows of {args.steps} decode Batches per session; CPU µs per request")
     print(f"| sessions | front | device | in-process run_batch | device beyond in-process | in-process, {IDLE_S * 1e3:g} ms "
           "idle before each step | device beyond that |")
