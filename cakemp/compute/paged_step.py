@@ -70,7 +70,8 @@ class StepRows:
         # layer's pool [L].
         L, N, B = len(slots), sum(lengths), len(lengths)
         packed = int64_tensor(positions + slot_ids + owners + [layer[0].pool for layer in slots], cache.device)
-        self.positions, self.slot_ids = packed[: 2 * L * N].view(2, L, N)  # [L, N] each row's position; its row of the flat pool
+        # [L, N] each row's position; its row of the flat pool
+        self.positions, self.slot_ids = packed[: 2 * L * N].view(2, L, N)
         self._owners, self._pool_ids = packed[2 * L * N : 2 * L * N + B], packed[2 * L * N + B :]
         self._request: torch.Tensor | None = None
         self._tables: torch.Tensor | None = None
