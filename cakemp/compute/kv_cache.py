@@ -230,6 +230,11 @@ class KVCache:
         """The session's row of `tables` (it holds a KV slot)."""
         return self._rows[session]
 
+    def rows_of(self, sessions: Iterable[int]) -> list[int]:
+        """Each session's row of `tables` (each holds a KV slot)."""
+        rows = self._rows
+        return [rows[session] for session in sessions]
+
     def length(self, session: int, block_idx: int) -> int:
         """Positions cached for this layer of this session (0 when nothing is)."""
         slot = self.slot(session, block_idx)
@@ -245,23 +250,27 @@ class KVCache:
     ) -> dict[int, KVSlot]:
         """Slots of `session` for each block_idx in `writes` (-> the rows [start, end) a request will
         write), each holding blocks to `end`, those of rows it writes its own; and a linear-attention
-        slot (`linear_slot`) for each block_idx in `linear_ends`, zeros when new.
+        slot (`linear_slot`) for each block_idx in `linear_ends`, zeros when new. Returned as the
+        session's slots by block_idx (those of `writes` among them).
 
         A slot's blocks past `end` are freed: rows past what a request writes are never read again
         (it replaces them, or falls back to before them). All or nothing: limits and the budget are
         checked for every slot before any block is taken, so a refusal leaves every session as it was.
         """
-        linear_ends = linear_ends or {}
-        for block_idx, end in linear_ends.items():
-            self._check_context(block_idx, end)
         slots = self._sessions.get(session, {})
+        pools, max_context = self.pools, self.max_context
         needed, changes = 0, []
         for block_idx, (start, end) in writes.items():
-            self._check_context(block_idx, end)
+            if end > max_context:
+                self._refuse_context(block_idx, end)
             blocks = -(-end // BLOCK)
             slot = slots.get(block_idx)
-            table = () if slot is None else slot.table
-            owners = self.pool(block_idx).owners
+            if slot is None:
+                needed += blocks
+                changes.append((block_idx, start, end))
+                continue
+            table = slot.table
+            owners = pools[block_idx].owners
             if len(table) == blocks and start // BLOCK == blocks - 1 and owners[table[-1]] == 1:
                 continue  # a decode step within its own last block (most requests): nothing changes
             kept = len(table) if len(table) < blocks else blocks
@@ -272,6 +281,12 @@ class KVCache:
             if shared or len(table) != blocks:
                 needed += blocks - kept + shared
                 changes.append((block_idx, start, end))
+        if not (changes or linear_ends):
+            return slots
+        linear_ends = linear_ends or {}
+        for block_idx, end in linear_ends.items():
+            if end > max_context:
+                self._refuse_context(block_idx, end)
         linear = self._linear.get(session, {})
         new_linear = [block_idx for block_idx in linear_ends if block_idx not in linear]
         self._fit(needed * self.bytes_per_block + len(new_linear) * self.bytes_per_linear_slot)
@@ -279,7 +294,10 @@ class KVCache:
             slots = self._sessions.setdefault(session, slots)
             with torch.inference_mode():  # entered once for all the changes (about 1.4 µs each time it is)
                 for block_idx, start, end in changes:
-                    slot = slots.setdefault(block_idx, KVSlot(block_idx, []))
+                    slot = slots.get(block_idx)
+                    if slot is None:
+                        self.pool(block_idx)  # made at its first use
+                        slot = slots[block_idx] = KVSlot(block_idx, [])
                     self._write_blocks(slot, start, end)
                     self._publish(session, slot)
         if linear_ends:
@@ -288,13 +306,12 @@ class KVCache:
             conv, recurrent = (torch.zeros(shape, dtype=torch.float32, device=self.device) for shape in self.linear_shapes)
             linear[block_idx] = LinearSlot(conv, recurrent)
             self._linear_bytes += self.bytes_per_linear_slot
-        return {block_idx: slots[block_idx] for block_idx in writes}
+        return slots
 
-    def _check_context(self, block_idx: int, end: int) -> None:
-        if end > self.max_context:
-            raise ContextLimitExceeded(
-                f"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions"
-            )
+    def _refuse_context(self, block_idx: int, end: int) -> None:
+        raise ContextLimitExceeded(
+            f"position {end - 1} (block {block_idx}) is past the context limit of {self.max_context} positions"
+        )
 
     def pool(self, block_idx: int) -> Pool:
         """The pool of KV slot index `block_idx` (made empty at its first use)."""

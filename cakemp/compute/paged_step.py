@@ -43,28 +43,27 @@ class StepRows:
     def __init__(self, cache: KVCache, sessions: Sequence[int], lengths: Sequence[int],
                  starts: Sequence[tuple[int, ...]], slots: Sequence[Sequence[KVSlot]]):
         """Per attention layer of the step, in order: `starts`, each request's index_pos, and `slots`,
-        its KV slot there, holding blocks to its end (request i at positions starts[i].. of slots[i])."""
+        its KV slot there, holding blocks to its end (request i at positions starts[i].. of slots[i]).
+        The decode requests (`lengths` 1) come first, and a layer's requests share its KV slot index
+        (the runner groups and orders them so)."""
         self.cache = cache
         self.sessions = tuple(sessions)
         self.lengths = tuple(lengths)
-        self.decodes = sum(T == 1 for T in lengths)  # requests [0, decodes) have one row each
-        if any(T != 1 for T in lengths[: self.decodes]):
-            raise ValueError(f"decode requests must come first, got lengths {lengths}")
+        d = self.decodes = self.lengths.count(1)  # requests [0, d) have one row each
         self.firsts = [0, *itertools.accumulate(lengths)][:-1]  # each request's first row of x
         self.starts = list(starts)
         self.slots = slots
-        if any(len({slot.pool for slot in layer}) != 1 for layer in slots):
-            pools = [[slot.pool for slot in layer] for layer in slots]
-            raise ValueError(f"a step's requests share each layer's KV slot, got {pools}")
         self.pools = [cache.pools[layer[0].pool] for layer in slots]  # each layer's
         positions, slot_ids = [], []
         for starts, layer_slots in zip(self.starts, slots, strict=True):
-            for start, T, slot in zip(starts, lengths, layer_slots, strict=True):
-                table = slot.table
-                for p in range(start, start + T):
-                    positions.append(p)
-                    slot_ids.append(table[p // BLOCK] * BLOCK + p % BLOCK)
-        owners = [cache.row(session) for session in self.sessions]  # each request's row of `cache.tables`
+            # A decode request's one row, at its start (most of a step: one comprehension for them all).
+            positions += starts[:d]
+            slot_ids += [slot.table[p // BLOCK] * BLOCK + p % BLOCK for p, slot in zip(starts[:d], layer_slots)]
+            for start, T, slot in zip(starts[d:], lengths[d:], layer_slots[d:], strict=True):
+                table, rows = slot.table, range(start, start + T)
+                positions += rows
+                slot_ids += [table[p // BLOCK] * BLOCK + p % BLOCK for p in rows]
+        owners = cache.rows_of(self.sessions)  # each request's row of `cache.tables`
         # One tensor for all (a tensor's making costs more than its size here, and on a GPU each is a
         # copy from the host): positions and slot ids [2, L, N], each request's owner row [B], each
         # layer's pool [L].
@@ -117,8 +116,9 @@ class StepRows:
 
     def visible(self, index: int, window: int | None) -> tuple[int, int, torch.Tensor]:
         """For the decode rows of attention layer `index`: the blocks [first, last) their keys lie in
-        and which keys of those each sees, [d, S] bool, S running from the first block's first key to
-        the furthest row's own (shared by layers at the same positions and window)."""
+        and which keys of those each sees, [d, S] as SDPA's additive mask in the cache's dtype (0 seen,
+        -inf not), S running from the first block's first key to the furthest row's own (shared by
+        layers at the same positions and window: SDPA would make that mask of a bool one at each call)."""
         ends = self.starts[index][: self.decodes]
         key = (ends, window)
         found = self._visible.get(key)
@@ -127,7 +127,8 @@ class StepRows:
             last = -(-furthest // BLOCK)  # blocks to the furthest end
             first = 0 if window is None else max(0, min(ends) + 1 - window) // BLOCK  # blocks before every window
             keys = torch.arange(first * BLOCK, furthest, device=self.cache.device)  # [S] each key's position
-            found = self._visible[key] = first, last, seen_keys(keys, self.positions[index, : self.decodes], window)
+            seen = seen_keys(keys, self.positions[index, : self.decodes], window)
+            found = self._visible[key] = first, last, attention.bias(seen, self.cache.dtype)
         return found
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -31,6 +32,7 @@ from cakemp.op import Op
 
 # Ops between two calls of run_batch's `between_ops` (the device's progress reports).
 _OPS_BETWEEN_CALLS = 16
+_index_pos = attrgetter("index_pos")
 
 
 class Request(NamedTuple):
@@ -80,7 +82,7 @@ class Runner(Protocol[X, R]):
         """The sessions holding state."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Planned:
     """A request checked and given its slots, and what it changes as it runs."""
 
@@ -88,7 +90,7 @@ class _Planned:
     x: torch.Tensor  # [1, T, H]
     ops: tuple[Op, ...]
     run: tuple[tuple[int, int], ...]  # each op's (layer, block_idx): requests of one run compute together
-    slots: dict[int, KVSlot]  # block_idx -> its attention slot
+    slots: dict[int, KVSlot]  # block_idx -> the session's attention slot (those of `writes` among them)
     writes: dict[int, tuple[int, int]]  # block_idx -> the rows [start, end) its ops write in that slot
     begun: Begun | None = None  # as prefix reuse took it: `x` and `ops` are then its rows still to compute
     computed: dict[int, tuple[LinearState, int]] = field(default_factory=dict)  # block_idx -> (new state, consumed)
@@ -177,6 +179,7 @@ class BlockRunner:
         self.prefixes = PrefixCache(self.cache, [block.recurrent for block in self.blocks], config.hidden_size,
                                     share_prefixes) if prefix_reuse else None
         self.capturable = tuple(map(capturable, self.blocks))
+        self._checked_run: tuple[tuple[int, int], ...] | None = None  # the run `_check_run` passed last
         self.graphs = None if graph_batch is None else DecodeGraphs(self.cache, graph_batch, device.type == "cuda")
 
     @classmethod
@@ -348,16 +351,14 @@ class BlockRunner:
     def _plan(self, request: Request) -> _Planned:
         """Check `request` against the session's state and reserve its slots (RequestError if it cannot run)."""
         session, x, ops = request
-        self._check_input(x)
-        layers, slots = len(self.blocks), self.config.num_hidden_layers
+        T = self._check_input(x)
         if self.slots_shifted:  # from here on, block_idx is the KV slot
+            layers = len(self.blocks)
             ops = [Op(op.layer, op.index_pos, self.slot_bases[op.layer] + op.block_idx)
                    if 0 <= op.layer < layers else op for op in ops]
         run = tuple([(op.layer, op.block_idx) for op in ops])  # what the request shares with those it batches with
-        for layer, block_idx in run:
-            if not (0 <= layer < layers and 0 <= block_idx < slots):
-                raise InternalError(f"op {layer}, {block_idx} (layer, KV slot) breaks the contract: this runner "
-                                    f"has {layers} layers and {slots} KV slots")
+        if run != self._checked_run:  # a step's requests mostly share one run: checked once
+            self._check_run(run)
         begun = None if self.prefixes is None else self.prefixes.begin(session, x, ops)
         if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
             if not begun.computes:
@@ -365,11 +366,10 @@ class BlockRunner:
             start = begun.extension.start
             x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
             ops = [Op(op.layer, begun.resume, op.block_idx) for op in ops]
-        T = x.shape[1]
+            T = x.shape[1]
         writes, linear_ends = {}, {}  # block_idx -> the rows [start, end) its ops write; -> the end
         held, recurrent = self.cache.slots(session), self.recurrent
-        for op in ops:
-            layer, index_pos, block_idx = op.layer, op.index_pos, op.block_idx
+        for layer, index_pos, block_idx in ops:
             if recurrent[layer]:
                 # An earlier op of this request on the same slot counts as consumed.
                 consumed = linear_ends.get(block_idx, self.cache.linear_length(session, block_idx))
@@ -381,7 +381,8 @@ class BlockRunner:
                     )
                 cached = consumed
             else:
-                cached = held[block_idx].length if block_idx in held else 0
+                slot = held.get(block_idx)
+                cached = 0 if slot is None else slot.length
             if index_pos < 0 or index_pos > cached:
                 raise PositionGap(
                     f"index_pos {index_pos} for block {block_idx} does not follow the {cached} positions cached in this session"
@@ -396,27 +397,41 @@ class BlockRunner:
         slots = self.cache.reserve(session, writes, linear_ends)
         return _Planned(session, x, tuple(ops), run, slots, writes, begun)
 
+    def _check_run(self, run: tuple[tuple[int, int], ...]) -> None:
+        """InternalError where an op names a layer or KV slot this runner lacks."""
+        layers, slots = len(self.blocks), self.config.num_hidden_layers
+        for layer, block_idx in run:
+            if not (0 <= layer < layers and 0 <= block_idx < slots):
+                raise InternalError(f"op {layer}, {block_idx} (layer, KV slot) breaks the contract: this runner "
+                                    f"has {layers} layers and {slots} KV slots")
+        self._checked_run = run
+
     def _run(self, group: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
         """The outputs of `group`'s requests, which share one run, computed together: the decode
         requests first in x (the step's pages take them in one attention call), outputs in `group`'s order."""
-        order = sorted(range(len(group)), key=lambda i: group[i].x.shape[1] > 1)
-        members = [group[i] for i in order]
-        lengths = [planned.x.shape[1] for planned in members]
+        lengths = [planned.x.shape[1] for planned in group]
+        order = None if max(lengths) == 1 else sorted(range(len(group)), key=lambda i: lengths[i] > 1)
+        members = group if order is None else [group[i] for i in order]
+        if order is not None:
+            lengths = [lengths[i] for i in order]
         x = members[0].x if len(members) == 1 else torch.cat([planned.x for planned in members], dim=1)  # [1, N, H]
-        where = [(tuple(planned.ops[j].index_pos for planned in members), tuple(planned.ops[j].block_idx for planned in members))
-                 for j in range(len(members[0].ops))]  # per op: each request's index_pos, block_idx
-        attention = {j: i for i, j in enumerate(j for j, op in enumerate(members[0].ops) if not self.recurrent[op.layer])}
-        step = None if not attention else StepRows(
-            self.cache, [planned.session for planned in members], lengths, [where[j][0] for j in attention],
-            [[planned.slots[block_idx] for planned, block_idx in zip(members, where[j][1], strict=True)] for j in attention])
         run = members[0].run
+        # Per op: each request's index_pos (the requests' ops, column by column).
+        starts = [tuple(map(_index_pos, column)) for column in zip(*[planned.ops for planned in members])]
+        attention = {j: i for i, j in enumerate(j for j, (layer, _) in enumerate(run) if not self.recurrent[layer])}
+        step = None if not attention else StepRows(
+            self.cache, [planned.session for planned in members], lengths, [starts[j] for j in attention],
+            [[planned.slots[run[j][1]] for planned in members] for j in attention])
         graphed = self.graphs.run(run, [self.blocks[layer] for layer, _ in run], [self.rotaries[layer] for layer, _ in run],
                                   step, x) if self._graphed(run, lengths) else None
-        x = graphed if graphed is not None else self._layers(members, lengths, x, where, attention, step, between_ops)
+        x = graphed if graphed is not None else self._layers(members, lengths, x, starts, attention, step, between_ops)
         for planned in members:
+            slots = planned.slots
             for block_idx, (_, end) in planned.writes.items():
-                planned.slots[block_idx].length = end
+                slots[block_idx].length = end
         outputs = [x] if len(members) == 1 else list(x.split(lengths, dim=1))
+        if order is None:
+            return outputs
         in_order: list[torch.Tensor] = [None] * len(group)
         for i, output in zip(order, outputs, strict=True):
             in_order[i] = output
@@ -427,26 +442,26 @@ class BlockRunner:
         that its shape fit a graph): decodes only, every layer one a graph holds."""
         return self.graphs is not None and lengths[-1] == 1 and all(self.capturable[layer] for layer, _ in run)
 
-    def _layers(self, members: list[_Planned], lengths: list[int], x: torch.Tensor, where: list, attention: dict[int, int],
-                step: StepRows | None, between_ops: Callable[[], None] | None) -> torch.Tensor:
-        """x: [1, N, H] through the run's layers, op by op, over the step's pages (compute/paged_step.py)."""
+    def _layers(self, members: list[_Planned], lengths: list[int], x: torch.Tensor, starts: list[tuple[int, ...]],
+                attention: dict[int, int], step: StepRows | None, between_ops: Callable[[], None] | None) -> torch.Tensor:
+        """x: [1, N, H] through the run's layers, op by op, over the step's pages (compute/paged_step.py);
+        `starts`: per op, each request's index_pos."""
         rotations = {}  # (rotary, each request's index_pos) -> cos, sin: [N, R]
-        for j, op in enumerate(members[0].ops):
+        for j, (layer, block_idx) in enumerate(members[0].run):
             if j and j % _OPS_BETWEEN_CALLS == 0 and between_ops is not None:
                 between_ops()
-            block = self.blocks[op.layer]
-            starts, slots = where[j]
+            block = self.blocks[layer]
             if block.recurrent:
                 segments = [(T, planned.linear_state(self.cache, block_idx, index_pos))
-                            for planned, T, index_pos, block_idx in zip(members, lengths, starts, slots, strict=True)]
+                            for planned, T, index_pos in zip(members, lengths, starts[j], strict=True)]
                 x, states = block.forward(x, segments)
-                for planned, T, index_pos, block_idx, state in zip(members, lengths, starts, slots, states, strict=True):
+                for planned, T, index_pos, state in zip(members, lengths, starts[j], states, strict=True):
                     planned.computed[block_idx] = (state, index_pos + T)
                 continue
-            rotary = self.rotaries[op.layer]
-            if (rotary, starts) not in rotations:
-                rotations[rotary, starts] = self._rotation(rotary, step, attention[j])
-            cos, sin = rotations[rotary, starts]
+            rotary = self.rotaries[layer]
+            if (rotary, starts[j]) not in rotations:
+                rotations[rotary, starts[j]] = self._rotation(rotary, step, attention[j])
+            cos, sin = rotations[rotary, starts[j]]
             x = block.forward(x, cos, sin, step.layer(attention[j]))
         return x
 
@@ -458,12 +473,14 @@ class BlockRunner:
         long = step.long_rows(index, rotary) if rotary.long_inv_freq is not None else None
         return rotary.cos_sin(step.positions[index], self.dtype, long)
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        hidden = self.config.hidden_size
-        if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] < 1 or x.shape[2] != hidden or \
+    def _check_input(self, x: torch.Tensor) -> int:
+        """T of x: [1, T, H] (InternalError where x is not what this runner computes)."""
+        shape, hidden = x.shape, self.config.hidden_size
+        if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != hidden or \
                 x.dtype != self.dtype or x.device != self.device:
-            raise InternalError(f"activation {x.dtype} {tuple(x.shape)} on {x.device} breaks the contract: this "
+            raise InternalError(f"activation {x.dtype} {tuple(shape)} on {x.device} breaks the contract: this "
                                 f"runner computes [1, T, {hidden}] with T >= 1, {self.dtype} on {self.device}")
+        return shape[1]
 
     def clear_session(self, session: int) -> None:
         """Goodbye: the session starts afresh. With prefix reuse its rows are kept as a retired

@@ -88,10 +88,16 @@ def attend(
     return out
 
 
+def bias(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """seen: a bool mask -> the same mask as SDPA adds it to the scores, in `dtype`: 0 where seen, -inf
+    elsewhere (what SDPA makes of a bool mask at every call; made once, a step's layers share it)."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+
+
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode rows of several requests in one call: q: [B, H_q, D], request b's one query; k, v:
-    [B, H_kv, S, D], its keys padded to the longest; visible: [B, S] bool, which keys it sees
-    -> [B, H_q, D].
+    [B, H_kv, S, D], its keys padded to the longest; visible: [B, S], which keys it sees (bool, or
+    `bias`'s additive mask) -> [B, H_q, D].
 
     As `attend`'s decode: the n_rep query heads of a kv head become n_rep query rows of it, so each
     K/V row is read once and no GQA flag is needed; the mask takes the padding and the window
