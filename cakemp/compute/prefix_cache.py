@@ -117,6 +117,9 @@ class Prefix:
     pending: torch.Tensor | None = None
     slots: dict[int, KVSlot] = field(default_factory=dict)  # retired only: the attention layers' KV slots
     used: int = 0  # when last used (for least recently used first)
+    # Retired only: the bytes it holds besides KV blocks, counted as it was retired (a retired
+    # prefix's rows and points do not change until it is taken out of the retired).
+    held: int = 0
 
     @property
     def lags(self) -> bool:
@@ -154,6 +157,7 @@ class PrefixCache:
         self._shared = shared
         self._live: dict[int, Prefix] = {}  # session -> its run's prefix
         self._retired: list[Prefix] = []  # oldest first
+        self._retired_held = 0  # the retired prefixes' `held`, summed
         self._clock = itertools.count(1)
         # Since the last report.
         self.hits = self.tokens = self.evictions = 0
@@ -197,7 +201,7 @@ class PrefixCache:
             return
         point = self._linear(prefix.layer_path) and extension.end - extension.start > 1
         needed = prefix.outputs.growth(extension.end) + (self._point_bytes(prefix.layer_path) if point else 0)
-        if not self._make_room(needed):
+        if needed and not self._make_room(needed):  # (most requests need none: their rows fit the buffer)
             self._drop(begun.session, evicted=True)
             return
         prefix.chain.advance(extension, extension.end)
@@ -275,7 +279,8 @@ class PrefixCache:
     def nbytes(self) -> int:
         """Bytes held for reuse alone besides KV blocks (which the cache counts): output rows, state
         points and pending rows, of retired prefixes and live sessions."""
-        return sum(self._bytes(prefix, blocks=False) for prefix in [*self._retired, *self._live.values()])
+        # The budget asks at every block a session takes: the retired prefixes' share is kept counted.
+        return self._retired_held + sum(self._bytes(prefix, blocks=False) for prefix in self._live.values())
 
     def retired_bytes(self) -> int:
         """Bytes retired prefixes hold, their KV blocks included."""
@@ -302,7 +307,7 @@ class PrefixCache:
                     best, best_agreed = candidate, agreed
         if best is None:
             return
-        self._retired.remove(best)
+        self._unretire(best)
         self._cache.clear(session)  # whatever the session held outside a followed run
         self._cache.attach(session, best.slots)
         best.slots = {}
@@ -360,7 +365,7 @@ class PrefixCache:
                     best, best_agreed = candidate, candidate_agreed
         if best is None:
             return False
-        self._retired.remove(best)
+        self._unretire(best)
         kv, linear = self._cache.detach(session)  # the linear states stay: computed from the same rows
         self._keep_whole(prefix, kv)
         for slot in best.slots.values():
@@ -405,9 +410,16 @@ class PrefixCache:
 
     def _keep(self, prefix: Prefix) -> None:
         """Retire `prefix` (its slots at its chain's length), the newest; past MAX_RETIRED the oldest goes."""
+        prefix.held = self._bytes(prefix, blocks=False)
+        self._retired_held += prefix.held
         self._retired.append(prefix)
         if len(self._retired) > MAX_RETIRED:
             self._discard(self._retired[0], evicted=True)
+
+    def _unretire(self, prefix: Prefix) -> None:
+        """Take `prefix` out of the retired (given up, or made a session's again)."""
+        self._retired.remove(prefix)
+        self._retired_held -= prefix.held
 
     def _make_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit the budget, once retired prefixes (oldest first) are freed as needed."""
@@ -417,7 +429,7 @@ class PrefixCache:
 
     def _discard(self, prefix: Prefix, evicted: bool = False) -> None:
         """A retired prefix given up, its blocks freed (those no session shares)."""
-        self._retired.remove(prefix)
+        self._unretire(prefix)
         self._cache.drop(prefix.slots.values())
         self.evictions += evicted
 

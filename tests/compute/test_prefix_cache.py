@@ -11,7 +11,7 @@ import torch
 
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute.kv_cache import BLOCK
-from cakemp.compute.prefix_cache import MAX_RETIRED
+from cakemp.compute.prefix_cache import MAX_RETIRED, PrefixCache
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import ContextLimitExceeded
 from cakemp.front.router import chunk_bounds
@@ -276,3 +276,34 @@ def test_retired_prefixes_are_bounded_in_number(llama):
         node.runner.run(session, rows(16, session), node.ops(0))
         node.runner.clear_session(session)
     assert node.runner.prefixes.retired_count() == MAX_RETIRED and figures(node.runner)[2] == 2
+
+
+def test_the_bytes_kept_for_reuse_are_counted_as_prefixes_are_retired_taken_back_and_given_up(llama, qwen):
+    """What the budget asks of prefix reuse (`nbytes`, counted as prefixes come and go) is, after every
+    turn, the sum over every prefix kept of its output rows, state points and pending rows: chats
+    sharing their start (a prefix left whole, another switched to), Goodbyes, closed sessions, and
+    retired prefixes given up for a live session's room."""
+    for checkpoint in (llama, qwen):
+        probe = Node(checkpoint, prefix_reuse=True)
+        probe.prompt(1, rows(60, 0))
+        node = Node(checkpoint, prefix_reuse=True, share_prefixes=True,
+                    kv_budget_bytes=3 * (probe.runner.kv_bytes() + probe.runner.prefixes.kept_bytes()))
+        prefixes = node.runner.prefixes
+        system = rows(20, 0)
+        _, chat_a = node.turn(1, torch.cat([system, rows(30, 1)], dim=1), 3, seed=2)
+        assert prefixes.nbytes() == recounted(prefixes) > 0
+        node.turn(1, torch.cat([system, rows(30, 3)], dim=1), 2, seed=4)  # leaves chat A's prefix whole
+        assert prefixes.nbytes() == recounted(prefixes)
+        node.turn(2, torch.cat([chat_a, rows(6, 5)], dim=1), 2, seed=6)  # takes chat A's prefix back
+        assert prefixes.nbytes() == recounted(prefixes)
+        node.runner.free_session(1)
+        assert prefixes.nbytes() == recounted(prefixes)
+        for session in range(3, 7):  # more than the budget keeps: the oldest are given up
+            node.turn(session, rows(60, session), 2, seed=session)
+            assert prefixes.nbytes() == recounted(prefixes)
+        assert figures(node.runner)[2] > 0 and figures(node.runner)[0] >= 2
+
+
+def recounted(prefixes: PrefixCache) -> int:
+    """The bytes every prefix kept holds besides KV blocks, summed afresh."""
+    return sum(prefixes._bytes(prefix, blocks=False) for prefix in [*prefixes._retired, *prefixes._live.values()])
