@@ -43,6 +43,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import NamedTuple
 
 import torch
 
@@ -57,6 +59,7 @@ MAX_RETIRED = 256
 MIN_REUSE = 16
 MIN_OUTPUT_ROWS = 256
 SHARED = -1  # the domain of every session when prefixes are shared
+_index_pos = attrgetter("index_pos")
 
 # The layers a request's ops run through on this device, with the KV slot of each:
 # (layer, block_idx) of each op, in order. A prefix is reused only by a request of the same one.
@@ -72,10 +75,7 @@ class OutputRows:
 
     def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device):
         self.buffer = torch.empty(0, hidden, dtype=dtype, device=device)
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        self.nbytes = 0  # the buffer's (asked of every live session's at each block a session takes)
 
     def growth(self, end: int) -> int:
         """Bytes more that holding rows [0, end) takes."""
@@ -88,7 +88,7 @@ class OutputRows:
         if end > self.buffer.shape[0]:
             grown = self.buffer.new_empty(self._grown(end), self.buffer.shape[1])
             grown[:position] = self.buffer[:position]
-            self.buffer = grown
+            self.buffer, self.nbytes = grown, grown.nbytes
         self.buffer[position:end] = rows[0]
 
     def rows(self, start: int, end: int) -> torch.Tensor:
@@ -126,11 +126,11 @@ class Prefix:
         return self.resumed < self.chain.length
 
 
-@dataclass(frozen=True)
-class Begun:
+class Begun(NamedTuple):
     """A request [start, end) as prefix reuse takes it: rows [resume, end) are computed, from
     input rows `pending` and then the request's own when resume < start; the answer is `kept`
-    (output rows [start, resume), when resume > start), then the computed rows from start on."""
+    (output rows [start, resume), when resume > start), then the computed rows from start on.
+    (A tuple: one is made per request, in a quarter of a frozen dataclass's time.)"""
 
     session: int
     prefix: Prefix
@@ -164,17 +164,17 @@ class PrefixCache:
 
     # -- requests
 
-    def begin(self, session: int, x: torch.Tensor, ops: Sequence[Op]) -> Begun | None:
-        """Take a request (x: [1, T, H], its ops checked against the runner's layers) before it runs:
-        a request at 0 retires what the session held and may adopt a retired prefix; one following
-        an adopted prefix goes on matching it. None when the request is not followed (its ops start
-        at different positions, or it does not continue the session's run: the session is then not
-        followed until it starts again at 0)."""
+    def begin(self, session: int, x: torch.Tensor, rows: memoryview, ops: Sequence[Op], path: LayerPath) -> Begun | None:
+        """Take a request (x: [1, T, H], `rows` its bytes on the host; its ops checked against the
+        runner's layers, `path` their layers and KV slots) before it runs: a request at 0 retires what
+        the session held and may adopt a retired prefix; one following an adopted prefix goes on
+        matching it. None when the request is not followed (its ops start at different positions, or
+        it does not continue the session's run: the session is then not followed until it starts
+        again at 0)."""
         start = ops[0].index_pos if ops else -1
-        if start < 0 or any(op.index_pos != start for op in ops):
+        if start < 0 or not all(map(start.__eq__, map(_index_pos, ops))):
             self._drop(session)
             return None
-        path = tuple((op.layer, op.block_idx) for op in ops)
         if start == 0:
             self.retire(session)  # a new prompt replaces the session's rows: they are kept
             prefix = Prefix(SHARED if self._shared else session, path, RowChain(self._row_bytes),
@@ -186,7 +186,7 @@ class PrefixCache:
                 self._drop(session)
                 return None
         prefix.used = next(self._clock)
-        extension = prefix.chain.extension(_row_bytes(x))
+        extension = prefix.chain.extension(rows)
         if start == 0:
             self._adopt(session, prefix, extension)
         if prefix.ahead is None:
@@ -199,7 +199,7 @@ class PrefixCache:
         prefix, extension = begun.prefix, begun.extension
         if self._live.get(begun.session) is not prefix:  # no longer followed (its room was needed)
             return
-        point = self._linear(prefix.layer_path) and extension.end - extension.start > 1
+        point = extension.end - extension.start > 1 and self._linear(prefix.layer_path)
         needed = prefix.outputs.growth(extension.end) + (self._point_bytes(prefix.layer_path) if point else 0)
         if needed and not self._make_room(needed):  # (most requests need none: their rows fit the buffer)
             self._drop(begun.session, evicted=True)
@@ -207,7 +207,7 @@ class PrefixCache:
         prefix.chain.advance(extension, extension.end)
         prefix.resumed, prefix.pending = extension.end, None
         skip = max(0, extension.start - begun.resume)  # rows answered from kept rows before: they stay
-        prefix.outputs.write(begun.resume + skip, computed[:, skip:])
+        prefix.outputs.write(begun.resume + skip, computed[:, skip:] if skip else computed)
         if point:
             prefix.points[extension.end] = dict(states)
 
@@ -462,10 +462,5 @@ class PrefixCache:
         """What `prefix` holds: output rows, state points, pending rows, and with `blocks` its KV blocks."""
         kv = sum(slot.capacity for slot in prefix.slots.values()) * self._cache.bytes_per_position if blocks else 0
         pending = 0 if prefix.pending is None else prefix.pending.numel() * prefix.pending.element_size()
-        return kv + prefix.outputs.nbytes + len(prefix.points) * self._point_bytes(prefix.layer_path) + pending
-
-
-def _row_bytes(x: torch.Tensor) -> memoryview:
-    """The bytes of x: [1, T, H], row after row, read on the host."""
-    rows = x[0].detach().contiguous().cpu()
-    return memoryview(rows.view(torch.uint8).numpy()).cast("B")
+        points = len(prefix.points) * self._point_bytes(prefix.layer_path) if prefix.points else 0
+        return kv + prefix.outputs.nbytes + points + pending

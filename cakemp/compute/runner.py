@@ -309,10 +309,18 @@ class BlockRunner:
         if together is not None:
             together(range(len(requests)))
         results: list[torch.Tensor | Exception | None] = [None] * len(requests)
-        groups: dict[tuple[str, ...], list[tuple[int, _Planned]]] = {}
+        checked = []  # (index, request, T): the requests whose x is what this runner computes
         for i, request in enumerate(requests):
             try:
-                planned = self._plan(request)
+                checked.append((i, request, self._check_input(request.x)))
+            except InternalError as e:
+                results[i] = e
+        # Prefix reuse names rows by their bytes: those of every request, read in one copy.
+        rows = None if self.prefixes is None or not checked else _host_rows([request.x for _, request, _ in checked])
+        groups: dict[tuple[str, ...], list[tuple[int, _Planned]]] = {}
+        for k, (i, request, T) in enumerate(checked):
+            try:
+                planned = self._plan(request, T, None if rows is None else rows[k])
             except Exception as e:
                 results[i] = e
                 continue
@@ -342,16 +350,17 @@ class BlockRunner:
                 return [self._run_group([planned], between_ops)[0] for planned in members]
             return [e] * len(members)
         for planned, output in zip(members, outputs, strict=True):
-            planned.install(self.cache)
+            if planned.computed:
+                planned.install(self.cache)
             if planned.begun is not None:
-                states = {block_idx: state for block_idx, (state, _) in planned.computed.items()}
+                states = {block_idx: state for block_idx, (state, _) in planned.computed.items()} if planned.computed else {}
                 self.prefixes.finish(planned.begun, output, states)
         return outputs
 
-    def _plan(self, request: Request) -> _Planned:
-        """Check `request` against the session's state and reserve its slots (RequestError if it cannot run)."""
+    def _plan(self, request: Request, T: int, rows: memoryview | None) -> _Planned:
+        """Check `request` (x: [1, T, H], its bytes `rows` on the host where prefix reuse reads them)
+        against the session's state and reserve its slots (RequestError if it cannot run)."""
         session, x, ops = request
-        T = self._check_input(x)
         if self.slots_shifted:  # from here on, block_idx is the KV slot
             layers = len(self.blocks)
             ops = [Op(op.layer, op.index_pos, self.slot_bases[op.layer] + op.block_idx)
@@ -359,7 +368,7 @@ class BlockRunner:
         run = tuple([(op.layer, op.block_idx) for op in ops])  # what the request shares with those it batches with
         if run != self._checked_run:  # a step's requests mostly share one run: checked once
             self._check_run(run)
-        begun = None if self.prefixes is None else self.prefixes.begin(session, x, ops)
+        begun = None if self.prefixes is None else self.prefixes.begin(session, x, rows, ops, run)
         if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
             if not begun.computes:
                 return _Planned(session, x, (), (), {}, {}, begun)
@@ -504,6 +513,19 @@ class BlockRunner:
 
     def sessions(self) -> Set[int]:
         return self.cache.sessions()
+
+
+def _host_rows(xs: Sequence[torch.Tensor]) -> list[memoryview]:
+    """Each x's bytes, row after row, on the host: one copy of them all (on a GPU one transfer, not
+    one per request)."""
+    flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
+    view = memoryview(flat.cpu().view(torch.uint8).numpy()).cast("B")
+    rows, at = [], 0
+    for x in xs:
+        end = at + x.numel() * x.element_size()
+        rows.append(view[at:end])
+        at = end
+    return rows
 
 
 def _linear_state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
