@@ -3,6 +3,7 @@ cakemp's BlockRunner.run_batch beside transformers' own layers batched, side by 
 
     python -m bench.step_growth [--shape tiny|tinyllama] [--counts 1,8,32] [--cached 16]
                                 [--steps 50] [--rounds 5] [--threads 1] [--layers 2]
+                                [--prefix-reuse] [--retired 0]
 
 A random Llama checkpoint (tiny: hidden 64, intermediate 192, 4 query heads on 2 kv heads of 16;
 tinyllama: TinyLlama-1.1B's layer, hidden 2048, intermediate 5632, 32 query heads on 4 kv heads
@@ -13,6 +14,11 @@ a --cached-token prompt, then both compute --steps decode steps of all N session
   device loads it (f32 matrices packed);
 * transformers: its LlamaDecoderLayers on x: [N, 1, H] over one DynamicCache of batch N (every
   session at the same length, so no padding: the cheapest batched step transformers has).
+
+With --prefix-reuse, cakemp's runner follows its sessions for prefix reuse under a KV budget, as a
+node's device does by default, and --retired sessions have first run a 32-row prompt and said
+Goodbye (the retired prefixes a chat server keeps): transformers' side has no such thing, so the
+ratio then includes what following the sessions costs.
 
 Printed per count: each side's CPU ms per step (process time: steadier than wall on a shared
 machine; the median of --rounds windows, the two alternating), and the growth per session from
@@ -40,6 +46,8 @@ SHAPES = {
     "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4),
 }
 LAYERS = 2  # the default of --layers
+RETIRED_ROWS = 32  # the prompt each --retired session ran
+REUSE_BUDGET = 1 << 30  # the KV budget with --prefix-reuse: 1 GiB, room for every row these runs keep
 
 
 class Cakemp:
@@ -47,11 +55,17 @@ class Cakemp:
     decodes one token of each, all in one run_batch."""
 
     def __init__(self, path, sessions: int, cached: int, layers: int = LAYERS, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, runner: BlockRunner | None = None):
+                 dtype: torch.dtype = torch.float32, runner: BlockRunner | None = None, prefix_reuse: bool = False,
+                 retired: int = 0):
         self.layers = layers
-        self.runner = runner or BlockRunner.load(path, [f"model.layers.{i}" for i in range(layers)], device, dtype)
+        self.runner = runner or BlockRunner.load(path, [f"model.layers.{i}" for i in range(layers)], device, dtype,
+                                                 prefix_reuse=prefix_reuse,
+                                                 kv_budget_bytes=REUSE_BUDGET if prefix_reuse else None)
         self.hidden, self.device, self.dtype = self.runner.config.hidden_size, self.runner.device, self.runner.dtype
         self.sessions, self.position = sessions, cached
+        for s in range(sessions, sessions + retired):  # a chat's turn each, retired by its Goodbye
+            self.runner.run(s, self._x(RETIRED_ROWS), self._ops(0))
+            self.runner.clear_session(s)
         for s in range(sessions):
             self.runner.free_session(s)
             self.runner.run(s, self._x(cached), self._ops(0))
@@ -120,19 +134,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--prefix-reuse", action="store_true")
+    parser.add_argument("--retired", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(c) for c in args.counts.split(",")]
     print(machine_line())
     print(f"{args.shape} layers x{args.layers}, f32, {args.cached} cached tokens, {args.threads} thread(s), "
-          f"{args.steps} steps a window, median of {args.rounds}")
+          f"{args.steps} steps a window, median of {args.rounds}" +
+          (f"; cakemp with prefix reuse, {args.retired} retired prefixes" if args.prefix_reuse else ""))
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(tmp, "llama", num_hidden_layers=args.layers, vocab_size=64,
-                               max_position_embeddings=args.cached + args.steps * (args.rounds + 1) + 8,
+                               max_position_embeddings=max(args.cached + args.steps * (args.rounds + 1) + 8, RETIRED_ROWS),
                                **SHAPES[args.shape])
         figures = {}
         for n in counts:
-            sides = {"cakemp": Cakemp(path, n, args.cached, args.layers),
+            sides = {"cakemp": Cakemp(path, n, args.cached, args.layers, prefix_reuse=args.prefix_reuse,
+                                      retired=args.retired),
                      "transformers": Transformers(path, n, args.cached, args.layers)}
             for side in sides.values():
                 per_step_ms(side, 2)  # warm-up
