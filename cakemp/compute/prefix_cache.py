@@ -117,8 +117,8 @@ class Prefix:
     pending: torch.Tensor | None = None
     slots: dict[int, KVSlot] = field(default_factory=dict)  # retired only: the attention layers' KV slots
     used: int = 0  # when last used (for least recently used first)
-    # Retired only: the bytes it holds besides KV blocks, counted as it was retired (a retired
-    # prefix's rows and points do not change until it is taken out of the retired).
+    # The bytes it holds besides KV blocks as last counted: a live prefix's after each request (only
+    # a request changes it), a retired one's as it was retired (unchanged until it is taken out).
     held: int = 0
 
     @property
@@ -158,6 +158,7 @@ class PrefixCache:
         self._live: dict[int, Prefix] = {}  # session -> its run's prefix
         self._retired: list[Prefix] = []  # oldest first
         self._retired_held = 0  # the retired prefixes' `held`, summed
+        self._live_held = 0  # the live ones'
         self._clock = itertools.count(1)
         # Since the last report.
         self.hits = self.tokens = self.evictions = 0
@@ -189,9 +190,10 @@ class PrefixCache:
         extension = prefix.chain.extension(rows)
         if start == 0:
             self._adopt(session, prefix, extension)
-        if prefix.ahead is None:
-            return Begun(session, prefix, extension, start)
-        return self._follow(session, prefix, extension, x)
+        begun = Begun(session, prefix, extension, start) if prefix.ahead is None else \
+            self._follow(session, prefix, extension, x)
+        self._count(prefix)
+        return begun
 
     def finish(self, begun: Begun, computed: torch.Tensor, states: dict[int, LinearState]) -> None:
         """The request computed its rows [resume, end) (`computed`: [1, n, H]) and the linear
@@ -210,6 +212,7 @@ class PrefixCache:
         prefix.outputs.write(begun.resume + skip, computed[:, skip:] if skip else computed)
         if point:
             prefix.points[extension.end] = dict(states)
+        self._count(prefix)
 
     # -- sessions
 
@@ -217,7 +220,7 @@ class PrefixCache:
         """Goodbye (or a new prompt at 0): the session's run becomes a retired prefix, holding its
         KV slots; the session holds nothing afterwards. Without a followed run, nothing is kept
         (the caller frees the session)."""
-        prefix = self._live.pop(session, None)
+        prefix = self._unfollow(session)
         if prefix is None:
             return
         kv, linear = self._cache.detach(session)
@@ -256,7 +259,7 @@ class PrefixCache:
         if self._shared:
             self.retire(session)
             return
-        self._live.pop(session, None)
+        self._unfollow(session)
         for prefix in [prefix for prefix in self._retired if prefix.domain == session]:
             self._discard(prefix)
 
@@ -279,8 +282,8 @@ class PrefixCache:
     def nbytes(self) -> int:
         """Bytes held for reuse alone besides KV blocks (which the cache counts): output rows, state
         points and pending rows, of retired prefixes and live sessions."""
-        # The budget asks at every block a session takes: the retired prefixes' share is kept counted.
-        return self._retired_held + sum(self._bytes(prefix, blocks=False) for prefix in self._live.values())
+        # The budget asks at every block a session takes: kept counted as prefixes change, come and go.
+        return self._retired_held + self._live_held
 
     def retired_bytes(self) -> int:
         """Bytes retired prefixes hold, their KV blocks included."""
@@ -435,8 +438,21 @@ class PrefixCache:
 
     def _drop(self, session: int, evicted: bool = False) -> None:
         """Stop following the session (its KV state stays the session's)."""
-        if self._live.pop(session, None) is not None and evicted:
+        if self._unfollow(session) is not None and evicted:
             self.evictions += 1
+
+    def _unfollow(self, session: int) -> Prefix | None:
+        """Take the session's prefix (if followed) out of the live ones, uncounted."""
+        prefix = self._live.pop(session, None)
+        if prefix is not None:
+            self._live_held -= prefix.held
+        return prefix
+
+    def _count(self, prefix: Prefix) -> None:
+        """Count again what a live prefix holds, once a request changed it."""
+        held = self._bytes(prefix, blocks=False)
+        self._live_held += held - prefix.held
+        prefix.held = held
 
     def _run_slots(self, path: LayerPath, kv: dict[int, KVSlot]) -> dict[int, KVSlot]:
         """The KV slots of the path's attention layers among detached `kv`; the others are freed."""

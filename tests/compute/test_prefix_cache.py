@@ -279,10 +279,10 @@ def test_retired_prefixes_are_bounded_in_number(llama):
 
 
 def test_the_bytes_kept_for_reuse_are_counted_as_prefixes_are_retired_taken_back_and_given_up(llama, qwen):
-    """What the budget asks of prefix reuse (`nbytes`, counted as prefixes come and go) is, after every
-    turn, the sum over every prefix kept of its output rows, state points and pending rows: chats
-    sharing their start (a prefix left whole, another switched to), Goodbyes, closed sessions, and
-    retired prefixes given up for a live session's room."""
+    """What the budget asks of prefix reuse (`nbytes`, counted as prefixes change, come and go) is,
+    after every turn, the sum over every prefix kept of its output rows, state points and pending
+    rows: chats sharing their start (a prefix left whole, another switched to), Goodbyes, closed
+    sessions, a live session growing, and retired prefixes given up for a live session's room."""
     for checkpoint in (llama, qwen):
         probe = Node(checkpoint, prefix_reuse=True)
         probe.prompt(1, rows(60, 0))
@@ -297,6 +297,10 @@ def test_the_bytes_kept_for_reuse_are_counted_as_prefixes_are_retired_taken_back
         node.turn(2, torch.cat([chat_a, rows(6, 5)], dim=1), 2, seed=6)  # takes chat A's prefix back
         assert prefixes.nbytes() == recounted(prefixes)
         node.runner.free_session(1)
+        assert prefixes.nbytes() == recounted(prefixes)
+        node.prompt(7, rows(40, 7))  # a live session, followed as it grows
+        assert prefixes.nbytes() == recounted(prefixes)
+        node.decode(7, rows(3, 8), 40)
         assert prefixes.nbytes() == recounted(prefixes)
         for session in range(3, 7):  # more than the budget keeps: the oldest are given up
             node.turn(session, rows(60, session), 2, seed=session)
