@@ -57,6 +57,7 @@ KV = ("tests/compute/test_kv_cache.py", "tests/compute/test_runner.py", "tests/d
       "tests/node/test_node_flags.py")
 BLOCK = ("tests/model/test_block.py", "tests/compute/test_runner_parity.py", "-k", "f32 or block")
 GENERATION = ("tests/master/test_generator.py", "-k", "greedy")
+PREFIX = ("tests/compute/test_prefix_cache.py",)
 SCHEDULER = ("tests/device/test_scheduler.py", "tests/node/test_batching.py")
 # llama.cpp's own tokenizer is the oracle (skipped without llama-cpp-python: a mutant then survives).
 GGUF_TOKENIZER = ("tests/master/test_gguf_tokenizer_llama_cpp.py", "tests/master/test_gguf_tokenizer.py",
@@ -157,11 +158,18 @@ MUTANTS = (
     Mutant("kv-budget-ignored", "cakemp/compute/kv_cache.py",
            "if nbytes > left:", "if False:", KV),
     Mutant("kv-context-limit-off-by-one", "cakemp/compute/kv_cache.py",
-           "if end > self.max_context:", "if end > self.max_context + 1:", KV),
+           "            if end > max_context:\n                self._refuse_context(block_idx, end)\n            blocks",
+           "            if end > max_context + 1:\n                self._refuse_context(block_idx, end)\n            blocks", KV),
     Mutant("kv-table-not-published", "cakemp/compute/kv_cache.py",
            "                    self._publish(session, slot)\n", "", KV),
     Mutant("kv-freed-blocks-taken-last-first", "cakemp/compute/kv_cache.py",
            "taken = [heapq.heappop(pool.free) for _ in range(n)]", "taken = [pool.free.pop() for _ in range(n)]", KV),
+    # --- what prefix reuse holds, as the budget counts it
+    Mutant("prefix-retired-bytes-kept-after-taken-out", "cakemp/compute/prefix_cache.py",
+           "        self._retired_held -= prefix.held\n", "", PREFIX),
+    Mutant("prefix-live-bytes-not-counted-after-a-request", "cakemp/compute/prefix_cache.py",
+           "            prefix.points[extension.end] = dict(states)\n        self._count(prefix)\n",
+           "            prefix.points[extension.end] = dict(states)\n", PREFIX),
     # --- block math
     Mutant("rms-eps-10x", "cakemp/model/block.py",
            "self.eps = config.rms_norm_eps", "self.eps = config.rms_norm_eps * 10", BLOCK),
