@@ -168,8 +168,7 @@ MUTANTS = (
     Mutant("prefix-retired-bytes-kept-after-taken-out", "cakemp/compute/prefix_cache.py",
            "        self._retired_held -= prefix.held\n", "", PREFIX),
     Mutant("prefix-live-bytes-not-counted-after-a-request", "cakemp/compute/prefix_cache.py",
-           "            prefix.points[extension.end] = dict(states)\n        self._count(prefix)\n",
-           "            prefix.points[extension.end] = dict(states)\n", PREFIX),
+           "        if changes:\n            self._count(prefix)\n", "", PREFIX),
     # --- block math
     Mutant("rms-eps-10x", "cakemp/model/block.py",
            "self.eps = config.rms_norm_eps", "self.eps = config.rms_norm_eps * 10", BLOCK),

@@ -190,9 +190,10 @@ class PrefixCache:
         extension = prefix.chain.extension(rows)
         if start == 0:
             self._adopt(session, prefix, extension)
-        begun = Begun(session, prefix, extension, start) if prefix.ahead is None else \
-            self._follow(session, prefix, extension, x)
-        self._count(prefix)
+        if prefix.ahead is None:  # nothing it holds changed (a decode step; a prompt that adopted nothing)
+            return Begun(session, prefix, extension, start)
+        begun = self._follow(session, prefix, extension, x)
+        self._count(prefix)  # what it adopted and followed
         return begun
 
     def finish(self, begun: Begun, computed: torch.Tensor, states: dict[int, LinearState]) -> None:
@@ -206,13 +207,15 @@ class PrefixCache:
         if needed and not self._make_room(needed):  # (most requests need none: their rows fit the buffer)
             self._drop(begun.session, evicted=True)
             return
+        changes = needed or prefix.pending is not None  # what it holds (most decode steps: no change)
         prefix.chain.advance(extension, extension.end)
         prefix.resumed, prefix.pending = extension.end, None
         skip = max(0, extension.start - begun.resume)  # rows answered from kept rows before: they stay
         prefix.outputs.write(begun.resume + skip, computed[:, skip:] if skip else computed)
         if point:
             prefix.points[extension.end] = dict(states)
-        self._count(prefix)
+        if changes:
+            self._count(prefix)
 
     # -- sessions
 

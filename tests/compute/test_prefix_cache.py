@@ -278,34 +278,40 @@ def test_retired_prefixes_are_bounded_in_number(llama):
     assert node.runner.prefixes.retired_count() == MAX_RETIRED and figures(node.runner)[2] == 2
 
 
-def test_the_bytes_kept_for_reuse_are_counted_as_prefixes_are_retired_taken_back_and_given_up(llama, qwen):
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+def test_the_bytes_kept_for_reuse_are_counted_as_prefixes_are_retired_taken_back_and_given_up(family, request):
     """What the budget asks of prefix reuse (`nbytes`, counted as prefixes change, come and go) is,
-    after every turn, the sum over every prefix kept of its output rows, state points and pending
-    rows: chats sharing their start (a prefix left whole, another switched to), Goodbyes, closed
-    sessions, a live session growing, and retired prefixes given up for a live session's room."""
-    for checkpoint in (llama, qwen):
-        probe = Node(checkpoint, prefix_reuse=True)
-        probe.prompt(1, rows(60, 0))
-        node = Node(checkpoint, prefix_reuse=True, share_prefixes=True,
-                    kv_budget_bytes=3 * (probe.runner.kv_bytes() + probe.runner.prefixes.kept_bytes()))
-        prefixes = node.runner.prefixes
-        system = rows(20, 0)
-        _, chat_a = node.turn(1, torch.cat([system, rows(30, 1)], dim=1), 3, seed=2)
-        assert prefixes.nbytes() == recounted(prefixes) > 0
-        node.turn(1, torch.cat([system, rows(30, 3)], dim=1), 2, seed=4)  # leaves chat A's prefix whole
+    after every prompt, decode and Goodbye, the sum over every prefix kept of its output rows, state
+    points and pending rows: chats sharing their start (a prefix left whole, another switched to),
+    prefixes taken back, closed sessions, and retired prefixes given up for a live session's room."""
+    checkpoint = request.getfixturevalue(family)
+    probe = Node(checkpoint, prefix_reuse=True)
+    probe.prompt(1, rows(60, 0))
+    node = Node(checkpoint, prefix_reuse=True, share_prefixes=True,
+                kv_budget_bytes=3 * (probe.runner.kv_bytes() + probe.runner.prefixes.kept_bytes()))
+    prefixes = node.runner.prefixes
+
+    def turn(session: int, history: torch.Tensor, generated: int, seed: int) -> torch.Tensor:
+        node.prompt(session, history)
         assert prefixes.nbytes() == recounted(prefixes)
-        node.turn(2, torch.cat([chat_a, rows(6, 5)], dim=1), 2, seed=6)  # takes chat A's prefix back
+        decoded = rows(generated, seed)
+        node.decode(session, decoded, history.shape[1])
         assert prefixes.nbytes() == recounted(prefixes)
-        node.runner.free_session(1)
+        node.runner.clear_session(session)
         assert prefixes.nbytes() == recounted(prefixes)
-        node.prompt(7, rows(40, 7))  # a live session, followed as it grows
-        assert prefixes.nbytes() == recounted(prefixes)
-        node.decode(7, rows(3, 8), 40)
-        assert prefixes.nbytes() == recounted(prefixes)
-        for session in range(3, 7):  # more than the budget keeps: the oldest are given up
-            node.turn(session, rows(60, session), 2, seed=session)
-            assert prefixes.nbytes() == recounted(prefixes)
-        assert figures(node.runner)[2] > 0 and figures(node.runner)[0] >= 2
+        return torch.cat([history, decoded], dim=1)
+
+    system = rows(20, 0)
+    chat_a = turn(1, torch.cat([system, rows(30, 1)], dim=1), 3, seed=2)
+    assert prefixes.nbytes() > 0
+    turn(1, torch.cat([system, rows(30, 3)], dim=1), 2, seed=4)  # leaves chat A's prefix whole
+    turn(2, chat_a[:, :40], 2, seed=6)  # takes part of chat A's prefix, then leaves it
+    turn(2, torch.cat([chat_a, rows(6, 5)], dim=1), 2, seed=6)  # takes chat A's prefix back, whole
+    node.runner.free_session(1)
+    assert prefixes.nbytes() == recounted(prefixes)
+    for session in range(3, 7):  # more than the budget keeps: the oldest are given up
+        turn(session, rows(60, session), 2, seed=session)
+    assert figures(node.runner)[2] > 0 and figures(node.runner)[0] >= 3
 
 
 def recounted(prefixes: PrefixCache) -> int:
