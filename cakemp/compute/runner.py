@@ -438,7 +438,7 @@ class BlockRunner:
             slots = planned.slots
             for block_idx, (_, end) in planned.writes.items():
                 slots[block_idx].length = end
-        outputs = [x] if len(members) == 1 else list(x.split(lengths, dim=1))
+        outputs = [x] if len(members) == 1 else list(x.split_with_sizes(lengths, dim=1))
         if order is None:
             return outputs
         in_order: list[torch.Tensor] = [None] * len(group)

@@ -326,7 +326,7 @@ class DeviceService:
         x = x.to(self.runner.device).to(self.runner.dtype)
         if len(lengths) == sum(lengths):  # decodes alone: [N, 1, 1, H] unbound in one call
             return list(x.view(len(lengths), 1, 1, hidden).unbind(0))
-        return [x.unsqueeze(0) for x in x.split(lengths)]
+        return [x.unsqueeze(0) for x in x.split_with_sizes(lengths)]
 
     def _input(self, hop: Hop, data: Buffer) -> torch.Tensor | Exception:
         """The hop's activation [1, T, H] on this device, in its compute dtype (or why it has none)."""

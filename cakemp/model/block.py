@@ -134,7 +134,8 @@ class DecoderBlock:
         D, n_kv = self.head_dim, self.kv_heads
         q_width = self.heads * D * (2 if self.output_gate else 1)
         qkv = linear(h, self.w_qkv, self.b_qkv)  # [1, N, q_width + 2 H_kv D]
-        q, k, v = qkv.split([q_width, n_kv * D, n_kv * D], dim=-1)
+        # split_with_sizes is the op itself; Tensor.split wraps it in ~2 µs of Python per call.
+        q, k, v = qkv.split_with_sizes([q_width, n_kv * D, n_kv * D], dim=-1)
         if self.output_gate:
             # Qwen3.5: each head's rows are [q | gate].
             q, gate = q.view(B, N, self.heads, 2 * D).chunk(2, dim=-1)  # [1, N, H_q, D] each
@@ -153,7 +154,7 @@ class DecoderBlock:
             # Untouched by norms or a gate, they are one view of qkv's first rows; else one copy.
             plain = self.qk_norm is None and not self.output_gate
             qk = qkv[..., :(self.heads + n_kv) * D].view(B, N, -1, D) if plain else torch.cat([q, k], dim=2)
-            q, k = rotate(qk.transpose(1, 2), cos, sin).split([self.heads, n_kv], dim=1)
+            q, k = rotate(qk.transpose(1, 2), cos, sin).split_with_sizes([self.heads, n_kv], dim=1)
         v = v.view(B, N, n_kv, D).transpose(1, 2)  # [1, H_kv, N, D]
 
         # A sliding window only narrows what is read: the cache keeps every position of every

@@ -128,7 +128,7 @@ class GatedDeltaNet:
         B, T, _ = projected.shape
         H_v, D_k, D_v = self.value_heads, self.key_dim, self.value_dim
         V = H_v * D_v
-        mixed, z, b, a = projected.split([self.channels, V, H_v, H_v], dim=-1)
+        mixed, z, b, a = projected.split_with_sizes([self.channels, V, H_v, H_v], dim=-1)
 
         # Causal depthwise convolution over [the last K-1 inputs | these T], in f32.
         conv_in = mixed.transpose(1, 2).float()  # [B, C, T]
@@ -140,7 +140,7 @@ class GatedDeltaNet:
         new_conv = window[:, :, T:].clone()  # the last K-1 inputs, not a view pinning the window
         mixed = F.silu(F.conv1d(window, self.conv, groups=self.channels))  # [B, C, T]
 
-        q, k, v = mixed.transpose(1, 2).split([self.key_heads * D_k, self.key_heads * D_k, V], dim=-1)
+        q, k, v = mixed.transpose(1, 2).split_with_sizes([self.key_heads * D_k, self.key_heads * D_k, V], dim=-1)
         q = q.reshape(B, T, self.key_heads, D_k)
         k = k.reshape(B, T, self.key_heads, D_k)
         # Each key head serves value_heads // key_heads consecutive value heads.
@@ -224,7 +224,7 @@ def chunked_delta_rule(q, k, v, g, beta, state):
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False)
     rhs = torch.cat((v * beta, k_beta * c.exp()[..., None]), dim=-1)  # [B, H, n, L, D_v + D_k]
     solved = inverse @ rhs
-    u_values, u_state = solved.split([D_v, D_k], dim=-1)
+    u_values, u_state = solved.split_with_sizes([D_v, D_k], dim=-1)
     attend = q @ k.transpose(-1, -2) * decay  # [B, H, n, L, L], zero above the diagonal
     q_decayed = q * c.exp()[..., None]  # reads of S_0
     k_to_end = k * (c[..., -1:] - c).exp()[..., None]  # each key's write, decayed to the chunk's end
