@@ -1,11 +1,13 @@
 """Request cost benchmark: the CPU time a node spends per decode Batch, process by process.
 
     python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--layers 2] [--profile-seconds 4]
-                                 [--before DIR] [--prompt 512] [--prompts 10] [--pin-cpus]
+                                 [--before DIR] [--prompt 512] [--prompts 10] [--pin-cpus] [--prefix-reuse]
 
 Writes a random Llama checkpoint of --layers layers (hidden 256, intermediate 768, 4 query heads on 2 kv
 heads, f32) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over all its
-layers (with --pin-cpus, pinned: the device to the first core, the front to the others). For each
+layers (with --pin-cpus, pinned: the device to the first core, the front to the others; with
+--prefix-reuse, without --no-prefix-reuse: as a node runs by default, the in-process runner
+following its sessions too, under a KV budget of REUSE_BUDGET). For each
 count of sessions (--counts), that many Cake-style masters (bench.pool.Session: an 8-token prompt,
 then one decode Batch through every layer per token) decode at once, --steps
 Batches each per window; between windows every session starts over (a Goodbye and a new prompt,
@@ -14,7 +16,7 @@ outside the window), so contexts stay short. CPU time is each thread's sum_exec_
 does not inflate much, unlike wall time, of the front process and of its device process, over
 each window, divided by the requests in it. Each window is followed by the same compute in this
 process: BlockRunner.run_batch over the same layers (loaded as the node's device loads them: f32
-weights packed, no prefix reuse), one torch thread, on the same number of sessions' one-token
+weights packed, prefix reuse as the node has it), one torch thread, on the same number of sessions' one-token
 requests, its CPU time (time.process_time) per request. It is timed twice: steps back to back, and
 steps each after IDLE_S asleep, as the node's device runs them (see there). --rounds windows of each, alternating;
 figures are sums over all of them. Each process's CPU time is also split by thread: its main
@@ -69,6 +71,7 @@ HIDDEN = 256
 SHAPE = dict(hidden_size=HIDDEN, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=MAX_POSITIONS)
 NODE_ARGS = ("--cpu-threads", "1", "--no-prefix-reuse")
+REUSE_BUDGET = 1 << 30  # the in-process runner's KV budget with --prefix-reuse (a node's device always has one)
 # The in-process steps are timed twice: back to back, and idle this long before each, as a node's
 # device is between a step's answer and the next request (about a master's round trip at one
 # session): a step started cold (caches taken by the front and the master meanwhile, the core
@@ -331,16 +334,19 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10, help="prompts measured through each node and in-process")
     parser.add_argument("--before", type=Path, help="checkout of an earlier commit, whose node runs beside this tree's")
     parser.add_argument("--pin-cpus", action="store_true", help="start the nodes with --pin-cpus")
+    parser.add_argument("--prefix-reuse", action="store_true", help="start the nodes with prefix reuse, as by default")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
-    node_args = (*NODE_ARGS, "--pin-cpus") if args.pin_cpus else NODE_ARGS
+    node_args = tuple(arg for arg in NODE_ARGS if not (args.prefix_reuse and arg == "--no-prefix-reuse")) + \
+        (("--pin-cpus",) if args.pin_cpus else ())
     torch.set_num_threads(1)
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = make_checkpoint(work, "llama", num_hidden_layers=args.layers, **SHAPE)
         layers = [f"model.layers.{i}" for i in range(args.layers)]
-        runner = BlockRunner.load(model, layers, "cpu", torch.float32, pack_weights=True, prefix_reuse=False)
+        runner = BlockRunner.load(model, layers, "cpu", torch.float32, pack_weights=True, prefix_reuse=args.prefix_reuse,
+                                  kv_budget_bytes=REUSE_BUDGET if args.prefix_reuse else None)
         trees = {"this tree": None} if args.before is None else \
             {f"before ({args.before.name})": args.before.resolve(), "this tree": None}
         started = {name: start_cakemp(model, work, "cpu:1", *node_args, layers=args.layers, source=tree)
