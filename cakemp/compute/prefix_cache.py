@@ -118,8 +118,10 @@ class Prefix:
     slots: dict[int, KVSlot] = field(default_factory=dict)  # retired only: the attention layers' KV slots
     used: int = 0  # when last used (for least recently used first)
     # The bytes it holds besides KV blocks as last counted: a live prefix's after each request (only
-    # a request changes it), a retired one's as it was retired (unchanged until it is taken out).
+    # a request changes it), a retired one's as it was retired (unchanged until it is taken out);
+    # and a retired one's KV blocks, counted then too.
     held: int = 0
+    held_kv: int = 0
 
     @property
     def lags(self) -> bool:
@@ -158,6 +160,7 @@ class PrefixCache:
         self._live: dict[int, Prefix] = {}  # session -> its run's prefix
         self._retired: list[Prefix] = []  # oldest first
         self._retired_held = 0  # the retired prefixes' `held`, summed
+        self._retired_kv = 0  # and their `held_kv`
         self._live_held = 0  # the live ones'
         self._clock = itertools.count(1)
         # Since the last report.
@@ -289,12 +292,12 @@ class PrefixCache:
         return self._retired_held + self._live_held
 
     def retired_bytes(self) -> int:
-        """Bytes retired prefixes hold, their KV blocks included."""
-        return sum(self._bytes(prefix) for prefix in self._retired)
+        """Bytes retired prefixes hold, their KV blocks included (the device reports it every step)."""
+        return self._retired_held + self._retired_kv
 
     def kept_bytes(self) -> int:
-        """Live sessions' output rows and state points."""
-        return sum(self._bytes(prefix) for prefix in self._live.values())
+        """Live sessions' output rows, state points and pending rows (their KV blocks are the sessions')."""
+        return self._live_held
 
     def retired_count(self) -> int:
         return len(self._retired)
@@ -416,8 +419,9 @@ class PrefixCache:
 
     def _keep(self, prefix: Prefix) -> None:
         """Retire `prefix` (its slots at its chain's length), the newest; past MAX_RETIRED the oldest goes."""
-        prefix.held = self._bytes(prefix, blocks=False)
+        prefix.held, prefix.held_kv = self._held_bytes(prefix), self._kv_bytes(prefix)
         self._retired_held += prefix.held
+        self._retired_kv += prefix.held_kv
         self._retired.append(prefix)
         if len(self._retired) > MAX_RETIRED:
             self._discard(self._retired[0], evicted=True)
@@ -426,6 +430,7 @@ class PrefixCache:
         """Take `prefix` out of the retired (given up, or made a session's again)."""
         self._retired.remove(prefix)
         self._retired_held -= prefix.held
+        self._retired_kv -= prefix.held_kv
 
     def _make_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit the budget, once retired prefixes (oldest first) are freed as needed."""
@@ -453,7 +458,7 @@ class PrefixCache:
 
     def _count(self, prefix: Prefix) -> None:
         """Count again what a live prefix holds, once a request changed it."""
-        held = self._bytes(prefix, blocks=False)
+        held = self._held_bytes(prefix)
         self._live_held += held - prefix.held
         prefix.held = held
 
@@ -477,9 +482,12 @@ class PrefixCache:
     def _point_bytes(self, path: LayerPath) -> int:
         return sum(self._recurrent[layer] for layer, _ in path) * self._cache.bytes_per_linear_slot
 
-    def _bytes(self, prefix: Prefix, blocks: bool = True) -> int:
-        """What `prefix` holds: output rows, state points, pending rows, and with `blocks` its KV blocks."""
-        kv = sum(slot.capacity for slot in prefix.slots.values()) * self._cache.bytes_per_position if blocks else 0
+    def _held_bytes(self, prefix: Prefix) -> int:
+        """What `prefix` holds besides KV blocks: output rows, state points, pending rows."""
         pending = 0 if prefix.pending is None else prefix.pending.numel() * prefix.pending.element_size()
         points = len(prefix.points) * self._point_bytes(prefix.layer_path) if prefix.points else 0
-        return kv + prefix.outputs.nbytes + points + pending
+        return prefix.outputs.nbytes + points + pending
+
+    def _kv_bytes(self, prefix: Prefix) -> int:
+        """The bytes of a retired prefix's KV blocks (a live one holds none: its session's slots do)."""
+        return sum(slot.capacity for slot in prefix.slots.values()) * self._cache.bytes_per_position

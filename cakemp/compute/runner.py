@@ -309,6 +309,15 @@ class BlockRunner:
         if together is not None:
             together(range(len(requests)))
         results: list[torch.Tensor | Exception | None] = [None] * len(requests)
+        for group in self._plan_step(requests, results).values():
+            outputs = self._run_group([planned for _, planned in group], between_ops)
+            for (i, planned), output in zip(group, outputs, strict=True):
+                results[i] = output if isinstance(output, Exception) else planned.answer(output)
+        return results
+
+    def _plan_step(self, requests: Sequence[Request], results: list) -> dict[tuple, list[tuple[int, _Planned]]]:
+        """The step's requests planned, in groups by run ((index, plan) each); a request that cannot
+        run, or whose every row prefix reuse kept, has its result in `results` instead."""
         checked = []  # (index, request, T): the requests whose x is what this runner computes
         for i, request in enumerate(requests):
             try:
@@ -317,7 +326,7 @@ class BlockRunner:
                 results[i] = e
         # Prefix reuse names rows by their bytes: those of every request, read in one copy.
         rows = None if self.prefixes is None or not checked else _host_rows([request.x for _, request, _ in checked])
-        groups: dict[tuple[str, ...], list[tuple[int, _Planned]]] = {}
+        groups: dict[tuple, list[tuple[int, _Planned]]] = {}
         for k, (i, request, T) in enumerate(checked):
             try:
                 planned = self._plan(request, T, None if rows is None else rows[k])
@@ -328,11 +337,7 @@ class BlockRunner:
                 results[i] = planned.answer(None)
             else:
                 groups.setdefault(planned.run, []).append((i, planned))
-        for group in groups.values():
-            outputs = self._run_group([planned for _, planned in group], between_ops)
-            for (i, planned), output in zip(group, outputs, strict=True):
-                results[i] = output if isinstance(output, Exception) else planned.answer(output)
-        return results
+        return groups
 
     def _run_group(self, members: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor | Exception]:
         """Each member's output, computed together; on an error every member is rolled back and

@@ -315,5 +315,10 @@ def test_the_bytes_kept_for_reuse_are_counted_as_prefixes_are_retired_taken_back
 
 
 def recounted(prefixes: PrefixCache) -> int:
-    """The bytes every prefix kept holds besides KV blocks, summed afresh."""
-    return sum(prefixes._bytes(prefix, blocks=False) for prefix in [*prefixes._retired, *prefixes._live.values()])
+    """The bytes every prefix kept holds besides KV blocks, summed afresh; and as the device reports them,
+    retired (their KV blocks too) and live, checked against the same sums."""
+    retired = [prefixes._held_bytes(prefix) for prefix in prefixes._retired]
+    live = [prefixes._held_bytes(prefix) for prefix in prefixes._live.values()]
+    kv = sum(prefixes._kv_bytes(prefix) for prefix in prefixes._retired)
+    assert (prefixes.retired_bytes(), prefixes.kept_bytes()) == (sum(retired) + kv, sum(live))
+    return sum(retired) + sum(live)
