@@ -75,28 +75,30 @@ class OutputRows:
 
     def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device):
         self.buffer = torch.empty(0, hidden, dtype=dtype, device=device)
-        self.nbytes = 0  # the buffer's (asked of every live session's at each block a session takes)
+        # The buffer's rows and bytes, as numbers: asked at every request (and every live prefix's
+        # bytes whenever the budget is).
+        self.capacity = self.nbytes = 0
+        self._row_bytes = hidden * dtype.itemsize
 
     def growth(self, end: int) -> int:
         """Bytes more that holding rows [0, end) takes."""
-        capacity = self.buffer.shape[0]
-        return 0 if end <= capacity else (self._grown(end) - capacity) * self.buffer.shape[1] * self.buffer.element_size()
+        return 0 if end <= self.capacity else (self._grown(end) - self.capacity) * self._row_bytes
 
     def write(self, position: int, rows: torch.Tensor) -> None:
         """rows: [1, n, H] at positions [position, position + n); the rows before stay."""
         end = position + rows.shape[1]
-        if end > self.buffer.shape[0]:
+        if end > self.capacity:
             grown = self.buffer.new_empty(self._grown(end), self.buffer.shape[1])
             grown[:position] = self.buffer[:position]
-            self.buffer, self.nbytes = grown, grown.nbytes
-        self.buffer[position:end] = rows[0]
+            self.buffer, self.capacity, self.nbytes = grown, grown.shape[0], grown.nbytes
+        self.buffer[position:end] = rows  # [1, n, H] into [n, H]: the leading 1 is dropped
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         """[1, end - start, H]: a view, valid until the buffer is written there."""
         return self.buffer[start:end].unsqueeze(0)
 
     def _grown(self, end: int) -> int:
-        return max(2 * self.buffer.shape[0], MIN_OUTPUT_ROWS, end)
+        return max(2 * self.capacity, MIN_OUTPUT_ROWS, end)
 
 
 @dataclass

@@ -18,7 +18,7 @@ rows were taken (`RowChain.advance`).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from typing import NamedTuple
 
 DIGEST = 32  # bytes of one row's digest
 
@@ -60,9 +60,8 @@ class RowChain:
         self._digests += extension.digests[DIGEST * (self.length - extension.start) : DIGEST * (end - extension.start)]
 
 
-@dataclass(frozen=True)
-class Extension:
-    """Rows [start, end) following a chain: their digests."""
+class Extension(NamedTuple):
+    """Rows [start, end) following a chain: their digests. (A tuple: one is made per request.)"""
 
     start: int
     digests: bytearray
