@@ -5,10 +5,13 @@ that entered a run. As vLLM chains its token blocks' hashes, each row's digest c
 digest before it and the row's own bytes, so two chains agree at a position only where every
 earlier row agreed, and how far two runs' rows agree is found by bisection.
 
-The rows are chained one by one, not by blocks of 16 as vLLM's pages are: the KV cache holds
-each session's rows contiguously (no pages, kv_cache.py), and the front cuts a prompt into even
-chunks whose ends fall anywhere, so a match may end at any row. 32 bytes per row is what that
-costs, next to kilobytes of KV rows.
+The rows are chained one by one, not by blocks of 16 as vLLM's pages are: the front cuts a
+prompt into chunks whose ends fall anywhere, so a match may end at any row. 32 bytes per row is
+what that costs, next to kilobytes of KV rows.
+
+The digest is SHA-256: every row of every request is hashed on the device's main thread, and
+OpenSSL's SHA-256 runs on the SHA instructions of current x86 and Arm server CPUs, ~1.8x
+BLAKE2b's speed on a row of kilobytes (docs/benchmarks.md).
 
 A RowChain is what a session's run has taken so far; an Extension is what a request would add
 to it, computed once per request (each row hashed once) and taken up to where the request's
@@ -20,14 +23,14 @@ from __future__ import annotations
 import hashlib
 from typing import NamedTuple
 
-DIGEST = 32  # bytes of one row's digest
+DIGEST = 32  # bytes of one row's digest (SHA-256's)
 
 
 def _chained(previous: bytes, rows: memoryview, row_bytes: int) -> bytearray:
     """The digests of `rows`, one after another, the first chained on `previous`."""
     digests = bytearray()
     for start in range(0, len(rows), row_bytes):
-        h = hashlib.blake2b(previous, digest_size=DIGEST)
+        h = hashlib.sha256(previous)
         h.update(rows[start : start + row_bytes])
         previous = h.digest()
         digests += previous
