@@ -21,7 +21,6 @@ rows were taken (`RowChain.advance`).
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple
 
 DIGEST = 32  # bytes of one row's digest (SHA-256's)
 
@@ -54,7 +53,7 @@ class RowChain:
 
     def extension(self, rows: memoryview) -> Extension:
         """What `rows` (the bytes of whole rows following this chain's end) would add to it."""
-        return Extension(self.length, _chained(self.digest_at(self.length), rows, self.row_bytes))
+        return Extension(self.length, rows, self.row_bytes, self.digest_at(self.length))
 
     def advance(self, extension: Extension, end: int) -> None:
         """Take the extension's rows up to position `end` (this chain may hold some of them already)."""
@@ -63,15 +62,27 @@ class RowChain:
         self._digests += extension.digests[DIGEST * (self.length - extension.start) : DIGEST * (end - extension.start)]
 
 
-class Extension(NamedTuple):
-    """Rows [start, end) following a chain: their digests. (A tuple: one is made per request.)"""
+class Extension:
+    """Rows [start, end) following a chain: their digests, hashed the first time they are asked for.
 
-    start: int
-    digests: bytearray
+    A request that only continues its session's chain needs them once it has run (to advance the
+    chain), so they are hashed then: on a GPU, while the GPU computes the step's kernels. A request
+    matched against kept rows needs them before it runs, and hashes them then."""
+
+    __slots__ = ("start", "end", "_rows", "_row_bytes", "_previous", "_digests")
+
+    def __init__(self, start: int, rows: memoryview, row_bytes: int, previous: bytes):
+        """`rows`: the bytes of whole rows of `row_bytes`, from `start` on; `previous`: the digest before them."""
+        self.start, self.end = start, start + len(rows) // row_bytes
+        self._rows, self._row_bytes, self._previous = rows, row_bytes, previous
+        self._digests: bytearray | None = None
 
     @property
-    def end(self) -> int:
-        return self.start + len(self.digests) // DIGEST
+    def digests(self) -> bytearray:
+        if self._digests is None:
+            self._digests = _chained(self._previous, self._rows, self._row_bytes)
+            self._rows = None  # the request's rows are not held past their hashing
+        return self._digests
 
     def digest_at(self, position: int) -> bytes:
         """The digest naming rows [0, position) of the chain with these rows, start < position <= end."""
