@@ -355,10 +355,9 @@ class BlockRunner:
                 return [self._run_group([planned], between_ops)[0] for planned in members]
             return [e] * len(members)
         for planned, output in zip(members, outputs, strict=True):
-            if planned.computed:
-                planned.install(self.cache)
+            planned.install(self.cache)
             if planned.begun is not None:
-                states = {block_idx: state for block_idx, (state, _) in planned.computed.items()} if planned.computed else {}
+                states = {block_idx: state for block_idx, (state, _) in planned.computed.items()}
                 self.prefixes.finish(planned.begun, output, states)
         return outputs
 
@@ -424,10 +423,11 @@ class BlockRunner:
         """The outputs of `group`'s requests, which share one run, computed together: the decode
         requests first in x (the step's pages take them in one attention call), outputs in `group`'s order."""
         lengths = [planned.x.shape[1] for planned in group]
-        order = None if max(lengths) == 1 else sorted(range(len(group)), key=lambda i: lengths[i] > 1)
-        members = group if order is None else [group[i] for i in order]
-        if order is not None:
-            lengths = [lengths[i] for i in order]
+        if max(lengths) == 1:  # decodes only: in order already
+            order, members = None, group
+        else:
+            order = sorted(range(len(group)), key=lambda i: lengths[i] > 1)
+            members, lengths = [group[i] for i in order], [lengths[i] for i in order]
         x = members[0].x if len(members) == 1 else torch.cat([planned.x for planned in members], dim=1)  # [1, N, H]
         run = members[0].run
         # Per op: each request's index_pos (the requests' ops, column by column).
