@@ -100,11 +100,16 @@ def test_sessions_keeping_a_layer_in_other_kv_slots_are_each_computed_in_their_o
     # Past the contract admission enforces: a layer this runner lacks, a KV slot past the model's.
     (lambda family, hidden: Request(2, tokens(1, 7, hidden), [Op(77, 3, 1)]), InternalError),
     (lambda family, hidden: Request(2, tokens(1, 7, hidden), [Op(0, 3, 99)]), InternalError),
+    # An activation that is not what the runner computes: another dtype, another width.
+    (lambda family, hidden: Request(2, tokens(1, 7, hidden).half(), ops(family, 3)), InternalError),
+    (lambda family, hidden: Request(2, tokens(1, 7, hidden + 1), ops(family, 3)), InternalError),
 ])
-def test_one_bad_request_in_a_batch_fails_alone(family, bad, error):
+@pytest.mark.parametrize("reuse", [False, True], ids=["", "prefix-reuse"])
+def test_one_bad_request_in_a_batch_fails_alone(family, bad, error, reuse):
     """A request that cannot run gets its error; the others of the batch their results, and the bad
-    session's state is untouched (it continues at its position afterwards)."""
-    batched, alone = load(family), load(family)
+    session's state is untouched (it continues at its position afterwards). With prefix reuse, whose
+    rows the step reads in one copy, as without."""
+    batched, alone = load(family, prefix_reuse=reuse), load(family)
     hidden = batched.config.hidden_size
     for runner in (batched, alone):
         for session in (1, 2, 3):
