@@ -161,7 +161,8 @@ MUTANTS = (
            "            if end > max_context:\n                self._refuse_context(block_idx, end)\n            blocks",
            "            if end > max_context + 1:\n                self._refuse_context(block_idx, end)\n            blocks", KV),
     Mutant("kv-table-not-published", "cakemp/compute/kv_cache.py",
-           "                    self._publish(session, slot)\n", "", KV),
+           "            self._write_blocks(slot, start, end)\n            self._publish(session, slot)\n",
+           "            self._write_blocks(slot, start, end)\n", KV),
     Mutant("kv-freed-blocks-taken-last-first", "cakemp/compute/kv_cache.py",
            "taken = [heapq.heappop(pool.free) for _ in range(n)]", "taken = [pool.free.pop() for _ in range(n)]", KV),
     # --- what prefix reuse holds, as the budget counts it
