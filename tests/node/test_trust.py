@@ -280,9 +280,10 @@ def test_a_pushed_model_whose_weights_do_not_match_its_config_is_refused_and_rem
 # --------------------------------------------------------------------------- an interrupted load
 
 
-def test_sigterm_while_a_good_push_loads_keeps_the_complete_cache(waiting, checkpoint, home):
-    """The good push after the bad ones is accepted (marker written); SIGTERM while its layers
-    load refuses the setup ("stopping") and exits 0, and the cache keeps every file and its marker."""
+@pytest.fixture(scope="module")
+def interrupted(waiting, checkpoint) -> tuple[object, int]:
+    """The good push after the bad ones, and SIGTERM while its layers load: the setup's reply and
+    the node's exit status (what the restart below starts from, whichever test runs first)."""
 
     async def main():
         async with await connect(waiting) as client:
@@ -297,14 +298,21 @@ def test_sigterm_while_a_good_push_loads_keeps_the_complete_cache(waiting, check
             return await client.receive()
 
     reply = run(main())
+    return reply, waiting.process.wait(timeout=30)
+
+
+def test_sigterm_while_a_good_push_loads_keeps_the_complete_cache(interrupted, checkpoint, home):
+    """The good push after the bad ones is accepted (marker written); SIGTERM while its layers
+    load refuses the setup ("stopping") and exits 0, and the cache keeps every file and its marker."""
+    reply, status = interrupted
     assert isinstance(reply, WorkerError) and "stopping" in reply.message
-    assert waiting.process.wait(timeout=30) == 0
+    assert status == 0
     cache = cache_of(home, checkpoint)
     assert {"config.json", "tokenizer.json", MARKER} <= {p.name for p in cache.iterdir()}
 
 
 @pytest.fixture(scope="module")
-def restarted(home, checkpoint):
+def restarted(interrupted, home, checkpoint):
     """A second node on the same cache, set up without a push (needs_data false) and serving."""
     node = ZeroConfigNode(home, REVISION)
     try:
