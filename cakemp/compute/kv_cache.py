@@ -23,8 +23,11 @@ request's table to the longest one's, and those entries must read nothing anothe
 the writes of a fixed-shape step's padding rows (compute/decode_graph.py) and is never read.
 
 Allocation is in blocks: a request for positions [p, p+T) takes the blocks its slot lacks up to
-p+T, and no more. Nothing is ever copied to grow a slot; the pool itself grows by doubling (up to
-the budget's blocks) where the device has no fixed budget to size it from at start.
+p+T, and no more. Nothing is ever copied to grow a slot; a pool itself grows by doubling, but where
+there is a budget a doubling stops at the pool's share of its blocks (the budget's over the pools)
+and at what the other pools leave of them; past its share a pool grows by what it needs. Each
+pool doubling up to the whole budget on its own allocated up to ~2x the budget once every layer's
+pool had just doubled (1.95x, 4 layers): on a GPU an out-of-memory at half the KV promised.
 
 Blocks are reference-counted: prefix reuse (prefix_cache.py) shares a kept prefix's blocks with
 a session that continues from its rows (`shared`) instead of copying them. A block with more
@@ -148,14 +151,14 @@ class Pool:
                 self.v.index_select(0, ids).view(shape).transpose(1, 2))
 
     @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
-    def grow(self, at_least: int, cap: int | None) -> None:
-        """At least `at_least` blocks: doubling (up to `cap` blocks, where there is a budget, besides
-        the RESERVED ones), new ones zeros."""
+    def grow(self, at_least: int, limit: int | None) -> None:
+        """At least `at_least` blocks: doubling, but to at most `limit` blocks where there is a budget
+        (besides the RESERVED ones), new ones zeros."""
         old = len(self.owners)
         at_least += RESERVED if old == 0 else 0
         size = max(at_least, 2 * old, MIN_POOL_BLOCKS)
-        if cap is not None:
-            size = max(at_least, min(size, cap + RESERVED))
+        if limit is not None:
+            size = max(at_least, min(size, RESERVED + limit))
         k = self.k.new_zeros(size, *self.k.shape[1:])
         v = self.v.new_zeros(size, *self.v.shape[1:])
         k[:old], v[:old] = self.k, self.v
@@ -377,12 +380,21 @@ class KVCache:
         width = self.tables.shape[2]
         self.tables[row, block_idx] = int64_tensor(slot.table + [NULL_BLOCK] * (width - len(slot.table)), "cpu")
 
+    def _pool_limit(self, pool: Pool) -> int | None:
+        """The most blocks (besides the reserved ones) `pool` may double to: its share of the budget's,
+        and no more than the other pools leave of them (None: no budget)."""
+        if self.max_blocks is None:
+            return None
+        held = {id(other): len(other.owners) - RESERVED for other in self.pools.values() if other.owners}
+        left = self.max_blocks - sum(held.values())
+        return min(self.max_blocks // len(self.pools), held.get(id(pool), 0) + left)
+
     def _take(self, pool: Pool, n: int) -> list[int]:
         """n free blocks of `pool` (zeros: `_release`), owned by one live table; the pool grows when it has too few."""
         if n == 0:
             return []
         if n > len(pool.free):
-            pool.grow(len(pool.owners) + n - len(pool.free), self.max_blocks)
+            pool.grow(len(pool.owners) + n - len(pool.free), self._pool_limit(pool))
         taken = [heapq.heappop(pool.free) for _ in range(n)]
         for b in taken:
             pool.owners[b] = pool.live[b] = 1

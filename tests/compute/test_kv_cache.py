@@ -104,6 +104,23 @@ def test_budget_refusal_is_all_or_nothing():
     assert c.nbytes() == PER_BLOCK and len(c.sessions()) == 1 and c.room() == 3 * PER_BLOCK
 
 
+@pytest.mark.parametrize("layers", [1, 4, 7])
+@pytest.mark.parametrize("budget_blocks", [1000, 1100, 1500, 2100])
+def test_the_pools_grown_to_the_budget_hold_no_more_blocks_than_it(layers, budget_blocks):
+    """Sessions of 8 blocks a layer until the budget refuses one: the budget is used (no pool refuses
+    early), and every layer's pool together allocate no more blocks than the budget's, but for each
+    pool's two reserved ones (each doubling up to the whole budget on its own allocated up to ~2x it
+    once every layer's pool had just doubled)."""
+    c = cache(max_context=1 << 20, budget_bytes=budget_blocks * PER_BLOCK)
+    session = 0
+    with pytest.raises(CacheBudgetExceeded):
+        while True:
+            c.reserve(session, {block_idx: (0, 8 * BLOCK) for block_idx in range(layers)})
+            session += 1
+    assert c.nbytes() > budget_blocks * PER_BLOCK - 8 * layers * PER_BLOCK  # one more session did not fit
+    assert sum(len(pool.owners) for pool in c.pools.values()) <= budget_blocks + 2 * layers
+
+
 def test_clear_frees_only_that_session():
     """clear() returns a session's blocks to the budget and forgets its lengths."""
     c = cache(max_context=4096, budget_bytes=8 * PER_BLOCK)
