@@ -165,6 +165,9 @@ MUTANTS = (
            "            self._write_blocks(slot, start, end)\n", KV),
     Mutant("kv-freed-blocks-taken-last-first", "cakemp/compute/kv_cache.py",
            "taken = [heapq.heappop(pool.free) for _ in range(n)]", "taken = [pool.free.pop() for _ in range(n)]", KV),
+    Mutant("kv-pool-doubles-past-its-share", "cakemp/compute/kv_cache.py",
+           "return min(self.max_blocks // len(self.pools), held.get(id(pool), 0) + left)",
+           "return held.get(id(pool), 0) + left", KV),
     # --- what prefix reuse holds, as the budget counts it
     Mutant("prefix-retired-bytes-kept-after-taken-out", "cakemp/compute/prefix_cache.py",
            "        self._retired_held -= prefix.held\n", "", PREFIX),
