@@ -121,6 +121,19 @@ def test_the_pools_grown_to_the_budget_hold_no_more_blocks_than_it(layers, budge
     assert sum(len(pool.owners) for pool in c.pools.values()) <= budget_blocks + 2 * layers
 
 
+def test_a_pool_used_past_its_share_of_the_budget_grows_by_what_it_needs():
+    """Sessions using one layer of four (whose pools hold a share of the budget each once made): that
+    layer's pool takes blocks past its share, one session at a time, until the budget refuses."""
+    c = cache(max_context=1 << 20, budget_bytes=1000 * PER_BLOCK)
+    c.reserve(0, {block_idx: (0, BLOCK) for block_idx in range(4)})  # the four pools made
+    session = 1
+    with pytest.raises(CacheBudgetExceeded):
+        while True:
+            c.reserve(session, {0: (0, 8 * BLOCK)})
+            session += 1
+    assert c.nbytes() > 1000 * PER_BLOCK - 8 * PER_BLOCK and len(c.pools[0].owners) > 1000 // 4
+
+
 def test_clear_frees_only_that_session():
     """clear() returns a session's blocks to the budget and forgets its lengths."""
     c = cache(max_context=4096, budget_bytes=8 * PER_BLOCK)
