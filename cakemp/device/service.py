@@ -71,16 +71,16 @@ class Task:
     hop: Hop
     x: torch.Tensor | RawTensor | Exception
     done: list[torch.Tensor] = field(default_factory=list)
+    # T of its [1, T, H] (a malformed shape counts all but its last dim): asked several times a step.
+    tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = self.hop.shape
+        self.tokens = math.prod(shape[:-1]) if len(shape) > 1 else 1
 
     @property
     def session(self) -> int:
         return self.hop.session
-
-    @property
-    def tokens(self) -> int:
-        """T of its [1, T, H] (a malformed shape counts all but its last dim)."""
-        shape = self.hop.shape
-        return math.prod(shape[:-1]) if len(shape) > 1 else 1
 
 
 class Onward(NamedTuple):
