@@ -2,12 +2,16 @@
 
     python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--layers 2] [--profile-seconds 4]
                                  [--before DIR] [--prompt 512] [--prompts 10] [--pin-cpus] [--prefix-reuse]
+                                 [--idle 0]
 
 Writes a random Llama checkpoint of --layers layers (hidden 256, intermediate 768, 4 query heads on 2 kv
 heads, f32) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over all its
 layers (with --pin-cpus, pinned: the device to the first core, the front to the others; with
 --prefix-reuse, without --no-prefix-reuse: as a node runs by default, the in-process runner
-following its sessions too, under a KV budget of REUSE_BUDGET). For each
+following its sessions too, under a KV budget of REUSE_BUDGET; with --idle N, N more sessions first
+run a 16-row turn, say Goodbye and start another, then wait, connected, while the others are
+measured: with prefix reuse, a chat server's idle users, each holding a retired prefix and a live
+one). For each
 count of sessions (--counts), that many Cake-style masters (bench.pool.Session: an 8-token prompt,
 then one decode Batch through every layer per token) decode at once, --steps
 Batches each per window; between windows every session starts over (a Goodbye and a new prompt,
@@ -163,9 +167,10 @@ def in_process_window(runner: BlockRunner, count: int, steps: int, idle_s: float
 
 
 async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRunner, counts: list[int], steps: int,
-                  rounds: int) -> dict[str, dict[int, dict[str, float]]]:
+                  rounds: int, idle: int = 0) -> dict[str, dict[int, dict[str, float]]]:
     """{node: {count: {process: CPU µs per request}}} for each node (its port and pids) and "in-process",
-    their windows taking turns."""
+    their windows taking turns; `idle` sessions connected to each node meanwhile, having said Goodbye once."""
+    waiting = [await idle_session(port, len(runner.layers)) for port, _ in nodes.values() for _ in range(idle)]
     figures = {name: {} for name in nodes}
     for count in counts:
         sessions = {name: [await Session.open(port, HIDDEN, len(runner.layers)) for _ in range(count)]
@@ -186,7 +191,18 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
             await session.close()
         for name in nodes:
             figures[name][count] = {key: seconds / (rounds * steps * count) * 1e6 for key, seconds in totals[name].items()}
+    for session in waiting:
+        await session.close()
     return figures
+
+
+async def idle_session(port: int, layers: int) -> Session:
+    """A session that ran a 16-row turn (its prompt and 8 decode steps), said Goodbye and started another."""
+    session = await Session.open(port, HIDDEN, layers)
+    for _ in range(8):
+        await session.step()
+    await session.restart()
+    return session
 
 
 def in_process_prompt(runner: BlockRunner, x: torch.Tensor, chunked: bool) -> tuple[float, float]:
@@ -335,6 +351,7 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="checkout of an earlier commit, whose node runs beside this tree's")
     parser.add_argument("--pin-cpus", action="store_true", help="start the nodes with --pin-cpus")
     parser.add_argument("--prefix-reuse", action="store_true", help="start the nodes with prefix reuse, as by default")
+    parser.add_argument("--idle", type=int, default=0, help="sessions connected to each node, idle, while it is measured")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     node_args = tuple(arg for arg in NODE_ARGS if not (args.prefix_reuse and arg == "--no-prefix-reuse")) + \
@@ -354,7 +371,7 @@ def main() -> None:
         try:
             nodes = {name: (port, {"front": node.pid, "device": device_pid(node.pid)})
                      for name, (node, port) in started.items()}
-            by_node = asyncio.run(measure(nodes, runner, counts, args.steps, args.rounds))
+            by_node = asyncio.run(measure(nodes, runner, counts, args.steps, args.rounds, args.idle))
             prompt = asyncio.run(prompts(nodes, runner, args.prompt, args.prompts)) if args.prompt and args.prompts else None
             figures = by_node["this tree"]
             port, pids = nodes["this tree"]
@@ -365,7 +382,8 @@ def main() -> None:
                 node.terminate()
                 node.wait()
     print(f"\n{args.layers} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(node_args)}`; "
-          f"{args.rounds} windows of {args.steps} decode Batches per session; CPU µs per request")
+          f"{args.rounds} windows of {args.steps} decode Batches per session" +
+          (f", {args.idle} idle sessions connected" if args.idle else "") + "; CPU µs per request")
     print(f"| sessions | front | device | in-process run_batch | device beyond in-process | in-process, {IDLE_S * 1e3:g} ms "
           "idle before each step | device beyond that |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
