@@ -48,6 +48,9 @@ LAYERS = 4
 BLOCK = 50  # decode steps per block when alternating between the two workers
 PREFILL = 8
 MAX_POSITIONS = 4096
+# A runner's KV budget where a benchmark runs it with prefix reuse, as a node's device (which always
+# has one): 1 GiB, room for every row these benchmarks keep.
+REUSE_BUDGET = 1 << 30
 
 
 def machine_line() -> str:

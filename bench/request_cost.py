@@ -64,7 +64,7 @@ from pathlib import Path
 
 import torch
 
-from bench.pool import MAX_POSITIONS, Session, machine_line, raw, start_cakemp
+from bench.pool import MAX_POSITIONS, REUSE_BUDGET, Session, machine_line, raw, start_cakemp
 from bench.route import children
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.ipc.spec import PREFILL_CHUNK, chunk_bounds
@@ -75,7 +75,6 @@ HIDDEN = 256
 SHAPE = dict(hidden_size=HIDDEN, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=MAX_POSITIONS)
 NODE_ARGS = ("--cpu-threads", "1", "--no-prefix-reuse")
-REUSE_BUDGET = 1 << 30  # the in-process runner's KV budget with --prefix-reuse (a node's device always has one)
 # The in-process steps are timed twice: back to back, and idle this long before each, as a node's
 # device is between a step's answer and the next request (about a master's round trip at one
 # session): a step started cold (caches taken by the front and the master meanwhile, the core

@@ -37,7 +37,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from bench.pool import machine_line
+from bench.pool import REUSE_BUDGET, machine_line
 from cakemp.compute.runner import BlockRunner, Request
 from tests.support.checkpoints import make_checkpoint
 
@@ -47,7 +47,6 @@ SHAPES = {
 }
 LAYERS = 2  # the default of --layers
 RETIRED_ROWS = 32  # the prompt each --retired session ran
-REUSE_BUDGET = 1 << 30  # the KV budget with --prefix-reuse: 1 GiB, room for every row these runs keep
 
 
 class Cakemp:

@@ -9,6 +9,7 @@ device's decoder, and a tuple is made in about a third of a frozen dataclass's t
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import NamedTuple
 
 
@@ -21,3 +22,7 @@ class Op(NamedTuple):
     layer: int
     index_pos: int
     block_idx: int
+
+
+# An op's index_pos as a function: mapped over a request's ops without a Python loop.
+index_pos_of = attrgetter("index_pos")

@@ -166,8 +166,8 @@ MUTANTS = (
     Mutant("kv-freed-blocks-taken-last-first", "cakemp/compute/kv_cache.py",
            "taken = [heapq.heappop(pool.free) for _ in range(n)]", "taken = [pool.free.pop() for _ in range(n)]", KV),
     Mutant("kv-pool-doubles-past-its-share", "cakemp/compute/kv_cache.py",
-           "return min(self.max_blocks // len(self.pools), held.get(id(pool), 0) + left)",
-           "return held.get(id(pool), 0) + left", KV),
+           "return min(self.max_blocks // len(self.pools), mine + self.max_blocks - allocated)",
+           "return mine + self.max_blocks - allocated", KV),
     # --- what prefix reuse holds, as the budget counts it
     Mutant("prefix-retired-bytes-kept-after-taken-out", "cakemp/compute/prefix_cache.py",
            "        self._retired_held -= prefix.held\n", "", PREFIX),

@@ -229,10 +229,6 @@ class KVCache:
     def slot(self, session: int, block_idx: int) -> KVSlot | None:
         return self.slots(session).get(block_idx)
 
-    def row(self, session: int) -> int:
-        """The session's row of `tables` (it holds a KV slot)."""
-        return self._rows[session]
-
     def rows_of(self, sessions: Iterable[int]) -> list[int]:
         """Each session's row of `tables` (each holds a KV slot)."""
         rows = self._rows
@@ -385,9 +381,9 @@ class KVCache:
         and no more than the other pools leave of them (None: no budget)."""
         if self.max_blocks is None:
             return None
-        held = {id(other): len(other.owners) - RESERVED for other in self.pools.values() if other.owners}
-        left = self.max_blocks - sum(held.values())
-        return min(self.max_blocks // len(self.pools), held.get(id(pool), 0) + left)
+        allocated = sum(len(other.owners) - RESERVED for other in self.pools.values() if other.owners)
+        mine = len(pool.owners) - RESERVED if pool.owners else 0
+        return min(self.max_blocks // len(self.pools), mine + self.max_blocks - allocated)
 
     def _take(self, pool: Pool, n: int) -> list[int]:
         """n free blocks of `pool` (zeros: `_release`), owned by one live table; the pool grows when it has too few."""

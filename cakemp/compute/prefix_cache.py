@@ -43,7 +43,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -51,7 +50,7 @@ import torch
 from cakemp.compute.kv_cache import KVCache, KVSlot, LinearSlot
 from cakemp.compute.row_chain import Extension, RowChain
 from cakemp.model.deltanet import LinearState
-from cakemp.op import Op
+from cakemp.op import Op, index_pos_of
 
 # Retired prefixes kept at most, whatever the budget (none may be unbounded, and a lookup scans them).
 MAX_RETIRED = 256
@@ -59,7 +58,6 @@ MAX_RETIRED = 256
 MIN_REUSE = 16
 MIN_OUTPUT_ROWS = 256
 SHARED = -1  # the domain of every session when prefixes are shared
-_index_pos = attrgetter("index_pos")
 
 # The layers a request's ops run through on this device, with the KV slot of each:
 # (layer, block_idx) of each op, in order. A prefix is reused only by a request of the same one.
@@ -178,7 +176,7 @@ class PrefixCache:
         it does not continue the session's run: the session is then not followed until it starts
         again at 0)."""
         start = ops[0].index_pos if ops else -1
-        if start < 0 or not all(map(start.__eq__, map(_index_pos, ops))):
+        if start < 0 or not all(map(start.__eq__, map(index_pos_of, ops))):
             self._drop(session)
             return None
         if start == 0:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
-from operator import attrgetter
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -28,11 +27,10 @@ from cakemp.model.rotary import Rotary
 from cakemp.model.weights import packed
 from cakemp.model.weights.experts import ExpertCache
 from cakemp.model.weights.readers import open_checkpoint
-from cakemp.op import Op
+from cakemp.op import Op, index_pos_of
 
 # Ops between two calls of run_batch's `between_ops` (the device's progress reports).
 _OPS_BETWEEN_CALLS = 16
-_index_pos = attrgetter("index_pos")
 
 
 class Request(NamedTuple):
@@ -431,7 +429,7 @@ class BlockRunner:
         x = members[0].x if len(members) == 1 else torch.cat([planned.x for planned in members], dim=1)  # [1, N, H]
         run = members[0].run
         # Per op: each request's index_pos (the requests' ops, column by column).
-        starts = [tuple(map(_index_pos, column)) for column in zip(*[planned.ops for planned in members])]
+        starts = [tuple(map(index_pos_of, column)) for column in zip(*[planned.ops for planned in members])]
         attention = {j: i for i, j in enumerate(j for j, (layer, _) in enumerate(run) if not self.recurrent[layer])}
         step = None if not attention else StepRows(
             self.cache, [planned.session for planned in members], lengths, [starts[j] for j in attention],

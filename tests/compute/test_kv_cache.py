@@ -74,7 +74,7 @@ def test_the_device_tables_mirror_each_live_slot():
     c.reserve(2, {3: (0, 20)})
     for session, block_idx in [(1, 0), (1, 3), (2, 3)]:
         table = c.slot(session, block_idx).table
-        assert c.tables[c.row(session), block_idx, : len(table)].tolist() == table
+        assert c.tables[c.rows_of([session])[0], block_idx, : len(table)].tolist() == table
 
 
 def test_a_rewind_frees_the_blocks_past_what_it_writes():
