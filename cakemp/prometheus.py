@@ -33,12 +33,18 @@ class Metric:
 
     def _key(self, labels: dict[str, str]) -> LabelValues:
         names = self.labelnames
+        if not labels and not names:
+            return ()
         if len(labels) == len(names):  # then every name given means exactly these labels
             try:
                 return tuple([str(labels[name]) for name in names])
             except KeyError:
                 pass
         raise ValueError(f"{self.name} takes labels {names}, got {tuple(labels)}")
+
+    def labels(self, **labels: str) -> Series:
+        """This metric's one label set, its key worked out once: what a path run per request updates."""
+        return Series(self, self._key(labels))
 
     def _header(self) -> list[str]:
         text = self.documentation.replace("\\", "\\\\").replace("\n", "\\n")
@@ -55,6 +61,8 @@ class Metric:
 class _Valued(Metric):
     """A metric holding one number per label set: counters and gauges."""
 
+    only_up = False  # a counter's: it refuses to go down
+
     def __init__(self, name: str, documentation: str, labels: Sequence[str] = ()) -> None:
         super().__init__(name, documentation, labels)
         # An unlabelled metric shows 0 from the start; labelled ones appear when first used.
@@ -68,7 +76,11 @@ class _Valued(Metric):
         return sum(self._values.values())
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = self._key(labels)
+        self._add(self._key(labels), amount)
+
+    def _add(self, key: LabelValues, amount: float) -> None:
+        if amount < 0 and self.only_up:
+            raise ValueError(f"{self.name} is a counter; it cannot go down by {amount}")
         self._values[key] = self._values.get(key, 0.0) + amount
 
     def render(self) -> list[str]:
@@ -80,10 +92,7 @@ class Counter(_Valued):
 
     kind = "counter"
 
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name} is a counter; it cannot go down by {amount}")
-        super().inc(amount, **labels)
+    only_up = True
 
 
 class Gauge(_Valued):
@@ -92,7 +101,10 @@ class Gauge(_Valued):
     kind = "gauge"
 
     def set(self, value: float, **labels: str) -> None:
-        self._values[self._key(labels)] = float(value)
+        self._set(self._key(labels), value)
+
+    def _set(self, key: LabelValues, value: float) -> None:
+        self._values[key] = float(value)
 
     def dec(self, amount: float = 1.0, **labels: str) -> None:
         self.inc(-amount, **labels)
@@ -113,7 +125,9 @@ class Histogram(Metric):
         self._sums: dict[LabelValues, float] = {}
 
     def observe(self, value: float, **labels: str) -> None:
-        key = self._key(labels)
+        self._observe(self._key(labels), value)
+
+    def _observe(self, key: LabelValues, value: float) -> None:
         counts = self._counts.setdefault(key, [0] * (len(self.buckets) + 1))
         # The first bucket whose bound is >= value; NaN is below no bound: +Inf's.
         index = bisect.bisect_left(self.buckets, value) if value == value else len(self.buckets)
@@ -130,6 +144,29 @@ class Histogram(Metric):
             lines.append(self._line(f"{self.name}_sum", key, self._sums[key]))
             lines.append(self._line(f"{self.name}_count", key, cumulative))
         return lines
+
+
+class Series:
+    """One label set of a counter, gauge or histogram, a time series in Prometheus's words
+    (`metric.labels(...)`): each update goes straight to it, without the keyword arguments and the
+    check that make its key."""
+
+    __slots__ = ("_metric", "_key")
+
+    def __init__(self, metric: _Valued | Histogram, key: LabelValues) -> None:
+        self._metric, self._key = metric, key
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._metric._add(self._key, amount)
+
+    def dec(self, amount: float = 1.0) -> None:
+        self._metric._add(self._key, -amount)
+
+    def set(self, value: float) -> None:
+        self._metric._set(self._key, value)
+
+    def observe(self, value: float) -> None:
+        self._metric._observe(self._key, value)
 
 
 class Sampled(Metric):

@@ -337,13 +337,16 @@ class Connection:
 
     async def _send(self, message: Message) -> int:
         buffers = encode_frame(message, self._revision)
-        self._writer.writelines(buffers)
-        # Whatever the socket does not take at once, the master owes reading within the frame timeout.
-        self._owed = (asyncio.get_running_loop().time(), _REPLY_UNREAD)
-        try:
-            await self._writer.drain()
-        finally:
-            self._owed = None
+        writer = self._writer
+        writer.writelines(buffers)
+        # Whatever the socket does not take at once, the master owes reading within the frame timeout
+        # (mostly it takes it all: nothing to wait for, and a lost connection shows at the next read).
+        if writer.transport.get_write_buffer_size():
+            self._owed = (asyncio.get_running_loop().time(), _REPLY_UNREAD)
+            try:
+                await writer.drain()
+            finally:
+                self._owed = None
         written = sum(memoryview(b).nbytes for b in buffers)
         self._metrics.bytes_sent.inc(written)
         return written

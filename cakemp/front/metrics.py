@@ -13,16 +13,27 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import cakemp
 from cakemp.front.process_metrics import process_metrics
-from cakemp.prometheus import LATENCY_BUCKETS, Counter, Gauge, Histogram, Metric
+from cakemp.prometheus import LATENCY_BUCKETS, Counter, Gauge, Histogram, Metric, Series
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 _M = TypeVar("_M", bound=Metric)
+
+
+class DeviceSeries(NamedTuple):
+    """One device's series of the metrics each request or step through it moves (`Metrics.device`)."""
+
+    requests_waiting: Series
+    request_seconds: Series
+    kv_bytes: Series
+    batch_requests: Series
+    batch_size: Series
+    step_tokens: Series
 
 
 class Metrics:
@@ -38,6 +49,9 @@ class Metrics:
         self._declare_experts()
         self._declare_node()
         self._all.extend(process_metrics())
+        # What `served` moves, per kind of request: its duration and its tokens.
+        self._served = {kind: (self.request_seconds.labels(kind=kind), self.tokens.labels(kind=kind))
+                        for kind in ("decode", "prefill")}
 
     def _declare_requests(self) -> None:
         # What masters ask, and how long they wait for it.
@@ -169,10 +183,16 @@ class Metrics:
 
     def served(self, tokens: int, first_position: int, layer_ops: int, seconds: float) -> None:
         """A forward request of `tokens` positions from `first_position` on was answered with a tensor."""
-        kind = "decode" if tokens == 1 and first_position > 0 else "prefill"
-        self.request_seconds.observe(seconds, kind=kind)
-        self.tokens.inc(tokens, kind=kind)
+        duration, counted = self._served["decode" if tokens == 1 and first_position > 0 else "prefill"]
+        duration.observe(seconds)
+        counted.inc(tokens)
         self.layer_ops.inc(layer_ops)
+
+    def device(self, label: str) -> DeviceSeries:
+        """Device `label`'s series of the metrics its requests and steps move."""
+        return DeviceSeries(self.requests_waiting.labels(device=label), self.device_request_seconds.labels(device=label),
+                            self.kv_bytes.labels(device=label), self.batch_requests.labels(device=label),
+                            self.batch_size.labels(device=label), self.step_tokens.labels(device=label))
 
     def prefixes(self, device: str, hits: int, tokens: int, evictions: int, retired_bytes: int,
                  kept_bytes: int) -> None:

@@ -100,6 +100,7 @@ class DevicePool:
         `workload`: whether requests keep state and are cut into chunks of `prefill_chunk` tokens."""
         self.specs = tuple(specs)
         self._labels = tuple(spec.label for spec in self.specs)  # as metrics and logs name each device
+        self._series = tuple(map(metrics.device, self._labels))  # each device's series of the metrics
         self._router = Router([spec.parts for spec in self.specs])
         self._device_main = device_main  # the spawn target: the front never imports the device package
         self.failed = asyncio.Event()  # set when a device could not be restarted; `failure` says why
@@ -160,7 +161,7 @@ class DevicePool:
         stateful = self._workload.stateful
         self._state.admit(session, devices, [stateful and any(op.index_pos > 0 for op in stage.ops)
                                              for stage in route.stages])
-        chunks = list(self._chunks(x, route))
+        chunks = self._chunks(x, route)
         request_id = next(self._request_ids)
         carried = ()
         if stamps is not None:
@@ -170,17 +171,17 @@ class DevicePool:
                      route.shifted(first), trace=carried), data)
                 for i, (first, chunk_shape, data) in enumerate(chunks)]
         start = self._loop.time()
-        passed = tuple(dict.fromkeys(devices))  # every device of the route, once
-        for device in passed:
-            self._metrics.requests_waiting.inc(device=self.label(device))
+        passed = [self._series[device] for device in dict.fromkeys(devices)]  # every device of the route, once
+        for series in passed:
+            series.requests_waiting.inc()
         try:
             outputs = await self._request(session, route, hops, stamps)
         finally:
-            for device in passed:
-                self._metrics.requests_waiting.dec(device=self.label(device))
+            for series in passed:
+                series.requests_waiting.dec()
         elapsed = self._loop.time() - start
-        for device in passed:
-            self._metrics.device_request_seconds.observe(elapsed, device=self.label(device))
+        for series in passed:
+            series.request_seconds.observe(elapsed)
         if len(outputs) == 1:
             return outputs[0]
         return RawTensor(b"".join(output.data for output in outputs), x.dtype, x.shape)
@@ -229,17 +230,16 @@ class DevicePool:
 
     # -- requests
 
-    def _chunks(self, x: RawTensor, route: Route) -> Iterator[tuple[int, tuple[int, ...], Buffer]]:
+    def _chunks(self, x: RawTensor, route: Route) -> list[tuple[int, tuple[int, ...], Buffer]]:
         """(first token, shape, bytes) of each chunk of x ([1, T, H], admitted): the whole request
         unless it is longer than one chunk and its route spans devices (one device cuts it itself)."""
         shape = x.shape
         if not self._workload.chunked or shape[1] <= self._prefill_chunk or len(route.stages) == 1:
-            yield 0, shape, x.data
-            return
+            return [(0, shape, x.data)]
         view = memoryview(x.data).cast("B")
         row = view.nbytes // shape[1]
-        for start, end in chunk_bounds(shape[1], self._prefill_chunk):
-            yield start, (1, end - start, shape[2]), view[start * row:end * row]
+        return [(start, (1, end - start, shape[2]), view[start * row:end * row])
+                for start, end in chunk_bounds(shape[1], self._prefill_chunk)]
 
     async def _control(self, device: int, session: int, msg: Clear | End) -> Done:
         return await self._request(session, Route((Stage(device, self._state.generation(device), ()),)), [msg])
@@ -360,7 +360,7 @@ class DevicePool:
                 pending = self._pending.get(msg.request_id)
                 if pending is not None:
                     pending.reply = msg
-                    self._metrics.kv_bytes.set(msg.kv_bytes, device=self.label(device))
+                    self._series[device].kv_bytes.set(msg.kv_bytes)
                 self._act(self._state.answered(device, msg.request_id, now))
             case Progress():
                 self._state.progressed(device, msg.request_id, now)
@@ -398,12 +398,13 @@ class DevicePool:
                 error = InternalError(message)
             actions += self._state.answered(device, failure.request_id, now, error, failure.chunk, bool(failure.ran))
         for stage_device, kv_bytes in kv.items():
-            self._metrics.kv_bytes.set(kv_bytes, device=self.label(stage_device))
-        label = self.label(device)
+            self._series[stage_device].kv_bytes.set(kv_bytes)
+        series = self._series[device]
         for batch in msg.batches:
-            self._metrics.batch_requests.set(batch.requests, device=label)
-            self._metrics.batch_size.observe(batch.requests, device=label)
-            self._metrics.step_tokens.observe(batch.tokens, device=label)
+            series.batch_requests.set(batch.requests)
+            series.batch_size.observe(batch.requests)
+            series.step_tokens.observe(batch.tokens)
+        label = self.label(device)
         for report in msg.prefixes:
             self._metrics.prefixes(label, report.hits, report.tokens, report.evictions, report.retired_bytes,
                                    report.kept_bytes)
@@ -495,7 +496,7 @@ class DevicePool:
             return
         for device in pending.devices:
             if not self._state.waiting(device):  # its last request: the device is idle
-                self._metrics.batch_requests.set(0, device=self.label(device))
+                self._series[device].batch_requests.set(0)
         if pending.future.done():  # its requester went away
             return
         if action.error is not None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cakemp.ipc import Op, Stage
 from cakemp.ipc.spec import chunk_bounds as chunk_bounds  # cut by the front and the devices alike
@@ -17,10 +17,10 @@ class Route:
     device (`Op.layer` indexing that device's layers), for the process generation it expects."""
 
     stages: tuple[Stage, ...]
+    devices: tuple[int, ...] = field(init=False, compare=False)  # each stage's, in order (asked several times a request)
 
-    @property
-    def devices(self) -> tuple[int, ...]:
-        return tuple(stage.device for stage in self.stages)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(stage.device for stage in self.stages))
 
     def shifted(self, start: int) -> tuple[Stage, ...]:
         """The stages for a chunk whose first token is `start` tokens into the request."""

@@ -32,6 +32,7 @@ Buffer = bytes | bytearray | memoryview
 _U8 = struct.Struct(">B")
 _U32 = struct.Struct(">I")
 _U64_MAX = 2**64 - 1
+_RUNS_KEPT = 64  # the layouts of runs of integers an _Int keeps (a peer picks the counts)
 
 
 class _Writer:
@@ -95,12 +96,15 @@ class _Reader:
 
     def bulk(self, what: str, length: str) -> memoryview:
         """Vec<u8> as a view into the payload (no copy); `length` names its length field."""
-        size = self.take(_U32, length)
-        start = self.pos
-        if start + size > self.end:
+        start = self.pos + 4
+        if start > self.end:
+            self.need(4, length)
+        size = _U32.unpack_from(self.view, self.pos)[0]
+        end = self.pos = start + size
+        if end > self.end:
+            self.pos = start
             self.need(size, what)
-        self.pos = start + size
-        return self.view[start : self.pos]
+        return self.view[start:end]
 
 
 # --------------------------------------------------------------------------- field codecs
@@ -142,21 +146,37 @@ class _Int(_Field):
         self.layout = struct.Struct(">" + code)
         self.min_size = self.layout.size
         self.known = {member.value: member for member in known} if known else None
+        self._runs: dict[int, struct.Struct] = {}  # `_many`'s
 
     def write(self, w: _Writer, value: int) -> None:
         w.head += self.layout.pack(value)
 
     def read(self, r: _Reader) -> int:
-        value = r.take(self.layout, self.path)
+        # r.take's work, inline: an integer is most of what a message holds
+        start = r.pos
+        end = r.pos = start + self.min_size
+        if end > r.end:
+            r.pos = start
+            r.need(self.min_size, self.path)
+        value = self.layout.unpack_from(r.view, start)[0]
         return self.known.get(value, value) if self.known else value
 
     def write_all(self, w: _Writer, values: tuple) -> None:
-        w.head += struct.pack(f">{len(values)}{self.code}", *values)
+        w.head += self._many(len(values)).pack(*values)
 
     def read_all(self, r: _Reader, n: int) -> tuple:
-        values = struct.unpack_from(f">{n}{self.code}", r.view, r.pos)
+        values = self._many(n).unpack_from(r.view, r.pos)
         r.pos += n * self.min_size
         return values
+
+    def _many(self, n: int) -> struct.Struct:
+        """The layout of `n` of them (a shape's few dims, a short Vec: kept once made)."""
+        layout = self._runs.get(n)
+        if layout is None:
+            layout = struct.Struct(f">{n}{self.code}")
+            if len(self._runs) < _RUNS_KEPT:
+                self._runs[n] = layout
+        return layout
 
 
 class _U128(_Field):
@@ -356,10 +376,15 @@ for _revision in Revision:
     _BY_TAG[_revision] = tuple(_PLANS[cls] for cls in _present)
 
 
+def _revision(revision: Revision | int) -> Revision:
+    """`revision` as the enum (an enum's own call costs a message's decode a tenth of its time)."""
+    return revision if type(revision) is Revision else Revision(revision)
+
+
 def encode_buffers(msg: Message, revision: Revision, reserve: int) -> list[Buffer]:
     """`msg` as buffers, the first a bytearray starting with `reserve` spare bytes (room for
     the frame header); used by `encode_payload` and `frames.encode_frame`. Raises EncodeError."""
-    revision = Revision(revision)
+    revision = _revision(revision)
     tag = _TAGS[revision].get(type(msg))
     if tag is None:
         raise EncodeError(f"{type(msg).__name__} does not exist at protocol revision {revision.value}")
@@ -392,7 +417,7 @@ def decode_payload(payload: Buffer, revision: Revision, limits: dict[str, int] |
     BadTensor: the frame itself was sound, and Cake's worker answers such a request with
     WorkerError and keeps the connection, so callers may do the same.
     """
-    r = _Reader(payload, Revision(revision), limits or {})
+    r = _Reader(payload, _revision(revision), limits or {})
     tag = r.take(_U32, "message tag")
     plans = _BY_TAG[r.revision]
     if tag >= len(plans):
