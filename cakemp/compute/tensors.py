@@ -34,11 +34,8 @@ def to_tensor(data: bytes | bytearray | memoryview, dtype: int, shape: tuple[int
     if torch_dtype is None:
         raise BadTensor(f"unsupported dtype {DType.describe(dtype)}: activations must be F16, BF16 or F32")
     expected = math.prod(shape) * torch_dtype.itemsize
-    if len(memoryview(data).cast("B")) != expected:
-        raise BadTensor(
-            f"tensor data is {len(memoryview(data).cast('B'))} bytes but shape {list(shape)} of "
-            f"{DType(dtype).name} needs {expected}"
-        )
+    if (nbytes := memoryview(data).nbytes) != expected:
+        raise BadTensor(f"tensor data is {nbytes} bytes but shape {list(shape)} of {DType(dtype).name} needs {expected}")
     if expected == 0:
         return torch.empty(shape, dtype=torch_dtype)
     return torch.frombuffer(data, dtype=torch_dtype).view(shape)
@@ -49,9 +46,14 @@ def to_bytes(x: torch.Tensor, dtype: int) -> memoryview:
 
     The cast runs where `x` is, before the copy to the host: one `to(device, dtype)` would cast
     inside the copy, on the CPU, single-threaded."""
-    y = x.to(_WIRE_TO_TORCH[DType(dtype)]).to("cpu").contiguous()
+    wire = _WIRE_TO_TORCH[dtype]
+    # Each conversion only where it changes something: a decode step's output is mostly f32 on the CPU already.
+    if x.dtype != wire:
+        x = x.to(wire)
+    if not x.is_cpu:
+        x = x.cpu()
     # bf16 has no numpy dtype: reinterpret as bytes first.
-    return memoryview(y.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(x.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def wire_dtype(dtype: torch.dtype) -> DType:
