@@ -13,10 +13,11 @@ flattened row `table[p // BLOCK] * BLOCK + p % BLOCK` (its slot id) addresses it
 step writes every new row of every session with one indexed copy and gathers every session's
 keys with one indexed read (compute/paged_step.py).
 
-The live sessions' tables are also kept on the device, `tables: [rows, slots, width]` (a session's
+The live sessions' tables are also kept as one tensor, `tables: [rows, slots, width]` (a session's
 row, block_idx, then its block ids), written where a table changes (a new block every BLOCK
 positions, a copy on write, a slot attached), so that a step reads every request's table with
-one gather instead of building it in Python. An entry past a table's end names the pool's null
+one gather instead of building it in Python. They are written on the host (`Tables`) and, on a
+GPU, copied over once a step where they changed. An entry past a table's end names the pool's null
 block (NULL_BLOCK: zeros, held by no table, outside the budget): a batched step pads a shorter
 request's table to the longest one's, and those entries must read nothing another session wrote
 (a masked NaN key still makes the row NaN). A second block outside the budget, SCRATCH_BLOCK, takes
@@ -170,6 +171,63 @@ class Pool:
         self.free.extend(range(max(old, RESERVED), size))  # higher than every block free before: still a heap
 
 
+class Tables:
+    """The live sessions' block tables, [rows, slots, width] block ids: written on the host, where an
+    entry costs a numpy store (a tensor's indexed write cost a block's allocation ~5 µs, every BLOCK
+    positions of every session), and read by a step on the device. On a CPU both are one tensor; on
+    a GPU the rows written since the last step go over in one copy when a step asks.
+
+    A row's entries past its table name the null block (not a block it held before, which another
+    session may hold now): a batched step reads them as a shorter request's padding."""
+
+    def __init__(self, device: torch.device, mirrored: bool | None = None):
+        """`mirrored`: keep a copy on the device apart from the host's (a GPU's; None: where the device is
+        not the CPU; True on a CPU tests the same plan)."""
+        self._device = torch.device(device)
+        self._mirrored = self._device.type != "cpu" if mirrored is None else mirrored
+        self._stale: set[int] = set()  # rows written on the host since the device's copy was made
+        self._grow(0, 0, 0)
+
+    def write(self, row: int, slot: int, table: list[int]) -> None:
+        """Row `row`'s entry for KV slot `slot` is `table` (growing the tables, doubling, to hold it)."""
+        rows, slots, width = self._entries.shape
+        if row >= rows or slot >= slots or len(table) > width:
+            self._grow(max(rows, 2 * row, row + 1, 8), max(slots, slot + 1),
+                       max(width, 2 * width if len(table) > width else 0, len(table), 16))
+        entries = self._entries[row, slot]
+        entries[: len(table)] = table
+        entries[len(table):] = NULL_BLOCK
+        self._written(row)
+
+    def clear(self, row: int) -> None:
+        """Row `row` names no block (its session left it)."""
+        self._entries[row] = NULL_BLOCK
+        self._written(row)
+
+    def on_device(self) -> torch.Tensor:
+        """The tables on the device, with every row written so far."""
+        if self._stale:
+            rows = sorted(self._stale)
+            with torch.inference_mode():  # the device's copy may be an inference tensor: made under it
+                self._on_device[rows] = self._host[rows].to(self._device)
+            self._stale.clear()
+        return self._on_device
+
+    def _written(self, row: int) -> None:
+        if self._mirrored:
+            self._stale.add(row)
+
+    def _grow(self, rows: int, slots: int, width: int) -> None:
+        host = torch.full((rows, slots, width), NULL_BLOCK, dtype=torch.int64)
+        if rows:
+            old = self._host
+            host[: old.shape[0], : old.shape[1], : old.shape[2]] = old
+        self._host = host
+        self._entries = host.numpy()  # the same memory, written without torch's dispatch
+        self._on_device = host.to(self._device, copy=True) if self._mirrored else host
+        self._stale.clear()
+
+
 class KVCache:
     def __init__(
         self,
@@ -201,10 +259,16 @@ class KVCache:
         self._sessions: dict[int, dict[int, KVSlot]] = {}
         self._rows: dict[int, int] = {}  # session -> its row of `tables`
         self._free_rows: list[int] = []
-        self.tables = torch.zeros(0, 0, 0, dtype=torch.int64, device=device)  # [rows, slots, width] block ids
+        self._tables = Tables(device)
         self._linear: dict[int, dict[int, LinearSlot]] = {}
         self._linear_bytes = 0  # the live sessions' linear-attention states
         self.spare: Spare | None = None
+
+    @property
+    def tables(self) -> torch.Tensor:
+        """The live sessions' block tables on the device, [rows, slots, width]: a session's row
+        (`rows_of`), block_idx, then its block ids, the null block past its end."""
+        return self._tables.on_device()
 
     def nbytes(self) -> int:
         """Bytes the live sessions hold: their blocks (each once) and linear states (not the spare's)."""
@@ -359,22 +423,11 @@ class KVCache:
         table.extend(self._take(pool, blocks - len(table)))
 
     def _publish(self, session: int, slot: KVSlot) -> None:
-        """Write a live slot's table into `tables` (growing it, doubling, to hold the row, slot and blocks).
-        Under inference mode, the caller's: `tables` may be an inference tensor, made under it."""
+        """Write a live slot's table into `tables`, on the session's row (given one at its first slot)."""
         block_idx, row = slot.pool, self._rows.get(session)
         if row is None:
             row = self._rows[session] = self._free_rows.pop() if self._free_rows else len(self._rows)
-        rows, slots, width = self.tables.shape
-        if row >= rows or block_idx >= slots or len(slot.table) > width:
-            grown = torch.zeros(max(rows, 2 * row, row + 1, 8), max(slots, block_idx + 1),
-                                max(width, 2 * width if len(slot.table) > width else 0, len(slot.table), 16),
-                                dtype=torch.int64, device=self.device)
-            grown[:rows, :slots, :width] = self.tables
-            self.tables = grown
-        # The whole width, so that the entries past the table name the null block (not a block it held
-        # before, which another session may hold now): a batched step reads them as a shorter request's padding.
-        width = self.tables.shape[2]
-        self.tables[row, block_idx] = int64_tensor(slot.table + [NULL_BLOCK] * (width - len(slot.table)), "cpu")
+        self._tables.write(row, block_idx, slot.table)
 
     def _pool_limit(self, pool: Pool) -> int | None:
         """The most blocks (besides the reserved ones) `pool` may double to: its share of the budget's,
@@ -437,8 +490,7 @@ class KVCache:
         row = self._rows.pop(session, None)
         if row is not None:
             self._free_rows.append(row)
-            with torch.inference_mode():
-                self.tables[row] = NULL_BLOCK  # the next session on this row names none of these blocks
+            self._tables.clear(row)  # the next session on this row names none of these blocks
         self._linear_bytes -= len(linear) * self.bytes_per_linear_slot
         return slots, linear
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cakemp.compute.kv_cache import BLOCK, KVCache
+from cakemp.compute.kv_cache import BLOCK, NULL_BLOCK, KVCache, Tables
 from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded
 
 PER_POSITION = 2 * 2 * 8 * 4  # K+V x 2 kv heads x 8 dims x f32
@@ -75,6 +75,38 @@ def test_the_device_tables_mirror_each_live_slot():
     for session, block_idx in [(1, 0), (1, 3), (2, 3)]:
         table = c.slot(session, block_idx).table
         assert c.tables[c.rows_of([session])[0], block_idx, : len(table)].tolist() == table
+
+
+@pytest.mark.parametrize("mirrored", [False, True], ids=["one-tensor", "device-copy"])
+def test_the_tables_a_step_reads_hold_every_row_written_before_it(mirrored):
+    """Rows written on the host, grown, cleared and rewritten read back whole when a step asks; with a
+    device copy apart (a GPU's, here on the CPU), only then, after any number of writes between steps."""
+    tables = Tables(torch.device("cpu"), mirrored=mirrored)
+    expected: dict[tuple[int, int], list[int]] = {}
+
+    def check() -> None:
+        read = tables.on_device()
+        for row in range(read.shape[0]):
+            for slot in range(read.shape[1]):
+                table = expected.get((row, slot), [])
+                assert read[row, slot].tolist() == table + [NULL_BLOCK] * (read.shape[2] - len(table)), (row, slot)
+
+    steps = [
+        [(0, 0, [5, 6])],
+        [(0, 0, [5, 6, 9]), (2, 1, [3])],  # a row and a slot past the tables' size: they grow
+        [(1, 0, list(range(2, 2 + 3 * BLOCK)))],  # wider than they were
+        [(2, 1, [4]), (0, 0, None), (0, 0, [7]), (1, 0, [2, 3])],  # several writes of a row; one shorter
+        [(2, 1, None)],
+    ]
+    for writes in steps:
+        for row, slot, table in writes:
+            if table is None:  # the row's session left it
+                tables.clear(row)
+                expected = {key: value for key, value in expected.items() if key[0] != row}
+            else:
+                tables.write(row, slot, table)
+                expected[row, slot] = table
+        check()
 
 
 def test_a_rewind_frees_the_blocks_past_what_it_writes():
