@@ -135,10 +135,10 @@ class StepRows:
 def seen_keys(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
     """keys: [S] positions, positions: [d] each decode row's own -> [d, S] bool: the keys each row sees
     (to its own position; within the last `window` of them where there is one)."""
-    end = positions[:, None] + 1  # [d, 1]
-    seen = keys < end
+    position = positions[:, None]  # [d, 1]
+    seen = keys <= position
     if window is not None:
-        seen &= keys >= end - window
+        seen &= keys > position - window
     return seen
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -31,6 +32,7 @@ from cakemp.op import Op, index_pos_of
 
 # Ops between two calls of run_batch's `between_ops` (the device's progress reports).
 _OPS_BETWEEN_CALLS = 16
+_LAYER_AND_SLOT = itemgetter(0, 2)  # an Op's (layer, block_idx): what a request's run is made of
 
 
 class Request(NamedTuple):
@@ -367,7 +369,7 @@ class BlockRunner:
             layers = len(self.blocks)
             ops = [Op(op.layer, op.index_pos, self.slot_bases[op.layer] + op.block_idx)
                    if 0 <= op.layer < layers else op for op in ops]
-        run = tuple([(op.layer, op.block_idx) for op in ops])  # what the request shares with those it batches with
+        run = tuple(map(_LAYER_AND_SLOT, ops))  # what the request shares with those it batches with
         if run != self._checked_run:  # a step's requests mostly share one run: checked once
             self._check_run(run)
         begun = None if self.prefixes is None else self.prefixes.begin(session, x, rows, ops, run)

@@ -91,7 +91,7 @@ def attend(
 def bias(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """seen: a bool mask -> the same mask as SDPA adds it to the scores, in `dtype`: 0 where seen, -inf
     elsewhere (what SDPA makes of a bool mask at every call; made once, a step's layers share it)."""
-    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+    return torch.full(seen.shape, float("-inf"), dtype=dtype, device=seen.device).masked_fill_(seen, 0.0)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
