@@ -37,11 +37,11 @@ from cakemp.wire.codec import _TAGS
 from tests.support.checkpoints import HFLayers, make_checkpoint
 from tests.support.master import CakeMaster
 from tests.support.node import RunningNode, write_topology
+from tests.support.tolerance import assert_close
 
 HIDDEN = 64
 LAYERS = [0, 1]
 CONTEXT = 65536  # frames up to 16 MiB of f32 activation
-F32_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ async def attacked(node: RunningNode, checkpoint, payload: bytes) -> tuple[str, 
     ref = HFLayers(checkpoint, LAYERS, torch.float32)
     bystander = await CakeMaster.connect(node.port, LAYERS)
     x = torch.randn(1, 5, HIDDEN)
-    torch.testing.assert_close(await bystander.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
+    assert_close(await bystander.forward(x, 0), ref(x, 0))
     rss, mark = peak_rss(node), node.mark()
     logged = sum(len(line) for line in node.lines)
     reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
@@ -106,7 +106,7 @@ async def attacked(node: RunningNode, checkpoint, payload: bytes) -> tuple[str, 
     writer.close()
     assert isinstance(refusal, WorkerError), refusal
     x = torch.randn(1, 1, HIDDEN)
-    torch.testing.assert_close(await bystander.forward(x, 5), ref(x, 5), atol=F32_ATOL, rtol=0)
+    assert_close(await bystander.forward(x, 5), ref(x, 5))
     await bystander.close()
     node.wait_for(lambda e: e.get("event") == "request refused", after=mark)
     grown = sum(len(line) for line in node.lines) - logged
@@ -147,7 +147,7 @@ def test_the_frames_leave_a_legitimate_master_served(node, checkpoint):
     async def main():
         master = await CakeMaster.connect(node.port, LAYERS)
         for x, position in ((torch.randn(1, 7, HIDDEN), 0), (torch.randn(1, 1, HIDDEN), 7)):
-            torch.testing.assert_close(await master.forward(x, position), ref(x, position), atol=F32_ATOL, rtol=0)
+            assert_close(await master.forward(x, position), ref(x, position))
         await master.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))

@@ -46,6 +46,7 @@ from tests.support.distance import Distance
 from tests.support.flood import ConnectFlood
 from tests.support.master import CakeMaster
 from tests.support.node import RunningNode, open_fds, rss, scrape, write_topology
+from tests.support.tolerance import assert_close
 
 KEY = "slow peers secret"
 HIDDEN = 64
@@ -57,7 +58,6 @@ FRAME_TIMEOUT_S = 3
 MAX_CONNECTIONS = 16
 NOFILE = 256  # the node's ulimit -n: fewer descriptors than the idle connects below
 HANDSHAKE_PLACES = 64
-F32_ATOL = 1e-4
 # Echoed as it is (no layer to run): a full-size reply that costs no device time.
 ECHO = Batch(RawTensor(bytes(CONTEXT * HIDDEN * 4), DType.F32, (1, CONTEXT, HIDDEN)), ())
 
@@ -129,13 +129,13 @@ async def bystander(node: RunningNode, ref: HFLayers) -> CakeMaster:
     """A master session prefilled with 5 positions, checked against HF's layers."""
     master = await CakeMaster.connect(node.port, LAYERS, cluster_key=KEY)
     x = torch.randn(1, 5, HIDDEN)
-    torch.testing.assert_close(await master.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
+    assert_close(await master.forward(x, 0), ref(x, 0))
     return master
 
 
 async def decodes(master: CakeMaster, ref: HFLayers, position: int = 5) -> None:
     x = torch.randn(1, 1, HIDDEN)
-    torch.testing.assert_close(await master.forward(x, position), ref(x, position), atol=F32_ATOL, rtol=0)
+    assert_close(await master.forward(x, position), ref(x, position))
 
 
 # --------------------------------------------------------------------------- masters that do not read
@@ -244,7 +244,7 @@ async def far_master_session(port: int, ref: HFLayers) -> str:
         return f"{type(e).__name__}: {e}"
     try:
         x = torch.randn(1, 5, HIDDEN)
-        torch.testing.assert_close(await master.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
+        assert_close(await master.forward(x, 0), ref(x, 0))
     except (OSError, EOFError, CakempError) as e:
         return f"{type(e).__name__}: {e}"
     finally:
@@ -403,7 +403,7 @@ def test_out_of_descriptors_the_node_pauses_accepting_and_restarts_a_device_once
         master = await asyncio.wait_for(waiting, 30)
         await asyncio.to_thread(node.wait_for, lambda e: e.get("event") == "device restarted", 30, mark)
         x = torch.randn(1, 3, HIDDEN)
-        torch.testing.assert_close(await master.forward(x, 0), ref(x, 0), atol=F32_ATOL, rtol=0)
+        assert_close(await master.forward(x, 0), ref(x, 0))
         await master.close()
         return failed, mark
 
@@ -444,7 +444,7 @@ def test_connects_that_never_authenticate_hold_a_few_places_of_their_own_and_a_m
         await decodes(master, ref)
         await master.close()
         x = torch.randn(1, 2, HIDDEN)
-        torch.testing.assert_close(await other.forward(x, 0), hf()(x, 0), atol=F32_ATOL, rtol=0)
+        assert_close(await other.forward(x, 0), hf()(x, 0))
         await other.close()
         after = await asyncio.to_thread(scrape, node.metrics_port())
         closed = sum(after.get(key, 0.0) - refused.get(key, 0.0) for key in (
