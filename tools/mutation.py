@@ -104,7 +104,7 @@ MUTANTS = (
            "return await self._control(device, session, End(session, next(self._request_ids)))",
            "return await self._control(device, session, End(-session, next(self._request_ids)))", POOL),
     Mutant("kv-gauge-not-recorded", "cakemp/front/pool.py",
-           "self._metrics.kv_bytes.set(msg.kv_bytes, device=self.label(device))", "pass", POOL),
+           "self._series[device].kv_bytes.set(msg.kv_bytes)", "pass", POOL),
     Mutant("lost-session-not-told", "cakemp/front/pool.py",
            "[stateful and any(op.index_pos > 0 for op in stage.ops)", "[stateful and False",
            ("tests/node/test_device_loss.py",)),
@@ -137,7 +137,7 @@ MUTANTS = (
     Mutant("decode-window-ignored", "cakemp/compute/paged_step.py",
            "    if window is not None:\n        seen &=", "    if False:\n        seen &=", RUNNER),
     Mutant("decode-sees-padding", "cakemp/compute/paged_step.py",
-           "seen = keys < end", "seen = keys >= 0", RUNNER),
+           "seen = keys <= position", "seen = keys >= 0", RUNNER),
     # The same bug against the f32 parity tests alone (the issue: 4 of 5 families let it through).
     Mutant("rms-eps-10x/parity", "cakemp/model/block.py",
            "self.eps = config.rms_norm_eps", "self.eps = config.rms_norm_eps * 10",
