@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from cakemp.ipc import Activation, Answers, DeviceChannel, FrontChannel, Hop, Hops, Op, Stage
+from bench.front_floor import busy, echo_device
+from cakemp.ipc import FrontChannel, Hop, Hops, Op, Stage
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
 from tests.support.checkpoints import make_checkpoint
@@ -188,16 +189,6 @@ async def throughput(port: int, hidden: int, sessions: int, seconds: float,
     return sum(counts) / elapsed
 
 
-def echo_device(endpoint: str, parent_pipe, busy_s: float) -> None:
-    """A device process that answers each Hops message with its own bytes after `busy_s` of busy work."""
-    channel = DeviceChannel(endpoint, parent_pipe.fileno())
-    while (messages := channel.receive()) is not None:
-        for message in messages:
-            busy(busy_s)
-            channel.send(Answers(tuple(Activation(hop.request_id, hop.dtype, hop.nbytes, hop.chunk, hop.shape)
-                                       for hop in message.hops), data=message.data))
-
-
 def echo_unix(path: str, busy_s: float, nbytes: int) -> None:
     """The same echo over a plain Unix stream socket: the floor for any second process (2 thread hand-offs)."""
     with socket.socket(socket.AF_UNIX) as sock:
@@ -211,13 +202,6 @@ def echo_unix(path: str, busy_s: float, nbytes: int) -> None:
                 data += chunk
             busy(busy_s)
             sock.sendall(data)
-
-
-def busy(seconds: float) -> None:
-    """Occupy this core for `seconds`, as a decode's compute does (a sleep would not: the core halts)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 async def ipc_hop(workdir: Path, steps: int, busy_s: float, hidden: int = 4096) -> dict[str, list[float]]:

@@ -2,7 +2,7 @@
 
     python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--layers 2] [--profile-seconds 4]
                                  [--before DIR] [--prompt 512] [--prompts 10] [--pin-cpus] [--prefix-reuse]
-                                 [--idle 0]
+                                 [--idle 0] [--floor]
 
 Writes a random Llama checkpoint of --layers layers (hidden 256, intermediate 768, 4 query heads on 2 kv
 heads, f32) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over all its
@@ -44,6 +44,10 @@ time a master waits for each, and the node's CPU time (front and device) for it,
 prompt run in-process (BlockRunner.run, CPU time of this process) whole and in the node's
 --prefill-chunk pieces (128 tokens, `chunk_bounds`), medians over the prompts.
 
+With --floor, bench/front_floor.py's floor front (TCP, the Cake codec and ZeroMQ to an echo device,
+and nothing else of the front) is measured beside the nodes the same way, and the front's CPU per
+request is printed over it: what the front's own Python costs.
+
 With --before DIR (a checkout of an earlier commit, e.g. `git archive <commit> | tar -x -C DIR`),
 a second node runs from DIR (PYTHONPATH=DIR) beside this tree's, its windows taking turns with
 this tree's in every round, and its front and device CPU per request are printed beside them
@@ -64,6 +68,7 @@ from pathlib import Path
 
 import torch
 
+from bench.front_floor import Floor
 from bench.pool import MAX_POSITIONS, REUSE_BUDGET, Session, machine_line, raw, start_cakemp
 from bench.route import children
 from cakemp.compute.runner import BlockRunner, Request
@@ -80,6 +85,8 @@ NODE_ARGS = ("--cpu-threads", "1", "--no-prefix-reuse")
 # session): a step started cold (caches taken by the front and the master meanwhile, the core
 # idle) costs more CPU than one run straight after the last.
 IDLE_S = 0.001
+FLOOR = "floor"  # the floor front's name among the measured nodes (--floor)
+FLOOR_BUSY_S = 0.001  # its echo device's busy work a step: about a decode step's compute at one session here
 
 # (stage, the path fragments of the files whose frames belong to it), tried in this order on each
 # frame from the innermost out: a sample is the stage of the first frame a rule names.
@@ -337,6 +344,17 @@ def print_before(by_node: dict[str, dict[int, dict[str, float]]]) -> None:
               f"{beyond[0]:+.0f} | {beyond[1]:+.0f} |")
 
 
+def print_floor(figures: dict[int, dict[str, float]], floor: dict[int, dict[str, float]]) -> None:
+    """This tree's front against the floor front's (the least a front of this design costs), CPU µs per request."""
+    print(f"\nthe front against the floor front (bench/front_floor.py: TCP, the Cake codec and ZeroMQ alone, "
+          f"its echo device busy {FLOOR_BUSY_S * 1e3:g} ms a step), CPU µs per request, measured in the same rounds")
+    print("| sessions | front | floor front | front over the floor | floor's ZeroMQ I/O thread |")
+    print("|---:|---:|---:|---:|---:|")
+    for count, cost in figures.items():
+        front, least = cost["front (process)"], floor[count]["front (process)"]
+        print(f"| {count} | {front:.0f} | {least:.0f} | {front - least:+.0f} | {floor[count].get('front ZMQbg/IO/0', 0):.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="decode Batches per session per window")
@@ -351,6 +369,7 @@ def main() -> None:
     parser.add_argument("--pin-cpus", action="store_true", help="start the nodes with --pin-cpus")
     parser.add_argument("--prefix-reuse", action="store_true", help="start the nodes with prefix reuse, as by default")
     parser.add_argument("--idle", type=int, default=0, help="sessions connected to each node, idle, while it is measured")
+    parser.add_argument("--floor", action="store_true", help="measure bench/front_floor.py's floor front beside the nodes")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     node_args = tuple(arg for arg in NODE_ARGS if not (args.prefix_reuse and arg == "--no-prefix-reuse")) + \
@@ -367,10 +386,13 @@ def main() -> None:
             {f"before ({args.before.name})": args.before.resolve(), "this tree": None}
         started = {name: start_cakemp(model, work, "cpu:1", *node_args, layers=args.layers, source=tree)
                    for name, tree in trees.items()}
+        floor = Floor(work, FLOOR_BUSY_S) if args.floor else None
         try:
             nodes = {name: (port, {"front": node.pid, "device": device_pid(node.pid)})
                      for name, (node, port) in started.items()}
-            by_node = asyncio.run(measure(nodes, runner, counts, args.steps, args.rounds, args.idle))
+            measured = nodes | ({FLOOR: (floor.port, floor.pids)} if floor else {})
+            by_node = asyncio.run(measure(measured, runner, counts, args.steps, args.rounds, args.idle))
+            floor_figures = by_node.pop(FLOOR, None)
             prompt = asyncio.run(prompts(nodes, runner, args.prompt, args.prompts)) if args.prompt and args.prompts else None
             figures = by_node["this tree"]
             port, pids = nodes["this tree"]
@@ -380,6 +402,8 @@ def main() -> None:
             for node, _ in started.values():
                 node.terminate()
                 node.wait()
+            if floor is not None:
+                floor.stop()
     print(f"\n{args.layers} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(node_args)}`; "
           f"{args.rounds} windows of {args.steps} decode Batches per session" +
           (f", {args.idle} idle sessions connected" if args.idle else "") + "; CPU µs per request")
@@ -396,6 +420,8 @@ def main() -> None:
                       for count, cost in figures.items()))
     if args.before is not None:
         print_before(by_node)
+    if floor_figures is not None:
+        print_floor(figures, floor_figures)
     if prompt is not None:
         print_prompts(prompt, args.prompt, args.prompts)
     for count, by_process in samples.items():
