@@ -175,13 +175,14 @@ class DeviceService:
     def tasks(self, message: Hops) -> list[Task]:
         """The message's hops this process computes, each with its activation on the device. A hop
         meant for another process of this device (a stale route), or another device, is dropped."""
-        hops, data = message.hops, rows(message.hops, message.data)
+        hops = message.hops
         mine = [i for i, hop in enumerate(hops)
                 if hop.stages and hop.stages[0].device == self.index and hop.stages[0].generation == self.generation]
+        if self.workload.image is None and len(mine) == len(hops) and (whole := self._rows(message)) is not None:
+            return [Task(hop, x) for hop, x in zip(hops, whole, strict=True)]
+        data = rows(hops, message.data)  # each hop's bytes, apart
         if self.workload.image is not None:
             return [Task(hops[i], RawTensor(data[i], hops[i].dtype, hops[i].shape)) for i in mine]
-        if len(mine) == len(hops) and (whole := self._rows(message)) is not None:
-            return [Task(hop, x) for hop, x in zip(hops, whole, strict=True)]
         return [Task(hops[i], self._input(hops[i], data[i])) for i in mine]
 
     def run_step(self, pieces: Sequence[Piece]) -> Stepped:
@@ -284,9 +285,9 @@ class DeviceService:
                     except Exception as e:
                         data[i] = e
                 continue
-            at = 0
+            at, itemsize = 0, DType(dtype).itemsize
             for i in members:
-                end = at + finished[i][1].numel() * DType(dtype).itemsize
+                end = at + finished[i][1].numel() * itemsize
                 data[i] = flat[at:end]
                 at = end
         onward = []
