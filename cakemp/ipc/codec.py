@@ -3,8 +3,11 @@
 A message is one header frame, then one frame per `Body` or `Text` field, in declaration
 order. The header frame is the kind (u8), then every integer field packed in declaration order
 (little-endian, no padding), then every tuple field in declaration order: a u32 count and its
-items, each item laid out the same way (its integers, then its tuples). Nothing here names a
-message: each declared class is compiled once into a layout from its annotations.
+items. A tuple's items are laid out field by field, not item by item: every item's integers, item
+after item, then for each tuple field of theirs every item's u32 count and all their items (laid
+out the same way). A step's hundreds of hops then cost one struct call per field, not several
+Python calls per hop. Nothing here names a message: each declared class is compiled once into a
+layout from its annotations.
 
 Decoding keeps body frames as given (no copy) and checks every count against the header bytes
 left before anything is allocated for it. Only cakemp writes these frames, so one that does
@@ -13,6 +16,7 @@ not decode is cakemp's own fault: BadIpcMessage, a NodeFault.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Callable, Sequence
 from enum import IntEnum
@@ -49,7 +53,7 @@ class _Integers:
         self.min_size = struct.calcsize(code)
         self._structs: dict[int, struct.Struct] = {}  # by count: a shape's 3 dims, a route's 1 stage's kv...
 
-    def _struct(self, n: int) -> struct.Struct:
+    def many(self, n: int) -> struct.Struct:
         layout = self._structs.get(n)
         if layout is None:
             layout = struct.Struct(f"<{n}{self.code}")
@@ -58,12 +62,15 @@ class _Integers:
         return layout
 
     def write_all(self, head: bytearray, items: tuple) -> None:
-        head += self._struct(len(items)).pack(*items)
+        head += self.many(len(items)).pack(*items)
 
     def read_all(self, header: _Header, n: int) -> tuple:
-        values = self._struct(n).unpack_from(header.frame, header.at)
+        values = self.many(n).unpack_from(header.frame, header.at)
         header.at += n * self.min_size
         return values
+
+
+_COUNTS = _Integers("I")  # the counts of a tuple field, one per item of a tuple of items
 
 
 class _Layout:
@@ -75,6 +82,7 @@ class _Layout:
         integers = [name for name, mark in marks.items() if mark not in _FRAMES]
         self.fixed = struct.Struct("<" + "".join(marks[name] for name in integers))
         self.integers = _getter(integers)
+        self.width = len(integers)
         # Integer fields typed by an IntEnum (an ErrorCode) are read as its members.
         self.enums = [(index, get_args(hints[name])[0]) for index, name in enumerate(integers)
                       if get_args(hints[name]) and issubclass(get_args(hints[name])[0], IntEnum)]
@@ -85,6 +93,7 @@ class _Layout:
         # By position when the fields are declared in the order they are read (the fast case).
         order = [*integers, *(name for name, _ in self.tuples), *(name for name, _ in self.frames)]
         self.build = cls if order == list(hints) else lambda *values: cls(**dict(zip(order, values)))
+        self._runs: dict[int, struct.Struct] = {}  # `_many`'s
 
     def write(self, head: bytearray, value: object) -> None:
         head += self.fixed.pack(*self.integers(value))
@@ -94,12 +103,18 @@ class _Layout:
             item.write_all(head, items)
 
     def write_all(self, head: bytearray, items: tuple) -> None:
-        if not self.flat:
+        """The items field by field: every item's integers, item after item, in one struct; then for
+        each tuple field every item's count in one struct, and all the items' elements in one tuple
+        (laid out the same way). Per item of a step's hops, a few bytes and no Python call."""
+        if len(items) < 2:  # one item's layout is the same either way: the plain one costs less
             for value in items:
                 self.write(head, value)
             return
-        pack, integers = self.fixed.pack, self.integers
-        head += b"".join([pack(*integers(value)) for value in items])
+        head += self._many(len(items)).pack(*itertools.chain.from_iterable(map(self.integers, items)))
+        for name, item in self.tuples:
+            column = [getattr(value, name) for value in items]
+            head += _COUNTS.many(len(items)).pack(*map(len, column))
+            item.write_all(head, tuple(itertools.chain.from_iterable(column)))
 
     def read(self, header: _Header, frames: Sequence[Buffer] = ()) -> object:
         # The header's reads inlined (a call each cost more than the read): this runs per item.
@@ -123,14 +138,37 @@ class _Layout:
         return self.build(*values)
 
     def read_all(self, header: _Header, n: int) -> tuple:
-        if not self.flat:
-            read = self.read
-            return tuple([read(header) for _ in range(n)])
-        end = header.at + n * self.fixed.size
-        items = memoryview(header.frame)[header.at : end]
-        header.at = end
-        build = self.build
-        return tuple([build(*values) for values in self.fixed.iter_unpack(items)])
+        """`n` items written by `write_all` (their count checked already against the bytes left)."""
+        if n < 2 and not self.flat:  # as `write_all`
+            return (self.read(header),) if n else ()
+        if self.flat:
+            end = header.at + n * self.fixed.size
+            items = memoryview(header.frame)[header.at : end]
+            header.at = end
+            build = self.build
+            return tuple([build(*values) for values in self.fixed.iter_unpack(items)])
+        values = self._many(n).unpack_from(header.frame, header.at)
+        header.at += n * self.fixed.size
+        columns = [values[i::self.width] for i in range(self.width)]  # each integer field's, of every item
+        for index, enum in self.enums:
+            columns[index] = [enum(value) for value in columns[index]]
+        for _, item in self.tuples:
+            counts = _COUNTS.read_all(header, n)
+            total = sum(counts)
+            if total * item.min_size > header.size - header.at:
+                raise ValueError(f"{total} items claimed, {header.size - header.at} bytes left")
+            elements = iter(item.read_all(header, total) if total else ())
+            columns.append([tuple(itertools.islice(elements, count)) for count in counts])
+        return tuple(map(self.build, *columns))
+
+    def _many(self, n: int) -> struct.Struct:
+        """The integers of `n` items, one after another."""
+        layout = self._runs.get(n)
+        if layout is None:
+            layout = struct.Struct("<" + self.fixed.format[1:] * n)
+            if n <= 16:  # the counts that recur; a long tuple is packed once in a while
+                self._runs[n] = layout
+        return layout
 
 
 def _mark(hint: object) -> str | None:
