@@ -49,6 +49,7 @@ class Mutant:
 # are dropped; a subset left with no test leaves the mutant alive. A -k applies to every path
 # of its subset, so subsets with one are not added to others.
 WIRE = ("tests/wire",)
+IPC = ("tests/ipc",)
 AUTH = ("tests/test_auth.py", "tests/node/test_node.py", "-k", "key or proof or auth")
 ROUTER = ("tests/node/test_node.py",)
 POOL = ("tests/node/test_node.py", "tests/node/test_node_flags.py")
@@ -64,6 +65,13 @@ GGUF_TOKENIZER = ("tests/master/test_gguf_tokenizer_llama_cpp.py", "tests/master
                   "tests/master/test_gguf_generator.py")
 
 MUTANTS = (
+    # --- ipc codec: a step's items laid out field by field
+    Mutant("ipc-items-given-their-neighbours-elements", "cakemp/ipc/codec.py",
+           "columns.append([tuple(itertools.islice(elements, count)) for count in counts])",
+           "columns.append([tuple(itertools.islice(elements, counts[0])) for count in counts])", IPC),
+    Mutant("ipc-items-unchecked-against-the-bytes-left", "cakemp/ipc/codec.py",
+           "            if total * item.min_size > header.size - header.at:\n",
+           "            if False:\n", IPC),
     # --- wire codec
     Mutant("frame-max-payload-off-by-one", "cakemp/wire/frames.py",
            "if size > max_payload:", "if size >= max_payload:", WIRE),

@@ -207,6 +207,19 @@ def test_garbage_is_this_nodes_fault(frames):
     assert isinstance(caught.value, NodeFault) and not isinstance(caught.value, PeerFault)
 
 
+def test_a_steps_hops_claiming_more_elements_than_the_header_holds_are_refused_before_any_is_made():
+    """Two hops whose shapes claim 2^31 dims each, and whose stages claim 2^20 ops: the sum of what
+    every hop of the step claims is checked against the bytes left before a struct is made for them."""
+    hop = struct.pack("<QQBQII", 1, 1, 5, 0, 0, 1)
+    shapes = [struct.pack("<BI", Kind.HOPS, 2) + hop * 2 + struct.pack("<II", 2**31, 2**31), b""]
+    stages = [struct.pack("<BI", Kind.HOPS, 2) + hop * 2 + struct.pack("<II", 0, 0)  # no dims
+              + struct.pack("<II", 1, 1) + struct.pack("<IIII", 0, 0, 0, 0)  # a stage each
+              + struct.pack("<II", 2**20, 2**20), b""]  # claiming 2^20 ops each
+    for frames in (shapes, stages):
+        with pytest.raises(BadIpcMessage, match="items claimed"):
+            decode(frames)
+
+
 u64 = st.integers(0, 2**64 - 1)
 u32 = st.integers(0, 2**32 - 1)
 ops = st.lists(st.builds(Op, u32, u64, u64), max_size=20).map(tuple)
