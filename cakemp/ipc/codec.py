@@ -46,17 +46,19 @@ class _Header:
 
 
 class _Integers:
-    """The items of a tuple of integers, packed and unpacked in one struct call."""
+    """Runs of integers laid out by `code` (one mark: a tuple of integers; several: each item's integer
+    fields, a `_Layout`'s), packed and unpacked `n` runs at a time in one struct call."""
 
     def __init__(self, code: str) -> None:
         self.code = code
-        self.min_size = struct.calcsize(code)
+        self.min_size = struct.calcsize("<" + code)  # the bytes of one run
         self._structs: dict[int, struct.Struct] = {}  # by count: a shape's 3 dims, a route's 1 stage's kv...
 
     def many(self, n: int) -> struct.Struct:
         layout = self._structs.get(n)
         if layout is None:
-            layout = struct.Struct(f"<{n}{self.code}")
+            # One mark takes a count ("<96Q"): a long run is then compiled as fast as a short one.
+            layout = struct.Struct(f"<{n}{self.code}" if len(self.code) == 1 else "<" + self.code * n)
             if n <= 16:  # the counts that recur; a long tuple is packed once in a while
                 self._structs[n] = layout
         return layout
@@ -83,6 +85,7 @@ class _Layout:
         self.fixed = struct.Struct("<" + "".join(marks[name] for name in integers))
         self.integers = _getter(integers)
         self.width = len(integers)
+        self._runs = _Integers(self.fixed.format[1:])  # the integers of several items, one after another
         # Integer fields typed by an IntEnum (an ErrorCode) are read as its members.
         self.enums = [(index, get_args(hints[name])[0]) for index, name in enumerate(integers)
                       if get_args(hints[name]) and issubclass(get_args(hints[name])[0], IntEnum)]
@@ -93,7 +96,6 @@ class _Layout:
         # By position when the fields are declared in the order they are read (the fast case).
         order = [*integers, *(name for name, _ in self.tuples), *(name for name, _ in self.frames)]
         self.build = cls if order == list(hints) else lambda *values: cls(**dict(zip(order, values)))
-        self._runs: dict[int, struct.Struct] = {}  # `_many`'s
 
     def write(self, head: bytearray, value: object) -> None:
         head += self.fixed.pack(*self.integers(value))
@@ -110,7 +112,7 @@ class _Layout:
             for value in items:
                 self.write(head, value)
             return
-        head += self._many(len(items)).pack(*itertools.chain.from_iterable(map(self.integers, items)))
+        head += self._runs.many(len(items)).pack(*itertools.chain.from_iterable(map(self.integers, items)))
         for name, item in self.tuples:
             column = [getattr(value, name) for value in items]
             head += _COUNTS.many(len(items)).pack(*map(len, column))
@@ -147,8 +149,7 @@ class _Layout:
             header.at = end
             build = self.build
             return tuple([build(*values) for values in self.fixed.iter_unpack(items)])
-        values = self._many(n).unpack_from(header.frame, header.at)
-        header.at += n * self.fixed.size
+        values = self._runs.read_all(header, n)
         columns = [values[i::self.width] for i in range(self.width)]  # each integer field's, of every item
         for index, enum in self.enums:
             columns[index] = [enum(value) for value in columns[index]]
@@ -160,15 +161,6 @@ class _Layout:
             elements = iter(item.read_all(header, total) if total else ())
             columns.append([tuple(itertools.islice(elements, count)) for count in counts])
         return tuple(map(self.build, *columns))
-
-    def _many(self, n: int) -> struct.Struct:
-        """The integers of `n` items, one after another."""
-        layout = self._runs.get(n)
-        if layout is None:
-            layout = struct.Struct("<" + self.fixed.format[1:] * n)
-            if n <= 16:  # the counts that recur; a long tuple is packed once in a while
-                self._runs[n] = layout
-        return layout
 
 
 def _mark(hint: object) -> str | None:
