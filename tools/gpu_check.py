@@ -62,7 +62,9 @@ findings, or the error that stopped it, and the next one runs regardless:
 11. node-perf (~90 s, estimated): 4 Llama-3-8B-shaped layers of a random bf16 checkpoint: the
    bandwidth floor of one decode step (weight bytes / a copy measured here), decode steps of 1, 8
    and 32 sessions 512 tokens in, in this process through BlockRunner.run_batch (its decode steps
-   CUDA graphs, as the node's) and through transformers' own layers batched, and through `cakemp
+   CUDA graphs, as the node's; with the CPU time its call takes before the GPU's work is waited for,
+   its planning and launches, over the step's wall time) and through transformers' own layers
+   batched, and through `cakemp
    run --gpus all --dtype bf16` from 1, 8 and 32 concurrent masters (tokens/s, each against
    in-process); a 512-token prompt through the node against in-process.
 12. graphs (~40 s, estimated): the same 4 layers through BlockRunner with its decode steps replayed
@@ -925,6 +927,19 @@ async def check_image(device: torch.device, rehearse: bool) -> None:
 
 # --- 11. the node's speed against its layers in-process -------------------------------------
 
+def launch_cpu(fn, device: torch.device) -> float:
+    """The CPU seconds this thread spends in fn() before it returns, the GPU's work not waited for (its
+    planning and kernel launches, or a replay's): near the step's wall time, a step bound by its Python."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.thread_time()
+    fn()
+    spent = time.thread_time() - start
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return spent
+
+
 async def check_node_perf(device: torch.device, rehearse: bool) -> None:
     import transformers
 
@@ -951,9 +966,11 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                 theirs = Transformers(path, n, cached, layers, device, torch.bfloat16, model=model)
                 ms = {name: 1e3 * statistics.median(timed(side.step, device) for _ in range(steps))
                       for name, side in (("cakemp", ours), ("transformers", theirs))}
+                launch_ms = 1e3 * statistics.median(launch_cpu(ours.step, device) for _ in range(steps))
             in_process[n] = n / ms["cakemp"] * 1e3
             finding(f"node_perf.in_process_{n}", {
                 "cakemp_ms": round(ms["cakemp"], 3), "transformers_ms": round(ms["transformers"], 3),
+                "cakemp_launch_cpu_ms": round(launch_ms, 3), "launch_over_step": round(launch_ms / ms["cakemp"], 2),
                 "cakemp_tok_s": round(in_process[n]), "to_floor": round(ms["cakemp"] / floor_ms, 2),
                 "cakemp_over_transformers_tok_s": round(ms["transformers"] / ms["cakemp"], 2)})
         for s in range(max(counts)):
