@@ -3,7 +3,7 @@ cakemp's BlockRunner.run_batch beside transformers' own layers batched, side by 
 
     python -m bench.step_growth [--shape tiny|tinyllama] [--counts 1,2,8,32] [--cached 16]
                                 [--steps 50] [--rounds 5] [--threads 1] [--layers 2]
-                                [--prefix-reuse] [--retired 0]
+                                [--prefix-reuse] [--retired 0] [--unplanned]
 
 A random Llama checkpoint (tiny: hidden 64, intermediate 192, 4 query heads on 2 kv heads of 16;
 tinyllama: TinyLlama-1.1B's layer, hidden 2048, intermediate 5632, 32 query heads on 4 kv heads
@@ -15,14 +15,18 @@ a --cached-token prompt, then both compute --steps decode steps of all N session
 * transformers: its LlamaDecoderLayers on x: [N, 1, H] over one DynamicCache of batch N (every
   session at the same length, so no padding: the cheapest batched step transformers has).
 
+With --unplanned, a third side runs beside them: cakemp's with its steps planned (`BlockRunner._plan_step`:
+each request checked, its slots reserved) outside the CPU time counted, what a step would cost were its
+per-request planning free: an upper bound on what any cheaper planning could save.
+
 With --prefix-reuse, cakemp's runner follows its sessions for prefix reuse under a KV budget, as a
 node's device does by default, and --retired sessions have first run a 32-row prompt and said
 Goodbye (the retired prefixes a chat server keeps): transformers' side has no such thing, so the
 ratio then includes what following the sessions costs.
 
 Printed per count: each side's CPU ms per step (process time: steadier than wall on a shared
-machine; the median of --rounds windows, the two alternating), and the growth per session from
-each count to the last in µs, with cakemp's growth over transformers'. Compute at the tiny
+machine; the median of --rounds windows, the sides taking turns), and the growth per session from
+each count to the last in µs, each side's over transformers'. Compute at the tiny
 shape is negligible, so its growth is the Python and dispatch cost of a session. From 1 session,
 cakemp's growth includes the batched step's fixed cost over one session alone (which reads its
 keys as a view of the pool: no table, no gather, no mask); from 2 on, it is a session's own.
@@ -57,8 +61,11 @@ class Cakemp:
 
     def __init__(self, path, sessions: int, cached: int, layers: int = LAYERS, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, runner: BlockRunner | None = None, prefix_reuse: bool = False,
-                 retired: int = 0):
+                 retired: int = 0, unplanned: bool = False):
+        """`unplanned`: each step's requests are planned (checked, their slots reserved) outside the time
+        counted, `untimed` counting it apart: what the step costs were planning free."""
         self.layers = layers
+        self.unplanned, self.untimed = unplanned, 0.0
         self.runner = runner or BlockRunner.load(path, [f"model.layers.{i}" for i in range(layers)], device, dtype,
                                                  prefix_reuse=prefix_reuse,
                                                  kv_budget_bytes=REUSE_BUDGET if prefix_reuse else None)
@@ -82,7 +89,15 @@ class Cakemp:
         x = torch.randn(self.sessions, 1, self.hidden, device=self.device).to(self.dtype)  # as transformers' side draws it
         # Each session's [1, 1, H] row as the device makes them of a step's message: one unbind.
         rows = x.view(self.sessions, 1, 1, self.hidden).unbind(0)
-        self.runner.run_batch([Request(s, row, ops) for s, row in enumerate(rows)])
+        requests = [Request(s, row, ops) for s, row in enumerate(rows)]
+        if self.unplanned:
+            start = time.process_time()
+            groups = self.runner._plan_step(requests, [None] * len(requests))
+            self.untimed += time.process_time() - start
+            for group in groups.values():
+                self.runner._run_group([planned for _, planned in group], None)
+        else:
+            self.runner.run_batch(requests)
         self.position += 1
 
 
@@ -119,11 +134,14 @@ class Transformers:
 
 
 def per_step_ms(side, steps: int) -> float:
+    """CPU ms per step of `side` (less what it counted as untimed)."""
+    untimed = getattr(side, "untimed", 0.0)
     with torch.inference_mode():
         start = time.process_time()
         for _ in range(steps):
             side.step()
-        return (time.process_time() - start) / steps * 1e3
+        spent = time.process_time() - start - (getattr(side, "untimed", 0.0) - untimed)
+        return spent / steps * 1e3
 
 
 def main() -> None:
@@ -137,6 +155,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--prefix-reuse", action="store_true")
     parser.add_argument("--retired", type=int, default=0)
+    parser.add_argument("--unplanned", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(c) for c in args.counts.split(",")]
@@ -151,8 +170,11 @@ def main() -> None:
         figures = {}
         for n in counts:
             sides = {"cakemp": Cakemp(path, n, args.cached, args.layers, prefix_reuse=args.prefix_reuse,
-                                      retired=args.retired),
-                     "transformers": Transformers(path, n, args.cached, args.layers)}
+                                      retired=args.retired)}
+            if args.unplanned:
+                sides["unplanned"] = Cakemp(path, n, args.cached, args.layers, prefix_reuse=args.prefix_reuse,
+                                            retired=args.retired, unplanned=True)
+            sides["transformers"] = Transformers(path, n, args.cached, args.layers)
             for side in sides.values():
                 per_step_ms(side, 2)  # warm-up
             times = {name: [] for name in sides}
@@ -160,14 +182,12 @@ def main() -> None:
                 for name, side in sides.items():
                     times[name].append(per_step_ms(side, args.steps))
             figures[n] = {name: statistics.median(t) for name, t in times.items()}
-            print(f"{n:3d} sessions: cakemp {figures[n]['cakemp']:8.3f} ms/step   "
-                  f"transformers {figures[n]['transformers']:8.3f} ms/step")
+            print(f"{n:3d} sessions: " + "   ".join(f"{name} {ms:8.3f} ms/step" for name, ms in figures[n].items()))
     last = counts[-1]
     for first in counts[:-1]:
         growth = {name: (figures[last][name] - figures[first][name]) / (last - first) * 1e3 for name in figures[first]}
-        print(f"growth per session {first}->{last}: cakemp {growth['cakemp']:.1f} µs, transformers "
-              f"{growth['transformers']:.1f} µs, ratio {growth['cakemp'] / growth['transformers']:.2f}x")
-
+        print(f"growth per session {first}->{last}: " +
+              ", ".join(f"{name} {g:.1f} µs ({g / growth['transformers']:.2f}x)" for name, g in growth.items()))
 
 if __name__ == "__main__":
     main()
