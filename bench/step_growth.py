@@ -3,7 +3,7 @@ cakemp's BlockRunner.run_batch beside transformers' own layers batched, side by 
 
     python -m bench.step_growth [--shape tiny|tinyllama] [--counts 1,2,8,32] [--cached 16]
                                 [--steps 50] [--rounds 5] [--threads 1] [--layers 2]
-                                [--prefix-reuse] [--retired 0] [--unplanned]
+                                [--prefix-reuse] [--retired 0] [--unplanned] [--each-planned]
 
 A random Llama checkpoint (tiny: hidden 64, intermediate 192, 4 query heads on 2 kv heads of 16;
 tinyllama: TinyLlama-1.1B's layer, hidden 2048, intermediate 5632, 32 query heads on 4 kv heads
@@ -17,7 +17,9 @@ a --cached-token prompt, then both compute --steps decode steps of all N session
 
 With --unplanned, a third side runs beside them: cakemp's with its steps planned (`BlockRunner._plan_step`:
 each request checked, its slots reserved) outside the CPU time counted, what a step would cost were its
-per-request planning free: an upper bound on what any cheaper planning could save.
+per-request planning free: an upper bound on what any cheaper planning could save. With
+--each-planned, another: cakemp's with every request planned on its own (`BlockRunner._plan`), decodes
+too, where a decode whose KV slots hold its row otherwise joins its group with no plan of its own.
 
 With --prefix-reuse, cakemp's runner follows its sessions for prefix reuse under a KV budget, as a
 node's device does by default, and --retired sessions have first run a 32-row prompt and said
@@ -61,15 +63,18 @@ class Cakemp:
 
     def __init__(self, path, sessions: int, cached: int, layers: int = LAYERS, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, runner: BlockRunner | None = None, prefix_reuse: bool = False,
-                 retired: int = 0, unplanned: bool = False):
+                 retired: int = 0, unplanned: bool = False, each_planned: bool = False):
         """`unplanned`: each step's requests are planned (checked, their slots reserved) outside the time
-        counted, `untimed` counting it apart: what the step costs were planning free."""
+        counted, `untimed` counting it apart: what the step costs were planning free. `each_planned`: every
+        request is planned on its own, a decode too (as before decodes joined their group without a plan)."""
         self.layers = layers
         self.unplanned, self.untimed = unplanned, 0.0
         self.runner = runner or BlockRunner.load(path, [f"model.layers.{i}" for i in range(layers)], device, dtype,
                                                  prefix_reuse=prefix_reuse,
                                                  kv_budget_bytes=REUSE_BUDGET if prefix_reuse else None)
         self.hidden, self.device, self.dtype = self.runner.config.hidden_size, self.runner.device, self.runner.dtype
+        if each_planned:
+            self.runner._continues = lambda groups, index, request: False
         self.sessions, self.position = sessions, cached
         for s in range(sessions, sessions + retired):  # a chat's turn each, retired by its Goodbye
             self.runner.run(s, self._x(RETIRED_ROWS), self._ops(0))
@@ -95,7 +100,7 @@ class Cakemp:
             groups = self.runner._plan_step(requests, [None] * len(requests))
             self.untimed += time.process_time() - start
             for group in groups.values():
-                self.runner._run_group([planned for _, planned in group], None)
+                self.runner._run_group(group, None)
         else:
             self.runner.run_batch(requests)
         self.position += 1
@@ -156,6 +161,7 @@ def main() -> None:
     parser.add_argument("--prefix-reuse", action="store_true")
     parser.add_argument("--retired", type=int, default=0)
     parser.add_argument("--unplanned", action="store_true")
+    parser.add_argument("--each-planned", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(c) for c in args.counts.split(",")]
@@ -171,6 +177,9 @@ def main() -> None:
         for n in counts:
             sides = {"cakemp": Cakemp(path, n, args.cached, args.layers, prefix_reuse=args.prefix_reuse,
                                       retired=args.retired)}
+            if args.each_planned:
+                sides["each-planned"] = Cakemp(path, n, args.cached, args.layers, prefix_reuse=args.prefix_reuse,
+                                               retired=args.retired, each_planned=True)
             if args.unplanned:
                 sides["unplanned"] = Cakemp(path, n, args.cached, args.layers, prefix_reuse=args.prefix_reuse,
                                             retired=args.retired, unplanned=True)

@@ -57,7 +57,7 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,6 +79,12 @@ def int64_tensor(values: list[int], device: torch.device | str) -> torch.Tensor:
     torch.tensor's conversion of each Python int (the step's index lists are built per request)."""
     return torch.frombuffer(array("q", values), dtype=torch.int64).to(device) if values else \
         torch.empty(0, dtype=torch.int64, device=device)
+
+
+def _holds(table: list[int], owners: list[int], start: int, end: int) -> bool:
+    """Whether a slot's `table` holds exactly the blocks to `end`, rows [start, end) in its last one, which
+    only it owns (`owners`: its pool's): writing those rows takes, frees and copies no block."""
+    return len(table) == -(-end // BLOCK) and start // BLOCK == len(table) - 1 and owners[table[-1]] == 1
 
 
 @dataclass
@@ -332,10 +338,9 @@ class KVCache:
                 needed += blocks
                 changes.append((block_idx, start, end))
                 continue
-            table = slot.table
-            owners = pools[block_idx].owners
-            if len(table) == blocks and start // BLOCK == blocks - 1 and owners[table[-1]] == 1:
-                continue  # a decode step within its own last block (most requests): nothing changes
+            table, owners = slot.table, pools[block_idx].owners
+            if _holds(table, owners, start, end):
+                continue
             kept = len(table) if len(table) < blocks else blocks
             shared = 0  # copies on write
             for b in table[start // BLOCK:kept]:
@@ -363,6 +368,23 @@ class KVCache:
             linear[block_idx] = LinearSlot(conv, recurrent)
             self._linear_bytes += self.bytes_per_linear_slot
         return slots
+
+    def continuing(self, session: int, blocks: Sequence[int], position: int) -> list[KVSlot] | None:
+        """The session's KV slots of `blocks` (block_idx each) if writing row `position` in each changes
+        nothing of it: the row is within what it has cached and the context limit, in its last block,
+        which is its own (a decode step's next row, or one it rewrites: most requests). Else None: then
+        `reserve` decides."""
+        slots = self._sessions.get(session)
+        if slots is None or position >= self.max_context:
+            return None
+        pools, held = self.pools, []
+        for block_idx in blocks:
+            slot = slots.get(block_idx)
+            if slot is None or position > slot.length or not _holds(slot.table, pools[block_idx].owners,
+                                                                    position, position + 1):
+                return None
+            held.append(slot)
+        return held
 
     @torch.inference_mode()  # entered once for all the changes (about 1.4 µs each time it is)
     def _change(self, session: int, slots: dict[int, KVSlot], changes: list[tuple[int, int, int]]) -> None:

@@ -129,6 +129,48 @@ class _Planned:
             cache.linear_slot(self.session, block_idx).install(state.conv, state.recurrent, consumed)
 
 
+@dataclass(slots=True)
+class _Group:
+    """The step's requests of one run, computed together, as columns: one entry per request, in the order
+    they joined. A request that decodes its session's next row where its KV slots hold it already (most of
+    a decode step) is these entries alone; one planned on its own (a prompt chunk, a new block, prefix reuse,
+    a linear-attention layer) has its `_Planned` too."""
+
+    run: tuple[tuple[int, int], ...]
+    recurrent: bool  # the run has a linear-attention layer: every request is planned on its own
+    blocks: tuple[int, ...]  # each op's block_idx
+    indices: list[int] = field(default_factory=list)  # each request's index in the step
+    sessions: list[int] = field(default_factory=list)
+    xs: list[torch.Tensor] = field(default_factory=list)  # [1, T, H] each
+    starts: list[tuple[int, ...]] = field(default_factory=list)  # each request's index_pos of each op
+    slots: list[Sequence[KVSlot | None]] = field(default_factory=list)  # ... its KV slot of each op (None: linear)
+    planned: list[_Planned | None] = field(default_factory=list)  # ... its plan, if it was planned on its own
+
+    def add(self, index: int, session: int, x: torch.Tensor, starts: tuple[int, ...],
+            slots: Sequence[KVSlot | None], planned: _Planned | None = None) -> None:
+        self.indices.append(index)
+        self.sessions.append(session)
+        self.xs.append(x)
+        self.starts.append(starts)
+        self.slots.append(slots)
+        self.planned.append(planned)
+
+    def single(self, k: int) -> _Group:
+        """Entry k alone."""
+        return _Group(self.run, self.recurrent, self.blocks, [self.indices[k]], [self.sessions[k]], [self.xs[k]],
+                      [self.starts[k]], [self.slots[k]], [self.planned[k]])
+
+    def roll_back(self) -> None:
+        """The step failed: a slot falls back to the first row its request writes (at most what it had
+        cached), and new linear states are dropped."""
+        for starts, slots, planned in zip(self.starts, self.slots, self.planned, strict=True):
+            if planned is not None:
+                planned.roll_back()
+                continue
+            for slot in slots:  # a decode's one row, its index_pos
+                slot.length = starts[0]
+
+
 class BlockRunner:
     """A device's layers (`layers`, in the order ops index them) and its sessions' KV caches."""
 
@@ -310,23 +352,29 @@ class BlockRunner:
             together(range(len(requests)))
         results: list[torch.Tensor | Exception | None] = [None] * len(requests)
         for group in self._plan_step(requests, results).values():
-            outputs = self._run_group([planned for _, planned in group], between_ops)
-            for (i, planned), output in zip(group, outputs, strict=True):
-                results[i] = output if isinstance(output, Exception) else planned.answer(output)
+            outputs = self._run_group(group, between_ops)
+            for i, planned, output in zip(group.indices, group.planned, outputs, strict=True):
+                results[i] = output if planned is None or isinstance(output, Exception) else planned.answer(output)
         return results
 
-    def _plan_step(self, requests: Sequence[Request], results: list) -> dict[tuple, list[tuple[int, _Planned]]]:
-        """The step's requests planned, in groups by run ((index, plan) each); a request that cannot
-        run, or whose every row prefix reuse kept, has its result in `results` instead."""
-        checked = []  # (index, request, T): the requests whose x is what this runner computes
+    def _plan_step(self, requests: Sequence[Request], results: list) -> dict[tuple, _Group]:
+        """The step's requests in groups by run: a decode whose KV slots hold its row already joins as it
+        is (without prefix reuse, the most of a decode step), every other request planned on its own
+        (`_plan`); a request that cannot run, or whose every row prefix reuse kept, has its result in
+        `results` instead."""
+        groups: dict[tuple, _Group] = {}
+        checked = []  # (index, request, T): the requests whose x is what this runner computes, to plan one by one
+        joinable = self.prefixes is None and not self.slots_shifted  # may a decode join its group with no plan
         for i, request in enumerate(requests):
             try:
-                checked.append((i, request, self._check_input(request.x)))
+                T = self._check_input(request.x)
             except InternalError as e:
                 results[i] = e
+                continue
+            if not (joinable and T == 1 and self._continues(groups, i, request)):
+                checked.append((i, request, T))
         # Prefix reuse names rows by their bytes: those of every request, read in one copy.
         rows = None if self.prefixes is None or not checked else _host_rows([request.x for _, request, _ in checked])
-        groups: dict[tuple, list[tuple[int, _Planned]]] = {}
         for k, (i, request, T) in enumerate(checked):
             try:
                 planned = self._plan(request, T, None if rows is None else rows[k])
@@ -335,27 +383,56 @@ class BlockRunner:
                 continue
             if planned.begun is not None and not planned.begun.computes:  # every row kept
                 results[i] = planned.answer(None)
-            else:
-                groups.setdefault(planned.run, []).append((i, planned))
+                continue
+            recurrent = self.recurrent
+            self._group(groups, planned.run).add(
+                i, planned.session, planned.x, tuple(map(index_pos_of, planned.ops)),
+                [None if recurrent[layer] else planned.slots[block_idx] for layer, block_idx in planned.run], planned)
         return groups
 
-    def _run_group(self, members: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor | Exception]:
+    def _continues(self, groups: dict[tuple, _Group], index: int, request: Request) -> bool:
+        """Add a one-row request to its run's group with no plan of its own, if it continues (or rewrites
+        a row of) its session's KV slots where they hold the row already: nothing to reserve, nothing
+        to install. False where it must be planned on its own (and checked there)."""
+        session, x, ops = request
+        if not ops:
+            return False
+        position, run = ops[0].index_pos, tuple(map(_LAYER_AND_SLOT, ops))
+        if run != self._checked_run or not all(map(position.__eq__, map(index_pos_of, ops))):
+            return False  # a run not checked yet, or ops at several positions
+        group = self._group(groups, run)
+        slots = None if group.recurrent else self.cache.continuing(session, group.blocks, position)
+        if slots is None:
+            return False
+        group.add(index, session, x, (position,) * len(ops), slots)
+        return True
+
+    def _group(self, groups: dict[tuple, _Group], run: tuple[tuple[int, int], ...]) -> _Group:
+        group = groups.get(run)
+        if group is None:
+            group = groups[run] = _Group(run, any(self.recurrent[layer] for layer, _ in run),
+                                         tuple(block_idx for _, block_idx in run))
+        return group
+
+    def _run_group(self, group: _Group, between_ops: Callable[[], None] | None) -> list[torch.Tensor | Exception]:
         """Each member's output, computed together; on an error every member is rolled back and
         fails with it, except out of memory: one member's tokens (a long prompt chunk) may be
         what did not fit, so the members then run one by one and only those that fail alone fail."""
         try:
             with torch.inference_mode():
-                outputs = self._run(members, between_ops)
+                outputs = self._run(group, between_ops)
         except BaseException as e:
-            for planned in members:
-                planned.roll_back()
+            group.roll_back()
             if not isinstance(e, Exception):
                 raise
-            if isinstance(e, torch.OutOfMemoryError) and len(members) > 1:
-                return [self._run_group([planned], between_ops)[0] for planned in members]
-            return [e] * len(members)
-        for planned, output in zip(members, outputs, strict=True):
-            planned.install(self.cache)
+            if isinstance(e, torch.OutOfMemoryError) and len(group.indices) > 1:
+                return [self._run_group(group.single(k), between_ops)[0] for k in range(len(group.indices))]
+            return [e] * len(group.indices)
+        for planned, output in zip(group.planned, outputs, strict=True):
+            if planned is None:
+                continue
+            if planned.computed:
+                planned.install(self.cache)
             if planned.begun is not None:
                 states = {block_idx: state for block_idx, (state, _) in planned.computed.items()}
                 self.prefixes.finish(planned.begun, output, states)
@@ -419,34 +496,37 @@ class BlockRunner:
                                     f"has {layers} layers and {slots} KV slots")
         self._checked_run = run
 
-    def _run(self, group: list[_Planned], between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
+    def _run(self, group: _Group, between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
         """The outputs of `group`'s requests, which share one run, computed together: the decode
         requests first in x (the step's pages take them in one attention call), outputs in `group`'s order."""
-        lengths = [planned.x.shape[1] for planned in group]
-        if max(lengths) == 1:  # decodes only: in order already
-            order, members = None, group
-        else:
-            order = sorted(range(len(group)), key=lambda i: lengths[i] > 1)
-            members, lengths = [group[i] for i in order], [lengths[i] for i in order]
-        x = members[0].x if len(members) == 1 else torch.cat([planned.x for planned in members], dim=1)  # [1, N, H]
-        run = members[0].run
-        # Per op: each request's index_pos (the requests' ops, column by column).
-        starts = [tuple(map(index_pos_of, column)) for column in zip(*[planned.ops for planned in members])]
+        lengths = [x.shape[1] for x in group.xs]
+        columns = group.sessions, group.xs, group.starts, group.slots, group.planned
+        order = None if max(lengths) == 1 else sorted(range(len(lengths)), key=lambda i: lengths[i] > 1)
+        if order is not None:  # prompt chunks among them: decodes first
+            lengths = [lengths[i] for i in order]
+            columns = tuple([column[i] for i in order] for column in columns)
+        sessions, xs, starts, slots, planned = columns
+        x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # [1, N, H]
+        run = group.run
+        by_op = list(zip(*starts))  # per op: each request's index_pos
         attention = {j: i for i, j in enumerate(j for j, (layer, _) in enumerate(run) if not self.recurrent[layer])}
-        step = None if not attention else StepRows(
-            self.cache, [planned.session for planned in members], lengths, [starts[j] for j in attention],
-            [[planned.slots[run[j][1]] for planned in members] for j in attention])
+        slots_by_op = list(zip(*slots))
+        step = None if not attention else StepRows(self.cache, sessions, lengths, [by_op[j] for j in attention],
+                                                   [slots_by_op[j] for j in attention])
         graphed = self.graphs.run(run, [self.blocks[layer] for layer, _ in run], [self.rotaries[layer] for layer, _ in run],
                                   step, x) if self._graphed(run, lengths) else None
-        x = graphed if graphed is not None else self._layers(members, lengths, x, starts, attention, step, between_ops)
-        for planned in members:
-            slots = planned.slots
-            for block_idx, (_, end) in planned.writes.items():
-                slots[block_idx].length = end
-        outputs = [x] if len(members) == 1 else list(x.split_with_sizes(lengths, dim=1))
+        x = graphed if graphed is not None else self._layers(run, planned, lengths, x, by_op, attention, step, between_ops)
+        for request_starts, request_slots, plan in zip(starts, slots, planned, strict=True):
+            if plan is None:  # a decode: its slots hold its row
+                for slot in request_slots:
+                    slot.length = request_starts[0] + 1
+                continue
+            for block_idx, (_, end) in plan.writes.items():
+                plan.slots[block_idx].length = end
+        outputs = [x] if len(lengths) == 1 else list(x.split_with_sizes(lengths, dim=1))
         if order is None:
             return outputs
-        in_order: list[torch.Tensor] = [None] * len(group)
+        in_order: list[torch.Tensor] = [None] * len(lengths)
         for i, output in zip(order, outputs, strict=True):
             in_order[i] = output
         return in_order
@@ -456,12 +536,14 @@ class BlockRunner:
         that its shape fit a graph): decodes only, every layer one a graph holds."""
         return self.graphs is not None and lengths[-1] == 1 and all(self.capturable[layer] for layer, _ in run)
 
-    def _layers(self, members: list[_Planned], lengths: list[int], x: torch.Tensor, starts: list[tuple[int, ...]],
-                attention: dict[int, int], step: StepRows | None, between_ops: Callable[[], None] | None) -> torch.Tensor:
+    def _layers(self, run: tuple[tuple[int, int], ...], members: Sequence[_Planned | None], lengths: list[int],
+                x: torch.Tensor, starts: list[tuple[int, ...]], attention: dict[int, int], step: StepRows | None,
+                between_ops: Callable[[], None] | None) -> torch.Tensor:
         """x: [1, N, H] through the run's layers, op by op, over the step's pages (compute/paged_step.py);
-        `starts`: per op, each request's index_pos."""
+        `starts`: per op, each request's index_pos; `members`: each request's plan (a run with a
+        linear-attention layer has one for every request)."""
         rotations = {}  # (rotary, each request's index_pos) -> cos, sin: [N, R]
-        for j, (layer, block_idx) in enumerate(members[0].run):
+        for j, (layer, block_idx) in enumerate(run):
             if j and j % _OPS_BETWEEN_CALLS == 0 and between_ops is not None:
                 between_ops()
             block = self.blocks[layer]

@@ -131,6 +131,30 @@ def test_context_limit_is_enforced_and_leaves_the_session_usable(checkpoint):
     assert torch.equal(runner.run(1, x, runner.ops(ops(10))), fresh.run(1, x, fresh.ops(ops(10))))
 
 
+def test_a_decode_past_the_context_limit_is_refused_where_its_last_block_has_room(checkpoint):
+    """A limit inside a block: the row past it would fit the session's last block (nothing to reserve),
+    and is refused all the same; the session then decodes its last allowed row."""
+    runner = load(checkpoint, max_context=BLOCK + 4)
+    runner.run(1, tokens(BLOCK + 3, 0), runner.ops(ops(0)))
+    runner.run(1, tokens(1, 1), runner.ops(ops(BLOCK + 3)))  # the last row the limit allows
+    with pytest.raises(ContextLimitExceeded, match=f"context limit of {BLOCK + 4}"):
+        runner.run(1, tokens(1, 2), runner.ops(ops(BLOCK + 4)))
+    assert [runner.cache.length(1, i) for i in (1, 2)] == [BLOCK + 4, BLOCK + 4]
+
+
+def test_a_one_row_request_whose_layers_are_at_different_positions_computes_each_at_its_own(checkpoint):
+    """A token whose second layer rewrites an earlier row than its first (each within what is cached)
+    equals the same ops sent one layer at a time."""
+    runner, apart = load(checkpoint), load(checkpoint)
+    for r in (runner, apart):
+        r.run(1, tokens(6, 0), r.ops(ops(0)))
+    x = tokens(1, 1)
+    both = runner.run(1, x, runner.ops([("model.layers.1", 5, 1), ("model.layers.2", 3, 2)]))
+    first = apart.run(1, x, apart.ops([("model.layers.1", 5, 1)]))
+    assert torch.equal(both, apart.run(1, first, apart.ops([("model.layers.2", 3, 2)])))
+    assert [runner.cache.length(1, i) for i in (1, 2)] == [6, 4]
+
+
 def test_budget_refuses_a_second_session_until_the_first_ends(checkpoint):
     """With room for one session's cache, a second gets CacheBudgetExceeded, then fits after end_session."""
     # 2 layers x one block x (K+V) x 2 kv heads x 16 dims x 4 bytes = one session's first blocks.
@@ -170,16 +194,18 @@ def test_failed_compute_keeps_earlier_positions(checkpoint):
     assert torch.equal(runner.run(1, tokens(1, 2), runner.ops(ops(5))), fresh.run(1, tokens(1, 2), fresh.ops(ops(5))))
 
 
-def test_a_failed_rewind_leaves_each_slot_at_its_first_rewritten_position(checkpoint):
+@pytest.mark.parametrize("T", [1, 2], ids=["decode", "chunk"])
+def test_a_failed_rewind_leaves_each_slot_at_its_first_rewritten_position(checkpoint, T):
     """A request at 3 over 5 cached positions writes rows 3.. before it fails: every slot falls back
-    to 3 (rows past it may be overwritten), so a request at 5 is refused and one at 3 computes afresh."""
+    to 3 (rows past it may be overwritten), so a request at 5 is refused and one at 3 computes afresh.
+    One row (its slots hold it: nothing reserved) or two."""
     runner = load(checkpoint)
     runner.run(1, tokens(5, 0), runner.ops(ops(0)))
     block = runner.block("model.layers.2")
     good = block.mlp.w_down
     block.mlp.w_down = torch.zeros(3, 7)  # the second layer's MLP now fails, after the first wrote its rows
     with pytest.raises(RuntimeError):
-        runner.run(1, tokens(2, 1), runner.ops(ops(3)))
+        runner.run(1, tokens(T, 1), runner.ops(ops(3)))
     block.mlp.w_down = good
     assert [runner.cache.length(1, i) for i in (1, 2)] == [3, 3]
     with pytest.raises(PositionGap):
