@@ -74,7 +74,7 @@ class Cakemp:
                                                  kv_budget_bytes=REUSE_BUDGET if prefix_reuse else None)
         self.hidden, self.device, self.dtype = self.runner.config.hidden_size, self.runner.device, self.runner.dtype
         if each_planned:
-            self.runner._continues = lambda groups, index, request: False
+            self.runner._decode = lambda *request: None
         self.sessions, self.position = sessions, cached
         for s in range(sessions, sessions + retired):  # a chat's turn each, retired by its Goodbye
             self.runner.run(s, self._x(RETIRED_ROWS), self._ops(0))

@@ -129,36 +129,47 @@ class _Planned:
             cache.linear_slot(self.session, block_idx).install(state.conv, state.recurrent, consumed)
 
 
+class _Decode(NamedTuple):
+    """A one-row request whose KV slots hold its row already (KVCache.continuing): nothing to reserve,
+    nothing to install, so it joins its group as it is."""
+
+    x: torch.Tensor  # [1, 1, H]
+    run: tuple[tuple[int, int], ...]
+    position: int  # every op's index_pos
+    slots: list[KVSlot]  # each op's
+    begun: Begun | None  # as prefix reuse took it (every row still to compute)
+
+
 @dataclass(slots=True)
 class _Group:
     """The step's requests of one run, computed together, as columns: one entry per request, in the order
-    they joined. A request that decodes its session's next row where its KV slots hold it already (most of
-    a decode step) is these entries alone; one planned on its own (a prompt chunk, a new block, prefix reuse,
-    a linear-attention layer) has its `_Planned` too."""
+    they joined. A decode whose KV slots hold its row already (`_Decode`: most of a decode step) is these
+    entries alone, and prefix reuse's take of it; any other request (a prompt chunk, a new block, rows
+    prefix reuse kept, a linear-attention layer) has its `_Planned` too."""
 
     run: tuple[tuple[int, int], ...]
-    recurrent: bool  # the run has a linear-attention layer: every request is planned on its own
-    blocks: tuple[int, ...]  # each op's block_idx
     indices: list[int] = field(default_factory=list)  # each request's index in the step
     sessions: list[int] = field(default_factory=list)
     xs: list[torch.Tensor] = field(default_factory=list)  # [1, T, H] each
     starts: list[tuple[int, ...]] = field(default_factory=list)  # each request's index_pos of each op
     slots: list[Sequence[KVSlot | None]] = field(default_factory=list)  # ... its KV slot of each op (None: linear)
     planned: list[_Planned | None] = field(default_factory=list)  # ... its plan, if it was planned on its own
+    begun: list[Begun | None] = field(default_factory=list)  # ... a joining decode's, as prefix reuse took it
 
     def add(self, index: int, session: int, x: torch.Tensor, starts: tuple[int, ...],
-            slots: Sequence[KVSlot | None], planned: _Planned | None = None) -> None:
+            slots: Sequence[KVSlot | None], planned: _Planned | None = None, begun: Begun | None = None) -> None:
         self.indices.append(index)
         self.sessions.append(session)
         self.xs.append(x)
         self.starts.append(starts)
         self.slots.append(slots)
         self.planned.append(planned)
+        self.begun.append(begun)
 
     def single(self, k: int) -> _Group:
         """Entry k alone."""
-        return _Group(self.run, self.recurrent, self.blocks, [self.indices[k]], [self.sessions[k]], [self.xs[k]],
-                      [self.starts[k]], [self.slots[k]], [self.planned[k]])
+        return _Group(self.run, [self.indices[k]], [self.sessions[k]], [self.xs[k]],
+                      [self.starts[k]], [self.slots[k]], [self.planned[k]], [self.begun[k]])
 
     def roll_back(self) -> None:
         """The step failed: a slot falls back to the first row its request writes (at most what it had
@@ -222,6 +233,8 @@ class BlockRunner:
                                     share_prefixes) if prefix_reuse else None
         self.capturable = tuple(map(capturable, self.blocks))
         self._checked_run: tuple[tuple[int, int], ...] | None = None  # the run `_check_run` passed last
+        self._checked_blocks: tuple[int, ...] = ()  # its block_idx, op by op
+        self._checked_linear = False  # whether it has a linear-attention layer
         self.graphs = None if graph_batch is None else DecodeGraphs(self.cache, graph_batch, device.type == "cuda")
 
     @classmethod
@@ -359,59 +372,40 @@ class BlockRunner:
 
     def _plan_step(self, requests: Sequence[Request], results: list) -> dict[tuple, _Group]:
         """The step's requests in groups by run: a decode whose KV slots hold its row already joins as it
-        is (without prefix reuse, the most of a decode step), every other request planned on its own
-        (`_plan`); a request that cannot run, or whose every row prefix reuse kept, has its result in
-        `results` instead."""
-        groups: dict[tuple, _Group] = {}
-        checked = []  # (index, request, T): the requests whose x is what this runner computes, to plan one by one
-        joinable = self.prefixes is None and not self.slots_shifted  # may a decode join its group with no plan
+        is (`_Decode`: fifteen steps in sixteen), every other request with a plan of its own (`_Planned`);
+        a request that cannot run, or whose every row prefix reuse kept, has its result in `results`
+        instead."""
+        checked = []  # (index, request, T): the requests whose x is what this runner computes
         for i, request in enumerate(requests):
             try:
-                T = self._check_input(request.x)
+                checked.append((i, request, self._check_input(request.x)))
             except InternalError as e:
                 results[i] = e
-                continue
-            if not (joinable and T == 1 and self._continues(groups, i, request)):
-                checked.append((i, request, T))
         # Prefix reuse names rows by their bytes: those of every request, read in one copy.
         rows = None if self.prefixes is None or not checked else _host_rows([request.x for _, request, _ in checked])
+        groups: dict[tuple, _Group] = {}
+        recurrent = self.recurrent
         for k, (i, request, T) in enumerate(checked):
             try:
-                planned = self._plan(request, T, None if rows is None else rows[k])
+                plan = self._plan(request, T, None if rows is None else rows[k])
             except Exception as e:
                 results[i] = e
                 continue
-            if planned.begun is not None and not planned.begun.computes:  # every row kept
-                results[i] = planned.answer(None)
-                continue
-            recurrent = self.recurrent
-            self._group(groups, planned.run).add(
-                i, planned.session, planned.x, tuple(map(index_pos_of, planned.ops)),
-                [None if recurrent[layer] else planned.slots[block_idx] for layer, block_idx in planned.run], planned)
+            if isinstance(plan, _Decode):
+                self._group(groups, plan.run).add(i, request.session, plan.x, (plan.position,) * len(plan.run),
+                                                  plan.slots, begun=plan.begun)
+            elif plan.begun is not None and not plan.begun.computes:  # every row kept
+                results[i] = plan.answer(None)
+            else:
+                self._group(groups, plan.run).add(
+                    i, plan.session, plan.x, tuple(map(index_pos_of, plan.ops)),
+                    [None if recurrent[layer] else plan.slots[block_idx] for layer, block_idx in plan.run], plan)
         return groups
-
-    def _continues(self, groups: dict[tuple, _Group], index: int, request: Request) -> bool:
-        """Add a one-row request to its run's group with no plan of its own, if it continues (or rewrites
-        a row of) its session's KV slots where they hold the row already: nothing to reserve, nothing
-        to install. False where it must be planned on its own (and checked there)."""
-        session, x, ops = request
-        if not ops:
-            return False
-        position, run = ops[0].index_pos, tuple(map(_LAYER_AND_SLOT, ops))
-        if run != self._checked_run or not all(map(position.__eq__, map(index_pos_of, ops))):
-            return False  # a run not checked yet, or ops at several positions
-        group = self._group(groups, run)
-        slots = None if group.recurrent else self.cache.continuing(session, group.blocks, position)
-        if slots is None:
-            return False
-        group.add(index, session, x, (position,) * len(ops), slots)
-        return True
 
     def _group(self, groups: dict[tuple, _Group], run: tuple[tuple[int, int], ...]) -> _Group:
         group = groups.get(run)
         if group is None:
-            group = groups[run] = _Group(run, any(self.recurrent[layer] for layer, _ in run),
-                                         tuple(block_idx for _, block_idx in run))
+            group = groups[run] = _Group(run)
         return group
 
     def _run_group(self, group: _Group, between_ops: Callable[[], None] | None) -> list[torch.Tensor | Exception]:
@@ -428,8 +422,10 @@ class BlockRunner:
             if isinstance(e, torch.OutOfMemoryError) and len(group.indices) > 1:
                 return [self._run_group(group.single(k), between_ops)[0] for k in range(len(group.indices))]
             return [e] * len(group.indices)
-        for planned, output in zip(group.planned, outputs, strict=True):
+        for planned, begun, output in zip(group.planned, group.begun, outputs, strict=True):
             if planned is None:
+                if begun is not None:
+                    self.prefixes.finish(begun, output, {})
                 continue
             if planned.computed:
                 planned.install(self.cache)
@@ -438,9 +434,10 @@ class BlockRunner:
                 self.prefixes.finish(planned.begun, output, states)
         return outputs
 
-    def _plan(self, request: Request, T: int, rows: memoryview | None) -> _Planned:
+    def _plan(self, request: Request, T: int, rows: memoryview | None) -> _Planned | _Decode:
         """Check `request` (x: [1, T, H], its bytes `rows` on the host where prefix reuse reads them)
-        against the session's state and reserve its slots (RequestError if it cannot run)."""
+        against the session's state and reserve its slots (RequestError if it cannot run); a decode whose
+        slots hold its row already is a `_Decode`."""
         session, x, ops = request
         if self.slots_shifted:  # from here on, block_idx is the KV slot
             layers = len(self.blocks)
@@ -457,6 +454,8 @@ class BlockRunner:
             x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
             ops = [Op(op.layer, begun.resume, op.block_idx) for op in ops]
             T = x.shape[1]
+        elif T == 1 and (decode := self._decode(session, x, ops, run, begun)) is not None:
+            return decode
         writes, linear_ends = {}, {}  # block_idx -> the rows [start, end) its ops write; -> the end
         held, recurrent = self.cache.slots(session), self.recurrent
         for layer, index_pos, block_idx in ops:
@@ -487,6 +486,18 @@ class BlockRunner:
         slots = self.cache.reserve(session, writes, linear_ends)
         return _Planned(session, x, tuple(ops), run, slots, writes, begun)
 
+    def _decode(self, session: int, x: torch.Tensor, ops: Sequence[Op], run: tuple[tuple[int, int], ...],
+                begun: Begun | None) -> _Decode | None:
+        """The one-row request (none of its rows kept by prefix reuse) as a `_Decode` if its ops are at one
+        position that each of its KV slots holds already and its run has no linear-attention layer."""
+        if not ops or self._checked_linear:
+            return None
+        position = ops[0].index_pos
+        if not all(map(position.__eq__, map(index_pos_of, ops))):
+            return None
+        slots = self.cache.continuing(session, self._checked_blocks, position)
+        return None if slots is None else _Decode(x, run, position, slots, begun)
+
     def _check_run(self, run: tuple[tuple[int, int], ...]) -> None:
         """InternalError where an op names a layer or KV slot this runner lacks."""
         layers, slots = len(self.blocks), self.config.num_hidden_layers
@@ -495,6 +506,8 @@ class BlockRunner:
                 raise InternalError(f"op {layer}, {block_idx} (layer, KV slot) breaks the contract: this runner "
                                     f"has {layers} layers and {slots} KV slots")
         self._checked_run = run
+        self._checked_blocks = tuple(block_idx for _, block_idx in run)
+        self._checked_linear = any(self.recurrent[layer] for layer, _ in run)
 
     def _run(self, group: _Group, between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
         """The outputs of `group`'s requests, which share one run, computed together: the decode
