@@ -27,7 +27,7 @@ Goodbye (the retired prefixes a chat server keeps): transformers' side has no su
 ratio then includes what following the sessions costs.
 
 Printed per count: each side's CPU ms per step (process time: steadier than wall on a shared
-machine; the median of --rounds windows, the sides taking turns), and the growth per session from
+machine; the median of --rounds windows, the sides taking turns, each first in turn), and the growth per session from
 each count to the last in µs, each side's over transformers'. Compute at the tiny
 shape is negligible, so its growth is the Python and dispatch cost of a session. From 1 session,
 cakemp's growth includes the batched step's fixed cost over one session alone (which reads its
@@ -187,9 +187,10 @@ def main() -> None:
             for side in sides.values():
                 per_step_ms(side, 2)  # warm-up
             times = {name: [] for name in sides}
-            for _ in range(args.rounds):
-                for name, side in sides.items():
-                    times[name].append(per_step_ms(side, args.steps))
+            names = list(sides)
+            for r in range(args.rounds):  # each side first in turn: none always follows the same other
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    times[name].append(per_step_ms(sides[name], args.steps))
             figures[n] = {name: statistics.median(t) for name, t in times.items()}
             print(f"{n:3d} sessions: " + "   ".join(f"{name} {ms:8.3f} ms/step" for name, ms in figures[n].items()))
     last = counts[-1]
