@@ -194,14 +194,16 @@ class Tables:
         self._stale: set[int] = set()  # rows written on the host since the device's copy was made
         self._grow(0, 0, 0)
 
-    def write(self, row: int, slot: int, table: list[int]) -> None:
-        """Row `row`'s entry for KV slot `slot` is `table` (growing the tables, doubling, to hold it)."""
+    def write(self, row: int, slot: int, table: list[int], first: int = 0) -> None:
+        """Row `row`'s entry for KV slot `slot` is `table`, whose entries before `first` it holds already
+        (growing the tables, doubling, to hold it). A decode's new block every BLOCK positions then
+        costs one entry's write, not the whole table's: a long context's thousands."""
         rows, slots, width = self._entries.shape
         if row >= rows or slot >= slots or len(table) > width:
             self._grow(max(rows, 2 * row, row + 1, 8), max(slots, slot + 1),
                        max(width, 2 * width if len(table) > width else 0, len(table), 16))
         entries = self._entries[row, slot]
-        entries[: len(table)] = table
+        entries[first:len(table)] = table[first:]
         entries[len(table):] = NULL_BLOCK
         self._written(row)
 
@@ -395,8 +397,9 @@ class KVCache:
             if slot is None:
                 self.pool(block_idx)  # made at its first use
                 slot = slots[block_idx] = KVSlot(block_idx, [])
+            first = min(start // BLOCK, len(slot.table))  # the first entry of its table this changes
             self._write_blocks(slot, start, end)
-            self._publish(session, slot)
+            self._publish(session, slot, first)
 
     def _refuse_context(self, block_idx: int, end: int) -> None:
         raise ContextLimitExceeded(
@@ -444,12 +447,13 @@ class KVCache:
                 table[i] = copy
         table.extend(self._take(pool, blocks - len(table)))
 
-    def _publish(self, session: int, slot: KVSlot) -> None:
-        """Write a live slot's table into `tables`, on the session's row (given one at its first slot)."""
+    def _publish(self, session: int, slot: KVSlot, first: int = 0) -> None:
+        """Write a live slot's table into `tables` from entry `first` on (those before it are there as they
+        are), on the session's row (given one at its first slot)."""
         block_idx, row = slot.pool, self._rows.get(session)
         if row is None:
             row = self._rows[session] = self._free_rows.pop() if self._free_rows else len(self._rows)
-        self._tables.write(row, block_idx, slot.table)
+        self._tables.write(row, block_idx, slot.table, first)
 
     def _pool_limit(self, pool: Pool) -> int | None:
         """The most blocks (besides the reserved ones) `pool` may double to: its share of the budget's,
