@@ -61,6 +61,7 @@ from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from cakemp.errors import CacheBudgetExceeded, ContextLimitExceeded
@@ -180,8 +181,9 @@ class Pool:
 class Tables:
     """The live sessions' block tables, [rows, slots, width] block ids: written on the host through
     numpy (~1.8 µs a table, where a tensor's indexed write took ~5.6, every BLOCK positions of every
-    session) and read by a step on the device. On a CPU both are one tensor; on a GPU the rows
-    written since the last step go over in one copy when a step asks.
+    session) and read by a step on the device. On a CPU both are one tensor; on a GPU the entries
+    written since the last step go over in one copy when a step asks (a decode's new block: one entry
+    a layer, whatever the context), scattered into the device's tables there.
 
     A row's entries past its table name the null block (not a block it held before, which another
     session may hold now): a batched step reads them as a shorter request's padding."""
@@ -191,7 +193,8 @@ class Tables:
         not the CPU; True on a CPU tests the same plan)."""
         self._device = torch.device(device)
         self._mirrored = self._device.type != "cpu" if mirrored is None else mirrored
-        self._stale: set[int] = set()  # rows written on the host since the device's copy was made
+        # The flat entries [start, end) written on the host since the device's copy was made.
+        self._starts, self._ends = array("q"), array("q")
         self._grow(0, 0, 0)
 
     def write(self, row: int, slot: int, table: list[int], first: int = 0) -> None:
@@ -202,38 +205,49 @@ class Tables:
         if row >= rows or slot >= slots or len(table) > width:
             self._grow(max(rows, 2 * row, row + 1, 8), max(slots, slot + 1),
                        max(width, 2 * width if len(table) > width else 0, len(table), 16))
-        entries = self._entries[row, slot]
+        entries, held = self._entries[row, slot], int(self._lengths[row, slot])
         entries[first:len(table)] = table[first:]
-        entries[len(table):] = NULL_BLOCK
-        self._written(row)
+        entries[len(table):held] = NULL_BLOCK  # past `held` they are null already
+        self._lengths[row, slot] = len(table)
+        self._written(row, slot, first, max(len(table), held))
 
     def clear(self, row: int) -> None:
         """Row `row` names no block (its session left it)."""
         self._entries[row] = NULL_BLOCK
-        self._written(row)
+        self._lengths[row] = 0
+        self._written(row, 0, 0, self._entries.shape[1] * self._entries.shape[2])  # the whole row
 
     def on_device(self) -> torch.Tensor:
-        """The tables on the device, with every row written so far."""
-        if self._stale:
-            rows = sorted(self._stale)
+        """The tables on the device, with every entry written so far."""
+        if self._starts:
+            starts, ends = np.frombuffer(self._starts, dtype=np.int64), np.frombuffer(self._ends, dtype=np.int64)
+            counts = ends - starts
+            # Each span's entries, one after another: [n] flat indices, then their block ids.
+            flat = np.arange(counts.sum()) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+            index, ids = torch.from_numpy(np.stack([flat, self._entries.reshape(-1)[flat]])).to(self._device)
             with torch.inference_mode():  # the device's copy may be an inference tensor: made under it
-                self._on_device[rows] = self._host[rows].to(self._device)
-            self._stale.clear()
+                self._on_device.view(-1).index_copy_(0, index, ids)
+            self._starts, self._ends = array("q"), array("q")
         return self._on_device
 
-    def _written(self, row: int) -> None:
-        if self._mirrored:
-            self._stale.add(row)
+    def _written(self, row: int, slot: int, start: int, end: int) -> None:
+        """Entries [start, end) of row `row`'s slot `slot` changed on the host."""
+        if self._mirrored and end > start:
+            base = (row * self._entries.shape[1] + slot) * self._entries.shape[2]
+            self._starts.append(base + start)
+            self._ends.append(base + end)
 
     def _grow(self, rows: int, slots: int, width: int) -> None:
         host = torch.full((rows, slots, width), NULL_BLOCK, dtype=torch.int64)
+        lengths = np.zeros((rows, slots), dtype=np.int64)
         if rows:
             old = self._host
             host[: old.shape[0], : old.shape[1], : old.shape[2]] = old
-        self._host = host
+            lengths[: old.shape[0], : old.shape[1]] = self._lengths
+        self._host, self._lengths = host, lengths  # each (row, slot)'s table length as last written
         self._entries = host.numpy()  # the same memory, written without torch's dispatch
         self._on_device = host.to(self._device, copy=True) if self._mirrored else host
-        self._stale.clear()
+        self._starts, self._ends = array("q"), array("q")
 
 
 class KVCache:

@@ -79,8 +79,9 @@ def test_the_device_tables_mirror_each_live_slot():
 
 @pytest.mark.parametrize("mirrored", [False, True], ids=["one-tensor", "device-copy"])
 def test_the_tables_a_step_reads_hold_every_row_written_before_it(mirrored):
-    """Rows written on the host, grown, cleared and rewritten read back whole when a step asks; with a
-    device copy apart (a GPU's, here on the CPU), only then, after any number of writes between steps."""
+    """Rows written on the host, grown, cleared and rewritten, whole or from an entry on (those before it
+    unchanged), read back whole when a step asks; with a device copy apart (a GPU's, here on the CPU), only
+    then, after any number of writes between steps."""
     tables = Tables(torch.device("cpu"), mirrored=mirrored)
     expected: dict[tuple[int, int], list[int]] = {}
 
@@ -91,21 +92,22 @@ def test_the_tables_a_step_reads_hold_every_row_written_before_it(mirrored):
                 table = expected.get((row, slot), [])
                 assert read[row, slot].tolist() == table + [NULL_BLOCK] * (read.shape[2] - len(table)), (row, slot)
 
-    steps = [
-        [(0, 0, [5, 6])],
-        [(0, 0, [5, 6, 9]), (2, 1, [3])],  # a row and a slot past the tables' size: they grow
-        [(1, 0, list(range(2, 2 + 3 * BLOCK)))],  # wider than they were
-        [(2, 1, [4]), (0, 0, None), (0, 0, [7]), (1, 0, [2, 3])],  # several writes of a row; one shorter
-        [(2, 1, None)],
+    steps = [  # (row, slot, its table, the first entry that changed), or (row, None): the row's session left it
+        [(0, 0, [5, 6], 0)],
+        [(0, 0, [5, 6, 9], 2), (2, 1, [3], 0)],  # a new block; a row and a slot past the tables' size: they grow
+        [(1, 0, list(range(2, 2 + 3 * BLOCK)), 0)],  # wider than they were
+        [(2, 1, [4], 0), (0, None), (0, 0, [7], 0), (1, 0, [2, 3], 2)],  # several writes of a row; one shorter
+        [(1, 0, [2, 8, 10], 1), (0, 0, [7, 11], 1)],  # an entry replaced (a copy on write) and one added
+        [(1, 0, [2, 8, 10], 3), (1, 0, [2], 1), (2, None)],  # nothing new; then shorter again
     ]
     for writes in steps:
-        for row, slot, table in writes:
-            if table is None:  # the row's session left it
+        for row, slot, *written in writes:
+            if slot is None:
                 tables.clear(row)
                 expected = {key: value for key, value in expected.items() if key[0] != row}
             else:
-                tables.write(row, slot, table)
-                expected[row, slot] = table
+                tables.write(row, slot, *written)
+                expected[row, slot] = written[0]
         check()
 
 
