@@ -9,6 +9,7 @@ device's decoder, and a tuple is made in about a third of a frozen dataclass's t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -26,3 +27,11 @@ class Op(NamedTuple):
 
 # An op's index_pos as a function: mapped over a request's ops without a Python loop.
 index_pos_of = attrgetter("index_pos")
+
+
+def shared_position(ops: Sequence[Op]) -> int | None:
+    """The index_pos every op of `ops` is at; None where they differ, or there is no op."""
+    if not ops:
+        return None
+    position = ops[0].index_pos
+    return position if all(map(position.__eq__, map(index_pos_of, ops))) else None

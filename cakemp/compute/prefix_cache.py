@@ -50,7 +50,7 @@ import torch
 from cakemp.compute.kv_cache import KVCache, KVSlot, LinearSlot
 from cakemp.compute.row_chain import Extension, RowChain
 from cakemp.model.deltanet import LinearState
-from cakemp.op import Op, index_pos_of
+from cakemp.op import Op, shared_position
 
 # Retired prefixes kept at most, whatever the budget (none may be unbounded, and a lookup scans them).
 MAX_RETIRED = 256
@@ -175,8 +175,8 @@ class PrefixCache:
         matching it. None when the request is not followed (its ops start at different positions, or
         it does not continue the session's run: the session is then not followed until it starts
         again at 0)."""
-        start = ops[0].index_pos if ops else -1
-        if start < 0 or not all(map(start.__eq__, map(index_pos_of, ops))):
+        start = shared_position(ops)
+        if start is None or start < 0:
             self._drop(session)
             return None
         if start == 0:

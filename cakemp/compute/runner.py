@@ -28,7 +28,7 @@ from cakemp.model.rotary import Rotary
 from cakemp.model.weights import packed
 from cakemp.model.weights.experts import ExpertCache
 from cakemp.model.weights.readers import open_checkpoint
-from cakemp.op import Op, index_pos_of
+from cakemp.op import Op, index_pos_of, shared_position
 
 # Ops between two calls of run_batch's `between_ops` (the device's progress reports).
 _OPS_BETWEEN_CALLS = 16
@@ -490,10 +490,8 @@ class BlockRunner:
                 begun: Begun | None) -> _Decode | None:
         """The one-row request (none of its rows kept by prefix reuse) as a `_Decode` if its ops are at one
         position that each of its KV slots holds already and its run has no linear-attention layer."""
-        if not ops or self._checked_linear:
-            return None
-        position = ops[0].index_pos
-        if not all(map(position.__eq__, map(index_pos_of, ops))):
+        position = None if self._checked_linear else shared_position(ops)
+        if position is None:
             return None
         slots = self.cache.continuing(session, self._checked_blocks, position)
         return None if slots is None else _Decode(x, run, position, slots, begun)
