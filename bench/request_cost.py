@@ -20,7 +20,8 @@ outside the window), so contexts stay short. CPU time is each thread's sum_exec_
 does not inflate much, unlike wall time, of the front process and of its device process, over
 each window, divided by the requests in it. Each window is followed by the same compute in this
 process: BlockRunner.run_batch over the same layers (loaded as the node's device loads them: f32
-weights packed, prefix reuse as the node has it), one torch thread, on the same number of sessions' one-token
+weights packed, prefix reuse as the node has it, this process's loaded objects then frozen as a
+device's are), one torch thread, on the same number of sessions' one-token
 requests, its CPU time (time.process_time) per request. It is timed twice: steps back to back, and
 steps each after IDLE_S asleep, as the node's device runs them (see there). --rounds windows of each, alternating;
 figures are sums over all of them. Each process's CPU time is also split by thread: its main
@@ -71,6 +72,7 @@ import torch
 from bench.front_floor import Floor
 from bench.pool import MAX_POSITIONS, REUSE_BUDGET, Session, machine_line, raw, start_cakemp
 from bench.route import children
+from cakemp import heap
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.ipc.spec import PREFILL_CHUNK, chunk_bounds
 from tests.support.checkpoints import make_checkpoint
@@ -382,6 +384,7 @@ def main() -> None:
         layers = [f"model.layers.{i}" for i in range(args.layers)]
         runner = BlockRunner.load(model, layers, "cpu", torch.float32, pack_weights=True, prefix_reuse=args.prefix_reuse,
                                   kv_budget_bytes=REUSE_BUDGET if args.prefix_reuse else None)
+        heap.freeze_loaded()  # as a device once loaded: the in-process side collects only what it allocates
         trees = {"this tree": None} if args.before is None else \
             {f"before ({args.before.name})": args.before.resolve(), "this tree": None}
         started = {name: start_cakemp(model, work, "cpu:1", *node_args, layers=args.layers, source=tree)

@@ -277,6 +277,8 @@ MUTANTS = (
            ("tests/front/test_buffer_budget.py",)),
     Mutant("front-heap-not-kept", "cakemp/heap.py",
            "return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and", "return True or", ("tests/test_heap.py",)),
+    Mutant("loaded-objects-not-frozen", "cakemp/heap.py", "    gc.freeze()\n", "",
+           ("tests/test_heap.py", "tests/node/test_node_flags.py")),
 )
 
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-from cakemp import log
+from cakemp import heap, log
 from cakemp.device.scheduler import Gathering, Scheduler
 from cakemp.ipc import (
     Activation,
@@ -77,10 +77,11 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
         channel.close(linger_ms=5000)
         sys.exit(1)
     service.progress = _reporter(channel, spec.progress_s)
+    frozen = heap.freeze_loaded()  # torch and the layers: out of every garbage collection from here on
     channel.send(Ready("cuda" if spec.gpu is not None else "cpu", service.memory_bytes(), len(spec.parts)))
     logger.info("device ready", device_label=spec.label, layers=len(spec.parts), pid=os.getpid(),
                 threads=service.threads(), max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk,
-                weight_bytes=service.runner.weight_bytes)
+                weight_bytes=service.runner.weight_bytes, frozen_objects=frozen)
     _serve(spec, channel, service, logger)
 
 

@@ -123,10 +123,11 @@ class Front:
                 if started is None:
                     return EXIT_OK
                 serving, readies = started
+                frozen = heap.freeze_loaded()  # what the front loaded: out of every garbage collection from here on
                 listener.start()
                 host, port = listener.address  # the real port when --address asked for 0
                 self._log.info(
-                    "listening", host=host, port=port, memory_bytes=resident_bytes(),
+                    "listening", host=host, port=port, memory_bytes=resident_bytes(), frozen_objects=frozen,
                     layers=len(serving.config.parts),
                     device_memory_bytes={serving.pool.label(i): r.memory_bytes for i, r in enumerate(readies)},
                 )

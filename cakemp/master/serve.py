@@ -23,7 +23,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
-from cakemp import log
+from cakemp import heap, log
 from cakemp.address import parse_address
 from cakemp.errors import ConfigError
 from cakemp.master.generator import Generator
@@ -82,8 +82,9 @@ async def _serve(generator: Generator, listener: socket.socket, options: ServeOp
         config = uvicorn.Config(api.app(), http=guarded, limit_concurrency=MOST_CONNECTIONS, log_config=None,
                                 access_log=False, lifespan="off")
         host, port = listener.getsockname()[:2]
+        frozen = heap.freeze_loaded()  # torch, the tokenizer, the web stack: out of every garbage collection
         log.get_logger().info("api listening", url=f"http://{host}:{port}/v1", port=port, model=options.model_id,
-                              max_concurrent=generator.max_concurrent)
+                              max_concurrent=generator.max_concurrent, frozen_objects=frozen)
         _ignore_repeated_signals()
         await uvicorn.Server(config).serve(sockets=[listener])
 

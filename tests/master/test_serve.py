@@ -119,6 +119,8 @@ def post(server, path, body: bytes, content_type="application/json"):
 
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    # What it loaded (torch, the tokenizer, the web stack) is out of the garbage collector's passes.
+    assert next(e for e in server.events() if e.get("event") == "api listening")["frozen_objects"] > 50_000
     with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=10) as response:
         assert json.loads(response.read())["status"] == "ok"
 

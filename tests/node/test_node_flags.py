@@ -83,6 +83,13 @@ def test_the_device_runs_cpu_threads_torch_threads(node):
     assert ready["threads"] == THREADS
 
 
+def test_the_front_and_the_device_take_what_they_loaded_out_of_the_garbage_collectors_passes(node):
+    """Each process says how many objects it froze once loaded: torch's alone are tens of thousands."""
+    ready = node.wait_for(lambda e: e.get("event") == "device ready")
+    listening = node.wait_for(lambda e: e.get("event") == "listening")
+    assert ready["frozen_objects"] > 50_000 and listening["frozen_objects"] > 5_000
+
+
 def test_the_kv_budget_refuses_a_session_until_another_closes(node):
     """With the budget full, a new session's prefill gets WorkerError naming the budget while the
     sessions already in keep their caches; once one of them closes the refused one is served on
