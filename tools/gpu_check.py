@@ -72,6 +72,11 @@ findings, or the error that stopped it, and the next one runs regardless:
    512 tokens in: each replay against the same fixed-shape step run eagerly over the same buffers
    (bit-equal expected), the graphed outputs against the paged step's (in units of the bf16 bound),
    step times of both against the bandwidth floor, and each capture's time and memory.
+13. mixed-attention (~60 s, estimated): one attention layer's step of decode rows and prompt chunks
+   (8 decodes + one 128-token chunk, 32 decodes + two; Llama-3-8B's heads, bf16, 512 positions) over a
+   paged pool, as cakemp calls it (decodes in one call, each chunk in its own) against one padded SDPA
+   call and one FlexAttention call (bench/mixed_attention.py): ms a call of each, the block mask's own
+   time and the compile's, each checked against cakemp's way. Rehearsal: small heads, f32.
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
 ./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
 at small sizes (no kernel restriction, no OOM), to catch a broken script before GPU time is
@@ -229,6 +234,10 @@ def main() -> None:
     @section("graphs")
     def graphs_section():
         check_graphs(device, rehearse)
+
+    @section("mixed-attention")
+    def mixed_attention_section():
+        check_mixed_attention(device, rehearse)
 
     finding("total_seconds", round(time.monotonic() - started, 1))
     Path(args.out).write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
@@ -1094,5 +1103,18 @@ def check_graphs(device: torch.device, rehearse: bool) -> None:
                 "graphs_made": sorted((key[1], key[2]) for key in graphed.graphs.made)})
 
 
+# --- 13. mixed-attention ---------------------------------------------------------------------
+
+def check_mixed_attention(device: torch.device, rehearse: bool) -> None:
+    """bench/mixed_attention.py's ways of one attention layer's mixed step, timed here."""
+    from bench.mixed_attention import measure
+
+    heads, dtype = ((8, 2, 64), torch.float32) if rehearse else ((H_Q, H_KV, D), torch.bfloat16)
+    for spec in ("8+1x32",) if rehearse else ("8+1x128", "32+2x128"):
+        figures = measure(spec, 128 if rehearse else 512, heads, device, dtype, reps=3 if rehearse else 20)
+        finding(f"mixed-attention.{spec}", {name: round(value, 3) for name, value in figures.items()})
+
+
 if __name__ == "__main__":
     main()
+

@@ -148,15 +148,18 @@ class Pool:
         k_rows.index_copy_(0, slot_ids, k[0].transpose(0, 1))  # [N, H_kv, D] rows
         v_rows.index_copy_(0, slot_ids, v[0].transpose(0, 1))
 
-    def gather(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """tables: [b, n] block ids -> the K and V of those blocks, [b, H_kv, n * BLOCK, D] each (a copy)."""
+    def gather(self, tables: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tables: [b, n] block ids -> the K and V of those blocks, [b, H_kv, n * BLOCK, D] each (a copy:
+        into `into`, K's and V's room for b * n blocks, `KVCache.gather_space`, where given; else fresh)."""
         b, n = tables.shape
         ids = tables.reshape(-1)
         shape = b, n * BLOCK, *self.k.shape[2:]
         # index_select along the first dimension copies whole blocks (advanced indexing, or another
         # dimension, goes element by element: ~10x slower on a CPU). [b, S, H_kv, D] -> a strided view.
-        return (self.k.index_select(0, ids).view(shape).transpose(1, 2),
-                self.v.index_select(0, ids).view(shape).transpose(1, 2))
+        k, v = (None, None) if into is None else into
+        return (torch.index_select(self.k, 0, ids, out=k).view(shape).transpose(1, 2),
+                torch.index_select(self.v, 0, ids, out=v).view(shape).transpose(1, 2))
 
     @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode
     def grow(self, at_least: int, limit: int | None) -> None:
@@ -285,6 +288,7 @@ class KVCache:
         self._linear: dict[int, dict[int, LinearSlot]] = {}
         self._linear_bytes = 0  # the live sessions' linear-attention states
         self.spare: Spare | None = None
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # `gather_space`'s K and V
 
     @property
     def tables(self) -> torch.Tensor:
@@ -303,6 +307,21 @@ class KVCache:
             return None
         spare = 0 if self.spare is None else self.spare.nbytes()
         return self.budget_bytes - self._used * self.bytes_per_block - self._linear_bytes - spare
+
+    def gather_space(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for `blocks` gathered blocks of K and of V, [blocks, BLOCK, H_kv, D] each, that every
+        gather of a step computed op by op reuses (a layer has read its keys before the next gathers).
+        Grown by doubling and kept: the device holds the largest step's gathered keys for good (outside
+        the budget, as activations are), where a fresh tensor for each layer's keys was memory mapped
+        afresh past glibc's threshold, a page fault per 4 KiB: at 32 sessions of 2,048 positions, 4 KV
+        heads of 64, f32, a layer's gather took 66 ms, 20 ms into kept room (a 2-core VM's CPU)."""
+        held = 0 if self._gathered is None else self._gathered[0].shape[0]
+        if held < blocks:
+            shape = max(blocks, 2 * held), BLOCK, self.kv_heads, self.head_dim
+            self._gathered = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                              torch.empty(shape, dtype=self.dtype, device=self.device))
+        k, v = self._gathered
+        return k[:blocks], v[:blocks]
 
     def sessions(self) -> Set[int]:
         """The sessions holding KV slots or linear states."""

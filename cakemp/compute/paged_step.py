@@ -11,7 +11,9 @@ chunk's own attention:
   each decode row sees;
 * `LayerPages`, one per attention layer: `write` puts the step's K/V rows at their slot ids (one
   indexed copy for K, one for V); `attend` runs every decode row in one attention call over its own
-  blocks (gathered, padded to the longest and masked), each prompt chunk in one call of its own.
+  blocks (gathered, padded to the longest and masked), each prompt chunk in one call of its own. A
+  layer's gathers land in the cache's kept gather space (`KVCache.gather_space`), not in memory
+  allocated afresh for each.
 
 A step's requests share each layer's KV slot index (the runner groups them so), so a layer reads
 and writes one pool (kv_cache.Pool). A request alone in its step whose blocks of a layer lie in one
@@ -186,12 +188,18 @@ class LayerPages:
             rows = slice(first * BLOCK, (first + len(table)) * BLOCK)
             k_rows, v_rows = pool.rows()
             return k_rows[rows].transpose(0, 1)[None], v_rows[rows].transpose(0, 1)[None]
-        return pool.gather(self.step.tables(self.index)[i : i + 1, : len(table)])
+        return self._gather(self.step.tables(self.index)[i : i + 1, : len(table)])
 
     def _decode_rows(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         """q: [d, H_q, D], the decode rows (one per request) -> [d, H_q, D]."""
         first, last, visible = self.step.visible(self.index, window)
         tables = self.step.tables(self.index)[: q.shape[0], first:last]
-        k, v = self.step.pools[self.index].gather(tables)  # [d, H_kv, blocks * BLOCK, D]
+        k, v = self._gather(tables)  # [d, H_kv, blocks * BLOCK, D]
         S = visible.shape[1]  # the keys past the furthest row's own are no row's: left out of the call
         return attention.attend_rows(q, k[:, :, :S], v[:, :, :S], visible, scale)
+
+    def _gather(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tables: [b, n] -> the K and V of those blocks, [b, H_kv, n * BLOCK, D], into the cache's
+        gather space (read by this layer's attention before any other gather)."""
+        step = self.step
+        return step.pools[self.index].gather(tables, step.cache.gather_space(tables.numel()))

@@ -226,3 +226,30 @@ def test_a_session_of_nan_rows_never_reaches_a_batched_decode(family, nan_sessio
     requests = [Request(2, tokens(1, 20, hidden), ops(family, 3)), Request(3, tokens(1, 30, hidden), ops(family, 40))]
     for request, result in zip(requests, runner.run_batch(requests), strict=True):
         assert_close(result, alone.run(request.session, request.x, request.ops))
+
+
+def test_a_steps_gathers_share_one_kept_space_and_each_request_reads_its_own_keys(family):
+    """Decode rows and two prompt chunks whose blocks interleave with other sessions' (so each is
+    gathered, not read as a view) in one step: each equals its request alone, though every gather of
+    the step lands in the same kept space; a second step of the same shape reuses that space."""
+    batched, alone = load(family), load(family)
+    hidden = batched.config.hidden_size
+    for position in range(0, 48, 16):  # sessions 1-4 prefill 16 rows each in turn: their blocks interleave
+        for session in range(1, 5):
+            x = tokens(16, 10 * session + position, hidden)
+            assert_close(batched.run(session, x, ops(family, position)), alone.run(session, x, ops(family, position)))
+
+    def step(n):
+        requests = [Request(1, tokens(1, n, hidden), ops(family, 48 + n)), Request(2, tokens(1, n + 1, hidden),
+                    ops(family, 48 + n)), Request(3, tokens(5, n + 2, hidden), ops(family, 48 + 5 * n)),
+                    Request(4, tokens(5, n + 3, hidden), ops(family, 48 + 5 * n))]
+        for request, result in zip(requests, batched.run_batch(requests), strict=True):
+            assert isinstance(result, torch.Tensor), result
+            assert_close(result, alone.run(request.session, request.x, request.ops))
+
+    step(0)
+    space = batched.cache.gather_space(1)[0]
+    # It holds at least a chunk's gather: its 4 blocks (to position 53), K's half of each block's bytes.
+    assert space.untyped_storage().nbytes() >= 4 * batched.cache.bytes_per_block // 2
+    step(1)
+    assert batched.cache.gather_space(1)[0].data_ptr() == space.data_ptr()
