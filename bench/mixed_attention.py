@@ -22,7 +22,7 @@ Its rows' attention is computed four ways, each against the first within f32's o
 
 Each way gathers its keys into the same kept space (`KVCache.gather_space`), as split does.
 
-Printed per step: each way's milliseconds a call (median of --reps, CUDA synchronised), and its
+Printed per step: each way's milliseconds a call (best of --reps, CUDA synchronised), and its
 ratio over split's. flex's compile time is printed once per step shape (a step of another shape
 compiles again, as every new row count would unless compiled dynamic).
 """
@@ -30,13 +30,13 @@ compiles again, as every new row count would unless compiled dynamic).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from bench.blocks import timed
 from bench.pool import machine_line
 from cakemp.compute.kv_cache import BLOCK, KVCache
 from cakemp.compute.paged_step import StepRows
@@ -115,19 +115,6 @@ class Step:
                       enable_gqa=True)
 
 
-def timed_ms(fn, device: torch.device, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def measure(spec: str, context: int, heads: tuple[int, int, int], device: torch.device, dtype: torch.dtype,
             reps: int) -> dict[str, float]:
     """{way: ms a call} for a step `spec` ("decodes[+chunks x T]"), checked against split."""
@@ -148,8 +135,8 @@ def measure(spec: str, context: int, heads: tuple[int, int, int], device: torch.
             error = (way().float() - reference.float()).abs().max().item()
             if error > bound * reference.float().abs().max().item():
                 raise AssertionError(f"{spec}: {name} differs from split by {error}")
-            figures[name] = timed_ms(way, device, reps)
-        figures["block mask alone"] = timed_ms(step.flex_mask, device, reps)
+            figures[name] = timed(way, device, reps) * 1e3
+        figures["block mask alone"] = timed(step.flex_mask, device, reps) * 1e3
     return figures
 
 
@@ -168,7 +155,7 @@ def main() -> None:
     device = torch.device(args.device)
     print(machine_line())
     print(f"{args.device}, {args.dtype}, heads {heads}, context {args.context}, {args.threads} thread(s), "
-          f"median of {args.reps}; ms a call (over split)")
+          f"best of {args.reps}; ms a call (over split)")
     print("| step | split | padded | flex | flex, mask given | block mask alone | flex compile |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for spec in args.steps.split(","):
