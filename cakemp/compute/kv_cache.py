@@ -311,17 +311,25 @@ class KVCache:
     def gather_space(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Room for `blocks` gathered blocks of K and of V, [blocks, BLOCK, H_kv, D] each, that every
         gather of a step computed op by op reuses (a layer has read its keys before the next gathers).
-        Grown by doubling and kept: the device holds the largest step's gathered keys for good (outside
-        the budget, as activations are), where a fresh tensor for each layer's keys was memory mapped
-        afresh past glibc's threshold, a page fault per 4 KiB: at 32 sessions of 2,048 positions, 4 KV
-        heads of 64, f32, a layer's gather took 66 ms, 20 ms into kept room (a 2-core VM's CPU)."""
+        Grown by doubling (by what is needed where the doubling runs out of memory) and kept: the device
+        holds the largest step's gathered keys for good (outside the budget, as activations are), where
+        a fresh tensor for each layer's keys was memory mapped afresh past glibc's threshold, a page
+        fault per 4 KiB: at 32 sessions of 2,048 positions, 4 KV heads of 64, f32, a layer's gather took
+        66 ms, 20 ms into kept room (a 2-core VM's CPU)."""
         held = 0 if self._gathered is None else self._gathered[0].shape[0]
         if held < blocks:
-            shape = max(blocks, 2 * held), BLOCK, self.kv_heads, self.head_dim
-            self._gathered = (torch.empty(shape, dtype=self.dtype, device=self.device),
-                              torch.empty(shape, dtype=self.dtype, device=self.device))
+            self._gathered = None  # the old room given back first: never both held at once
+            try:
+                self._gathered = self._room(max(blocks, 2 * held))
+            except torch.OutOfMemoryError:  # a GPU short of the doubled room: what this gather needs
+                self._gathered = self._room(blocks)
         k, v = self._gathered
         return k[:blocks], v[:blocks]
+
+    def _room(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = blocks, BLOCK, self.kv_heads, self.head_dim
+        return (torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device))
 
     def sessions(self) -> Set[int]:
         """The sessions holding KV slots or linear states."""

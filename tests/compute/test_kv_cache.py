@@ -246,3 +246,25 @@ def test_slots_detached_and_attached_leave_and_rejoin_the_count():
     assert c.length(2, 0) == c.length(2, 1) == 4
     with pytest.raises(ValueError):
         c.attach(2, {0: kv[0]})
+
+
+def test_the_gather_space_grows_by_doubling_and_by_what_is_needed_where_the_doubling_does_not_fit(monkeypatch):
+    """Kept between steps; a request past it doubles it, unless that runs out of memory (a GPU near its
+    end): then it takes just what the gather needs."""
+    cache = KVCache(kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"), max_context=1024)
+    k, _ = cache.gather_space(4)
+    assert k.shape == (4, BLOCK, 2, 4)
+    assert cache.gather_space(3)[0].data_ptr() == k.data_ptr()  # less than held: the same room
+    assert cache.gather_space(5)[0].untyped_storage().nbytes() == 8 * k[0].nbytes  # doubled
+    empty = torch.empty
+
+    def short_of_memory(shape, **kwargs):
+        if shape[0] > 12:
+            raise torch.OutOfMemoryError("CUDA out of memory (as a GPU near its end says)")
+        return empty(shape, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", short_of_memory)
+    k, v = cache.gather_space(12)  # doubling to 16 does not fit; 12 does
+    assert k.shape[0] == v.shape[0] == 12 and k.untyped_storage().nbytes() == 12 * k[0].nbytes
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.gather_space(13)  # nor doubled nor as needed: the step's error, as any other allocation's
