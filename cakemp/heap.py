@@ -4,12 +4,12 @@ pass through.
 
 Python's cyclic garbage collector runs every few hundred net allocations of container objects, and
 now and then a full pass that walks every object the process holds. A device process holds a few
-hundred thousand once torch and its layers are loaded (a full pass over them took about 30 ms on the
-2-core VM, every session's step stalled meanwhile), the front tens of thousands. What a process
-loads at start it keeps for its life, so once loaded, `freeze_loaded` moves all of it out of the
-collector's reach (`gc.freeze`); the collector keeps running over what serving allocates. (A frozen
-object whose count of references drops to zero is still freed; only a reference cycle among frozen
-objects would never be: nothing loaded at start forms one later.)
+hundred thousand once torch and its layers are loaded (a full pass over them took about 40 ms on
+the 2-core VM, `python -m bench.gc_pause`, every session's step stalled meanwhile), the front tens
+of thousands. What a process loads at start it keeps for its life, so once loaded, `freeze_loaded`
+moves all of it out of the collector's reach (`gc.freeze`); the collector keeps running over what
+serving allocates. (A frozen object whose count of references drops to zero is still freed; only a
+reference cycle among frozen objects would never be: nothing loaded at start forms one later.)
 
 Every request's payload (a prompt's hidden states: 512 KiB for 512 tokens of hidden 256 in f32,
 4 MiB at hidden 4096 in bf16) is allocated, copied through and freed: the stream's buffer, the
@@ -22,8 +22,8 @@ a page fault and a zeroed page per 4 KiB: about a quarter of the front's main th
 Kept here: allocations up to MMAP_THRESHOLD come from the heap, and the heap keeps up to
 TRIM_THRESHOLD free at its top. The front therefore holds at most that much more than it uses
 after a burst of large frames (its buffers themselves are bounded by --max-buffered-mib). Only
-the front asks this: device processes are spawned afresh, with glibc's defaults, and allocate
-through torch.
+the front keeps freed memory so: device processes are spawned afresh, with glibc's defaults, and
+allocate through torch (a step's large gathers land in a space the KV cache keeps instead).
 """
 
 from __future__ import annotations
