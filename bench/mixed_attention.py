@@ -2,7 +2,7 @@
 calls them (every decode row in one call, each chunk in one of its own), side by side in one run.
 
     python -m bench.mixed_attention [--device cpu|cuda] [--dtype f32|bf16] [--heads 32,8,128]
-                                    [--context 512] [--steps "8+1x128,32+2x128,32"] [--reps 20]
+                                    [--context 512] [--steps "8+1x128,32+2x128,32"] [--reps 20] [--threads 1]
 
 One attention layer's step over a paged KV pool (compute/kv_cache.py: blocks of 16 positions, the
 sessions' blocks interleaved as concurrent sessions leave them), of query heads, KV heads and head
