@@ -3,6 +3,7 @@ section, and every relative link of the README and docs/ names a file of the rep
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -37,3 +38,15 @@ def test_every_relative_link_names_a_file():
             if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, "\n".join(broken)
+
+
+def test_every_benchmark_the_docs_name_is_a_module_that_imports_and_runs_from_main():
+    """`python -m bench.<name>` (or tools.<name>) in the README and docs/ names a module of the
+    repository that imports and has the `main` that `-m` runs."""
+    named = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        named |= set(re.findall(r"python -m ((?:bench|tools)\.[a-z0-9_]+)", page.read_text()))
+    missing = sorted(name for name in named if not (ROOT / (name.replace(".", "/") + ".py")).exists())
+    assert named and not missing, f"named in the docs, not in the repository: {', '.join(missing)}"
+    without_main = sorted(name for name in named if not callable(getattr(importlib.import_module(name), "main", None)))
+    assert not without_main, f"named in the docs, with no main(): {', '.join(without_main)}"
