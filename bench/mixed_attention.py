@@ -68,7 +68,6 @@ class Step:
         self.q = torch.randn(1, H_q, sum(self.lengths), D, device=device).to(dtype)
         self.scale = D**-0.5
         self.tables = [slot.table[: -(-end // BLOCK)] for slot, end in zip(slots, ends, strict=True)]
-        self.ends = ends
 
     def split(self) -> torch.Tensor:
         return self.rows.layer(0).attend(self.q, None, self.scale)
@@ -77,10 +76,10 @@ class Step:
         """Every request in one SDPA call: rows padded to the longest request, keys to the longest context."""
         q, device = self.q, self.q.device
         B, T, width = len(self.lengths), max(self.lengths), max(map(len, self.tables))
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], device=device)
+        tables = self.rows.tables(0)[:, :width]  # [B, width], past a table's end the null block
         k, v = self.cache.pools[0].gather(tables, self.cache.gather_space(tables.numel()))  # [B, H_kv, width * BLOCK, D]
-        firsts = [0, *torch.tensor(self.lengths).cumsum(0).tolist()]
-        rows = torch.tensor([min(firsts[b] + t, firsts[b + 1] - 1) for b in range(B) for t in range(T)], device=device)
+        firsts, lengths = self.rows.firsts, self.lengths
+        rows = torch.tensor([firsts[b] + min(t, lengths[b] - 1) for b in range(B) for t in range(T)], device=device)
         q_pad = q[0].index_select(1, rows).view(q.shape[1], B, T, -1).transpose(0, 1)  # [B, H_q, T, D]
         positions = torch.tensor([[s + t for t in range(T)] for s in self.starts], device=device)  # [B, T]
         keys = torch.arange(width * BLOCK, device=device)
@@ -97,9 +96,7 @@ class Step:
     def flex_mask(self):
         """The block mask of `flex_keys`' sequence: each row sees its request's keys up to its own position."""
         device = self.q.device
-        doc_q = torch.repeat_interleave(torch.arange(len(self.lengths), device=device),
-                                        torch.tensor(self.lengths, device=device))
-        pos_q = torch.cat([torch.arange(s, s + t, device=device) for s, t in zip(self.starts, self.lengths, strict=True)])
+        doc_q, pos_q = self.rows.request, self.rows.positions[0]  # [N] each row's request, its position
         spans = torch.tensor([len(t) * BLOCK for t in self.tables], device=device)
         doc_k = torch.repeat_interleave(torch.arange(len(self.tables), device=device), spans)
         pos_k = torch.arange(int(spans.sum()), device=device) - torch.repeat_interleave(spans.cumsum(0) - spans, spans)
