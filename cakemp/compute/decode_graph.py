@@ -13,11 +13,14 @@ step (compute/paged_step.py) over buffers of fixed shape, `DecodeGraph`:
 * before each replay, the step's rows, positions, slot ids and block tables copied into the buffers
   (StepRows builds them as it does for the paged step); after it, the outputs copied out.
 
-One graph per (run of layers and KV slots, bucket, width), made the first time a step of that
-shape comes (its time and memory logged) and made again when a pool it reads has grown (a grown
-pool is another tensor). Prompt chunks, steps mixing them with decodes, and layers a graph cannot
-hold (a MoE layer routes by data; a linear-attention layer keeps a recurrence) run the paged step,
-and so does every step once a capture has failed (an op the capture refuses: logged once).
+One graph per (run of layers and KV slots, bucket, width). Where the device has a KV budget, its
+pools are made at their full shares at its start and the graphs of every bucket at the narrowest
+width with them (`prepare`, for the run of all its layers); any other shape is made the first time a
+step of it comes (its time and memory logged), and made again when a pool it reads has grown (a
+grown pool is another tensor: without a budget, or past a pool's share). Prompt chunks, steps
+mixing them with decodes, and layers a graph cannot hold (a MoE layer routes by data; a
+linear-attention layer keeps a recurrence) run the paged step, and so does every step once a
+capture has failed (an op the capture refuses: logged once).
 
 On a CPU the same buffers and the same computation run without a graph (`capture=False`): the tests
 check there that this step equals the paged one, and tools/gpu_check that a replay on a GPU equals
@@ -100,18 +103,42 @@ class DecodeGraphs:
         if graph is None or not graph.reads(step.pools):
             # Graphs of a pool that grew hold its old tensors: dropped, so that the old memory is freed.
             self.made = {shape: made for shape, made in self.made.items() if made.reads(made.pools)}
-            graph = self._make(blocks, rotaries, step.pools, bucket, width, x)
+            graph = self._make(blocks, rotaries, step.pools, bucket, width, x.shape[2], x.dtype)
             if graph is None:
                 return None
             self.made[key] = graph
         return graph.run(step, x)
 
-    def _make(self, blocks, rotaries, pools, bucket, width, x) -> DecodeGraph | None:
-        """A graph of this shape (captured on a GPU), or None where the capture failed: logged, graphs off."""
-        graph = DecodeGraph(self.cache, blocks, rotaries, pools, bucket, width, x.shape[2], x.dtype)
+    def prepare(self, run_key: tuple, blocks: Sequence[DecoderBlock], rotaries: Sequence[Rotary | None],
+                pools: Sequence[Pool], hidden: int, dtype: torch.dtype) -> None:
+        """Make now, for the run `run_key` (as `run` names it), the graph of every bucket at the narrowest
+        width: the shapes a node meets first, whose capture then delays no step. Logged once, with their
+        time and memory and the KV pools' bytes. Wider graphs are made as contexts reach them; out of
+        memory here stops this (logged), and the steps make what they need."""
+        width = min(MIN_WIDTH, self.max_width)
+        device = torch.device(self.cache.device)
+        before, started = _allocated(device), time.perf_counter()
+        for bucket in self.buckets:
+            try:
+                graph = self._make(blocks, rotaries, pools, bucket, width, hidden, dtype, log=False)
+            except torch.OutOfMemoryError as e:
+                self._log.error("decode graphs at start stopped: out of memory", batch=bucket, error=str(e)[:200])
+                return
+            if graph is None:
+                return
+            self.made[run_key, bucket, width] = graph
+        self._log.info("decode graphs made at start", layers=len(blocks), batches=list(self.buckets), width=width * BLOCK,
+                       captured=self.capture, seconds=round(time.perf_counter() - started, 3),
+                       memory_bytes=_allocated(device) - before, kv_pool_bytes=self.cache.pool_bytes())
+
+    def _make(self, blocks, rotaries, pools, bucket, width, hidden, dtype, log: bool = True) -> DecodeGraph | None:
+        """A graph of this shape (captured on a GPU, its time and memory logged where `log`), or None where
+        the capture failed: logged, graphs off."""
+        graph = DecodeGraph(self.cache, blocks, rotaries, pools, bucket, width, hidden, dtype)
         if not self.capture:
             return graph
-        before, started = _allocated(x.device), time.perf_counter()
+        device = graph.x.device
+        before, started = _allocated(device), time.perf_counter()
         try:
             if self._memory_pool is None:
                 self._memory_pool = torch.cuda.graph_pool_handle()
@@ -122,8 +149,9 @@ class DecodeGraphs:
             self.failed = f"{type(e).__name__}: {e}"
             self._log.error("decode graph capture failed; decode steps run op by op", error=self.failed)
             return None
-        self._log.info("decode graph captured", layers=len(blocks), batch=bucket, width=width * BLOCK,
-                       seconds=round(time.perf_counter() - started, 3), memory_bytes=_allocated(x.device) - before)
+        if log:
+            self._log.info("decode graph captured", layers=len(blocks), batch=bucket, width=width * BLOCK,
+                           seconds=round(time.perf_counter() - started, 3), memory_bytes=_allocated(device) - before)
         return graph
 
 

@@ -29,6 +29,9 @@ there is a budget a doubling stops at the pool's share of its blocks (the budget
 and at what the other pools leave of them; past its share a pool grows by what it needs. Each
 pool doubling up to the whole budget on its own allocated up to ~2x the budget once every layer's
 pool had just doubled (1.95x, 4 layers): on a GPU an out-of-memory at half the KV promised.
+Where decode steps are CUDA graphs (a GPU's), the pools of the slots a master names are made at
+their shares at the start instead (`presize`): a graph reads a pool's tensors, which a growth
+replaces.
 
 Blocks are reference-counted: prefix reuse (prefix_cache.py) shares a kept prefix's blocks with
 a session that continues from its rows (`shared`) instead of copying them. A block with more
@@ -453,6 +456,23 @@ class KVCache:
         if pool is None:
             pool = self.pools[block_idx] = Pool(self.kv_heads, self.head_dim, self.dtype, self.device)
         return pool
+
+    def presize(self, block_idxs: Iterable[int]) -> None:
+        """Make the pools of `block_idxs` now, each at its share of the budget's blocks (the budget's
+        over them), where there is a budget: used alike, they never grow, so that what reads a pool's
+        tensors (a captured graph, compute/decode_graph.py) reads them for good, and the device holds
+        its KV memory from the start. A pool of another block_idx is still made at its first use, and
+        grows past its share by what it needs, as any pool does."""
+        new = sorted(set(block_idxs) - self.pools.keys())
+        if self.max_blocks is None or not new:
+            return
+        share = self.max_blocks // (len(self.pools) + len(new))
+        for block_idx in new:
+            self.pool(block_idx).grow(share, share)
+
+    def pool_bytes(self) -> int:
+        """Bytes the pools hold, in use or not (their K and V tensors)."""
+        return sum(pool.k.nbytes + pool.v.nbytes for pool in self.pools.values())
 
     def linear_slot(self, session: int, block_idx: int) -> LinearSlot:
         """A linear-attention slot `reserve` made for `session`."""

@@ -125,6 +125,31 @@ def test_a_grown_pool_gets_a_new_graph_and_padding_touches_no_session(tmp_path):
     assert SCRATCH_BLOCK not in named
 
 
+def test_with_a_budget_the_pools_and_graphs_are_made_at_start_and_never_made_again(tmp_path):
+    """Given a KV budget (a GPU's always has one), the runner makes its layers' pools at their shares and
+    the graph of every bucket at the narrowest width as it loads. Sessions then fill the pools past the 64
+    blocks a growing pool starts with (where a pool without a budget grows, and its graphs are made
+    again: the test above), and every step is served by those graphs over those pools, equal to the paged
+    step's."""
+    path = make_checkpoint(tmp_path, "qwen2")
+    graphed, paged = load(path, graph_batch=8, kv_budget_bytes=4 << 20), load(path)
+    share = graphed.cache.max_blocks // len(LAYERS)
+    assert {slot: len(pool.owners) for slot, pool in graphed.cache.pools.items()} == {i: share + 2 for i in LAYERS}
+    run = tuple((i, layer) for i, layer in enumerate(LAYERS))
+    made = dict(graphed.graphs.made)
+    assert set(made) == {(run, bucket, 16) for bucket in buckets(8)}
+    tensors = [pool.k for pool in graphed.cache.pools.values()]
+    lengths = {1: 30, 2: 3, 3: 40}
+    prefill((graphed, paged), lengths)
+    decode_together(graphed, paged, lengths, steps=2)
+    prefill((graphed, paged), {s: 200 for s in range(10, 16)})  # 13 blocks each, 78 in all: past 64
+    decode_together(graphed, paged, lengths, steps=2, seed=7)
+    assert all(pool.k is k for pool, k in zip(graphed.cache.pools.values(), tensors, strict=True))
+    assert graphed.graphs.made == made
+    served = made[run, 4, 16]  # the last step's rows were written into its buffers: it ran
+    assert served.positions[0, :3].tolist() == [lengths[s] - 1 for s in lengths]
+
+
 def test_a_live_session_of_nan_rows_never_reaches_its_neighbours_through_a_graph(tmp_path):
     """Session 1 of NaN activations stays live beside two sessions decoding in a padded bucket: their
     outputs equal the paged step's of a runner that never saw session 1."""

@@ -168,6 +168,30 @@ def test_a_pool_used_past_its_share_of_the_budget_grows_by_what_it_needs():
     assert c.nbytes() > 1000 * PER_BLOCK - 8 * PER_BLOCK and len(c.pools[0].owners) > 1000 // 4
 
 
+@pytest.mark.parametrize("layers", [1, 4, 7])
+def test_presized_pools_hold_their_shares_and_never_grow_to_the_budget(layers):
+    """Pools made at the start at their shares (a GPU's, under its graphs) hold no more blocks than the
+    budget's and their reserved ones, count nothing as used, and take sessions up to the budget without
+    growing: each keeps the tensors it was made with. Without a budget there is nothing to size."""
+    c = cache(max_context=1 << 20, budget_bytes=1000 * PER_BLOCK)
+    c.presize(range(layers))
+    sizes = {block_idx: len(pool.owners) for block_idx, pool in c.pools.items()}
+    assert sizes == {block_idx: 1000 // layers + 2 for block_idx in range(layers)}
+    assert c.nbytes() == 0 and c.room() == 1000 * PER_BLOCK
+    assert c.pool_bytes() == sum(sizes.values()) * PER_BLOCK
+    tensors = {block_idx: (pool.k, pool.v) for block_idx, pool in c.pools.items()}
+    session = 0
+    with pytest.raises(CacheBudgetExceeded):
+        while True:
+            c.reserve(session, {block_idx: (0, 8 * BLOCK) for block_idx in range(layers)})
+            session += 1
+    assert c.nbytes() > 1000 * PER_BLOCK - 8 * layers * PER_BLOCK
+    assert all(pool.k is tensors[i][0] and pool.v is tensors[i][1] for i, pool in c.pools.items())
+    unbounded = cache(max_context=1 << 20)
+    unbounded.presize(range(layers))
+    assert not unbounded.pools
+
+
 def test_clear_frees_only_that_session():
     """clear() returns a session's blocks to the budget and forgets its lengths."""
     c = cache(max_context=4096, budget_bytes=8 * PER_BLOCK)
