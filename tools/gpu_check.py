@@ -66,7 +66,8 @@ findings, or the error that stopped it, and the next one runs regardless:
    its planning and launches, over the step's wall time) and through transformers' own layers
    batched, and through `cakemp
    run --gpus all --dtype bf16` from 1, 8 and 32 concurrent masters (tokens/s, each against
-   in-process); a 512-token prompt through the node against in-process.
+   in-process, and the CPU per token of the front, the device and the masters, and how busy each
+   was: which one sets the rate); a 512-token prompt through the node against in-process.
 12. graphs (~40 s, estimated): the same 4 layers through BlockRunner with its decode steps replayed
    as CUDA graphs (compute/decode_graph.py) beside the paged step op by op, at 1, 8 and 32 sessions
    512 tokens in: each replay against the same fixed-shape step run eagerly over the same buffers
@@ -952,6 +953,7 @@ def launch_cpu(fn, device: torch.device) -> float:
 async def check_node_perf(device: torch.device, rehearse: bool) -> None:
     import transformers
 
+    from bench.request_cost import device_pid, thread_seconds
     from bench.step_growth import Cakemp, Transformers
     from cakemp.compute.runner import BlockRunner
     from cakemp.demo.local_node import LocalNode, free_port
@@ -1001,6 +1003,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
         try:
             await node.wait_ready(timeout=300)
             port = int(node.address.rsplit(":", 1)[1])
+            pids = {"front": node._process.pid, "device": device_pid(node._process.pid), "masters": os.getpid()}
             ops = lambda position: [(name, position, i) for i, name in enumerate(names)]  # noqa: E731
             async with await WorkerClient.connect("127.0.0.1", port) as client:
                 await client.hello()
@@ -1027,11 +1030,18 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                         await clients[i].batch(token, ops(cached + done[i]))
                         done[i] += 1
 
-                start = time.perf_counter()
+                start, ran_before = time.perf_counter(), thread_seconds(pids)
                 deadline = start + seconds
                 await asyncio.gather(*(decode(i) for i in range(n)))
-                rate = sum(done) / (time.perf_counter() - start)
-                finding(f"node_perf.node_{n}", {"tok_s": round(rate), "over_in_process": round(rate / in_process[n], 2)})
+                wall, ran = time.perf_counter() - start, thread_seconds(pids)
+                ran.subtract(ran_before)
+                rate = sum(done) / wall
+                # Which process sets the rate: each one's CPU per token, and its share of the wall time
+                # (near 1.0, that process is saturated: the masters, all in this one, included).
+                finding(f"node_perf.node_{n}", {
+                    "tok_s": round(rate), "over_in_process": round(rate / in_process[n], 2),
+                    "cpu_us_per_token": {name: round(ran[f"{name} (process)"] / sum(done) * 1e6) for name in pids},
+                    "busy": {name: round(ran[f"{name} (process)"] / wall, 2) for name in pids}})
                 for client in clients:
                     await client.close()
         finally:
