@@ -13,8 +13,8 @@ step (compute/paged_step.py) over buffers of fixed shape, `DecodeGraph`:
 * before each replay, the step's rows, positions, slot ids and block tables copied into the buffers
   (StepRows builds them as it does for the paged step); after it, the outputs copied out.
 
-One graph per (run of layers and KV slots, bucket, width). Where the device has a KV budget, its
-pools are made at their full shares at its start and the graphs of every bucket at the narrowest
+One graph per (run of layers and KV slots, bucket, width). Where the device has a KV budget (a GPU's
+always has) and a graph holds all its layers, its pools are made at their full shares at its start and the graphs of every bucket at the narrowest
 width with them (`prepare`, for the run of all its layers); any other shape is made the first time a
 step of it comes (its time and memory logged), and made again when a pool it reads has grown (a
 grown pool is another tensor: without a budget, or past a pool's share). Prompt chunks, steps

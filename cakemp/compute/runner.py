@@ -236,19 +236,18 @@ class BlockRunner:
         self._checked_blocks: tuple[int, ...] = ()  # its block_idx, op by op
         self._checked_linear = False  # whether it has a linear-attention layer
         self.graphs = None if graph_batch is None else DecodeGraphs(self.cache, graph_batch, device.type == "cuda")
-        if self.graphs is not None and kv_budget_bytes is not None:
+        if self.graphs is not None and kv_budget_bytes is not None and all(self.capturable):
             self._prepare_graphs()
 
     def _prepare_graphs(self) -> None:
         """The KV pools of the slots a master names (block_idx N for the layer `…layers.N`) made at their
         shares of the budget, so that no pool grows under a graph, and the decode graphs of the run of all
-        this runner's layers made with them, where a graph holds every layer (compute/decode_graph.py)."""
+        this runner's layers made with them (compute/decode_graph.py; every layer is one a graph holds)."""
         run = tuple((j, self.config.layer_index(layer)) for j, layer in enumerate(self.layers))
-        self.cache.presize(slot for j, slot in run if not self.recurrent[j])
-        if all(self.capturable):
-            with torch.inference_mode():  # as a step's: the graphs' buffers are written under it
-                self.graphs.prepare(run, self.blocks, self.rotaries, [self.cache.pools[slot] for _, slot in run],
-                                    self.config.hidden_size, self.dtype)
+        self.cache.presize(slot for _, slot in run)
+        with torch.inference_mode():  # as a step's: the graphs' buffers are written under it
+            self.graphs.prepare(run, self.blocks, self.rotaries, [self.cache.pools[slot] for _, slot in run],
+                                self.config.hidden_size, self.dtype)
 
     @classmethod
     def load(

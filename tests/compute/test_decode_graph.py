@@ -166,7 +166,9 @@ def test_moe_and_linear_attention_layers_take_the_paged_step(tmp_path):
     """A layer a graph cannot hold (routed experts; a recurrence) keeps its run on the paged step."""
     for family, prefix in (("qwen3_moe", "model.layers"), ("qwen3_5", "model.language_model.layers")):
         path = make_checkpoint(tmp_path / family, family)
-        runner = BlockRunner.load(path, [f"{prefix}.{i}" for i in LAYERS], "cpu", torch.float32, graph_batch=4)
+        runner = BlockRunner.load(path, [f"{prefix}.{i}" for i in LAYERS], "cpu", torch.float32, graph_batch=4,
+                                  kv_budget_bytes=4 << 20)
+        assert not runner.cache.pools  # nor are pools made at their shares for graphs that never run
         hidden = runner.config.hidden_size
         runner.run(1, tokens(3, 1, hidden), ops(0))
         runner.run(1, tokens(1, 2, hidden), ops(3))
