@@ -1,11 +1,11 @@
 """Request cost benchmark: the CPU time a node spends per decode Batch, process by process.
 
-    python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--layers 2] [--profile-seconds 4]
+    python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--layers 2] [--dtype f32] [--profile-seconds 4]
                                  [--before DIR] [--prompt 512] [--prompts 10] [--pin-cpus] [--prefix-reuse]
                                  [--idle 0] [--floor]
 
 Writes a random Llama checkpoint of --layers layers (hidden 256, intermediate 768, 4 query heads on 2 kv
-heads, f32) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over all its
+heads, f32 or --dtype) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over all its
 layers (with --pin-cpus, pinned: the device to the first core, the front to the others; with
 --prefix-reuse, without --no-prefix-reuse: as a node runs by default, the in-process runner
 following its sessions too, under a KV budget of REUSE_BUDGET; with --idle N, N more sessions first
@@ -73,7 +73,9 @@ from bench.front_floor import Floor
 from bench.pool import MAX_POSITIONS, REUSE_BUDGET, Session, machine_line, raw, start_cakemp
 from bench.route import children
 from cakemp import heap
+from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner, Request
+from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.ipc.spec import PREFILL_CHUNK, chunk_bounds
 from tests.support.checkpoints import make_checkpoint
 
@@ -164,8 +166,9 @@ def in_process_window(runner: BlockRunner, count: int, steps: int, idle_s: float
     with torch.inference_mode():
         for session in sessions:
             runner.free_session(session)
-            runner.run(session, torch.randn(1, 8, HIDDEN), runner.ops([(layer, 0, i) for i, layer in enumerate(layers)]))
-        inputs = [[torch.randn(1, 1, HIDDEN) for _ in sessions] for _ in range(steps)]
+            runner.run(session, torch.randn(1, 8, HIDDEN).to(runner.dtype),
+                       runner.ops([(layer, 0, i) for i, layer in enumerate(layers)]))
+        inputs = [[torch.randn(1, 1, HIDDEN).to(runner.dtype) for _ in sessions] for _ in range(steps)]
         start = time.process_time()
         for position, xs in enumerate(inputs, 8):
             time.sleep(idle_s)
@@ -248,7 +251,7 @@ async def prompts(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
                 times[name]["cpu"].append(sum(spent[f"{process} (process)"] - before[f"{process} (process)"]
                                               for process in pids))
         for name, chunked in (("in-process whole", False), ("in-process in chunks", True)):
-            wall, cpu = in_process_prompt(runner, x, chunked)
+            wall, cpu = in_process_prompt(runner, x.to(runner.dtype), chunked)  # the node casts f32 itself
             if round_:
                 times[name]["wall"].append(wall)
                 times[name]["cpu"].append(cpu)
@@ -363,6 +366,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="windows per count (node and in-process alternating)")
     parser.add_argument("--counts", default="1,8", help="concurrent sessions to measure")
     parser.add_argument("--layers", type=int, default=LAYERS, help="layers of the model, all served by the node")
+    parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="f32", help="the node's --dtype, and the in-process side's")
     parser.add_argument("--profile-seconds", type=int, default=4, help="py-spy's time on each process; 0: none")
     parser.add_argument("--top", type=int, default=10, help="innermost frames listed per process")
     parser.add_argument("--prompt", type=int, default=512, help="tokens of the prompt measured (0, or --prompts 0: none)")
@@ -375,16 +379,20 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     node_args = tuple(arg for arg in NODE_ARGS if not (args.prefix_reuse and arg == "--no-prefix-reuse")) + \
-        (("--pin-cpus",) if args.pin_cpus else ())
+        (("--pin-cpus",) if args.pin_cpus else ()) + ("--dtype", args.dtype)
     torch.set_num_threads(1)
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = make_checkpoint(work, "llama", num_hidden_layers=args.layers, **SHAPE)
         layers = [f"model.layers.{i}" for i in range(args.layers)]
-        runner = BlockRunner.load(model, layers, "cpu", torch.float32, pack_weights=True, prefix_reuse=args.prefix_reuse,
+        runner = BlockRunner.load(model, layers, "cpu", tensors.compute_dtype(args.dtype), pack_weights=True,
+                                  prefix_reuse=args.prefix_reuse,
                                   kv_budget_bytes=REUSE_BUDGET if args.prefix_reuse else None)
-        heap.freeze_loaded()  # as a device once loaded: the in-process side collects only what it allocates
+        # As a device once loaded: the in-process side collects only what it allocates, and reuses the
+        # memory a prompt freed.
+        heap.keep_freed_memory()
+        heap.freeze_loaded()
         trees = {"this tree": None} if args.before is None else \
             {f"before ({args.before.name})": args.before.resolve(), "this tree": None}
         started = {name: start_cakemp(model, work, "cpu:1", *node_args, layers=args.layers, source=tree)
@@ -407,7 +415,7 @@ def main() -> None:
                 node.wait()
             if floor is not None:
                 floor.stop()
-    print(f"\n{args.layers} layers, hidden {HIDDEN}, f32, `cakemp run --gpus cpu:1 {' '.join(node_args)}`; "
+    print(f"\n{args.layers} layers, hidden {HIDDEN}, {args.dtype}, `cakemp run --gpus cpu:1 {' '.join(node_args)}`; "
           f"{args.rounds} windows of {args.steps} decode Batches per session" +
           (f", {args.idle} idle sessions connected" if args.idle else "") + "; CPU µs per request")
     print(f"| sessions | front | device | in-process run_batch | device beyond in-process | in-process, {IDLE_S * 1e3:g} ms "

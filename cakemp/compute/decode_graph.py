@@ -14,13 +14,13 @@ step (compute/paged_step.py) over buffers of fixed shape, `DecodeGraph`:
   (StepRows builds them as it does for the paged step); after it, the outputs copied out.
 
 One graph per (run of layers and KV slots, bucket, width). Where the device has a KV budget (a GPU's
-always has) and a graph holds all its layers, its pools are made at their full shares at its start and the graphs of every bucket at the narrowest
-width with them (`prepare`, for the run of all its layers); any other shape is made the first time a
-step of it comes (its time and memory logged), and made again when a pool it reads has grown (a
-grown pool is another tensor: without a budget, or past a pool's share). Prompt chunks, steps
-mixing them with decodes, and layers a graph cannot hold (a MoE layer routes by data; a
-linear-attention layer keeps a recurrence) run the paged step, and so does every step once a
-capture has failed (an op the capture refuses: logged once).
+always has) and a graph holds all its layers, its pools are made at their full shares at its start
+and the graphs of every bucket at the narrowest width with them (`prepare`, for the run of all its
+layers); any other shape is made the first time a step of it comes (its time and memory logged), and
+made again when a pool it reads has grown (a grown pool is another tensor: without a budget, or past
+a pool's share). Prompt chunks, steps mixing them with decodes, and layers a graph cannot hold (a
+MoE layer routes by data; a linear-attention layer keeps a recurrence) run the paged step, and so
+does every step once a capture has failed (an op the capture refuses: logged once).
 
 On a CPU the same buffers and the same computation run without a graph (`capture=False`): the tests
 check there that this step equals the paged one, and tools/gpu_check that a replay on a GPU equals

@@ -77,6 +77,7 @@ def main(spec: DeviceSpec, parent_pipe: Connection, parent_pid: int, generation:
         channel.close(linger_ms=5000)
         sys.exit(1)
     service.progress = _reporter(channel, spec.progress_s)
+    heap.keep_freed_memory()  # a prompt's activations and frames reused, not mapped afresh each prompt (heap.py)
     frozen = heap.freeze_loaded()  # torch and the layers: out of every garbage collection from here on
     channel.send(Ready("cuda" if spec.gpu is not None else "cpu", service.memory_bytes(), len(spec.parts)))
     logger.info("device ready", device_label=spec.label, layers=len(spec.parts), pid=os.getpid(),
