@@ -282,6 +282,12 @@ MUTANTS = (
            "return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and", "return True or", ("tests/test_heap.py",)),
     Mutant("loaded-objects-not-frozen", "cakemp/heap.py", "    gc.freeze()\n", "",
            ("tests/test_heap.py", "tests/node/test_node_flags.py")),
+    Mutant("device-heap-not-kept", "cakemp/device/process.py", "    heap.keep_freed_memory()  #", "    #",
+           ("tests/node/test_prompt_memory.py",)),
+    Mutant("pools-not-presized", "cakemp/compute/kv_cache.py", "            self.pool(block_idx).grow(share, share)",
+           "            self.pool(block_idx)", ("tests/compute/test_kv_cache.py", "tests/compute/test_decode_graph.py")),
+    Mutant("no-graphs-at-start", "cakemp/compute/runner.py", "            self._prepare_graphs()", "            pass",
+           ("tests/compute/test_decode_graph.py",)),
 )
 
 
