@@ -204,7 +204,8 @@ class BlockRunner:
         (compute/prefix_cache.py), reused by the same session only, or by any with `share_prefixes`.
         `expert_cache`: what holds the offloaded experts of the blocks' MoE layers (None: none offloaded).
         `graph_batch`: decode steps of up to this many requests run as fixed-shape steps
-        (compute/decode_graph.py), captured as CUDA graphs on a GPU (None: never)."""
+        (compute/decode_graph.py), captured as CUDA graphs on a GPU (None: never); with a budget, and
+        every layer one a graph holds, the KV pools and the first graphs are made here (`_prepare_graphs`)."""
         self.config = config
         self.expert_cache = expert_cache
         # The bytes its layers' weights hold (kept int4/int8 as such, packed copies too), counted by `load`.
