@@ -150,6 +150,33 @@ def test_with_a_budget_the_pools_and_graphs_are_made_at_start_and_never_made_aga
     assert served.positions[0, :3].tolist() == [lengths[s] - 1 for s in lengths]
 
 
+def test_sessions_sharing_a_kept_prefix_decode_through_the_graphs_as_the_paged_step(tmp_path):
+    """As a GPU node runs by default: prefix reuse, shared between sessions. A chat's 40 rows are kept at
+    its Goodbye. Another chat starting with its first 20 rows takes their first block from it (shared) and
+    copies the second before writing its own rows there; then a session sending the first 36 rows again
+    takes the kept chat's blocks, the first still shared with the other session. Decoding together through
+    the graphs made at the start, both equal a runner's that never reused anything."""
+    path = make_checkpoint(tmp_path, "llama")
+    graphed = load(path, graph_batch=8, kv_budget_bytes=4 << 20, prefix_reuse=True, share_prefixes=True)
+    paged = load(path)
+    made = dict(graphed.graphs.made)
+    hidden = graphed.config.hidden_size
+    history = tokens(40, 3, hidden)
+    graphed.run(1, history, ops(0))
+    graphed.clear_session(1)  # Goodbye: its rows kept
+    prompts = {3: torch.cat([history[:, :20], tokens(10, 4, hidden)], dim=1), 2: history[:, :36]}
+    for session, x in prompts.items():
+        assert_close(graphed.run(session, x, ops(0)), paged.run(session, x, ops(0)))
+    assert graphed.prefixes.hits == 2
+    pool = graphed.cache.pools[LAYERS[0]]
+    first = graphed.cache.slot(2, LAYERS[0]).table[0]
+    assert graphed.cache.slot(3, LAYERS[0]).table[0] == first and pool.owners[first] == 2
+    decode_together(graphed, paged, {2: 36, 3: 30}, steps=3)
+    assert graphed.graphs.made == made
+    run = tuple((i, layer) for i, layer in enumerate(LAYERS))
+    assert made[run, 2, 16].positions[0, :2].tolist() == [38, 32]  # the last step ran through it
+
+
 def test_a_live_session_of_nan_rows_never_reaches_its_neighbours_through_a_graph(tmp_path):
     """Session 1 of NaN activations stays live beside two sessions decoding in a padded bucket: their
     outputs equal the paged step's of a runner that never saw session 1."""
