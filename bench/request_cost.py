@@ -1,11 +1,11 @@
 """Request cost benchmark: the CPU time a node spends per decode Batch, process by process.
 
-    python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--layers 2] [--dtype f32] [--profile-seconds 4]
-                                 [--before DIR] [--prompt 512] [--prompts 10] [--pin-cpus] [--prefix-reuse]
-                                 [--idle 0] [--floor]
+    python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--layers 2] [--hidden 256]
+                                 [--dtype f32] [--profile-seconds 4] [--before DIR] [--prompt 512] [--prompts 10]
+                                 [--pin-cpus] [--prefix-reuse] [--idle 0] [--floor]
 
-Writes a random Llama checkpoint of --layers layers (hidden 256, intermediate 768, 4 query heads on 2 kv
-heads, f32 or --dtype) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over all its
+Writes a random Llama checkpoint of --layers layers (hidden 256 or --hidden, its MLP 3x that, 4 query heads on
+2 kv heads, f32 or --dtype) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over all its
 layers (with --pin-cpus, pinned: the device to the first core, the front to the others; with
 --prefix-reuse, without --no-prefix-reuse: as a node runs by default, the in-process runner
 following its sessions too, under a KV budget of REUSE_BUDGET; with --idle N, N more sessions first
@@ -80,9 +80,16 @@ from cakemp.ipc.spec import PREFILL_CHUNK, chunk_bounds
 from tests.support.checkpoints import make_checkpoint
 
 LAYERS = 2  # the default of --layers
-HIDDEN = 256
-SHAPE = dict(hidden_size=HIDDEN, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=MAX_POSITIONS)
+HIDDEN = 256  # the default of --hidden
+
+
+def shape(hidden: int) -> dict[str, int]:
+    """The checkpoint's shape at `hidden` (the MLP 3x wider, 4 query heads on 2 kv heads)."""
+    return dict(hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=MAX_POSITIONS)
+
+
+SHAPE = shape(HIDDEN)
 NODE_ARGS = ("--cpu-threads", "1", "--no-prefix-reuse")
 # The in-process steps are timed twice: back to back, and idle this long before each, as a node's
 # device is between a step's answer and the next request (about a master's round trip at one
@@ -166,9 +173,9 @@ def in_process_window(runner: BlockRunner, count: int, steps: int, idle_s: float
     with torch.inference_mode():
         for session in sessions:
             runner.free_session(session)
-            runner.run(session, torch.randn(1, 8, HIDDEN).to(runner.dtype),
+            runner.run(session, torch.randn(1, 8, runner.config.hidden_size).to(runner.dtype),
                        runner.ops([(layer, 0, i) for i, layer in enumerate(layers)]))
-        inputs = [[torch.randn(1, 1, HIDDEN).to(runner.dtype) for _ in sessions] for _ in range(steps)]
+        inputs = [[torch.randn(1, 1, runner.config.hidden_size).to(runner.dtype) for _ in sessions] for _ in range(steps)]
         start = time.process_time()
         for position, xs in enumerate(inputs, 8):
             time.sleep(idle_s)
@@ -181,10 +188,11 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
                   rounds: int, idle: int = 0) -> dict[str, dict[int, dict[str, float]]]:
     """{node: {count: {process: CPU µs per request}}} for each node (its port and pids) and "in-process",
     their windows taking turns; `idle` sessions connected to each node meanwhile, having said Goodbye once."""
-    waiting = [await idle_session(port, len(runner.layers)) for port, _ in nodes.values() for _ in range(idle)]
+    hidden = runner.config.hidden_size
+    waiting = [await idle_session(port, hidden, len(runner.layers)) for port, _ in nodes.values() for _ in range(idle)]
     figures = {name: {} for name in nodes}
     for count in counts:
-        sessions = {name: [await Session.open(port, HIDDEN, len(runner.layers)) for _ in range(count)]
+        sessions = {name: [await Session.open(port, hidden, len(runner.layers)) for _ in range(count)]
                     for name, (port, _) in nodes.items()}
         for name, (_, pids) in nodes.items():
             await node_window(sessions[name], 5, pids)  # warm-up
@@ -207,9 +215,9 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
     return figures
 
 
-async def idle_session(port: int, layers: int) -> Session:
+async def idle_session(port: int, hidden: int, layers: int) -> Session:
     """A session that ran a 16-row turn (its prompt and 8 decode steps), said Goodbye and started another."""
-    session = await Session.open(port, HIDDEN, layers)
+    session = await Session.open(port, hidden, layers)
     for _ in range(8):
         await session.step()
     await session.restart()
@@ -233,11 +241,12 @@ async def prompts(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
                   count: int) -> dict[str, dict[str, float]]:
     """{node or in-process way: {"wall": median s, "cpu": median s}} of `count` prompts of `tokens`
     tokens each, through each node (its front and device CPU) and in-process, taking turns."""
-    sessions = {name: await Session.open(port, HIDDEN, len(runner.layers)) for name, (port, _) in nodes.items()}
+    hidden = runner.config.hidden_size
+    sessions = {name: await Session.open(port, hidden, len(runner.layers)) for name, (port, _) in nodes.items()}
     times = {name: {"wall": [], "cpu": []} for name in [*nodes, "in-process whole", "in-process in chunks"]}
     layers = [(layer, 0, i) for i, layer in enumerate(runner.layers)]
     for round_ in range(count + 1):  # the first round warms up
-        x = torch.randn(1, tokens, HIDDEN)
+        x = torch.randn(1, tokens, hidden)
         for name, (_, pids) in nodes.items():
             session = sessions[name]
             await session.clients[0].goodbye()
@@ -271,11 +280,11 @@ def print_prompts(figures: dict[str, dict[str, float]], tokens: int, count: int)
               f"{cost['cpu'] / whole['cpu']:.2f} |")
 
 
-async def profile(port: int, pids: dict[str, int], count: int, layers: int, seconds: int,
+async def profile(port: int, pids: dict[str, int], count: int, hidden: int, layers: int, seconds: int,
                   workdir: Path) -> dict[str, tuple[Counter, Counter]]:
     """{process: samples by stage, and by innermost frame} from py-spy on each live process while `count`
     sessions decode through `layers` layers."""
-    sessions = [await Session.open(port, HIDDEN, layers) for _ in range(count)]
+    sessions = [await Session.open(port, hidden, layers) for _ in range(count)]
     outputs = {name: workdir / f"{name}.raw" for name in pids}
     spies = [subprocess.Popen(["py-spy", "record", "--format", "raw", "--nonblocking", "--gil", "--rate", "500",
                                "--duration", str(seconds), "--pid", str(pid), "--output", str(outputs[name])],
@@ -366,6 +375,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="windows per count (node and in-process alternating)")
     parser.add_argument("--counts", default="1,8", help="concurrent sessions to measure")
     parser.add_argument("--layers", type=int, default=LAYERS, help="layers of the model, all served by the node")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="the model's hidden size (its MLP 3x that)")
     parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="f32", help="the node's --dtype, and the in-process side's")
     parser.add_argument("--profile-seconds", type=int, default=4, help="py-spy's time on each process; 0: none")
     parser.add_argument("--top", type=int, default=10, help="innermost frames listed per process")
@@ -384,7 +394,7 @@ def main() -> None:
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = make_checkpoint(work, "llama", num_hidden_layers=args.layers, **SHAPE)
+        model = make_checkpoint(work, "llama", num_hidden_layers=args.layers, **shape(args.hidden))
         layers = [f"model.layers.{i}" for i in range(args.layers)]
         runner = BlockRunner.load(model, layers, "cpu", tensors.compute_dtype(args.dtype), pack_weights=True,
                                   prefix_reuse=args.prefix_reuse,
@@ -407,7 +417,7 @@ def main() -> None:
             prompt = asyncio.run(prompts(nodes, runner, args.prompt, args.prompts)) if args.prompt and args.prompts else None
             figures = by_node["this tree"]
             port, pids = nodes["this tree"]
-            samples = {count: asyncio.run(profile(port, pids, count, args.layers, args.profile_seconds, work))
+            samples = {count: asyncio.run(profile(port, pids, count, args.hidden, args.layers, args.profile_seconds, work))
                        for count in counts if args.profile_seconds}
         finally:
             for node, _ in started.values():
@@ -415,7 +425,7 @@ def main() -> None:
                 node.wait()
             if floor is not None:
                 floor.stop()
-    print(f"\n{args.layers} layers, hidden {HIDDEN}, {args.dtype}, `cakemp run --gpus cpu:1 {' '.join(node_args)}`; "
+    print(f"\n{args.layers} layers, hidden {args.hidden}, {args.dtype}, `cakemp run --gpus cpu:1 {' '.join(node_args)}`; "
           f"{args.rounds} windows of {args.steps} decode Batches per session" +
           (f", {args.idle} idle sessions connected" if args.idle else "") + "; CPU µs per request")
     print(f"| sessions | front | device | in-process run_batch | device beyond in-process | in-process, {IDLE_S * 1e3:g} ms "
