@@ -6,8 +6,9 @@ whole recorded step at once, but it replays fixed kernels over fixed buffers. So
 step (compute/paged_step.py) over buffers of fixed shape, `DecodeGraph`:
 
 * the step's decode requests padded to a bucket of BUCKETS (1, 2, 4, 8, ... up to --max-batch): a row
-  past the last request computes on zeros, writes its K/V into the pool's scratch block and reads
-  its null block (kv_cache.SCRATCH_BLOCK, NULL_BLOCK), so it touches no session;
+  past the last request computes on whatever input it last held, writes its K/V into the pool's
+  scratch block and reads its null block (kv_cache.SCRATCH_BLOCK, NULL_BLOCK), so it touches no
+  session;
 * each request's keys gathered to a fixed width, in blocks (a power of two, at least MIN_WIDTH), and
   which keys each row sees worked out from its position inside the step (its window too);
 * before each replay, the step's rows, positions, slot ids and block tables copied into the buffers
@@ -172,9 +173,12 @@ class DecodeGraph:
         self.bucket, self.width = bucket, width
         L = len(blocks)
         self.x = torch.zeros(1, bucket, hidden, dtype=dtype, device=device)  # [1, bucket, H]
-        self.positions = torch.zeros(L, bucket, dtype=torch.int64, device=device)  # [L, bucket]
-        self.slot_ids = torch.full((L, bucket), SCRATCH_BLOCK * BLOCK, dtype=torch.int64, device=device)
+        # [2, L, bucket]: each row's position, and its row of the flat pool (StepRows.placed's layout)
+        self.placed = torch.zeros(2, L, bucket, dtype=torch.int64, device=device)
+        self.positions, self.slot_ids = self.placed
+        self.slot_ids.fill_(SCRATCH_BLOCK * BLOCK)
         self.tables = torch.full((L, bucket, width), NULL_BLOCK, dtype=torch.int64, device=device)  # [L, bucket, W]
+        self.rows = 0  # the rows of the last step run: those past them are padding already
         self.long = torch.zeros(L, bucket, dtype=torch.bool, device=device)  # rows past a longrope's switch
         self.keys = torch.arange(width * BLOCK, device=device)  # [S] each gathered key's position
         self.out: torch.Tensor | None = None
@@ -199,18 +203,22 @@ class DecodeGraph:
             self.out = self._compute()
 
     def run(self, step: StepRows, x: torch.Tensor) -> torch.Tensor:
-        """x: [1, B, H], the step's decode rows -> [1, B, H]."""
+        """x: [1, B, H], the step's decode rows -> [1, B, H].
+
+        Each copy and fill here is a launch on a GPU, ahead of the replay: the step's rows go in with
+        three copies, and padding rows are reset only where the last step had a real row. A padding row
+        keeps whatever input and position it held: it writes only the scratch block and reads only the
+        null block, and every op of a layer is row by row, so its output, discarded, reaches no row."""
         B = x.shape[1]
         self.x[:, :B] = x
-        self.x[:, B:] = 0
-        self.positions[:, :B] = step.positions
-        self.positions[:, B:] = 0
-        self.slot_ids[:, :B] = step.slot_ids
-        self.slot_ids[:, B:] = SCRATCH_BLOCK * BLOCK
+        self.placed[:, :, :B] = step.placed
         tables = step.all_tables()  # [L, B, cache width]: past a table's end, NULL_BLOCK
-        reach = min(tables.shape[2], self.width)
+        reach = min(tables.shape[2], self.width)  # the cache's width only grows: past `reach`, null still
         self.tables[:, :B, :reach] = tables[:, :, :reach]
-        self.tables[:, B:] = NULL_BLOCK
+        if B < self.rows:  # rows of the last step's requests, padding now
+            self.slot_ids[:, B:self.rows] = SCRATCH_BLOCK * BLOCK
+            self.tables[:, B:self.rows] = NULL_BLOCK
+        self.rows = B
         for index, rotary in enumerate(self.rotaries):
             if rotary is not None and rotary.long_inv_freq is not None:
                 self.long[index, :B] = step.long_rows(index, rotary)

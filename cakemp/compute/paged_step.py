@@ -71,8 +71,9 @@ class StepRows:
         # layer's pool [L].
         L, N, B = len(slots), sum(lengths), len(lengths)
         packed = int64_tensor(positions + slot_ids + owners + [layer[0].pool for layer in slots], cache.device)
-        # [L, N] each row's position; its row of the flat pool
-        self.positions, self.slot_ids = packed[: 2 * L * N].view(2, L, N)
+        # [2, L, N]: each row's position; its row of the flat pool
+        self.placed = packed[: 2 * L * N].view(2, L, N)
+        self.positions, self.slot_ids = self.placed
         self._owners, self._pool_ids = packed[2 * L * N : 2 * L * N + B], packed[2 * L * N + B :]
         self._request: torch.Tensor | None = None
         self._tables: torch.Tensor | None = None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cakemp.compute.decode_graph import buckets, width_for
-from cakemp.compute.kv_cache import NULL_BLOCK, SCRATCH_BLOCK
+from cakemp.compute.kv_cache import BLOCK, NULL_BLOCK, SCRATCH_BLOCK
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.op import Op
 from tests.support.checkpoints import make_checkpoint
@@ -175,6 +175,30 @@ def test_sessions_sharing_a_kept_prefix_decode_through_the_graphs_as_the_paged_s
     assert graphed.graphs.made == made
     run = tuple((i, layer) for i, layer in enumerate(LAYERS))
     assert made[run, 2, 16].positions[0, :2].tolist() == [38, 32]  # the last step ran through it
+
+
+def test_a_row_that_turns_padding_in_its_bucket_writes_no_session_s_blocks_any_more(tmp_path):
+    """Four sessions fill a bucket of 4; one leaves, and a new session takes the blocks it freed. The
+    other three decode on in the same bucket, its fourth row now padding: had that row kept the slot
+    ids of the session that left, it would write into the new session's rows. The new session's next
+    steps, with and then beside the three, equal the paged step's."""
+    path = make_checkpoint(tmp_path, "llama")
+    graphed, paged = load(path, graph_batch=8), load(path)
+    lengths = {1: 20, 2: 20, 3: 20, 4: 20}
+    prefill((graphed, paged), lengths)
+    decode_together(graphed, paged, lengths, steps=2)
+    freed = graphed.cache.slot(4, LAYERS[0]).table
+    for runner in (graphed, paged):
+        runner.free_session(4)
+    del lengths[4]
+    prefill((graphed, paged), {5: 30})
+    assert graphed.cache.slot(5, LAYERS[0]).table[: len(freed)] == freed  # the blocks session 4 left
+    decode_together(graphed, paged, lengths, steps=2)  # rows 1-3 of the bucket of 4, the fourth padding
+    (graph,) = graphed.graphs.made.values()
+    assert (graph.slot_ids[:, 3] == SCRATCH_BLOCK * BLOCK).all() and (graph.tables[:, 3] == NULL_BLOCK).all()
+    lengths[5] = 30
+    decode_together(graphed, paged, lengths, steps=2, seed=9)
+    assert {key[1] for key in graphed.graphs.made} == {4}
 
 
 def test_a_live_session_of_nan_rows_never_reaches_its_neighbours_through_a_graph(tmp_path):
