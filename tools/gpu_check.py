@@ -1127,6 +1127,8 @@ def check_graphs(device: torch.device, rehearse: bool) -> None:
             times = {name: 1e3 * statistics.median(timed(lambda r=runner: r.run_batch(requests), device)
                                                    for _ in range(steps))
                      for name, runner in (("graphed", graphed), ("paged", paged))}
+            launched = {name: host_ops(lambda r=runner: r.run_batch(requests)) for name, runner in
+                        (("graphed", graphed), ("paged", paged))}
             finding(f"graphs.sessions_{n}", {
                 "replay_vs_eager_max_abs": replay_diff, "replay_bit_equal": replay_diff == 0.0,
                 "graphed_vs_paged_over_bf16_bound": round(worst, 3),
@@ -1134,7 +1136,25 @@ def check_graphs(device: torch.device, rehearse: bool) -> None:
                 "graphed_over_paged": round(times["graphed"] / times["paged"], 2),
                 "graphed_to_floor": round(times["graphed"] / floor_ms, 2),
                 "first_step_with_capture_s": round(captured_s, 3),
-                "graphs_made": sorted((key[1], key[2]) for key in graphed.graphs.made)})
+                "graphs_made": sorted((key[1], key[2]) for key in graphed.graphs.made),
+                "host_ops_per_step": launched})
+
+
+def host_ops(step) -> int:
+    """The torch ops `step()` dispatches on the host (on a GPU, outside a graph's replay: each copy and
+    kernel among them a launch ahead of it; a rehearsal's eager graph step counts its layers' too)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.ops
 
 
 # --- 13. mixed-attention ---------------------------------------------------------------------
