@@ -424,10 +424,13 @@ class KVCache:
         if slots is None or position >= self.max_context:
             return None
         pools, held = self.pools, []
+        blocks_held = position // BLOCK + 1  # `_holds` for row `position` alone, inlined: this runs per layer
         for block_idx in blocks:
             slot = slots.get(block_idx)
-            if slot is None or position > slot.length or not _holds(slot.table, pools[block_idx].owners,
-                                                                    position, position + 1):
+            if slot is None or position > slot.length:
+                return None
+            table = slot.table
+            if len(table) != blocks_held or pools[block_idx].owners[table[-1]] != 1:
                 return None
             held.append(slot)
         return held
