@@ -1,6 +1,6 @@
 """Acceptance check on a CUDA machine: cakemp's GPU path runs, matches its references, recovers from OOM.
 
-    python -m tools.gpu_check [--out FILE] [--rehearse]
+    python -m tools.gpu_check [--out FILE] [--rehearse] [--sections NAME,...]
 
 About six minutes on one GPU (Python 3.12, torch 2.11 or 2.13; sections 7-10 estimated
 at ~2.5 minutes together, none of it measured yet). Each section records its
@@ -118,6 +118,8 @@ from cakemp.model.weights import fp8  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 FINDINGS: dict[str, object] = {}
+ASKED: set[str] | None = None  # --sections: the sections to run (None: all); the machine's always runs
+SECTIONS: list[str] = []  # every section's name, in order
 
 
 def finding(key: str, value: object) -> None:
@@ -128,6 +130,9 @@ def finding(key: str, value: object) -> None:
 def section(name: str):
     """Run the decorated section now, recording its error (and going on) if it fails."""
     def run(fn):
+        SECTIONS.append(name)
+        if ASKED is not None and name not in ASKED and name != "machine":
+            return fn
         started = time.monotonic()
         try:
             fn()
@@ -162,7 +167,10 @@ def main() -> None:
     out_dir = os.environ.get("OUT")
     parser.add_argument("--out", default=str(Path(out_dir) / "gpu_check.json") if out_dir else "gpu_check.json")
     parser.add_argument("--rehearse", action="store_true", help="run on the CPU at small sizes")
+    parser.add_argument("--sections", help="only these sections, comma-separated (a rerun of those that failed)")
     args = parser.parse_args()
+    global ASKED
+    ASKED = None if args.sections is None else set(args.sections.split(","))
     # The node and pytest are subprocesses: they find cakemp (and the carried wheels) the same way.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     rehearse = args.rehearse
@@ -240,6 +248,8 @@ def main() -> None:
     def mixed_attention_section():
         check_mixed_attention(device, rehearse)
 
+    if ASKED is not None and ASKED - set(SECTIONS):
+        finding("sections.unknown", f"{sorted(ASKED - set(SECTIONS))}: the sections are {', '.join(SECTIONS)}")
     finding("total_seconds", round(time.monotonic() - started, 1))
     Path(args.out).write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
     print(f"findings written to {args.out}")
