@@ -288,6 +288,9 @@ MUTANTS = (
            "            self.pool(block_idx)", ("tests/compute/test_kv_cache.py", "tests/compute/test_decode_graph.py")),
     Mutant("no-graphs-at-start", "cakemp/compute/runner.py", "            self._prepare_graphs()", "            pass",
            ("tests/compute/test_decode_graph.py",)),
+    Mutant("graph-padding-not-reset", "cakemp/compute/decode_graph.py",
+           "            self.slot_ids[:, B:self.rows] = SCRATCH_BLOCK * BLOCK\n", "",
+           ("tests/compute/test_decode_graph.py",)),
 )
 
 
