@@ -40,6 +40,7 @@ import torch
 import yaml
 
 from bench.front_floor import busy, echo_device
+from cakemp.compute import tensors
 from cakemp.ipc import FrontChannel, Hop, Hops, Op, Stage
 from cakemp.master.client import WorkerClient
 from cakemp.wire import DType, RawTensor
@@ -103,24 +104,25 @@ def start_single(model: Path, threads: int, layers: int = LAYERS) -> tuple[subpr
     return process, port
 
 
-def raw(x: torch.Tensor) -> RawTensor:
-    return RawTensor(x.numpy().tobytes(), DType.F32, tuple(x.shape))
+def raw(x: torch.Tensor, wire: DType = DType.F32) -> RawTensor:
+    """x as a master sends it, in wire dtype `wire` (a node's --dtype, as Cake's master matches it)."""
+    return tensors.to_raw(x, wire)
 
 
 class Session:
     """One master session over a model's `layers` layers: a connection per layer, decode steps as Batches on the first."""
 
-    def __init__(self, clients: list[WorkerClient], hidden: int):
-        self.clients, self.hidden, self.position = clients, hidden, 0
+    def __init__(self, clients: list[WorkerClient], hidden: int, wire: DType = DType.F32):
+        self.clients, self.hidden, self.wire, self.position = clients, hidden, wire, 0
 
     @classmethod
-    async def open(cls, port: int, hidden: int, layers: int = LAYERS) -> Session:
+    async def open(cls, port: int, hidden: int, layers: int = LAYERS, wire: DType = DType.F32) -> Session:
         clients = []
         for _ in range(layers):
             client = await WorkerClient.connect("127.0.0.1", port)
             await client.hello()
             clients.append(client)
-        session = cls(clients, hidden)
+        session = cls(clients, hidden, wire)
         await session.restart()
         return session
 
@@ -136,7 +138,7 @@ class Session:
         if self.position + tokens > MAX_POSITIONS:
             await self.restart()
         ops = [(f"model.layers.{i}", self.position, i) for i in range(layers)]
-        await self.clients[0].batch(raw(torch.randn(1, tokens, self.hidden)), ops)
+        await self.clients[0].batch(raw(torch.randn(1, tokens, self.hidden), self.wire), ops)
         if layers:
             self.position += tokens
 

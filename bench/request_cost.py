@@ -13,7 +13,8 @@ run a 16-row turn, say Goodbye and start another, then wait, connected, while th
 measured: with prefix reuse, a chat server's idle users, each holding a retired prefix and a live
 one). For each
 count of sessions (--counts), that many Cake-style masters (bench.pool.Session: an 8-token prompt,
-then one decode Batch through every layer per token) decode at once, --steps
+then one decode Batch through every layer per token, in the node's --dtype, as Cake's master sends
+it) decode at once, --steps
 Batches each per window; between windows every session starts over (a Goodbye and a new prompt,
 outside the window), so contexts stay short. CPU time is each thread's sum_exec_runtime
 (/proc/<pid>/task/<tid>/schedstat, in ns; utime and stime tick at 10 ms), what the machine's load
@@ -77,6 +78,7 @@ from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.dtypes import COMPUTE_DTYPES
 from cakemp.ipc.spec import PREFILL_CHUNK, chunk_bounds
+from cakemp.wire import DType
 from tests.support.checkpoints import make_checkpoint
 
 LAYERS = 2  # the default of --layers
@@ -188,11 +190,11 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
                   rounds: int, idle: int = 0) -> dict[str, dict[int, dict[str, float]]]:
     """{node: {count: {process: CPU µs per request}}} for each node (its port and pids) and "in-process",
     their windows taking turns; `idle` sessions connected to each node meanwhile, having said Goodbye once."""
-    hidden = runner.config.hidden_size
-    waiting = [await idle_session(port, hidden, len(runner.layers)) for port, _ in nodes.values() for _ in range(idle)]
+    hidden, wire = runner.config.hidden_size, tensors.wire_dtype(runner.dtype)
+    waiting = [await idle_session(port, hidden, len(runner.layers), wire) for port, _ in nodes.values() for _ in range(idle)]
     figures = {name: {} for name in nodes}
     for count in counts:
-        sessions = {name: [await Session.open(port, hidden, len(runner.layers)) for _ in range(count)]
+        sessions = {name: [await Session.open(port, hidden, len(runner.layers), wire) for _ in range(count)]
                     for name, (port, _) in nodes.items()}
         for name, (_, pids) in nodes.items():
             await node_window(sessions[name], 5, pids)  # warm-up
@@ -215,9 +217,9 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
     return figures
 
 
-async def idle_session(port: int, hidden: int, layers: int) -> Session:
+async def idle_session(port: int, hidden: int, layers: int, wire: DType) -> Session:
     """A session that ran a 16-row turn (its prompt and 8 decode steps), said Goodbye and started another."""
-    session = await Session.open(port, hidden, layers)
+    session = await Session.open(port, hidden, layers, wire)
     for _ in range(8):
         await session.step()
     await session.restart()
@@ -241,8 +243,8 @@ async def prompts(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
                   count: int) -> dict[str, dict[str, float]]:
     """{node or in-process way: {"wall": median s, "cpu": median s}} of `count` prompts of `tokens`
     tokens each, through each node (its front and device CPU) and in-process, taking turns."""
-    hidden = runner.config.hidden_size
-    sessions = {name: await Session.open(port, hidden, len(runner.layers)) for name, (port, _) in nodes.items()}
+    hidden, wire = runner.config.hidden_size, tensors.wire_dtype(runner.dtype)
+    sessions = {name: await Session.open(port, hidden, len(runner.layers), wire) for name, (port, _) in nodes.items()}
     times = {name: {"wall": [], "cpu": []} for name in [*nodes, "in-process whole", "in-process in chunks"]}
     layers = [(layer, 0, i) for i, layer in enumerate(runner.layers)]
     for round_ in range(count + 1):  # the first round warms up
@@ -252,7 +254,7 @@ async def prompts(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
             await session.clients[0].goodbye()
             before = thread_seconds(pids)
             start = time.perf_counter()
-            await session.clients[0].batch(raw(x), layers)
+            await session.clients[0].batch(raw(x, wire), layers)
             wall = time.perf_counter() - start
             if round_:
                 times[name]["wall"].append(wall)
@@ -260,7 +262,7 @@ async def prompts(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
                 times[name]["cpu"].append(sum(spent[f"{process} (process)"] - before[f"{process} (process)"]
                                               for process in pids))
         for name, chunked in (("in-process whole", False), ("in-process in chunks", True)):
-            wall, cpu = in_process_prompt(runner, x.to(runner.dtype), chunked)  # the node casts f32 itself
+            wall, cpu = in_process_prompt(runner, x.to(runner.dtype), chunked)
             if round_:
                 times[name]["wall"].append(wall)
                 times[name]["cpu"].append(cpu)
@@ -280,11 +282,11 @@ def print_prompts(figures: dict[str, dict[str, float]], tokens: int, count: int)
               f"{cost['cpu'] / whole['cpu']:.2f} |")
 
 
-async def profile(port: int, pids: dict[str, int], count: int, hidden: int, layers: int, seconds: int,
+async def profile(port: int, pids: dict[str, int], count: int, hidden: int, layers: int, wire: DType, seconds: int,
                   workdir: Path) -> dict[str, tuple[Counter, Counter]]:
     """{process: samples by stage, and by innermost frame} from py-spy on each live process while `count`
     sessions decode through `layers` layers."""
-    sessions = [await Session.open(port, hidden, layers) for _ in range(count)]
+    sessions = [await Session.open(port, hidden, layers, wire) for _ in range(count)]
     outputs = {name: workdir / f"{name}.raw" for name in pids}
     spies = [subprocess.Popen(["py-spy", "record", "--format", "raw", "--nonblocking", "--gil", "--rate", "500",
                                "--duration", str(seconds), "--pid", str(pid), "--output", str(outputs[name])],
@@ -417,7 +419,8 @@ def main() -> None:
             prompt = asyncio.run(prompts(nodes, runner, args.prompt, args.prompts)) if args.prompt and args.prompts else None
             figures = by_node["this tree"]
             port, pids = nodes["this tree"]
-            samples = {count: asyncio.run(profile(port, pids, count, args.hidden, args.layers, args.profile_seconds, work))
+            samples = {count: asyncio.run(profile(port, pids, count, args.hidden, args.layers, tensors.wire_dtype(runner.dtype),
+                                                    args.profile_seconds, work))
                        for count in counts if args.profile_seconds}
         finally:
             for node, _ in started.values():

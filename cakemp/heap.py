@@ -23,7 +23,7 @@ A device's prompt allocates and frees its activations the same way, MiBs each (a
 MLP activation: 1.8 MiB), and, with 16-bit weights on a CPU, glibc kept mapping them afresh
 prompt after prompt: 5,000-9,000 page faults a 512-token prompt through four layers of hidden 512
 (bf16 or f16) after the first few, about 0 once kept, and the prompt through a node 0.89x (bf16)
-and 0.92x (f16) the time (`bench.request_cost --hidden 512 --layers 4 --dtype bf16`; a live node's
+and 0.93x (f16) the time (`bench.request_cost --hidden 512 --layers 4 --dtype bf16`; a live node's
 faults are counted by tests/node/test_prompt_memory.py).
 
 Kept here: allocations up to MMAP_THRESHOLD come from the heap, and the heap keeps up to
