@@ -87,7 +87,8 @@ def int64_tensor(values: list[int], device: torch.device | str) -> torch.Tensor:
 
 def _holds(table: list[int], owners: list[int], start: int, end: int) -> bool:
     """Whether a slot's `table` holds exactly the blocks to `end`, rows [start, end) in its last one, which
-    only it owns (`owners`: its pool's): writing those rows takes, frees and copies no block."""
+    only it owns (`owners`: its pool's): writing those rows takes, frees and copies no block. (For one
+    row, `KVCache.continuing` makes the same check inline, per layer and session: change both.)"""
     return len(table) == -(-end // BLOCK) and start // BLOCK == len(table) - 1 and owners[table[-1]] == 1
 
 

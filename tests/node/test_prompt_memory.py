@@ -11,16 +11,10 @@ import torch
 from cakemp.master.client import WorkerClient
 from tests.support.checkpoints import make_checkpoint
 from tests.support.master import to_raw
-from tests.support.node import RunningNode, write_topology
+from tests.support.node import RunningNode, minor_faults, write_topology
 
 HIDDEN, LAYERS, TOKENS = 512, 4, 512
 PROMPTS, SHAPING = 8, 3  # prompts sent; the first of them, while the heap takes its shape, not counted
-
-
-def minor_faults(pid: int) -> int:
-    """The process's minor page faults so far (/proc/<pid>/stat's tenth field)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[7])
 
 
 def test_a_device_takes_no_fresh_pages_for_a_prompt_like_the_last(tmp_path):

@@ -25,12 +25,22 @@ def children(pid: int) -> set[int]:
     return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name: its state first (the name may hold spaces)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def gone(pid: int) -> bool:
     """True once `pid` no longer runs (a zombie nobody reaps counts as gone)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        return _stat(pid)[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def minor_faults(pid: int) -> int:
+    """The minor page faults process `pid` has taken so far (/proc/<pid>/stat's minflt)."""
+    return int(_stat(pid)[7])
 
 
 def rss(pid: int) -> int:
