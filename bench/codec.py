@@ -1,6 +1,6 @@
 """Codec benchmark: encode and decode of a decode-size and a prefill-size Batch.
 
-    python -m bench.codec
+    python -m bench.codec [--before DIR] [--rounds 3]
 
 Both Batches carry 16 layer ops (one worker serving 16 layers): the decode step's hidden
 state is [1, 1, 4096] f16 (8 KiB), the prefill's [1, 512, 4096] f16 (4 MiB). The decode
@@ -8,13 +8,24 @@ ratio (prefill / decode-size, decode_payload only) is ≈ 1 when decoding does n
 tensor bytes. encode_frame's is ≈ 1 too (the tensor goes to the writer by reference);
 encode_payload joins everything into one bytes object and FrameDecoder copies what it is fed
 into its buffer once, so theirs grow with the tensor, as any single-buffer path must.
+
+With --before DIR (a checkout of an earlier commit), the decode-size Batch's operations and a
+TensorMessage's (what a node decodes and encodes per decode request) are timed in this tree and in
+DIR's, each in a process of its own, the trees taking turns for --rounds rounds; printed: each
+tree's best msg/s and this tree's time over DIR's.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import platform
+import subprocess
+import sys
 import timeit
 from collections.abc import Callable
+from pathlib import Path
 
 from cakemp.wire import (
     Batch,
@@ -23,6 +34,7 @@ from cakemp.wire import (
     LayerOp,
     RawTensor,
     Revision,
+    TensorMessage,
     decode_payload,
     encode_frame,
     encode_payload,
@@ -65,9 +77,59 @@ def side_by_side(small: Callable[[], object], large: Callable[[], object], repea
     return numbers[0] / best[0], numbers[1] / best[1]
 
 
+def per_request() -> dict[str, float]:
+    """Calls per second of what a node's front does per decode request with the Cake codec (decode
+    the decode-size Batch, encode its TensorMessage answer), and what a master does (the reverse)."""
+    msg = batch(1)
+    answer = TensorMessage(msg.x)
+    payloads = {name: encode_payload(m, REVISION) for name, m in (("Batch", msg), ("TensorMessage", answer))}
+    operations = {
+        "decode Batch": lambda: decode_payload(payloads["Batch"], REVISION),
+        "encode TensorMessage": lambda: encode_frame(answer, REVISION),
+        "encode Batch": lambda: encode_frame(msg, REVISION),
+        "decode TensorMessage": lambda: decode_payload(payloads["TensorMessage"], REVISION),
+    }
+    rates = {}
+    for name, call in operations.items():
+        timer = timeit.Timer(call)
+        number = timer.autorange()[0]
+        rates[name] = number / min(timer.repeat(5, number))
+    return rates
+
+
+def before_and_after(before: Path, rounds: int) -> None:
+    """Time `per_request` in this tree and in `before`'s, in turn, `rounds` times each; print the best of each."""
+    trees = {"this tree": Path(__file__).resolve().parents[1], "before": before.resolve()}
+    best: dict[str, dict[str, float]] = {name: {} for name in trees}
+    for _ in range(rounds):
+        for name, tree in trees.items():
+            # This file run by its path: `cakemp` is then the one of `tree`.
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            out = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True,
+                                 check=True).stdout
+            for operation, rate in json.loads(out).items():
+                best[name][operation] = max(best[name].get(operation, 0.0), rate)
+    print(f"decode-size Batch (16 ops) and its TensorMessage answer; best of {rounds} rounds, the trees in turn")
+    print("| operation | before msg/s | this tree msg/s | time, this tree / before |")
+    print("|---|---:|---:|---:|")
+    for operation, rate in best["this tree"].items():
+        print(f"| {operation} | {best['before'][operation]:,.0f} | {rate:,.0f} | {best['before'][operation] / rate:.2f} |")
+
+
 def main() -> None:
-    small, large = batch(1), batch(512)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", type=Path, help="checkout of an earlier commit, timed in turn with this tree")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of each tree, with --before")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one tree's per_request, as JSON
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(per_request()))
+        return
     print(f"python {platform.python_version()} on {platform.machine()}")
+    if args.before is not None:
+        before_and_after(args.before, args.rounds)
+        return
+    small, large = batch(1), batch(512)
     sizes = [sum(memoryview(p).nbytes for p in encode_frame(m, REVISION)) for m in (small, large)]
     print(f"frame sizes: decode-size {sizes[0]:,} B, prefill-size {sizes[1]:,} B")
     print("| operation | decode-size msg/s | prefill-size msg/s | time ratio prefill / decode-size |")
