@@ -20,6 +20,7 @@ import itertools
 import struct
 from collections.abc import Callable, Sequence
 from enum import IntEnum
+from functools import partial
 from operator import attrgetter
 from typing import Annotated, get_args, get_origin, get_type_hints
 
@@ -29,6 +30,9 @@ from cakemp.ipc.message import MESSAGES, Buffer, Message
 _KIND = struct.Struct("<B")
 _COUNT = struct.Struct("<I")
 _FRAMES = ("body", "text")  # the marks of fields that travel as frames of their own
+# The layouts of runs of integers an _Integers keeps, by count: a step's sessions (up to --max-batch),
+# a route's stages, a shape's dims recur; compiling a 32-hop step's layout costs more than its packing.
+_RUNS_KEPT = 256
 
 
 class _Header:
@@ -59,7 +63,7 @@ class _Integers:
         if layout is None:
             # One mark takes a count ("<96Q"): a long run is then compiled as fast as a short one.
             layout = struct.Struct(f"<{n}{self.code}" if len(self.code) == 1 else "<" + self.code * n)
-            if n <= 16:  # the counts that recur; a long tuple is packed once in a while
+            if len(self._structs) < _RUNS_KEPT:  # the counts that recur: a step's sessions, a route's stages
                 self._structs[n] = layout
         return layout
 
@@ -93,9 +97,14 @@ class _Layout:
         self.frames = [(name, mark) for name, mark in marks.items() if mark in _FRAMES]
         self.min_size = self.fixed.size + _COUNT.size * len(self.tuples)
         self.flat = not (self.enums or self.tuples or self.frames)  # integers alone: one struct says it all
-        # By position when the fields are declared in the order they are read (the fast case).
+        # An instance of the values read, a sequence of them: by position when the fields are declared
+        # in the order they are read (the fast case); a NamedTuple item (a step's many) made by tuple's
+        # own constructor, which runs no Python (its class's __new__ does).
         order = [*integers, *(name for name, _ in self.tuples), *(name for name, _ in self.frames)]
-        self.build = cls if order == list(hints) else lambda *values: cls(**dict(zip(order, values)))
+        if order != list(hints):
+            self.build = lambda values: cls(**dict(zip(order, values)))
+        else:
+            self.build = partial(tuple.__new__, cls) if issubclass(cls, tuple) else lambda values: cls(*values)
 
     def write(self, head: bytearray, value: object) -> None:
         head += self.fixed.pack(*self.integers(value))
@@ -124,7 +133,7 @@ class _Layout:
         if self.flat:
             values = fixed.unpack_from(frame, header.at)
             header.at += fixed.size
-            return self.build(*values)
+            return self.build(values)
         values = list(fixed.unpack_from(frame, header.at))
         header.at += fixed.size
         for index, enum in self.enums:
@@ -137,7 +146,7 @@ class _Layout:
             values.append(item.read_all(header, n) if n else ())
         for index, (_, mark) in enumerate(self.frames, 1):
             values.append(frames[index] if mark == "body" else bytes(frames[index]).decode())
-        return self.build(*values)
+        return self.build(values)
 
     def read_all(self, header: _Header, n: int) -> tuple:
         """`n` items written by `write_all` (their count checked already against the bytes left)."""
@@ -147,8 +156,7 @@ class _Layout:
             end = header.at + n * self.fixed.size
             items = memoryview(header.frame)[header.at : end]
             header.at = end
-            build = self.build
-            return tuple([build(*values) for values in self.fixed.iter_unpack(items)])
+            return tuple(map(self.build, self.fixed.iter_unpack(items)))
         values = self._runs.read_all(header, n)
         columns = [values[i::self.width] for i in range(self.width)]  # each integer field's, of every item
         for index, enum in self.enums:
@@ -160,7 +168,7 @@ class _Layout:
                 raise ValueError(f"{total} items claimed, {header.size - header.at} bytes left")
             elements = iter(item.read_all(header, total) if total else ())
             columns.append([tuple(itertools.islice(elements, count)) for count in counts])
-        return tuple(map(self.build, *columns))
+        return tuple(map(self.build, zip(*columns)))
 
 
 def _mark(hint: object) -> str | None:

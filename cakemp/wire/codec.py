@@ -352,7 +352,11 @@ class _Struct(_Field):
         for run, _ in _runs(layout.present, layout.present):
             values += _Int.read_run(code, run) if len(run) > 1 else [run[0].read(code)]
         value = code.value()
-        code.line(f"{value} = {code.const(layout.build)}({', '.join(values)})")
+        if layout.build is self.cls and issubclass(self.cls, tuple):  # a NamedTuple (a LayerOp: one per layer)
+            # made by tuple's own constructor, which runs no Python (its class's __new__ does)
+            code.line(f"{value} = {code.const(tuple.__new__)}({code.const(self.cls)}, ({', '.join(values)},))")
+        else:
+            code.line(f"{value} = {code.const(layout.build)}({', '.join(values)})")
         return value
 
 
