@@ -67,6 +67,7 @@ class _Valued(Metric):
         super().__init__(name, documentation, labels)
         # An unlabelled metric shows 0 from the start; labelled ones appear when first used.
         self._values: dict[LabelValues, float] = {} if self.labelnames else {(): 0.0}
+        self._unlabelled = None if self.labelnames else Series(self, ())
 
     def value(self, **labels: str) -> float:
         return self._values.get(self._key(labels), 0.0)
@@ -76,12 +77,7 @@ class _Valued(Metric):
         return sum(self._values.values())
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self._add(self._key(labels), amount)
-
-    def _add(self, key: LabelValues, amount: float) -> None:
-        if amount < 0 and self.only_up:
-            raise ValueError(f"{self.name} is a counter; it cannot go down by {amount}")
-        self._values[key] = self._values.get(key, 0.0) + amount
+        (self._unlabelled if not labels and self._unlabelled else self.labels(**labels)).inc(amount)
 
     def render(self) -> list[str]:
         return self._header() + [self._line(self.name, key, value) for key, value in self._values.items()]
@@ -101,10 +97,7 @@ class Gauge(_Valued):
     kind = "gauge"
 
     def set(self, value: float, **labels: str) -> None:
-        self._set(self._key(labels), value)
-
-    def _set(self, key: LabelValues, value: float) -> None:
-        self._values[key] = float(value)
+        (self._unlabelled if not labels and self._unlabelled else self.labels(**labels)).set(value)
 
     def dec(self, amount: float = 1.0, **labels: str) -> None:
         self.inc(-amount, **labels)
@@ -125,14 +118,7 @@ class Histogram(Metric):
         self._sums: dict[LabelValues, float] = {}
 
     def observe(self, value: float, **labels: str) -> None:
-        self._observe(self._key(labels), value)
-
-    def _observe(self, key: LabelValues, value: float) -> None:
-        counts = self._counts.setdefault(key, [0] * (len(self.buckets) + 1))
-        # The first bucket whose bound is >= value; NaN is below no bound: +Inf's.
-        index = bisect.bisect_left(self.buckets, value) if value == value else len(self.buckets)
-        counts[index] += 1
-        self._sums[key] = self._sums.get(key, 0.0) + value
+        self.labels(**labels).observe(value)
 
     def render(self) -> list[str]:
         lines = self._header()
@@ -148,25 +134,36 @@ class Histogram(Metric):
 
 class Series:
     """One label set of a counter, gauge or histogram, a time series in Prometheus's words
-    (`metric.labels(...)`): each update goes straight to it, without the keyword arguments and the
-    check that make its key."""
+    (`metric.labels(...)`): every update is made here, in one call, on the metric's own dicts
+    (a path run per request holds its series, its key worked out once)."""
 
-    __slots__ = ("_metric", "_key")
+    __slots__ = ("_metric", "_key", "_values", "_only_up")
 
     def __init__(self, metric: _Valued | Histogram, key: LabelValues) -> None:
         self._metric, self._key = metric, key
+        self._values = getattr(metric, "_values", None)  # a counter's or a gauge's
+        self._only_up = getattr(metric, "only_up", False)
 
     def inc(self, amount: float = 1.0) -> None:
-        self._metric._add(self._key, amount)
+        if amount < 0 and self._only_up:
+            raise ValueError(f"{self._metric.name} is a counter; it cannot go down by {amount}")
+        values = self._values
+        values[self._key] = values.get(self._key, 0.0) + amount
 
     def dec(self, amount: float = 1.0) -> None:
-        self._metric._add(self._key, -amount)
+        self.inc(-amount)
 
     def set(self, value: float) -> None:
-        self._metric._set(self._key, value)
+        self._values[self._key] = float(value)
 
     def observe(self, value: float) -> None:
-        self._metric._observe(self._key, value)
+        metric, key = self._metric, self._key
+        counts = metric._counts.get(key)
+        if counts is None:
+            counts = metric._counts[key] = [0] * (len(metric.buckets) + 1)
+        # The first bucket whose bound is >= value; NaN is below no bound: +Inf's.
+        counts[bisect.bisect_left(metric.buckets, value) if value == value else len(metric.buckets)] += 1
+        metric._sums[key] = metric._sums.get(key, 0.0) + value
 
 
 class Sampled(Metric):

@@ -19,6 +19,7 @@ anything is allocated for it.
 
 from __future__ import annotations
 
+import linecache
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, is_dataclass
@@ -91,8 +92,10 @@ class _Source:
     def function(self, name: str, arguments: str, first: str, result: str) -> Callable:
         """The function of the lines written, of `arguments`, starting with the line `first` and
         returning the local `result`."""
-        body = "\n".join([f"def {name}({arguments}):", f"    {first}", *self.lines, f"    return {result}"])
-        exec(compile(body, f"<cakemp.wire.codec: {name}>", "exec"), self.scope)
+        body = "\n".join([f"def {name}({arguments}):", f"    {first}", *self.lines, f"    return {result}", ""])
+        filename = f"<cakemp.wire.codec: {name}>"
+        linecache.cache[filename] = (len(body), None, body.splitlines(True), filename)  # tracebacks show its lines
+        exec(compile(body, filename, "exec"), self.scope)  # made of the declarations alone, never of a peer's bytes
         return self.scope[name]
 
 
