@@ -106,8 +106,12 @@ MUTANTS = (
     Mutant("router-one-leg-per-op", "cakemp/front/router.py",
            "if not stages or stages[-1][0] != device:", "if True:", ROUTER),
     Mutant("router-index-off-by-one", "cakemp/front/router.py",
-           "stages[-1][1].append(Op(index, op.index_pos, op.block_idx))",
-           "stages[-1][1].append(Op(min(index + 1, 1), op.index_pos, op.block_idx))", ROUTER),
+           "stages[-1][2].append(index)", "stages[-1][2].append(min(index + 1, 1))", ROUTER),
+    # --- admission's kept layer runs
+    Mutant("admission-kept-run-skips-context", "cakemp/front/admission.py",
+           "max(map(_INDEX_POS, ops)) + tokens <= self.max_context", "True", ("tests/front/test_admission.py",)),
+    Mutant("admission-runs-unbounded", "cakemp/front/admission.py",
+           "if len(self._runs) < _RUNS_KEPT:", "if True:", ("tests/front/test_admission.py",)),
     # --- pool and connection (the session's lifetime on the devices)
     Mutant("goodbye-keeps-kv", "cakemp/front/connection.py",
            "results = await asyncio.gather(*(self._pool.clear(d, self.session_id) for d in devices),",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Protocol
 
 from cakemp.checkpoint.config import ModelConfig
@@ -35,6 +36,8 @@ _MAX_NAME = 256
 # How much of a peer's text an error repeats back.
 _SHOWN_CHARS = 64
 _ITEMSIZE = {int(dtype): dtype.itemsize for dtype in ACTIVATION_DTYPES}  # by tag: no enum call per request
+_RUNS_KEPT = 64  # valid layer runs kept (a node's masters send a few)
+_LAYER_AND_SLOT, _INDEX_POS = itemgetter(0, 2), itemgetter(1)  # of a LayerOp
 
 
 class Admission(Protocol):
@@ -67,6 +70,9 @@ class LayerAdmission:
     # stack's layer count), its block_idx counted from 0 within its stack (ModelConfig.kv_slot). Empty
     # for a model of one stack, whose slots are the block_idx themselves.
     stacks: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    # The layer runs found valid, by each op's (layer, block_idx): a master sends one run step after step,
+    # which is then checked op by op once. At most _RUNS_KEPT: a peer sending ever new runs pays the full check.
+    _runs: set[tuple[tuple[str, int], ...]] = field(default_factory=set, compare=False, repr=False)
 
     @classmethod
     def for_model(cls, model: ModelConfig, layers: Sequence[str], max_context: int | None) -> LayerAdmission:
@@ -94,9 +100,17 @@ class LayerAdmission:
         """A text master sends Batch and SingleOp alike: never refused."""
 
     def check(self, x: RawTensor, ops: Sequence[LayerOp]) -> None:
-        """Raise the BadRequest that refuses running `ops` over `x`, if any."""
+        """Raise the BadRequest that refuses running `ops` over `x`, if any. A layer run (its ops' layers
+        and KV slots) that passed once passes again: only its positions are checked then, and on a
+        failure every op is, for the error to name the first that fails."""
         self._check_tensor(x)
-        self._check_ops(ops, x.shape[1])
+        tokens = x.shape[1]
+        run = tuple(map(_LAYER_AND_SLOT, ops)) if len(ops) <= len(self.layers) else None
+        if run in self._runs and (not ops or max(map(_INDEX_POS, ops)) + tokens <= self.max_context):
+            return
+        self._check_ops(ops, tokens)
+        if len(self._runs) < _RUNS_KEPT:
+            self._runs.add(run)
 
     def _check_tensor(self, x: RawTensor) -> None:
         if x.dtype not in ACTIVATION_DTYPES:

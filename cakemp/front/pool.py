@@ -242,7 +242,7 @@ class DevicePool:
                 for start, end in chunk_bounds(shape[1], self._prefill_chunk)]
 
     async def _control(self, device: int, session: int, msg: Clear | End) -> Done:
-        return await self._request(session, Route((Stage(device, self._state.generation(device), ()),)), [msg])
+        return await self._request(session, Route.through((Stage(device, self._state.generation(device), ()),)), [msg])
 
     async def _request(self, session: int, route: Route, messages: list[tuple[Hop, Buffer]] | list[Clear | End],
                        stamps: list[int] | None = None) -> list[RawTensor] | Done:

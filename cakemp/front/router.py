@@ -4,23 +4,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
+from typing import NamedTuple
 
 from cakemp.ipc import Op, Stage
 from cakemp.ipc.spec import chunk_bounds as chunk_bounds  # cut by the front and the devices alike
 from cakemp.wire import LayerOp
 
 
-@dataclass(frozen=True)
-class Route:
+class Route(NamedTuple):
     """Where a request runs: its stages in order, each the maximal stretch of consecutive ops on one
     device (`Op.layer` indexing that device's layers), for the process generation it expects."""
 
     stages: tuple[Stage, ...]
-    devices: tuple[int, ...] = field(init=False, compare=False)  # each stage's, in order (asked several times a request)
+    devices: tuple[int, ...]  # each stage's, in order (asked several times a request)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "devices", tuple(stage.device for stage in self.stages))
+    @classmethod
+    def through(cls, stages: tuple[Stage, ...]) -> Route:
+        return cls(stages, tuple(stage.device for stage in stages))
 
     def shifted(self, start: int) -> tuple[Stage, ...]:
         """The stages for a chunk whose first token is `start` tokens into the request."""
@@ -31,19 +33,42 @@ class Route:
 
 
 class Router:
-    """Layer names to (device, index there), translated once per request: the only place names are read."""
+    """Layer names to (device, index there), translated once per layer run: the only place names are read."""
 
     def __init__(self, placement: Sequence[Sequence[str]]):
         # placement[d] = the layers device d serves, in order.
         self._where = {layer: (device, i) for device, layers in enumerate(placement) for i, layer in enumerate(layers)}
+        # Each layer run's stages, by its layer names: (device, its ops' slice of the run, their indices
+        # there), and the devices in order. A master sends one run step after step, so its names are
+        # read once; at most _RUNS_KEPT runs are kept.
+        self._runs: dict[tuple[str, ...], tuple[tuple[tuple[int, slice, tuple[int, ...]], ...], tuple[int, ...]]] = {}
 
     def plan(self, ops: Sequence[LayerOp], generation: Callable[[int], int]) -> Route:
         """The route that runs `ops` in order, through each device in turn, expecting each device's
         `generation(device)`. Every layer must be served here: admission has checked it."""
-        stages: list[tuple[int, list[Op]]] = []
-        for op in ops:
-            device, index = self._where[op.layer]
+        names = tuple(map(_LAYER, ops))
+        run = self._runs.get(names)
+        if run is None:
+            run = self._stages(names)
+            if len(self._runs) < _RUNS_KEPT:
+                self._runs[names] = run
+        stages, devices = run
+        # Each stage's ops made by tuple's own constructor, no Python frame per op (a run of 32 layers is common).
+        return Route(tuple([Stage(device, generation(device), tuple(map(_new_tuple, repeat(Op), zip(
+            indices, map(_INDEX_POS, ops[at]), map(_BLOCK_IDX, ops[at]))))) for device, at, indices in stages]), devices)
+
+    def _stages(self, names: tuple[str, ...]) -> tuple[tuple[tuple[int, slice, tuple[int, ...]], ...], tuple[int, ...]]:
+        """The stages of a run of layers `names`, each a maximal stretch of them on one device; their devices."""
+        stages: list[tuple[int, int, list[int]]] = []  # (device, first op, indices)
+        for k, name in enumerate(names):
+            device, index = self._where[name]
             if not stages or stages[-1][0] != device:
-                stages.append((device, []))
-            stages[-1][1].append(Op(index, op.index_pos, op.block_idx))
-        return Route(tuple(Stage(device, generation(device), tuple(run)) for device, run in stages))
+                stages.append((device, k, []))
+            stages[-1][2].append(index)
+        return (tuple((device, slice(first, first + len(indices)), tuple(indices)) for device, first, indices in stages),
+                tuple(device for device, _, _ in stages))
+
+
+_RUNS_KEPT = 64  # layer runs a Router keeps the stages of (a node's masters send a few)
+_LAYER, _INDEX_POS, _BLOCK_IDX = itemgetter(0), itemgetter(1), itemgetter(2)  # a LayerOp's fields
+_new_tuple = tuple.__new__

@@ -64,6 +64,30 @@ def test_a_layer_run_the_worker_cannot_serve_is_refused(x, request_ops, error, w
     assert isinstance(refused.value, PeerFault)
 
 
+def test_a_layer_run_admitted_before_is_checked_again_at_its_new_positions():
+    """A run that passed passes again without its ops checked one by one, but never past the context
+    limit: the refusal names the layer, as the first time would have."""
+    admission = LayerAdmission(frozenset(f"model.layers.{i}" for i in range(4)), HIDDEN, 32, frozenset(range(4)))
+    admission.check(activation(2), ops(1, 2, index_pos=0))
+    admission.check(activation(2), ops(1, 2, index_pos=30))
+    with pytest.raises(ContextLimitExceeded, match="positions 31..32 of layer model.layers.1"):
+        admission.check(activation(2), ops(1, 2, index_pos=31))
+    with pytest.raises(BadOps, match="layer model.layers.1 appears twice"):  # another run: checked in full
+        admission.check(activation(2), ops(1, 2, 1))
+
+
+def test_the_layer_runs_kept_are_bounded_and_the_rest_still_checked():
+    """A peer sending ever new valid runs grows no memory past the runs kept; a bad run after them is refused."""
+    admission = LayerAdmission(frozenset(f"model.layers.{i}" for i in range(4)), HIDDEN, 32, frozenset(range(4)))
+    runs = [(LayerOp(f"model.layers.{a}", 0, slot_a), LayerOp(f"model.layers.{b}", 0, slot_b))
+            for a in range(4) for b in range(4) if a != b for slot_a in range(4) for slot_b in range(4) if slot_a != slot_b]
+    for run in runs:  # 144 distinct runs
+        admission.check(activation(), run)
+    assert len(admission._runs) == 64
+    with pytest.raises(BadOps, match="appears twice"):
+        admission.check(activation(), ops(3, 3))
+
+
 def test_an_empty_layer_run_is_admitted():
     """A Batch with no op is admitted, as Cake's worker takes it (the front answers it without a device)."""
     ADMISSION.check(activation(), ())

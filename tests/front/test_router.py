@@ -20,8 +20,8 @@ def test_a_run_over_three_devices_is_one_stage_per_device_in_order():
     """Consecutive ops on one device form one stage, expecting that device's current generation; each
     op names the layer by its index on that device."""
     route = Router(PLACEMENT).plan([op(0, 5), op(1, 5), op(2, 5), op(3, 5)], GENERATIONS.get)
-    assert route == Route((Stage(0, 4, (Op(0, 5, 0), Op(1, 5, 1))), Stage(1, 1, (Op(0, 5, 2),)),
-                           Stage(2, 7, (Op(0, 5, 3),))))
+    assert route == Route.through((Stage(0, 4, (Op(0, 5, 0), Op(1, 5, 1))), Stage(1, 1, (Op(0, 5, 2),)),
+                                   Stage(2, 7, (Op(0, 5, 3),))))
     assert route.devices == (0, 1, 2)
 
 
@@ -62,3 +62,15 @@ def test_every_prompt_length_is_covered_in_order_by_the_fewest_chunks_within_one
         assert max(sizes) <= chunk and max(sizes) - min(sizes) <= 1
         assert len(bounds) == -(-tokens // chunk)
         assert (len(bounds) == 1) == (tokens <= chunk)
+
+
+def test_a_run_planned_again_takes_its_new_positions_and_each_devices_generation_now():
+    """A run's stages are worked out once, but each plan carries the request's own positions and slots and
+    expects each device's process of the moment (one restarted meanwhile: its new generation)."""
+    router, generations = Router(PLACEMENT), dict(GENERATIONS)
+    first = router.plan([op(1, 5), op(2, 5)], generations.get)
+    generations[1] = 2
+    again = router.plan([LayerOp("model.layers.1", 9, 0), LayerOp("model.layers.2", 9, 3)], generations.get)
+    assert first.stages == (Stage(0, 4, (Op(1, 5, 1),)), Stage(1, 1, (Op(0, 5, 2),)))
+    assert again.stages == (Stage(0, 4, (Op(1, 9, 0),)), Stage(1, 2, (Op(0, 9, 3),)))
+    assert type(again.stages[0].ops[0]) is Op
