@@ -347,7 +347,7 @@ class Connection:
                 await writer.drain()
             finally:
                 self._owed = None
-        written = sum(memoryview(b).nbytes for b in buffers)
+        written = sum([memoryview(b).nbytes for b in buffers])
         self._metrics.bytes_sent.inc(written)
         return written
 

@@ -37,7 +37,7 @@ def encode_frame(msg: Message, revision: Revision) -> list[bytes | bytearray | m
     """Header and payload of `msg` as buffers for `writer.writelines`; tensor and model data
     are passed by reference, never copied here. Raises EncodeError."""
     pieces = encode_buffers(msg, revision, HEADER_SIZE)
-    size = sum(memoryview(piece).nbytes for piece in pieces) - HEADER_SIZE
+    size = sum([memoryview(piece).nbytes for piece in pieces]) - HEADER_SIZE
     if size > MAX_PAYLOAD:
         # Cake's writer refuses too, and sends nothing.
         raise EncodeError(f"{type(msg).__name__} payload of {size} bytes > maximum {MAX_PAYLOAD}")
