@@ -53,9 +53,8 @@ class Router:
             if len(self._runs) < _RUNS_KEPT:
                 self._runs[names] = run
         stages, devices = run
-        # Each stage's ops made by tuple's own constructor, no Python frame per op (a run of 32 layers is common).
-        return Route(tuple([Stage(device, generation(device), tuple(map(_new_tuple, repeat(Op), zip(
-            indices, map(_INDEX_POS, ops[at]), map(_BLOCK_IDX, ops[at]))))) for device, at, indices in stages]), devices)
+        return Route(tuple([Stage(device, generation(device), _stage_ops(indices, ops[at]))
+                            for device, at, indices in stages]), devices)
 
     def _stages(self, names: tuple[str, ...]) -> tuple[tuple[tuple[int, slice, tuple[int, ...]], ...], tuple[int, ...]]:
         """The stages of a run of layers `names`, each a maximal stretch of them on one device; their devices."""
@@ -69,6 +68,11 @@ class Router:
                 tuple(device for device, _, _ in stages))
 
 
+def _stage_ops(indices: tuple[int, ...], ops: Sequence[LayerOp]) -> tuple[Op, ...]:
+    """Op(its layer's index on the stage's device, index_pos, block_idx) of each of `ops`, made by tuple's
+    own constructor: no Python frame per op (a run of 32 layers is common)."""
+    return tuple(map(tuple.__new__, repeat(Op), zip(indices, map(_INDEX_POS, ops), map(_BLOCK_IDX, ops))))
+
+
 _RUNS_KEPT = 64  # layer runs a Router keeps the stages of (a node's masters send a few)
 _LAYER, _INDEX_POS, _BLOCK_IDX = itemgetter(0), itemgetter(1), itemgetter(2)  # a LayerOp's fields
-_new_tuple = tuple.__new__
