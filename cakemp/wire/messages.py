@@ -2,8 +2,8 @@
 
 A message's fields are its Rust fields in Cake's order, each annotated with its Rust type
 (`Usize`, `String`, ...); a `tuple[T, ...]` field is a `Vec<T>`, and a field of a declared
-struct (RawTensor, LayerOp) is that struct. `cakemp.wire.codec` walks these declarations to
-write and read the speedy encoding, so adding a field here is the whole protocol change.
+struct (RawTensor, LayerOp) is that struct. `cakemp.wire.codec` makes its writer and reader of
+the speedy encoding from these declarations, so adding a field here is the whole protocol change.
 
 The classes are declared in the Rust enum's order: at a protocol revision, a variant's tag is
 its index among the variants that exist at that revision (speedy's default tags). Cake's two
