@@ -147,6 +147,8 @@ GOOD = to_raw(torch.randn(1, 2, HIDDEN))
     (to_raw(torch.randn(1, MAX_CONTEXT + 1, HIDDEN)), OPS, "65 positions in one request pass the context limit"),
     (GOOD, [("model.layers.0", MAX_CONTEXT - 1, 0)], "positions 63..64 of layer model.layers.0 pass"),
     (GOOD, [("model.layers.0", 2**64 - 1, 0)], "pass the context limit of 64 positions"),
+    # The bystander's own layer run, which the front has admitted (and keeps), at a position past the limit.
+    (GOOD, [(layer, MAX_CONTEXT - 1, block) for layer, _, block in OPS], "positions 63..64 of layer model.layers.0"),
     (GOOD, OPS * 250, "has 1000 ops; this worker serves 4 layers"),
     (GOOD, OPS[:2] + OPS[:1], "layer model.layers.0 appears twice"),
     (GOOD, [("model.layers.0", 0, 3), ("model.layers.1", 0, 3)], "block_idx 3 .* appears twice"),
