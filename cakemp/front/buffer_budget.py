@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from cakemp.sources import source_of
@@ -58,13 +57,12 @@ class _Waiter:
 
 
 class BufferBudget:
-    def __init__(self, capacity: int, reserve_sources: int, on_change: Callable[[int], None] | None = None):
+    def __init__(self, capacity: int, reserve_sources: int):
         """`reserve_sources`: how many sources may hold a small frame of the reserve at once (at most
         `reserve_sources * SMALL_FRAME` bytes beside `capacity`)."""
         self.capacity = capacity
         self.reserve_sources = reserve_sources
-        self.held = 0  # bytes held, the reserve's included
-        self._on_change = on_change  # told the bytes held after every change (the front's gauge)
+        self.held = 0  # bytes held, the reserve's included (the front's gauge reads it when scraped)
         self._in_capacity = 0  # bytes held of `capacity` (the rest, of the reserve)
         self._by_source: Counter[str] = Counter()  # bytes of `capacity` each source holds
         self._reserved: dict[str, int] = {}  # source -> the size of the small frame it holds of the reserve
@@ -105,7 +103,7 @@ class BufferBudget:
             self._by_source[held.source] -= held.size
             if not self._by_source[held.source]:
                 del self._by_source[held.source]
-        self._change(-held.size)
+        self.held -= held.size
         if self._waiters:
             self._grant()
 
@@ -117,7 +115,7 @@ class BufferBudget:
             if waiter.source not in self._reserved and len(self._reserved) < self.reserve_sources:
                 self._waiters.remove(waiter)
                 self._reserved[waiter.source] = waiter.size
-                self._change(waiter.size)
+                self.held += waiter.size
                 waiter.granted.set_result(Held(waiter.size, waiter.source, reserved=True))
 
     def _grant_capacity(self) -> None:
@@ -146,9 +144,4 @@ class BufferBudget:
     def _hold(self, size: int, source: str) -> None:
         self._in_capacity += size
         self._by_source[source] += size
-        self._change(size)
-
-    def _change(self, change: int) -> None:
-        self.held += change
-        if self._on_change is not None:
-            self._on_change(self.held)
+        self.held += size

@@ -12,12 +12,12 @@ Recording is always on and costs a dict update; only the HTTP endpoint is off un
 from __future__ import annotations
 
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
 import cakemp
 from cakemp.front.process_metrics import process_metrics
-from cakemp.prometheus import LATENCY_BUCKETS, Counter, Gauge, Histogram, Metric, Series
+from cakemp.prometheus import LATENCY_BUCKETS, Counter, Gauge, Histogram, Metric, Sampled, Series
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -40,10 +40,11 @@ class Metrics:
     """The front's registry: what it serves, how fast, and whether it is ready. Each metric is
     declared once, as an attribute; creating it registers it, and /metrics lists them in that order."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffered_bytes: Callable[[], int] = lambda: 0) -> None:
+        """`buffered_bytes`: the frame bytes master connections hold now (the buffer budget's), read when scraped."""
         self._all: list[Metric] = []
         self._declare_requests()
-        self._declare_connections()
+        self._declare_connections(buffered_bytes)
         self._declare_devices()
         self._declare_prefixes()
         self._declare_experts()
@@ -69,7 +70,7 @@ class Metrics:
         self.bytes_received = self._counter("cakemp_received_bytes_total", "Bytes read from master connections.")
         self.bytes_sent = self._counter("cakemp_sent_bytes_total", "Bytes written to master connections.")
 
-    def _declare_connections(self) -> None:
+    def _declare_connections(self, buffered_bytes: Callable[[], int]) -> None:
         # Who is connected. A session is one master connection; it belongs to a device once it sends it a request.
         self.connections = self._gauge("cakemp_connections", "Master connections open now.")
         self.sessions = self._gauge("cakemp_sessions", "Open master connections that have sent requests to each device.",
@@ -78,8 +79,9 @@ class Metrics:
             "cakemp_refused_connections_total",
             "Connections closed on accept, by reason: max-connections (that many were open), allow-from (a peer "
             "outside --allow-from), handshake-places (no handshake place free for its address).", "reason")
-        self.buffered_bytes = self._gauge("cakemp_buffered_bytes",
-                                          "Frame bytes master connections hold now, against --max-buffered-mib.")
+        self.buffered_bytes = self._registered(Sampled(
+            "cakemp_buffered_bytes", "Frame bytes master connections hold now, against --max-buffered-mib.", "gauge",
+            buffered_bytes))
         self.handshakes = self._gauge(
             "cakemp_handshakes", "Connections in the cluster-key handshake now, or without a key before their Hello "
             "(not master connections yet; at most 64, 8 per address).")

@@ -79,11 +79,10 @@ class Front:
         """`device_main`: what each device process runs (cakemp.device.process.main), named by the caller."""
         self.config = config  # as given: in zero-config mode without layers, which a setup assigns
         self._device_main = device_main
-        self.metrics = Metrics()
-        self._notifier = notifier or Notifier(None)
         # A place in the reserve of small frames for every source that can hold a connection reading frames.
-        self._budget = BufferBudget(config.max_buffered_bytes, config.max_connections + MAX_HANDSHAKES,
-                                    on_change=self.metrics.buffered_bytes.set)
+        self._budget = BufferBudget(config.max_buffered_bytes, config.max_connections + MAX_HANDSHAKES)
+        self.metrics = Metrics(buffered_bytes=lambda: self._budget.held)
+        self._notifier = notifier or Notifier(None)
         # A connection proves the cluster key (if the node has one), or else sends Hello, before it counts
         # as a master's: until then it holds a handshake place.
         self._handshakes = Handshakes(self.metrics)

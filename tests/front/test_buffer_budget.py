@@ -15,8 +15,8 @@ A, A_SIBLING, B = "10.0.0.1", "::ffff:10.0.0.1", "10.0.0.2"  # the first two are
 PLACES = 16  # sources that may hold a small frame of the reserve at once
 
 
-def budget_of(capacity: int, on_change=None) -> BufferBudget:
-    return BufferBudget(capacity, PLACES, on_change=on_change)
+def budget_of(capacity: int) -> BufferBudget:
+    return BufferBudget(capacity, PLACES)
 
 
 async def settled() -> None:
@@ -24,19 +24,21 @@ async def settled() -> None:
         await asyncio.sleep(0)
 
 
-def test_takes_within_capacity_return_at_once_and_report_what_is_held():
-    """Takes that fit do not wait; every change is reported."""
-    reported = []
+def test_takes_within_capacity_return_at_once_and_say_what_is_held():
+    """Takes that fit do not wait; `held` follows every change."""
+    held = []
 
     async def main():
-        budget = budget_of(10 * LARGE, on_change=reported.append)
+        budget = budget_of(10 * LARGE)
         first = await budget.take(6 * LARGE, A)
+        held.append(budget.held)
         await budget.take(4 * LARGE, A)
+        held.append(budget.held)
         budget.give(first)
-        assert budget.held == 4 * LARGE
+        held.append(budget.held)
 
     asyncio.run(main())
-    assert reported == [6 * LARGE, 10 * LARGE, 4 * LARGE]
+    assert held == [6 * LARGE, 10 * LARGE, 4 * LARGE]
 
 
 def test_a_frame_is_granted_at_once_exactly_up_to_its_sources_share_and_the_capacity():
