@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import linecache
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import MISSING, is_dataclass
 from dataclasses import fields as dataclass_fields
 from enum import IntEnum
@@ -343,7 +343,9 @@ class _Struct(_Field):
         values = [code.value() for _ in layout.present]
         for name, field_value in zip(layout.names, values):
             code.line(f"{field_value} = {value}.{name}")
-        for run, run_values in _runs(layout.present, values):
+        at = 0
+        for run in _int_runs(layout.present):
+            run_values, at = values[at : at + len(run)], at + len(run)
             if len(run) > 1:
                 _Int.write_run(code, run, run_values)
             else:
@@ -352,7 +354,7 @@ class _Struct(_Field):
     def read(self, code: _Source) -> str:
         layout = self.layouts[code.revision]
         values = []
-        for run, _ in _runs(layout.present, layout.present):
+        for run in _int_runs(layout.present):
             values += _Int.read_run(code, run) if len(run) > 1 else [run[0].read(code)]
         value = code.value()
         if layout.build is self.cls and issubclass(self.cls, tuple):  # a NamedTuple (a LayerOp: one per layer)
@@ -363,15 +365,15 @@ class _Struct(_Field):
         return value
 
 
-def _runs(fields: tuple[_Field, ...], values: Sequence) -> list[tuple[list[_Field], list]]:
-    """`fields` and their `values` cut into runs: consecutive integers together, any other field alone."""
-    runs: list[tuple[list[_Field], list]] = []
-    for field, value in zip(fields, values):
-        if runs and type(field) is _Int and type(runs[-1][0][-1]) is _Int:
-            runs[-1][0].append(field)
-            runs[-1][1].append(value)
+def _int_runs(fields: tuple[_Field, ...]) -> list[list[_Field]]:
+    """`fields` cut into runs, in order: consecutive integers together (read and written in one struct
+    call), any other field alone."""
+    runs: list[list[_Field]] = []
+    for field in fields:
+        if runs and type(field) is _Int and type(runs[-1][-1]) is _Int:
+            runs[-1].append(field)
         else:
-            runs.append(([field], [value]))
+            runs.append([field])
     return runs
 
 
