@@ -91,10 +91,15 @@ class Cakemp:
 
     def step(self) -> None:
         ops = self._ops(self.position)
-        x = torch.randn(self.sessions, 1, self.hidden, device=self.device).to(self.dtype)  # as transformers' side draws it
-        # Each session's [1, 1, H] row as the device makes them of a step's message: one unbind.
+        # Drawn on the host and copied over, as a device receives a step's rows (their bytes stay there).
+        host = torch.randn(self.sessions, 1, self.hidden).to(self.dtype)
+        x = host.to(self.device)
+        # Each session's [1, 1, H] row as the device makes them of a step's message: one unbind; and
+        # its bytes, as the device received them.
         rows = x.view(self.sessions, 1, 1, self.hidden).unbind(0)
-        requests = [Request(s, row, ops) for s, row in enumerate(rows)]
+        data = memoryview(host.view(torch.uint8).numpy()).cast("B")
+        row = len(data) // self.sessions
+        requests = [Request(s, x_s, ops, data[s * row:(s + 1) * row]) for s, x_s in enumerate(rows)]
         if self.unplanned:
             start = time.process_time()
             groups = self.runner._plan_step(requests, [None] * len(requests))

@@ -37,11 +37,13 @@ _LAYER_AND_SLOT = itemgetter(0, 2)  # an Op's (layer, block_idx): what a request
 
 class Request(NamedTuple):
     """One request of a batch: its session, its activation x: [1, T, H], and its ops in order
-    (`Op.layer` indexes the runner's `layers`)."""
+    (`Op.layer` indexes the runner's `layers`); `data`, x's bytes on the host where the caller holds
+    them (a device, as it received them): prefix reuse names rows by them, else by a copy of x's."""
 
     session: int
     x: torch.Tensor
     ops: Sequence[Op]
+    data: memoryview | None = None
 
 
 X = TypeVar("X", contravariant=True)  # what a runner's request is made of: the activation as the device holds it
@@ -60,8 +62,9 @@ class Runner(Protocol[X, R]):
     expert_cache: ExpertCache | None  # what holds offloaded MoE experts, and its counts (None: none offloaded)
     weight_bytes: int | None  # the bytes its weights hold (None: not counted, an image model's components)
 
-    def request(self, session: int, x: X, ops: Sequence[Op]) -> R:
-        """The request of `session` computing `ops` over `x`."""
+    def request(self, session: int, x: X, ops: Sequence[Op], data: memoryview | None = None) -> R:
+        """The request of `session` computing `ops` over `x`; `data`: x's own bytes on the host, as
+        received, where the caller has them (x's dtype and shape as they are)."""
 
     def run_batch(self, requests: Sequence[R], between_ops: Callable[[], None] | None = None,
                   together: Callable[[Sequence[int]], None] | None = None) -> list[torch.Tensor | Exception]:
@@ -394,8 +397,8 @@ class BlockRunner:
                 checked.append((i, request, self._check_input(request.x)))
             except InternalError as e:
                 results[i] = e
-        # Prefix reuse names rows by their bytes: those of every request, read in one copy.
-        rows = None if self.prefixes is None or not checked else _host_rows([request.x for _, request, _ in checked])
+        # Prefix reuse names rows by their bytes: as the device received them, else read in one copy.
+        rows = None if self.prefixes is None or not checked else _host_rows([request for _, request, _ in checked])
         groups: dict[tuple, _Group] = {}
         recurrent = self.recurrent
         for k, (i, request, T) in enumerate(checked):
@@ -451,7 +454,7 @@ class BlockRunner:
         """Check `request` (x: [1, T, H], its bytes `rows` on the host where prefix reuse reads them)
         against the session's state and reserve its slots (RequestError if it cannot run); a decode whose
         slots hold its row already is a `_Decode`."""
-        session, x, ops = request
+        session, x, ops = request.session, request.x, request.ops
         if self.slots_shifted:  # from here on, block_idx is the KV slot
             layers = len(self.blocks)
             ops = [Op(op.layer, op.index_pos, self.slot_bases[op.layer] + op.block_idx)
@@ -626,15 +629,20 @@ class BlockRunner:
         return self.cache.sessions()
 
 
-def _host_rows(xs: Sequence[torch.Tensor]) -> list[memoryview]:
-    """Each x's bytes, row after row, on the host: one copy of them all (on a GPU one transfer, not
-    one per request)."""
+def _host_rows(requests: Sequence[Request]) -> list[memoryview]:
+    """Each request's x's bytes, row after row, on the host: its `data` where it came with them, else
+    read in one copy for all those that did not (on a GPU one transfer, not one per request)."""
+    rows: list[memoryview | None] = [request.data for request in requests]
+    missing = [i for i, data in enumerate(rows) if data is None]
+    if not missing:
+        return rows
+    xs = [requests[i].x for i in missing]
     flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
     view = memoryview(flat.cpu().view(torch.uint8).numpy()).cast("B")
-    rows, at = [], 0
-    for x in xs:
+    at = 0
+    for i, x in zip(missing, xs, strict=True):
         end = at + x.numel() * x.element_size()
-        rows.append(view[at:end])
+        rows[i] = view[at:end]
         at = end
     return rows
 

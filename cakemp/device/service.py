@@ -70,6 +70,9 @@ class Task:
 
     hop: Hop
     x: torch.Tensor | RawTensor | Exception
+    # x's bytes as they came, where they are x's own (a text model's, its wire dtype the compute dtype):
+    # prefix reuse names rows by them rather than copy x's back from the device.
+    data: memoryview | None = None
     done: list[torch.Tensor] = field(default_factory=list)
     # T of its [1, T, H] (a malformed shape counts all but its last dim): asked several times a step.
     tokens: int = field(init=False)
@@ -178,12 +181,14 @@ class DeviceService:
         hops = message.hops
         mine = [i for i, hop in enumerate(hops)
                 if hop.stages and hop.stages[0].device == self.index and hop.stages[0].generation == self.generation]
-        if self.workload.image is None and len(mine) == len(hops) and (whole := self._rows(message)) is not None:
-            return [Task(hop, x) for hop, x in zip(hops, whole, strict=True)]
         data = rows(hops, message.data)  # each hop's bytes, apart
         if self.workload.image is not None:
             return [Task(hops[i], RawTensor(data[i], hops[i].dtype, hops[i].shape)) for i in mine]
-        return [Task(hops[i], self._input(hops[i], data[i])) for i in mine]
+        own = tensors.wire_dtype(self.runner.dtype)  # hops of this dtype arrive as x's own bytes
+        if len(mine) == len(hops) and (whole := self._rows(message)) is not None:
+            return [Task(hop, x, body if hop.dtype == own else None)
+                    for hop, x, body in zip(hops, whole, data, strict=True)]
+        return [Task(hops[i], self._input(hops[i], data[i]), data[i] if hops[i].dtype == own else None) for i in mine]
 
     def run_step(self, pieces: Sequence[Piece]) -> Stepped:
         """Run this device's stage of each piece (of distinct sessions) as one batch (the runner's
@@ -201,11 +206,13 @@ class DeviceService:
             try:
                 if isinstance(task.x, Exception):
                     raise task.x
-                x, ops = task.x, hop.stages[0].ops
+                x, ops, data = task.x, hop.stages[0].ops, task.data
                 if not (piece.first and piece.last):  # a piece of a prompt cut here: its rows, at its positions
                     x = x[:, piece.start:piece.end]
                     ops = [Op(op.layer, op.index_pos + piece.start, op.block_idx) for op in ops]
-                batch.append((piece, self.runner.request(hop.session, x, ops)))
+                    row = None if data is None else data.nbytes // task.tokens
+                    data = None if data is None else data[piece.start * row:piece.end * row]
+                batch.append((piece, self.runner.request(hop.session, x, ops, data)))
             except Exception as e:
                 onward.append(self._failed_chunk(task, self._fault(e), ran=not piece.first))
         if not batch:
@@ -313,10 +320,15 @@ class DeviceService:
         at once, when every hop is [1, T, H] of one dtype and H and its bytes say so (else None)."""
         hops = message.hops
         dtype, hidden = hops[0].dtype, hops[0].shape[-1] if hops[0].shape else 0
+        try:
+            row = hidden * DType(dtype).itemsize
+        except ValueError:  # not a wire dtype: each hop is told so on its own
+            return None
         lengths = []
         for hop in hops:
             shape = hop.shape
-            if hop.dtype != dtype or len(shape) != 3 or shape[0] != 1 or shape[2] != hidden or shape[1] < 1:
+            if hop.dtype != dtype or len(shape) != 3 or shape[0] != 1 or shape[2] != hidden or shape[1] < 1 or \
+                    hop.nbytes != shape[1] * row:  # each hop's bytes its rows' (they name its rows for prefix reuse)
                 return None
             lengths.append(shape[1])
         try:

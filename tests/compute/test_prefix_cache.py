@@ -107,6 +107,25 @@ def test_the_kept_rows_are_the_first_turns_output_bit_for_bit(llama):
     assert_close(second, fresh(llama, torch.cat([history, rows(9, 2)], dim=1)))
 
 
+def test_rows_are_named_by_the_bytes_a_request_came_with(llama):
+    """A request's `data` (a device's received bytes) is what names its rows, not a copy of x's: a prompt
+    whose data repeats a retired prompt's is answered that prompt's kept rows, whatever its x; without
+    data, its x's bytes name it and it misses. (The device passes data only where it is x's own bytes.)"""
+    node = Node(llama, prefix_reuse=True)
+    first = node.runner.run(1, rows(20, 0), node.ops(0))
+    node.runner.clear_session(1)
+    named_as_first = node.runner.run_batch([Request(1, rows(20, 5), node.ops(0), _bytes(rows(20, 0)))])[0]
+    assert torch.equal(named_as_first, first) and figures(node.runner)[:2] == (1, 20)
+    node.runner.clear_session(1)
+    own = node.runner.run_batch([Request(1, rows(20, 5), node.ops(0))])[0]
+    assert figures(node.runner)[:2] == (1, 20)  # no second hit
+    assert_close(own, fresh(llama, rows(20, 5)))
+
+
+def _bytes(x: torch.Tensor) -> memoryview:
+    return memoryview(x.reshape(-1).numpy()).cast("B")
+
+
 def test_a_history_differing_in_one_early_row_reuses_nothing_past_it(llama, qwen):
     """Row 20 of the history differs: attention layers reuse the 20 rows before it; a run with
     recurrent layers keeps states only where requests ended (the first turn's chunks: 14, 27, 40),

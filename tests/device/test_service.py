@@ -179,6 +179,28 @@ def test_a_prompt_cut_here_equals_the_whole_prompt_and_is_answered_once(service,
     assert_close(tensor(Reply(onward.item, bytes(onward.data), None)), expected)
 
 
+def test_a_hop_s_rows_are_named_by_its_own_received_bytes_for_prefix_reuse(checkpoint):
+    """A hop in the compute dtype comes with its received bytes (prefix reuse names its rows by them,
+    no copy back from the device); one in another dtype does not. A prompt cut here names each piece
+    by its own rows: a second prompt sharing the first 16 of 20 rows reuses those 16 alone (the first
+    piece's bytes for every piece would have named all 20 alike) and answers what a fresh prefill does."""
+    spec = DeviceSpec(1, None, LAYERS, str(checkpoint), "f32", "ipc://unused")
+    service = DeviceService.load(spec, generation=GENERATION)
+    x = torch.randn(1, 20, 64)
+    ops = [Op(0, 0, 2), Op(1, 0, 3)]
+    own, other = service.tasks(received(Hops((forward(x, ops)[0], forward(x, ops, session=2, wire=DType.F16)[0]),
+                                             raw(x) + raw(x, DType.F16))))
+    assert bytes(own.data) == raw(x) and other.data is None
+    answer(service, forward(x, ops), prefill_chunk=4)
+    service.handle(Clear(1, 2))
+    y = torch.cat([x[:, :16], torch.randn(1, 4, 64)], dim=1)
+    again = tensor(answer(service, forward(y, ops, request_id=3), prefill_chunk=4))
+    report = service.prefix_report()
+    assert (report.hits, report.tokens) == (1, 16)
+    runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32)
+    assert_close(again, runner.run(9, y, runner.ops([("model.layers.2", 0, 2), ("model.layers.3", 0, 3)])))
+
+
 def test_a_prompt_cut_here_that_fails_part_way_says_part_of_it_ran_and_runs_no_further(service):
     """Past the context limit (32) in its third piece, a 40-token prompt cut by 16 is answered once
     with the failure, marked as having run in part here (state that cannot be rewound is then dropped
