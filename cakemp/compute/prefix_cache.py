@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 
 from cakemp.compute.kv_cache import KVCache, KVSlot, LinearSlot
+from cakemp.compute.output_rows import OutputRows, RowPool
 from cakemp.compute.row_chain import Extension, RowChain
 from cakemp.model.deltanet import LinearState
 from cakemp.op import Op, shared_position
@@ -56,7 +57,6 @@ from cakemp.op import Op, shared_position
 MAX_RETIRED = 256
 # Rows a request must reuse for a hit (one block of 16 rows): fewer save next to nothing.
 MIN_REUSE = 16
-MIN_OUTPUT_ROWS = 256
 SHARED = -1  # the domain of every session when prefixes are shared
 
 # The layers a request's ops run through on this device, with the KV slot of each:
@@ -66,37 +66,6 @@ LayerPath = tuple[tuple[int, int], ...]
 
 # A run's linear-attention states after some position: block_idx -> state (where the run may resume).
 StatePoint = dict[int, LinearState]
-
-
-class OutputRows:
-    """A run's output rows by position: buffer [capacity, H] in the compute dtype, doubled as it grows."""
-
-    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device):
-        self.buffer = torch.empty(0, hidden, dtype=dtype, device=device)
-        # The buffer's rows and bytes, as numbers: asked at every request (and every live prefix's
-        # bytes whenever the budget is).
-        self.capacity = self.nbytes = 0
-        self._row_bytes = hidden * dtype.itemsize
-
-    def growth(self, end: int) -> int:
-        """Bytes more that holding rows [0, end) takes."""
-        return 0 if end <= self.capacity else (self._grown(end) - self.capacity) * self._row_bytes
-
-    def write(self, position: int, rows: torch.Tensor) -> None:
-        """rows: [1, n, H] at positions [position, position + n); the rows before stay."""
-        end = position + rows.shape[1]
-        if end > self.capacity:
-            grown = self.buffer.new_empty(self._grown(end), self.buffer.shape[1])
-            grown[:position] = self.buffer[:position]
-            self.buffer, self.capacity, self.nbytes = grown, grown.shape[0], grown.nbytes
-        self.buffer[position:end] = rows  # [1, n, H] into [n, H]: the leading 1 is dropped
-
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        """[1, end - start, H]: a view, valid until the buffer is written there."""
-        return self.buffer[start:end].unsqueeze(0)
-
-    def _grown(self, end: int) -> int:
-        return max(2 * self.capacity, MIN_OUTPUT_ROWS, end)
 
 
 @dataclass
@@ -156,6 +125,7 @@ class PrefixCache:
         self._recurrent = tuple(recurrent)
         self._hidden = hidden
         self._row_bytes = hidden * cache.dtype.itemsize
+        self._outputs = RowPool(hidden, cache.dtype, cache.device, cache.budget_bytes)  # every prefix's output rows
         self._shared = shared
         self._live: dict[int, Prefix] = {}  # session -> its run's prefix
         self._retired: list[Prefix] = []  # oldest first
@@ -182,7 +152,7 @@ class PrefixCache:
         if start == 0:
             self.retire(session)  # a new prompt replaces the session's rows: they are kept
             prefix = Prefix(SHARED if self._shared else session, path, RowChain(self._row_bytes),
-                            OutputRows(self._hidden, self._cache.dtype, self._cache.device))
+                            OutputRows(self._outputs))
             self._live[session] = prefix
         else:
             prefix = self._live.get(session)
@@ -202,23 +172,50 @@ class PrefixCache:
     def finish(self, begun: Begun, computed: torch.Tensor, states: dict[int, LinearState]) -> None:
         """The request computed its rows [resume, end) (`computed`: [1, n, H]) and the linear
         layers' `states` after them (block_idx -> state): keep them, if there is room."""
-        prefix, extension = begun.prefix, begun.extension
-        if self._live.get(begun.session) is not prefix:  # no longer followed (its room was needed)
+        extension = begun.extension
+        point = extension.end - extension.start > 1 and self._linear(begun.prefix.layer_path)
+        changes = self._advance(begun, self._point_bytes(begun.prefix.layer_path) if point else 0)
+        if changes is None:
             return
-        point = extension.end - extension.start > 1 and self._linear(prefix.layer_path)
-        needed = prefix.outputs.growth(extension.end) + (self._point_bytes(prefix.layer_path) if point else 0)
-        if needed and not self._make_room(needed):  # (most requests need none: their rows fit the buffer)
-            self._drop(begun.session, evicted=True)
-            return
-        changes = needed or prefix.pending is not None  # what it holds (most decode steps: no change)
-        prefix.chain.advance(extension, extension.end)
-        prefix.resumed, prefix.pending = extension.end, None
+        prefix = begun.prefix
         skip = max(0, extension.start - begun.resume)  # rows answered from kept rows before: they stay
         prefix.outputs.write(begun.resume + skip, computed[:, skip:] if skip else computed)
         if point:
             prefix.points[extension.end] = dict(states)
         if changes:
             self._count(prefix)
+
+    def finish_decodes(self, begun: Sequence[Begun], rows: torch.Tensor) -> None:
+        """Decodes that computed their one row each, at their start (none kept by reuse; no linear state
+        point: one row), rows: [n, H], row i begun[i]'s: kept as `finish` keeps them, in one copy."""
+        slots, kept = [], []
+        for i, decode in enumerate(begun):
+            changes = self._advance(decode, 0)
+            if changes is None:
+                continue
+            slots += decode.prefix.outputs.slots(decode.resume, decode.resume + 1)
+            kept.append(i)
+            if changes:
+                self._count(decode.prefix)
+        if kept:
+            self._outputs.write(slots, rows if len(kept) == len(begun) else rows[kept])
+
+    def _advance(self, begun: Begun, point_bytes: int) -> bool | None:
+        """Take a request's rows into its prefix (its chain to the request's end, room for its output
+        rows and `point_bytes` more), if it is still followed and there is room (else None: no longer
+        followed); whether what the prefix holds changed (most decode steps: no)."""
+        prefix, extension = begun.prefix, begun.extension
+        if self._live.get(begun.session) is not prefix:  # no longer followed (its room was needed)
+            return None
+        needed = prefix.outputs.growth(extension.end) + point_bytes
+        if needed and not self._make_room(needed):  # (most requests need none: their rows fit their blocks)
+            self._drop(begun.session, evicted=True)
+            return None
+        changes = bool(needed) or prefix.pending is not None
+        prefix.chain.advance(extension, extension.end)
+        prefix.resumed, prefix.pending = extension.end, None
+        prefix.outputs.hold(extension.end)
+        return changes
 
     # -- sessions
 
@@ -234,6 +231,7 @@ class PrefixCache:
         kept = self._run_slots(prefix.layer_path, kv)
         if not self._keepable(prefix, kept, linear):
             self._cache.drop(kept.values())
+            prefix.outputs.free()
             return
         length = prefix.chain.length
         if recurrent and length not in prefix.points:
@@ -265,7 +263,7 @@ class PrefixCache:
         if self._shared:
             self.retire(session)
             return
-        self._unfollow(session)
+        self._drop(session)
         for prefix in [prefix for prefix in self._retired if prefix.domain == session]:
             self._discard(prefix)
 
@@ -320,6 +318,7 @@ class PrefixCache:
         self._cache.clear(session)  # whatever the session held outside a followed run
         self._cache.attach(session, best.slots)
         best.slots = {}
+        prefix.outputs.free()  # (a new prompt's: none yet)
         prefix.outputs, prefix.points, prefix.ahead = best.outputs, best.points, best.chain
         self.hits += 1
 
@@ -337,7 +336,7 @@ class PrefixCache:
             states = prefix.points[resume] if self._linear(prefix.layer_path) else {}
             self._cache.resume(session, self._attention(prefix.layer_path), resume, states)
             self.tokens += resume - prefix.resumed
-        kept = prefix.outputs.rows(start, agreed).clone() if agreed > start else None
+        kept = prefix.outputs.rows(start, agreed) if agreed > start else None
         if agreed == end and (end < prefix.ahead.length or resume == end):
             # Every row agreed: answered from kept rows, nothing computed. The next request goes on
             # with the prefix's later rows; a recurrent run's state stays at its last point meanwhile.
@@ -398,7 +397,7 @@ class PrefixCache:
         short. If the output rows do not fit the budget, the prefix's rows past `resume` are the
         session's to overwrite."""
         attention = self._attention(prefix.layer_path)
-        outputs = OutputRows(self._hidden, self._cache.dtype, self._cache.device)
+        outputs = OutputRows(self._outputs)
         if not self._make_room(outputs.growth(end)):
             return
         shares = self._cache.shared_from(self._cache.slots(session), attention, resume)
@@ -442,12 +441,15 @@ class PrefixCache:
         """A retired prefix given up, its blocks freed (those no session shares)."""
         self._unretire(prefix)
         self._cache.drop(prefix.slots.values())
+        prefix.outputs.free()
         self.evictions += evicted
 
     def _drop(self, session: int, evicted: bool = False) -> None:
-        """Stop following the session (its KV state stays the session's)."""
-        if self._unfollow(session) is not None and evicted:
-            self.evictions += 1
+        """Stop following the session (its KV state stays the session's; its output rows go)."""
+        prefix = self._unfollow(session)
+        if prefix is not None:
+            prefix.outputs.free()
+            self.evictions += evicted
 
     def _unfollow(self, session: int) -> Prefix | None:
         """Take the session's prefix (if followed) out of the live ones, uncounted."""

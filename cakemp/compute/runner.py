@@ -438,10 +438,12 @@ class BlockRunner:
             if isinstance(e, torch.OutOfMemoryError) and len(group.indices) > 1:
                 return [self._run_group(group.single(k), between_ops)[0] for k in range(len(group.indices))]
             return [e] * len(group.indices)
-        for planned, begun, output in zip(group.planned, group.begun, outputs, strict=True):
+        decodes = [(begun, output) for planned, begun, output in zip(group.planned, group.begun, outputs, strict=True)
+                   if planned is None and begun is not None]
+        if decodes:  # the followed decodes' rows kept in one copy: [n, H]
+            self.prefixes.finish_decodes([begun for begun, _ in decodes], torch.cat([output for _, output in decodes], dim=1)[0])
+        for planned, output in zip(group.planned, outputs, strict=True):
             if planned is None:
-                if begun is not None:
-                    self.prefixes.finish(begun, output, {})
                 continue
             if planned.computed:
                 planned.install(self.cache)

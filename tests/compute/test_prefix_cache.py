@@ -126,6 +126,24 @@ def _bytes(x: torch.Tensor) -> memoryview:
     return memoryview(x.reshape(-1).numpy()).cast("B")
 
 
+def test_decodes_batched_keep_each_session_s_own_output_rows(llama):
+    """Three sessions decoding together (their rows kept in one copy a step): each one's next turn is
+    answered its own prompt's and decodes' outputs, bit for bit."""
+    node = Node(llama, prefix_reuse=True)
+    prompts = [rows(20 + s, s) for s in range(3)]
+    outputs = [node.prompt(s, prompt) for s, prompt in enumerate(prompts)]
+    decoded = [rows(4, 10 + s) for s in range(3)]
+    for i in range(4):
+        step = node.runner.run_batch([Request(s, decoded[s][:, i:i + 1], node.ops(20 + s + i)) for s in range(3)])
+        outputs = [torch.cat([out, y], dim=1) for out, y in zip(outputs, step, strict=True)]
+    for s in range(3):
+        node.runner.clear_session(s)
+    for s in range(3):
+        again = node.prompt(s, torch.cat([prompts[s], decoded[s]], dim=1))
+        assert torch.equal(again, outputs[s])
+    assert figures(node.runner)[:2] == (3, 24 + 25 + 26)
+
+
 def test_a_history_differing_in_one_early_row_reuses_nothing_past_it(llama, qwen):
     """Row 20 of the history differs: attention layers reuse the 20 rows before it; a run with
     recurrent layers keeps states only where requests ended (the first turn's chunks: 14, 27, 40),
@@ -335,9 +353,12 @@ def test_the_bytes_kept_for_reuse_are_counted_as_prefixes_are_retired_taken_back
 
 def recounted(prefixes: PrefixCache) -> int:
     """The bytes every prefix kept holds besides KV blocks, summed afresh; and as the device reports them,
-    retired (their KV blocks too) and live, checked against the same sums."""
+    retired (their KV blocks too) and live, checked against the same sums. Every block of the output
+    rows' pool in use is one prefix's own (none shared, none lost: a write to one never reaches another's)."""
     retired = [prefixes._held_bytes(prefix) for prefix in prefixes._retired]
     live = [prefixes._held_bytes(prefix) for prefix in prefixes._live.values()]
     kv = sum(prefixes._kv_bytes(prefix) for prefix in prefixes._retired)
     assert (prefixes.retired_bytes(), prefixes.kept_bytes()) == (sum(retired) + kv, sum(live))
+    blocks = [block for prefix in [*prefixes._retired, *prefixes._live.values()] for block in prefix.outputs.table]
+    assert len(set(blocks)) == len(blocks) == prefixes._outputs.used
     return sum(retired) + sum(live)

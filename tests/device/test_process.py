@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from cakemp.compute.kv_cache import BLOCK
 from cakemp.device import process
 from cakemp.ipc import (
     Activation,
@@ -112,8 +113,8 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
     assert refused.batches == (Batch(1, 3),) and not refused.activations  # its step, counted as it began
     ((activation, data),) = answered(answers)
     assert activation.request_id == 2 and activation.kv[0] > 0 and answers.batches == (Batch(1, 3),)
-    # Prefix reuse now keeps the session's output rows (256 rows of 64 f32 at first): said with the answer.
-    assert answers.prefixes == (PrefixReport(0, 0, 0, 0, 256 * 64 * 4),)
+    # Prefix reuse now keeps the session's 3 output rows (one block of BLOCK rows of 64 f32): said with the answer.
+    assert answers.prefixes == (PrefixReport(0, 0, 0, 0, BLOCK * 64 * 4),)
     y = torch.frombuffer(bytearray(data), dtype=torch.float32).view(1, 3, 64)
     assert_close(y, HFLayers(checkpoint, [1], torch.float32)(x, 0))
     assert exitcode == 0
