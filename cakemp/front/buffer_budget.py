@@ -69,9 +69,9 @@ class BufferBudget:
         self._waiters: list[_Waiter] = []  # arrival order
         self._seq = itertools.count()
 
-    async def take(self, size: int, host: str) -> Held:
-        """Hold `size` bytes (at most `capacity`) for a frame from `host`, waiting until they are free; returns
-        at once when they are."""
+    def take_now(self, size: int, host: str) -> Held | None:
+        """Hold `size` bytes (at most `capacity`) for a frame from `host` if they are free now and no frame
+        waits for its turn; else None (`take` waits). A frame mostly finds room: no coroutine for it."""
         if size > self.capacity:
             raise ValueError(f"{size} bytes is more than the whole budget of {self.capacity}")
         source = source_of(host)
@@ -80,6 +80,14 @@ class BufferBudget:
         if not self._waiters and self._within_share(size, source, sources) and self._in_capacity + size <= self.capacity:
             self._hold(size, source)
             return Held(size, source, reserved=False)
+        return None
+
+    async def take(self, size: int, host: str) -> Held:
+        """Hold `size` bytes (at most `capacity`) for a frame from `host`, waiting until they are free; returns
+        at once when they are."""
+        if (held := self.take_now(size, host)) is not None:
+            return held
+        source = source_of(host)
         waiter = _Waiter(next(self._seq), size, source, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._grant()

@@ -228,7 +228,8 @@ class Connection:
             stamps = self._stamps
             if stamps is not None:
                 stamps.append(trace.now())  # resumed
-            await self._send(reply)
+            if self._write(reply):  # (mostly the socket takes it all: nothing to wait for)
+                await self._drained()
             if stamps is not None and isinstance(reply, TensorMessage) and len(stamps) > len(trace.FRONT_IN) + 1:
                 stamps.append(trace.now())  # written
                 self._trace_file.write(stamps)
@@ -289,7 +290,7 @@ class Connection:
             self._stamps = [trace.now()]  # read
         start = time.perf_counter()
         self._owed = None  # waiting for the budget is the node's doing, not the master's
-        held = await self._budget.take(size, self._host)
+        held = self._budget.take_now(size, self._host) or await self._budget.take(size, self._host)
         # The peer has frame_timeout from now for the payload.
         self._owed = (asyncio.get_running_loop().time(), _FRAME_LATE)
         try:
@@ -335,21 +336,26 @@ class Connection:
         # reply is dropped with the transport's buffer.
         self._writer.transport.abort()
 
-    async def _send(self, message: Message) -> int:
+    async def _send(self, message: Message) -> None:
+        if self._write(message):
+            await self._drained()
+
+    def _write(self, message: Message) -> bool:
+        """Write `message`'s frame; whether the socket left part of it for the master to read (a lost
+        connection shows at the next read)."""
         buffers = encode_frame(message, self._revision)
         writer = self._writer
         writer.writelines(buffers)
-        # Whatever the socket does not take at once, the master owes reading within the frame timeout
-        # (mostly it takes it all: nothing to wait for, and a lost connection shows at the next read).
-        if writer.transport.get_write_buffer_size():
-            self._owed = (asyncio.get_running_loop().time(), _REPLY_UNREAD)
-            try:
-                await writer.drain()
-            finally:
-                self._owed = None
-        written = sum([memoryview(b).nbytes for b in buffers])
-        self._metrics.bytes_sent.inc(written)
-        return written
+        self._metrics.bytes_sent.inc(sum([memoryview(b).nbytes for b in buffers]))
+        return bool(writer.transport.get_write_buffer_size())
+
+    async def _drained(self) -> None:
+        """Wait until the master has read what the socket did not take: it owes that within the frame timeout."""
+        self._owed = (asyncio.get_running_loop().time(), _REPLY_UNREAD)
+        try:
+            await self._writer.drain()
+        finally:
+            self._owed = None
 
     async def _release(self) -> None:
         """The connection is gone: free the session on every device that saw it, then close."""

@@ -175,7 +175,7 @@ class DevicePool:
         for series in passed:
             series.requests_waiting.inc()
         try:
-            outputs = await self._request(session, route, hops, stamps)
+            outputs = await self._queue(session, route, hops, stamps)
         finally:
             for series in passed:
                 series.requests_waiting.dec()
@@ -242,14 +242,15 @@ class DevicePool:
                 for start, end in chunk_bounds(shape[1], self._prefill_chunk)]
 
     async def _control(self, device: int, session: int, msg: Clear | End) -> Done:
-        return await self._request(session, Route.through((Stage(device, self._state.generation(device), ()),)), [msg])
+        return await self._queue(session, Route.through((Stage(device, self._state.generation(device), ()),)), [msg])
 
-    async def _request(self, session: int, route: Route, messages: list[tuple[Hop, Buffer]] | list[Clear | End],
-                       stamps: list[int] | None = None) -> list[RawTensor] | Done:
+    def _queue(self, session: int, route: Route, messages: list[tuple[Hop, Buffer]] | list[Clear | End],
+               stamps: list[int] | None = None) -> asyncio.Future:
         """Queue `messages` (a request's chunks and their bytes, or one control message) for the first
-        device of `route`; the chunks' outputs once every one is answered (a control message's Done).
-        DeviceLost at once if a device of the route is down or changed process (its new process would
-        drop the hop)."""
+        device of `route`: the future of the chunks' outputs once every one is answered (a control
+        message's Done). DeviceLost at once if a device of the route is down or changed process (its
+        new process would drop the hop). What is queued stays owed until answered, whether or not its
+        future is still awaited (a requester cancelled cancels it: `_complete` then skips it)."""
         if (error := self._unusable(route)) is not None:
             raise error
         devices = route.devices
@@ -270,12 +271,7 @@ class DevicePool:
         if not outbox.flushing:
             outbox.flushing = True
             self._loop.call_soon(self._flush, route.stages[0].device)
-        try:
-            return await pending.future
-        except BaseException:
-            # What was queued or sent stays owed until answered; nobody waits for it any more.
-            pending.future.cancel()
-            raise
+        return pending.future
 
     def _unusable(self, route: Route) -> CakempError | None:
         for stage in route.stages:
