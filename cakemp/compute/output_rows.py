@@ -81,13 +81,17 @@ class OutputRows:
 
     def growth(self, end: int) -> int:
         """Bytes more that holding rows [0, end) takes."""
-        return max(0, -(-end // BLOCK) - len(self.table)) * self.pool.block_bytes
+        return 0 if end <= self.capacity else (-(-end // BLOCK) - len(self.table)) * self.pool.block_bytes
 
     def hold(self, end: int) -> None:
         """Hold rows [0, end) (`growth(end)` more bytes)."""
         if end > self.capacity:
             self.table += self.pool.take(-(-end // BLOCK) - len(self.table))
             self.capacity, self.nbytes = len(self.table) * BLOCK, len(self.table) * self.pool.block_bytes
+
+    def slot(self, position: int) -> int:
+        """The pool's row of `position` (held)."""
+        return self.table[position // BLOCK] * BLOCK + position % BLOCK
 
     def slots(self, start: int, end: int) -> list[int]:
         """The pool's rows of positions [start, end) (held)."""

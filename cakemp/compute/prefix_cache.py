@@ -185,15 +185,15 @@ class PrefixCache:
         if changes:
             self._count(prefix)
 
-    def finish_decodes(self, begun: Sequence[Begun], rows: torch.Tensor) -> None:
-        """Decodes that computed their one row each, at their start (none kept by reuse; no linear state
-        point: one row), rows: [n, H], row i begun[i]'s: kept as `finish` keeps them, in one copy."""
+    def finish_rows(self, begun: Sequence[Begun], rows: torch.Tensor) -> None:
+        """Requests that computed one row each, at their start (none kept by reuse; no linear state point:
+        one row), rows: [n, H], row i begun[i]'s: kept as `finish` keeps them, in one copy."""
         slots, kept = [], []
         for i, decode in enumerate(begun):
             changes = self._advance(decode, 0)
             if changes is None:
                 continue
-            slots += decode.prefix.outputs.slots(decode.resume, decode.resume + 1)
+            slots.append(decode.prefix.outputs.slot(decode.resume))
             kept.append(i)
             if changes:
                 self._count(decode.prefix)

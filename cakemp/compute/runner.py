@@ -438,18 +438,20 @@ class BlockRunner:
             if isinstance(e, torch.OutOfMemoryError) and len(group.indices) > 1:
                 return [self._run_group(group.single(k), between_ops)[0] for k in range(len(group.indices))]
             return [e] * len(group.indices)
-        decodes = [(begun, output) for planned, begun, output in zip(group.planned, group.begun, outputs, strict=True)
-                   if planned is None and begun is not None]
-        if decodes:  # the followed decodes' rows kept in one copy: [n, H]
-            self.prefixes.finish_decodes([begun for begun, _ in decodes], torch.cat([output for _, output in decodes], dim=1)[0])
-        for planned, output in zip(group.planned, outputs, strict=True):
-            if planned is None:
-                continue
-            if planned.computed:
-                planned.install(self.cache)
-            if planned.begun is not None:
-                states = {block_idx: state for block_idx, (state, _) in planned.computed.items()}
-                self.prefixes.finish(planned.begun, output, states)
+        one_row = []  # followed one-row requests that computed their row (decodes): their rows kept in one copy
+        for planned, begun, output in zip(group.planned, group.begun, outputs, strict=True):
+            if planned is not None:
+                if planned.computed:
+                    planned.install(self.cache)
+                begun = planned.begun
+                if begun is not None and not begun.resume == begun.extension.start == begun.extension.end - 1:
+                    states = {block_idx: state for block_idx, (state, _) in planned.computed.items()}
+                    self.prefixes.finish(begun, output, states)
+                    continue
+            if begun is not None:
+                one_row.append((begun, output))
+        if one_row:  # [n, H]
+            self.prefixes.finish_rows([begun for begun, _ in one_row], torch.cat([output for _, output in one_row], dim=1)[0])
         return outputs
 
     def _plan(self, request: Request, T: int, rows: memoryview | None) -> _Planned | _Decode:

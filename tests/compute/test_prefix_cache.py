@@ -127,21 +127,22 @@ def _bytes(x: torch.Tensor) -> memoryview:
 
 
 def test_decodes_batched_keep_each_session_s_own_output_rows(llama):
-    """Three sessions decoding together (their rows kept in one copy a step): each one's next turn is
-    answered its own prompt's and decodes' outputs, bit for bit."""
+    """Three sessions decoding together (their rows kept in one copy a step), each crossing into a new
+    KV block on its own step (a decode planned apart): each one's next turn is answered its own
+    prompt's and decodes' outputs, bit for bit."""
     node = Node(llama, prefix_reuse=True)
-    prompts = [rows(20 + s, s) for s in range(3)]
+    prompts = [rows(BLOCK - 2 + s, s) for s in range(3)]
     outputs = [node.prompt(s, prompt) for s, prompt in enumerate(prompts)]
     decoded = [rows(4, 10 + s) for s in range(3)]
     for i in range(4):
-        step = node.runner.run_batch([Request(s, decoded[s][:, i:i + 1], node.ops(20 + s + i)) for s in range(3)])
+        step = node.runner.run_batch([Request(s, decoded[s][:, i:i + 1], node.ops(BLOCK - 2 + s + i)) for s in range(3)])
         outputs = [torch.cat([out, y], dim=1) for out, y in zip(outputs, step, strict=True)]
     for s in range(3):
         node.runner.clear_session(s)
     for s in range(3):
         again = node.prompt(s, torch.cat([prompts[s], decoded[s]], dim=1))
         assert torch.equal(again, outputs[s])
-    assert figures(node.runner)[:2] == (3, 24 + 25 + 26)
+    assert figures(node.runner)[:2] == (3, 3 * (BLOCK + 2) + 3)
 
 
 def test_a_history_differing_in_one_early_row_reuses_nothing_past_it(llama, qwen):
