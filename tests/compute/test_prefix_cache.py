@@ -11,7 +11,7 @@ import torch
 
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute.kv_cache import BLOCK
-from cakemp.compute.prefix_cache import MAX_RETIRED, PrefixCache
+from cakemp.compute.prefix_cache import MAX_RETIRED, MIN_REUSE, PrefixCache
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import ContextLimitExceeded
 from cakemp.front.router import chunk_bounds
@@ -143,6 +143,24 @@ def test_decodes_batched_keep_each_session_s_own_output_rows(llama):
         again = node.prompt(s, torch.cat([prompts[s], decoded[s]], dim=1))
         assert torch.equal(again, outputs[s])
     assert figures(node.runner)[:2] == (3, 3 * (BLOCK + 2) + 3)
+
+
+def test_a_session_no_longer_followed_gives_its_output_rows_back(llama):
+    """A session that rewinds (its run no longer followed), one whose connection closes (reuse not
+    shared) and one retired too short to keep give their kept output rows back to the pool: none is
+    held for a prefix no one keeps."""
+    node = Node(llama, prefix_reuse=True)
+    node.prompt(1, rows(20, 0))
+    node.prompt(2, rows(20, 1))
+    pool = node.runner.prefixes._outputs
+    assert pool.used == 2 * -(-20 // BLOCK)
+    node.runner.run(1, rows(1, 2), node.ops(5))  # a rewind: session 1 is no longer followed
+    assert pool.used == -(-20 // BLOCK) and recounted(node.runner.prefixes) > 0
+    node.runner.free_session(2)
+    assert pool.used == 0 and recounted(node.runner.prefixes) == 0
+    node.prompt(3, rows(MIN_REUSE - 1, 3))
+    node.runner.clear_session(3)  # fewer rows than a reuse needs: not kept
+    assert pool.used == 0 and node.runner.prefixes.retired_count() == 0
 
 
 def test_a_history_differing_in_one_early_row_reuses_nothing_past_it(llama, qwen):
