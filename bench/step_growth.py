@@ -24,7 +24,9 @@ too, where a decode whose KV slots hold its row otherwise joins its group with n
 With --prefix-reuse, cakemp's runner follows its sessions for prefix reuse under a KV budget, as a
 node's device does by default, and --retired sessions have first run a 32-row prompt and said
 Goodbye (the retired prefixes a chat server keeps): transformers' side has no such thing, so the
-ratio then includes what following the sessions costs.
+ratio then includes what following the sessions costs. A side without reuse (no-reuse) then runs
+beside, and what reuse costs per session and step is printed at each count: the two sides'
+difference over the sessions.
 
 Printed per count: each side's CPU ms per step (process time: steadier than wall on a shared
 machine; the median of --rounds windows, the sides taking turns, each first in turn), and the growth per session from
@@ -188,6 +190,8 @@ def main() -> None:
             if args.unplanned:
                 sides["unplanned"] = Cakemp(path, n, args.cached, args.layers, prefix_reuse=args.prefix_reuse,
                                             retired=args.retired, unplanned=True)
+            if args.prefix_reuse:
+                sides["no-reuse"] = Cakemp(path, n, args.cached, args.layers)
             sides["transformers"] = Transformers(path, n, args.cached, args.layers)
             for side in sides.values():
                 per_step_ms(side, 2)  # warm-up
@@ -203,6 +207,9 @@ def main() -> None:
         growth = {name: (figures[last][name] - figures[first][name]) / (last - first) * 1e3 for name in figures[first]}
         print(f"growth per session {first}->{last}: " +
               ", ".join(f"{name} {g:.1f} µs ({g / growth['transformers']:.2f}x)" for name, g in growth.items()))
+    if "no-reuse" in figures[last]:
+        per_session = {n: (figures[n]["cakemp"] - figures[n]["no-reuse"]) / n * 1e3 for n in counts}
+        print("prefix reuse's cost per session and step: " + ", ".join(f"{per_session[n]:.1f} µs at {n}" for n in counts))
 
 if __name__ == "__main__":
     main()

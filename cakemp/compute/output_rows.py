@@ -29,6 +29,7 @@ MIN_POOL_BLOCKS = 16  # the pool's first size, in blocks
 class RowPool:
     """One device's kept output rows, [blocks * BLOCK, H]: row `block * BLOCK + offset` of `rows`."""
 
+    @torch.inference_mode(False)  # a plain tensor, whoever makes it: a step writes it, in inference mode or not
     def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device, max_bytes: int | None = None):
         """`max_bytes`: the budget the rows are kept within (None: none), which bounds the pool's doubling."""
         self.rows = torch.empty(0, hidden, dtype=dtype, device=device)
@@ -50,15 +51,15 @@ class RowPool:
             heapq.heappush(self._free, block)
         self.used -= len(blocks)
 
-    def write(self, slots: Sequence[int], rows: torch.Tensor) -> None:
+    def write(self, slots: list[int], rows: torch.Tensor) -> None:
         """rows: [n, H] into rows `slots` (block * BLOCK + offset each) of the pool, in one copy."""
-        with torch.inference_mode():  # the pool may be an inference tensor: grown under it
-            self.rows.index_copy_(0, int64_tensor(list(slots), self.rows.device), rows)
+        self.rows.index_copy_(0, int64_tensor(slots, self.rows.device), rows)
 
-    def read(self, slots: Sequence[int]) -> torch.Tensor:
+    def read(self, slots: list[int]) -> torch.Tensor:
         """Rows `slots` of the pool, [n, H] (a copy)."""
-        return self.rows.index_select(0, int64_tensor(list(slots), self.rows.device))
+        return self.rows.index_select(0, int64_tensor(slots, self.rows.device))
 
+    @torch.inference_mode(False)
     def _grow(self, at_least: int) -> None:
         old = self.rows.shape[0] // BLOCK
         size = max(old + at_least, 2 * old, MIN_POOL_BLOCKS)

@@ -450,8 +450,9 @@ class BlockRunner:
                     continue
             if begun is not None:
                 one_row.append((begun, output))
-        if one_row:  # [n, H]
-            self.prefixes.finish_rows([begun for begun, _ in one_row], torch.cat([output for _, output in one_row], dim=1)[0])
+        if one_row:  # their rows [n, H]: the only one's, or one copy of them all
+            rows = one_row[0][1][0] if len(one_row) == 1 else torch.cat([output for _, output in one_row], dim=1)[0]
+            self.prefixes.finish_rows([begun for begun, _ in one_row], rows)
         return outputs
 
     def _plan(self, request: Request, T: int, rows: memoryview | None) -> _Planned | _Decode:
