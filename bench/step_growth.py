@@ -26,7 +26,8 @@ node's device does by default, and --retired sessions have first run a 32-row pr
 Goodbye (the retired prefixes a chat server keeps): transformers' side has no such thing, so the
 ratio then includes what following the sessions costs. A side without reuse (no-reuse) then runs
 beside, and what reuse costs per session and step is printed at each count: the two sides'
-difference over the sessions.
+difference over the sessions, beside the wall time spent inside prefix reuse's calls (PrefixCache's
+begin, finish and finish_rows) per request.
 
 Printed per count: each side's CPU ms per step (process time: steadier than wall on a shared
 machine; the median of --rounds windows, the sides taking turns, each first in turn), and the growth per session from
@@ -77,6 +78,9 @@ class Cakemp:
         self.hidden, self.device, self.dtype = self.runner.config.hidden_size, self.runner.device, self.runner.dtype
         if each_planned:
             self.runner._decode = lambda *request: None
+        self.reuse_s, self.requests = 0.0, 0  # time inside prefix reuse's calls; requests stepped
+        if prefix_reuse:
+            self._time_reuse(self.runner.prefixes)
         self.sessions, self.position = sessions, cached
         for s in range(sessions, sessions + retired):  # a chat's turn each, retired by its Goodbye
             self.runner.run(s, self._x(RETIRED_ROWS), self._ops(0))
@@ -84,6 +88,20 @@ class Cakemp:
         for s in range(sessions):
             self.runner.free_session(s)
             self.runner.run(s, self._x(cached), self._ops(0))
+
+    def _time_reuse(self, prefixes) -> None:
+        """Count the wall time inside prefix reuse's per-request calls (begin, finish, finish_rows)."""
+        for name in ("begin", "finish", "finish_rows"):
+            call = getattr(prefixes, name)
+
+            def timed(*args, call=call):
+                start = time.perf_counter()
+                try:
+                    return call(*args)
+                finally:
+                    self.reuse_s += time.perf_counter() - start
+
+            setattr(prefixes, name, timed)
 
     def _x(self, T: int) -> torch.Tensor:
         return torch.randn(1, T, self.hidden, device=self.device).to(self.dtype)
@@ -102,6 +120,7 @@ class Cakemp:
         data = memoryview(host.view(torch.uint8).numpy()).cast("B")
         row = len(data) // self.sessions
         requests = [Request(s, x_s, ops, data[s * row:(s + 1) * row]) for s, x_s in enumerate(rows)]
+        self.requests += len(requests)
         if self.unplanned:
             start = time.process_time()
             groups = self.runner._plan_step(requests, [None] * len(requests))
@@ -195,13 +214,17 @@ def main() -> None:
             sides["transformers"] = Transformers(path, n, args.cached, args.layers)
             for side in sides.values():
                 per_step_ms(side, 2)  # warm-up
+            reuse = sides["cakemp"]
+            reuse.reuse_s, reuse.requests = 0.0, 0
             times = {name: [] for name in sides}
             names = list(sides)
             for r in range(args.rounds):  # each side first in turn: none always follows the same other
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     times[name].append(per_step_ms(sides[name], args.steps))
             figures[n] = {name: statistics.median(t) for name, t in times.items()}
-            print(f"{n:3d} sessions: " + "   ".join(f"{name} {ms:8.3f} ms/step" for name, ms in figures[n].items()))
+            print(f"{n:3d} sessions: " + "   ".join(f"{name} {ms:8.3f} ms/step" for name, ms in figures[n].items()) +
+                  (f"   (inside prefix reuse's calls: {reuse.reuse_s / reuse.requests * 1e6:.1f} µs a request)"
+                   if args.prefix_reuse else ""))
     last = counts[-1]
     for first in counts[:-1]:
         growth = {name: (figures[last][name] - figures[first][name]) / (last - first) * 1e3 for name in figures[first]}
