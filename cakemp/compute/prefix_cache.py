@@ -51,7 +51,6 @@ from cakemp.compute.kv_cache import KVCache, KVSlot, LinearSlot
 from cakemp.compute.output_rows import OutputRows, RowPool
 from cakemp.compute.row_chain import Extension, RowChain
 from cakemp.model.deltanet import LinearState
-from cakemp.op import Op, shared_position
 
 # Retired prefixes kept at most, whatever the budget (none may be unbounded, and a lookup scans them).
 MAX_RETIRED = 256
@@ -138,14 +137,13 @@ class PrefixCache:
 
     # -- requests
 
-    def begin(self, session: int, x: torch.Tensor, rows: memoryview, ops: Sequence[Op], path: LayerPath) -> Begun | None:
+    def begin(self, session: int, x: torch.Tensor, rows: memoryview, start: int | None, path: LayerPath) -> Begun | None:
         """Take a request (x: [1, T, H], `rows` its bytes on the host; its ops checked against the
-        runner's layers, `path` their layers and KV slots) before it runs: a request at 0 retires what
-        the session held and may adopt a retired prefix; one following an adopted prefix goes on
-        matching it. None when the request is not followed (its ops start at different positions, or
-        it does not continue the session's run: the session is then not followed until it starts
-        again at 0)."""
-        start = shared_position(ops)
+        runner's layers, `start` the position every one of them is at, None where they differ; `path`
+        their layers and KV slots) before it runs: a request at 0 retires what the session held and may
+        adopt a retired prefix; one following an adopted prefix goes on matching it. None when the
+        request is not followed (its ops start at different positions, or it does not continue the
+        session's run: the session is then not followed until it starts again at 0)."""
         if start is None or start < 0:
             self._drop(session)
             return None

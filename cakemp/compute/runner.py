@@ -467,7 +467,8 @@ class BlockRunner:
         run = tuple(map(_LAYER_AND_SLOT, ops))  # what the request shares with those it batches with
         if run != self._checked_run:  # a step's requests mostly share one run: checked once
             self._check_run(run)
-        begun = None if self.prefixes is None else self.prefixes.begin(session, x, rows, ops, run)
+        position = shared_position(ops)  # (None: the ops are at several positions)
+        begun = None if self.prefixes is None else self.prefixes.begin(session, x, rows, position, run)
         if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
             if not begun.computes:
                 return _Planned(session, x, (), (), {}, {}, begun)
@@ -475,7 +476,7 @@ class BlockRunner:
             x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
             ops = [Op(op.layer, begun.resume, op.block_idx) for op in ops]
             T = x.shape[1]
-        elif T == 1 and (decode := self._decode(session, x, ops, run, begun)) is not None:
+        elif T == 1 and (decode := self._decode(session, x, position, run, begun)) is not None:
             return decode
         writes, linear_ends = {}, {}  # block_idx -> the rows [start, end) its ops write; -> the end
         held, recurrent = self.cache.slots(session), self.recurrent
@@ -507,12 +508,11 @@ class BlockRunner:
         slots = self.cache.reserve(session, writes, linear_ends)
         return _Planned(session, x, tuple(ops), run, slots, writes, begun)
 
-    def _decode(self, session: int, x: torch.Tensor, ops: Sequence[Op], run: tuple[tuple[int, int], ...],
+    def _decode(self, session: int, x: torch.Tensor, position: int | None, run: tuple[tuple[int, int], ...],
                 begun: Begun | None) -> _Decode | None:
         """The one-row request (none of its rows kept by prefix reuse) as a `_Decode` if its ops are at one
-        position that each of its KV slots holds already and its run has no linear-attention layer."""
-        position = None if self._checked_linear else shared_position(ops)
-        if position is None:
+        `position` that each of its KV slots holds already and its run has no linear-attention layer."""
+        if position is None or self._checked_linear:
             return None
         slots = self.cache.continuing(session, self._checked_blocks, position)
         return None if slots is None else _Decode(x, run, position, slots, begun)
