@@ -184,7 +184,9 @@ class DeviceService:
         data = rows(hops, message.data)  # each hop's bytes, apart
         if self.workload.image is not None:
             return [Task(hops[i], RawTensor(data[i], hops[i].dtype, hops[i].shape)) for i in mine]
-        own = tensors.wire_dtype(self.runner.dtype)  # hops of this dtype arrive as x's own bytes
+        # Hops of the compute dtype arrive as x's own bytes: prefix reuse names their rows by them (and
+        # only then are they held, with the message, as long as their task).
+        own = None if self.runner.prefixes is None else tensors.wire_dtype(self.runner.dtype)
         if len(mine) == len(hops) and (whole := self._rows(message)) is not None:
             return [Task(hop, x, body if hop.dtype == own else None)
                     for hop, x, body in zip(hops, whole, data, strict=True)]

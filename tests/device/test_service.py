@@ -181,7 +181,7 @@ def test_a_prompt_cut_here_equals_the_whole_prompt_and_is_answered_once(service,
 
 def test_a_hop_s_rows_are_named_by_its_own_received_bytes_for_prefix_reuse(checkpoint):
     """A hop in the compute dtype comes with its received bytes (prefix reuse names its rows by them,
-    no copy back from the device); one in another dtype does not. A prompt cut here names each piece
+    no copy back from the device); one in another dtype, or on a device without reuse, does not. A prompt cut here names each piece
     by its own rows: a second prompt sharing the first 16 of 20 rows reuses those 16 alone (the first
     piece's bytes for every piece would have named all 20 alike) and answers what a fresh prefill does."""
     spec = DeviceSpec(1, None, LAYERS, str(checkpoint), "f32", "ipc://unused")
@@ -191,6 +191,8 @@ def test_a_hop_s_rows_are_named_by_its_own_received_bytes_for_prefix_reuse(check
     own, other = service.tasks(received(Hops((forward(x, ops)[0], forward(x, ops, session=2, wire=DType.F16)[0]),
                                              raw(x) + raw(x, DType.F16))))
     assert bytes(own.data) == raw(x) and other.data is None
+    off = DeviceService.load(dataclasses.replace(spec, prefix_reuse=False), generation=GENERATION)
+    assert off.tasks(received(Hops((forward(x, ops)[0],), raw(x))))[0].data is None  # nothing names rows: none held
     answer(service, forward(x, ops), prefill_chunk=4)
     service.handle(Clear(1, 2))
     y = torch.cat([x[:, :16], torch.randn(1, 4, 64)], dim=1)
