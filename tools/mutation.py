@@ -168,7 +168,7 @@ MUTANTS = (
     Mutant("decode-past-context-limit", "cakemp/compute/kv_cache.py",
            "if slots is None or position >= self.max_context:", "if slots is None:", KV),
     Mutant("decode-ops-at-several-positions", "cakemp/op.py",
-           "        if index_pos != position:\n            return None\n", "",
+           "        if index_pos != position:\n", "        if index_pos < position:\n",
            RUNNER),
     Mutant("failed-decode-keeps-length", "cakemp/compute/runner.py",
            "                slot.length = starts[0]\n", "                pass\n", RUNNER),

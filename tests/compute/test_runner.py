@@ -142,17 +142,19 @@ def test_a_decode_past_the_context_limit_is_refused_where_its_last_block_has_roo
     assert [runner.cache.length(1, i) for i in (1, 2)] == [BLOCK + 4, BLOCK + 4]
 
 
-def test_a_one_row_request_whose_layers_are_at_different_positions_computes_each_at_its_own(checkpoint):
-    """A token whose second layer rewrites an earlier row than its first (each within what is cached)
-    equals the same ops sent one layer at a time."""
+@pytest.mark.parametrize("positions", [(5, 3), (3, 5)], ids=["second-earlier", "second-later"])
+def test_a_one_row_request_whose_layers_are_at_different_positions_computes_each_at_its_own(checkpoint, positions):
+    """A token whose second layer rewrites an earlier (or a later) row than its first (each within what
+    is cached) equals the same ops sent one layer at a time."""
     runner, apart = load(checkpoint), load(checkpoint)
     for r in (runner, apart):
         r.run(1, tokens(6, 0), r.ops(ops(0)))
     x = tokens(1, 1)
-    both = runner.run(1, x, runner.ops([("model.layers.1", 5, 1), ("model.layers.2", 3, 2)]))
-    first = apart.run(1, x, apart.ops([("model.layers.1", 5, 1)]))
-    assert torch.equal(both, apart.run(1, first, apart.ops([("model.layers.2", 3, 2)])))
-    assert [runner.cache.length(1, i) for i in (1, 2)] == [6, 4]
+    at = [("model.layers.1", positions[0], 1), ("model.layers.2", positions[1], 2)]
+    both = runner.run(1, x, runner.ops(at))
+    first = apart.run(1, x, apart.ops(at[:1]))
+    assert torch.equal(both, apart.run(1, first, apart.ops(at[1:])))
+    assert [runner.cache.length(1, i) for i in (1, 2)] == [p + 1 for p in positions]
 
 
 def test_budget_refuses_a_second_session_until_the_first_ends(checkpoint):
