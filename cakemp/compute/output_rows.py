@@ -4,8 +4,8 @@ A run answered from kept rows is answered the output rows it computed, so each f
 them by position. They live as KV rows do (kv_cache.py): in blocks of BLOCK rows of one tensor per
 device, `RowPool.rows: [blocks * BLOCK, H]` in the compute dtype, each run's `OutputRows` a table of
 its blocks. So a step writes the output row of every decode it ran with one indexed copy, where a
-buffer per run took a copy per request: a torch call each (on a CPU, most of prefix reuse's cost per
-decode at 32 sessions: docs/performance.md), and on a GPU a kernel launch each.
+buffer per run took a copy per request: a torch call each, and on a GPU a kernel launch each
+(docs/performance.md has what it cost).
 
 The pool grows by doubling, to no more than the budget's worth of rows beside the rows it must
 hold, and never shrinks: the blocks a run gives back are taken again by the next. What a run holds
