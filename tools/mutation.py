@@ -226,6 +226,8 @@ MUTANTS = (
     Mutant("unkept-retired-run-keeps-output-blocks", "cakemp/compute/prefix_cache.py",
            "            self._cache.drop(kept.values())\n            prefix.outputs.free()\n",
            "            self._cache.drop(kept.values())\n", PREFIX),
+    Mutant("kept-rows-out-of-memory-fails-the-step", "cakemp/compute/prefix_cache.py",
+           "self._held(prefix.outputs, extension.end)", "prefix.outputs.hold(extension.end) is None", PREFIX),
     Mutant("output-pool-growth-drops-rows", "cakemp/compute/output_rows.py",
            "        grown[: old * BLOCK] = self.rows\n", "", ("tests/compute/test_output_rows.py",) + PREFIX),
     Mutant("output-row-offset-dropped", "cakemp/compute/output_rows.py",

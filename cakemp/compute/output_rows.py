@@ -8,7 +8,8 @@ buffer per run took a copy per request: a torch call each, and on a GPU a kernel
 (docs/performance.md has what it cost).
 
 The pool grows by doubling, to no more than the budget's worth of rows beside the rows it must
-hold, and never shrinks: the blocks a run gives back are taken again by the next. What a run holds
+hold (by what it needs, where a GPU has no room for the doubling), and never shrinks: the blocks a
+run gives back are taken again by the next. What a run holds
 is its blocks, counted in the KV budget by prefix_cache.py; the pool's free blocks are outside it,
 as a KV pool's are.
 """
@@ -64,7 +65,11 @@ class RowPool:
         size = max(old + at_least, 2 * old, MIN_POOL_BLOCKS)
         if self._max_blocks is not None:
             size = max(old + at_least, min(size, self._max_blocks))
-        grown = self.rows.new_empty(size * BLOCK, self.rows.shape[1])
+        try:
+            grown = self.rows.new_empty(size * BLOCK, self.rows.shape[1])
+        except torch.OutOfMemoryError:  # a GPU short of the doubled pool: what is needed
+            size = old + at_least
+            grown = self.rows.new_empty(size * BLOCK, self.rows.shape[1])
         grown[: old * BLOCK] = self.rows
         self.rows = grown
         self._free.extend(range(old, size))  # above every block free before: still a heap

@@ -206,14 +206,24 @@ class PrefixCache:
         if self._live.get(begun.session) is not prefix:  # no longer followed (its room was needed)
             return None
         needed = prefix.outputs.growth(extension.end) + point_bytes
-        if needed and not self._make_room(needed):  # (most requests need none: their rows fit their blocks)
-            self._drop(begun.session, evicted=True)
+        if needed and not (self._make_room(needed) and self._held(prefix.outputs, extension.end)):
+            self._drop(begun.session, evicted=True)  # (most requests need no room: their rows fit their blocks)
             return None
         changes = bool(needed) or prefix.pending is not None
         prefix.chain.advance(extension, extension.end)
         prefix.resumed, prefix.pending = extension.end, None
-        prefix.outputs.hold(extension.end)
         return changes
+
+    @staticmethod
+    def _held(outputs: OutputRows, end: int) -> bool:
+        """Whether `outputs` now holds rows [0, end): False where the memory for them is not there (a GPU
+        out of it). Kept rows are given up then, and the request the step ran is answered all the same:
+        the device serves on."""
+        try:
+            outputs.hold(end)
+        except torch.OutOfMemoryError:
+            return False
+        return True
 
     # -- sessions
 
@@ -392,11 +402,11 @@ class PrefixCache:
         rows untouched, and give the session the blocks of the KV rows before `resume` (shared: the
         session's writes copy a shared block first) and a copy of the output rows before the
         request's `start` or `resume`, so that another chat sharing only its start does not cut it
-        short. If the output rows do not fit the budget, the prefix's rows past `resume` are the
-        session's to overwrite."""
+        short. If the output rows do not fit the budget (or a GPU's memory), the prefix's rows past
+        `resume` are the session's to overwrite."""
         attention = self._attention(prefix.layer_path)
         outputs = OutputRows(self._outputs)
-        if not self._make_room(outputs.growth(end)):
+        if not (self._make_room(outputs.growth(end)) and self._held(outputs, max(resume, start))):
             return
         shares = self._cache.shared_from(self._cache.slots(session), attention, resume)
         kv, linear = self._cache.detach(session)

@@ -163,6 +163,27 @@ def test_a_session_no_longer_followed_gives_its_output_rows_back(llama):
     assert pool.used == 0 and node.runner.prefixes.retired_count() == 0
 
 
+def test_kept_rows_that_find_no_memory_are_given_up_and_the_request_answered(llama, monkeypatch):
+    """A GPU out of memory for the kept output rows (the pool's growth raises torch.OutOfMemoryError, as
+    CUDA's allocator does; injected here, where a CPU's allocator raises no such thing): the prompt that
+    ran is answered what a fresh prefill gives, its session is no longer followed, and another session's
+    kept rows are untouched."""
+    node = Node(llama, prefix_reuse=True)
+    first = node.prompt(1, rows(20, 0))
+    prefixes = node.runner.prefixes
+
+    def out_of_memory(at_least: int) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(prefixes._outputs, "_grow", out_of_memory)
+    x = rows(16 * BLOCK, 1)  # past the blocks the pool's first size has left
+    assert_close(node.prompt(2, x), fresh(llama, x))
+    assert 2 not in prefixes._live and figures(node.runner)[2] == 1 and recounted(prefixes) > 0
+    monkeypatch.undo()
+    node.runner.clear_session(1)
+    assert torch.equal(node.prompt(1, rows(20, 0)), first) and figures(node.runner)[:2] == (1, 20)
+
+
 def test_a_history_differing_in_one_early_row_reuses_nothing_past_it(llama, qwen):
     """Row 20 of the history differs: attention layers reuse the 20 rows before it; a run with
     recurrent layers keeps states only where requests ended (the first turn's chunks: 14, 27, 40),
