@@ -41,7 +41,7 @@ retired like a Goodbye's.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -206,19 +206,24 @@ class PrefixCache:
         if self._live.get(begun.session) is not prefix:  # no longer followed (its room was needed)
             return None
         needed = prefix.outputs.growth(extension.end) + point_bytes
-        if needed and not (self._make_room(needed) and self._held(prefix.outputs, extension.end)):
-            self._drop(begun.session, evicted=True)  # (most requests need no room: their rows fit their blocks)
+        if needed and not self._make_room(needed):  # (most requests need none: their rows fit their blocks)
+            self._drop(begun.session, evicted=True)
             return None
+        prefix.outputs.hold(extension.end)  # (a GPU short of memory raises here: the runner gives its step up)
         changes = bool(needed) or prefix.pending is not None
         prefix.chain.advance(extension, extension.end)
         prefix.resumed, prefix.pending = extension.end, None
         return changes
 
+    def give_up(self, sessions: Iterable[int]) -> None:
+        """Stop following `sessions`, their kept rows given back: a step that ran them found no memory
+        for those rows (a GPU out of it). Their requests are answered all the same."""
+        for session in sessions:
+            self._drop(session, evicted=True)
+
     @staticmethod
     def _held(outputs: OutputRows, end: int) -> bool:
-        """Whether `outputs` now holds rows [0, end): False where the memory for them is not there (a GPU
-        out of it). Kept rows are given up then, and the request the step ran is answered all the same:
-        the device serves on."""
+        """Whether `outputs` now holds rows [0, end): False where a GPU has no memory for them."""
         try:
             outputs.hold(end)
         except torch.OutOfMemoryError:

@@ -438,11 +438,22 @@ class BlockRunner:
             if isinstance(e, torch.OutOfMemoryError) and len(group.indices) > 1:
                 return [self._run_group(group.single(k), between_ops)[0] for k in range(len(group.indices))]
             return [e] * len(group.indices)
-        one_row = []  # followed one-row requests that computed their row (decodes): their rows kept in one copy
+        for planned in group.planned:
+            if planned is not None and planned.computed:
+                planned.install(self.cache)
+        if self.prefixes is not None:
+            try:
+                self._keep_for_reuse(group, outputs)
+            except torch.OutOfMemoryError:  # a GPU without the memory: the rows are given up, the requests answered
+                self.prefixes.give_up(group.sessions)
+        return outputs
+
+    def _keep_for_reuse(self, group: _Group, outputs: list[torch.Tensor]) -> None:
+        """Hand what the group's followed requests computed to prefix reuse: one-row requests that
+        computed their row (decodes) in one copy, the others one by one."""
+        one_row = []
         for planned, begun, output in zip(group.planned, group.begun, outputs, strict=True):
             if planned is not None:
-                if planned.computed:
-                    planned.install(self.cache)
                 begun = planned.begun
                 if begun is not None and not begun.resume == begun.extension.start == begun.extension.end - 1:
                     states = {block_idx: state for block_idx, (state, _) in planned.computed.items()}
@@ -453,7 +464,6 @@ class BlockRunner:
         if one_row:  # their rows [n, H]: the only one's, or one copy of them all
             rows = one_row[0][1][0] if len(one_row) == 1 else torch.cat([output for _, output in one_row], dim=1)[0]
             self.prefixes.finish_rows([begun for begun, _ in one_row], rows)
-        return outputs
 
     def _plan(self, request: Request, T: int, rows: memoryview | None) -> _Planned | _Decode:
         """Check `request` (x: [1, T, H], its bytes `rows` on the host where prefix reuse reads them)
