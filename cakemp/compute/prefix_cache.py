@@ -122,7 +122,6 @@ class PrefixCache:
         self._cache = cache
         cache.spare = self  # its budget asks for room back (release)
         self._recurrent = tuple(recurrent)
-        self._hidden = hidden
         self._row_bytes = hidden * cache.dtype.itemsize
         self._outputs = RowPool(hidden, cache.dtype, cache.device, cache.budget_bytes)  # every prefix's output rows
         self._shared = shared

@@ -212,8 +212,9 @@ class DeviceService:
                 if not (piece.first and piece.last):  # a piece of a prompt cut here: its rows, at its positions
                     x = x[:, piece.start:piece.end]
                     ops = [Op(op.layer, op.index_pos + piece.start, op.block_idx) for op in ops]
-                    row = None if data is None else data.nbytes // task.tokens
-                    data = None if data is None else data[piece.start * row:piece.end * row]
+                    if data is not None:
+                        row = data.nbytes // task.tokens
+                        data = data[piece.start * row:piece.end * row]
                 batch.append((piece, self.runner.request(hop.session, x, ops, data)))
             except Exception as e:
                 onward.append(self._failed_chunk(task, self._fault(e), ran=not piece.first))
