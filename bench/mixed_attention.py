@@ -64,7 +64,7 @@ class Step:
         slots = [cache.slot(session, 0) for session in sessions]
         for rows in cache.pools[0].rows():
             rows.copy_(torch.randn(rows.shape, device=device).to(dtype))
-        self.rows = StepRows(cache, sessions, self.lengths, [tuple(self.starts)], [slots])
+        self.rows = StepRows(cache, sessions, self.lengths, self.starts, [[slot] for slot in slots], [0])
         self.q = torch.randn(1, H_q, sum(self.lengths), D, device=device).to(dtype)
         self.scale = D**-0.5
         self.tables = [slot.table[: -(-end // BLOCK)] for slot, end in zip(slots, ends, strict=True)]

@@ -171,7 +171,11 @@ MUTANTS = (
            "        if index_pos != position:\n", "        if index_pos < position:\n",
            RUNNER),
     Mutant("failed-decode-keeps-length", "cakemp/compute/runner.py",
-           "                slot.length = starts[0]\n", "                pass\n", RUNNER),
+           "                slot.length = starts\n", "                pass\n", RUNNER),
+    # Layers whose requests are at other positions share the first layer's rotation and masks.
+    Mutant("layers-at-other-positions-alike", "cakemp/compute/paged_step.py",
+           "self._alike = [alike.setdefault(row, index) for index, row in enumerate(self.starts)]",
+           "self._alike = [0] * len(self.starts)", RUNNER),
     Mutant("joined-decode-not-kept-for-reuse", "cakemp/compute/runner.py",
            "            if begun is not None:\n                one_row.append((begun, output))\n", "", RUNNER + PREFIX),
     Mutant("kv-last-block-taken-as-own", "cakemp/compute/kv_cache.py",

@@ -43,34 +43,46 @@ class StepRows:
     where each row's K/V goes and what each decode row reads."""
 
     def __init__(self, cache: KVCache, sessions: Sequence[int], lengths: Sequence[int],
-                 starts: Sequence[tuple[int, ...]], slots: Sequence[Sequence[KVSlot]]):
-        """Per attention layer of the step, in order: `starts`, each request's index_pos, and `slots`,
-        its KV slot there, holding blocks to its end (request i at positions starts[i].. of slots[i]).
-        The decode requests (`lengths` 1) come first, and a layer's requests share its KV slot index
-        (the runner groups and orders them so)."""
+                 starts: Sequence[int | tuple[int, ...]], slots: Sequence[Sequence[KVSlot | None]],
+                 layers: Sequence[int]):
+        """Each request's `starts`, its index_pos: an int where every op of it is at one position (a
+        decode's, most requests), else a tuple of its ops'; its `slots`, its KV slot of each op (None: a
+        linear-attention op's), each holding blocks to the request's end; `layers`: the op of each
+        attention layer of the step, in order. The decode requests (`lengths` 1) come first, and a
+        layer's requests share its KV slot index (the runner groups and orders them so)."""
         self.cache = cache
         self.sessions = tuple(sessions)
         self.lengths = tuple(lengths)
+        self._slots, self._layers = slots, tuple(layers)
         d = self.decodes = self.lengths.count(1)  # requests [0, d) have one row each
         self.firsts = [0, *itertools.accumulate(lengths)][:-1]  # each request's first row of x
-        self.starts = list(starts)
-        self.slots = slots
-        self.pools = [cache.pools[layer[0].pool] for layer in slots]  # each layer's
+        # Per attention layer, each request's index_pos; and per layer the first at the same positions
+        # (each mask and rotation is made once for those: for all layers where each request is at one
+        # position, as a step's requests mostly are).
+        if tuple in set(map(type, starts)):
+            self.starts = [tuple(start if type(start) is int else start[j] for start in starts) for j in layers]
+            alike: dict[tuple[int, ...], int] = {}
+            self._alike = [alike.setdefault(row, index) for index, row in enumerate(self.starts)]
+        else:
+            self.starts = [tuple(starts)] * len(layers)
+            self._alike = [0] * len(layers)
+        pool_ids = [slots[0][j].pool for j in layers]  # each layer's KV slot index
+        self.pools = [cache.pools[pool] for pool in pool_ids]
         positions, slot_ids = [], []
-        for starts, layer_slots in zip(self.starts, slots, strict=True):
+        for layer_starts, j in zip(self.starts, layers, strict=True):
             # A decode request's one row, at its start (most of a step: one comprehension for them all).
-            positions += starts[:d]
-            slot_ids += [slot.table[p // BLOCK] * BLOCK + p % BLOCK for p, slot in zip(starts[:d], layer_slots)]
-            for start, T, slot in zip(starts[d:], lengths[d:], layer_slots[d:], strict=True):
-                table, rows = slot.table, range(start, start + T)
+            positions += layer_starts[:d]
+            slot_ids += [slot[j].table[p // BLOCK] * BLOCK + p % BLOCK for p, slot in zip(layer_starts[:d], slots)]
+            for start, T, request_slots in zip(layer_starts[d:], lengths[d:], slots[d:], strict=True):
+                table, rows = request_slots[j].table, range(start, start + T)
                 positions += rows
                 slot_ids += [table[p // BLOCK] * BLOCK + p % BLOCK for p in rows]
         owners = cache.rows_of(self.sessions)  # each request's row of `cache.tables`
         # One tensor for all (a tensor's making costs more than its size here, and on a GPU each is a
         # copy from the host): positions and slot ids [2, L, N], each request's owner row [B], each
         # layer's pool [L].
-        L, N, B = len(slots), sum(lengths), len(lengths)
-        packed = int64_tensor(positions + slot_ids + owners + [layer[0].pool for layer in slots], cache.device)
+        L, N, B = len(layers), sum(lengths), len(lengths)
+        packed = int64_tensor(positions + slot_ids + owners + pool_ids, cache.device)
         # [2, L, N]: each row's position; its row of the flat pool
         self.placed = packed[: 2 * L * N].view(2, L, N)
         self.positions, self.slot_ids = self.placed
@@ -100,7 +112,16 @@ class StepRows:
 
     def blocks_needed(self) -> int:
         """The blocks the step's furthest-reaching request holds in a layer, to its last row."""
-        return max(start + T - 1 for starts in self.starts for start, T in zip(starts, self.lengths, strict=True)) // BLOCK + 1
+        ends = (start + T for index in set(self._alike) for start, T in zip(self.starts[index], self.lengths, strict=True))
+        return (max(ends) - 1) // BLOCK + 1
+
+    def alike(self, index: int) -> int:
+        """The first attention layer whose requests are at the positions of layer `index`'s."""
+        return self._alike[index]
+
+    def slot(self, index: int, i: int) -> KVSlot:
+        """Request i's KV slot at attention layer `index`."""
+        return self._slots[i][self._layers[index]]
 
     def all_tables(self) -> torch.Tensor:
         """Every attention layer's block table of each request, [L, B, width], gathered at the first use."""
@@ -110,7 +131,7 @@ class StepRows:
             # Row `row * slots + pool` of the flat tables: each layer's pool (shared by the step's requests)
             # for each request's row. [L, B] -> [L * B]
             picked = (self._owners[None, :] * slots + self._pool_ids[:, None]).view(-1)
-            self._tables = cache.tables.view(rows * slots, width).index_select(0, picked).view(len(self.slots), -1, width)
+            self._tables = cache.tables.view(rows * slots, width).index_select(0, picked).view(len(self.pools), -1, width)
         return self._tables
 
     def layer(self, index: int) -> LayerPages:
@@ -122,10 +143,10 @@ class StepRows:
         and which keys of those each sees, [d, S] as SDPA's additive mask in the cache's dtype (0 seen,
         -inf not), S running from the first block's first key to the furthest row's own (shared by
         layers at the same positions and window: SDPA would make that mask of a bool one at each call)."""
-        ends = self.starts[index][: self.decodes]
-        key = (ends, window)
+        key = (self._alike[index], window)
         found = self._visible.get(key)
         if found is None:
+            ends = self.starts[index][: self.decodes]
             furthest = max(ends) + 1
             last = -(-furthest // BLOCK)  # blocks to the furthest end
             first = 0 if window is None else max(0, min(ends) + 1 - window) // BLOCK  # blocks before every window
@@ -183,7 +204,7 @@ class LayerPages:
         """Request i's K and V, [1, H_kv, S >= end, D]: a view of the pool where its blocks to `end` are
         one run, else gathered."""
         pool = self.step.pools[self.index]
-        table = self.step.slots[self.index][i].table[: -(-end // BLOCK)]
+        table = self.step.slot(self.index, i).table[: -(-end // BLOCK)]
         first = table[0]
         if table[-1] - first == len(table) - 1 and table == list(range(first, first + len(table))):
             rows = slice(first * BLOCK, (first + len(table)) * BLOCK)

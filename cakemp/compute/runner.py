@@ -154,12 +154,12 @@ class _Group:
     indices: list[int] = field(default_factory=list)  # each request's index in the step
     sessions: list[int] = field(default_factory=list)
     xs: list[torch.Tensor] = field(default_factory=list)  # [1, T, H] each
-    starts: list[tuple[int, ...]] = field(default_factory=list)  # each request's index_pos of each op
+    starts: list[int | tuple[int, ...]] = field(default_factory=list)  # each request's index_pos (one for all its ops, or each op's)
     slots: list[Sequence[KVSlot | None]] = field(default_factory=list)  # ... its KV slot of each op (None: linear)
     planned: list[_Planned | None] = field(default_factory=list)  # ... its plan, if it was planned on its own
     begun: list[Begun | None] = field(default_factory=list)  # ... a joining decode's, as prefix reuse took it
 
-    def add(self, index: int, session: int, x: torch.Tensor, starts: tuple[int, ...],
+    def add(self, index: int, session: int, x: torch.Tensor, starts: int | tuple[int, ...],
             slots: Sequence[KVSlot | None], planned: _Planned | None = None, begun: Begun | None = None) -> None:
         self.indices.append(index)
         self.sessions.append(session)
@@ -181,8 +181,8 @@ class _Group:
             if planned is not None:
                 planned.roll_back()
                 continue
-            for slot in slots:  # a decode's one row, its index_pos
-                slot.length = starts[0]
+            for slot in slots:  # a decode's one row, at its index_pos
+                slot.length = starts
 
 
 class BlockRunner:
@@ -408,13 +408,13 @@ class BlockRunner:
                 results[i] = e
                 continue
             if isinstance(plan, _Decode):
-                self._group(groups, plan.run).add(i, request.session, plan.x, (plan.position,) * len(plan.run),
-                                                  plan.slots, begun=plan.begun)
+                self._group(groups, plan.run).add(i, request.session, plan.x, plan.position, plan.slots, begun=plan.begun)
             elif plan.begun is not None and not plan.begun.computes:  # every row kept
                 results[i] = plan.answer(None)
             else:
+                position = shared_position(plan.ops)
                 self._group(groups, plan.run).add(
-                    i, plan.session, plan.x, tuple(map(index_pos_of, plan.ops)),
+                    i, plan.session, plan.x, tuple(map(index_pos_of, plan.ops)) if position is None else position,
                     [None if recurrent[layer] else plan.slots[block_idx] for layer, block_idx in plan.run], plan)
         return groups
 
@@ -550,18 +550,16 @@ class BlockRunner:
         sessions, xs, starts, slots, planned = columns
         x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # [1, N, H]
         run = group.run
-        by_op = list(zip(*starts))  # per op: each request's index_pos
         attention = {j: i for i, j in enumerate(j for j, (layer, _) in enumerate(run) if not self.recurrent[layer])}
-        slots_by_op = list(zip(*slots))
-        step = None if not attention else StepRows(self.cache, sessions, lengths, [by_op[j] for j in attention],
-                                                   [slots_by_op[j] for j in attention])
+        step = None if not attention else StepRows(self.cache, sessions, lengths, starts, slots, list(attention))
         graphed = self.graphs.run(run, [self.blocks[layer] for layer, _ in run], [self.rotaries[layer] for layer, _ in run],
                                   step, x) if self._graphed(run, lengths) else None
-        x = graphed if graphed is not None else self._layers(run, planned, lengths, x, by_op, attention, step, between_ops)
+        x = graphed if graphed is not None else self._layers(run, planned, lengths, x, starts, attention, step, between_ops)
         for request_starts, request_slots, plan in zip(starts, slots, planned, strict=True):
             if plan is None:  # a decode: its slots hold its row
+                ended = request_starts + 1
                 for slot in request_slots:
-                    slot.length = request_starts[0] + 1
+                    slot.length = ended
                 continue
             for block_idx, (_, end) in plan.writes.items():
                 plan.slots[block_idx].length = end
@@ -579,27 +577,28 @@ class BlockRunner:
         return self.graphs is not None and lengths[-1] == 1 and all(self.capturable[layer] for layer, _ in run)
 
     def _layers(self, run: tuple[tuple[int, int], ...], members: Sequence[_Planned | None], lengths: list[int],
-                x: torch.Tensor, starts: list[tuple[int, ...]], attention: dict[int, int], step: StepRows | None,
+                x: torch.Tensor, starts: list[int | tuple[int, ...]], attention: dict[int, int], step: StepRows | None,
                 between_ops: Callable[[], None] | None) -> torch.Tensor:
         """x: [1, N, H] through the run's layers, op by op, over the step's pages (compute/paged_step.py);
-        `starts`: per op, each request's index_pos; `members`: each request's plan (a run with a
-        linear-attention layer has one for every request)."""
-        rotations = {}  # (rotary, each request's index_pos) -> cos, sin: [N, R]
+        `starts`: each request's index_pos (one for all its ops, or each op's); `members`: each request's
+        plan (a run with a linear-attention layer has one for every request)."""
+        rotations = {}  # (rotary, the first attention layer at these positions) -> cos, sin: [N, R]
         for j, (layer, block_idx) in enumerate(run):
             if j and j % _OPS_BETWEEN_CALLS == 0 and between_ops is not None:
                 between_ops()
             block = self.blocks[layer]
             if block.recurrent:
+                op_starts = [start if type(start) is int else start[j] for start in starts]
                 segments = [(T, planned.linear_state(self.cache, block_idx, index_pos))
-                            for planned, T, index_pos in zip(members, lengths, starts[j], strict=True)]
+                            for planned, T, index_pos in zip(members, lengths, op_starts, strict=True)]
                 x, states = block.forward(x, segments)
-                for planned, T, index_pos, state in zip(members, lengths, starts[j], states, strict=True):
+                for planned, T, index_pos, state in zip(members, lengths, op_starts, states, strict=True):
                     planned.computed[block_idx] = (state, index_pos + T)
                 continue
-            rotary = self.rotaries[layer]
-            if (rotary, starts[j]) not in rotations:
-                rotations[rotary, starts[j]] = self._rotation(rotary, step, attention[j])
-            cos, sin = rotations[rotary, starts[j]]
+            rotary, alike = self.rotaries[layer], step.alike(attention[j])
+            if (rotary, alike) not in rotations:
+                rotations[rotary, alike] = self._rotation(rotary, step, attention[j])
+            cos, sin = rotations[rotary, alike]
             x = block.forward(x, cos, sin, step.layer(attention[j]))
         return x
 
