@@ -154,7 +154,7 @@ class _Group:
     indices: list[int] = field(default_factory=list)  # each request's index in the step
     sessions: list[int] = field(default_factory=list)
     xs: list[torch.Tensor] = field(default_factory=list)  # [1, T, H] each
-    starts: list[int | tuple[int, ...]] = field(default_factory=list)  # each request's index_pos (one for all its ops, or each op's)
+    starts: list[int | tuple[int, ...]] = field(default_factory=list)  # each request's index_pos: one for all its ops, or each op's
     slots: list[Sequence[KVSlot | None]] = field(default_factory=list)  # ... its KV slot of each op (None: linear)
     planned: list[_Planned | None] = field(default_factory=list)  # ... its plan, if it was planned on its own
     begun: list[Begun | None] = field(default_factory=list)  # ... a joining decode's, as prefix reuse took it
