@@ -68,6 +68,28 @@ def test_sessions_batched_at_different_positions_match_each_alone(family):
     assert batched.kv_bytes() == alone.kv_bytes()
 
 
+def test_a_token_whose_layers_are_at_different_positions_batches_with_plain_decodes(family):
+    """A token rewriting an earlier row at its first layer than at the others (each within what is
+    cached), in one step with two plain decodes and a prompt chunk: its layers see their own rows and
+    rotations, and so does every other request (the step's masks and rotations are made per set of
+    layers at the same positions); each output equals the request run alone."""
+    if family[0] == "qwen3_5":
+        pytest.skip("a linear-attention layer's recurrence cannot rewind a row")
+    batched, alone = load(family), load(family)
+    hidden = batched.config.hidden_size
+    lengths = {1: 9, 2: 5, 3: 12}
+    for session, T in lengths.items():
+        x = tokens(T, session, hidden)
+        batched.run(session, x, ops(family, 0))
+        alone.run(session, x, ops(family, 0))
+    skewed = [op._replace(index_pos=6 if k == 0 else 8) for k, op in enumerate(ops(family, 0))]
+    requests = [Request(2, tokens(1, 21, hidden), ops(family, 5)), Request(1, tokens(1, 22, hidden), skewed),
+                Request(4, tokens(3, 23, hidden), ops(family, 0)), Request(3, tokens(1, 24, hidden), ops(family, 12))]
+    for request, result in zip(requests, batched.run_batch(requests), strict=True):
+        assert isinstance(result, torch.Tensor), result
+        assert_close(result, alone.run(request.session, request.x, request.ops))
+
+
 def test_requests_with_different_layer_runs_are_each_computed_on_their_own_run(family):
     """Sessions running all the layers, the first only, and the last only, in one batch: each gets its own run's result."""
     batched, alone = load(family), load(family)
