@@ -29,6 +29,7 @@ its own is amortised (and takes SDPA's fused causal kernels).
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -77,19 +78,37 @@ class StepRows:
                 table, rows = request_slots[j].table, range(start, start + T)
                 positions += rows
                 slot_ids += [table[p // BLOCK] * BLOCK + p % BLOCK for p in rows]
-        owners = cache.rows_of(self.sessions)  # each request's row of `cache.tables`
+        # Each layer's row of the flat block tables (`row * slots + pool`, `cache.tables` viewed as [rows *
+        # slots, width]) for each request: its session's row, the layer's pool. [L, B]
+        scaled = [row * cache.tables.shape[1] for row in cache.rows_of(self.sessions)]
+        picked = []
+        for pool in pool_ids:
+            picked += map(operator.add, scaled, itertools.repeat(pool, len(scaled)))
         # One tensor for all (a tensor's making costs more than its size here, and on a GPU each is a
-        # copy from the host): positions and slot ids [2, L, N], each request's owner row [B], each
-        # layer's pool [L].
-        L, N, B = len(layers), sum(lengths), len(lengths)
-        packed = int64_tensor(positions + slot_ids + owners + pool_ids, cache.device)
-        # [2, L, N]: each row's position; its row of the flat pool
-        self.placed = packed[: 2 * L * N].view(2, L, N)
-        self.positions, self.slot_ids = self.placed
-        self._owners, self._pool_ids = packed[2 * L * N : 2 * L * N + B], packed[2 * L * N + B :]
+        # copy from the host): positions and slot ids [2, L, N], then the tables' rows [L * B].
+        L, N = len(layers), sum(lengths)
+        packed = int64_tensor(positions + slot_ids + picked, cache.device)
+        self.placed = packed[: 2 * L * N].view(2, L, N)  # [2, L, N]: each row's position; its row of the flat pool
+        self._picked = packed[2 * L * N :]
+        self._placed_views: tuple[torch.Tensor, ...] | None = None
         self._request: torch.Tensor | None = None
         self._tables: torch.Tensor | None = None
         self._visible: dict[tuple, tuple[int, int, torch.Tensor]] = {}
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Each row's position at each attention layer, [L, N]."""
+        return self._placed_rows()[0]
+
+    @property
+    def slot_ids(self) -> torch.Tensor:
+        """Each row's row of its layer's flat pool, [L, N]."""
+        return self._placed_rows()[1]
+
+    def _placed_rows(self) -> tuple[torch.Tensor, ...]:
+        if self._placed_views is None:  # (a fixed-shape step copies `placed` whole: it asks for neither)
+            self._placed_views = self.placed.unbind(0)
+        return self._placed_views
 
     @property
     def request(self) -> torch.Tensor:
@@ -126,12 +145,9 @@ class StepRows:
     def all_tables(self) -> torch.Tensor:
         """Every attention layer's block table of each request, [L, B, width], gathered at the first use."""
         if self._tables is None:
-            cache = self.cache
-            rows, slots, width = cache.tables.shape
-            # Row `row * slots + pool` of the flat tables: each layer's pool (shared by the step's requests)
-            # for each request's row. [L, B] -> [L * B]
-            picked = (self._owners[None, :] * slots + self._pool_ids[:, None]).view(-1)
-            self._tables = cache.tables.view(rows * slots, width).index_select(0, picked).view(len(self.pools), -1, width)
+            tables = self.cache.tables
+            rows, slots, width = tables.shape
+            self._tables = tables.view(rows * slots, width).index_select(0, self._picked).view(len(self.pools), -1, width)
         return self._tables
 
     def layer(self, index: int) -> LayerPages:
