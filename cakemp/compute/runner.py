@@ -132,6 +132,19 @@ class _Planned:
             cache.linear_slot(self.session, block_idx).install(state.conv, state.recurrent, consumed)
 
 
+class _RunLayers(NamedTuple):
+    """What a run of ops (each op's (layer, block_idx)) asks of this runner's layers, worked out once
+    for the steps that repeat it (a master sends one run step after step)."""
+
+    run: tuple[tuple[int, int], ...]
+    slots: tuple[int, ...]  # each op's block_idx
+    linear: bool  # whether it has a linear-attention layer
+    attention: dict[int, int]  # the index of each attention layer's op -> its index among them
+    blocks: tuple[Block, ...]  # each op's layer
+    rotaries: tuple[Rotary | None, ...]  # ... and its rotary
+    capturable: bool  # whether a graph holds every one of its layers (compute/decode_graph.py)
+
+
 class _Decode(NamedTuple):
     """A one-row request whose KV slots hold its row already (KVCache.continuing): nothing to reserve,
     nothing to install, so it joins its group as it is."""
@@ -236,9 +249,7 @@ class BlockRunner:
         self.prefixes = PrefixCache(self.cache, [block.recurrent for block in self.blocks], config.hidden_size,
                                     share_prefixes) if prefix_reuse else None
         self.capturable = tuple(map(capturable, self.blocks))
-        self._checked_run: tuple[tuple[int, int], ...] | None = None  # the run `_check_run` passed last
-        self._checked_blocks: tuple[int, ...] = ()  # its block_idx, op by op
-        self._checked_linear = False  # whether it has a linear-attention layer
+        self._checked = _RunLayers((), (), False, {}, (), (), True)  # the run `_check_run` passed last
         self.graphs = None if graph_batch is None else DecodeGraphs(self.cache, graph_batch, device.type == "cuda")
         if self.graphs is not None and kv_budget_bytes is not None and all(self.capturable):
             self._prepare_graphs()
@@ -475,7 +486,7 @@ class BlockRunner:
             ops = [Op(op.layer, op.index_pos, self.slot_bases[op.layer] + op.block_idx)
                    if 0 <= op.layer < layers else op for op in ops]
         run = tuple(map(_LAYER_AND_SLOT, ops))  # what the request shares with those it batches with
-        if run != self._checked_run:  # a step's requests mostly share one run: checked once
+        if run != self._checked.run:  # a step's requests mostly share one run: checked once
             self._check_run(run)
         position = shared_position(ops)  # (None: the ops are at several positions)
         begun = None if self.prefixes is None else self.prefixes.begin(session, x, rows, position, run)
@@ -522,9 +533,9 @@ class BlockRunner:
                 begun: Begun | None) -> _Decode | None:
         """The one-row request (none of its rows kept by prefix reuse) as a `_Decode` if its ops are at one
         `position` that each of its KV slots holds already and its run has no linear-attention layer."""
-        if position is None or self._checked_linear:
+        if position is None or self._checked.linear:
             return None
-        slots = self.cache.continuing(session, self._checked_blocks, position)
+        slots = self.cache.continuing(session, self._checked.slots, position)
         return None if slots is None else _Decode(x, run, position, slots, begun)
 
     def _check_run(self, run: tuple[tuple[int, int], ...]) -> None:
@@ -534,9 +545,15 @@ class BlockRunner:
             if not (0 <= layer < layers and 0 <= block_idx < slots):
                 raise InternalError(f"op {layer}, {block_idx} (layer, KV slot) breaks the contract: this runner "
                                     f"has {layers} layers and {slots} KV slots")
-        self._checked_run = run
-        self._checked_blocks = tuple(block_idx for _, block_idx in run)
-        self._checked_linear = any(self.recurrent[layer] for layer, _ in run)
+        self._checked = self._run_layers(run)
+
+    def _run_layers(self, run: tuple[tuple[int, int], ...]) -> _RunLayers:
+        """What `run` (checked) asks of the layers."""
+        recurrent = self.recurrent
+        attention = {j: i for i, j in enumerate(j for j, (layer, _) in enumerate(run) if not recurrent[layer])}
+        return _RunLayers(run, tuple(block_idx for _, block_idx in run), any(recurrent[layer] for layer, _ in run),
+                          attention, tuple(self.blocks[layer] for layer, _ in run),
+                          tuple(self.rotaries[layer] for layer, _ in run), all(self.capturable[layer] for layer, _ in run))
 
     def _run(self, group: _Group, between_ops: Callable[[], None] | None) -> list[torch.Tensor]:
         """The outputs of `group`'s requests, which share one run, computed together: the decode
@@ -550,10 +567,13 @@ class BlockRunner:
         sessions, xs, starts, slots, planned = columns
         x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # [1, N, H]
         run = group.run
-        attention = {j: i for i, j in enumerate(j for j, (layer, _) in enumerate(run) if not self.recurrent[layer])}
+        layers = self._checked if run == self._checked.run else self._run_layers(run)
+        attention = layers.attention
         step = None if not attention else StepRows(self.cache, sessions, lengths, starts, slots, list(attention))
-        graphed = self.graphs.run(run, [self.blocks[layer] for layer, _ in run], [self.rotaries[layer] for layer, _ in run],
-                                  step, x) if self._graphed(run, lengths) else None
+        # A fixed-shape decode step (compute/decode_graph.py, which also asks that its shape fit a graph):
+        # decodes only, every layer one a graph holds.
+        graphed = self.graphs.run(run, layers.blocks, layers.rotaries, step, x) \
+            if self.graphs is not None and lengths[-1] == 1 and layers.capturable else None
         x = graphed if graphed is not None else self._layers(run, planned, lengths, x, starts, attention, step, between_ops)
         for request_starts, request_slots, plan in zip(starts, slots, planned, strict=True):
             if plan is None:  # a decode: its slots hold its row
@@ -570,11 +590,6 @@ class BlockRunner:
         for i, output in zip(order, outputs, strict=True):
             in_order[i] = output
         return in_order
-
-    def _graphed(self, run: tuple[tuple[int, int], ...], lengths: Sequence[int]) -> bool:
-        """Whether a step may run as a fixed-shape decode step (compute/decode_graph.py, which also asks
-        that its shape fit a graph): decodes only, every layer one a graph holds."""
-        return self.graphs is not None and lengths[-1] == 1 and all(self.capturable[layer] for layer, _ in run)
 
     def _layers(self, run: tuple[tuple[int, int], ...], members: Sequence[_Planned | None], lengths: list[int],
                 x: torch.Tensor, starts: list[int | tuple[int, ...]], attention: dict[int, int], step: StepRows | None,
