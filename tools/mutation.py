@@ -174,7 +174,8 @@ MUTANTS = (
            "                slot.length = starts\n", "                pass\n", RUNNER),
     # Every layer of a batched step reads the block tables of the first KV slot.
     Mutant("step-tables-of-one-slot", "cakemp/compute/paged_step.py",
-           "picked += map(operator.add, scaled, itertools.repeat(pool, len(scaled)))", "picked += scaled", RUNNER),
+           "picked = [row + pool for pool in pool_ids for row in scaled]", "picked = [row for _ in pool_ids for row in scaled]",
+           RUNNER),
     # Layers whose requests are at other positions share the first layer's rotation and masks.
     Mutant("layers-at-other-positions-alike", "cakemp/compute/paged_step.py",
            "self._alike = [alike.setdefault(row, index) for index, row in enumerate(self.starts)]",

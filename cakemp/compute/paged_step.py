@@ -29,7 +29,6 @@ its own is amortised (and takes SDPA's fused causal kernels).
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Sequence
 
 import torch
@@ -56,6 +55,7 @@ class StepRows:
         self.lengths = tuple(lengths)
         self._slots, self._layers = slots, tuple(layers)
         d = self.decodes = self.lengths.count(1)  # requests [0, d) have one row each
+        B = len(lengths)
         self.firsts = [0, *itertools.accumulate(lengths)][:-1]  # each request's first row of x
         # Per attention layer, each request's index_pos; and per layer the first at the same positions
         # (each mask and rotation is made once for those: for all layers where each request is at one
@@ -74,6 +74,8 @@ class StepRows:
             # A decode request's one row, at its start (most of a step: one comprehension for them all).
             positions += layer_starts[:d]
             slot_ids += [slot[j].table[p // BLOCK] * BLOCK + p % BLOCK for p, slot in zip(layer_starts[:d], slots)]
+            if d == B:
+                continue
             for start, T, request_slots in zip(layer_starts[d:], lengths[d:], slots[d:], strict=True):
                 table, rows = request_slots[j].table, range(start, start + T)
                 positions += rows
@@ -81,9 +83,7 @@ class StepRows:
         # Each layer's row of the flat block tables (`row * slots + pool`, `cache.tables` viewed as [rows *
         # slots, width]) for each request: its session's row, the layer's pool. [L, B]
         scaled = [row * cache.tables.shape[1] for row in cache.rows_of(self.sessions)]
-        picked = []
-        for pool in pool_ids:
-            picked += map(operator.add, scaled, itertools.repeat(pool, len(scaled)))
+        picked = [row + pool for pool in pool_ids for row in scaled]
         # One tensor for all (a tensor's making costs more than its size here, and on a GPU each is a
         # copy from the host): positions and slot ids [2, L, N], then the tables' rows [L * B].
         L, N = len(layers), sum(lengths)
