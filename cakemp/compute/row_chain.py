@@ -42,10 +42,7 @@ class RowChain:
     def __init__(self, row_bytes: int):
         self.row_bytes = row_bytes  # bytes of one row (hidden size x the compute dtype's size)
         self._digests = bytearray()  # row i's at [DIGEST * i, DIGEST * (i + 1))
-
-    @property
-    def length(self) -> int:
-        return len(self._digests) // DIGEST
+        self.length = 0  # rows taken (a count kept, not worked out: asked several times a request)
 
     def digest_at(self, position: int) -> bytes:
         """The digest naming rows [0, position), 0 <= position <= length (b"" for none)."""
@@ -57,9 +54,14 @@ class RowChain:
 
     def advance(self, extension: Extension, end: int) -> None:
         """Take the extension's rows up to position `end` (this chain may hold some of them already)."""
-        if not extension.start <= self.length <= end <= extension.end:
-            raise ValueError(f"rows [{extension.start}, {end}) do not continue a chain of {self.length} rows")
-        self._digests += extension.digests[DIGEST * (self.length - extension.start) : DIGEST * (end - extension.start)]
+        length = self.length
+        if not extension.start <= length <= end <= extension.end:
+            raise ValueError(f"rows [{extension.start}, {end}) do not continue a chain of {length} rows")
+        if length == extension.start and end == extension.end:  # all of them (a decode's one row)
+            self._digests += extension.digests
+        else:
+            self._digests += extension.digests[DIGEST * (length - extension.start) : DIGEST * (end - extension.start)]
+        self.length = end
 
 
 class Extension:
