@@ -2,7 +2,7 @@
 pays it, this tree against an earlier checkout, side by side in one run.
 
     python -m bench.step_host --before DIR [--layers 4,16] [--counts 1,8,32] [--steps 64] [--rounds 3]
-                              [--prefix-reuse]
+                              [--prefix-reuse] [--paged]
 
 On a GPU a decode step's compute is one CUDA graph's replay (compute/decode_graph.py), launched in
 microseconds; what the device's CPU does around it, per request, is what bounds its rate: checking
@@ -16,6 +16,10 @@ taken out; and again with that compute skipped (the step's input returned as its
 host's work runs warm, as beside a GPU, not after a CPU's compute has evicted it from the caches.
 Figures are CPU µs per request (process time), the rest of `run_batch`, before -> now; a step's requests
 cross into a new KV block every 16 steps, as a decode's do, so --steps is best a multiple of 16.
+
+With --paged, the runner is loaded without decode graphs, as a CPU device loads it: its steps are the
+paged step (compute/paged_step.py), whose compute is not apart, and the figure is run_batch's whole CPU
+per request.
 
 DIR is a checkout of an earlier commit (`git worktree add DIR <commit>`). One child process per tree
 and layer count, each importing its own tree's cakemp (PYTHONPATH); the children take turns, --rounds
@@ -48,7 +52,7 @@ from cakemp.compute.runner import BlockRunner, Request
 torch.set_num_threads(1)
 layers = [f"model.layers.{i}" for i in range({layers})]
 runner = BlockRunner.load(sys.argv[1], layers, "cpu", torch.float32, kv_budget_bytes={budget},
-                          prefix_reuse={reuse}, graph_batch={graph_batch})
+                          prefix_reuse={reuse}, graph_batch={graph_batch})  # (None: the paged step)
 hidden = runner.config.hidden_size
 computed = [0.0]
 compute = decode_graph.DecodeGraph._compute
@@ -79,9 +83,9 @@ for line in sys.stdin:
 """
 
 
-def start(tree: Path, model: Path, layers: int, prefix_reuse: bool) -> subprocess.Popen:
+def start(tree: Path, model: Path, layers: int, prefix_reuse: bool, paged: bool) -> subprocess.Popen:
     code = (CHILD.replace("{layers}", str(layers)).replace("{budget}", str(REUSE_BUDGET))
-            .replace("{reuse}", str(prefix_reuse)).replace("{graph_batch}", str(GRAPH_BATCH))
+            .replace("{reuse}", str(prefix_reuse)).replace("{graph_batch}", str(None if paged else GRAPH_BATCH))
             .replace("{cached}", str(CACHED)))
     child = subprocess.Popen([sys.executable, "-c", code, str(model)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tree,
@@ -109,6 +113,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefix-reuse", action="store_true", help="follow the sessions for prefix reuse")
+    parser.add_argument("--paged", action="store_true", help="no decode graphs: the paged step, as a CPU device's")
     args = parser.parse_args()
     counts = [int(n) for n in args.counts.split(",")]
     print(machine_line())
@@ -118,12 +123,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         for layers in (int(n) for n in args.layers.split(",")):
             model = make_checkpoint(Path(work) / str(layers), "llama", num_hidden_layers=layers, **SHAPES["tiny"])
-            children = {name: start(tree, model, layers, args.prefix_reuse) for name, tree in trees.items()}
+            children = {name: start(tree, model, layers, args.prefix_reuse, args.paged) for name, tree in trees.items()}
             for child in children.values():
                 host_micros(child, max(counts), 16, False)  # warm-up
             for n in counts:
                 line = f"  {layers:3d} layers, {n:3d} sessions:"
-                for skip, name in ((False, "beside compute"), (True, "compute skipped")):
+                sides = ((False, "the paged step, all of it"),) if args.paged else \
+                    ((False, "beside compute"), (True, "compute skipped"))
+                for skip, name in sides:
                     rounds = {tree: [] for tree in children}
                     for _ in range(args.rounds):
                         for tree, child in children.items():
