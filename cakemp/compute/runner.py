@@ -571,9 +571,9 @@ class BlockRunner:
         attention = layers.attention
         step = None if not attention else StepRows(self.cache, sessions, lengths, starts, slots, list(attention))
         # A fixed-shape decode step (compute/decode_graph.py, which also asks that its shape fit a graph):
-        # decodes only, every layer one a graph holds.
+        # decodes only, through attention layers a graph holds every one of.
         graphed = self.graphs.run(run, layers.blocks, layers.rotaries, step, x) \
-            if self.graphs is not None and lengths[-1] == 1 and layers.capturable else None
+            if self.graphs is not None and step is not None and lengths[-1] == 1 and layers.capturable else None
         x = graphed if graphed is not None else self._layers(run, planned, lengths, x, starts, attention, step, between_ops)
         for request_starts, request_slots, plan in zip(starts, slots, planned, strict=True):
             if plan is None:  # a decode: its slots hold its row
