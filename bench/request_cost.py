@@ -19,7 +19,8 @@ Batches each per window; between windows every session starts over (a Goodbye an
 outside the window), so contexts stay short. CPU time is each thread's sum_exec_runtime
 (/proc/<pid>/task/<tid>/schedstat, in ns; utime and stime tick at 10 ms), what the machine's load
 does not inflate much, unlike wall time, of the front process and of its device process, over
-each window, divided by the requests in it. Each window is followed by the same compute in this
+each window, divided by the requests in it (and, from each node's /metrics, the requests its device ran
+a step: the in-process side runs every session in each step). Each window is followed by the same compute in this
 process: BlockRunner.run_batch over the same layers (loaded as the node's device loads them: f32
 weights packed, prefix reuse as the node has it, this process's loaded objects then frozen as a
 device's are), one torch thread, on the same number of sessions' one-token
@@ -70,8 +71,9 @@ from pathlib import Path
 
 import torch
 
+from bench.batching import batch_size_totals
 from bench.front_floor import Floor
-from bench.pool import MAX_POSITIONS, REUSE_BUDGET, Session, machine_line, raw, start_cakemp
+from bench.pool import MAX_POSITIONS, REUSE_BUDGET, Session, free_port, machine_line, raw, start_cakemp
 from bench.route import children
 from cakemp import heap
 from cakemp.compute import tensors
@@ -150,12 +152,14 @@ def thread_seconds(pids: dict[str, int]) -> Counter:
     return seconds
 
 
-async def node_window(sessions: list[Session], steps: int, pids: dict[str, int]) -> Counter:
+async def node_window(sessions: list[Session], steps: int, pids: dict[str, int], metrics: int | None = None) -> Counter:
     """CPU seconds of each process in `pids`, and of each of its threads by name, while every
-    session decodes `steps` Batches at once."""
+    session decodes `steps` Batches at once; with the node's `metrics` port, the requests and steps its
+    devices ran meanwhile ("requests run", "steps run")."""
     for session in sessions:
         await session.restart()
     threads = thread_seconds(pids)
+    ran = Counter() if metrics is None else Counter(dict(zip(("requests run", "steps run"), batch_size_totals(metrics))))
 
     async def decode(session: Session) -> None:
         for _ in range(steps):
@@ -163,7 +167,10 @@ async def node_window(sessions: list[Session], steps: int, pids: dict[str, int])
 
     await asyncio.gather(*(decode(session) for session in sessions))
     spent = thread_seconds(pids)
+    if metrics is not None:
+        spent.update(dict(zip(("requests run", "steps run"), batch_size_totals(metrics))))
     spent.subtract(threads)
+    spent.subtract(ran)
     return spent
 
 
@@ -187,9 +194,11 @@ def in_process_window(runner: BlockRunner, count: int, steps: int, idle_s: float
 
 
 async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRunner, counts: list[int], steps: int,
-                  rounds: int, idle: int = 0) -> dict[str, dict[int, dict[str, float]]]:
+                  rounds: int, idle: int = 0, metrics: dict[str, int] | None = None) -> dict[str, dict[int, dict[str, float]]]:
     """{node: {count: {process: CPU µs per request}}} for each node (its port and pids) and "in-process",
-    their windows taking turns; `idle` sessions connected to each node meanwhile, having said Goodbye once."""
+    their windows taking turns; `idle` sessions connected to each node meanwhile, having said Goodbye once.
+    Where a node's `metrics` port is given, its "requests a step": the requests its devices ran per step."""
+    metrics = metrics or {}
     hidden, wire = runner.config.hidden_size, tensors.wire_dtype(runner.dtype)
     waiting = [await idle_session(port, hidden, len(runner.layers), wire) for port, _ in nodes.values() for _ in range(idle)]
     figures = {name: {} for name in nodes}
@@ -202,7 +211,7 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
         totals = {name: Counter() for name in nodes}
         for _ in range(rounds):
             for name, (_, pids) in nodes.items():
-                totals[name].update(await node_window(sessions[name], steps, pids))
+                totals[name].update(await node_window(sessions[name], steps, pids, metrics.get(name)))
             in_process = in_process_window(runner, count, steps)
             idle = in_process_window(runner, count, steps, IDLE_S)
             for name in nodes:
@@ -211,7 +220,10 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
         for session in (session for group in sessions.values() for session in group):
             await session.close()
         for name in nodes:
+            ran = {key: totals[name].pop(key) for key in ("requests run", "steps run") if key in totals[name]}
             figures[name][count] = {key: seconds / (rounds * steps * count) * 1e6 for key, seconds in totals[name].items()}
+            if ran.get("steps run"):
+                figures[name][count]["requests a step"] = ran["requests run"] / ran["steps run"]
     for session in waiting:
         await session.close()
     return figures
@@ -409,14 +421,16 @@ def main() -> None:
         heap.freeze_loaded()
         trees = {"this tree": None} if args.before is None else \
             {f"before ({args.before.name})": args.before.resolve(), "this tree": None}
-        started = {name: start_cakemp(model, work, "cpu:1", *node_args, layers=args.layers, source=tree)
+        metrics = {name: free_port() for name in trees}  # each node's: the requests its device runs a step
+        started = {name: start_cakemp(model, work, "cpu:1", *node_args, "--metrics-address", f"127.0.0.1:{metrics[name]}",
+                                      layers=args.layers, source=tree)
                    for name, tree in trees.items()}
         floor = Floor(work, FLOOR_BUSY_S) if args.floor else None
         try:
             nodes = {name: (port, {"front": node.pid, "device": device_pid(node.pid)})
                      for name, (node, port) in started.items()}
             measured = nodes | ({FLOOR: (floor.port, floor.pids)} if floor else {})
-            by_node = asyncio.run(measure(measured, runner, counts, args.steps, args.rounds, args.idle))
+            by_node = asyncio.run(measure(measured, runner, counts, args.steps, args.rounds, args.idle, metrics))
             floor_figures = by_node.pop(FLOOR, None)
             prompt = asyncio.run(prompts(nodes, runner, args.prompt, args.prompts)) if args.prompt and args.prompts else None
             figures = by_node["this tree"]
@@ -434,15 +448,17 @@ def main() -> None:
           f"{args.rounds} windows of {args.steps} decode Batches per session" +
           (f", {args.idle} idle sessions connected" if args.idle else "") + "; CPU µs per request")
     print(f"| sessions | front | device | in-process run_batch | device beyond in-process | in-process, {IDLE_S * 1e3:g} ms "
-          "idle before each step | device beyond that |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          "idle before each step | device beyond that | the node's requests a step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for count, cost in figures.items():
         front, device, hot, idle = (cost[key] for key in ("front (process)", "device (process)", "in-process",
                                                           "in-process idle"))
-        print(f"| {count} | {front:.0f} | {device:.0f} | {hot:.0f} | {device - hot:+.0f} | {idle:.0f} | {device - idle:+.0f} |")
+        print(f"| {count} | {front:.0f} | {device:.0f} | {hot:.0f} | {device - hot:+.0f} | {idle:.0f} | {device - idle:+.0f} | "
+              f"{cost.get('requests a step', float('nan')):.1f} |")
     print("by thread (the unnamed one is the process's Python thread; ZMQbg: ZeroMQ's I/O threads), µs per request: "
           + "; ".join(f"{count} session(s): " + ", ".join(f"{name} {value:.0f}" for name, value in sorted(cost.items())
-                                                          if "(process)" not in name and not name.startswith("in-process"))
+                                                          if "(process)" not in name and not name.startswith("in-process")
+                                                          and name != "requests a step")
                       for count, cost in figures.items()))
     if args.before is not None:
         print_before(by_node)
