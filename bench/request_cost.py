@@ -152,14 +152,22 @@ def thread_seconds(pids: dict[str, int]) -> Counter:
     return seconds
 
 
+RAN = ("requests run", "steps run")  # what a node's devices ran, from its /metrics
+
+
+def devices_ran(metrics: int | None) -> Counter:
+    """The requests and steps a node's devices have run so far (RAN), from its `metrics` port (None: nothing)."""
+    return Counter() if metrics is None else Counter(dict(zip(RAN, batch_size_totals(metrics))))
+
+
 async def node_window(sessions: list[Session], steps: int, pids: dict[str, int], metrics: int | None = None) -> Counter:
     """CPU seconds of each process in `pids`, and of each of its threads by name, while every
     session decodes `steps` Batches at once; with the node's `metrics` port, the requests and steps its
-    devices ran meanwhile ("requests run", "steps run")."""
+    devices ran meanwhile (RAN), read outside the window (the front serves /metrics)."""
     for session in sessions:
         await session.restart()
+    ran = devices_ran(metrics)
     threads = thread_seconds(pids)
-    ran = Counter() if metrics is None else Counter(dict(zip(("requests run", "steps run"), batch_size_totals(metrics))))
 
     async def decode(session: Session) -> None:
         for _ in range(steps):
@@ -167,9 +175,8 @@ async def node_window(sessions: list[Session], steps: int, pids: dict[str, int],
 
     await asyncio.gather(*(decode(session) for session in sessions))
     spent = thread_seconds(pids)
-    if metrics is not None:
-        spent.update(dict(zip(("requests run", "steps run"), batch_size_totals(metrics))))
     spent.subtract(threads)
+    spent.update(devices_ran(metrics))
     spent.subtract(ran)
     return spent
 
@@ -220,7 +227,7 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
         for session in (session for group in sessions.values() for session in group):
             await session.close()
         for name in nodes:
-            ran = {key: totals[name].pop(key) for key in ("requests run", "steps run") if key in totals[name]}
+            ran = {key: totals[name].pop(key) for key in RAN if key in totals[name]}
             figures[name][count] = {key: seconds / (rounds * steps * count) * 1e6 for key, seconds in totals[name].items()}
             if ran.get("steps run"):
                 figures[name][count]["requests a step"] = ran["requests run"] / ran["steps run"]
