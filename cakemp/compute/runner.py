@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import torch
 
 from cakemp.checkpoint.config import ModelConfig
-from cakemp.compute import memory
+from cakemp.compute import memory, tensors
 from cakemp.compute.decode_graph import DecodeGraphs, capturable
 from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.compute.loading import Block, LoadPlan, Rounding, check_quantizable, kept_kernels
@@ -249,7 +249,7 @@ class BlockRunner:
         self.prefixes = PrefixCache(self.cache, [block.recurrent for block in self.blocks], config.hidden_size,
                                     share_prefixes) if prefix_reuse else None
         self.capturable = tuple(map(capturable, self.blocks))
-        self._checked = _RunLayers((), (), False, {}, (), (), True)  # the run `_check_run` passed last
+        self._checked = self._run_layers(())  # the run `_check_run` passed last (none yet)
         self.graphs = None if graph_batch is None else DecodeGraphs(self.cache, graph_batch, device.type == "cuda")
         if self.graphs is not None and kv_budget_bytes is not None and all(self.capturable):
             self._prepare_graphs()
@@ -667,7 +667,7 @@ def _host_rows(requests: Sequence[Request]) -> list[memoryview]:
         return rows
     xs = [requests[i].x for i in missing]
     flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
-    view = memoryview(flat.cpu().view(torch.uint8).numpy()).cast("B")
+    view = tensors.to_bytes(flat, tensors.wire_dtype(flat.dtype))
     at = 0
     for i, x in zip(missing, xs, strict=True):
         end = at + x.numel() * x.element_size()
