@@ -62,13 +62,19 @@ with torch.inference_mode():
 
 
 def start(tree: Path, model: Path, prompt: int) -> subprocess.Popen:
-    code = CHILD.replace("{layers}", str(LAYERS)).replace("{prompt}", str(prompt))
+    return start_child(CHILD.replace("{layers}", str(LAYERS)).replace("{prompt}", str(prompt)), tree, model)
+
+
+def start_child(code: str, tree: Path, model: Path) -> subprocess.Popen:
+    """A Python child running `code` over `model` with the cakemp of the checkout `tree` (PYTHONPATH), its
+    stdin and stdout lines the bench's, once it prints "ready" (after any log lines of its loading)."""
     child = subprocess.Popen([sys.executable, "-c", code, str(model)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tree,
                              env={**os.environ, "PYTHONPATH": str(tree)})
-    if child.stdout.readline().strip() != "ready":
-        raise RuntimeError(f"the child from {tree} did not start")
-    return child
+    for line in child.stdout:
+        if line.strip() == "ready":
+            return child
+    raise RuntimeError(f"the child from {tree} did not start")
 
 
 def step_seconds(child: subprocess.Popen, steps: int) -> tuple[float, float]:

@@ -29,13 +29,12 @@ each, and each figure is the median of its rounds.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from bench.block_step import start_child
 from bench.pool import REUSE_BUDGET, machine_line
 from bench.step_growth import SHAPES
 from tests.support.checkpoints import make_checkpoint
@@ -88,13 +87,7 @@ def start(tree: Path, model: Path, layers: int, prefix_reuse: bool, paged: bool)
     code = (CHILD.replace("{layers}", str(layers)).replace("{budget}", str(REUSE_BUDGET))
             .replace("{reuse}", str(prefix_reuse)).replace("{graph_batch}", str(None if paged else GRAPH_BATCH))
             .replace("{cached}", str(CACHED)))
-    child = subprocess.Popen([sys.executable, "-c", code, str(model)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tree,
-                             env={**os.environ, "PYTHONPATH": str(tree)})
-    for line in child.stdout:  # the runner's log lines first (its decode graphs made)
-        if line.strip() == "ready":
-            return child
-    raise RuntimeError(f"the child from {tree} did not start")
+    return start_child(code, tree, model)
 
 
 def host_micros(child: subprocess.Popen, sessions: int, steps: int, skip: bool) -> float:
