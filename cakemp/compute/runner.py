@@ -666,13 +666,8 @@ def _host_rows(requests: Sequence[Request]) -> list[memoryview]:
     if not missing:
         return rows
     xs = [requests[i].x for i in missing]
-    flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
-    view = tensors.to_bytes(flat, tensors.wire_dtype(flat.dtype))
-    at = 0
-    for i, x in zip(missing, xs, strict=True):
-        end = at + x.numel() * x.element_size()
-        rows[i] = view[at:end]
-        at = end
+    for i, data in zip(missing, tensors.to_bytes_each(xs, tensors.wire_dtype(xs[0].dtype)), strict=True):
+        rows[i] = data
     return rows
 
 

@@ -8,6 +8,7 @@ dtypes); only the floating dtypes a hidden state can have are accepted.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -54,6 +55,18 @@ def to_bytes(x: torch.Tensor, dtype: int) -> memoryview:
         x = x.cpu()
     # bf16 has no numpy dtype: reinterpret as bytes first.
     return memoryview(x.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def to_bytes_each(xs: Sequence[torch.Tensor], dtype: int) -> list[memoryview]:
+    """Each of `xs` as `to_bytes` gives it, all cast and copied to the host together (on a GPU one
+    transfer, not one per tensor): views of one buffer, in order."""
+    flat = to_bytes(torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0], dtype)
+    views, at, itemsize = [], 0, _WIRE_TO_TORCH[dtype].itemsize
+    for x in xs:
+        end = at + x.numel() * itemsize
+        views.append(flat[at:end])
+        at = end
+    return views
 
 
 def wire_dtype(dtype: torch.dtype) -> DType:

@@ -286,20 +286,14 @@ class DeviceService:
             members = [i for i, d in enumerate(wire) if d == dtype]
             try:
                 # The copy to the host is where an asynchronous CUDA error or a cast's OOM surfaces.
-                flat = tensors.to_bytes(torch.cat([finished[i][1].reshape(-1) for i in members])
-                                        if len(members) > 1 else finished[members[0]][1], dtype)
+                for i, body in zip(members, tensors.to_bytes_each([finished[i][1] for i in members], dtype), strict=True):
+                    data[i] = body
             except Exception:  # each alone, for each its own answer
                 for i in members:
                     try:
                         data[i] = tensors.to_bytes(finished[i][1], dtype)
                     except Exception as e:
                         data[i] = e
-                continue
-            at, itemsize = 0, DType(dtype).itemsize
-            for i in members:
-                end = at + finished[i][1].numel() * itemsize
-                data[i] = flat[at:end]
-                at = end
         onward = []
         kv = self.runner.kv_bytes()
         for (task, y), dtype, body in zip(finished, wire, data, strict=True):
