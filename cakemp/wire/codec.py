@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, is_dataclass
 from dataclasses import fields as dataclass_fields
 from enum import IntEnum
+from itertools import repeat
 from typing import Annotated, NamedTuple, get_args, get_origin, get_type_hints
 
 from cakemp.errors import BadTensor, EncodeError, ProtocolError
@@ -363,6 +364,73 @@ class _Struct(_Field):
         else:
             code.line(f"{value} = {code.const(layout.build)}({', '.join(values)})")
         return value
+
+
+    def read_all(self, code: _Source, n: str) -> str:
+        layout = self.layouts[code.revision]
+        fields = layout.present
+        named = (fields and type(fields[0]) is _String and all(type(f) is _Int and not f.known for f in fields[1:])
+                 and layout.build is self.cls and issubclass(self.cls, tuple))
+        if not named:
+            return super().read_all(code, n)
+        # A name and integers an item (a Batch's layer ops): at once where a layout seen lately fits them.
+        seen, found, items = _Seen(self.cls, "".join(f.code for f in fields[1:])), code.value(), code.value()
+        code.line(f"{found} = {code.const(seen.read)}(view, pos, end, {n})")
+        code.line(f"if {found} is None:")
+        code.depth += 1
+        code.line(f"{items} = {super().read_all(code, n)}")
+        code.line(f"{code.const(seen.learn)}({items})")
+        code.depth -= 1
+        code.line("else:")
+        code.line(f"    {items}, pos = {found}")
+        return items
+
+
+class _Seen:
+    """The wire layouts of a Vec whose items are a name and integers (a Batch's layer ops: layer,
+    index_pos, block_idx) read lately, up to _LAYOUTS_KEPT of each count, with their names. A master
+    sends one run of layers step after step: with its names known, the whole Vec is read in one struct
+    call (`read`), not in a few lines of Python an item, and each name is the str read before. A layout
+    is only a guess until the lengths and names it reads are those it was learnt from: then they are
+    the bytes the item-by-item read takes, and its values the same."""
+
+    def __init__(self, cls: type, codes: str) -> None:
+        self._cls, self._codes = cls, codes
+        self._width = 2 + len(codes)  # a name's length and bytes, then the integers
+        # By count: each layout, its names' lengths, their bytes and the names.
+        self._layouts: dict[int, list[tuple[struct.Struct, tuple[int, ...], tuple[bytes, ...], tuple[str, ...]]]] = {}
+
+    def read(self, view: memoryview, pos: int, end: int, n: int) -> tuple[tuple, int] | None:
+        """The `n` items at `pos` and the position after them; None where no layout kept reads them, or
+        where the loop costs less (a few items)."""
+        if n < _SEEN_ITEMS:
+            return None
+        width = self._width
+        for layout, lengths, raw, names in self._layouts.get(n, ()):
+            if pos + layout.size > end:
+                continue
+            values = layout.unpack_from(view, pos)
+            if values[0::width] == lengths and values[1::width] == raw:
+                return tuple(map(tuple.__new__, repeat(self._cls),
+                                 zip(names, *(values[i::width] for i in range(2, width))))), pos + layout.size
+        return None
+
+    def learn(self, items: tuple) -> None:
+        """Keep the layout of `items`, just read one by one (the oldest of their count's goes)."""
+        n = len(items)
+        if not _SEEN_ITEMS <= n <= _LAYOUT_ITEMS or (n not in self._layouts and len(self._layouts) >= _RUNS_KEPT):
+            return
+        names = tuple(item[0] for item in items)
+        raw = tuple(name.encode() for name in names)
+        lengths = tuple(map(len, raw))
+        kept = self._layouts.setdefault(n, [])
+        kept.insert(0, (_layout("".join(f"I{length}s{self._codes}" for length in lengths)), lengths, raw, names))
+        del kept[_LAYOUTS_KEPT:]
+
+
+_LAYOUTS_KEPT = 4  # layouts _Seen keeps of each count (a node's masters send a few runs)
+_LAYOUT_ITEMS = 256  # the most items of a layout _Seen keeps (32 KiB a layout; Llama 3 405B has 126 layers)
+_SEEN_ITEMS = 4  # the fewest items _Seen reads: below, its one struct call costs more than the loop
 
 
 def _int_runs(fields: tuple[_Field, ...]) -> list[list[_Field]]:
