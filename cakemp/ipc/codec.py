@@ -105,6 +105,9 @@ class _Layout:
             self.build = lambda values: cls(**dict(zip(order, values)))
         else:
             self.build = partial(tuple.__new__, cls) if issubclass(cls, tuple) else lambda values: cls(*values)
+        # Items that are their integers, in order (an Op: a route's one per layer): taken and made as tuples.
+        self.as_tuples = self.flat and order == list(hints) and issubclass(cls, tuple)
+        self.cls = cls
 
     def write(self, head: bytearray, value: object) -> None:
         head += self.fixed.pack(*self.integers(value))
@@ -121,7 +124,8 @@ class _Layout:
             for value in items:
                 self.write(head, value)
             return
-        head += self._runs.many(len(items)).pack(*itertools.chain.from_iterable(map(self.integers, items)))
+        head += self._runs.many(len(items)).pack(
+            *itertools.chain.from_iterable(items if self.as_tuples else map(self.integers, items)))
         for name, item in self.tuples:
             column = [getattr(value, name) for value in items]
             head += _COUNTS.many(len(items)).pack(*map(len, column))
@@ -152,6 +156,9 @@ class _Layout:
         """`n` items written by `write_all` (their count checked already against the bytes left)."""
         if n < 2 and not self.flat:  # as `write_all`
             return (self.read(header),) if n else ()
+        if self.as_tuples:  # every item's integers in one struct call, each item made of them by tuple's constructor
+            values = iter(self._runs.read_all(header, n))
+            return tuple(map(tuple.__new__, itertools.repeat(self.cls), zip(*[values] * self.width)))
         if self.flat:
             end = header.at + n * self.fixed.size
             items = memoryview(header.frame)[header.at : end]
