@@ -91,6 +91,13 @@ MUTANTS = (
            "if t.data.nbytes != expected:", "if False:", WIRE),
     Mutant("v2-tag-table-is-v1", "cakemp/wire/messages.py",
            "@message(since=Revision.V2)", "@message", WIRE),
+    # A layer run read through a layout learnt from another run of as many ops.
+    Mutant("learnt-run-names-unchecked", "cakemp/wire/codec.py",
+           "if values[0::width] == lengths and values[1::width] == raw:", "if values[0::width] == lengths:", WIRE),
+    Mutant("learnt-run-lengths-unchecked", "cakemp/wire/codec.py",
+           "if values[0::width] == lengths and values[1::width] == raw:", "if values[1::width] == raw:", WIRE),
+    Mutant("ipc-tuple-items-given-their-neighbours-integers", "cakemp/ipc/codec.py",
+           "zip(*[values] * self.width)", "zip(*[values] * (self.width - 1))", IPC),
     # --- auth
     Mutant("worker-accepts-any-master-proof", "cakemp/auth.py",
            "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:", AUTH),

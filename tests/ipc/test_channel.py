@@ -32,7 +32,8 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
     async def front():
         replies: asyncio.Queue = asyncio.Queue()
         channels = [FrontChannel(endpoint, replies.put_nowait, lambda error: None) for endpoint in endpoints]
-        threads = [threading.Thread(target=device, args=(i,)) for i in range(2)]
+        # Daemons: where the front's send fails, they wait on for a message and must not keep pytest's process alive.
+        threads = [threading.Thread(target=device, args=(i,), daemon=True) for i in range(2)]
         for thread in threads:
             thread.start()
         route = (Stage(0, 1, (Op(0, 0, 0),)), Stage(1, 1, (Op(0, 0, 1),)))

@@ -72,3 +72,16 @@ def test_a_name_that_is_not_utf8_after_a_learnt_run_is_refused_as_such():
     payload[at + 6] = 0xFF  # the same length, a byte no UTF-8 text holds
     with pytest.raises(ProtocolError, match="invalid UTF-8 in Batch.batch"):
         decode_payload(bytes(payload), Revision.V2)
+
+
+def test_a_length_that_differs_from_the_learnt_one_is_read_as_it_says():
+    """The learnt run's bytes with its first name's length one short: read as the master wrote it (its
+    name one byte short, every field after it shifted), which runs past the payload's end; never as
+    the learnt run, whose name bytes still sit where the learnt layout looks for them."""
+    ops = run(layers(0, 4))
+    read(ops)
+    payload = bytearray(encode_payload(Batch(X, ops), Revision.V2))
+    at = payload.index(b"model.layers.0") - 4
+    payload[at:at + 4] = (len("model.layers.0") - 1).to_bytes(4, "big")
+    with pytest.raises(ProtocolError, match="truncated payload"):
+        decode_payload(bytes(payload), Revision.V2)
