@@ -9,7 +9,9 @@ Nothing here names a message. Each declared class is compiled once into a plan, 
 field codecs built from its annotations, and the plan at import into two Python functions per
 message and revision, a writer and a reader, each field's packing (or reads and checks) written
 out in them in wire order (`_Source`). A message is then one function call, not several per field:
-a decode step's Batch decodes in about half the time the walk over the plan took.
+a decode step's Batch decodes in about half the time the walk over the plan took. A Vec whose items
+are a name and integers (a Batch's layer ops, one a layer) is read in one struct call where a layout
+learnt from an earlier Vec of as many items reads back its lengths and names (`_Seen`).
 
 Decoding never copies tensor or model data: `RawTensor.data` and `ModelDataChunk.data` are
 memoryviews into the payload given to `decode_payload`, so a prefill-size message costs the
