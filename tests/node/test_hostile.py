@@ -180,6 +180,28 @@ def test_half_a_million_ops_close_the_connection_before_it_is_read(node, hf):
                   after=mark)
 
 
+def test_a_run_shaped_like_a_bystanders_is_read_as_its_master_wrote_it(node, hf):
+    """Four ops whose names are as long as the bystander's (layers 4-7 for its 0-3), sent once the front has
+    read the bystander's run (and keeps its layout, to read the next of four ops at once): refused by their
+    own names, never read as the bystander's run."""
+    ops = [(f"model.layers.{i + 4}", 0, i) for i in LAYERS]
+    assert run(survives(node, hf(), lambda: refused(node, GOOD, ops))) == "could not find layer model.layers.4"
+
+
+def test_a_run_whose_length_field_disagrees_with_the_learnt_layout_closes_only_its_connection(node, hf):
+    """The bystander's own run with its first name's length one short: read as it says (the fields after
+    it shifted, past the payload's end), so the connection is closed as truncated; the bystander's run,
+    read through the layout it left, decodes on."""
+    frame = bytearray(b"".join(bytes(b) for b in encode_frame(Batch(GOOD, tuple(LayerOp(*op) for op in OPS)),
+                                                               Revision.V2)))
+    at = frame.index(b"model.layers.0") - 4
+    frame[at:at + 4] = (len("model.layers.0") - 1).to_bytes(4, "big")
+    mark = node.mark()
+    assert run(survives(node, hf(), lambda: closed(node, bytes(frame)))) == b""
+    node.wait_for(lambda e: e.get("event") == "closing connection" and "truncated payload" in e.get("error", ""),
+                  after=mark)
+
+
 @pytest.mark.parametrize("data, words", [
     (b"GET / HTTP/1.1\r\n\r\n", "invalid magic"),
     (struct.pack(">II", MAGIC, 2**32 - 1), "payload length 4294967295 > maximum"),
