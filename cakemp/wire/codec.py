@@ -367,7 +367,6 @@ class _Struct(_Field):
             code.line(f"{value} = {code.const(layout.build)}({', '.join(values)})")
         return value
 
-
     def read_all(self, code: _Source, n: str) -> str:
         layout = self.layouts[code.revision]
         fields = layout.present
