@@ -159,11 +159,6 @@ class _Layout:
         if self.as_tuples:  # every item's integers in one struct call, each item made of them by tuple's constructor
             values = iter(self._runs.read_all(header, n))
             return tuple(map(tuple.__new__, itertools.repeat(self.cls), zip(*[values] * self.width)))
-        if self.flat:
-            end = header.at + n * self.fixed.size
-            items = memoryview(header.frame)[header.at : end]
-            header.at = end
-            return tuple(map(self.build, self.fixed.iter_unpack(items)))
         values = self._runs.read_all(header, n)
         columns = [values[i::self.width] for i in range(self.width)]  # each integer field's, of every item
         for index, enum in self.enums:
