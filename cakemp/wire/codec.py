@@ -376,7 +376,8 @@ class _Struct(_Field):
             return super().read_all(code, n)
         # A name and integers an item (a Batch's layer ops): at once where a layout seen lately fits them.
         seen, found, items = _Seen(self.cls, "".join(f.code for f in fields[1:])), code.value(), code.value()
-        code.line(f"{found} = {code.const(seen.read)}(view, pos, end, {n})")
+        # (fewer items than _SEEN_ITEMS: no call at all, the loop reads them)
+        code.line(f"{found} = {code.const(seen.read)}(view, pos, end, {n}) if {n} >= {_SEEN_ITEMS} else None")
         code.line(f"if {found} is None:")
         code.depth += 1
         code.line(f"{items} = {super().read_all(code, n)}")
@@ -402,10 +403,7 @@ class _Seen:
         self._layouts: dict[int, list[tuple[struct.Struct, tuple[int, ...], tuple[bytes, ...], tuple[str, ...]]]] = {}
 
     def read(self, view: memoryview, pos: int, end: int, n: int) -> tuple[tuple, int] | None:
-        """The `n` items at `pos` and the position after them; None where no layout kept reads them, or
-        where the loop costs less (a few items)."""
-        if n < _SEEN_ITEMS:
-            return None
+        """The `n` items at `pos` and the position after them; None where no layout kept reads them."""
         width = self._width
         for layout, lengths, raw, names in self._layouts.get(n, ()):
             if pos + layout.size > end:
