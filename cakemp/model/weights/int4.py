@@ -25,8 +25,9 @@ The format modules (gptq.py, mlx.py, ggml.py) make `Int4Parts`; `Int4Weight.crea
 for the device's kernel. Only the packing differs between devices: CUDA's takes [N, K/2] uint8
 (two codes a byte, the even input in the high nibble) and lays them out for its tensor cores
 (int32 [N/8, K/(16 t), 32, t/2], t the inner K tiles); the CPU's takes the int32 [N, K] codes
-and holds them as uint8 [N/64, K, 32]: block b, input k, byte j holds output 64 b + j in its low
-nibble and 64 b + 32 + j in its high one.
+and holds them as uint8 [N/B, K, B/2]: block b, input k, byte j holds output B b + j in its low
+nibble and B b + B/2 + j in its high one. B is the CPU kernel's own: 64 where torch runs it with
+AVX-512, 32 with AVX2 (`cpu_block` reads it off a packing).
 Resident: N K / 2 bytes of codes and 4 N K / g of scales and zeros (0.27 of bf16 at g = 128),
 and 8 K of `order` for an act-order weight.
 
@@ -54,13 +55,12 @@ from cakemp.checkpoint import resident
 KERNEL = resident.INT4
 GROUP_SIZES = resident.INT4_GROUP_SIZES  # the group sizes torch's kernels take
 _OFFSET = 8  # the kernel's codes are q - 8
-_CPU_BLOCK = 64  # the CPU layout's block of outputs
 # Activation rows from which a CPU product dequantizes tiles to bf16 instead of calling the int4
 # kernel (bench/int4_crossover.py measures both per shape; docs/benchmarks.md has the figures).
 _DEQUANTIZED_ROWS = 64
 # Outputs dequantized at once: 1024 rows (4 MiB of bf16 at K = 2048). Fewer, larger ops beat a tile
 # that fits L2 (256 rows) here: each op's fixed cost, not the cache, bounds the small ones.
-_TILE_BLOCKS = 16
+_TILE_OUTPUTS = 1024
 
 
 class Int4Shape(NamedTuple):
@@ -155,38 +155,39 @@ class Int4Weight:
         flat = (flat if self.order is None else flat.index_select(1, self.order)).contiguous()
         if flat.device.type == "cuda":
             out = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
-        elif flat.shape[0] >= _DEQUANTIZED_ROWS and self.shape[0] % _CPU_BLOCK == 0:
-            out = self._tiled(flat)
+        elif flat.shape[0] >= _DEQUANTIZED_ROWS and (block := cpu_block()) and self.shape[0] % block == 0:
+            out = self._tiled(flat, block)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
         return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
 
-    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, K] bf16 -> x @ W^T: [T, N] bf16 on a CPU, W^T dequantized to bf16 `_TILE_BLOCKS` blocks
-        of the CPU layout at a time into one [K, outputs] buffer (each value bf16 of the formula's f32
-        value: `reference_weight` rounded once) and multiplied by one bf16 GEMM."""
+    def _tiled(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """x: [T, K] bf16 -> x @ W^T: [T, N] bf16 on a CPU, W^T dequantized to bf16 `_TILE_OUTPUTS` outputs
+        (blocks of `block` in the CPU layout) at a time into one [K, outputs] buffer (each value bf16 of
+        the formula's f32 value: `reference_weight` rounded once) and multiplied by one bf16 GEMM."""
         rows, cols = self.shape
-        blocks, groups, half = rows // _CPU_BLOCK, cols // self.group_size, _CPU_BLOCK // 2
-        codes = self.packed.view(blocks, cols, half)  # block b, input k, byte j: outputs 64 b + j, 64 b + 32 + j
+        blocks, groups, half = rows // block, cols // self.group_size, block // 2
+        codes = self.packed.view(blocks, cols, half)  # block b, input k, byte j: outputs B b + j, B b + B/2 + j
         scales_and_zeros = self.scales_and_zeros.view(groups, rows, 2)
-        most = min(blocks, _TILE_BLOCKS)
+        per_tile = _TILE_OUTPUTS // block
+        most = min(blocks, per_tile)
         # Reused by every tile (fresh pages per tile cost more than the arithmetic); ops write whole
         # contiguous tensors where they can, as strided outputs and broadcasts run several times slower.
         low, high = (torch.empty(most, cols, half, dtype=torch.uint8) for _ in range(2))
-        buffer = torch.empty(cols, most * _CPU_BLOCK, dtype=torch.bfloat16)
+        buffer = torch.empty(cols, most * block, dtype=torch.bfloat16)
         out = torch.empty(x.shape[0], rows, dtype=torch.bfloat16)
-        for first in range(0, blocks, _TILE_BLOCKS):
-            count = min(_TILE_BLOCKS, blocks - first)
-            outputs = slice(first * _CPU_BLOCK, (first + count) * _CPU_BLOCK)
+        for first in range(0, blocks, per_tile):
+            count = min(per_tile, blocks - first)
+            outputs = slice(first * block, (first + count) * block)
             tile = codes[first:first + count]  # [count, K, 32] uint8
             # q - 8 as int8, exactly: (q + 248) mod 256.
             low_codes = torch.bitwise_and(tile, 15, out=low[:count]).add_(256 - _OFFSET).view(torch.int8)
             high_codes = torch.bitwise_right_shift(tile, 4, out=high[:count]).add_(256 - _OFFSET).view(torch.int8)
-            weight = buffer[:, :count * _CPU_BLOCK]  # [K, count * 64]: W^T's columns of these outputs
-            by_block = weight.view(cols, count, _CPU_BLOCK)
+            weight = buffer[:, :count * block]  # [K, count * B]: W^T's columns of these outputs
+            by_block = weight.view(cols, count, block)
             by_block[..., :half].copy_(low_codes.permute(1, 0, 2))
             by_block[..., half:].copy_(high_codes.permute(1, 0, 2))
-            held = scales_and_zeros[:, outputs]  # [K/g, count * 64, 2]
+            held = scales_and_zeros[:, outputs]  # [K/g, count * B, 2]
             grouped = weight.view(groups, self.group_size, -1)
             # (q - 8) s + z in place: bf16 addcmul computes in f32 (q s exact) and rounds the sum once.
             torch.addcmul(held[..., 1].contiguous().unsqueeze(1), grouped, held[..., 0].contiguous().unsqueeze(1),
@@ -205,11 +206,30 @@ def _inner_k_tiles(cols: int) -> int:
 
 
 @functools.cache
+@functools.cache
+def cpu_block() -> int | None:
+    """The outputs a block of the CPU kernel's packed layout holds (64 where torch runs it with AVX-512,
+    32 with AVX2): the block whose layout a sample packing matches, None if none does (the kernel is
+    then called for every product, and `kernel_works` judges it)."""
+    rows, cols = 128, 64
+    codes = torch.randint(0, 16, (rows, cols), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _inner_k_tiles(cols)).flatten()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+    for block in (64, 32, 16):
+        by_block = codes.to(torch.uint8).view(rows // block, 2, block // 2, cols)  # [N/B, low|high, B/2, K]
+        expected = (by_block[:, 0] | (by_block[:, 1] << 4)).transpose(1, 2)  # [N/B, K, B/2]
+        if torch.equal(packed, expected.flatten()):
+            return block
+    return None
+
+
 def kernel_works(device: torch.device) -> bool:
     """Whether torch's int4 matmul runs on `device` with bf16 activations and computes the formula
     above (tried, not inferred: torch builds differ; a CPU answers for its own kernel)."""
     generator = torch.Generator().manual_seed(0)
-    rows, cols, group = _CPU_BLOCK * (_TILE_BLOCKS + 1), 256, 128
+    rows, cols, group = _TILE_OUTPUTS + 64, 256, 128  # a tile and a part of one
     parts = Int4Parts(torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8),
                       torch.rand(rows, cols // group, generator=generator) / 16 + 1e-3,
                       torch.randn(rows, cols // group, generator=generator) / 16, group)
