@@ -15,14 +15,14 @@ import errno
 import socket
 from collections.abc import Awaitable, Callable
 
-from cakemp import log
+from cakemp import log, streams
 from cakemp.front.metrics import Metrics
 
 BACKLOG = 100
 ACCEPT_PAUSE_FIRST_S = 0.05
 ACCEPT_PAUSE_MAX_S = 2.0
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Handler = Callable[[streams.Inbox, asyncio.StreamWriter], Awaitable[None]]
 
 
 class Listener:
@@ -87,7 +87,7 @@ class Listener:
 
     async def _serve(self, connection: socket.socket) -> None:
         try:
-            reader, writer = await asyncio.open_connection(sock=connection)
+            reader, writer = await streams.accepted(connection)
         except OSError as e:  # gone before its transport was made
             connection.close()
             self._log.info("connection lost", error=f"{type(e).__name__}: {e}")

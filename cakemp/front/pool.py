@@ -79,6 +79,9 @@ class _Pending:
     outputs: list[tuple[int, RawTensor]] = field(default_factory=list)  # (chunk, its answer) of each answered chunk
     reply: Done | None = None
     stamps: list[int] | None = None  # the request's stamps when traced (ipc/trace.py): the answer's go here
+    x: RawTensor | None = None  # a request's activation: its chunks' answers join to its dtype and shape
+    waited: tuple = ()  # a request's: the series of each device of its route, once (their waiting gauges count it)
+    start: float = 0.0  # loop time it was queued
 
 
 class _Outbox:
@@ -148,14 +151,18 @@ class DevicePool:
         """Where `ops` (admitted: every layer served here) run, expecting each device's current process."""
         return self._router.plan(ops, self._state.generation)
 
-    async def run(self, session: int, x: RawTensor, route: Route, stamps: list[int] | None = None) -> RawTensor:
-        """Run `route` over the admitted activation x ([1, T, H]); the result, as bytes of x's dtype
-        and shape (an image component's: of the dtype and shape its device answered), never a
-        tensor here. Raises the failing device's RequestError, or DeviceLost.
+    def run(self, session: int, x: RawTensor, route: Route, stamps: list[int] | None = None) -> asyncio.Future:
+        """Run `route` over the admitted activation x ([1, T, H]): the future of the result, as bytes of
+        x's dtype and shape (an image component's: of the dtype and shape its device answered), never a
+        tensor here. It fails with the failing device's RequestError, or DeviceLost; DeviceLost is
+        raised at once when a device of the route is down. A future, not a coroutine: a connection
+        goes on from its callback, no task woken (connection.py).
 
         `stamps`: the request's stamps when traced (ipc/trace.py); replaced by all of them once answered."""
         if not route.stages:  # no layers: nothing to compute
-            return x
+            done = self._loop.create_future()
+            done.set_result(x)
+            return done
         devices = route.devices
         # Image components keep nothing between calls (FLUX.2's text encoder's index_pos is a token count).
         stateful = self._workload.stateful
@@ -170,21 +177,12 @@ class DevicePool:
         hops = [(Hop(session, request_id, x.dtype, memoryview(data).nbytes, i, len(chunks), chunk_shape,
                      route.shifted(first), trace=carried), data)
                 for i, (first, chunk_shape, data) in enumerate(chunks)]
-        start = self._loop.time()
-        passed = [self._series[device] for device in dict.fromkeys(devices)]  # every device of the route, once
-        for series in passed:
+        pending = self._queue(session, route, hops, stamps)
+        pending.x, pending.start = x, self._loop.time()
+        pending.waited = tuple(self._series[device] for device in dict.fromkeys(devices))  # every device of the route, once
+        for series in pending.waited:
             series.requests_waiting.inc()
-        try:
-            outputs = await self._queue(session, route, hops, stamps)
-        finally:
-            for series in passed:
-                series.requests_waiting.dec()
-        elapsed = self._loop.time() - start
-        for series in passed:
-            series.request_seconds.observe(elapsed)
-        if len(outputs) == 1:
-            return outputs[0]
-        return RawTensor(b"".join(output.data for output in outputs), x.dtype, x.shape)
+        return pending.future
 
     async def clear(self, device: int, session: int) -> Done:
         """Goodbye: drop the session's caches on `device` (a fresh start, so a lost state no longer matters)."""
@@ -242,13 +240,13 @@ class DevicePool:
                 for start, end in chunk_bounds(shape[1], self._prefill_chunk)]
 
     async def _control(self, device: int, session: int, msg: Clear | End) -> Done:
-        return await self._queue(session, Route.through((Stage(device, self._state.generation(device), ()),)), [msg])
+        return await self._queue(session, Route.through((Stage(device, self._state.generation(device), ()),)), [msg]).future
 
     def _queue(self, session: int, route: Route, messages: list[tuple[Hop, Buffer]] | list[Clear | End],
-               stamps: list[int] | None = None) -> asyncio.Future:
+               stamps: list[int] | None = None) -> _Pending:
         """Queue `messages` (a request's chunks and their bytes, or one control message) for the first
-        device of `route`: the future of the chunks' outputs once every one is answered (a control
-        message's Done). DeviceLost at once if a device of the route is down or changed process (its
+        device of `route`: what waits for them, its future that of the request's result once every
+        chunk is answered (a control message's Done). DeviceLost at once if a device of the route is down or changed process (its
         new process would drop the hop). What is queued stays owed until answered, whether or not its
         future is still awaited (a requester cancelled cancels it: `_complete` then skips it)."""
         if (error := self._unusable(route)) is not None:
@@ -271,7 +269,7 @@ class DevicePool:
         if not outbox.flushing:
             outbox.flushing = True
             self._loop.call_soon(self._flush, route.stages[0].device)
-        return pending.future
+        return pending
 
     def _unusable(self, route: Route) -> CakempError | None:
         for stage in route.stages:
@@ -493,14 +491,23 @@ class DevicePool:
         for device in pending.devices:
             if not self._state.waiting(device):  # its last request: the device is idle
                 self._series[device].batch_requests.set(0)
+        elapsed = self._loop.time() - pending.start
+        for series in pending.waited:
+            series.requests_waiting.dec()
+            if action.error is None:
+                series.request_seconds.observe(elapsed)
         if pending.future.done():  # its requester went away
             return
         if action.error is not None:
             pending.future.set_exception(action.error)
         elif pending.reply is not None:
             pending.future.set_result(pending.reply)
-        else:
-            pending.future.set_result([answer for _, answer in sorted(pending.outputs, key=lambda output: output[0])])
+        elif len(pending.outputs) == 1:
+            pending.future.set_result(pending.outputs[0][1])
+        else:  # a request's chunks, in order
+            x = pending.x
+            outputs = sorted(pending.outputs, key=lambda output: output[0])
+            pending.future.set_result(RawTensor(b"".join(output.data for _, output in outputs), x.dtype, x.shape))
 
     def _spawn(self, device: int, generation: int) -> None:
         """Start a process for `device`; its Ready then comes over its socket. A process that cannot

@@ -46,6 +46,7 @@ from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.rss import resident_bytes
 from cakemp.setup.discovery import DiscoveryResponder, announcement_for
 from cakemp.setup.exchange import MAX_SETUP_FRAME, Setup
+from cakemp.streams import Inbox
 from cakemp.topology import collapse_layers, place_layers
 from cakemp.units import human_bytes
 from cakemp.wire import LayerAssignment, WorkerInfo
@@ -319,7 +320,7 @@ class Front:
         for task in pending:
             task.cancel()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self, reader: Inbox, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         host = (peer or ("?",))[0]
         logger = self._log.bind(session=f"{host}:{peer[1]}" if peer else "?")
@@ -366,7 +367,7 @@ class Front:
         self.metrics.connections.set(len(self._masters))
         return True
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    async def _serve_connection(self, reader: Inbox, writer: asyncio.StreamWriter,
                                 arrival: HelloPlace | None) -> None:
         keep_alive(writer.get_extra_info("socket"))
         serving = self._serving

@@ -116,6 +116,10 @@ class FrameDecoder:
             return self._payload_size - self._got
         return max(0, self._payload_size - len(self._buf))
 
+    def buffered(self) -> int:
+        """Bytes fed that are not yet gathered into a payload: past the frame being read, or between frames."""
+        return len(self._buf)
+
     def received(self) -> bytes:
         """What has been fed of the current frame's payload (for an error saying how much came)."""
         return bytes(self._buf if self._payload is None else self._payload[:self._got])

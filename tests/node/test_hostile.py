@@ -36,7 +36,7 @@ from cakemp.wire import (
     read_header,
 )
 from tests.support.checkpoints import HFLayers, make_checkpoint
-from tests.support.master import CakeMaster, to_raw
+from tests.support.master import CakeMaster, from_raw, to_raw
 from tests.support.node import RunningNode, scrape, write_topology
 
 HIDDEN = 64
@@ -216,6 +216,34 @@ def test_bytes_that_are_not_cake_protocol_close_only_their_connection(node, hf, 
     event = node.wait_for(lambda e: e.get("event") == "closing connection" and words in e.get("error", ""),
                           after=mark)
     assert event["fault"] == "peer" and event["level"] == "warning"
+
+
+def test_requests_written_ahead_of_their_replies_are_answered_in_turn(node, hf):
+    """A master that writes Hello, forty 48-token prompts (480 KiB: more than a connection holds ahead
+    of a reply, and than a read brings) and a decode step in one go, then reads: each is answered in
+    order, as if it had waited for each reply, and each result is HF's (a prompt at position 0 starts
+    afresh)."""
+    prompts = [torch.randn(1, 48, HIDDEN) for _ in range(40)]
+    step = torch.randn(1, 1, HIDDEN)
+
+    async def ahead():
+        reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
+        frames = [Hello()] + [Batch(to_raw(x), tuple(LayerOp(name, at, block) for name, _, block in OPS))
+                              for x, at in [(x, 0) for x in prompts] + [(step, 48)]]
+        writer.write(b"".join(bytes(b) for frame in frames for b in encode_frame(frame, Revision.V2)))
+        replies = []
+        for _ in frames:
+            header = await reader.readexactly(HEADER_SIZE)
+            replies.append(decode_payload(await reader.readexactly(read_header(header)), Revision.V2))
+        writer.close()
+        return replies
+
+    info, *answers = run(survives(node, hf(), ahead))
+    assert isinstance(info, WorkerInfo)
+    for x, answer in zip(prompts, answers[:-1], strict=True):
+        ref = hf()
+        torch.testing.assert_close(from_raw(answer.tensor), ref(x, 0), atol=F32_ATOL, rtol=0)
+    torch.testing.assert_close(from_raw(answers[-1].tensor), ref(step, 48), atol=F32_ATOL, rtol=0)
 
 
 def test_a_frame_that_stops_halfway_is_closed_after_the_frame_timeout(node, hf):
