@@ -5,7 +5,9 @@ loops or `'x' * 2**31` would hold a thread here for as long as they ran (a Pytho
 be stopped) and take this process's memory. So `cakemp serve` renders in a child (`python -m
 cakemp.master.template_process`) that has only the template: it reads one JSON line of messages,
 answers one JSON line with the text, and is killed and started afresh when an answer takes longer
-than `seconds`. Its address space is capped (`MEMORY_BYTES`, where the platform has
+than `seconds` (counted from the child's ready line: its start, the interpreter's and jinja2's, is
+bounded apart, by STARTUP_S, so a rendering just after a start, or a restart, is not charged for it).
+Its address space is capped (`MEMORY_BYTES`, where the platform has
 RLIMIT_AS) and a rendering longer than `most_bytes` is refused there, before it travels back.
 Renderings take the child one at a time, in a thread of their own: never the event loop, nor the
 default executor's threads, which the step loop computes in (renderings waiting behind a slow one
@@ -26,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from cakemp.master.chat import ChatTemplate, Message, TemplateRefused, compile_template, render_template
 
 MEMORY_BYTES = 512 << 20  # the child's address space: the interpreter and jinja2 take ~40 MiB of it
+STARTUP_S = 60.0  # longest a child may take to start and compile the template: a machine that busy is failing
+_READY = b'{"ready": true}\n'
 
 
 class TemplateProcess:
@@ -37,6 +41,7 @@ class TemplateProcess:
                                   "most_bytes": most_bytes}) + "\n"
         self._one_at_a_time = ThreadPoolExecutor(1, "chat-template")  # a request and its answer, never interleaved
         self._child = self._start()
+        self._started = False  # the child has said it is ready
 
     def __enter__(self) -> TemplateProcess:
         return self
@@ -62,30 +67,47 @@ class TemplateProcess:
             pass
 
     def _render(self, line: str) -> str:
+        if not self._started:
+            ready, _ = self._exchange(b"", STARTUP_S)
+            if ready != _READY:
+                self._restart()
+                raise TemplateRefused("the chat template's process did not start")
+            self._started = True
+        answer, overran = self._exchange(line.encode(), self.seconds)
+        if overran or not answer.endswith(b"\n"):
+            # Killed, even just after it answered (the timer fired before it was cancelled), or dead: the
+            # next rendering gets a child afresh, not the killed one.
+            self._restart()
+        if not answer.endswith(b"\n"):
+            raise TemplateRefused(f"the chat template took longer than {self.seconds:g} s on these messages"
+                                  if overran else "the chat template failed on these messages")
+        reply = json.loads(answer)
+        if "refused" in reply:
+            raise TemplateRefused(reply["refused"])
+        return reply["text"]
+
+    def _exchange(self, line: bytes, seconds: float) -> tuple[bytes, bool]:
+        """Write `line` to the child and read its next line, killing it past `seconds`: the line (b""
+        if it died first), and whether it was killed."""
         overran = threading.Event()
-        timer = threading.Timer(self.seconds, lambda: (overran.set(), self._child.kill()))
+        timer = threading.Timer(seconds, lambda: (overran.set(), self._child.kill()))
         timer.start()
         try:
-            self._child.stdin.write(line.encode())
-            self._child.stdin.flush()
+            if line:
+                self._child.stdin.write(line)
+                self._child.stdin.flush()
             answer = self._child.stdout.readline()
         except OSError:  # the child is gone: killed by the timer, or dead of its own
             answer = b""
         finally:
             timer.cancel()
             timer.join()  # a kill already under way has finished: `overran` says whether the child was killed
-        if overran.is_set() or not answer.endswith(b"\n"):
-            # Killed, even just after it answered (the timer fired before it was cancelled), or dead: the
-            # next rendering gets a child afresh, not the killed one.
-            self._stop_child()
-            self._child = self._start()
-        if not answer.endswith(b"\n"):
-            raise TemplateRefused(f"the chat template took longer than {self.seconds:g} s on these messages"
-                                  if overran.is_set() else "the chat template failed on these messages")
-        reply = json.loads(answer)
-        if "refused" in reply:
-            raise TemplateRefused(reply["refused"])
-        return reply["text"]
+        return answer, overran.is_set()
+
+    def _restart(self) -> None:
+        self._stop_child()
+        self._child = self._start()
+        self._started = False
 
     def _start(self) -> subprocess.Popen:
         child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -119,6 +141,8 @@ def main() -> None:
     setup = json.loads(sys.stdin.readline())
     template = compile_template(setup["source"])
     _limit_memory()
+    sys.stdout.buffer.write(_READY)
+    sys.stdout.flush()
     for line in sys.stdin:
         sys.stdout.write(json.dumps(_answer(template, setup["special_tokens"], setup["most_bytes"], line)) + "\n")
         sys.stdout.flush()

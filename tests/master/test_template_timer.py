@@ -1,9 +1,11 @@
-"""The chat template child's kill timer firing just after a rendering answered: that answer is given,
-and the next rendering gets a child afresh instead of failing on the killed one."""
+"""The chat template child's kill timer: firing just after a rendering answered, that answer is given
+and the next rendering gets a child afresh instead of failing on the killed one; and it times the
+rendering alone, not the child's start before it."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 from tokenizers import Tokenizer, models
@@ -29,6 +31,18 @@ class LateLines:
 
     def close(self) -> None:
         self.stdout.close()
+
+
+def test_a_child_slow_to_start_costs_its_first_rendering_none_of_its_time(tmp_path, monkeypatch):
+    """The child's interpreter starts 2 x SECONDS late (a loaded machine): its first rendering, timed
+    from its ready line, still has its SECONDS."""
+    slow_python = tmp_path / "slow-python"
+    slow_python.write_text(f'#!/bin/sh\nsleep {2 * SECONDS}\nexec "{sys.executable}" "$@"\n')
+    slow_python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(slow_python))
+    template = ChatTemplate("{% for m in messages %}<{{ m.content }}>{% endfor %}", {}, Tokenizer(models.BPE()))
+    with TemplateProcess(template, SECONDS, 1 << 20) as process:
+        assert asyncio.run(process.render(MESSAGES)) == "<hi>"
 
 
 def test_a_timer_firing_right_after_the_answer_fails_neither_it_nor_the_next_rendering():
