@@ -57,6 +57,8 @@ from cakemp.ipc.spec import TEXT, DeviceSpec, Workload
 from cakemp.rss import resident_bytes
 from cakemp.wire import DType, RawTensor
 
+_ITEMSIZES = {int(dtype): dtype.itemsize for dtype in DType}  # by wire tag: no enum call per message
+
 
 def _no_progress(request_id: int) -> None:
     pass
@@ -317,10 +319,10 @@ class DeviceService:
         at once, when every hop is [1, T, H] of one dtype and H and its bytes say so (else None)."""
         hops = message.hops
         dtype, hidden = hops[0].dtype, hops[0].shape[-1] if hops[0].shape else 0
-        try:
-            row = hidden * DType(dtype).itemsize
-        except ValueError:  # not a wire dtype: each hop is told so on its own
+        itemsize = _ITEMSIZES.get(dtype)
+        if itemsize is None:  # not a wire dtype: each hop is told so on its own
             return None
+        row = hidden * itemsize
         lengths = []
         for hop in hops:
             shape = hop.shape
