@@ -206,7 +206,6 @@ def _inner_k_tiles(cols: int) -> int:
 
 
 @functools.cache
-@functools.cache
 def cpu_block() -> int | None:
     """The outputs a block of the CPU kernel's packed layout holds (64 where torch runs it with AVX-512,
     32 with AVX2): the block whose layout a sample packing matches, None if none does (the kernel is
@@ -225,6 +224,7 @@ def cpu_block() -> int | None:
     return None
 
 
+@functools.cache
 def kernel_works(device: torch.device) -> bool:
     """Whether torch's int4 matmul runs on `device` with bf16 activations and computes the formula
     above (tried, not inferred: torch builds differ; a CPU answers for its own kernel)."""
