@@ -125,8 +125,11 @@ MUTANTS = (
            "self._wait_for(asyncio.gather(*(self._pool.clear(d, -1) for d in devices),", POOL),
     # --- the front's connection, driven by callbacks
     Mutant("answered-frame-keeps-its-budget", "cakemp/front/connection.py",
-           "            self._budget.give(self._held)\n            self._held = None\n\n    def _carry_out",
-           "            self._held = None\n\n    def _carry_out", ("tests/node/test_slow_peers.py", "-k", "hold_none")),
+           "        self._answering = False\n        self._give_back()\n",
+           "        self._answering = False\n        self._held = None\n", ("tests/node/test_slow_peers.py", "-k", "hold_none")),
+    Mutant("later-frames-skip-the-budget", "cakemp/front/connection.py",
+           "        self._answering = False\n        self._give_back()\n",
+           "        self._answering = False\n", ("tests/node/test_stalled_sources.py",)),
     Mutant("reading-ahead-never-resumed", "cakemp/front/connection.py",
            "            self._paused = False\n            self._transport.resume_reading()",
            "            self._paused = False", ("tests/node/test_hostile.py", "-k", "ahead")),

@@ -29,6 +29,12 @@ def compute_dtype(name: str) -> torch.dtype:
         raise ConfigError(f"unsupported dtype {name!r}: expected one of {', '.join(COMPUTE_DTYPES)}") from None
 
 
+def itemsize(dtype: int) -> int | None:
+    """The bytes an element of wire `dtype` takes; None where it is not an activation's dtype."""
+    torch_dtype = _WIRE_TO_TORCH.get(dtype)
+    return None if torch_dtype is None else torch_dtype.itemsize
+
+
 def to_tensor(data: bytes | bytearray | memoryview, dtype: int, shape: tuple[int, ...]) -> torch.Tensor:
     """A CPU tensor over `data` (no copy when the buffer is writable). Raises BadTensor."""
     torch_dtype = _WIRE_TO_TORCH.get(dtype)

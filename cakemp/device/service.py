@@ -55,9 +55,7 @@ from cakemp.ipc import (
 )
 from cakemp.ipc.spec import TEXT, DeviceSpec, Workload
 from cakemp.rss import resident_bytes
-from cakemp.wire import DType, RawTensor
-
-_ITEMSIZES = {int(dtype): dtype.itemsize for dtype in DType}  # by wire tag: no enum call per message
+from cakemp.wire import RawTensor
 
 
 def _no_progress(request_id: int) -> None:
@@ -319,8 +317,8 @@ class DeviceService:
         at once, when every hop is [1, T, H] of one dtype and H and its bytes say so (else None)."""
         hops = message.hops
         dtype, hidden = hops[0].dtype, hops[0].shape[-1] if hops[0].shape else 0
-        itemsize = _ITEMSIZES.get(dtype)
-        if itemsize is None:  # not a wire dtype: each hop is told so on its own
+        itemsize = tensors.itemsize(dtype)
+        if itemsize is None:  # not an activation's dtype: each hop is told so on its own
             return None
         row = hidden * itemsize
         lengths = []

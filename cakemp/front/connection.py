@@ -312,6 +312,10 @@ class Connection:
     def _answered(self) -> None:
         """The message's actions are carried out: its bytes are no longer held."""
         self._answering = False
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Give back what the frame being read or answered holds of the budget, if anything."""
         if self._held is not None:
             self._budget.give(self._held)
             self._held = None
@@ -496,9 +500,7 @@ class Connection:
         for watch in (self._frame_watch, self._idle_watch):
             if watch is not None:
                 watch.cancel()
-        if self._held is not None:
-            self._budget.give(self._held)
-            self._held = None
+        self._give_back()
         for device in self._session.devices:
             self._metrics.sessions.dec(device=self._pool.label(device))
             try:

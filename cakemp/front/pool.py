@@ -491,11 +491,12 @@ class DevicePool:
         for device in pending.devices:
             if not self._state.waiting(device):  # its last request: the device is idle
                 self._series[device].batch_requests.set(0)
-        elapsed = self._loop.time() - pending.start
-        for series in pending.waited:
-            series.requests_waiting.dec()
-            if action.error is None:
-                series.request_seconds.observe(elapsed)
+        if pending.waited:  # a request's (a control message waits in no gauge)
+            elapsed = self._loop.time() - pending.start
+            for series in pending.waited:
+                series.requests_waiting.dec()
+                if action.error is None:
+                    series.request_seconds.observe(elapsed)
         if pending.future.done():  # its requester went away
             return
         if action.error is not None:
