@@ -46,6 +46,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from cakemp.compute.runner import BlockRunner
+from tests.support.checkpoints import CACHE_ARGUMENT
 
 SHAPE = dict(
     hidden_size=2048,
@@ -87,14 +88,15 @@ class HFLayers:
         self.config._attn_implementation = self.attention
         positions = torch.arange(index_pos, index_pos + x.shape[1])[None]
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=x, attention_mask=None, cache=self.cache, position_ids=positions
-        )
+            config=self.config, inputs_embeds=x, attention_mask=None, position_ids=positions,
+            **{CACHE_ARGUMENT: self.cache})
         cos_sin = self.model.rotary_emb(x, position_ids=positions)
 
         def run() -> torch.Tensor:
             h = x
             for layer in self.model.layers:
-                h = layer(h, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
+                h = layer(h, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions,
+                          **{CACHE_ARGUMENT: self.cache})
             return h
 
         return run

@@ -32,6 +32,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from bench import blocks
 from bench.blocks import measure
 from cakemp.compute.runner import BlockRunner
+from tests.support.checkpoints import CACHE_ARGUMENT
 
 SHAPE = dict(
     hidden_size=1152,
@@ -72,7 +73,8 @@ class HFLayers(blocks.HFLayers):
         """The timed call, with the masks and cos/sin of both layer types prepared outside it."""
         self.config._attn_implementation = self.attention
         positions = torch.arange(index_pos, index_pos + x.shape[1])[None]
-        kwargs = dict(config=self.config, inputs_embeds=x, attention_mask=None, cache=self.cache, position_ids=positions)
+        kwargs = dict(config=self.config, inputs_embeds=x, attention_mask=None, position_ids=positions,
+                      **{CACHE_ARGUMENT: self.cache})
         masks = {"full_attention": create_causal_mask(**kwargs),
                  "sliding_attention": create_sliding_window_causal_mask(**kwargs)}
         rotary = {kind: self.model.rotary_emb(x, positions, kind) for kind in masks}
@@ -82,7 +84,7 @@ class HFLayers(blocks.HFLayers):
             h = x
             for i, layer in enumerate(self.model.layers):
                 h = layer(h, position_embeddings=rotary[kinds[i]], attention_mask=masks[kinds[i]],
-                          position_ids=positions, cache=self.cache)
+                          position_ids=positions, **{CACHE_ARGUMENT: self.cache})
             return h
 
         return run

@@ -50,7 +50,7 @@ from transformers import DynamicCache
 
 from bench.pool import REUSE_BUDGET, machine_line
 from cakemp.compute.runner import BlockRunner, Request
-from tests.support.checkpoints import make_checkpoint
+from tests.support.checkpoints import CACHE_ARGUMENT, make_checkpoint
 
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2),
@@ -153,10 +153,11 @@ class Transformers:
         positions = torch.arange(start, start + x.shape[1], device=x.device)[None, :].expand(x.shape[0], -1)
         cos_sin = self.model.rotary_emb(x, position_ids=positions)
         mask = None if x.shape[1] == 1 else transformers.masking_utils.create_causal_mask(
-            config=self.model.config, inputs_embeds=x, attention_mask=None, cache=self.cache,
-            position_ids=positions, layer_idx=0)
+            config=self.model.config, inputs_embeds=x, attention_mask=None, position_ids=positions, layer_idx=0,
+            **{CACHE_ARGUMENT: self.cache})
         for layer in self.model.layers[: self.layers]:
-            x = layer(x, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions, cache=self.cache)
+            x = layer(x, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions,
+                      **{CACHE_ARGUMENT: self.cache})
         return x
 
     def step(self) -> None:
