@@ -70,3 +70,26 @@ def test_fp8_checkpoint_kept_fp8_multiplies_through_the_kernel_picked(tmp_path, 
         x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(9)).to(DEVICE)
         expected, tolerance = fp8_matmul_bound(x, w, torch.float32)
         assert ((linear(x, w) - expected).abs() <= tolerance).all()
+
+
+@pytest.mark.parametrize("rows", [1, 20, 70], ids=["decode", "two-row-tiles", "wide-tiles"])
+def test_the_kernel_compiles_for_hopper_as_a_gpu_compiles_it(rows):
+    """The interpreter above runs the kernel's Python; a GPU compiles it, which refuses what the interpreter
+    takes (a global that is not a constexpr, say). So each tile shape `matmul` picks is compiled here, by
+    Triton's own compiler and ptxas, for sm_90 (an H200: where cuBLAS refuses the block-scaled product), as
+    far as the GPU's binary, with no GPU needed; skipped where Triton has no NVIDIA backend."""
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+    from triton.runtime.jit import JITFunction
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    kernel = fp8_gemm._kernel
+    kernel = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # the interpreter's wraps it
+    pointers = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16"}
+    block_m, block_n = fp8_gemm.tiles(rows)
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": fp8.BLOCK}
+    signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in kernel.arg_names}
+    compiled = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"] and "e4m3" in compiled.asm["ptx"]

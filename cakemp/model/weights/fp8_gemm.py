@@ -24,6 +24,10 @@ import triton.language as tl
 
 from cakemp.model.weights.fp8 import BLOCK, quantize_activation
 
+# The weight's scale grid's block (128 x 128) inside the kernel: Triton's compiler reads a global in a
+# kernel only as a constexpr (its interpreter, the CPU tests', reads any).
+_SCALE_BLOCK = tl.constexpr(BLOCK)
+
 
 @triton.jit
 def _kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_wn, stride_sn, stride_om,
@@ -41,7 +45,7 @@ def _kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_xsm
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BK]
         x_scale = tl.load(xs_ptr + rows * stride_xsm + b, mask=row_ok, other=0.0)  # [BM]
         w = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None])  # [BK, BN]: W^T's tile
-        w_scale = tl.load(s_ptr + (cols // BLOCK) * stride_sn + b)  # [BN]
+        w_scale = tl.load(s_ptr + (cols // _SCALE_BLOCK) * stride_sn + b)  # [BN]
         acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -54,11 +58,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> to
     N = weight.shape[0]
     x_q, x_scale = quantize_activation(x)  # [M, K] e4m3, [M, K/128] f32
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    # Tiles: tl.dot takes 16 rows at least (a decode step's one row is masked in); narrower tiles
-    # along N for few rows, so a weight-bound product spreads over more programs.
-    block_m = 16 if M <= 16 else 64
-    block_n = 64 if M <= 64 else BLOCK
+    block_m, block_n = tiles(M)
     grid = (triton.cdiv(M, block_m), N // block_n)
     _kernel[grid](x_q, x_scale, weight, scale_inv, out, M, N, K, x_q.stride(0), x_scale.stride(0), weight.stride(0),
                   scale_inv.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK)
     return out
+
+
+def tiles(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of a product of `rows` rows: tl.dot takes 16 rows at least (a decode step's one
+    row is masked in); narrower tiles along N for few rows, so a weight-bound product spreads over more
+    programs."""
+    return (16 if rows <= 16 else 64), (64 if rows <= 64 else BLOCK)
