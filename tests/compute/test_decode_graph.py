@@ -6,8 +6,9 @@ differently). tools/gpu_check checks on a GPU that a replay equals this step bit
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from cakemp.compute.decode_graph import buckets, width_for
+from cakemp.compute.decode_graph import DecodeGraph, buckets, width_for
 from cakemp.compute.kv_cache import BLOCK, NULL_BLOCK, SCRATCH_BLOCK
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.op import Op
@@ -88,6 +89,49 @@ def test_sessions_padded_to_a_bucket_decode_as_the_paged_step(family):
     for mine, theirs in zip(graphed.run_batch(mixed), paged.run_batch(mixed), strict=True):
         assert_close(mine, theirs)
     assert {key[1] for key in graphed.graphs.made} == {2, 4}
+
+
+# Ops whose result the host must read (a value, or a shape that depends on values): on a GPU each waits
+# for the device, which a CUDA graph's capture refuses; so do tensors made from Python data (lift_fresh:
+# a copy from host memory).
+HOST_READS = {"item", "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique2",
+              "unique_consecutive", "repeat_interleave", "lift_fresh", "lift_fresh_copy", "index by a mask"}
+
+
+class _Dispatched(TorchDispatchMode):
+    """The torch ops run under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        indices = args[1] if name.startswith("index") and len(args) > 1 and isinstance(args[1], list | tuple) else ()
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
+            name = "index by a mask"  # its rows counted on the host first
+        self.names.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_step_a_gpu_captures_reads_nothing_back_to_the_host(family, monkeypatch):
+    """What a graph records (DecodeGraph._compute, every family's layers: windows, longrope's switch, q/k
+    norms, biases) runs no op whose value the host reads, which a GPU's capture would refuse (and fall
+    back to the paged step for good): checked here, where no GPU captures, op by op."""
+    dispatched = _Dispatched()
+    compute = DecodeGraph._compute
+
+    def watched(graph):
+        with dispatched:
+            return compute(graph)
+
+    monkeypatch.setattr(DecodeGraph, "_compute", watched)
+    graphed, paged = load(family, graph_batch=4), load(family)
+    lengths = {1: 3, 2: 18}
+    prefill((graphed, paged), lengths)
+    decode_together(graphed, paged, lengths, steps=2)
+    assert {"linear", "scaled_dot_product_attention", "index_copy_"} <= dispatched.names  # the step ran under it
+    assert not dispatched.names & HOST_READS
 
 
 def test_a_step_past_its_width_takes_a_wider_graph(family):
