@@ -348,6 +348,15 @@ MUTANTS = (
     Mutant("graph-padding-not-reset", "cakemp/compute/decode_graph.py",
            "            self.slot_ids[:, B:self.rows] = SCRATCH_BLOCK * BLOCK\n", "",
            ("tests/compute/test_decode_graph.py",)),
+    Mutant("graph-step-reads-a-value-back", "cakemp/model/rotary.py",
+           "        at = positions.to(torch.float32)[:, None]  # [N, 1]\n",
+           "        at = positions.to(torch.float32)[:, None]  # [N, 1]\n        assert int(positions.max()) >= 0\n",
+           ("tests/compute/test_decode_graph.py",)),
+    Mutant("fp8-kernel-reads-a-plain-global", "cakemp/model/weights/fp8_gemm.py",
+           "(cols // _SCALE_BLOCK)", "(cols // BLOCK)", ("tests/model/test_fp8_gemm.py",)),
+    Mutant("bench-side-drops-its-cache", "bench/step_growth.py",
+           "position_ids=positions,\n                      **{CACHE_ARGUMENT: self.cache})",
+           "position_ids=positions)", ("tests/test_bench_sides.py",)),
 )
 
 
