@@ -13,7 +13,8 @@ made in registers as a GPU does (it does over e4m3 loaded from memory), so the k
 CPU tests check is this one.
 
 Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported) runs it on a CPU,
-which is how the test suite checks it against the emulation (tests/model/test_fp8_gemm.py).
+which is how the test suite checks it against the emulation (tests/model/test_fp8_gemm.py); the
+interpreter takes Python the compiler refuses, so the suite also compiles it for sm_90 there.
 """
 
 from __future__ import annotations
