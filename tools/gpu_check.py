@@ -21,7 +21,9 @@ findings, or the error that stopped it, and the next one runs regardless:
 4. fp8: whether cuBLAS's block-scaled FP8 matmul runs here, and which FP8 matmul start-up picks
    (cuBLAS's, the Triton kernel of model/weights/fp8_gemm.py, or none); the Triton kernel against
    the emulation (in units of the bound tests/model/test_fp8_gemm.py holds it to: at most 1 is
-   within) at 1, 7 and 512 rows of a 4096x4096 matrix, and its time against a bf16 F.linear of
+   within) at 1, 7 and 512 rows of a 4096x4096 matrix, its f32 distance from the emulation in units
+   of the products' summed magnitude (f32 accumulation: a few 2^-24; an FP8 MMA keeping 13 mantissa
+   bits, as Hopper's is reported to: up to ~2^-13), and its time against a bf16 F.linear of
    the same shape; an FP8 checkpoint loaded with its matrices kept FP8 (`fp8.kept_as_fp8`), their
    resident bytes against bf16's, each kept matrix's product against the emulation, and the
    layers' outputs against the same layers dequantized in f32. Rehearsal: the kernel through
@@ -426,6 +428,17 @@ def check_fp8_kernel(device: torch.device, rehearse: bool) -> None:
             speed[rows] = round(timed(lambda: F.linear(x, plain), device) /
                                 timed(lambda: fp8_gemm.matmul(x, weight.weight, weight.scale_inv), device), 3)
     finding("fp8.triton_vs_emulation_over_bound", over)
+    # With f32 activations (no rounding of the output), the kernel's distance from the emulation in units
+    # of the products' summed magnitude, at the unit of the accumulator that explains it: an f32 one
+    # errs by a few 2^-24 (its bound above allows K of them); an accumulator of 13 mantissa bits, which
+    # Hopper's FP8 MMA is reported to keep, by up to ~2^-13 (the kernel promotes to f32 every 128 products).
+    from tests.support.tolerance import fp8_magnitude
+
+    x = torch.randn(7, K, generator=generator).to(device)
+    distance = (fp8_gemm.matmul(x, weight.weight, weight.scale_inv) - fp8.emulated_matmul(x, weight)).abs()
+    relative = (distance / fp8_magnitude(x, weight)).max().item()
+    finding("fp8.triton_f32_error_over_magnitude", {"relative": relative, "in_2^-24": round(relative * 2**24, 1),
+                                                     "in_2^-13": round(relative * 2**13, 3)})
     finding("fp8.triton_speedup_over_bf16_linear", speed or "rehearsal: not timed")
 
 

@@ -261,6 +261,16 @@ def fp8_matmul_bound(x: torch.Tensor, weight, dtype: torch.dtype) -> tuple[torch
     `dtype` (no rounding for f32). x: [M, K]; weight: an fp8.Fp8Weight [N, K] with 128x128 blocks."""
     from cakemp.model.weights import fp8
 
+    expected = fp8.emulated_matmul(x, weight)
+    eps = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    return expected, x.shape[1] * torch.finfo(torch.float32).eps * fp8_magnitude(x, weight) + eps * expected.abs()
+
+
+def fp8_magnitude(x: torch.Tensor, weight) -> torch.Tensor:
+    """[M, N]: the sum of the magnitudes of the scaled products x_q w * x_scale * w_scale each output
+    adds up, what any reordering or narrower accumulation of them errs in proportion to."""
+    from cakemp.model.weights import fp8
+
     x_q, x_scale = fp8.quantize_activation(x.float())
     w_scale = weight.scale_inv.repeat_interleave(128, dim=0)  # [N, K/128]
     magnitude = torch.zeros(x.shape[0], weight.shape[0], device=x.device)
@@ -268,6 +278,4 @@ def fp8_matmul_bound(x: torch.Tensor, weight, dtype: torch.dtype) -> tuple[torch
         columns = slice(b * 128, (b + 1) * 128)
         products = x_q[:, columns].float().abs() @ weight.weight[:, columns].float().abs().t()
         magnitude += products * x_scale[:, b, None] * w_scale[None, :, b]
-    expected = fp8.emulated_matmul(x, weight)
-    eps = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
-    return expected, x.shape[1] * torch.finfo(torch.float32).eps * magnitude + eps * expected.abs()
+    return magnitude
