@@ -73,14 +73,18 @@ def load(tmp_path: Path):
 
 def test_supervisor_accepts_the_program_section(tmp_path):
     """supervisor's own config parser reads the program section and its multi-line environment, which
-    sets only variables `cakemp run` reads, and CUDA's device order."""
+    sets only variables `cakemp run` reads, CUDA's device order, and where Triton keeps what it compiles
+    (the account has no home): inside the directory the file says to make the account's alone."""
     program = load(tmp_path)
     assert program.name == "cakemp"
     assert program.command == "/opt/cakemp/bin/cakemp run"
     assert program.environment["CAKE_CLUSTER_KEY"]
-    assert {"CAKEMP_MODEL", "CAKEMP_TOPOLOGY", "CAKEMP_DRAIN_TIMEOUT"} <= set(program.environment) - {"CUDA_DEVICE_ORDER"}
-    assert set(program.environment) - {"CUDA_DEVICE_ORDER"} <= run_variables()
+    others = {"CUDA_DEVICE_ORDER", "TRITON_CACHE_DIR"}
+    assert {"CAKEMP_MODEL", "CAKEMP_TOPOLOGY", "CAKEMP_DRAIN_TIMEOUT"} <= set(program.environment) - others
+    assert set(program.environment) - others <= run_variables()
     assert program.environment["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    triton = Path(program.environment["TRITON_CACHE_DIR"])
+    assert f"install -d -m 0700 -o cakemp -g cakemp {triton.parent}" in PROGRAM.read_text()
 
 
 def test_the_example_key_is_a_placeholder_the_node_refuses_as_it_is(tmp_path):

@@ -1,5 +1,6 @@
 """The project's systemd unit and example env file: systemd-analyze's verdict and the settings the node relies on."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -81,6 +82,27 @@ def test_unit_reaches_the_gpus_and_survives_a_device_oom():
     }
     assert unit["OOMPolicy"] == ["continue"]
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in unit["Environment"]
+
+
+def test_under_the_unit_triton_compiles_the_fp8_kernel_though_the_account_has_no_home(tmp_path):
+    """The account has no home (docs/deploy.md), where Triton keeps what it compiles by default: with the
+    unit's environment (its cache directory, %C/cakemp-%i, a fresh one here) the FP8 kernel compiles for a
+    GPU and Triton's cache is inside that directory; without the unit's TRITON_CACHE_DIR it does not."""
+    pytest.importorskip("triton")
+    from tests.support.triton_compile import compile_fp8_kernel, has_nvidia_backend
+
+    if not has_nvidia_backend():
+        pytest.skip("this Triton has no NVIDIA backend")
+    cache = tmp_path / "cache"  # systemd makes it, the account's own
+    cache.mkdir()
+    unit = dict(value.split("=", 1) for value in settings(UNIT.read_text())["Environment"])
+    unit = {key: value.replace("%C", str(tmp_path)).replace("cakemp-%i", "cache") for key, value in unit.items()}
+    base = {key: value for key, value in os.environ.items() if not key.startswith("TRITON_") and key != "HOME"}
+    base["HOME"] = "/dev/null/home"  # no home: nothing can be made there
+    assert compile_fp8_kernel(["1:bf16"], base | unit) == ""
+    assert Path(unit["TRITON_CACHE_DIR"]).is_relative_to(cache) and any(Path(unit["TRITON_CACHE_DIR"]).iterdir())
+    without = {key: value for key, value in (base | unit).items() if key != "TRITON_CACHE_DIR"}
+    assert compile_fp8_kernel(["1:bf16"], without).startswith("1:bf16 ")  # it names the case that failed
 
 
 def test_stop_timeout_leaves_room_for_the_drain():

@@ -2,8 +2,6 @@
 CPU through Triton's interpreter (skipped where triton is not installed)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ pytest.importorskip("triton")
 
 from cakemp.model.weights import fp8, fp8_gemm  # noqa: E402
 from tests.support.tolerance import fp8_matmul_bound  # noqa: E402
+from tests.support.triton_compile import compile_fp8_kernel, has_nvidia_backend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -74,43 +73,13 @@ def test_fp8_checkpoint_kept_fp8_multiplies_through_the_kernel_picked(tmp_path, 
         assert ((linear(x, w) - expected).abs() <= tolerance).all()
 
 
-# Compiles `fp8_gemm._kernel` for sm_90 in each tile shape and output dtype given on argv (rows:dtype ...), in a
-# process of its own: the tests' process runs Triton's interpreter (tests/conftest.py), whose patched
-# language a compile there trips over; a GPU's process never has it. Prints each that fails, and why.
-_COMPILE = """
-import sys
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
-from cakemp.model.weights import fp8, fp8_gemm
-
-kernel = fp8_gemm._kernel
-pointers = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-for case in sys.argv[1:]:
-    rows, out = case.split(":")
-    block_m, block_n = fp8_gemm.tiles(int(rows))
-    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": fp8.BLOCK}
-    signature = {name: pointers.get(name, f"*{out}" if name == "out_ptr" else "constexpr" if name in constants
-                                    else "i32") for name in kernel.arg_names}
-    try:
-        compiled = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm["cubin"] and "e4m3" in compiled.asm["ptx"], "no e4m3 in its PTX"
-    except Exception as e:
-        print(case, type(e).__name__, str(e).splitlines()[-1] if str(e) else "")
-"""
-
-
 def test_the_kernel_compiles_for_hopper_as_a_gpu_compiles_it():
     """The interpreter above runs the kernel's Python; a GPU compiles it, which refuses what the interpreter
     takes (a global that is not a constexpr, say). So each tile shape `matmul` picks, for each activation
-    dtype, is compiled here by Triton's own compiler and ptxas for sm_90 (an H200: where cuBLAS refuses the
-    block-scaled product), as far as the GPU's binary, with no GPU needed; skipped where Triton has no
-    NVIDIA backend."""
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
+    dtype, is compiled here by Triton's own compiler for sm_90 (an H200: where cuBLAS refuses the
+    block-scaled product), as far as the GPU's binary (tests/support/triton_compile.py); skipped where
+    Triton has no NVIDIA backend."""
+    if not has_nvidia_backend():
         pytest.skip("this Triton has no NVIDIA backend")
-    cases = [f"{rows}:{out}" for rows in (1, 20, 70) for out in ("bf16", "fp16", "fp32")]  # each tile shape
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, *cases], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and not done.stdout, done.stdout + done.stderr[-2000:]
+    failed = compile_fp8_kernel([f"{rows}:{out}" for rows in (1, 20, 70) for out in ("bf16", "fp16", "fp32")])
+    assert not failed, failed
