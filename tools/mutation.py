@@ -354,6 +354,8 @@ MUTANTS = (
            ("tests/compute/test_decode_graph.py",)),
     Mutant("fp8-kernel-reads-a-plain-global", "cakemp/model/weights/fp8_gemm.py",
            "(cols // _SCALE_BLOCK)", "(cols // BLOCK)", ("tests/model/test_fp8_gemm.py",)),
+    Mutant("unit-leaves-triton-in-the-home", "deploy/systemd/cakemp@.service",
+           "Environment=TRITON_CACHE_DIR=%C/cakemp-%i/triton\n", "", ("tests/deploy/test_systemd.py",)),
     Mutant("bench-side-drops-its-cache", "bench/step_growth.py",
            "position_ids=positions,\n                      **{CACHE_ARGUMENT: self.cache})",
            "position_ids=positions)", ("tests/test_bench_sides.py",)),
