@@ -157,8 +157,10 @@ def _gemm(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type == "cuda":
         chosen = SCALED_MM if scaled_mm_works(device, dtype) else TRITON if _works(TRITON, device, dtype) else None
     if device.type != "cpu":
-        log.get_logger().info("fp8 matmul", device=str(device), dtype=str(dtype).removeprefix("torch."),
-                              kernel=chosen or "none: FP8 weights dequantized")
+        # None on a GPU doubles FP8 weights' memory: a warning (each kernel's reason was logged as it was tried).
+        logger = log.get_logger()
+        (logger.info if chosen else logger.warning)("fp8 matmul", device=str(device), dtype=str(dtype).removeprefix(
+            "torch."), kernel=chosen or "none: FP8 weights dequantized")
     return chosen
 
 
