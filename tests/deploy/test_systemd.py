@@ -89,10 +89,9 @@ def test_under_the_unit_triton_compiles_the_fp8_kernel_though_the_account_has_no
     unit's environment (its cache directory, %C/cakemp-%i, a fresh one here) the FP8 kernel compiles for a
     GPU and Triton's cache is inside that directory; without the unit's TRITON_CACHE_DIR it does not."""
     pytest.importorskip("triton")
-    from tests.support.triton_compile import compile_fp8_kernel, has_nvidia_backend
+    from tests.support.triton_compile import compile_fp8_kernel, require_nvidia_backend
 
-    if not has_nvidia_backend():
-        pytest.skip("this Triton has no NVIDIA backend")
+    require_nvidia_backend()
     cache = tmp_path / "cache"  # systemd makes it, the account's own
     cache.mkdir()
     unit = dict(value.split("=", 1) for value in settings(UNIT.read_text())["Environment"])
