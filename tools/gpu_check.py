@@ -408,6 +408,8 @@ def fp8_over_bound(got: torch.Tensor, x: torch.Tensor, weight, dtype: torch.dtyp
 def check_fp8_kernel(device: torch.device, rehearse: bool) -> None:
     """The Triton kernel alone, whatever `gemm` picked: against the emulation at a decode step, a
     ragged batch and a prefill, and its time against cuBLAS's bf16 matmul of the same shape."""
+    from tests.support.tolerance import fp8_magnitude
+
     try:
         from cakemp.model.weights import fp8_gemm
     except ImportError as e:
@@ -432,8 +434,6 @@ def check_fp8_kernel(device: torch.device, rehearse: bool) -> None:
     # of the products' summed magnitude, at the unit of the accumulator that explains it: an f32 one
     # errs by a few 2^-24 (its bound above allows K of them); an accumulator of 13 mantissa bits, which
     # Hopper's FP8 MMA is reported to keep, by up to ~2^-13 (the kernel promotes to f32 every 128 products).
-    from tests.support.tolerance import fp8_magnitude
-
     x = torch.randn(7, K, generator=generator).to(device)
     distance = (fp8_gemm.matmul(x, weight.weight, weight.scale_inv) - fp8.emulated_matmul(x, weight)).abs()
     relative = (distance / fp8_magnitude(x, weight)).max().item()

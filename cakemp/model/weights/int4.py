@@ -179,7 +179,7 @@ class Int4Weight:
         for first in range(0, blocks, per_tile):
             count = min(per_tile, blocks - first)
             outputs = slice(first * block, (first + count) * block)
-            tile = codes[first:first + count]  # [count, K, 32] uint8
+            tile = codes[first:first + count]  # [count, K, B/2] uint8
             # q - 8 as int8, exactly: (q + 248) mod 256.
             low_codes = torch.bitwise_and(tile, 15, out=low[:count]).add_(256 - _OFFSET).view(torch.int8)
             high_codes = torch.bitwise_right_shift(tile, 4, out=high[:count]).add_(256 - _OFFSET).view(torch.int8)
