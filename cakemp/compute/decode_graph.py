@@ -24,8 +24,9 @@ MoE layer routes by data; a linear-attention layer keeps a recurrence) run the p
 does every step once a capture has failed (an op the capture refuses: logged once).
 
 On a CPU the same buffers and the same computation run without a graph (`capture=False`): the tests
-check there that this step equals the paged one, and tools/gpu_check that a replay on a GPU equals
-the same step run eagerly, bit for bit.
+check there that this step equals the paged one, run so and recorded once then replayed as a graph
+replays (fixed ops over fixed tensors, no Python: what changes between steps must reach the step through
+its buffers), and tools/gpu_check that a replay on a GPU equals the same step run eagerly, bit for bit.
 """
 
 from __future__ import annotations

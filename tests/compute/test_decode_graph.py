@@ -1,17 +1,22 @@
-"""The fixed-shape decode step (compute/decode_graph.py), run on the CPU without a graph: the plan a
-GPU captures, checked against the paged step (compute/paged_step.py) of a second runner serving the
-same requests, within tests/support/tolerance.py's f32 bound (a padded batch's GEMM may round
-differently). tools/gpu_check checks on a GPU that a replay equals this step bit for bit.
+"""The fixed-shape decode step (compute/decode_graph.py) on the CPU: the plan a GPU captures, checked
+against the paged step (compute/paged_step.py) of a second runner serving the same requests, within
+tests/support/tolerance.py's f32 bound (a padded batch's GEMM may round differently). Each runs two
+ways: eagerly, as a CPU's device runs it, and recorded once and replayed with a CUDA graph's semantics
+(tests/support/cpu_graphs.py), where a value that reaches the step other than through its buffers goes
+stale. tools/gpu_check checks on a GPU that a replay equals the eager step bit for bit.
 """
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cakemp.compute.decode_graph import DecodeGraph, buckets, width_for
+from cakemp.compute.decode_graph import DecodeGraph, DecodeGraphs, buckets, width_for
 from cakemp.compute.kv_cache import BLOCK, NULL_BLOCK, SCRATCH_BLOCK
+from cakemp.compute.loading import Rounding
 from cakemp.compute.runner import BlockRunner, Request
+from cakemp.model.weights import int4, int8
 from cakemp.op import Op
+from tests.support import cpu_graphs
 from tests.support.checkpoints import make_checkpoint
 from tests.support.families import HUB_FAMILIES
 from tests.support.tolerance import assert_close
@@ -31,6 +36,17 @@ def family(request, tmp_path_factory):
     return make_checkpoint(path, name)
 
 
+@pytest.fixture(params=["eager", "replayed"])
+def graphs(request, monkeypatch):
+    """How the runners' fixed-shape steps run: eagerly, or captured and replayed as a GPU's graphs are."""
+    if request.param == "replayed":
+        cpu_graphs.install(monkeypatch)
+        made = DecodeGraphs.__init__
+        monkeypatch.setattr(DecodeGraphs, "__init__",
+                            lambda self, cache, max_batch, capture: made(self, cache, max_batch, capture=True))
+    return request.param
+
+
 def load(path, **kwargs) -> BlockRunner:
     return BlockRunner.load(path, [f"model.layers.{i}" for i in LAYERS], "cpu", torch.float32, **kwargs)
 
@@ -47,6 +63,7 @@ def decode_together(graphed, paged, lengths: dict[int, int], steps: int, seed: i
     """Every session of `lengths` (session -> positions cached) decodes `steps` tokens together on both
     runners; each step's outputs equal. The lengths advance."""
     hidden = graphed.config.hidden_size
+    replays = cpu_graphs.Recording.replays
     for step in range(steps):
         requests = [Request(s, tokens(1, seed + 1000 * step + s, hidden), ops(lengths[s])) for s in lengths]
         for mine, theirs in zip(graphed.run_batch(requests), paged.run_batch(requests), strict=True):
@@ -54,6 +71,8 @@ def decode_together(graphed, paged, lengths: dict[int, int], steps: int, seed: i
             assert_close(mine, theirs)
         for s in lengths:
             lengths[s] += 1
+    if graphed.graphs.capture and graphed.graphs.failed is None:  # every step was a replay
+        assert cpu_graphs.Recording.replays == replays + steps
 
 
 def prefill(runners, lengths: dict[int, int]):
@@ -71,7 +90,7 @@ def test_buckets_and_widths():
     assert [width_for(n) for n in (1, 16, 17, 40)] == [16, 16, 32, 64]
 
 
-def test_sessions_padded_to_a_bucket_decode_as_the_paged_step(family):
+def test_sessions_padded_to_a_bucket_decode_as_the_paged_step(family, graphs):
     """Three sessions at different lengths (one past the windows, several past Phi's longrope switch)
     decode together: padded to a bucket of 4, each equals the paged step; then one leaves and the
     two left (a bucket of 2) still do; a prompt chunk among decodes takes the paged step."""
@@ -134,7 +153,7 @@ def test_the_step_a_gpu_captures_reads_nothing_back_to_the_host(family, monkeypa
     assert not dispatched.names & HOST_READS
 
 
-def test_a_step_past_its_width_takes_a_wider_graph(family):
+def test_a_step_past_its_width_takes_a_wider_graph(family, graphs):
     """Sessions crossing 256 positions (16 blocks) move to a graph of 32 blocks and stay equal."""
     graphed, paged = load(family, graph_batch=4), load(family)
     lengths = {1: 254, 2: 100}
@@ -143,7 +162,7 @@ def test_a_step_past_its_width_takes_a_wider_graph(family):
     assert {key[2] for key in graphed.graphs.made} == {16, 32}
 
 
-def test_a_grown_pool_gets_a_new_graph_and_padding_touches_no_session(tmp_path):
+def test_a_grown_pool_gets_a_new_graph_and_padding_touches_no_session(tmp_path, graphs):
     """A graph reads the pools as they were when it was made: once a pool grows (more sessions than its
     first 64 blocks hold) the step makes another, and every graph of the old pool is dropped (it holds
     the old tensors). Padding rows (whose K/V are Qwen2's biases, not zeros) write the scratch block
@@ -169,7 +188,7 @@ def test_a_grown_pool_gets_a_new_graph_and_padding_touches_no_session(tmp_path):
     assert SCRATCH_BLOCK not in named
 
 
-def test_with_a_budget_the_pools_and_graphs_are_made_at_start_and_never_made_again(tmp_path):
+def test_with_a_budget_the_pools_and_graphs_are_made_at_start_and_never_made_again(tmp_path, graphs):
     """Given a KV budget (a GPU's always has one), the runner makes its layers' pools at their shares and
     the graph of every bucket at the narrowest width as it loads. Sessions then fill the pools past the 64
     blocks a growing pool starts with (where a pool without a budget grows, and its graphs are made
@@ -194,7 +213,7 @@ def test_with_a_budget_the_pools_and_graphs_are_made_at_start_and_never_made_aga
     assert served.positions[0, :3].tolist() == [lengths[s] - 1 for s in lengths]
 
 
-def test_sessions_sharing_a_kept_prefix_decode_through_the_graphs_as_the_paged_step(tmp_path):
+def test_sessions_sharing_a_kept_prefix_decode_through_the_graphs_as_the_paged_step(tmp_path, graphs):
     """As a GPU node runs by default: prefix reuse, shared between sessions. A chat's 40 rows are kept at
     its Goodbye. Another chat starting with its first 20 rows takes their first block from it (shared) and
     copies the second before writing its own rows there; then a session sending the first 36 rows again
@@ -221,7 +240,7 @@ def test_sessions_sharing_a_kept_prefix_decode_through_the_graphs_as_the_paged_s
     assert made[run, 2, 16].positions[0, :2].tolist() == [38, 32]  # the last step ran through it
 
 
-def test_a_row_that_turns_padding_in_its_bucket_writes_no_session_s_blocks_any_more(tmp_path):
+def test_a_row_that_turns_padding_in_its_bucket_writes_no_session_s_blocks_any_more(tmp_path, graphs):
     """Four sessions fill a bucket of 4; one leaves, and a new session takes the blocks it freed. The
     other three decode on in the same bucket, its fourth row now padding: had that row kept the slot
     ids of the session that left, it would write into the new session's rows. The new session's next
@@ -245,7 +264,7 @@ def test_a_row_that_turns_padding_in_its_bucket_writes_no_session_s_blocks_any_m
     assert {key[1] for key in graphed.graphs.made} == {4}
 
 
-def test_a_live_session_of_nan_rows_never_reaches_its_neighbours_through_a_graph(tmp_path):
+def test_a_live_session_of_nan_rows_never_reaches_its_neighbours_through_a_graph(tmp_path, graphs):
     """Session 1 of NaN activations stays live beside two sessions decoding in a padded bucket: their
     outputs equal the paged step's of a runner that never saw session 1."""
     path = make_checkpoint(tmp_path, "llama")
@@ -254,6 +273,20 @@ def test_a_live_session_of_nan_rows_never_reaches_its_neighbours_through_a_graph
     lengths = {2: 3, 3: 20}
     prefill((graphed, paged), lengths)
     decode_together(graphed, paged, lengths, steps=3)
+    assert graphed.graphs.made
+
+
+@pytest.mark.parametrize("quantize", [Rounding("int4", 32), Rounding("int8", 128)], ids=str)
+def test_kept_int4_and_int8_weights_multiply_inside_the_graph(tmp_path, graphs, quantize):
+    """Matrices kept in 4 or 8 bits (rounded at load, as --quantize does) stay kept in a graph's step,
+    their products inside it: decoding through it equals the paged step over the same kept weights."""
+    path = make_checkpoint(tmp_path, "llama")
+    graphed, paged = (load(path, quantize=quantize, **graph) for graph in ({"graph_batch": 4}, {}))
+    kind = int8.Int8Weight if quantize.kernel == "int8" else int4.Int4Weight
+    assert all(isinstance(block.w_qkv, kind) and isinstance(block.mlp.w_down, kind) for block in graphed.blocks)
+    lengths = {1: 5, 2: 17}
+    prefill((graphed, paged), lengths)
+    decode_together(graphed, paged, lengths, steps=2)
     assert graphed.graphs.made
 
 
