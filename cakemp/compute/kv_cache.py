@@ -218,6 +218,17 @@ class Tables:
         self._lengths[row, slot] = len(table)
         self._written(row, slot, first, max(len(table), held))
 
+    def append(self, row: int, slots: list[int], index: int, blocks: list[int]) -> None:
+        """Row `row`'s tables of `slots`, each `index` entries long, end in `blocks`' each (one numpy write
+        for them all: a decode's new block in every layer)."""
+        if index >= self._entries.shape[2]:
+            rows, slot_count, width = self._entries.shape
+            self._grow(rows, slot_count, max(2 * width, index + 1))
+        self._entries[row, slots, index] = blocks
+        self._lengths[row, slots] = index + 1
+        for slot in slots:
+            self._written(row, slot, index, index + 1)
+
     def clear(self, row: int) -> None:
         """Row `row` names no block (its session left it)."""
         self._entries[row] = NULL_BLOCK
@@ -418,23 +429,40 @@ class KVCache:
 
     def continuing(self, session: int, blocks: Sequence[int], position: int) -> list[KVSlot] | None:
         """The session's KV slots of `blocks` (block_idx each) if writing row `position` in each changes
-        nothing of it: the row is within what it has cached and the context limit, in its last block,
-        which is its own (a decode step's next row, or one it rewrites: most requests). Else None: then
-        `reserve` decides."""
+        nothing of it but, where the row opens a block, that block: the row is within what it has cached
+        and the context limit, and in its last block, which is its own (a decode step's next row, or one
+        it rewrites: most requests), or the first of the next block, taken here for every slot at once (a
+        decode's next row every BLOCK positions, where `reserve` took them one slot at a time). Else None:
+        then `reserve` decides. A block taken stays in its table if the request then fails, as `reserve`'s do."""
         slots = self._sessions.get(session)
         if slots is None or position >= self.max_context:
             return None
-        pools, held = self.pools, []
-        blocks_held = position // BLOCK + 1  # `_holds` for row `position` alone, inlined: this runs per layer
+        pools, held, opening = self.pools, [], []
+        index = position // BLOCK  # the row's block in each table: `_holds` for row `position` alone, inlined
         for block_idx in blocks:
             slot = slots.get(block_idx)
             if slot is None or position > slot.length:
                 return None
             table = slot.table
-            if len(table) != blocks_held or pools[block_idx].owners[table[-1]] != 1:
+            if len(table) == index:  # blocks to `length`, a multiple of BLOCK, which `position` is
+                opening.append(slot)
+            elif len(table) != index + 1 or pools[block_idx].owners[table[-1]] != 1:
                 return None
             held.append(slot)
+        if opening:
+            self._open(session, opening, index)
         return held
+
+    @torch.inference_mode()  # as `_change`: a pool that grows may be an inference tensor
+    def _open(self, session: int, slots: list[KVSlot], index: int) -> None:
+        """Give each of the session's `slots`, which hold `index` blocks, its next block, the budget
+        checked for them all first (CacheBudgetExceeded: none is taken)."""
+        self._fit(len(slots) * self.bytes_per_block)
+        pools = self.pools
+        taken = self._take_each([pools[slot.pool] for slot in slots])
+        for slot, block in zip(slots, taken, strict=True):
+            slot.table.append(block)
+        self._tables.append(self._rows[session], [slot.pool for slot in slots], index, taken)
 
     @torch.inference_mode()  # entered once for all the changes (about 1.4 µs each time it is)
     def _change(self, session: int, slots: dict[int, KVSlot], changes: list[tuple[int, int, int]]) -> None:
@@ -531,15 +559,21 @@ class KVCache:
 
     def _take(self, pool: Pool, n: int) -> list[int]:
         """n free blocks of `pool` (zeros: `_release`), owned by one live table; the pool grows when it has too few."""
-        if n == 0:
-            return []
         if n > len(pool.free):
             pool.grow(len(pool.owners) + n - len(pool.free), self._pool_limit(pool))
-        taken = [heapq.heappop(pool.free) for _ in range(n)]
-        for b in taken:
-            pool.owners[b] = pool.live[b] = 1
-        self._used += n
-        self._live_used += n
+        return self._take_each([pool] * n)
+
+    def _take_each(self, pools: list[Pool]) -> list[int]:
+        """A free block of each of `pools` (one named twice gives two), as `_take`'s; a pool without one grows."""
+        taken = []
+        for pool in pools:
+            if not pool.free:
+                pool.grow(len(pool.owners) + 1, self._pool_limit(pool))
+            block = heapq.heappop(pool.free)
+            pool.owners[block] = pool.live[block] = 1
+            taken.append(block)
+        self._used += len(taken)
+        self._live_used += len(taken)
         return taken
 
     @torch.inference_mode()  # the pool may be an inference tensor: made by a step under inference mode

@@ -146,8 +146,8 @@ class _RunLayers(NamedTuple):
 
 
 class _Decode(NamedTuple):
-    """A one-row request whose KV slots hold its row already (KVCache.continuing): nothing to reserve,
-    nothing to install, so it joins its group as it is."""
+    """A one-row request whose KV slots hold its row already, or were given the block it opens
+    (KVCache.continuing): nothing else to reserve, nothing to install, so it joins its group as it is."""
 
     x: torch.Tensor  # [1, 1, H]
     run: tuple[tuple[int, int], ...]
@@ -398,8 +398,8 @@ class BlockRunner:
         return results
 
     def _plan_step(self, requests: Sequence[Request], results: list) -> dict[tuple, _Group]:
-        """The step's requests in groups by run: a decode whose KV slots hold its row already joins as it
-        is (`_Decode`: fifteen steps in sixteen), every other request with a plan of its own (`_Planned`);
+        """The step's requests in groups by run: a decode whose KV slots hold its row already, or whose row
+        opens their next blocks, joins as it is (`_Decode`), every other request with a plan of its own (`_Planned`);
         a request that cannot run, or whose every row prefix reuse kept, has its result in `results`
         instead."""
         checked = []  # (index, request, T): the requests whose x is what this runner computes

@@ -138,6 +138,45 @@ def test_budget_refusal_is_all_or_nothing():
     assert c.nbytes() == PER_BLOCK and len(c.sessions()) == 1 and c.room() == 3 * PER_BLOCK
 
 
+@pytest.mark.parametrize("mirrored", [False, True], ids=["one-tensor", "device-copy"])
+def test_a_decode_row_opening_a_block_takes_one_in_every_layer_at_once(mirrored):
+    """`continuing` for a row at a block's start gives each of the session's slots its next block, as
+    `reserve` would, in the tables a step reads (and their device copy) and in the budget's count; where
+    the budget cannot hold them all it takes none, and the session goes on once there is room."""
+    c = cache(max_context=4096, budget_bytes=12 * PER_BLOCK)
+    c._tables = Tables(torch.device("cpu"), mirrored=mirrored)
+    c.reserve(1, {block_idx: (0, BLOCK) for block_idx in range(3)})
+    c.reserve(2, {0: (0, 3 * BLOCK)})
+    row = c.rows_of([1])[0]
+
+    def opened(position: int) -> None:
+        for slot in c.slots(1).values():
+            slot.length = position  # its rows so far written
+        used = c.nbytes()
+        slots = c.continuing(1, [0, 1, 2], position)
+        assert [slot.pool for slot in slots] == [0, 1, 2] and c.nbytes() == used + 3 * PER_BLOCK
+        for slot in slots:
+            assert len(slot.table) == position // BLOCK + 1
+            assert c.tables[row, slot.pool, : len(slot.table) + 1].tolist() == slot.table + [NULL_BLOCK]
+
+    opened(BLOCK)
+    opened(2 * BLOCK)
+    used = c.nbytes()
+    assert c.continuing(1, [0, 1, 2], 2 * BLOCK) is not None and c.nbytes() == used  # its row again: in its block
+    for slot in c.slots(1).values():
+        slot.length = 3 * BLOCK
+    tables = {block_idx: list(slot.table) for block_idx, slot in c.slots(1).items()}
+    with pytest.raises(CacheBudgetExceeded):  # the 12 blocks in use, 3 more wanted
+        c.continuing(1, [0, 1, 2], 3 * BLOCK)
+    assert {block_idx: slot.table for block_idx, slot in c.slots(1).items()} == tables and c.nbytes() == used
+    assert c.tables[row, :3, 3].tolist() == [NULL_BLOCK] * 3
+    c.clear(2)  # its 3 blocks free
+    opened(3 * BLOCK)
+    slots = c.reserve(1, {block_idx: (0, 5) for block_idx in range(3)})  # a new prompt: blocks past its first freed
+    for block_idx, slot in slots.items():
+        assert c.tables[row, block_idx, :5].tolist() == slot.table + [NULL_BLOCK] * 4
+
+
 @pytest.mark.parametrize("layers", [1, 4, 7])
 @pytest.mark.parametrize("budget_blocks", [1000, 1100, 1500, 2100])
 def test_the_pools_grown_to_the_budget_hold_no_more_blocks_than_it(layers, budget_blocks):
