@@ -82,8 +82,9 @@ findings, or the error that stopped it, and the next one runs regardless:
    time and the compile's, each checked against cakemp's way. Rehearsal: small heads, f32.
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
 ./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
-at small sizes (no kernel restriction, no OOM), to catch a broken script before GPU time is
-spent on it. Record what it finds in docs/benchmarks.md.
+at small sizes (no kernel restriction, no OOM; decode graphs captured and replayed with a CUDA graph's
+semantics by tests/support/cpu_graphs.py), to catch a broken script before GPU time is spent on
+it. Record what it finds in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -244,7 +245,15 @@ def main() -> None:
 
     @section("graphs")
     def graphs_section():
-        check_graphs(device, rehearse)
+        if not rehearse:
+            return check_graphs(device, rehearse)
+        # The CPU has no CUDA graphs: a rehearsal captures and replays with their semantics instead.
+        import pytest
+
+        from tests.support import cpu_graphs
+        with pytest.MonkeyPatch.context() as patch:
+            cpu_graphs.install(patch)
+            check_graphs(device, rehearse)
 
     @section("mixed-attention")
     def mixed_attention_section():
@@ -1172,7 +1181,7 @@ def check_graphs(device: torch.device, rehearse: bool) -> None:
 
 def host_ops(step) -> int:
     """The torch ops `step()` dispatches on the host (on a GPU, outside a graph's replay: each copy and
-    kernel among them a launch ahead of it; a rehearsal's eager graph step counts its layers' too)."""
+    kernel among them a launch ahead of it; a rehearsal's replay, its ops re-run on the CPU, counts them too)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):

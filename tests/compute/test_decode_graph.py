@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cakemp.compute.decode_graph import DecodeGraph, DecodeGraphs, buckets, width_for
+from cakemp.compute.decode_graph import DecodeGraph, buckets, width_for
 from cakemp.compute.kv_cache import BLOCK, NULL_BLOCK, SCRATCH_BLOCK
 from cakemp.compute.loading import Rounding
 from cakemp.compute.runner import BlockRunner, Request
@@ -41,9 +41,6 @@ def graphs(request, monkeypatch):
     """How the runners' fixed-shape steps run: eagerly, or captured and replayed as a GPU's graphs are."""
     if request.param == "replayed":
         cpu_graphs.install(monkeypatch)
-        made = DecodeGraphs.__init__
-        monkeypatch.setattr(DecodeGraphs, "__init__",
-                            lambda self, cache, max_batch, capture: made(self, cache, max_batch, capture=True))
     return request.param
 
 

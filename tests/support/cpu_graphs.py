@@ -8,8 +8,9 @@ under a graph only if everything that changes from step to step reaches it throu
 outside the graph. Run eagerly, as the CPU runs the fixed-shape step, such a mistake shows nothing;
 replayed from this recording it gives the stale answer a GPU would.
 
-`install(monkeypatch)` puts the recording in the place of torch.cuda's graph, stream and pool calls, so
-that `DecodeGraph.capture` runs as written: its warm-up, then the capture.
+`install(monkeypatch)` puts the recording in the place of torch.cuda's graph, stream and pool calls, and
+has every runner's decode graphs captured (as on a GPU), so that `DecodeGraph.capture` runs as written:
+its warm-up, then the capture.
 
 Replay re-runs each recorded op with the arguments it was recorded with (the same tensor objects, so
 their current values; the same Python numbers) and copies each result into the tensor the recording
@@ -26,6 +27,8 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from cakemp.compute.decode_graph import DecodeGraphs
 
 
 class Recording(TorchDispatchMode):
@@ -59,7 +62,10 @@ class _Stream:
 
 
 def install(monkeypatch) -> None:
-    """Make torch.cuda's graph capture record on the CPU (see the module's docstring)."""
+    """Make decode graphs captured, and torch.cuda's capture record, on the CPU (see the module's docstring)."""
+    made = DecodeGraphs.__init__
+    monkeypatch.setattr(DecodeGraphs, "__init__",
+                        lambda self, cache, max_batch, capture: made(self, cache, max_batch, capture=True))
     monkeypatch.setattr(Recording, "replays", 0)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
