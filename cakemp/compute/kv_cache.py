@@ -92,7 +92,7 @@ def _holds(table: list[int], owners: list[int], start: int, end: int) -> bool:
     return len(table) == -(-end // BLOCK) and start // BLOCK == len(table) - 1 and owners[table[-1]] == 1
 
 
-@dataclass
+@dataclass(slots=True)
 class KVSlot:
     """One layer's keys and values for one session: its blocks (of the pool of block_idx `pool`) in
     position order; rows [0, length) valid."""
@@ -438,16 +438,17 @@ class KVCache:
         if slots is None or position >= self.max_context:
             return None
         pools, held, opening = self.pools, [], []
-        index = position // BLOCK  # the row's block in each table: `_holds` for row `position` alone, inlined
+        index = position // BLOCK  # the row's block in each table
+        blocks_held = index + 1  # `_holds` for row `position` alone, inlined: this runs per layer
         for block_idx in blocks:
             slot = slots.get(block_idx)
             if slot is None or position > slot.length:
                 return None
             table = slot.table
-            if len(table) == index:  # blocks to `length`, a multiple of BLOCK, which `position` is
-                opening.append(slot)
-            elif len(table) != index + 1 or pools[block_idx].owners[table[-1]] != 1:
-                return None
+            if len(table) != blocks_held or pools[block_idx].owners[table[-1]] != 1:
+                if len(table) != index:
+                    return None
+                opening.append(slot)  # it holds blocks to `length`, a multiple of BLOCK, which `position` is
             held.append(slot)
         if opening:
             self._open(session, opening, index)
