@@ -233,6 +233,8 @@ MUTANTS = (
            "        self._lengths[row, slot] = len(table)\n", "", KV),
     Mutant("kv-freed-blocks-taken-last-first", "cakemp/compute/kv_cache.py",
            "block = heapq.heappop(pool.free)", "block = pool.free.pop()", KV),
+    Mutant("kv-opened-whatever-the-table-holds", "cakemp/compute/kv_cache.py",
+           "                if len(table) != index:\n                    return None\n", "", KV),
     Mutant("kv-opened-blocks-past-the-budget", "cakemp/compute/kv_cache.py",
            "        self._fit(len(slots) * self.bytes_per_block)\n", "", KV),
     Mutant("kv-opened-blocks-not-published", "cakemp/compute/kv_cache.py",

@@ -172,6 +172,11 @@ def test_a_decode_row_opening_a_block_takes_one_in_every_layer_at_once(mirrored)
     assert c.tables[row, :3, 3].tolist() == [NULL_BLOCK] * 3
     c.clear(2)  # its 3 blocks free
     opened(3 * BLOCK)
+    used = c.nbytes()
+    assert c.continuing(1, [0, 1, 2], BLOCK) is None  # a row before its last block: the plan decides
+    shares = c.shared_from(c.slots(1), [0, 1, 2], 3 * BLOCK + 1)  # its 4 blocks shared, as prefix reuse does
+    assert c.continuing(1, [0, 1, 2], 3 * BLOCK) is None and c.nbytes() == used  # its last block copied first
+    c.drop(shares.values())
     slots = c.reserve(1, {block_idx: (0, 5) for block_idx in range(3)})  # a new prompt: blocks past its first freed
     for block_idx, slot in slots.items():
         assert c.tables[row, block_idx, :5].tolist() == slot.table + [NULL_BLOCK] * 4
