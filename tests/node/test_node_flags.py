@@ -92,8 +92,8 @@ def test_the_front_and_the_device_take_what_they_loaded_out_of_the_garbage_colle
 
 def test_the_kv_budget_refuses_a_session_until_another_closes(node):
     """With the budget full, a new session's prefill gets WorkerError naming the budget while the
-    sessions already in keep their caches; once one of them closes the refused one is served on
-    the same connection."""
+    sessions already in keep their caches, and decode within their last blocks but not into new
+    ones (refused alike); once one of them closes the refused ones are served on the same connections."""
     port = node.metrics_port()
     assert kv_bytes(quiescent(port), "cpu:0") == 0  # no connection open: no cache held
 
@@ -108,18 +108,22 @@ def test_the_kv_budget_refuses_a_session_until_another_closes(node):
         full = await asyncio.to_thread(scrape, port)
         with pytest.raises(RemoteWorkerError, match=r"only 0 B of this device.s 1\.0 MiB budget is left"):
             await refused.batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), OPS)
-        # A session already in decodes on within its last block.
+        # A session already in decodes on within its last block, but not into a new one.
         await admitted[0].batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), [(n, PROMPT, i) for n, _, i in OPS])
+        opening = [(n, PROMPT + 1, i) for n, _, i in OPS]  # the first row of a 17th block in every layer
+        with pytest.raises(RemoteWorkerError, match=r"only 0 B of this device.s 1\.0 MiB budget is left"):
+            await admitted[0].batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), opening)
         await admitted[-1].close()
         await asyncio.to_thread(wait_until_freed, port, full)
         y = await refused.batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), OPS)
+        opened = await admitted[0].batch(to_raw(torch.randn(1, 1, HIDDEN), torch.float16), opening)  # room now
         for client in clients[:-2] + [refused]:
             await client.close()
-        return full, y
+        return full, y, opened
 
-    full, y = run(main())
+    full, y, opened = run(main())
     assert kv_bytes(full, "cpu:0") == SESSIONS_IN_BUDGET * SESSION_BYTES == BUDGET_MIB * 2**20
-    assert y.shape == (1, 1, HIDDEN)
+    assert y.shape == opened.shape == (1, 1, HIDDEN)
 
 
 def wait_until_freed(port: int, full) -> None:
