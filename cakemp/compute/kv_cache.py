@@ -437,7 +437,7 @@ class KVCache:
         slots = self._sessions.get(session)
         if slots is None or position >= self.max_context:
             return None
-        pools, held, opening = self.pools, [], []
+        pools, held, opening = self.pools, [], {}  # opening: block_idx -> slot (a run may name one twice)
         index = position // BLOCK  # the row's block in each table
         blocks_held = index + 1  # `_holds` for row `position` alone, inlined: this runs per layer
         for block_idx in blocks:
@@ -448,10 +448,10 @@ class KVCache:
             if len(table) != blocks_held or pools[block_idx].owners[table[-1]] != 1:
                 if len(table) != index:
                     return None
-                opening.append(slot)  # it holds blocks to `length`, a multiple of BLOCK, which `position` is
+                opening[block_idx] = slot  # it holds blocks to `length`, a multiple of BLOCK, which `position` is
             held.append(slot)
         if opening:
-            self._open(session, opening, index)
+            self._open(session, list(opening.values()), index)
         return held
 
     @torch.inference_mode()  # as `_change`: a pool that grows may be an inference tensor

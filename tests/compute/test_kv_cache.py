@@ -149,18 +149,18 @@ def test_a_decode_row_opening_a_block_takes_one_in_every_layer_at_once(mirrored)
     c.reserve(2, {0: (0, 3 * BLOCK)})
     row = c.rows_of([1])[0]
 
-    def opened(position: int) -> None:
+    def opened(position: int, blocks=(0, 1, 2)) -> None:
         for slot in c.slots(1).values():
             slot.length = position  # its rows so far written
         used = c.nbytes()
-        slots = c.continuing(1, [0, 1, 2], position)
-        assert [slot.pool for slot in slots] == [0, 1, 2] and c.nbytes() == used + 3 * PER_BLOCK
+        slots = c.continuing(1, blocks, position)
+        assert [slot.pool for slot in slots] == list(blocks) and c.nbytes() == used + 3 * PER_BLOCK
         for slot in slots:
             assert len(slot.table) == position // BLOCK + 1
             assert c.tables[row, slot.pool, : len(slot.table) + 1].tolist() == slot.table + [NULL_BLOCK]
 
     opened(BLOCK)
-    opened(2 * BLOCK)
+    opened(2 * BLOCK, blocks=(0, 1, 2, 0))  # a run naming a slot twice: one block for it all the same
     used = c.nbytes()
     assert c.continuing(1, [0, 1, 2], 2 * BLOCK) is not None and c.nbytes() == used  # its row again: in its block
     for slot in c.slots(1).values():
