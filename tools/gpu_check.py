@@ -67,7 +67,8 @@ findings, or the error that stopped it, and the next one runs regardless:
    CUDA graphs, as the node's; with the CPU time its call takes before the GPU's work is waited for,
    its planning and launches, over the step's wall time) and through transformers' own layers
    batched, and through `cakemp
-   run --gpus all --dtype bf16` from 1, 8 and 32 concurrent masters (tokens/s, each against
+   run --gpus all --dtype bf16` from 1, 8 and 32 concurrent masters, spread over up to 8 processes
+   (bench/masters.py: one process of them would set the rate it measured) (tokens/s, each against
    in-process, and the CPU per token of the front, the device and the masters, and how busy each
    was: which one sets the rate); a 512-token prompt through the node against in-process.
 12. graphs (~40 s, estimated): the same 4 layers through BlockRunner with its decode steps replayed
@@ -983,11 +984,15 @@ def launch_cpu(fn, device: torch.device) -> float:
 
 
 PROMPT_WARM, PROMPT_TIMED = 2, 5  # node-perf's 512-token prompts: untimed first, then timed (the median)
+# node-perf's masters are spread over up to this many processes (bench/masters.py): one process of them
+# would set the rate at a GPU node's, and on the GPU's machine cores are left beside the front and device.
+MASTER_PROCESSES = max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 async def check_node_perf(device: torch.device, rehearse: bool) -> None:
     import transformers
 
+    from bench.masters import Masters
     from bench.request_cost import device_pid, thread_seconds
     from bench.step_growth import Cakemp, Transformers
     from cakemp import heap
@@ -1043,7 +1048,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
         try:
             await node.wait_ready(timeout=300)
             port = int(node.address.rsplit(":", 1)[1])
-            pids = {"front": node._process.pid, "device": device_pid(node._process.pid), "masters": os.getpid()}
+            pids = {"front": node._process.pid, "device": device_pid(node._process.pid)}
             ops = lambda position: [(name, position, i) for i, name in enumerate(names)]  # noqa: E731
             async with await WorkerClient.connect("127.0.0.1", port) as client:
                 await client.hello()
@@ -1059,40 +1064,24 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                                               "ratio": round(node_ms / prompt_ms, 2),
                                               "node_first_ms": [round(1e3 * t, 2) for t in times[:PROMPT_WARM]]})
             for n in counts:
-                clients = []
-                for _ in range(n):  # each says Hello as it connects (a handshake place is held until then)
-                    clients.append(client := await WorkerClient.connect("127.0.0.1", port))
-                    await client.hello()
-                    await client.batch(bf16_wire(torch.randn(1, cached, hidden).to(torch.bfloat16)), ops(0))
-                done = [0] * n
-                # Each step rewrites the row after the prompt, so the context stays `cached` however fast the
-                # node goes (a growing one would reach the checkpoint's 4096 positions within a window), with
-                # two tokens taking turns: the row kept there is never the one sent, nothing for prefix reuse.
-                tokens = [bf16_wire(torch.randn(1, 1, hidden).to(torch.bfloat16)) for _ in range(2)]
-
-                async def decode(i: int) -> None:
-                    while time.perf_counter() < deadline:
-                        await clients[i].batch(tokens[done[i] % 2], ops(cached))
-                        done[i] += 1
-
-                # A second untimed first: the device captures the graphs of this batch's shapes meanwhile.
-                deadline = time.perf_counter() + 1.0
-                await asyncio.gather(*(decode(i) for i in range(n)))
-                done = [0] * n
-                start, ran_before = time.perf_counter(), thread_seconds(pids)
-                deadline = start + seconds
-                await asyncio.gather(*(decode(i) for i in range(n)))
-                wall, ran = time.perf_counter() - start, thread_seconds(pids)
+                masters = Masters(port, n, hidden, cached, names, MASTER_PROCESSES)
+                try:
+                    masters.window(1.0)  # untimed: the device captures the graphs of this batch's shapes meanwhile
+                    ran_before = thread_seconds(pids)
+                    window = masters.window(seconds)
+                    ran = thread_seconds(pids)
+                finally:
+                    masters.close()
                 ran.subtract(ran_before)
-                rate = sum(done) / wall
+                ran["masters (process)"] = window.cpu_s
+                rate = window.done / window.wall_s
                 # Which process sets the rate: each one's CPU per token, and its share of the wall time
-                # (near 1.0, that process is saturated: the masters, all in this one, included).
+                # (near 1.0, that process is saturated; the masters' spread over MASTER_PROCESSES).
                 finding(f"node_perf.node_{n}", {
                     "tok_s": round(rate), "over_in_process": round(rate / in_process[n], 2),
-                    "cpu_us_per_token": {name: round(ran[f"{name} (process)"] / sum(done) * 1e6) for name in pids},
-                    "busy": {name: round(ran[f"{name} (process)"] / wall, 2) for name in pids}})
-                for client in clients:
-                    await client.close()
+                    "cpu_us_per_token": {name: round(ran[f"{name} (process)"] / window.done * 1e6) for name in [*pids, "masters"]},
+                    "busy": {name: round(ran[f"{name} (process)"] / window.wall_s, 2) for name in [*pids, "masters"]},
+                    "master_processes": min(n, MASTER_PROCESSES)})
         finally:
             finding("node_perf.exit_status", node.stop())
 
