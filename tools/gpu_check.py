@@ -70,7 +70,8 @@ findings, or the error that stopped it, and the next one runs regardless:
    run --gpus all --dtype bf16` from 1, 8 and 32 concurrent masters, spread over up to 8 processes
    (bench/masters.py: one process of them would set the rate it measured) (tokens/s, each against
    in-process, and the CPU per token of the front, the device and the masters, and how busy each
-   was: which one sets the rate); a 512-token prompt through the node against in-process.
+   was: which one sets the rate; and the requests its device ran a step, below the sessions where they
+   came back too far apart for one); a 512-token prompt through the node against in-process.
 12. graphs (~40 s, estimated): the same 4 layers through BlockRunner with its decode steps replayed
    as CUDA graphs (compute/decode_graph.py) beside the paged step op by op, at 1, 8 and 32 sessions
    512 tokens in: each replay against the same fixed-shape step run eagerly over the same buffers
@@ -992,6 +993,7 @@ MASTER_PROCESSES = max(2, min(8, (os.cpu_count() or 2) // 2))
 async def check_node_perf(device: torch.device, rehearse: bool) -> None:
     import transformers
 
+    from bench.batching import batch_size_totals
     from bench.masters import Masters
     from bench.request_cost import device_pid, thread_seconds
     from bench.step_growth import Cakemp, Transformers
@@ -1042,8 +1044,10 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
 
         topology = Path(tmp) / "topology.yml"
         topology.write_text(f"perf:\n  host: 127.0.0.1:10128\n  layers:\n    - model.layers.0-{layers - 1}\n")
+        metrics = free_port()  # the node's /metrics: the requests its device ran a step
         node = LocalNode(name="perf", model_dir=path, topology=topology, port=free_port(),
-                         gpus="cpu" if rehearse else "all", dtype="bf16", log_path=Path(tmp) / "node.log")
+                         gpus="cpu" if rehearse else "all", dtype="bf16", log_path=Path(tmp) / "node.log",
+                         metrics_port=metrics)
         node.start()
         try:
             await node.wait_ready(timeout=300)
@@ -1067,12 +1071,13 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                 masters = Masters(port, n, hidden, cached, names, MASTER_PROCESSES)
                 try:
                     masters.window(1.0)  # untimed: the device captures the graphs of this batch's shapes meanwhile
-                    ran_before = thread_seconds(pids)
+                    ran_before, stepped_before = thread_seconds(pids), batch_size_totals(metrics)
                     window = masters.window(seconds)
-                    ran = thread_seconds(pids)
+                    ran, stepped = thread_seconds(pids), batch_size_totals(metrics)
                 finally:
                     masters.close()
                 ran.subtract(ran_before)
+                requests, steps = (after - before for after, before in zip(stepped, stepped_before, strict=True))
                 ran["masters (process)"] = window.cpu_s
                 rate = window.done / window.wall_s
                 # Which process sets the rate: each one's CPU per token, and its share of the wall time
@@ -1081,7 +1086,9 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                     "tok_s": round(rate), "over_in_process": round(rate / in_process[n], 2),
                     "cpu_us_per_token": {name: round(ran[f"{name} (process)"] / window.done * 1e6) for name in [*pids, "masters"]},
                     "busy": {name: round(ran[f"{name} (process)"] / window.wall_s, 2) for name in [*pids, "masters"]},
-                    "master_processes": min(n, MASTER_PROCESSES)})
+                    "master_processes": min(n, MASTER_PROCESSES),
+                    # Below n: the sessions came back too far apart for one step, which split them (device/scheduler.py).
+                    "requests_per_step": round(requests / steps, 1) if steps else None})
         finally:
             finding("node_perf.exit_status", node.stop())
 

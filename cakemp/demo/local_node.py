@@ -51,7 +51,9 @@ class LocalNode:
         log_path: Path,
         cluster_key: str | None = None,
         protocol: int = 2,
+        metrics_port: int | None = None,
     ) -> None:
+        """`metrics_port`: where the node serves /metrics on 127.0.0.1 (None: nowhere)."""
         self.address = f"127.0.0.1:{port}"
         self.cluster_key = cluster_key
         self.log_path = log_path
@@ -59,6 +61,7 @@ class LocalNode:
             sys.executable, "-m", "cakemp", "run",
             "--name", name, "--model", str(model_dir), "--topology", str(topology),
             "--address", self.address, "--gpus", gpus, "--dtype", dtype, "--protocol", str(protocol),
+            *(() if metrics_port is None else ("--metrics-address", f"127.0.0.1:{metrics_port}")),
         ]  # fmt: skip
         self._process: subprocess.Popen | None = None
 
