@@ -21,8 +21,30 @@ from cakemp.errors import BadIpcMessage
 from cakemp.ipc.codec import decode, encode
 from cakemp.ipc.message import Buffer, Message
 
-# As plain ints: pyzmq's are enum members, whose `&` costs a Python call each time.
+# As plain ints: pyzmq's are enum members, whose `&` and `|` cost a Python call each time.
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+
+
+def send_frames(socket: zmq.Socket, frames: Sequence[Buffer], flags: int = 0) -> None:
+    """socket.send_multipart(frames, flags, copy=False), without what it adds in Python for each message: a
+    type check of every frame (ours are the codec's buffers) and enum arithmetic on the flags (0.7x its time).
+    copy=False: a large activation body goes to zmq as the same buffer, not copied (below
+    zmq.COPY_THRESHOLD, 64 KiB, pyzmq copies it anyway, which is cheaper). Once zmq has taken the first
+    frame, it takes the rest: zmq.Again, where the socket cannot take the message now, is raised only there."""
+    more = flags | _SNDMORE
+    for frame in frames[:-1]:
+        socket.send(frame, more, copy=False)
+    socket.send(frames[-1], flags, copy=False)
+
+
+def receive_frames(socket: zmq.Socket) -> list[zmq.Frame]:
+    """socket.recv_multipart(zmq.NOBLOCK, copy=False), asking each frame whether more follow rather than the
+    socket with an enum option (0.5x its time); zmq.Again where no message waits."""
+    frames = [socket.recv(_NOBLOCK, copy=False)]
+    while frames[-1].more:
+        frames.append(socket.recv(_NOBLOCK, copy=False))
+    return frames
 
 
 def inbox(endpoint: str) -> str:
@@ -57,9 +79,7 @@ class FrontChannel:
     def try_send(self, frames: Sequence[Buffer]) -> bool:
         """Send encoded frames now if the socket takes them (False: no device connected yet, or its queue is full)."""
         try:
-            # copy=False: a large activation body is handed to zmq as the same buffer, not
-            # copied (below zmq.COPY_THRESHOLD, 64 KiB, pyzmq copies it anyway, which is cheaper).
-            self._socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            send_frames(self._socket, frames, _NOBLOCK)
         except zmq.Again:
             return False
         if self._socket.getsockopt(_EVENTS) & _POLLIN:
@@ -100,7 +120,7 @@ class FrontChannel:
             return
         # Reading ZMQ_EVENTS also resets ZMQ_FD: without it the loop would call us again at once.
         while (events := self._socket.getsockopt(_EVENTS)) & _POLLIN:
-            frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = receive_frames(self._socket)
             try:
                 msg = decode([frame.buffer for frame in frames])
             except BadIpcMessage as e:
@@ -171,7 +191,7 @@ class DeviceChannel:
             # Until ZMQ_EVENTS shows none left, rather than until recv raises zmq.Again (an exception each time).
             while True:
                 try:
-                    frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = receive_frames(socket)
                 except zmq.Again:
                     break
                 try:
@@ -184,7 +204,7 @@ class DeviceChannel:
 
     def send(self, msg: Message) -> None:
         """To the front."""
-        self._front.send_multipart(encode(msg), copy=False)
+        send_frames(self._front, encode(msg))
         self.last_sent = time.monotonic()
 
     def hand_off(self, device: int, msg: Message) -> bool:
@@ -193,7 +213,7 @@ class DeviceChannel:
         if push is None:
             return False
         try:
-            push.send_multipart(encode(msg), zmq.NOBLOCK, copy=False)
+            send_frames(push, encode(msg), _NOBLOCK)
         except zmq.Again:
             return False
         return True
