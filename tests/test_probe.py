@@ -6,6 +6,7 @@ import re
 import socket
 import sys
 import threading
+import urllib.request
 
 import pytest
 import yaml
@@ -30,7 +31,7 @@ def node(tmp_path_factory):
     topology = work / "topology.yml"
     topology.write_text(yaml.safe_dump({"w": {"host": f"127.0.0.1:{port}", "layers": ["model.layers.0-1"]}}))
     node = LocalNode(name="w", model_dir=work, topology=topology, port=port, gpus="cpu", dtype="f32",
-                     log_path=work / "node.log", cluster_key=KEY)
+                     log_path=work / "node.log", cluster_key=KEY, metrics_port=free_port())
     node.start()
     try:
         asyncio.run(node.wait_ready())
@@ -41,6 +42,12 @@ def node(tmp_path_factory):
 
 def probe(*args):
     return CliRunner().invoke(cli, ["probe", *args])
+
+
+def test_the_node_serves_metrics_where_it_was_told(node):
+    """LocalNode's metrics_port is the node's --metrics-address (tools/gpu_check reads its steps there)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as response:
+        assert b"# TYPE cakemp_requests_total counter" in response.read()
 
 
 def test_a_running_node_is_up(node):

@@ -55,6 +55,7 @@ class LocalNode:
     ) -> None:
         """`metrics_port`: where the node serves /metrics on 127.0.0.1 (None: nowhere)."""
         self.address = f"127.0.0.1:{port}"
+        self.metrics_port = metrics_port
         self.cluster_key = cluster_key
         self.log_path = log_path
         self.command = [
