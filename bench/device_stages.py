@@ -171,7 +171,7 @@ async def measure(port: int, pid: int, stages_file: Path, runner: BlockRunner, c
 
         await asyncio.gather(*(decode(session) for session in sessions))
         after = read_stages(pid, stages_file)
-        seconds = in_process_window(runner, count, steps)
+        seconds, _ = in_process_window(runner, count, steps)
         if round_:
             after.subtract(before)
             spent.update(after)

@@ -26,7 +26,9 @@ weights packed, prefix reuse as the node has it, this process's loaded objects t
 device's are), one torch thread, on the same number of sessions' one-token
 requests, its CPU time (time.process_time) per request. It is timed twice: steps back to back, and
 steps each after IDLE_S asleep, as the node's device runs them (see there). --rounds windows of each, alternating;
-figures are sums over all of them. Each process's CPU time is also split by thread: its main
+figures are sums over all of them. The node's decode rate over in-process is the back-to-back steps' wall
+time over the node's windows' (the same requests): what the masters get of the batched computation
+through a node. Each process's CPU time is also split by thread: its main
 thread, and ZeroMQ's I/O threads (ZMQbg/IO/0), whose work (moving frames between sockets) py-spy
 does not see.
 
@@ -167,23 +169,25 @@ async def node_window(sessions: list[Session], steps: int, pids: dict[str, int],
     for session in sessions:
         await session.restart()
     ran = devices_ran(metrics)
-    threads = thread_seconds(pids)
+    threads, start = thread_seconds(pids), time.perf_counter()
 
     async def decode(session: Session) -> None:
         for _ in range(steps):
             await session.step()
 
     await asyncio.gather(*(decode(session) for session in sessions))
+    wall = time.perf_counter() - start
     spent = thread_seconds(pids)
     spent.subtract(threads)
+    spent["wall"] = wall
     spent.update(devices_ran(metrics))
     spent.subtract(ran)
     return spent
 
 
-def in_process_window(runner: BlockRunner, count: int, steps: int, idle_s: float = 0.0) -> float:
+def in_process_window(runner: BlockRunner, count: int, steps: int, idle_s: float = 0.0) -> tuple[float, float]:
     """CPU seconds of this process for `steps` run_batch steps over `count` sessions' one-token requests,
-    idle `idle_s` before each (sleeping: no CPU)."""
+    idle `idle_s` before each (sleeping: no CPU); and their wall seconds, the sleeps left out."""
     layers = runner.layers
     sessions = range(1, count + 1)
     with torch.inference_mode():
@@ -192,12 +196,14 @@ def in_process_window(runner: BlockRunner, count: int, steps: int, idle_s: float
             runner.run(session, torch.randn(1, 8, runner.config.hidden_size).to(runner.dtype),
                        runner.ops([(layer, 0, i) for i, layer in enumerate(layers)]))
         inputs = [[torch.randn(1, 1, runner.config.hidden_size).to(runner.dtype) for _ in sessions] for _ in range(steps)]
-        start = time.process_time()
+        start, wall = time.process_time(), 0.0
         for position, xs in enumerate(inputs, 8):
             time.sleep(idle_s)
+            began = time.perf_counter()
             ops = runner.ops([(layer, position, i) for i, layer in enumerate(layers)])
             runner.run_batch([Request(session, x, ops) for session, x in zip(sessions, xs)])
-        return time.process_time() - start
+            wall += time.perf_counter() - began
+        return time.process_time() - start, wall
 
 
 async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRunner, counts: list[int], steps: int,
@@ -219,16 +225,19 @@ async def measure(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
         for _ in range(rounds):
             for name, (_, pids) in nodes.items():
                 totals[name].update(await node_window(sessions[name], steps, pids, metrics.get(name)))
-            in_process = in_process_window(runner, count, steps)
-            idle = in_process_window(runner, count, steps, IDLE_S)
+            in_process, in_process_wall = in_process_window(runner, count, steps)
+            idle, _ = in_process_window(runner, count, steps, IDLE_S)
             for name in nodes:
                 totals[name]["in-process"] += in_process
+                totals[name]["in-process wall"] += in_process_wall
                 totals[name]["in-process idle"] += idle
         for session in (session for group in sessions.values() for session in group):
             await session.close()
         for name in nodes:
             ran = {key: totals[name].pop(key) for key in RAN if key in totals[name]}
+            walls = totals[name].pop("wall"), totals[name].pop("in-process wall")
             figures[name][count] = {key: seconds / (rounds * steps * count) * 1e6 for key, seconds in totals[name].items()}
+            figures[name][count]["rate over in-process"] = walls[1] / walls[0]  # the same requests in each
             if ran.get("steps run"):
                 figures[name][count]["requests a step"] = ran["requests run"] / ran["steps run"]
     for session in waiting:
@@ -455,17 +464,17 @@ def main() -> None:
           f"{args.rounds} windows of {args.steps} decode Batches per session" +
           (f", {args.idle} idle sessions connected" if args.idle else "") + "; CPU µs per request")
     print(f"| sessions | front | device | in-process run_batch | device beyond in-process | in-process, {IDLE_S * 1e3:g} ms "
-          "idle before each step | device beyond that | the node's requests a step |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "idle before each step | device beyond that | the node's requests a step | the node's decode rate over in-process |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for count, cost in figures.items():
         front, device, hot, idle = (cost[key] for key in ("front (process)", "device (process)", "in-process",
                                                           "in-process idle"))
         print(f"| {count} | {front:.0f} | {device:.0f} | {hot:.0f} | {device - hot:+.0f} | {idle:.0f} | {device - idle:+.0f} | "
-              f"{cost.get('requests a step', float('nan')):.1f} |")
+              f"{cost.get('requests a step', float('nan')):.1f} | {cost['rate over in-process']:.2f} |")
     print("by thread (the unnamed one is the process's Python thread; ZMQbg: ZeroMQ's I/O threads), µs per request: "
           + "; ".join(f"{count} session(s): " + ", ".join(f"{name} {value:.0f}" for name, value in sorted(cost.items())
                                                           if "(process)" not in name and not name.startswith("in-process")
-                                                          and name != "requests a step")
+                                                          and name not in ("requests a step", "rate over in-process"))
                       for count, cost in figures.items()))
     if args.before is not None:
         print_before(by_node)
