@@ -57,10 +57,16 @@ class Masters:
                       sum(cpu for _, _, cpu in results))
 
     def close(self) -> None:
+        """Each process closes its connections and ends (one that does not within 30 s, or died, is killed)."""
         for pipe in self._pipes:
-            pipe.send(None)
+            try:
+                pipe.send(None)
+            except OSError:  # that process is gone already
+                pass
         for process in self._processes:
             process.join(30)
+            if process.is_alive():
+                process.kill()
 
 
 def _serve(pipe, port: int, count: int, hidden: int, cached: int, layers: list[str]) -> None:
