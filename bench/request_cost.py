@@ -380,14 +380,15 @@ def print_before(by_node: dict[str, dict[int, dict[str, float]]]) -> None:
     (before, old), (_, new) = by_node.items()
     print(f"\n{before} against this tree, CPU µs per request, measured in the same rounds")
     print("| sessions | front before | front now | ratio | device before | device now | ratio "
-          "| device beyond in-process, before | now |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| device beyond in-process, before | now | decode rate over in-process, before | now |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for count in new:
         front_old, front_new = old[count]["front (process)"], new[count]["front (process)"]
         device_old, device_new = old[count]["device (process)"], new[count]["device (process)"]
         beyond = [cost[count]["device (process)"] - cost[count]["in-process"] for cost in (old, new)]
         print(f"| {count} | {front_old:.0f} | {front_new:.0f} | {front_new / front_old:.3f} | "
-              f"{device_old:.0f} | {device_new:.0f} | {device_new / device_old:.3f} | {beyond[0]:+.0f} | {beyond[1]:+.0f} |")
+              f"{device_old:.0f} | {device_new:.0f} | {device_new / device_old:.3f} | {beyond[0]:+.0f} | {beyond[1]:+.0f} | "
+              f"{old[count]['rate over in-process']:.2f} | {new[count]['rate over in-process']:.2f} |")
 
 
 def print_floor(figures: dict[int, dict[str, float]], floor: dict[int, dict[str, float]]) -> None:
