@@ -28,7 +28,9 @@ from cakemp.ipc import Activation, Answers, DeviceChannel, FrontChannel, Hop, Ho
 from cakemp.wire import Batch, FrameDecoder, RawTensor, Revision, TensorMessage, WorkerInfo, encode_frame
 
 REVISION = Revision.V2
-GATHER_S = 0.005  # how long the echo waits for its last step's sessions to come back (the device's least window)
+# How long the echo waits for its last step's sessions to come back (a device's least window until it
+# knows its steps' fixed cost: device/scheduler.py's Gathering).
+GATHER_S = 0.005
 _INFO = WorkerInfo("floor", "f32", platform.system().lower(), platform.machine(), "cpu", 0, 0)
 
 

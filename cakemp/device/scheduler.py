@@ -39,11 +39,18 @@ from typing import Protocol
 from cakemp.ipc import Clear, End
 from cakemp.ipc.spec import ALONE_CHUNK, ALONE_STEP_S, chunk_bounds
 
-# After a step, the device waits for its sessions' next requests at most this fraction of the
-# step's time, but at least GATHER_MIN_S, and never more than GATHER_MAX_S.
+# After a step, until its steps' fixed cost is known (Gathering), the device waits for its sessions' next
+# requests at most this fraction of the step's time, but at least GATHER_MIN_S; never more than GATHER_MAX_S.
 GATHER_FRACTION = 0.25
 GATHER_MIN_S = 0.005
 GATHER_MAX_S = 0.02
+# A step's fixed cost is read off the decode steps of the smallest and the largest batch size run within
+# the last GATHER_STALE steps, where the largest is at least twice the smallest.
+GATHER_STALE = 1000
+# Without two such sizes, one step in this many decode steps waits for no one (a probe: it takes the sessions
+# back so far, in lockstep none but the first), for a second batch size to read the fixed cost off.
+GATHER_PROBE = 100
+STEP_COST_WEIGHT = 0.1  # the weight of a step's time in its batch size's running average
 
 
 class Work(Protocol):
@@ -174,20 +181,29 @@ class Scheduler:
 class Gathering:
     """Which sessions of the last step a device waits for before the next, and until when.
 
-    A batch's sessions come back a round trip after their answers, one after another; a step
-    started at the first arrival would leave the others waiting a whole step, and the batch
-    would split into cohorts taking turns. So the device waits for them, but only briefly
-    (GATHER_FRACTION of the last step's time, at most GATHER_MAX_S: 16 sessions' requests took
-    more than 5 ms to come back through the front and a master on 2 vCPUs, and half of them then
-    missed each step; at least GATHER_MIN_S: after a step of a millisecond, 8 sessions took 2 to
-    5 ms to come back there, and a quarter of the step split them into cohorts of about 4), and
-    only for sessions that came back that fast last time: a Cake master
-    whose other layers run on other workers returns long after, and waiting for it would only
-    delay the others. A session that does not come back within a step is no longer awaited.
+    A batch's sessions come back a round trip after their answers (the turnaround: the front, the
+    master, the front again), one after another. A step started at the first arrival leaves the
+    others for a step of their own, and the batch splits into cohorts taking turns; a step started
+    at the last one leaves the device idle for the turnaround. Which costs less depends on how much
+    of a step's time is fixed (its weights read, whatever the rows: most of a GPU's step, and a CPU's
+    at real sizes) against the turnaround: two cohorts taking turns pay one more fixed cost a round,
+    one batch pays the turnaround. So the device waits for a straggler as long as a step's fixed cost,
+    what a step of its own would cost it, once the steps of decodes it ran at several batch sizes say
+    what that is (`StepCost`): measured through a `cpu:1` node, a step of 8 sessions through 2 layers
+    of hidden 256 (fixed ~0.5 ms, a turnaround ~1.6 ms) then splits, at hidden 1024 (fixed ~30 ms) it
+    does not. Until then (and past GATHER_STALE steps without a second batch size; one step in
+    GATHER_PROBE then waits for no one, to see one), GATHER_FRACTION
+    of the last step's time, at least GATHER_MIN_S (after a step of a millisecond on 2 vCPUs, 8
+    sessions took 2 to 5 ms to come back), and never past GATHER_MAX_S (16 sessions' requests took
+    more than 5 ms to come back through the front and a master on 2 vCPUs). It waits only for sessions
+    that came back within the window last time: a Cake master whose other layers run on other workers
+    returns long after, and waiting for it would only delay the others. A session that does not come
+    back within a step is no longer awaited.
     """
 
     def __init__(self) -> None:
         self.window_s = 0.0  # how long to wait after the last step
+        self.cost = StepCost()
         self._answered: dict[int, float] = {}  # session of the last step -> when its answer left
         self._return_s: dict[int, float] = {}  # session -> how long it took to come back last time
 
@@ -197,9 +213,16 @@ class Gathering:
         if answered is not None:
             self._return_s[session] = now - answered
 
-    def stepped(self, sessions: set[int], step_s: float, now: float) -> None:
-        """A step of `sessions` took `step_s` and was answered at `now`."""
-        self.window_s = min(max(GATHER_FRACTION * step_s, GATHER_MIN_S), GATHER_MAX_S)
+    def stepped(self, sessions: set[int], step_s: float, now: float, decodes: int | None = None) -> None:
+        """A step of `sessions` took `step_s` and was answered at `now`; `decodes`: its requests, where it
+        was one of decodes alone (None: a prompt's piece was in it)."""
+        if decodes is not None:
+            self.cost.ran(decodes, step_s)
+        fixed = self.cost.fixed_s()
+        if fixed is None and decodes is not None and self.cost.steps % GATHER_PROBE == 0:
+            fixed = 0.0  # a probe
+        window = max(GATHER_FRACTION * step_s, GATHER_MIN_S) if fixed is None else fixed
+        self.window_s = min(window, GATHER_MAX_S)
         self._answered = dict.fromkeys(sessions, now)
 
     def owed(self) -> bool:
@@ -213,3 +236,29 @@ class Gathering:
     def awaited(self) -> set[int]:
         """Sessions of the last step not back yet that came back within the window last time (or never left before)."""
         return {session for session in self._answered if self._return_s.get(session, 0.0) <= self.window_s}
+
+
+class StepCost:
+    """What a device's steps of decodes cost: a running average of their time at each batch size, and
+    from those the fixed part (the time of a step of no requests, extrapolated along a straight line)."""
+
+    def __init__(self) -> None:
+        self.steps = 0  # decode steps run
+        self._seconds: dict[int, tuple[float, int]] = {}  # batch size -> (average seconds, the step it last ran)
+
+    def ran(self, requests: int, seconds: float) -> None:
+        """A step of `requests` decodes took `seconds`."""
+        self.steps += 1
+        average = self._seconds.get(requests)
+        average = seconds if average is None else average[0] + STEP_COST_WEIGHT * (seconds - average[0])
+        self._seconds[requests] = average, self.steps
+
+    def fixed_s(self) -> float | None:
+        """A step's fixed cost, from the smallest and largest batch sizes run lately (None until two of them,
+        the larger at least twice the smaller), at least 0 and at most the smaller's step."""
+        recent = {size: seconds for size, (seconds, last) in self._seconds.items() if self.steps - last < GATHER_STALE}
+        if len(recent) < 2 or max(recent) < 2 * min(recent):
+            return None
+        small, large = min(recent), max(recent)
+        per_request = (recent[large] - recent[small]) / (large - small)
+        return min(max(recent[small] - per_request * small, 0.0), recent[small])

@@ -10,8 +10,11 @@ from cakemp.device.scheduler import (
     GATHER_FRACTION,
     GATHER_MAX_S,
     GATHER_MIN_S,
+    GATHER_PROBE,
+    GATHER_STALE,
     Gathering,
     Scheduler,
+    StepCost,
 )
 from cakemp.ipc import Clear, End
 
@@ -153,3 +156,59 @@ def test_a_step_awaits_its_sessions_only_while_they_come_back_within_the_window(
     assert gathering.window_s == GATHER_MIN_S
     gathering.ended(1)  # its connection closed
     assert gathering.awaited() == set()  # 2 took 50 ms last time, past even the capped window
+
+
+def test_a_steps_fixed_cost_is_read_off_two_batch_sizes_at_least_twice_apart():
+    """Steps of F + c * k seconds: F once two sizes, the larger at least twice the smaller, have run;
+    a running average of each size's times; never below 0 nor above the smaller size's step."""
+    cost = StepCost()
+    cost.ran(8, 0.002 + 8 * 0.0001)
+    assert cost.fixed_s() is None  # one size
+    cost.ran(5, 0.002 + 5 * 0.0001)
+    assert cost.fixed_s() is None  # too close to tell a slope from noise
+    cost.ran(2, 0.002 + 2 * 0.0001)
+    assert cost.fixed_s() == pytest.approx(0.002)
+    cost.ran(2, 0.0042)  # its average (0.0022) moves by a tenth of the difference: to 0.0024
+    assert cost.fixed_s() == pytest.approx(0.0024 - 2 * (0.0028 - 0.0024) / 6)
+    flat = StepCost()
+    flat.ran(1, 0.010)
+    flat.ran(4, 0.009)  # a larger batch measured faster (noise): the fixed cost is at most the smaller's step
+    assert flat.fixed_s() == 0.010
+    steep = StepCost()
+    steep.ran(2, 0.001)
+    steep.ran(8, 0.010)  # the line crosses 0 above 0 requests: no fixed cost
+    assert steep.fixed_s() == 0.0
+
+
+def test_a_batch_size_not_run_for_a_while_no_longer_counts():
+    cost = StepCost()
+    cost.ran(1, 0.005)
+    for _ in range(GATHER_STALE - 1):
+        cost.ran(8, 0.006)
+    assert cost.fixed_s() is not None
+    cost.ran(8, 0.006)  # GATHER_STALE steps since a step of 1
+    assert cost.fixed_s() is None
+
+
+def test_the_window_is_a_steps_fixed_cost_once_known_and_a_probe_looks_for_it_until_then():
+    """With the fixed cost unknown, the window is the last step's quarter (5 ms at least), but one decode
+    step in GATHER_PROBE waits for no one; once known, it is the fixed cost (capped); a step holding a
+    prompt's piece teaches it nothing."""
+    gathering = Gathering()
+    for step in range(1, GATHER_PROBE + 1):
+        gathering.stepped({1, 2}, step_s=0.004, now=float(step), decodes=2)
+        assert gathering.window_s == (0.0 if step == GATHER_PROBE else GATHER_MIN_S)
+    gathering.stepped({1, 2}, step_s=0.300, now=200.0, decodes=None)  # a prompt's piece: not a batch size
+    assert gathering.window_s == GATHER_MAX_S and gathering.cost.steps == GATHER_PROBE
+    gathering.stepped({1}, step_s=0.0035, now=201.0, decodes=1)  # 2 requests took 4 ms, 1 took 3.5: 3 ms fixed
+    assert gathering.window_s == pytest.approx(0.003) and gathering.awaited() == {1}
+    gathering.arrived(1, now=201.002)  # back in 2 ms: within the fixed cost, awaited next time
+    gathering.stepped({1, 2}, step_s=0.004, now=202.0, decodes=2)
+    assert gathering.awaited() == {1, 2}
+    gathering.arrived(2, now=202.004)  # back in 4 ms: longer than a step of its own would take
+    gathering.stepped({1, 2}, step_s=0.004, now=203.0, decodes=2)
+    assert gathering.awaited() == {1}
+    heavy = Gathering()
+    heavy.stepped({1}, step_s=0.030, now=1.0, decodes=1)
+    heavy.stepped({1, 2}, step_s=0.031, now=2.0, decodes=2)  # weights: ~29 ms a step whatever its rows
+    assert heavy.window_s == GATHER_MAX_S
