@@ -134,8 +134,7 @@ def _serve(spec: DeviceSpec, channel: DeviceChannel, service, logger) -> None:
                 if isinstance(onward.item, Failure):
                     scheduler.drop(onward.task)  # pieces of it left: they run no more
             now = time.monotonic()
-            gathering.stepped({onward.task.session for onward in stepped.onward}, now - started / 1e9, now,
-                              len(step.pieces) if step.tokens == len(step.pieces) else None)
+            gathering.stepped({onward.task.session for onward in stepped.onward}, now - started / 1e9, now, step.decodes)
         if service.poisoned is not None:
             # The CUDA context fails every call from now on: end, for the front to start afresh.
             logger.error("device fault; exiting so that the front restarts this device", device_label=spec.label,

@@ -81,6 +81,12 @@ class Step:
     pieces: tuple[Piece, ...]  # to run together
     tokens: int  # the pieces' tokens
 
+    @property
+    def decodes(self) -> int | None:
+        """Its requests, where each is one token (decodes alone: a batch size `StepCost` reads); None where a
+        prompt's piece is among them."""
+        return len(self.pieces) if self.tokens == len(self.pieces) else None
+
 
 class _Waiting:
     """A work waiting, and the first of its tokens not run yet."""

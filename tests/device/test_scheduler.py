@@ -212,3 +212,10 @@ def test_the_window_is_a_steps_fixed_cost_once_known_and_a_probe_looks_for_it_un
     heavy.stepped({1}, step_s=0.030, now=1.0, decodes=1)
     heavy.stepped({1, 2}, step_s=0.031, now=2.0, decodes=2)  # weights: ~29 ms a step whatever its rows
     assert heavy.window_s == GATHER_MAX_S
+
+
+def test_a_step_of_decodes_alone_is_a_batch_size_and_one_holding_a_prompts_piece_is_not():
+    scheduler = queue(hop(1), hop(2), hop(3))
+    assert scheduler.next_step().decodes == 3
+    scheduler = queue(hop(1), hop(2, tokens=5))
+    assert scheduler.next_step().decodes is None
