@@ -190,21 +190,23 @@ class Gathering:
     A batch's sessions come back a round trip after their answers (the turnaround: the front, the
     master, the front again), one after another. A step started at the first arrival leaves the
     others for a step of their own, and the batch splits into cohorts taking turns; a step started
-    at the last one leaves the device idle for the turnaround. Which costs less depends on how much
-    of a step's time is fixed (its weights read, whatever the rows: most of a GPU's step, and a CPU's
-    at real sizes) against the turnaround: two cohorts taking turns pay one more fixed cost a round,
-    one batch pays the turnaround. So the device waits for a straggler as long as a step's fixed cost,
-    what a step of its own would cost it, once the steps of decodes it ran at several batch sizes say
-    what that is (`StepCost`): measured through a `cpu:1` node, a step of 8 sessions through 2 layers
-    of hidden 256 (fixed ~0.5 ms, a turnaround ~1.6 ms) then splits, at hidden 1024 (fixed ~30 ms) it
-    does not. Until then (and past GATHER_STALE steps without a second batch size; one step in
-    GATHER_PROBE then waits for no one, to see one), GATHER_FRACTION
-    of the last step's time, at least GATHER_MIN_S (after a step of a millisecond on 2 vCPUs, 8
-    sessions took 2 to 5 ms to come back), and never past GATHER_MAX_S (16 sessions' requests took
-    more than 5 ms to come back through the front and a master on 2 vCPUs). It waits only for sessions
-    that came back within the window last time: a Cake master whose other layers run on other workers
-    returns long after, and waiting for it would only delay the others. A session that does not come
-    back within a step is no longer awaited.
+    at the last one leaves the device idle for the turnaround. Two cohorts taking turns pay one more
+    fixed cost a round (a step's weights read, whatever its rows: most of a GPU's step, and a CPU's at
+    real sizes); one batch pays the turnaround. So the device waits for a straggler as long as a
+    step's fixed cost, what a step of its own would cost it, once its decode steps at two batch sizes
+    say what that is (`StepCost`). Measured through a `cpu:1` node, a step of 8 sessions through 2
+    layers of hidden 256 (fixed ~0.5 ms, a turnaround ~1.6 ms) then splits; at hidden 1024 (fixed
+    ~30 ms) it does not.
+
+    Until the fixed cost is known (and again once GATHER_STALE steps have run without a second batch
+    size), the window is GATHER_FRACTION of the last step's time, at least GATHER_MIN_S (after a step
+    of a millisecond on 2 vCPUs, 8 sessions took 2 to 5 ms to come back), and one decode step in
+    GATHER_PROBE waits for no one, to see a second size. Never past GATHER_MAX_S (16 sessions'
+    requests took more than 5 ms to come back through the front and a master on 2 vCPUs).
+
+    It waits only for sessions that came back within the window last time: a Cake master whose other
+    layers run on other workers returns long after, and waiting for it would only delay the others. A
+    session that does not come back within a step is no longer awaited.
     """
 
     def __init__(self) -> None:
