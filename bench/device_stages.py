@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.pool import Session, free_port, machine_line, wait_listening
+from bench.pool import Session, machine_line, start_cakemp
 from bench.request_cost import device_pid, in_process_window, shape
 from cakemp.compute import tensors
 from cakemp.compute.runner import BlockRunner
@@ -120,25 +120,14 @@ sys.meta_path.insert(0, Finder())
 
 def start_node(model: Path, work: Path, layers: int) -> tuple:
     """`cakemp run` over every layer with the stage clock in its device (its port, process and stages file)."""
-    import subprocess
-    import sys
-
-    import yaml
-
     shim = work / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(SITECUSTOMIZE.format(stages=STAGES))
-    topology = work / "topology.yml"
-    topology.write_text(yaml.safe_dump({"w": {"host": "x:1", "layers": [f"model.layers.0-{layers - 1}"]}}))
-    port, stages_file = free_port(), work / "stages"
+    stages_file = work / "stages"
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": f"{shim}{os.pathsep}{root}", "STAGES_FILE": str(stages_file)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cakemp", "run", "--name", "w", "--model", str(model), "--topology", str(topology),
-         "--address", f"127.0.0.1:{port}", "--gpus", "cpu:1", "--cpu-threads", "1", "--no-prefix-reuse",
-         "--dtype", "f32", "--log-level", "warning"], stdout=subprocess.DEVNULL, env=env)
-    wait_listening(port, process)
-    return port, process, stages_file
+    node, port = start_cakemp(model, work, "cpu:1", "--cpu-threads", "1", "--no-prefix-reuse", layers=layers,
+                              env={"PYTHONPATH": f"{shim}{os.pathsep}{root}", "STAGES_FILE": str(stages_file)})
+    return port, node, stages_file
 
 
 def read_stages(pid: int, stages_file: Path) -> Counter:

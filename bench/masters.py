@@ -35,12 +35,12 @@ class Masters:
     def __init__(self, port: int, count: int, hidden: int, cached: int, layers: list[str], processes: int):
         """`count` masters over `layers` (each op's block_idx its index), in min(count, processes) processes,
         each having sent its `cached`-token prompt once started (in bf16, as to a bf16 node)."""
-        groups = min(count, processes)
+        self.processes = min(count, processes)
         context = multiprocessing.get_context("spawn")
         self._pipes, self._processes = [], []
-        for group in range(groups):
+        for group in range(self.processes):
             parent, child = context.Pipe()
-            masters = count // groups + (group < count % groups)
+            masters = count // self.processes + (group < count % self.processes)
             process = context.Process(target=_serve, args=(child, port, masters, hidden, cached, layers), daemon=True)
             process.start()
             self._pipes.append(parent)

@@ -80,18 +80,19 @@ def wait_listening(port: int, process: subprocess.Popen, timeout: float = 120.0)
     raise RuntimeError("worker never listened")
 
 
-def start_cakemp(model: Path, workdir: Path, gpus: str, *extra: str,
-                 source: Path | None = None, layers: int = LAYERS) -> tuple[subprocess.Popen, int]:
+def start_cakemp(model: Path, workdir: Path, gpus: str, *extra: str, source: Path | None = None,
+                 layers: int = LAYERS, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
     """`cakemp run` over the model's `layers` layers, f32; from the checkout at `source` (e.g. a git
-    worktree of an older commit) when given, else from this interpreter's path."""
+    worktree of an older commit) when given, else from this interpreter's path; `env`: variables set in
+    its environment besides (a PYTHONPATH there replaces `source`'s)."""
     topology = workdir / f"topology-{model.name}.yml"
     topology.write_text(yaml.safe_dump({"w": {"host": "x:1", "layers": [f"model.layers.0-{layers - 1}"]}}))
     port = free_port()
-    env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
+    variables = ({} if source is None else {"PYTHONPATH": str(source)}) | (env or {})
     process = subprocess.Popen(
         [sys.executable, "-m", "cakemp", "run", "--name", "w", "--model", str(model), "--topology", str(topology),
          "--address", f"127.0.0.1:{port}", "--gpus", gpus, "--dtype", "f32", "--log-level", "warning", *extra],
-        stdout=subprocess.DEVNULL, cwd=source, env=env)
+        stdout=subprocess.DEVNULL, cwd=source, env={**os.environ, **variables} if variables else None)
     wait_listening(port, process)
     return process, port
 

@@ -117,8 +117,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from bench.blocks import timed  # noqa: E402
+from cakemp.compute import tensors  # noqa: E402
 from cakemp.model import attention  # noqa: E402
 from cakemp.model.weights import fp8  # noqa: E402
+from cakemp.wire import DType  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -544,7 +546,6 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
     from cakemp.demo.synthetic import demo_checkpoint
     from cakemp.errors import RemoteWorkerError
     from cakemp.master.client import WorkerClient
-    from cakemp.wire import RawTensor
 
     model = demo_checkpoint()
     if device.type == "cuda":
@@ -570,13 +571,10 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
             hidden = runner.config.hidden_size
             generator = torch.Generator().manual_seed(0)
 
-            def unwire(t: RawTensor) -> torch.Tensor:
-                return torch.frombuffer(bytearray(t.data), dtype=torch.bfloat16).view(t.shape)
-
             async def matches(client, session: int, position: int, T: int) -> float:
                 x = torch.randn(1, T, hidden, generator=generator).to(torch.bfloat16)
                 ops = [(layer, position, i) for i, layer in enumerate(layers)]
-                remote = unwire(await client.batch(bf16_wire(x), ops)).float()
+                remote = tensors.from_raw(await client.batch(tensors.to_raw(x, DType.BF16), ops)).float()
                 local = runner.run(session, x.to(device), runner.ops(ops)).float().cpu()
                 return (remote - local).abs().max().item()
 
@@ -599,7 +597,7 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
                         others.append(other)
                         await other.hello()
                         try:
-                            await other.batch(bf16_wire(long), [(layer, 0, i) for i, layer in enumerate(layers)])
+                            await other.batch(tensors.to_raw(long, DType.BF16), [(layer, 0, i) for i, layer in enumerate(layers)])
                         except RemoteWorkerError as e:
                             outcome = f"session {session}: WorkerError: {e}"
                             break
@@ -619,13 +617,6 @@ async def check_node(device: torch.device, rehearse: bool) -> None:
             log = (Path(tmp) / "node.log").read_text(errors="replace")
             errors = [line[:300] for line in log.splitlines() if re.search(r"error|Traceback", line)]
             finding("node.log_errors", errors[:10])
-
-
-def bf16_wire(x: torch.Tensor):
-    """A bf16 tensor on the CPU as a master sends it (a RawTensor)."""
-    from cakemp.wire import DType, RawTensor
-
-    return RawTensor(x.view(torch.uint16).numpy().tobytes(), DType.BF16, tuple(x.shape))
 
 
 def take_gpu_memory() -> list[torch.Tensor]:
@@ -925,7 +916,6 @@ def check_dequantize(device: torch.device, rehearse: bool) -> None:
 
 async def check_image(device: torch.device, rehearse: bool) -> None:
     from cakemp.master.client import WorkerClient
-    from cakemp.wire import DType
     from tests.support.image import LATENT, f32, oracle, pack, token_ids, write_cache
     from tests.support.node import RunningNode, write_topology
 
@@ -1059,7 +1049,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                 times = []
                 for _ in range(PROMPT_WARM + PROMPT_TIMED):  # a new prompt each time: the same one again would be prefix reuse's
                     await client.goodbye()
-                    x = bf16_wire(torch.randn(1, 512, hidden).to(torch.bfloat16))
+                    x = tensors.to_raw(torch.randn(1, 512, hidden), DType.BF16)
                     start = time.perf_counter()
                     await client.batch(x, ops(0))
                     times.append(time.perf_counter() - start)
@@ -1086,7 +1076,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                     "tok_s": round(rate), "over_in_process": round(rate / in_process[n], 2),
                     "cpu_us_per_token": {name: round(ran[f"{name} (process)"] / window.done * 1e6) for name in [*pids, "masters"]},
                     "busy": {name: round(ran[f"{name} (process)"] / window.wall_s, 2) for name in [*pids, "masters"]},
-                    "master_processes": min(n, MASTER_PROCESSES),
+                    "master_processes": masters.processes,
                     # Below n: the sessions came back too far apart for one step, which split them (device/scheduler.py).
                     "requests_per_step": round(requests / steps, 1) if steps else None})
         finally:
