@@ -71,7 +71,10 @@ findings, or the error that stopped it, and the next one runs regardless:
    (bench/masters.py: one process of them would set the rate it measured) (tokens/s, each against
    in-process, and the CPU per token of the front, the device and the masters, and how busy each
    was: which one sets the rate; and the requests its device ran a step, below the sessions where they
-   came back too far apart for one); a 512-token prompt through the node against in-process.
+   came back too far apart for one); a 512-token prompt through the node against in-process; and the
+   same 32 masters through a front of this design at its least (bench/front_floor.py: TCP, the Cake
+   codec and ZeroMQ, to a device that echoes after the in-process step's time): what one front process
+   relays on this machine's CPU, whatever the GPU, beside what the node did.
 12. graphs (~40 s, estimated): the same 4 layers through BlockRunner with its decode steps replayed
    as CUDA graphs (compute/decode_graph.py) beside the paged step op by op, at 1, 8 and 32 sessions
    512 tokens in: each replay against the same fixed-shape step run eagerly over the same buffers
@@ -1005,7 +1008,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
         finding("node_perf.floor_ms", round(floor_ms, 4))
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
                                                                   attn_implementation="sdpa").to(device)
-        in_process = {}
+        in_process, step_s, node_rate = {}, {}, {}  # per count: tokens/s in-process; its step's seconds; the node's tokens/s
         for n in counts:
             with torch.inference_mode():
                 ours = Cakemp(path, n, cached, layers, runner=runner)
@@ -1014,6 +1017,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                       for name, side in (("cakemp", ours), ("transformers", theirs))}
                 launch_ms = 1e3 * statistics.median(launch_cpu(ours.step, device) for _ in range(steps))
             in_process[n] = n / ms["cakemp"] * 1e3
+            step_s[n] = ms["cakemp"] / 1e3
             finding(f"node_perf.in_process_{n}", {
                 "cakemp_ms": round(ms["cakemp"], 3), "transformers_ms": round(ms["transformers"], 3),
                 "cakemp_launch_cpu_ms": round(launch_ms, 3), "launch_over_step": round(launch_ms / ms["cakemp"], 2),
@@ -1069,7 +1073,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                 ran.subtract(ran_before)
                 requests, steps = (after - before for after, before in zip(stepped, stepped_before, strict=True))
                 ran["masters (process)"] = window.cpu_s
-                rate = window.done / window.wall_s
+                rate = node_rate[n] = window.done / window.wall_s
                 # Which process sets the rate: each one's CPU per token, and its share of the wall time
                 # (near 1.0, that process is saturated; the masters' spread over MASTER_PROCESSES).
                 finding(f"node_perf.node_{n}", {
@@ -1081,6 +1085,37 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                     "requests_per_step": round(requests / steps, 1) if steps else None})
         finally:
             finding("node_perf.exit_status", node.stop())
+        n = max(counts)
+        floor = front_floor_rate(Path(tmp), n, hidden, cached, names, step_s[n], seconds)
+        finding(f"node_perf.front_floor_{n}", floor | {"over_in_process": round(floor["tok_s"] / in_process[n], 2),
+                                                       "node_over_floor": round(node_rate[n] / floor["tok_s"], 2)})
+
+
+def front_floor_rate(workdir: Path, count: int, hidden: int, cached: int, names: list[str], step_s: float,
+                     seconds: float) -> dict[str, object]:
+    """`count` masters through bench/front_floor.py's floor front (TCP, the Cake codec and ZeroMQ, nothing else
+    of a front) to a device that echoes each step after `step_s` of busy work: the tokens/s, and the floor front's
+    CPU per token and busy share (near 1.0: one front process of this design relays no more on this CPU)."""
+    from bench.front_floor import Floor
+    from bench.masters import Masters
+    from bench.request_cost import thread_seconds
+
+    floor = Floor(workdir, step_s)
+    try:
+        masters = Masters(floor.port, count, hidden, cached, names, MASTER_PROCESSES)
+        try:
+            masters.window(1.0)  # untimed
+            before = thread_seconds(floor.pids)
+            window = masters.window(seconds)
+            ran = thread_seconds(floor.pids)
+        finally:
+            masters.close()
+    finally:
+        floor.stop()
+    ran.subtract(before)
+    front = ran["front (process)"]
+    return {"tok_s": round(window.done / window.wall_s), "echo_step_ms": round(step_s * 1e3, 3),
+            "front_cpu_us_per_token": round(front / window.done * 1e6), "front_busy": round(front / window.wall_s, 2)}
 
 
 # --- 12. the decode step replayed as CUDA graphs ---------------------------------------------
