@@ -86,7 +86,8 @@ findings, or the error that stopped it, and the next one runs regardless:
    call and one FlexAttention call (bench/mixed_attention.py): ms a call of each, the block mask's own
    time and the compile's, each checked against cakemp's way. Rehearsal: small heads, f32.
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
-./gpu_check.json) and prints one line per finding. `--rehearse` runs the same code on the CPU
+./gpu_check.json), the file rewritten after each one (a run cut off at its time limit leaves what it had
+found), and prints one line per finding. `--rehearse` runs the same code on the CPU
 at small sizes (no kernel restriction, no OOM; decode graphs captured and replayed with a CUDA graph's
 semantics by tests/support/cpu_graphs.py), to catch a broken script before GPU time is spent on
 it. Record what it finds in docs/benchmarks.md.
@@ -128,6 +129,9 @@ from cakemp.wire import DType  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 FINDINGS: dict[str, object] = {}
+# --out: rewritten after every finding, so that a run killed at its time limit still leaves what it found (a
+# device call's output comes back only as its last 12,000 characters).
+OUT_PATH: Path | None = None
 ASKED: set[str] | None = None  # --sections: the sections to run (None: all); the machine's always runs
 SECTIONS: list[str] = []  # every section's name, in order
 
@@ -135,6 +139,10 @@ SECTIONS: list[str] = []  # every section's name, in order
 def finding(key: str, value: object) -> None:
     FINDINGS[key] = value
     print(f"{key}: {json.dumps(value, default=str)}", flush=True)
+    if OUT_PATH is not None:  # whole or not at all: a run killed mid-write leaves the last whole file
+        written = OUT_PATH.with_name(OUT_PATH.name + ".part")
+        written.write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
+        os.replace(written, OUT_PATH)
 
 
 def section(name: str):
@@ -179,8 +187,9 @@ def main() -> None:
     parser.add_argument("--rehearse", action="store_true", help="run on the CPU at small sizes")
     parser.add_argument("--sections", help="only these sections, comma-separated (a rerun of those that failed)")
     args = parser.parse_args()
-    global ASKED
+    global ASKED, OUT_PATH
     ASKED = None if args.sections is None else set(args.sections.split(","))
+    OUT_PATH = Path(args.out)
     # The node and pytest are subprocesses: they find cakemp (and the carried wheels) the same way.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     rehearse = args.rehearse
@@ -269,7 +278,6 @@ def main() -> None:
     if ASKED is not None and ASKED - set(SECTIONS):
         finding("sections.unknown", f"{sorted(ASKED - set(SECTIONS))}: the sections are {', '.join(SECTIONS)}")
     finding("total_seconds", round(time.monotonic() - started, 1))
-    Path(args.out).write_text(json.dumps(FINDINGS, indent=2, default=str) + "\n")
     print(f"findings written to {args.out}")
 
 
