@@ -18,10 +18,10 @@ def test_the_findings_file_holds_each_finding_as_it_is_made(tmp_path):
     check = subprocess.Popen([sys.executable, "-m", "tools.gpu_check", "--rehearse", "--sections", "attention",
                               "--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while not out.exists() and time.monotonic() < deadline:
+        deadline, first = time.monotonic() + 120, {}
+        while "machine.seconds" not in first and time.monotonic() < deadline:
             time.sleep(0.02)
-        first = json.loads(out.read_text())
+            first = json.loads(out.read_text()) if out.exists() else {}  # (replaced whole: never half-written)
     finally:
         check.kill()
         check.wait()
