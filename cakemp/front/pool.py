@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cakemp import log
-from cakemp.errors import BadIpcMessage, CakempError, InternalError, RequestError
+from cakemp.errors import BadIpcMessage, CakempError, DeviceLost, InternalError, RequestError
 from cakemp.front import pool_state as ps
 from cakemp.front.metrics import Metrics
 from cakemp.front.pool_state import PoolState
@@ -239,8 +239,9 @@ class DevicePool:
         return [(start, (1, end - start, shape[2]), view[start * row:end * row])
                 for start, end in chunk_bounds(shape[1], self._prefill_chunk)]
 
-    async def _control(self, device: int, session: int, msg: Clear | End) -> Done:
-        return await self._queue(session, Route.through((Stage(device, self._state.generation(device), ()),)), [msg]).future
+    def _control(self, device: int, session: int, msg: Clear | End) -> asyncio.Future:
+        """Queue a Clear or an End for `device`: the future of its Done (DeviceLost at once if the device is down)."""
+        return self._queue(session, Route.through((Stage(device, self._state.generation(device), ()),)), [msg]).future
 
     def _queue(self, session: int, route: Route, messages: list[tuple[Hop, Buffer]] | list[Clear | End],
                stamps: list[int] | None = None) -> _Pending:
@@ -437,8 +438,17 @@ class DevicePool:
     # -- actions
 
     def _act(self, actions: Sequence[ps.Action]) -> None:
+        forgetting: list[asyncio.Future] = []  # the Clears of the Forgets before the next Complete (its request's)
         for action in actions:
             match action:
+                case ps.Complete() if forgetting:
+                    # Its requester hears of the failure only once the state it half-applied is dropped on
+                    # those devices: its next request could otherwise reach one of them first (through
+                    # another device's hand-off, not the front's socket the Clear takes) and have its new
+                    # state dropped after it.
+                    dropped = asyncio.gather(*forgetting, return_exceptions=True)
+                    dropped.add_done_callback(lambda _, action=action: self._complete(action))
+                    forgetting = []
                 case ps.Complete():
                     self._complete(action)
                 case ps.Spawn(device=device, generation=generation):
@@ -450,9 +460,7 @@ class DevicePool:
                 case ps.Probe(device=device):
                     self._channels[device].try_send(encode(Ping()))
                 case ps.Forget(device=device, session=session):
-                    # Its Done is answered to no one. Should the socket not take it, the session is
-                    # still told once that its state is lost; the device keeps the state meanwhile.
-                    self._channels[device].try_send(encode(Clear(session, next(self._request_ids))))
+                    forgetting.append(self._forget(device, session))
                 case ps.Started():
                     if not self._started.done():
                         self._started.set_result(None)
@@ -472,6 +480,16 @@ class DevicePool:
                     self.failure = reason
                     self.failed.set()
         self._arm()
+
+    def _forget(self, device: int, session: int) -> asyncio.Future:
+        """Drop the session's state on `device` (a Clear, queued as any control message): the future of its Done
+        (failed if the device goes down first, when the state went with it)."""
+        try:
+            return self._control(device, session, Clear(session, next(self._request_ids)))
+        except DeviceLost as e:  # down already: its state is gone with its process
+            gone = self._loop.create_future()
+            gone.set_exception(e)
+            return gone
 
     def _restarting(self, device: int, reason: str) -> None:
         """A device failed and restarts: say so, and zero what it held."""

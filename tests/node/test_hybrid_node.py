@@ -10,6 +10,8 @@ loaded machine (revisions x dtypes are covered at the block level, not by a node
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -129,6 +131,37 @@ def test_a_prompt_failing_part_way_leaves_no_half_applied_state(node):
         with pytest.raises(RemoteWorkerError, match="does not follow the 0 positions"):  # dropped, not kept
             await master.forward(torch.randn(1, 1, HIDDEN), 128)
         await master.forward(torch.randn(1, 4, HIDDEN), 0)
+        await master.forward(torch.randn(1, 1, HIDDEN), 4)
+        await master.close()
+
+    run(main())
+
+
+def test_a_request_failing_part_way_is_answered_once_every_device_dropped_its_state(node):
+    """A decode that device 0 ran and device 1 refuses (device 1 is a position behind: the request before it
+    named device 0's layers alone) leaves device 0's linear state half-applied: it is dropped on both devices,
+    and the master is answered only once they have dropped it. Told earlier, its next request could reach a
+    device (handed on by the one before it) ahead of the drop, and have its new state dropped after it."""
+
+    async def main():
+        master = await connect(node)
+        await master.forward(torch.randn(1, 4, HIDDEN), 0)
+        await CakeMaster(master.clients, [0, 1], PREFIX).forward(torch.randn(1, 1, HIDDEN), 4)  # device 0 alone: 5 in
+        device0, device1 = node.device_pid(0), node.device_pid(1)
+        os.kill(device1, signal.SIGSTOP)
+        try:
+            failing = asyncio.ensure_future(master.forward(torch.randn(1, 1, HIDDEN), 5))
+            await asyncio.sleep(1.0)  # device 0 runs it and hands it on to device 1, stopped
+            os.kill(device0, signal.SIGSTOP)
+            os.kill(device1, signal.SIGCONT)  # device 1 refuses it: 4 positions in, not 5
+            done, _ = await asyncio.wait({failing}, timeout=1.0)
+            assert not done, "answered while device 0, stopped, still held the half-applied state"
+        finally:
+            os.kill(device0, signal.SIGCONT)
+            os.kill(device1, signal.SIGCONT)
+        with pytest.raises(RemoteWorkerError, match="does not follow the 4 positions"):
+            await failing
+        await master.forward(torch.randn(1, 4, HIDDEN), 0)  # a fresh prompt, then its decode
         await master.forward(torch.randn(1, 1, HIDDEN), 4)
         await master.close()
 
