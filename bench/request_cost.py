@@ -51,7 +51,8 @@ prompt run in-process (BlockRunner.run, CPU time of this process) whole and in t
 
 With --floor, bench/front_floor.py's floor front (TCP, the Cake codec and ZeroMQ to an echo device,
 and nothing else of the front) is measured beside the nodes the same way, and the front's CPU per
-request is printed over it: what the front's own Python costs.
+request is printed over it: what the front's own Python costs; its prompts too, which its echo answers
+after its one busy step (FLOOR_BUSY_S): what carrying a prompt's activation there and back costs.
 
 With --before DIR (a checkout of an earlier commit, e.g. `git archive <commit> | tar -x -C DIR`),
 a second node runs from DIR (PYTHONPATH=DIR) beside this tree's, its windows taking turns with
@@ -449,7 +450,7 @@ def main() -> None:
             measured = nodes | ({FLOOR: (floor.port, floor.pids)} if floor else {})
             by_node = asyncio.run(measure(measured, runner, counts, args.steps, args.rounds, args.idle, metrics))
             floor_figures = by_node.pop(FLOOR, None)
-            prompt = asyncio.run(prompts(nodes, runner, args.prompt, args.prompts)) if args.prompt and args.prompts else None
+            prompt = asyncio.run(prompts(measured, runner, args.prompt, args.prompts)) if args.prompt and args.prompts else None
             figures = by_node["this tree"]
             port, pids = nodes["this tree"]
             samples = {count: asyncio.run(profile(port, pids, count, args.hidden, args.layers, tensors.wire_dtype(runner.dtype),

@@ -74,7 +74,9 @@ findings, or the error that stopped it, and the next one runs regardless:
    came back too far apart for one); a 512-token prompt through the node against in-process; and the
    same 32 masters through a front of this design at its least (bench/front_floor.py: TCP, the Cake
    codec and ZeroMQ, to a device that echoes after the in-process step's time): what one front process
-   relays on this machine's CPU, whatever the GPU, beside what the node did.
+   relays on this machine's CPU, whatever the GPU, beside what the node did; and a 512-token prompt's
+   round trip through it, what carrying its activation there and back costs here (`prompt_512_transport_ms`,
+   beside the node's prompt and in-process).
 12. graphs (~40 s, estimated): the same 4 layers through BlockRunner with its decode steps replayed
    as CUDA graphs (compute/decode_graph.py) beside the paged step op by op, at 1, 8 and 32 sessions
    512 tokens in: each replay against the same fixed-shape step run eagerly over the same buffers
@@ -1094,19 +1096,21 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
         finally:
             finding("node_perf.exit_status", node.stop())
         n = max(counts)
-        floor = front_floor_rate(Path(tmp), n, hidden, cached, names, step_s[n], seconds)
+        floor = await front_floor(Path(tmp), n, hidden, cached, names, step_s[n], seconds)
         finding(f"node_perf.front_floor_{n}", floor | {"over_in_process": round(floor["tok_s"] / in_process[n], 2),
                                                        "node_over_floor": round(node_rate[n] / floor["tok_s"], 2)})
 
 
-def front_floor_rate(workdir: Path, count: int, hidden: int, cached: int, names: list[str], step_s: float,
-                     seconds: float) -> dict[str, object]:
-    """`count` masters through bench/front_floor.py's floor front (TCP, the Cake codec and ZeroMQ, nothing else
-    of a front) to a device that echoes each step after `step_s` of busy work: the tokens/s, and the floor front's
-    CPU per token and busy share (near 1.0: one front process of this design relays no more on this CPU)."""
+async def front_floor(workdir: Path, count: int, hidden: int, cached: int, names: list[str], step_s: float,
+                      seconds: float) -> dict[str, object]:
+    """bench/front_floor.py's floor front (TCP, the Cake codec and ZeroMQ, nothing else of a front), its device
+    echoing each step after `step_s` of busy work: `count` masters through it (the tokens/s, and the floor front's
+    CPU per token and busy share: near 1.0, one front process of this design relays no more on this CPU), then a
+    512-token prompt's round trip less the echo's step, what carrying its activation there and back costs."""
     from bench.front_floor import Floor
     from bench.masters import Masters
     from bench.request_cost import thread_seconds
+    from cakemp.master.client import WorkerClient
 
     floor = Floor(workdir, step_s)
     try:
@@ -1118,12 +1122,21 @@ def front_floor_rate(workdir: Path, count: int, hidden: int, cached: int, names:
             ran = thread_seconds(floor.pids)
         finally:
             masters.close()
+        prompt = tensors.to_raw(torch.randn(1, 512, hidden), DType.BF16)
+        async with await WorkerClient.connect("127.0.0.1", floor.port) as client:
+            await client.hello()
+            times = []
+            for _ in range(PROMPT_WARM + PROMPT_TIMED):
+                start = time.perf_counter()
+                await client.batch(prompt, [(name, 0, i) for i, name in enumerate(names)])
+                times.append(time.perf_counter() - start)
     finally:
         floor.stop()
     ran.subtract(before)
     front = ran["front (process)"]
     return {"tok_s": round(window.done / window.wall_s), "echo_step_ms": round(step_s * 1e3, 3),
-            "front_cpu_us_per_token": round(front / window.done * 1e6), "front_busy": round(front / window.wall_s, 2)}
+            "front_cpu_us_per_token": round(front / window.done * 1e6), "front_busy": round(front / window.wall_s, 2),
+            "prompt_512_transport_ms": round(1e3 * (statistics.median(times[PROMPT_WARM:]) - step_s), 2)}
 
 
 # --- 12. the decode step replayed as CUDA graphs ---------------------------------------------
