@@ -278,12 +278,13 @@ async def prompts(nodes: dict[str, tuple[int, dict[str, int]]], runner: BlockRun
     layers = [(layer, 0, i) for i, layer in enumerate(runner.layers)]
     for round_ in range(count + 1):  # the first round warms up
         x = torch.randn(1, tokens, hidden)
+        sent = raw(x, wire)  # as the master holds it: its conversion is not the node's time
         for name, (_, pids) in nodes.items():
             session = sessions[name]
             await session.clients[0].goodbye()
             before = thread_seconds(pids)
             start = time.perf_counter()
-            await session.clients[0].batch(raw(x, wire), layers)
+            await session.clients[0].batch(sent, layers)
             wall = time.perf_counter() - start
             if round_:
                 times[name]["wall"].append(wall)
