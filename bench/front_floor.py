@@ -24,6 +24,7 @@ from pathlib import Path
 
 import uvloop
 
+from cakemp import heap
 from cakemp.ipc import Activation, Answers, DeviceChannel, FrontChannel, Hop, Hops, Op, Stage, encode, joined, rows
 from cakemp.wire import Batch, FrameDecoder, RawTensor, Revision, TensorMessage, WorkerInfo, encode_frame
 
@@ -134,7 +135,8 @@ def _reply(message) -> TensorMessage | WorkerInfo | None:
 def serve(endpoint: str, ports: multiprocessing.Queue) -> None:
     """The floor front's process: listen on a free port (put on `ports`) until killed (the masters'
     frames are written whole at once: a master's next Batch comes after its reply, so no flow control
-    is needed here)."""
+    is needed here); its freed memory kept for reuse, as the front's (cakemp/heap.py)."""
+    heap.keep_freed_memory()
     uvloop.run(_serve(endpoint, ports))
 
 
