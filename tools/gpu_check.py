@@ -1003,7 +1003,6 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
     from cakemp import heap
     from cakemp.compute.runner import BlockRunner
     from cakemp.demo.local_node import LocalNode, free_port
-    from cakemp.master.client import WorkerClient
 
     layers, cached, counts = 4, (64 if rehearse else 512), (1, 8, 32)
     steps, seconds = (5, 2.0) if rehearse else (30, 5.0)
@@ -1018,7 +1017,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
         finding("node_perf.floor_ms", round(floor_ms, 4))
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
                                                                   attn_implementation="sdpa").to(device)
-        in_process, step_s, node_rate = {}, {}, {}  # per count: tokens/s in-process; its step's seconds; the node's tokens/s
+        in_process, node_rate = {}, {}  # per count: tokens/s in-process, and through the node
         for n in counts:
             with torch.inference_mode():
                 ours = Cakemp(path, n, cached, layers, runner=runner)
@@ -1027,7 +1026,6 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                       for name, side in (("cakemp", ours), ("transformers", theirs))}
                 launch_ms = 1e3 * statistics.median(launch_cpu(ours.step, device) for _ in range(steps))
             in_process[n] = n / ms["cakemp"] * 1e3
-            step_s[n] = ms["cakemp"] / 1e3
             finding(f"node_perf.in_process_{n}", {
                 "cakemp_ms": round(ms["cakemp"], 3), "transformers_ms": round(ms["transformers"], 3),
                 "cakemp_launch_cpu_ms": round(launch_ms, 3), "launch_over_step": round(launch_ms / ms["cakemp"], 2),
@@ -1057,16 +1055,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
             await node.wait_ready(timeout=300)
             port = int(node.address.rsplit(":", 1)[1])
             pids = {"front": node._process.pid, "device": device_pid(node._process.pid)}
-            ops = lambda position: [(name, position, i) for i, name in enumerate(names)]  # noqa: E731
-            async with await WorkerClient.connect("127.0.0.1", port) as client:
-                await client.hello()
-                times = []
-                for _ in range(PROMPT_WARM + PROMPT_TIMED):  # a new prompt each time: the same one again would be prefix reuse's
-                    await client.goodbye()
-                    x = tensors.to_raw(torch.randn(1, 512, hidden), DType.BF16)
-                    start = time.perf_counter()
-                    await client.batch(x, ops(0))
-                    times.append(time.perf_counter() - start)
+            times = await prompt_times(port, hidden, names)
             node_ms = 1e3 * statistics.median(times[PROMPT_WARM:])
             finding("node_perf.prompt_512", {"node_ms": round(node_ms, 2), "in_process_ms": round(prompt_ms, 2),
                                               "ratio": round(node_ms / prompt_ms, 2),
@@ -1096,9 +1085,26 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
         finally:
             finding("node_perf.exit_status", node.stop())
         n = max(counts)
-        floor = await front_floor(Path(tmp), n, hidden, cached, names, step_s[n], seconds)
+        floor = await front_floor(Path(tmp), n, hidden, cached, names, n / in_process[n], seconds)  # its step's seconds
         finding(f"node_perf.front_floor_{n}", floor | {"over_in_process": round(floor["tok_s"] / in_process[n], 2),
                                                        "node_over_floor": round(node_rate[n] / floor["tok_s"], 2)})
+
+
+async def prompt_times(port: int, hidden: int, names: list[str]) -> list[float]:
+    """The seconds each of PROMPT_WARM + PROMPT_TIMED 512-token bf16 prompts through `names` took from the master
+    at `port` to its answer (a new prompt each time, after a Goodbye: the same one again would be prefix reuse's)."""
+    from cakemp.master.client import WorkerClient
+
+    times = []
+    async with await WorkerClient.connect("127.0.0.1", port) as client:
+        await client.hello()
+        for _ in range(PROMPT_WARM + PROMPT_TIMED):
+            await client.goodbye()
+            x = tensors.to_raw(torch.randn(1, 512, hidden), DType.BF16)
+            start = time.perf_counter()
+            await client.batch(x, [(name, 0, i) for i, name in enumerate(names)])
+            times.append(time.perf_counter() - start)
+    return times
 
 
 async def front_floor(workdir: Path, count: int, hidden: int, cached: int, names: list[str], step_s: float,
@@ -1110,7 +1116,6 @@ async def front_floor(workdir: Path, count: int, hidden: int, cached: int, names
     from bench.front_floor import Floor
     from bench.masters import Masters
     from bench.request_cost import thread_seconds
-    from cakemp.master.client import WorkerClient
 
     floor = Floor(workdir, step_s)
     try:
@@ -1122,14 +1127,7 @@ async def front_floor(workdir: Path, count: int, hidden: int, cached: int, names
             ran = thread_seconds(floor.pids)
         finally:
             masters.close()
-        prompt = tensors.to_raw(torch.randn(1, 512, hidden), DType.BF16)
-        async with await WorkerClient.connect("127.0.0.1", floor.port) as client:
-            await client.hello()
-            times = []
-            for _ in range(PROMPT_WARM + PROMPT_TIMED):
-                start = time.perf_counter()
-                await client.batch(prompt, [(name, 0, i) for i, name in enumerate(names)])
-                times.append(time.perf_counter() - start)
+        times = await prompt_times(floor.port, hidden, names)
     finally:
         floor.stop()
     ran.subtract(before)
