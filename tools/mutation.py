@@ -116,7 +116,7 @@ MUTANTS = (
            "stages[-1][2].append(index)", "stages[-1][2].append(min(index + 1, 1))", ROUTER),
     # --- admission's kept layer runs
     Mutant("admission-kept-run-skips-context", "cakemp/front/admission.py",
-           "max(map(_INDEX_POS, ops)) + tokens <= self.max_context", "True", ("tests/front/test_admission.py",)),
+           "max(ops.positions) + tokens <= self.max_context", "True", ("tests/front/test_admission.py",)),
     Mutant("admission-runs-unbounded", "cakemp/front/admission.py",
            "if len(self._runs) < _RUNS_KEPT:", "if True:", ("tests/front/test_admission.py",)),
     # --- pool and connection (the session's lifetime on the devices)

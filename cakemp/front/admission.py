@@ -19,13 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Protocol
 
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.checkpoint.files import split_layer
 from cakemp.errors import BadOps, BadTensor, ContextLimitExceeded, UnknownLayer
-from cakemp.wire import MAX_PAYLOAD, DType, LayerOp, RawTensor
+from cakemp.wire import MAX_PAYLOAD, DType, LayerOps, RawTensor
 
 # The wire dtypes a hidden state can have; any of them is served whatever --dtype computes in.
 ACTIVATION_DTYPES = frozenset({DType.F16, DType.BF16, DType.F32})
@@ -37,7 +36,6 @@ _MAX_NAME = 256
 _SHOWN_CHARS = 64
 _ITEMSIZE = {int(dtype): dtype.itemsize for dtype in ACTIVATION_DTYPES}  # by tag: no enum call per request
 _RUNS_KEPT = 64  # valid layer runs kept (a node's masters send a few)
-_LAYER_AND_SLOT, _INDEX_POS = itemgetter(0, 2), itemgetter(1)  # of a LayerOp
 
 
 class Admission(Protocol):
@@ -52,7 +50,7 @@ class Admission(Protocol):
     def check_batch(self) -> None:
         """Raise the BadOps that refuses a Batch message (rather than SingleOp) here, if any."""
 
-    def check(self, x: RawTensor, ops: Sequence[LayerOp]) -> None:
+    def check(self, x: RawTensor, ops: LayerOps) -> None:
         """Raise the BadRequest that refuses running `ops` over `x`, if any."""
 
 
@@ -70,9 +68,9 @@ class LayerAdmission:
     # stack's layer count), its block_idx counted from 0 within its stack (ModelConfig.kv_slot). Empty
     # for a model of one stack, whose slots are the block_idx themselves.
     stacks: Mapping[str, tuple[int, int]] = field(default_factory=dict)
-    # The layer runs found valid, by each op's (layer, block_idx): a master sends one run step after step,
+    # The layer runs found valid, by their ops' layers and block_idx: a master sends one run step after step,
     # which is then checked op by op once. At most _RUNS_KEPT: a peer sending ever new runs pays the full check.
-    _runs: set[tuple[tuple[str, int], ...]] = field(default_factory=set, compare=False, repr=False)
+    _runs: set[tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=set, compare=False, repr=False)
 
     @classmethod
     def for_model(cls, model: ModelConfig, layers: Sequence[str], max_context: int | None) -> LayerAdmission:
@@ -99,14 +97,14 @@ class LayerAdmission:
     def check_batch(self) -> None:
         """A text master sends Batch and SingleOp alike: never refused."""
 
-    def check(self, x: RawTensor, ops: Sequence[LayerOp]) -> None:
+    def check(self, x: RawTensor, ops: LayerOps) -> None:
         """Raise the BadRequest that refuses running `ops` over `x`, if any. A layer run (its ops' layers
         and KV slots) that passed once passes again: only its positions are checked then, and on a
         failure every op is, for the error to name the first that fails."""
         self._check_tensor(x)
         tokens = x.shape[1]
-        run = tuple(map(_LAYER_AND_SLOT, ops)) if len(ops) <= len(self.layers) else None
-        if run in self._runs and (not ops or max(map(_INDEX_POS, ops)) + tokens <= self.max_context):
+        run = (ops.names, ops.blocks) if len(ops) <= len(self.layers) else None
+        if run in self._runs and (not ops or max(ops.positions) + tokens <= self.max_context):
             return
         self._check_ops(ops, tokens)
         if len(self._runs) < _RUNS_KEPT:
@@ -128,7 +126,7 @@ class LayerAdmission:
             raise BadTensor(f"activation data is {memoryview(x.data).nbytes} bytes, shape {list(shape)} of "
                             f"{DType(x.dtype).name} needs {expected}")
 
-    def _check_ops(self, ops: Sequence[LayerOp], tokens: int) -> None:
+    def _check_ops(self, ops: LayerOps, tokens: int) -> None:
         if len(ops) > len(self.layers):
             raise BadOps(f"the request has {len(ops)} ops; this worker serves {len(self.layers)} layers, "
                          "each runs at most once per request")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from cakemp.checkpoint.image.archs import ARCHS, MAX_TOKEN_ROWS, MAX_TOKENS, Packed, Tokens
 from cakemp.errors import BadOps, BadTensor, UnknownLayer
 from cakemp.front.admission import shown
-from cakemp.wire import DType, LayerOp, RawTensor
+from cakemp.wire import DType, LayerOps, RawTensor
 from cakemp.wire.packing import unpack_layout
 
 # The largest frame an image master sends: FLUX.2's transformer call at 1024² is about 18 MB and
@@ -55,11 +55,11 @@ class ComponentAdmission:
         raise BadOps("this node serves image components, which a Cake master calls with SingleOp; a Batch of "
                      "layers is a text model's (check the master's --model-type)")
 
-    def check(self, x: RawTensor, ops: Sequence[LayerOp]) -> None:
+    def check(self, x: RawTensor, ops: LayerOps) -> None:
         """Raise the BadRequest that refuses running the op over `x`, if any."""
         if len(ops) != 1:
             raise BadOps(f"an image component request names one component, this one names {len(ops)}")
-        name = ops[0].layer
+        name = ops.names[0]
         wanted = self.components.get(name)
         if wanted is None:
             raise UnknownLayer(f"could not find component {shown(name)} (this node serves "

@@ -393,7 +393,7 @@ class Connection:
         self._metrics.requests.inc()
         if isinstance(reply, TensorMessage):  # x: [B, T, H]
             x, ops = request.x, request.ops
-            self._metrics.served(math.prod(x.shape[:-1]), ops[0].index_pos if ops else 0, len(ops),
+            self._metrics.served(math.prod(x.shape[:-1]), ops.positions[0] if ops else 0, len(ops),
                                  time.perf_counter() - self._request_start)
         self.busy = False
         if self._finishing:

@@ -29,6 +29,7 @@ import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from cakemp import log
 from cakemp.errors import BadIpcMessage, CakempError, DeviceLost, InternalError, RequestError
@@ -60,7 +61,7 @@ from cakemp.ipc import (
 )
 from cakemp.ipc.message import joined
 from cakemp.ipc.spec import DeviceMain, DeviceSpec, Workload, chunk_bounds
-from cakemp.wire import LayerOp, RawTensor
+from cakemp.wire import LayerOps, RawTensor
 
 # A starting device that reports no loaded layer for this long is hung. Not --request-timeout:
 # that one is sized for requests, and a device's first layer comes only after torch and its
@@ -68,6 +69,7 @@ from cakemp.wire import LayerOp, RawTensor
 LOAD_SILENCE_S = 300.0
 _STOP_GRACE_S = 3.0
 _REAP_S = 1.0
+_INDEX_POS = itemgetter(1)  # of an ipc Op: a position past 0 continues state the device holds
 
 
 @dataclass
@@ -147,7 +149,7 @@ class DevicePool:
             await self.stop()
             raise
 
-    def route(self, ops: Sequence[LayerOp]) -> Route:
+    def route(self, ops: LayerOps) -> Route:
         """Where `ops` (admitted: every layer served here) run, expecting each device's current process."""
         return self._router.plan(ops, self._state.generation)
 
@@ -166,8 +168,7 @@ class DevicePool:
         devices = route.devices
         # Image components keep nothing between calls (FLUX.2's text encoder's index_pos is a token count).
         stateful = self._workload.stateful
-        self._state.admit(session, devices, [stateful and any(op.index_pos > 0 for op in stage.ops)
-                                             for stage in route.stages])
+        self._state.admit(session, devices, [stateful and any(map(_INDEX_POS, stage.ops)) for stage in route.stages])
         chunks = self._chunks(x, route)
         request_id = next(self._request_ids)
         carried = ()

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from operator import itemgetter
 from typing import NamedTuple
 
 from cakemp.ipc import Op, Stage
 from cakemp.ipc.spec import chunk_bounds as chunk_bounds  # cut by the front and the devices alike
-from cakemp.wire import LayerOp
+from cakemp.wire import LayerOps
 
 
 class Route(NamedTuple):
@@ -43,17 +42,17 @@ class Router:
         # read once; at most _RUNS_KEPT runs are kept.
         self._runs: dict[tuple[str, ...], tuple[tuple[tuple[int, slice, tuple[int, ...]], ...], tuple[int, ...]]] = {}
 
-    def plan(self, ops: Sequence[LayerOp], generation: Callable[[int], int]) -> Route:
+    def plan(self, ops: LayerOps, generation: Callable[[int], int]) -> Route:
         """The route that runs `ops` in order, through each device in turn, expecting each device's
         `generation(device)`. Every layer must be served here: admission has checked it."""
-        names = tuple(map(_LAYER, ops))
+        names, positions, blocks = ops.names, ops.positions, ops.blocks
         run = self._runs.get(names)
         if run is None:
             run = self._stages(names)
             if len(self._runs) < _RUNS_KEPT:
                 self._runs[names] = run
         stages, devices = run
-        return Route(tuple([Stage(device, generation(device), _stage_ops(indices, ops[at]))
+        return Route(tuple([Stage(device, generation(device), _stage_ops(indices, positions[at], blocks[at]))
                             for device, at, indices in stages]), devices)
 
     def _stages(self, names: tuple[str, ...]) -> tuple[tuple[tuple[int, slice, tuple[int, ...]], ...], tuple[int, ...]]:
@@ -68,11 +67,10 @@ class Router:
                 tuple(device for device, _, _ in stages))
 
 
-def _stage_ops(indices: tuple[int, ...], ops: Sequence[LayerOp]) -> tuple[Op, ...]:
-    """Op(its layer's index on the stage's device, index_pos, block_idx) of each of `ops`, made by tuple's
-    own constructor: no Python frame per op (a run of 32 layers is common)."""
-    return tuple(map(tuple.__new__, repeat(Op), zip(indices, map(_INDEX_POS, ops), map(_BLOCK_IDX, ops))))
+def _stage_ops(indices: tuple[int, ...], positions: tuple[int, ...], blocks: tuple[int, ...]) -> tuple[Op, ...]:
+    """Op(its layer's index on the stage's device, index_pos, block_idx) of each of the stage's ops, made by
+    tuple's own constructor: no Python frame per op (a run of 32 layers is common)."""
+    return tuple(map(tuple.__new__, repeat(Op), zip(indices, positions, blocks)))
 
 
 _RUNS_KEPT = 64  # layer runs a Router keeps the stages of (a node's masters send a few)
-_LAYER, _INDEX_POS, _BLOCK_IDX = itemgetter(0), itemgetter(1), itemgetter(2)  # a LayerOp's fields

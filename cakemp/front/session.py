@@ -31,7 +31,7 @@ from cakemp.wire import (
     Hello,
     LayerAssignment,
     LayerAssignmentAck,
-    LayerOp,
+    LayerOps,
     Message,
     RawTensor,
     SingleOp,
@@ -62,7 +62,7 @@ class Forward:
     """Pass the admitted request down its route, and answer its result (or why it failed)."""
 
     x: RawTensor
-    ops: tuple[LayerOp, ...]
+    ops: LayerOps
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ class Session:
                 return [Refuse(e)]
             return [self._request(message.x, message.batch)]
         if isinstance(message, SingleOp):
-            return [self._request(message.x, (LayerOp(message.layer_name, message.index_pos, message.block_idx),))]
+            return [self._request(message.x, LayerOps((message.layer_name,), (message.index_pos,), (message.block_idx,)))]
         return self._close(Note("warning", "unexpected message, closing",
                                 {"message": type(message).__name__, "fault": "peer"}))
 
@@ -173,7 +173,7 @@ class Session:
         return self._close(Note("info", "master re-setup: accepting layer assignment", {"layers": len(message.layers)}),
                            Reply(LayerAssignmentAck(needs_data=False)), Reply(WorkerReady()))
 
-    def _request(self, x: RawTensor, ops: Sequence[LayerOp]) -> Forward | Refuse:
+    def _request(self, x: RawTensor, ops: LayerOps) -> Forward | Refuse:
         try:
             self._admission.check(x, ops)
         except RequestError as e:
@@ -182,11 +182,11 @@ class Session:
             return Refuse(InternalError(f"unexpected error in the front: {type(e).__name__}: {e}"))
         if self._expired:  # told once, and only if it relies on the state freed
             self._expired = False
-            if any(op.index_pos > 0 for op in ops):
+            if any(ops.positions):
                 return Refuse(SessionExpired(
                     f"this session was idle for more than {self._idle_timeout:g} s and its KV state "
                     "was freed; start again with a fresh prefill (index_pos 0)"))
-        return Forward(x, tuple(ops))
+        return Forward(x, ops)
 
     def _close(self, *actions: Action) -> list[Action]:
         self.state = SessionState.CLOSED

@@ -27,11 +27,10 @@ from collections.abc import Callable
 from dataclasses import MISSING, is_dataclass
 from dataclasses import fields as dataclass_fields
 from enum import IntEnum
-from itertools import repeat
 from typing import Annotated, NamedTuple, get_args, get_origin, get_type_hints
 
 from cakemp.errors import BadTensor, EncodeError, ProtocolError
-from cakemp.wire.messages import MAX_ITEMS, VARIANTS, Bound, DType, Message, RawTensor, Revision, Since
+from cakemp.wire.messages import MAX_ITEMS, VARIANTS, Bound, Columns, DType, Message, RawTensor, Revision, Since
 
 Buffer = bytes | bytearray | memoryview
 
@@ -335,6 +334,7 @@ class _Struct(_Field):
         fields = [(name, _compile(hints[name], f"{path}.{name}"), _since(hints[name])) for name in names]
         self.min_size = sum(field.min_size for _, field, since in fields if since == Revision.V1)
         self.layouts = {revision: _Layout.of(cls, tuple(hints), fields, revision) for revision in Revision}
+        self.columns: type | None = None  # what a Vec of these is read into, a tuple a field (`Columns`)
 
     def write(self, code: _Source, value: str) -> None:
         layout = self.layouts[code.revision]
@@ -368,19 +368,18 @@ class _Struct(_Field):
         return value
 
     def read_all(self, code: _Source, n: str) -> str:
-        layout = self.layouts[code.revision]
-        fields = layout.present
-        named = (fields and type(fields[0]) is _String and all(type(f) is _Int and not f.known for f in fields[1:])
-                 and layout.build is self.cls and issubclass(self.cls, tuple))
-        if not named:
+        if self.columns is None:
             return super().read_all(code, n)
-        # A name and integers an item (a Batch's layer ops): at once where a layout seen lately fits them.
-        seen, found, items = _Seen(self.cls, "".join(f.code for f in fields[1:])), code.value(), code.value()
+        fields = self.layouts[code.revision].present
+        if not (fields and type(fields[0]) is _String and all(type(f) is _Int and not f.known for f in fields[1:])):
+            raise TypeError(f"{self.path}: only a Vec of a name and integers is read as columns")
+        # At once where a layout seen lately fits the items, else item by item (then learnt).
+        seen, found, items = _Seen(self.columns, "".join(f.code for f in fields[1:])), code.value(), code.value()
         # (fewer items than _SEEN_ITEMS: no call at all, the loop reads them)
         code.line(f"{found} = {code.const(seen.read)}(view, pos, end, {n}) if {n} >= {_SEEN_ITEMS} else None")
         code.line(f"if {found} is None:")
         code.depth += 1
-        code.line(f"{items} = {super().read_all(code, n)}")
+        code.line(f"{items} = {code.const(self.columns.of)}({super().read_all(code, n)})")
         code.line(f"{code.const(seen.learn)}({items})")
         code.depth -= 1
         code.line("else:")
@@ -389,37 +388,36 @@ class _Struct(_Field):
 
 
 class _Seen:
-    """The wire layouts of a Vec whose items are a name and integers (a Batch's layer ops: layer,
-    index_pos, block_idx) read lately, up to _LAYOUTS_KEPT of each count, with their names. A master
-    sends one run of layers step after step: with its names known, the whole Vec is read in one struct
-    call (`read`), not in a few lines of Python an item, and each name is the str read before. A layout
+    """The wire layouts of a Vec read as columns (`Columns`: a Batch's layer ops, a name and integers
+    an item) read lately, up to _LAYOUTS_KEPT of each count, with their names. A master sends one run
+    of layers step after step: with its names known, the whole Vec is read in one struct call
+    (`read`), not in a few lines of Python an item, and its names are the tuple read before. A layout
     is only a guess until the lengths and names it reads are those it was learnt from: then they are
     the bytes the item-by-item read takes, and its values the same."""
 
-    def __init__(self, cls: type, codes: str) -> None:
-        self._cls, self._codes = cls, codes
+    def __init__(self, columns: type, codes: str) -> None:
+        self._columns, self._codes = columns, codes
         self._width = 2 + len(codes)  # a name's length and bytes, then the integers
         # By count: each layout, its names' lengths, their bytes and the names.
         self._layouts: dict[int, list[tuple[struct.Struct, tuple[int, ...], tuple[bytes, ...], tuple[str, ...]]]] = {}
 
-    def read(self, view: memoryview, pos: int, end: int, n: int) -> tuple[tuple, int] | None:
-        """The `n` items at `pos` and the position after them; None where no layout kept reads them."""
+    def read(self, view: memoryview, pos: int, end: int, n: int) -> tuple[object, int] | None:
+        """The `n` items at `pos`, as columns, and the position after them; None where no layout kept reads them."""
         width = self._width
         for layout, lengths, raw, names in self._layouts.get(n, ()):
             if pos + layout.size > end:
                 continue
             values = layout.unpack_from(view, pos)
             if values[0::width] == lengths and values[1::width] == raw:
-                return tuple(map(tuple.__new__, repeat(self._cls),
-                                 zip(names, *(values[i::width] for i in range(2, width))))), pos + layout.size
+                return self._columns(names, *(values[i::width] for i in range(2, width))), pos + layout.size
         return None
 
-    def learn(self, items: tuple) -> None:
-        """Keep the layout of `items`, just read one by one (the oldest of their count's goes)."""
+    def learn(self, items) -> None:
+        """Keep the layout of `items` (columns), just read one by one (the oldest of their count's goes)."""
         n = len(items)
         if not _SEEN_ITEMS <= n <= _LAYOUT_ITEMS or (n not in self._layouts and len(self._layouts) >= _RUNS_KEPT):
             return
-        names = tuple(item[0] for item in items)
+        names = items.names
         raw = tuple(name.encode() for name in names)
         lengths = tuple(map(len, raw))
         kept = self._layouts.setdefault(n, [])
@@ -485,9 +483,12 @@ def _compile(hint: object, path: str) -> _Field:
     if get_origin(hint) is Annotated:
         inner, *marks = get_args(hint)
         bound = next((mark for mark in marks if isinstance(mark, Bound)), None)
-        if bound is not None:  # a bounded Vec
+        columns = next((mark for mark in marks if isinstance(mark, Columns)), None)
+        if bound is not None or columns is not None:  # a bounded Vec, or one read as columns
             vec = _compile(inner, path)
             vec.bound = bound
+            if columns is not None:
+                vec.item.columns = columns.cls
             return vec
         rust_type = next(mark for mark in marks if isinstance(mark, str))
         if rust_type in _INTEGERS:

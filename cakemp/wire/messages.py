@@ -13,9 +13,10 @@ mark for a field.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from enum import IntEnum
+from itertools import repeat
 from typing import Annotated, NamedTuple, Union, dataclass_transform
 
 from cakemp.errors import BadOps, BadTensor, ProtocolError
@@ -100,6 +101,15 @@ class Bound:
         return self.error(self.text.format(path=path, owner=path.rpartition(".")[0], n=n, limit=limit))
 
 
+@dataclass(frozen=True)
+class Columns:
+    """Marks a Vec whose items are a name and integers (a Batch's layer ops, one a layer) as read into
+    `cls(names, *integers)`, a tuple a field (the names kept as its `names`), rather than into an object
+    an item: a run of 80 layers then costs its reader, and whoever reads its columns, no object a layer."""
+
+    cls: type
+
+
 # What any Vec a master may send holds at most (no model has more layers; Cake's
 # LayerAssignment names at most that many), and a tensor's dimensions (Cake sends 3).
 MAX_ITEMS = 4096
@@ -154,6 +164,49 @@ class LayerOp(NamedTuple):
     block_idx: Usize
 
 
+class LayerOps(Sequence[LayerOp]):
+    """A Batch's layer ops as columns: each op's layer, index_pos and block_idx, a tuple each.
+
+    What the front reads of every request, per layer (the names to route and admit by, the positions,
+    the KV slots), is then a tuple it is handed, not one built of an object per op: a master's run is
+    32 to 120 layers, step after step. The decoder gives every Batch of a run it has learnt the same
+    `names` tuple (wire/codec.py, `_Seen`), so what is kept by a run's names is found at once. Else a
+    sequence of LayerOp like any other (each made as it is asked for), equal to one of the same ops.
+    """
+
+    __slots__ = ("names", "positions", "blocks")
+
+    def __init__(self, names: tuple[str, ...], positions: tuple[int, ...], blocks: tuple[int, ...]):
+        self.names, self.positions, self.blocks = names, positions, blocks
+
+    @classmethod
+    def of(cls, ops: Iterable[LayerOp]) -> LayerOps:
+        columns = tuple(zip(*ops))
+        return cls(*columns) if columns else cls((), (), ())
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return LayerOps(self.names[index], self.positions[index], self.blocks[index])
+        return LayerOp(self.names[index], self.positions[index], self.blocks[index])
+
+    def __iter__(self) -> Iterator[LayerOp]:
+        return map(tuple.__new__, repeat(LayerOp), zip(self.names, self.positions, self.blocks))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LayerOps):
+            return (self.names, self.positions, self.blocks) == (other.names, other.positions, other.blocks)
+        return tuple(self) == tuple(other) if isinstance(other, Sequence) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))  # as the tuple of the same ops, which it equals
+
+    def __repr__(self) -> str:
+        return f"LayerOps({list(self)!r})"
+
+
 @message
 class Hello:
     """Master → worker, first frame of an inference connection; answered with WorkerInfo."""
@@ -187,9 +240,15 @@ class Batch:
     """Master → worker: run the layers of `batch` in order on `x`; answered with Tensor."""
 
     x: RawTensor
-    # A node passes the number of layers it serves as "ops".
-    batch: Annotated[tuple[LayerOp, ...], Bound("ops", BadOps, "the request has {n} ops; this worker serves {limit} "
-                                                               "layers, each runs at most once per request")]
+    # A node passes the number of layers it serves as "ops". Held as LayerOps, whatever sequence of
+    # LayerOp it is made with.
+    batch: Annotated[tuple[LayerOp, ...], Columns(LayerOps),
+                     Bound("ops", BadOps, "the request has {n} ops; this worker serves {limit} layers, each runs at "
+                                          "most once per request")]
+
+    def __post_init__(self) -> None:
+        if type(self.batch) is not LayerOps:
+            object.__setattr__(self, "batch", LayerOps.of(self.batch))
 
 
 @message
@@ -258,4 +317,4 @@ class WorkerError:
 
 Message = Union[tuple(variant.cls for variant in VARIANTS)]  # noqa: UP007 (built from the declarations)
 
-__all__ = ["Revision", "DType", "RawTensor", "LayerOp", "Message", *(variant.cls.__name__ for variant in VARIANTS)]
+__all__ = ["Revision", "DType", "RawTensor", "LayerOp", "LayerOps", "Message", *(variant.cls.__name__ for variant in VARIANTS)]

@@ -6,7 +6,7 @@ import pytest
 
 from cakemp.errors import BadOps, BadTensor, ContextLimitExceeded, PeerFault, UnknownLayer
 from cakemp.front.admission import LayerAdmission, shown
-from cakemp.wire import MAX_PAYLOAD, DType, LayerOp, RawTensor
+from cakemp.wire import MAX_PAYLOAD, DType, LayerOp, LayerOps, RawTensor
 
 HIDDEN = 8
 ADMISSION = LayerAdmission(frozenset(f"model.layers.{i}" for i in range(4)), HIDDEN, max_context=32,
@@ -18,8 +18,8 @@ def activation(tokens: int = 2, dtype: DType = DType.F32, shape=None) -> RawTens
     return RawTensor(bytes(tokens * HIDDEN * dtype.itemsize), dtype, shape)
 
 
-def ops(*layers: int, index_pos: int = 0) -> tuple[LayerOp, ...]:
-    return tuple(LayerOp(f"model.layers.{i}", index_pos, i) for i in layers)
+def ops(*layers: int, index_pos: int = 0) -> LayerOps:
+    return LayerOps.of(LayerOp(f"model.layers.{i}", index_pos, i) for i in layers)
 
 
 @pytest.mark.parametrize("dtype", [DType.F16, DType.BF16, DType.F32])
@@ -48,7 +48,7 @@ def test_a_tensor_that_is_not_one_hidden_state_is_refused(x, words):
 @pytest.mark.parametrize("x, request_ops, error, words", [
     (activation(33), ops(0), ContextLimitExceeded, "33 positions in one request pass the context limit of 32"),
     (activation(2), ops(0, index_pos=31), ContextLimitExceeded, "positions 31..32 of layer model.layers.0"),
-    (activation(), ops(0) * 500_000, BadOps, "has 500000 ops; this worker serves 4 layers"),
+    (activation(), (LayerOp("model.layers.0", 0, 0),) * 500_000, BadOps, "has 500000 ops; this worker serves 4 layers"),
     (activation(), ops(0, 1, 0), BadOps, "layer model.layers.0 appears twice"),
     (activation(), (LayerOp("model.layers.0", 0, 1), LayerOp("model.layers.1", 0, 1)), BadOps, "block_idx 1 .* twice"),
     # A slot past the served layers' numbers: one session could otherwise hold KV for every layer of the model.
@@ -60,7 +60,7 @@ def test_a_layer_run_the_worker_cannot_serve_is_refused(x, request_ops, error, w
     """Too many positions, more ops than served layers, a layer or KV slot twice, a slot out of
     range or an unknown layer are refused before any device sees them; a peer's long name is clipped."""
     with pytest.raises(error, match=words) as refused:
-        ADMISSION.check(x, request_ops)
+        ADMISSION.check(x, LayerOps.of(request_ops))
     assert isinstance(refused.value, PeerFault)
 
 
@@ -82,7 +82,7 @@ def test_the_layer_runs_kept_are_bounded_and_the_rest_still_checked():
     runs = [(LayerOp(f"model.layers.{a}", 0, slot_a), LayerOp(f"model.layers.{b}", 0, slot_b))
             for a in range(4) for b in range(4) if a != b for slot_a in range(4) for slot_b in range(4) if slot_a != slot_b]
     for run in runs:  # 144 distinct runs
-        admission.check(activation(), run)
+        admission.check(activation(), LayerOps.of(run))
     assert len(admission._runs) == 64
     with pytest.raises(BadOps, match="appears twice"):
         admission.check(activation(), ops(3, 3))
@@ -90,7 +90,7 @@ def test_the_layer_runs_kept_are_bounded_and_the_rest_still_checked():
 
 def test_an_empty_layer_run_is_admitted():
     """A Batch with no op is admitted, as Cake's worker takes it (the front answers it without a device)."""
-    ADMISSION.check(activation(), ())
+    ADMISSION.check(activation(), LayerOps.of(()))
 
 
 def test_shown_escapes_what_is_not_printable():

@@ -16,7 +16,7 @@ from cakemp.front.pool import DevicePool
 from cakemp.front.status import NodeStatus
 from cakemp.ipc import Activation, Answers, Batch, DeviceChannel, Hops, Loaded, Ready
 from cakemp.ipc.spec import TEXT, DeviceSpec
-from cakemp.wire import DType, LayerOp, RawTensor
+from cakemp.wire import DType, LayerOp, LayerOps, RawTensor
 
 HIDDEN = 4
 
@@ -69,7 +69,7 @@ def test_the_requests_of_one_wake_up_go_to_their_device_in_one_message(tmp_path)
         pool, metrics = await pool_of(tmp_path, 1)
         try:
             xs = [tensor(1) for _ in range(8)]
-            route = pool.route([LayerOp("model.layers.0", 5, 0)])
+            route = pool.route(LayerOps.of([LayerOp("model.layers.0", 5, 0)]))
             outputs = await asyncio.gather(*(pool.run(session, x, route) for session, x in enumerate(xs, 1)))
             return xs, outputs, batches(metrics, "cpu:0")
         finally:
@@ -89,9 +89,9 @@ def test_a_long_prompt_goes_whole_to_one_device_and_in_chunks_down_a_route_of_tw
         pool, metrics = await pool_of(tmp_path, 2)
         try:
             x = tensor(300)
-            alone = await pool.run(1, x, pool.route([LayerOp("model.layers.0", 0, 0)]))
+            alone = await pool.run(1, x, pool.route(LayerOps.of([LayerOp("model.layers.0", 0, 0)])))
             one = batches(metrics, "cpu:0")
-            both = await pool.run(2, x, pool.route([LayerOp("model.layers.0", 0, 0), LayerOp("model.layers.1", 0, 1)]))
+            both = await pool.run(2, x, pool.route(LayerOps.of([LayerOp("model.layers.0", 0, 0), LayerOp("model.layers.1", 0, 1)])))
             return x, alone, one, both, batches(metrics, "cpu:0")
         finally:
             await pool.stop()

@@ -6,7 +6,7 @@ import pytest
 
 from cakemp.front.router import Route, Router, chunk_bounds
 from cakemp.ipc import Op, Stage
-from cakemp.wire import LayerOp
+from cakemp.wire import LayerOp, LayerOps
 
 PLACEMENT = [("model.layers.0", "model.layers.1"), ("model.layers.2",), ("model.layers.3",)]
 GENERATIONS = {0: 4, 1: 1, 2: 7}  # each device's current process
@@ -19,7 +19,7 @@ def op(layer: int, pos: int = 0) -> LayerOp:
 def test_a_run_over_three_devices_is_one_stage_per_device_in_order():
     """Consecutive ops on one device form one stage, expecting that device's current generation; each
     op names the layer by its index on that device."""
-    route = Router(PLACEMENT).plan([op(0, 5), op(1, 5), op(2, 5), op(3, 5)], GENERATIONS.get)
+    route = Router(PLACEMENT).plan(LayerOps.of([op(0, 5), op(1, 5), op(2, 5), op(3, 5)]), GENERATIONS.get)
     assert route == Route.through((Stage(0, 4, (Op(0, 5, 0), Op(1, 5, 1))), Stage(1, 1, (Op(0, 5, 2),)),
                                    Stage(2, 7, (Op(0, 5, 3),))))
     assert route.devices == (0, 1, 2)
@@ -27,12 +27,12 @@ def test_a_run_over_three_devices_is_one_stage_per_device_in_order():
 
 def test_a_run_that_comes_back_to_a_device_gets_a_stage_for_each_visit():
     """Layers 3, 0, 2 visit devices 2, 0, 1: three stages in the Batch's order."""
-    assert Router(PLACEMENT).plan([op(3), op(0), op(2)], GENERATIONS.get).devices == (2, 0, 1)
+    assert Router(PLACEMENT).plan(LayerOps.of([op(3), op(0), op(2)]), GENERATIONS.get).devices == (2, 0, 1)
 
 
 def test_a_chunk_later_in_the_prompt_runs_every_op_shifted_by_its_start():
     """The chunk starting 16 tokens in runs each stage's ops 16 positions later, in the same slots."""
-    route = Router(PLACEMENT).plan([op(1, 3), op(2, 3)], GENERATIONS.get)
+    route = Router(PLACEMENT).plan(LayerOps.of([op(1, 3), op(2, 3)]), GENERATIONS.get)
     assert route.shifted(16) == (Stage(0, 4, (Op(1, 19, 1),)), Stage(1, 1, (Op(0, 19, 2),)))
     assert route.shifted(0) == route.stages
 
@@ -68,9 +68,9 @@ def test_a_run_planned_again_takes_its_new_positions_and_each_devices_generation
     """A run's stages are worked out once, but each plan carries the request's own positions and slots and
     expects each device's process of the moment (one restarted meanwhile: its new generation)."""
     router, generations = Router(PLACEMENT), dict(GENERATIONS)
-    first = router.plan([op(1, 5), op(2, 5)], generations.get)
+    first = router.plan(LayerOps.of([op(1, 5), op(2, 5)]), generations.get)
     generations[1] = 2
-    again = router.plan([LayerOp("model.layers.1", 9, 0), LayerOp("model.layers.2", 9, 3)], generations.get)
+    again = router.plan(LayerOps.of([LayerOp("model.layers.1", 9, 0), LayerOp("model.layers.2", 9, 3)]), generations.get)
     assert first.stages == (Stage(0, 4, (Op(1, 5, 1),)), Stage(1, 1, (Op(0, 5, 2),)))
     assert again.stages == (Stage(0, 4, (Op(1, 9, 0),)), Stage(1, 2, (Op(0, 9, 3),)))
     assert type(again.stages[0].ops[0]) is Op

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cakemp.errors import ProtocolError
-from cakemp.wire import Batch, DType, LayerOp, RawTensor, Revision, decode_payload, encode_payload
+from cakemp.wire import Batch, DType, LayerOp, LayerOps, RawTensor, Revision, decode_payload, encode_payload
 
 X = RawTensor(bytes(8), DType.F32, (1, 1, 2))
 BOTH = pytest.mark.parametrize("revision", [Revision.V1, Revision.V2])
@@ -33,6 +33,26 @@ def test_a_run_read_again_is_the_run_sent_each_step(revision):
     for index_pos in range(5, 9):
         ops = run(layers(0, 16), index_pos)
         assert read(ops, revision) == ops
+
+
+def test_a_batch_holds_its_ops_as_columns_equal_to_the_ops_and_to_nothing_else():
+    """A Batch's ops, made of LayerOps or read back, are LayerOps: their columns are the ops' fields, each
+    op and slice is the one sent, and they equal those ops and no others (layers, positions or slots)."""
+    ops = run(layers(3, 5), 11)
+    for held in (Batch(X, ops).batch, read(ops), read(ops)):  # made; read op by op; read through the layout
+        assert type(held) is LayerOps
+        assert (held.names, held.positions, held.blocks) == (tuple(layers(3, 5)), (11,) * 5, tuple(range(5)))
+        assert list(held) == list(ops) and held[2] == ops[2] and held[-1] == ops[-1] and held[1:3] == ops[1:3]
+        assert len(held) == 5 and hash(held) == hash(ops)
+        for other in (run(layers(4, 5), 11), run(layers(3, 5), 12), ops[:4], tuple(op._replace(block_idx=9) for op in ops)):
+            assert held != other and held != LayerOps.of(other)
+
+
+def test_a_learnt_run_is_read_with_the_names_tuple_it_was_learnt_with():
+    """Every Batch of a run read through its learnt layout names its layers with one tuple: what the
+    front keeps by a run's names (admission, routes) is then found without comparing them."""
+    first, second = read(run(layers(0, 8), 3)), read(run(layers(0, 8), 4))
+    assert second.names is read(run(layers(0, 8), 5)).names and second.names == first.names
 
 
 def test_names_of_the_same_lengths_are_read_as_sent():
