@@ -21,7 +21,7 @@ from cakemp.wire import (
     Hello,
     LayerAssignment,
     LayerAssignmentAck,
-    LayerOp,
+    LayerOps,
     Message,
     ModelDataChunk,
     ModelDataDone,
@@ -132,7 +132,7 @@ class WorkerClient:
 
     async def batch(self, x: RawTensor, ops: Sequence[tuple[str, int, int]]) -> RawTensor:
         """Run the layers `ops` (layer, index_pos, block_idx) in order on x [1, T, H]."""
-        reply = await self._request(Batch(x, tuple(LayerOp(*op) for op in ops)), TensorMessage)
+        reply = await self._request(Batch(x, LayerOps.of(ops)), TensorMessage)
         return reply.tensor
 
     async def single_op(self, layer_name: str, x: RawTensor, index_pos: int, block_idx: int) -> RawTensor:

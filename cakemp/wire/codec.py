@@ -9,9 +9,10 @@ Nothing here names a message. Each declared class is compiled once into a plan, 
 field codecs built from its annotations, and the plan at import into two Python functions per
 message and revision, a writer and a reader, each field's packing (or reads and checks) written
 out in them in wire order (`_Source`). A message is then one function call, not several per field:
-a decode step's Batch decodes in about half the time the walk over the plan took. A Vec whose items
-are a name and integers (a Batch's layer ops, one a layer) is read in one struct call where a layout
-learnt from an earlier Vec of as many items reads back its lengths and names (`_Seen`).
+a decode step's Batch decodes in about half the time the walk over the plan took. A Vec marked
+`Columns` (a Batch's layer ops, one a layer: a name and integers each) is read into a tuple a field,
+in one struct call where a layout learnt from an earlier Vec of as many items reads back its lengths
+and names (`_Seen`).
 
 Decoding never copies tensor or model data: `RawTensor.data` and `ModelDataChunk.data` are
 memoryviews into the payload given to `decode_payload`, so a prefill-size message costs the
@@ -346,6 +347,31 @@ class _Struct(_Field):
         values = [code.value() for _ in layout.present]
         for name, field_value in zip(layout.names, values):
             code.line(f"{field_value} = {value}.{name}")
+        self._write_values(code, layout, values)
+
+    def write_all(self, code: _Source, values: str) -> None:
+        if self.columns is None:
+            return super().write_all(code, values)
+        # Held as columns (`Columns`): each item's fields taken from them as they are, no object an item.
+        layout = self._columns_layout(code.revision)
+        items = [code.value() for _ in layout.present]
+        code.line(f"for {', '.join(items)} in zip(*{values}.columns):")
+        code.depth += 1
+        self._write_values(code, layout, items)
+        code.end_loop()
+
+    def _columns_layout(self, revision: Revision) -> _Layout:
+        """The layout of items read and written as columns: a name, then integers, every field at `revision`."""
+        layout = self.layouts[revision]
+        fields = layout.present
+        if layout.absent or not (fields and type(fields[0]) is _String and
+                                 all(type(f) is _Int and not f.known for f in fields[1:])):
+            raise TypeError(f"{self.path}: only a Vec of a name and integers is held as columns")
+        return layout
+
+    @staticmethod
+    def _write_values(code: _Source, layout: _Layout, values: list[str]) -> None:
+        """The packing of a struct's fields present at this revision, each in its local of `values`."""
         at = 0
         for run in _int_runs(layout.present):
             run_values, at = values[at : at + len(run)], at + len(run)
@@ -370,13 +396,10 @@ class _Struct(_Field):
     def read_all(self, code: _Source, n: str) -> str:
         if self.columns is None:
             return super().read_all(code, n)
-        fields = self.layouts[code.revision].present
-        if not (fields and type(fields[0]) is _String and all(type(f) is _Int and not f.known for f in fields[1:])):
-            raise TypeError(f"{self.path}: only a Vec of a name and integers is read as columns")
+        fields = self._columns_layout(code.revision).present
         # At once where a layout seen lately fits the items, else item by item (then learnt).
         seen, found, items = _Seen(self.columns, "".join(f.code for f in fields[1:])), code.value(), code.value()
-        # (fewer items than _SEEN_ITEMS: no call at all, the loop reads them)
-        code.line(f"{found} = {code.const(seen.read)}(view, pos, end, {n}) if {n} >= {_SEEN_ITEMS} else None")
+        code.line(f"{found} = {code.const(seen.read)}(view, pos, end, {n})")
         code.line(f"if {found} is None:")
         code.depth += 1
         code.line(f"{items} = {code.const(self.columns.of)}({super().read_all(code, n)})")
@@ -415,7 +438,7 @@ class _Seen:
     def learn(self, items) -> None:
         """Keep the layout of `items` (columns), just read one by one (the oldest of their count's goes)."""
         n = len(items)
-        if not _SEEN_ITEMS <= n <= _LAYOUT_ITEMS or (n not in self._layouts and len(self._layouts) >= _RUNS_KEPT):
+        if not 0 < n <= _LAYOUT_ITEMS or (n not in self._layouts and len(self._layouts) >= _RUNS_KEPT):
             return
         names = items.names
         raw = tuple(name.encode() for name in names)
@@ -427,7 +450,6 @@ class _Seen:
 
 _LAYOUTS_KEPT = 4  # layouts _Seen keeps of each count (a node's masters send a few runs)
 _LAYOUT_ITEMS = 256  # the most items of a layout _Seen keeps (32 KiB a layout; Llama 3 405B has 126 layers)
-_SEEN_ITEMS = 4  # the fewest items _Seen reads: below, its one struct call costs more than the loop
 
 
 def _int_runs(fields: tuple[_Field, ...]) -> list[list[_Field]]:

@@ -104,8 +104,9 @@ class Bound:
 @dataclass(frozen=True)
 class Columns:
     """Marks a Vec whose items are a name and integers (a Batch's layer ops, one a layer) as read into
-    `cls(names, *integers)`, a tuple a field (the names kept as its `names`), rather than into an object
-    an item: a run of 80 layers then costs its reader, and whoever reads its columns, no object a layer."""
+    `cls(names, *integers)`, a tuple a field (the names kept as its `names`, all of them as its `columns`),
+    rather than into an object an item, and written from them: a run of 80 layers then costs the codec,
+    and whoever reads its columns, no object a layer."""
 
     cls: type
 
@@ -183,6 +184,10 @@ class LayerOps(Sequence[LayerOp]):
     def of(cls, ops: Iterable[LayerOp]) -> LayerOps:
         columns = tuple(zip(*ops))
         return cls(*columns) if columns else cls((), (), ())
+
+    @property
+    def columns(self) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+        return self.names, self.positions, self.blocks
 
     def __len__(self) -> int:
         return len(self.names)
