@@ -170,9 +170,10 @@ class LayerOps(Sequence[LayerOp]):
 
     What the front reads of every request, per layer (the names to route and admit by, the positions,
     the KV slots), is then a tuple it is handed, not one built of an object per op: a master's run is
-    every layer the node serves (all 80 of a 70B model's on a node of its GPUs), step after step. The decoder gives every Batch of a run it has learnt the same
-    `names` tuple (wire/codec.py, `_Seen`), so what is kept by a run's names is found at once. Else a
-    sequence of LayerOp like any other (each made as it is asked for), equal to one of the same ops.
+    every layer the node serves (all 80 of a 70B model's on a node of its GPUs), step after step. The
+    decoder gives every Batch of a run it has learnt the same `names` tuple (wire/codec.py, `_Seen`), so
+    what is kept by a run's names is found at once. Else a sequence of LayerOp like any other (each made
+    as it is asked for), equal to one of the same ops.
     """
 
     __slots__ = ("names", "positions", "blocks")
