@@ -225,7 +225,7 @@ async def ipc_hop(workdir: Path, steps: int, busy_s: float, hidden: int = 4096) 
     unix_reader, unix_writer = await accepted.get()
 
     async def over_zmq(i: int) -> None:
-        await channel.send(Hops((Hop(1, i, DType.F16, body.nbytes, 0, 1, (1, 1, hidden), (Stage(0, 1, (Op(0, i, 0),)),)),),
+        await channel.send(Hops((Hop(1, i, DType.F16, body.nbytes, 0, 1, (1, 1, hidden), (Stage.of(0, 1, (Op(0, i, 0),)),)),),
                                 body))
         await replies.get()
 

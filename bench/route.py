@@ -111,7 +111,7 @@ async def hops(workdir: Path, steps: int, busy_s: float) -> dict[str, list[float
         children.append(child)
         pipes.append(writer)
     body = memoryview(bytearray(HIDDEN * 4))
-    stage = [Stage(i, 1, (Op(0, 0, 0),)) for i in range(2)]
+    stage = [Stage.of(i, 1, (Op(0, 0, 0),)) for i in range(2)]
 
     async def routed(i: int) -> None:
         await channels[0].send(Hops((Hop(1, i, 0, body.nbytes, 0, 1, (1, 1, HIDDEN), (stage[0], stage[1])),), body))

@@ -29,7 +29,6 @@ import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
 
 from cakemp import log
 from cakemp.errors import BadIpcMessage, CakempError, DeviceLost, InternalError, RequestError
@@ -69,7 +68,6 @@ from cakemp.wire import LayerOps, RawTensor
 LOAD_SILENCE_S = 300.0
 _STOP_GRACE_S = 3.0
 _REAP_S = 1.0
-_INDEX_POS = itemgetter(1)  # of an ipc Op: a position past 0 continues state the device holds
 
 
 @dataclass
@@ -168,7 +166,7 @@ class DevicePool:
         devices = route.devices
         # Image components keep nothing between calls (FLUX.2's text encoder's index_pos is a token count).
         stateful = self._workload.stateful
-        self._state.admit(session, devices, [stateful and any(map(_INDEX_POS, stage.ops)) for stage in route.stages])
+        self._state.admit(session, devices, [stateful and any(stage.positions) for stage in route.stages])
         chunks = self._chunks(x, route)
         request_id = next(self._request_ids)
         carried = ()
@@ -242,7 +240,7 @@ class DevicePool:
 
     def _control(self, device: int, session: int, msg: Clear | End) -> asyncio.Future:
         """Queue a Clear or an End for `device`: the future of its Done (DeviceLost at once if the device is down)."""
-        return self._queue(session, Route.through((Stage(device, self._state.generation(device), ()),)), [msg]).future
+        return self._queue(session, Route.through((Stage(device, self._state.generation(device), (), (), ()),)), [msg]).future
 
     def _queue(self, session: int, route: Route, messages: list[tuple[Hop, Buffer]] | list[Clear | End],
                stamps: list[int] | None = None) -> _Pending:

@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
 from typing import NamedTuple
 
-from cakemp.ipc import Op, Stage
+from cakemp.ipc import Stage
 from cakemp.ipc.spec import chunk_bounds as chunk_bounds  # cut by the front and the devices alike
 from cakemp.wire import LayerOps
 
@@ -27,8 +26,7 @@ class Route(NamedTuple):
         """The stages for a chunk whose first token is `start` tokens into the request."""
         if not start:
             return self.stages
-        return tuple(stage._replace(ops=tuple(op._replace(index_pos=op.index_pos + start) for op in stage.ops))
-                     for stage in self.stages)
+        return tuple(stage._replace(positions=tuple(map(start.__add__, stage.positions))) for stage in self.stages)
 
 
 class Router:
@@ -52,7 +50,7 @@ class Router:
             if len(self._runs) < _RUNS_KEPT:
                 self._runs[names] = run
         stages, devices = run
-        return Route(tuple([Stage(device, generation(device), _stage_ops(indices, positions[at], blocks[at]))
+        return Route(tuple([Stage(device, generation(device), indices, positions[at], blocks[at])
                             for device, at, indices in stages]), devices)
 
     def _stages(self, names: tuple[str, ...]) -> tuple[tuple[tuple[int, slice, tuple[int, ...]], ...], tuple[int, ...]]:
@@ -65,12 +63,6 @@ class Router:
             stages[-1][2].append(index)
         return (tuple((device, slice(first, first + len(indices)), tuple(indices)) for device, first, indices in stages),
                 tuple(device for device, _, _ in stages))
-
-
-def _stage_ops(indices: tuple[int, ...], positions: tuple[int, ...], blocks: tuple[int, ...]) -> tuple[Op, ...]:
-    """Op(its layer's index on the stage's device, index_pos, block_idx) of each of the stage's ops, made by
-    tuple's own constructor: no Python frame per op (a run of 32 layers is common)."""
-    return tuple(map(tuple.__new__, repeat(Op), zip(indices, positions, blocks)))
 
 
 _RUNS_KEPT = 64  # layer runs a Router keeps the stages of (a node's masters send a few)

@@ -29,9 +29,10 @@ the way out), handed to zmq with copy=False.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import repeat
 from typing import Annotated, NamedTuple, Union, dataclass_transform
 
 from cakemp.errors import BadIpcMessage, ErrorCode
@@ -81,11 +82,27 @@ def message(kind: Kind) -> Callable[[type], type]:
 
 
 class Stage(NamedTuple):
-    """The part of a route one device runs: `ops` on `device`, if its process is still `generation`."""
+    """The part of a route one device runs: its ops on `device`, if its process is still `generation`.
+
+    The ops as columns, a tuple each: each op's layer (its index on the device), index_pos and block_idx.
+    The front slices them from a Batch's columns (wire.LayerOps), so a route of 80 layers costs it no
+    object an op; the device makes its Ops (`ops`) as it runs the stage."""
 
     device: U32
     generation: U32
-    ops: tuple[Op, ...]
+    layers: tuple[int, ...]
+    positions: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, device: int, generation: int, ops: Iterable[Op]) -> Stage:
+        columns = tuple(zip(*ops))
+        return cls(device, generation, *columns) if columns else cls(device, generation, (), (), ())
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """The stage's ops, made by tuple's own constructor (no Python frame an op)."""
+        return tuple(map(tuple.__new__, repeat(Op), zip(self.layers, self.positions, self.blocks)))
 
 
 class Hop(NamedTuple):

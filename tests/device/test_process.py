@@ -96,7 +96,7 @@ def test_ready_then_serving_then_exit_when_the_parent_pipe_closes(tmp_path, chec
         assert await front.receive(10) == Pong()
 
         def stage(layer):
-            return (Stage(0, 1, (Op(layer, 0, 1),)),)
+            return (Stage.of(0, 1, (Op(layer, 0, 1),)),)
 
         await front.channel.send(hops((1, 1, (1, 3, 64), stage(5), x.numpy().tobytes(), ())))
         refused = await front.receive(10)  # the step's one message: its failure and its batch
@@ -152,7 +152,7 @@ def test_a_poisoned_context_fails_its_request_then_the_process_exits(tmp_path, c
         front, child, parent_pipe = await spawn(spec, target=faulting_gpu.main)
         while not isinstance(await front.receive(60), Ready):
             pass
-        await front.channel.send(hops((1, 4, (1, 3, 64), (Stage(0, 1, (Op(0, 0, 1),)),), x.numpy().tobytes(), ())))
+        await front.channel.send(hops((1, 4, (1, 3, 64), (Stage.of(0, 1, (Op(0, 0, 1),)),), x.numpy().tobytes(), ())))
         ((failure, message),) = answered(await front.receive(10))
         exitcode = await join(child)
         front.channel.close()
@@ -178,7 +178,7 @@ def test_a_pinned_polling_device_answers_and_stamps_only_traced_hops(tmp_path, c
 
     async def step(front, position: int, stamps: tuple[int, ...]) -> tuple[tuple[Activation, bytes], int, int]:
         sent = time.monotonic_ns()
-        await front.channel.send(hops((1, position + 1, (1, 1, 64), (Stage(0, 1, (Op(0, position, 1),)),),
+        await front.channel.send(hops((1, position + 1, (1, 1, 64), (Stage.of(0, 1, (Op(0, position, 1),)),),
                                        xs[position].numpy().tobytes(), stamps)))
         while not isinstance(reply := await front.receive(10), Answers) or not reply.activations:
             pass

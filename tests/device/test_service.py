@@ -38,7 +38,7 @@ def raw(x: torch.Tensor, wire=DType.F32) -> bytes:
 
 def forward(x: torch.Tensor, ops, session=1, request_id=1, wire=DType.F32, data=None, rest=(), chunk=0, chunks=1,
             device=1, generation=GENERATION) -> tuple[Hop, bytes]:
-    stages = (Stage(device, generation, tuple(ops)), *rest)
+    stages = (Stage.of(device, generation, tuple(ops)), *rest)
     data = raw(x, wire) if data is None else bytes(data)
     return Hop(session, request_id, wire, len(data), chunk, chunks, tuple(x.shape), stages), data
 
@@ -124,7 +124,7 @@ def _pieces(tasks):
 
 def test_a_stage_with_more_to_run_is_handed_on_with_the_rest_of_the_route(service):
     """With a later stage on the route, the result becomes a Hop for that stage, its chunk and KV report kept."""
-    later = Stage(0, 2, (Op(0, 0, 4),))
+    later = Stage.of(0, 2, (Op(0, 0, 4),))
     x = torch.randn(1, 3, 64)
     reply = answer(service, forward(x, [Op(0, 0, 2)], request_id=6, rest=(later,), chunk=1, chunks=3))
     item = reply.item
@@ -227,7 +227,7 @@ def test_requests_that_cannot_be_served_become_failures(service, make, code, wor
 @pytest.mark.parametrize("make", [
     lambda x: forward(x, [Op(2, 0, 2)]),  # a layer index this device does not have
     lambda x: forward(x, [Op(0, 0, 2)], data=bytearray(7)),
-    lambda x: (Hop(1, 1, DType.F64, 2 * 64 * 8, 0, 1, (1, 2, 64), (Stage(1, GENERATION, (Op(0, 0, 2),)),)),
+    lambda x: (Hop(1, 1, DType.F64, 2 * 64 * 8, 0, 1, (1, 2, 64), (Stage.of(1, GENERATION, (Op(0, 0, 2),)),)),
                bytes(2 * 64 * 8)),
     lambda x: forward(torch.randn(1, 2, 32), [Op(0, 0, 2)]),
 ], ids=["layer-index", "byte-count", "dtype", "hidden-size"])

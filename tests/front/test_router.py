@@ -20,8 +20,8 @@ def test_a_run_over_three_devices_is_one_stage_per_device_in_order():
     """Consecutive ops on one device form one stage, expecting that device's current generation; each
     op names the layer by its index on that device."""
     route = Router(PLACEMENT).plan(LayerOps.of([op(0, 5), op(1, 5), op(2, 5), op(3, 5)]), GENERATIONS.get)
-    assert route == Route.through((Stage(0, 4, (Op(0, 5, 0), Op(1, 5, 1))), Stage(1, 1, (Op(0, 5, 2),)),
-                                   Stage(2, 7, (Op(0, 5, 3),))))
+    assert route == Route.through((Stage.of(0, 4, (Op(0, 5, 0), Op(1, 5, 1))), Stage.of(1, 1, (Op(0, 5, 2),)),
+                                   Stage.of(2, 7, (Op(0, 5, 3),))))
     assert route.devices == (0, 1, 2)
 
 
@@ -33,7 +33,7 @@ def test_a_run_that_comes_back_to_a_device_gets_a_stage_for_each_visit():
 def test_a_chunk_later_in_the_prompt_runs_every_op_shifted_by_its_start():
     """The chunk starting 16 tokens in runs each stage's ops 16 positions later, in the same slots."""
     route = Router(PLACEMENT).plan(LayerOps.of([op(1, 3), op(2, 3)]), GENERATIONS.get)
-    assert route.shifted(16) == (Stage(0, 4, (Op(1, 19, 1),)), Stage(1, 1, (Op(0, 19, 2),)))
+    assert route.shifted(16) == (Stage.of(0, 4, (Op(1, 19, 1),)), Stage.of(1, 1, (Op(0, 19, 2),)))
     assert route.shifted(0) == route.stages
 
 
@@ -71,6 +71,6 @@ def test_a_run_planned_again_takes_its_new_positions_and_each_devices_generation
     first = router.plan(LayerOps.of([op(1, 5), op(2, 5)]), generations.get)
     generations[1] = 2
     again = router.plan(LayerOps.of([LayerOp("model.layers.1", 9, 0), LayerOp("model.layers.2", 9, 3)]), generations.get)
-    assert first.stages == (Stage(0, 4, (Op(1, 5, 1),)), Stage(1, 1, (Op(0, 5, 2),)))
-    assert again.stages == (Stage(0, 4, (Op(1, 9, 0),)), Stage(1, 2, (Op(0, 9, 3),)))
+    assert first.stages == (Stage.of(0, 4, (Op(1, 5, 1),)), Stage.of(1, 1, (Op(0, 5, 2),)))
+    assert again.stages == (Stage.of(0, 4, (Op(1, 9, 0),)), Stage.of(1, 2, (Op(0, 9, 3),)))
     assert type(again.stages[0].ops[0]) is Op

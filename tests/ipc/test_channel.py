@@ -36,7 +36,7 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
         threads = [threading.Thread(target=device, args=(i,), daemon=True) for i in range(2)]
         for thread in threads:
             thread.start()
-        route = (Stage(0, 1, (Op(0, 0, 0),)), Stage(1, 1, (Op(0, 0, 1),)))
+        route = (Stage.of(0, 1, (Op(0, 0, 0),)), Stage.of(1, 1, (Op(0, 0, 1),)))
         half = len(body) // 2
         await channels[0].send(Hops((Hop(3, 9, 5, half, 0, 1, (1, 512, 1024), route),
                                      Hop(4, 10, 5, half, 0, 1, (1, 512, 1024), route)), memoryview(body)))

@@ -42,7 +42,7 @@ from cakemp.ipc import (
 from cakemp.ipc.message import MESSAGES
 from tests.support.spelling import identifiers
 
-ROUTE = (Stage(0, 3, (Op(0, 5, 12), Op(1, 5, 13))), Stage(2, 1, (Op(0, 5, 14),)))
+ROUTE = (Stage.of(0, 3, (Op(0, 5, 12), Op(1, 5, 13))), Stage.of(2, 1, (Op(0, 5, 14),)))
 TEXT = b"position 70 is past the context limit of 64 positions"
 MESSAGES_BY_HAND = [
     Hops((Hop(7, 42, 4, 3 * 64 * 2, 2, 5, (1, 3, 64), ROUTE, (123, 2**40)),
@@ -132,15 +132,17 @@ def test_each_message_is_spelled_once_in_the_ipc_package():
 def test_the_header_is_the_kind_then_the_integers_then_the_tuples():
     """The layout the codec derives, spelled out for a Hops of one Hop: kind, the count of hops, the
     hops' integers in declaration order, then each tuple field as every hop's count and all their
-    items, laid out the same way: the route's two stages' integers, then their ops' counts (2 and 1)
-    and the three ops (an Op's plain ints as u64s); the bytes as a frame of their own. An untraced
-    Hop's stamps are an empty tuple, a count of 0."""
+    items, laid out the same way: the route's two stages' integers, then for each column of their ops
+    (layers, positions, KV slots) the stages' counts (2 and 1) and the three ops' values (plain ints as
+    u64s); the bytes as a frame of their own. An untraced Hop's stamps are an empty tuple, a count of 0."""
     data = memoryview(bytearray(16))
     frames = encode(Hops((Hop(7, 42, 4, 16, 2, 5, (1, 8), ROUTE, (123,)),), data))
     expected = (struct.pack("<BI", Kind.HOPS, 1) + struct.pack("<QQBQII", 7, 42, 4, 16, 2, 5)
                 + struct.pack("<I2Q", 2, 1, 8)
-                + struct.pack("<I", 2) + struct.pack("<IIII", 0, 3, 2, 1) + struct.pack("<II", 2, 1)
-                + struct.pack("<QQQ", 0, 5, 12) + struct.pack("<QQQ", 1, 5, 13) + struct.pack("<QQQ", 0, 5, 14)
+                + struct.pack("<I", 2) + struct.pack("<IIII", 0, 3, 2, 1)
+                + struct.pack("<II", 2, 1) + struct.pack("<QQQ", 0, 1, 0)
+                + struct.pack("<II", 2, 1) + struct.pack("<QQQ", 5, 5, 5)
+                + struct.pack("<II", 2, 1) + struct.pack("<QQQ", 12, 13, 14)
                 + struct.pack("<IQ", 1, 123))
     assert bytes(frames[0]) == expected + struct.pack("<I", 0)
     assert frames[1:] == [data]
@@ -227,7 +229,7 @@ ops = st.lists(st.builds(Op, u32, u64, u64), max_size=20).map(tuple)
 
 @given(session=u64, request_id=u64, dtype=st.integers(0, 255),
        shape=st.lists(st.integers(0, 2**40), max_size=6).map(tuple),
-       stages=st.lists(st.builds(Stage, u32, u32, ops), max_size=4).map(tuple),
+       stages=st.lists(st.builds(Stage.of, u32, u32, ops), max_size=4).map(tuple),
        chunk=u32, chunks=u32, kv=st.lists(u64, max_size=4).map(tuple), data=st.binary(max_size=64))
 def test_any_hop_round_trips(session, request_id, dtype, shape, stages, chunk, chunks, kv, data):
     """Every field of a Hop survives the codec at the edges of its integer range, its bytes with it."""
