@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
-from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -28,17 +27,17 @@ from cakemp.model.rotary import Rotary
 from cakemp.model.weights import packed
 from cakemp.model.weights.experts import ExpertCache
 from cakemp.model.weights.readers import open_checkpoint
-from cakemp.op import Op, index_pos_of, shared_position
+from cakemp.op import Op, Ops
 
 # Ops between two calls of run_batch's `between_ops` (the device's progress reports).
 _OPS_BETWEEN_CALLS = 16
-_LAYER_AND_SLOT = itemgetter(0, 2)  # an Op's (layer, block_idx): what a request's run is made of
 
 
 class Request(NamedTuple):
     """One request of a batch: its session, its activation x: [1, T, H], and its ops in order
-    (`Op.layer` indexes the runner's `layers`); `data`, x's bytes on the host where the caller holds
-    them (a device, as it received them): prefix reuse names rows by them, else by a copy of x's."""
+    (`Op.layer` indexes the runner's `layers`; as `Ops`, columns, they are read as they are, any other
+    sequence of Op is read into them); `data`, x's bytes on the host where the caller holds them (a
+    device, as it received them): prefix reuse names rows by them, else by a copy of x's."""
 
     session: int
     x: torch.Tensor
@@ -91,7 +90,7 @@ class _Planned:
 
     session: int
     x: torch.Tensor  # [1, T, H]
-    ops: tuple[Op, ...]
+    ops: Ops
     run: tuple[tuple[int, int], ...]  # each op's (layer, block_idx): requests of one run compute together
     slots: dict[int, KVSlot]  # block_idx -> the session's attention slot (those of `writes` among them)
     writes: dict[int, tuple[int, int]]  # block_idx -> the rows [start, end) its ops write in that slot
@@ -137,6 +136,7 @@ class _RunLayers(NamedTuple):
     for the steps that repeat it (a master sends one run step after step)."""
 
     run: tuple[tuple[int, int], ...]
+    layers: tuple[int, ...]  # each op's layer
     slots: tuple[int, ...]  # each op's block_idx
     linear: bool  # whether it has a linear-attention layer
     attention: dict[int, int]  # the index of each attention layer's op -> its index among them
@@ -326,13 +326,13 @@ class BlockRunner:
         runner.weight_bytes = sum(map(_held_bytes, weights.values()))
         return runner
 
-    def ops(self, named: Sequence[tuple[str, int, int]]) -> tuple[Op, ...]:
+    def ops(self, named: Sequence[tuple[str, int, int]]) -> Ops:
         """(layer name, index_pos, block_idx), ... as this runner's ops, for in-process callers (the
         master's local layers, the demo, benchmarks): names are translated once, here, as the
         front's router translates them for a device. UnknownLayer for a layer not loaded here."""
         index = {layer: i for i, layer in enumerate(self.layers)}
         try:
-            return tuple(Op(index[layer], index_pos, block_idx) for layer, index_pos, block_idx in named)
+            return Ops.of((index[layer], index_pos, block_idx) for layer, index_pos, block_idx in named)
         except KeyError as e:
             raise UnknownLayer(f"layer {e.args[0]!r} is not loaded here (this runner has {', '.join(self.layers)})") from None
 
@@ -423,9 +423,9 @@ class BlockRunner:
             elif plan.begun is not None and not plan.begun.computes:  # every row kept
                 results[i] = plan.answer(None)
             else:
-                position = shared_position(plan.ops)
+                position = plan.ops.position
                 self._group(groups, plan.run).add(
-                    i, plan.session, plan.x, tuple(map(index_pos_of, plan.ops)) if position is None else position,
+                    i, plan.session, plan.x, plan.ops.positions if position is None else position,
                     [None if recurrent[layer] else plan.slots[block_idx] for layer, block_idx in plan.run], plan)
         return groups
 
@@ -481,21 +481,24 @@ class BlockRunner:
         against the session's state and reserve its slots (RequestError if it cannot run); a decode whose
         slots hold its row already is a `_Decode`."""
         session, x, ops = request.session, request.x, request.ops
+        if type(ops) is not Ops:  # a sequence of Op: read into columns once
+            ops = Ops.of(ops)
         if self.slots_shifted:  # from here on, block_idx is the KV slot
-            layers = len(self.blocks)
-            ops = [Op(op.layer, op.index_pos, self.slot_bases[op.layer] + op.block_idx)
-                   if 0 <= op.layer < layers else op for op in ops]
-        run = tuple(map(_LAYER_AND_SLOT, ops))  # what the request shares with those it batches with
-        if run != self._checked.run:  # a step's requests mostly share one run: checked once
-            self._check_run(run)
-        position = shared_position(ops)  # (None: the ops are at several positions)
+            layers, bases = len(self.blocks), self.slot_bases
+            ops = Ops(ops.layers, ops.positions, tuple(bases[layer] + block_idx if 0 <= layer < layers else block_idx
+                                                       for layer, block_idx in zip(ops.layers, ops.blocks)))
+        checked = self._checked
+        if ops.layers != checked.layers or ops.blocks != checked.slots:  # a step's requests mostly share one run
+            self._check_run(tuple(zip(ops.layers, ops.blocks)))  # checked once
+        run = self._checked.run  # what the request shares with those it batches with: each op's (layer, block_idx)
+        position = ops.position  # (None: the ops are at several positions)
         begun = None if self.prefixes is None else self.prefixes.begin(session, x, rows, position, run)
         if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
             if not begun.computes:
                 return _Planned(session, x, (), (), {}, {}, begun)
             start = begun.extension.start
             x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
-            ops = [Op(op.layer, begun.resume, op.block_idx) for op in ops]
+            ops = Ops(ops.layers, (begun.resume,) * len(ops), ops.blocks)
             T = x.shape[1]
         elif T == 1 and (decode := self._decode(session, x, position, run, begun)) is not None:
             return decode
@@ -527,7 +530,7 @@ class BlockRunner:
             else:
                 writes[block_idx] = (index_pos, index_pos + T)
         slots = self.cache.reserve(session, writes, linear_ends)
-        return _Planned(session, x, tuple(ops), run, slots, writes, begun)
+        return _Planned(session, x, ops, run, slots, writes, begun)
 
     def _decode(self, session: int, x: torch.Tensor, position: int | None, run: tuple[tuple[int, int], ...],
                 begun: Begun | None) -> _Decode | None:
@@ -551,7 +554,8 @@ class BlockRunner:
         """What `run` (checked) asks of the layers."""
         recurrent = self.recurrent
         attention = {j: i for i, j in enumerate(j for j, (layer, _) in enumerate(run) if not recurrent[layer])}
-        return _RunLayers(run, tuple(block_idx for _, block_idx in run), any(recurrent[layer] for layer, _ in run),
+        return _RunLayers(run, tuple(layer for layer, _ in run), tuple(block_idx for _, block_idx in run),
+                          any(recurrent[layer] for layer, _ in run),
                           attention, tuple(self.blocks[layer] for layer, _ in run),
                           tuple(self.rotaries[layer] for layer, _ in run), all(self.capturable[layer] for layer, _ in run))
 

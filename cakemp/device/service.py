@@ -48,7 +48,6 @@ from cakemp.ipc import (
     Failure,
     Hop,
     Hops,
-    Op,
     PrefixReport,
     error_code,
     rows,
@@ -211,7 +210,7 @@ class DeviceService:
                 x, ops, data = task.x, hop.stages[0].ops, task.data
                 if not (piece.first and piece.last):  # a piece of a prompt cut here: its rows, at its positions
                     x = x[:, piece.start:piece.end]
-                    ops = [Op(op.layer, op.index_pos + piece.start, op.block_idx) for op in ops]
+                    ops = ops.shifted(piece.start)
                     if data is not None:
                         row = data.nbytes // task.tokens
                         data = data[piece.start * row:piece.end * row]

@@ -103,7 +103,7 @@ class LayerAdmission:
         failure every op is, for the error to name the first that fails."""
         self._check_tensor(x)
         tokens = x.shape[1]
-        run = (ops.names, ops.blocks) if len(ops) <= len(self.layers) else None
+        run = (ops.layers, ops.blocks) if len(ops) <= len(self.layers) else None
         if run in self._runs and (not ops or max(ops.positions) + tokens <= self.max_context):
             return
         self._check_ops(ops, tokens)

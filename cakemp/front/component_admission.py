@@ -59,7 +59,7 @@ class ComponentAdmission:
         """Raise the BadRequest that refuses running the op over `x`, if any."""
         if len(ops) != 1:
             raise BadOps(f"an image component request names one component, this one names {len(ops)}")
-        name = ops.names[0]
+        name = ops.layers[0]
         wanted = self.components.get(name)
         if wanted is None:
             raise UnknownLayer(f"could not find component {shown(name)} (this node serves "

@@ -43,7 +43,7 @@ class Router:
     def plan(self, ops: LayerOps, generation: Callable[[int], int]) -> Route:
         """The route that runs `ops` in order, through each device in turn, expecting each device's
         `generation(device)`. Every layer must be served here: admission has checked it."""
-        names, positions, blocks = ops.names, ops.positions, ops.blocks
+        names, positions, blocks = ops.columns
         run = self._runs.get(names)
         if run is None:
             run = self._stages(names)

@@ -32,11 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from itertools import repeat
 from typing import Annotated, NamedTuple, Union, dataclass_transform
 
 from cakemp.errors import BadIpcMessage, ErrorCode
-from cakemp.op import Op
+from cakemp.op import Op, Ops
 
 Buffer = bytes | bytearray | memoryview
 
@@ -85,8 +84,8 @@ class Stage(NamedTuple):
     """The part of a route one device runs: its ops on `device`, if its process is still `generation`.
 
     The ops as columns, a tuple each: each op's layer (its index on the device), index_pos and block_idx.
-    The front slices them from a Batch's columns (wire.LayerOps), so a route of 80 layers costs it no
-    object an op; the device makes its Ops (`ops`) as it runs the stage."""
+    The front slices them from a Batch's columns (wire.LayerOps), and the device runs them as they are
+    (`ops`, cakemp/op.py's Ops): a route of 80 layers costs neither an object an op."""
 
     device: U32
     generation: U32
@@ -100,9 +99,8 @@ class Stage(NamedTuple):
         return cls(device, generation, *columns) if columns else cls(device, generation, (), (), ())
 
     @property
-    def ops(self) -> tuple[Op, ...]:
-        """The stage's ops, made by tuple's own constructor (no Python frame an op)."""
-        return tuple(map(tuple.__new__, repeat(Op), zip(self.layers, self.positions, self.blocks)))
+    def ops(self) -> Ops:
+        return Ops(self.layers, self.positions, self.blocks)
 
 
 class Hop(NamedTuple):

@@ -440,7 +440,7 @@ class _Seen:
         n = len(items)
         if not 0 < n <= _LAYOUT_ITEMS or (n not in self._layouts and len(self._layouts) >= _RUNS_KEPT):
             return
-        names = items.names
+        names = items.layers
         raw = tuple(name.encode() for name in names)
         lengths = tuple(map(len, raw))
         kept = self._layouts.setdefault(n, [])

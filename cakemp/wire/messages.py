@@ -13,13 +13,13 @@ mark for a field.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from enum import IntEnum
-from itertools import repeat
 from typing import Annotated, NamedTuple, Union, dataclass_transform
 
 from cakemp.errors import BadOps, BadTensor, ProtocolError
+from cakemp.op import OpColumns
 
 
 class Revision(IntEnum):
@@ -104,9 +104,9 @@ class Bound:
 @dataclass(frozen=True)
 class Columns:
     """Marks a Vec whose items are a name and integers (a Batch's layer ops, one a layer) as read into
-    `cls(names, *integers)`, a tuple a field (the names kept as its `names`, all of them as its `columns`),
-    rather than into an object an item, and written from them: a run of 80 layers then costs the codec,
-    and whoever reads its columns, no object a layer."""
+    `cls(names, *integers)`, a tuple a field (cakemp/op.py's OpColumns: the names as its `layers`, all
+    of them as its `columns`), rather than into an object an item, and written from them: a run of 80
+    layers then costs the codec, and whoever reads its columns, no object a layer."""
 
     cls: type
 
@@ -165,52 +165,14 @@ class LayerOp(NamedTuple):
     block_idx: Usize
 
 
-class LayerOps(Sequence[LayerOp]):
-    """A Batch's layer ops as columns: each op's layer, index_pos and block_idx, a tuple each.
+class LayerOps(OpColumns[LayerOp]):
+    """A Batch's layer ops as columns (cakemp/op.py): the layers' names, positions and KV slots. The
+    front routes and admits a request by them as they are, and the decoder gives every Batch of a run
+    it has learnt the same `layers` tuple (wire/codec.py, `_Seen`), so what is kept by a run's names is
+    found at once."""
 
-    What the front reads of every request, per layer (the names to route and admit by, the positions,
-    the KV slots), is then a tuple it is handed, not one built of an object per op: a master's run is
-    every layer the node serves (all 80 of a 70B model's on a node of its GPUs), step after step. The
-    decoder gives every Batch of a run it has learnt the same `names` tuple (wire/codec.py, `_Seen`), so
-    what is kept by a run's names is found at once. Else a sequence of LayerOp like any other (each made
-    as it is asked for), equal to one of the same ops.
-    """
-
-    __slots__ = ("names", "positions", "blocks")
-
-    def __init__(self, names: tuple[str, ...], positions: tuple[int, ...], blocks: tuple[int, ...]):
-        self.names, self.positions, self.blocks = names, positions, blocks
-
-    @classmethod
-    def of(cls, ops: Iterable[LayerOp]) -> LayerOps:
-        columns = tuple(zip(*ops))
-        return cls(*columns) if columns else cls((), (), ())
-
-    @property
-    def columns(self) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
-        return self.names, self.positions, self.blocks
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return LayerOps(self.names[index], self.positions[index], self.blocks[index])
-        return LayerOp(self.names[index], self.positions[index], self.blocks[index])
-
-    def __iter__(self) -> Iterator[LayerOp]:
-        return map(tuple.__new__, repeat(LayerOp), zip(self.names, self.positions, self.blocks))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, LayerOps):
-            return (self.names, self.positions, self.blocks) == (other.names, other.positions, other.blocks)
-        return tuple(self) == tuple(other) if isinstance(other, Sequence) else NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))  # as the tuple of the same ops, which it equals
-
-    def __repr__(self) -> str:
-        return f"LayerOps({list(self)!r})"
+    __slots__ = ()
+    item = LayerOp
 
 
 @message

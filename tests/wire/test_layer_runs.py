@@ -41,7 +41,7 @@ def test_a_batch_holds_its_ops_as_columns_equal_to_the_ops_and_to_nothing_else()
     ops = run(layers(3, 5), 11)
     for held in (Batch(X, ops).batch, read(ops), read(ops)):  # made; read op by op; read through the layout
         assert type(held) is LayerOps
-        assert (held.names, held.positions, held.blocks) == (tuple(layers(3, 5)), (11,) * 5, tuple(range(5)))
+        assert (held.layers, held.positions, held.blocks) == (tuple(layers(3, 5)), (11,) * 5, tuple(range(5)))
         assert list(held) == list(ops) and held[2] == ops[2] and held[-1] == ops[-1] and held[1:3] == ops[1:3]
         assert len(held) == 5 and hash(held) == hash(ops)
         for other in (run(layers(4, 5), 11), run(layers(3, 5), 12), ops[:4], tuple(op._replace(block_idx=9) for op in ops)):
@@ -52,7 +52,7 @@ def test_a_learnt_run_is_read_with_the_names_tuple_it_was_learnt_with():
     """Every Batch of a run read through its learnt layout names its layers with one tuple: what the
     front keeps by a run's names (admission, routes) is then found without comparing them."""
     first, second = read(run(layers(0, 8), 3)), read(run(layers(0, 8), 4))
-    assert second.names is read(run(layers(0, 8), 5)).names and second.names == first.names
+    assert second.layers is read(run(layers(0, 8), 5)).layers and second.layers == first.layers
 
 
 def test_names_of_the_same_lengths_are_read_as_sent():
