@@ -100,6 +100,10 @@ class Stage(NamedTuple):
 
     @property
     def ops(self) -> Ops:
+        """BadIpcMessage where the columns' lengths differ (ops would be dropped unseen)."""
+        if not len(self.layers) == len(self.positions) == len(self.blocks):
+            raise BadIpcMessage(f"a stage's ops have {len(self.layers)} layers, {len(self.positions)} positions and "
+                                f"{len(self.blocks)} KV slots")
         return Ops(self.layers, self.positions, self.blocks)
 
 

@@ -165,6 +165,16 @@ def test_activation_bytes_are_handed_on_not_copied():
     assert (first.nbytes, second.nbytes, first[0], second[0]) == (1 << 19, 1 << 19, 1, 2)
 
 
+def test_a_stage_read_back_gives_its_ops_and_one_whose_columns_differ_in_length_none():
+    """A stage's ops travel as columns: read back, they are the ops sent; a stage whose columns differ in
+    length (a bug: ops would be dropped unseen) is this node's fault where its ops are asked for."""
+    [hop] = decode(encode(Hops((Hop(1, 1, 5, 0, 0, 1, (1, 1, 2), ROUTE),), b""))).hops
+    assert [list(stage.ops) for stage in hop.stages] == [[Op(0, 5, 12), Op(1, 5, 13)], [Op(0, 5, 14)]]
+    [hop] = decode(encode(Hops((Hop(1, 1, 5, 0, 0, 1, (1, 1, 2), (Stage(0, 3, (0, 1), (5,), (12, 13)),)),), b""))).hops
+    with pytest.raises(BadIpcMessage, match="2 layers, 1 positions and 2 KV slots"):
+        list(hop.stages[0].ops)
+
+
 def test_items_claiming_more_bytes_than_the_message_holds_are_this_nodes_fault():
     answers = decode(encode(Answers((Activation(1, 5, 8, 0, (1, 1, 2)),), data=bytes(4))))
     with pytest.raises(BadIpcMessage, match="claim 8 bytes of its 4"):
