@@ -96,6 +96,11 @@ MUTANTS = (
            "if values[0::width] == lengths and values[1::width] == raw:", "if values[0::width] == lengths:", WIRE),
     Mutant("learnt-run-lengths-unchecked", "cakemp/wire/codec.py",
            "if values[0::width] == lengths and values[1::width] == raw:", "if values[1::width] == raw:", WIRE),
+    # A request's ops as columns: a decode's one position, and a stage's columns of one length.
+    Mutant("ops-position-unchecked", "cakemp/op.py",
+           "positions.count(positions[0]) == len(positions)", "True", RUNNER),
+    Mutant("stage-columns-length-unchecked", "cakemp/ipc/message.py",
+           "if not len(self.layers) == len(self.positions) == len(self.blocks):", "if False:", IPC),
     Mutant("ipc-tuple-items-given-their-neighbours-integers", "cakemp/ipc/codec.py",
            "zip(*[values] * self.width)", "zip(*[values] * (self.width - 1))", IPC),
     # --- auth
