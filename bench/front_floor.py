@@ -25,7 +25,7 @@ from pathlib import Path
 import uvloop
 
 from cakemp import heap
-from cakemp.ipc import Activation, Answers, DeviceChannel, FrontChannel, Hop, Hops, Op, Stage, encode, joined, rows
+from cakemp.ipc import Activation, Answers, DeviceChannel, FrontChannel, Hop, Hops, Stage, encode, joined, rows
 from cakemp.wire import Batch, FrameDecoder, RawTensor, Revision, TensorMessage, WorkerInfo, encode_frame
 
 REVISION = Revision.V2
@@ -104,7 +104,7 @@ class _Relay:
         data = memoryview(x.data)
         if not self._queued:
             self._loop.call_soon(self._flush)
-        self._queued.append((Hop(0, request_id, x.dtype, data.nbytes, 0, 1, x.shape, (Stage.of(0, 0, (Op(0, 0, 0),)),)),
+        self._queued.append((Hop(0, request_id, x.dtype, data.nbytes, 0, 1, x.shape, (Stage(0, 0, (0,), (0,), (0,)),)),
                              data))
         self._owed[request_id] = answer
 
