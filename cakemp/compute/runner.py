@@ -495,7 +495,7 @@ class BlockRunner:
         begun = None if self.prefixes is None else self.prefixes.begin(session, x, rows, position, run)
         if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
             if not begun.computes:
-                return _Planned(session, x, (), (), {}, {}, begun)
+                return _Planned(session, x, Ops((), (), ()), (), {}, {}, begun)
             start = begun.extension.start
             x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
             ops = Ops(ops.layers, (begun.resume,) * len(ops), ops.blocks)
