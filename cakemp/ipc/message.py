@@ -95,8 +95,7 @@ class Stage(NamedTuple):
 
     @classmethod
     def of(cls, device: int, generation: int, ops: Iterable[Op]) -> Stage:
-        columns = tuple(zip(*ops))
-        return cls(device, generation, *columns) if columns else cls(device, generation, (), (), ())
+        return cls(device, generation, *Ops.of(ops).columns)
 
     @property
     def ops(self) -> Ops:
