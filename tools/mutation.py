@@ -198,8 +198,19 @@ MUTANTS = (
            "                slot.length = starts\n", "                pass\n", RUNNER),
     # Every layer of a batched step reads the block tables of the first KV slot.
     Mutant("step-tables-of-one-slot", "cakemp/compute/paged_step.py",
-           "picked = [row + pool for pool in pool_ids for row in scaled]", "picked = [row for _ in pool_ids for row in scaled]",
-           RUNNER),
+           "[row + pool for pool in pool_ids for row in scaled]", "[row for _ in pool_ids for row in scaled]", RUNNER),
+    # A step of decodes read from the tables as arrays: each row at the start of its block.
+    Mutant("step-decode-rows-offset-dropped", "cakemp/compute/kv_cache.py",
+           "* BLOCK + positions % BLOCK, tables", "* BLOCK, tables", RUNNER),
+    # A decode's check remembered for its next rows in the block (KVCache.continuing) outlives what changes them.
+    Mutant("decode-check-kept-past-a-share", "cakemp/compute/kv_cache.py",
+           "        self._continued.clear()", "        pass", KV),
+    Mutant("decode-check-kept-past-a-rewind", "cakemp/compute/kv_cache.py",
+           "        self._continued.pop(session, None)  # its tables change\n", "", KV),
+    Mutant("decode-check-kept-past-detach", "cakemp/compute/kv_cache.py",
+           "        self._continued.pop(session, None)\n", "", KV + PREFIX),
+    Mutant("decode-check-kept-lengths-unread", "cakemp/compute/kv_cache.py",
+           "return held if min(map(_LENGTH, held)) >= position else None", "return held", KV),
     # Layers whose requests are at other positions share the first layer's rotation and masks.
     Mutant("layers-at-other-positions-alike", "cakemp/compute/paged_step.py",
            "self._alike = [alike.setdefault(row, index) for index, row in enumerate(self.starts)]",

@@ -62,6 +62,7 @@ import math
 from array import array
 from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
 
 import numpy as np
@@ -104,6 +105,9 @@ class KVSlot:
     @property
     def capacity(self) -> int:
         return len(self.table) * BLOCK
+
+
+_LENGTH = attrgetter("length")
 
 
 @dataclass
@@ -248,6 +252,13 @@ class Tables:
             self._starts, self._ends = array("q"), array("q")
         return self._on_device
 
+    def decode_rows(self, rows: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """rows, positions: [B], slots: [L] -> the slot id of position `positions[b]` in the table of row
+        `rows[b]`'s slot `slots[l]`, as written on the host, and that table's row of the tables viewed as
+        [rows * slots, width]: [L, B] each."""
+        tables = slots[:, None] + rows * self._entries.shape[1]  # [L, B]
+        return self._entries.reshape(-1, self._entries.shape[2])[tables, positions // BLOCK] * BLOCK + positions % BLOCK, tables
+
     def _written(self, row: int, slot: int, start: int, end: int) -> None:
         """Entries [start, end) of row `row`'s slot `slot` changed on the host."""
         if self._mirrored and end > start:
@@ -297,6 +308,8 @@ class KVCache:
         self._used = 0  # blocks with an owner
         self._live_used = 0  # blocks a live session holds
         self._sessions: dict[int, dict[int, KVSlot]] = {}
+        # Each session's last `continuing` that passed: its blocks, the block its row was in, its slots then.
+        self._continued: dict[int, tuple[Sequence[int], int, list[KVSlot]]] = {}
         self._rows: dict[int, int] = {}  # session -> its row of `tables`
         self._free_rows: list[int] = []
         self._tables = Tables(device)
@@ -361,6 +374,16 @@ class KVCache:
         """Each session's row of `tables` (each holds a KV slot)."""
         rows = self._rows
         return [rows[session] for session in sessions]
+
+    def decode_rows(self, sessions: Sequence[int], block_idxs: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """For a step of decodes, session b's one row at `positions[b]` in its slot of each of `block_idxs`
+        (each holding that row's block): [2 * L * B + L * B] int64, each row's position [L, B], its slot id
+        [L, B], then its table's row of `tables` viewed as [rows * slots, width] [L, B]; read from the
+        host's tables as arrays, one pass for the step (compute/paged_step.py)."""
+        at = np.array(positions, dtype=np.int64)  # [B]
+        slot_ids, tables = self._tables.decode_rows(np.array(self.rows_of(sessions), dtype=np.int64),
+                                                    np.array(block_idxs, dtype=np.int64), at)
+        return np.concatenate([np.broadcast_to(at, slot_ids.shape).ravel(), slot_ids.ravel(), tables.ravel()])
 
     def length(self, session: int, block_idx: int) -> int:
         """Positions cached for this layer of this session (0 when nothing is)."""
@@ -433,12 +456,22 @@ class KVCache:
         and the context limit, and in its last block, which is its own (a decode step's next row, or one
         it rewrites: most requests), or the first of the next block, taken here for every slot at once (a
         decode's next row every BLOCK positions, where `reserve` took them one slot at a time). Else None:
-        then `reserve` decides. A block taken stays in its table if the request then fails, as `reserve`'s do."""
+        then `reserve` decides. A block taken stays in its table if the request then fails, as `reserve`'s do.
+
+        What it finds of the tables is kept for the session's next rows in the same block (its blocks the
+        same tuple, as a run's are), so that 15 decode rows of 16 only have their lengths read: whatever
+        changes its tables (`_change`, `detach`) or shares a block (`shared_from`) forgets it."""
         slots = self._sessions.get(session)
         if slots is None or position >= self.max_context:
             return None
-        pools, held, opening = self.pools, [], {}  # opening: block_idx -> slot (a run may name one twice)
         index = position // BLOCK  # the row's block in each table
+        known = self._continued.get(session)
+        if known is not None and known[0] is blocks and known[1] == index:
+            # Row `position` is in the block each table ended in at the last check, its own still: only
+            # lengths may have moved since (a step's, a rollback's).
+            held = known[2]
+            return held if min(map(_LENGTH, held)) >= position else None
+        pools, held, opening = self.pools, [], {}  # opening: block_idx -> slot (a run may name one twice)
         blocks_held = index + 1  # `_holds` for row `position` alone, inlined: this runs per layer
         for block_idx in blocks:
             slot = slots.get(block_idx)
@@ -452,6 +485,7 @@ class KVCache:
             held.append(slot)
         if opening:
             self._open(session, list(opening.values()), index)
+        self._continued[session] = (blocks, index, held)
         return held
 
     @torch.inference_mode()  # as `_change`: a pool that grows may be an inference tensor
@@ -469,6 +503,7 @@ class KVCache:
     def _change(self, session: int, slots: dict[int, KVSlot], changes: list[tuple[int, int, int]]) -> None:
         """Make each slot of `changes` (block_idx, start, end) hold blocks to `end`, its rows [start, end)
         its own (`reserve` has checked the budget for them all), made where the session has none."""
+        self._continued.pop(session, None)  # its tables change
         for block_idx, start, end in changes:
             slot = slots.get(block_idx)
             if slot is None:
@@ -612,6 +647,7 @@ class KVCache:
         """Take every slot of `session` out of the live sessions: its blocks stay in use, held by
         whoever keeps the slots (prefix reuse), until `drop`; its linear states are uncounted."""
         slots, linear = self._sessions.pop(session, {}), self._linear.pop(session, {})
+        self._continued.pop(session, None)
         self._hold_live(slots.values(), -1)
         row = self._rows.pop(session, None)
         if row is not None:
@@ -645,6 +681,7 @@ class KVCache:
     def shared_from(self, slots: dict[int, KVSlot], blocks: Iterable[int], length: int) -> dict[int, KVSlot]:
         """New slots holding the first `length` rows of `slots` `blocks` (a session's, or detached),
         their blocks shared (not counted until attached; a write copies a shared block first)."""
+        self._continued.clear()  # `slots` may be a live session's: its last blocks are then no longer its own
         shares = {}
         for block_idx in blocks:
             slot = slots[block_idx]

@@ -6,9 +6,10 @@ once per step, as a few tensors; no torch call inside a layer is made per reques
 chunk's own attention:
 
 * `StepRows`, once per step: per attention layer and row of x its position and its slot id in the
-  pool (two small tensors for the whole step, built from the slots' block tables), and, where decode
-  rows are batched, each request's block table (one gather from `KVCache.tables`) and which keys
-  each decode row sees;
+  pool (two small tensors for the whole step, built from the slots' block tables: a large step of
+  decodes in one pass over the host's tables as arrays, `KVCache.decode_rows`, whatever its sessions
+  and layers), and, where decode rows are batched, each request's block table (one gather from
+  `KVCache.tables`) and which keys each decode row sees;
 * `LayerPages`, one per attention layer: `write` puts the step's K/V rows at their slot ids (one
   indexed copy for K, one for V); `attend` runs every decode row in one attention call over its own
   blocks (gathered, padded to the longest and masked), each prompt chunk in one call of its own. A
@@ -37,6 +38,12 @@ from cakemp.compute.kv_cache import BLOCK, KVCache, KVSlot, int64_tensor
 from cakemp.model import attention
 from cakemp.model.rotary import Rotary
 
+# Where a step of d decodes through L attention layers has its rows read from the tables as arrays: at
+# L * (4 + d) of at least this. Arrays cost ~10 µs a step whatever its size; reading each slot's table in
+# Python ~0.4 µs a layer and ~0.12 a row more (a lone decode through 2 layers: 1.5 µs; 32 sessions through
+# 32 layers: 133 µs, 21 as arrays; 32 sessions through 2: 9, 13 as arrays).
+_ARRAYS_FROM = 80
+
 
 class StepRows:
     """The requests of one step, their rows of x (decode requests first), and per attention layer
@@ -60,7 +67,8 @@ class StepRows:
         # Per attention layer, each request's index_pos; and per layer the first at the same positions
         # (each mask and rotation is made once for those: for all layers where each request is at one
         # position, as a step's requests mostly are).
-        if tuple in set(map(type, starts)):
+        mixed = tuple in set(map(type, starts))  # a request whose ops are at several positions
+        if mixed:
             self.starts = [tuple(start if type(start) is int else start[j] for start in starts) for j in layers]
             alike: dict[tuple[int, ...], int] = {}
             self._alike = [alike.setdefault(row, index) for index, row in enumerate(self.starts)]
@@ -69,31 +77,38 @@ class StepRows:
             self._alike = [0] * len(layers)
         pool_ids = [slots[0][j].pool for j in layers]  # each layer's KV slot index
         self.pools = [cache.pools[pool] for pool in pool_ids]
-        positions, slot_ids = [], []
-        for layer_starts, j in zip(self.starts, layers, strict=True):
-            # A decode request's one row, at its start (most of a step: one comprehension for them all).
-            positions += layer_starts[:d]
-            slot_ids += [slot[j].table[p // BLOCK] * BLOCK + p % BLOCK for p, slot in zip(layer_starts[:d], slots)]
-            if d == B:
-                continue
-            for start, T, request_slots in zip(layer_starts[d:], lengths[d:], slots[d:], strict=True):
-                table, rows = request_slots[j].table, range(start, start + T)
-                positions += rows
-                slot_ids += [table[p // BLOCK] * BLOCK + p % BLOCK for p in rows]
-        # Each layer's row of the flat block tables (`row * slots + pool`, `cache.tables` viewed as [rows *
-        # slots, width]) for each request: its session's row, the layer's pool. [L, B]
-        scaled = [row * cache.tables.shape[1] for row in cache.rows_of(self.sessions)]
-        picked = [row + pool for pool in pool_ids for row in scaled]
-        # One tensor for all (a tensor's making costs more than its size here, and on a GPU each is a
-        # copy from the host): positions and slot ids [2, L, N], then the tables' rows [L * B].
         L, N = len(layers), sum(lengths)
-        packed = int64_tensor(positions + slot_ids + picked, cache.device)
+        # One tensor for all (a tensor's making costs more than its size here, and on a GPU each is a
+        # copy from the host): positions and slot ids [2, L, N], then each layer's row of the flat block
+        # tables for each request [L * B] (`row * slots + pool`, `cache.tables` viewed as [rows * slots,
+        # width]: its session's row, the layer's pool).
+        if d == B and not mixed and L * (4 + d) >= _ARRAYS_FROM:  # decodes, each at one position
+            packed = torch.from_numpy(cache.decode_rows(self.sessions, pool_ids, starts)).to(cache.device)
+        else:
+            packed = int64_tensor(self._listed(cache, starts, slots, layers, pool_ids), cache.device)
         self.placed = packed[: 2 * L * N].view(2, L, N)  # [2, L, N]: each row's position; its row of the flat pool
         self._picked = packed[2 * L * N :]
         self._placed_views: tuple[torch.Tensor, ...] | None = None
         self._request: torch.Tensor | None = None
         self._tables: torch.Tensor | None = None
         self._visible: dict[tuple, tuple[int, int, torch.Tensor]] = {}
+
+    def _listed(self, cache: KVCache, starts: Sequence[int | tuple[int, ...]], slots: Sequence[Sequence[KVSlot | None]],
+                layers: Sequence[int], pool_ids: list[int]) -> list[int]:
+        """`packed`'s values, each read from a slot's table in Python (`KVCache.decode_rows` reads a step of
+        decodes from the tables as arrays)."""
+        d, lengths = self.decodes, self.lengths
+        positions, slot_ids = [], []
+        for layer_starts, j in zip(self.starts, layers, strict=True):
+            # A decode request's one row, at its start (most of a step: one comprehension for them all).
+            positions += layer_starts[:d]
+            slot_ids += [slot[j].table[p // BLOCK] * BLOCK + p % BLOCK for p, slot in zip(layer_starts[:d], slots)]
+            for start, T, request_slots in zip(layer_starts[d:], lengths[d:], slots[d:], strict=True):
+                table, rows = request_slots[j].table, range(start, start + T)
+                positions += rows
+                slot_ids += [table[p // BLOCK] * BLOCK + p % BLOCK for p in rows]
+        scaled = [row * cache.tables.shape[1] for row in cache.rows_of(self.sessions)]
+        return positions + slot_ids + [row + pool for pool in pool_ids for row in scaled]
 
     @property
     def positions(self) -> torch.Tensor:

@@ -336,3 +336,45 @@ def test_the_gather_space_grows_by_doubling_and_by_what_is_needed_where_the_doub
     assert k.shape[0] == v.shape[0] == 12 and k.untyped_storage().nbytes() == 12 * k[0].nbytes
     with pytest.raises(torch.OutOfMemoryError):
         cache.gather_space(13)  # nor doubled nor as needed: the step's error, as any other allocation's
+
+
+def test_a_decode_checked_once_is_checked_afresh_once_its_blocks_are_shared_or_its_slots_replaced():
+    """`continuing` remembers what it found of a session's tables for its next rows in the same block; a
+    share of its blocks (its last no longer its own), a rewind freeing blocks, or other slots in place of
+    its own (prefix reuse adopting kept rows) is seen at the next row, and so is a length fallen back."""
+    c = cache(max_context=4096, budget_bytes=64 * PER_BLOCK)
+    blocks = (0, 1)  # one run's blocks, the same tuple step after step, as the runner passes them
+    c.reserve(1, {block_idx: (0, BLOCK + 4) for block_idx in blocks})
+
+    def step(position: int) -> list | None:
+        """A decode's check, then its row written as a step writes it."""
+        slots = c.continuing(1, blocks, position)
+        for slot in slots or ():
+            slot.length = position + 1
+        return slots
+
+    for slot in c.slots(1).values():
+        slot.length = BLOCK + 4
+    assert step(BLOCK + 4) is not None and step(BLOCK + 5) is not None
+    last = [c.slot(1, block_idx).table[-1] for block_idx in blocks]
+    shares = c.shared_from(c.slots(1), blocks, BLOCK + 6)  # its last blocks now held twice
+    assert step(BLOCK + 6) is None  # `reserve` then copies them before the row is written
+    c.reserve(1, {block_idx: (BLOCK + 6, BLOCK + 7) for block_idx in blocks})
+    assert [c.slot(1, block_idx).table[-1] for block_idx in blocks] != last
+    c.drop(shares.values())
+    assert step(BLOCK + 6) is not None
+    c.reserve(1, {block_idx: (BLOCK - 3, BLOCK) for block_idx in blocks})  # rewritten to its first block's end
+    for slot in c.slots(1).values():
+        slot.length = BLOCK
+    assert [len(slot.table) for slot in step(BLOCK)] == [2, 2]  # its second block, freed, taken afresh
+    for slot in c.slots(1).values():
+        slot.length = BLOCK  # a failed step's rollback
+    assert c.continuing(1, blocks, BLOCK + 7) is None
+    c.reserve(2, {block_idx: (0, BLOCK + 2) for block_idx in blocks})
+    kept, _ = c.detach(2)  # retired, as prefix reuse keeps a session's rows
+    for slot in kept.values():
+        slot.length = BLOCK + 2
+    mine, _ = c.detach(1)  # session 1 adopts them in place of its own
+    c.attach(1, kept)
+    c.drop(mine.values())
+    assert all(slot is kept[block_idx] for slot, block_idx in zip(step(BLOCK + 2), blocks, strict=True))
