@@ -94,6 +94,7 @@ class _Layout:
         self.enums = [(index, get_args(hints[name])[0]) for index, name in enumerate(integers)
                       if get_args(hints[name]) and issubclass(get_args(hints[name])[0], IntEnum)]
         self.tuples = [(name, _item(hint)) for name, hint in hints.items() if get_origin(hint) is tuple]
+        self.tuple_fields = [(list(hints).index(name), item) for name, item in self.tuples]  # by position (items)
         self.frames = [(name, mark) for name, mark in marks.items() if mark in _FRAMES]
         self.min_size = self.fixed.size + _COUNT.size * len(self.tuples)
         self.flat = not (self.enums or self.tuples or self.frames)  # integers alone: one struct says it all
@@ -126,8 +127,9 @@ class _Layout:
             return
         head += self._runs.many(len(items)).pack(
             *itertools.chain.from_iterable(items if self.as_tuples else map(self.integers, items)))
-        for name, item in self.tuples:
-            column = [getattr(value, name) for value in items]
+        fields = tuple(zip(*items)) if self.tuples else ()  # each field's values, item after item (NamedTuples)
+        for index, item in self.tuple_fields:
+            column = fields[index]
             head += _COUNTS.many(len(items)).pack(*map(len, column))
             item.write_all(head, tuple(itertools.chain.from_iterable(column)))
 
@@ -169,7 +171,11 @@ class _Layout:
             if total * item.min_size > header.size - header.at:
                 raise ValueError(f"{total} items claimed, {header.size - header.at} bytes left")
             elements = iter(item.read_all(header, total) if total else ())
-            columns.append([tuple(itertools.islice(elements, count)) for count in counts])
+            count = counts[0]
+            if counts.count(count) == n:  # as many for every item (a step's shapes, its routes' ops): cut in C
+                columns.append(list(zip(*[elements] * count)) if count else [()] * n)
+            else:
+                columns.append([tuple(itertools.islice(elements, count)) for count in counts])
         return tuple(map(self.build, zip(*columns)))
 
 
@@ -184,6 +190,8 @@ def _item(hint: object) -> _Integers | _Layout:
     """The items of a `tuple[T, ...]` field: integers, or a declared class."""
     item, _ = get_args(hint)
     mark = _mark(item)
+    if mark is None and not issubclass(item, tuple):  # `write_all` reads an item's fields by position
+        raise TypeError(f"the items of a tuple field are integers or NamedTuples, not {item.__name__}")
     return _Integers(mark) if mark is not None else _Layout(item)
 
 
