@@ -10,9 +10,11 @@ encode_payload joins everything into one bytes object and FrameDecoder copies wh
 into its buffer once, so theirs grow with the tensor, as any single-buffer path must.
 
 With --before DIR (a checkout of an earlier commit), the decode-size Batch's operations and a
-TensorMessage's (what a node decodes and encodes per decode request) are timed in this tree and in
-DIR's, each in a process of its own, the trees taking turns for --rounds rounds; printed: each
-tree's best msg/s and this tree's time over DIR's.
+TensorMessage's (what a node decodes and encodes per decode request), and the ipc messages of a
+device step of STEP such requests (the front's Hops to its device, the device's Answers back, each
+encoded at one end and decoded at the other) are timed in this tree and in DIR's, each in a process
+of its own, the trees taking turns for --rounds rounds; printed: each tree's best msg/s and this
+tree's time over DIR's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import timeit
 from collections.abc import Callable
 from pathlib import Path
 
+from cakemp import ipc
 from cakemp.wire import (
     Batch,
     DType,
@@ -42,6 +45,7 @@ from cakemp.wire import (
 
 HIDDEN = 4096
 REVISION = Revision.V2
+STEP = 16  # requests in the device step whose ipc messages are timed
 
 
 def batch(seq_len: int) -> Batch:
@@ -83,11 +87,17 @@ def per_request() -> dict[str, float]:
     msg = batch(1)
     answer = TensorMessage(msg.x)
     payloads = {name: encode_payload(m, REVISION) for name, m in (("Batch", msg), ("TensorMessage", answer))}
+    hops, answers = step_messages(msg)
+    frames = {name: ipc.encode(m) for name, m in (("Hops", hops), ("Answers", answers))}
     operations = {
         "decode Batch": lambda: decode_payload(payloads["Batch"], REVISION),
         "encode TensorMessage": lambda: encode_frame(answer, REVISION),
         "encode Batch": lambda: encode_frame(msg, REVISION),
         "decode TensorMessage": lambda: decode_payload(payloads["TensorMessage"], REVISION),
+        f"encode a step's Hops ({STEP})": lambda: ipc.encode(hops),
+        f"decode a step's Hops ({STEP})": lambda: ipc.decode(frames["Hops"]),
+        f"encode a step's Answers ({STEP})": lambda: ipc.encode(answers),
+        f"decode a step's Answers ({STEP})": lambda: ipc.decode(frames["Answers"]),
     }
     rates = {}
     for name, call in operations.items():
@@ -95,6 +105,17 @@ def per_request() -> dict[str, float]:
         number = timer.autorange()[0]
         rates[name] = number / min(timer.repeat(5, number))
     return rates
+
+
+def step_messages(msg: Batch) -> tuple[ipc.Hops, ipc.Answers]:
+    """The Hops a front sends one device for STEP sessions' decode Batches `msg` through its 16 layers,
+    and the Answers it gets back."""
+    x, data = msg.x, ipc.joined([msg.x.data] * STEP)
+    nbytes = memoryview(x.data).nbytes
+    stage = ipc.Stage(0, 1, tuple(range(16)), (17,) * 16, tuple(range(16)))
+    hops = tuple(ipc.Hop(session, 1000 + session, x.dtype, nbytes, 0, 1, x.shape, (stage,)) for session in range(STEP))
+    answers = tuple(ipc.Activation(1000 + session, x.dtype, nbytes, 0, x.shape) for session in range(STEP))
+    return ipc.Hops(hops, data), ipc.Answers(answers, data=data)
 
 
 def before_and_after(before: Path, rounds: int) -> None:
@@ -109,7 +130,8 @@ def before_and_after(before: Path, rounds: int) -> None:
                                  check=True).stdout
             for operation, rate in json.loads(out).items():
                 best[name][operation] = max(best[name].get(operation, 0.0), rate)
-    print(f"decode-size Batch (16 ops) and its TensorMessage answer; best of {rounds} rounds, the trees in turn")
+    print(f"decode-size Batch (16 ops), its TensorMessage answer, and a device step of {STEP} such requests' ipc "
+          f"messages; best of {rounds} rounds, the trees in turn")
     print("| operation | before msg/s | this tree msg/s | time, this tree / before |")
     print("|---|---:|---:|---:|")
     for operation, rate in best["this tree"].items():
