@@ -4,16 +4,18 @@ import pytest
 import torch
 
 from cakemp.compute import paged_step
-from cakemp.compute.kv_cache import BLOCK, KVCache
+from cakemp.compute.kv_cache import BLOCK, KVCache, Tables
 from cakemp.compute.paged_step import StepRows
 
 LAYERS = (0, 1, 2)
 
 
-def sessions_grown_together() -> tuple[KVCache, list[int], list[list]]:
+def sessions_grown_together(mirrored: bool) -> tuple[KVCache, list[int], list[list]]:
     """Five sessions whose tables interleave in the pools (grown turn by turn), one sharing another's
-    first blocks as prefix reuse does, each at its own position: their slots of every layer."""
+    first blocks as prefix reuse does, each at its own position: their slots of every layer (the tables
+    `mirrored` to a device copy, as a GPU's are, where asked)."""
     c = KVCache(kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"), max_context=4096)
+    c._tables = Tables(torch.device("cpu"), mirrored=mirrored)
     ends = {1: 3 * BLOCK + 2, 2: BLOCK, 3: 2 * BLOCK + 9, 4: 5, 5: 4 * BLOCK - 1}
     for end in range(BLOCK, 5 * BLOCK, BLOCK):  # a block at a time, every session in turn
         for session, length in ends.items():
@@ -32,12 +34,13 @@ def sessions_grown_together() -> tuple[KVCache, list[int], list[list]]:
     return c, positions, [[c.slot(session, layer) for layer in LAYERS] for session in ends]
 
 
+@pytest.mark.parametrize("mirrored", [False, True], ids=["one-tensor", "device-copy"])
 @pytest.mark.parametrize("arrays", [False, True])
-def test_a_step_of_decodes_reads_each_row_where_its_slot_puts_it(arrays, monkeypatch):
+def test_a_step_of_decodes_reads_each_row_where_its_slot_puts_it(arrays, mirrored, monkeypatch):
     """Every decode row's position and slot id (`table[p // BLOCK] * BLOCK + p % BLOCK` of its own slot),
     and each request's table, whether read slot by slot or from the tables as arrays."""
     monkeypatch.setattr(paged_step, "_ARRAYS_FROM", 0 if arrays else 10**9)
-    c, positions, slots = sessions_grown_together()
+    c, positions, slots = sessions_grown_together(mirrored)
     step = StepRows(c, list(range(1, 6)), [1] * 5, positions, slots, list(LAYERS))
     expected = [[slot[j].table[p // BLOCK] * BLOCK + p % BLOCK for p, slot in zip(positions, slots, strict=True)]
                 for j in LAYERS]
