@@ -146,8 +146,12 @@ MUTANTS = (
     Mutant("kv-gauge-not-recorded", "cakemp/front/pool.py",
            "self._series[device].kv_bytes.set(msg.kv_bytes)", "pass", POOL),
     Mutant("lost-session-not-told", "cakemp/front/pool.py",
-           "[stateful and any(op.index_pos > 0 for op in stage.ops)", "[stateful and False",
+           "[stateful and any(stage.positions)", "[stateful and False",
            ("tests/node/test_device_loss.py",)),
+    # The owed requests kept in the order of their deadlines: the first's is the next.
+    Mutant("request-deadline-renewed-in-place", "cakemp/front/pool_state.py",
+           "        del self._requests[request_id]\n        self._requests[request_id] = request\n", "",
+           ("tests/front/test_pool_state.py",)),
     Mutant("owed-count-kept-after-answer", "cakemp/front/pool_state.py",
            "            self._owed_by[device] -= 1\n", "            pass\n",
            ("tests/front/test_pool_state.py", "tests/node/test_batching.py")),
@@ -192,8 +196,7 @@ MUTANTS = (
     Mutant("decode-past-context-limit", "cakemp/compute/kv_cache.py",
            "if slots is None or position >= self.max_context:", "if slots is None:", KV),
     Mutant("decode-ops-at-several-positions", "cakemp/op.py",
-           "        if index_pos != position:\n", "        if index_pos < position:\n",
-           RUNNER),
+           "positions.count(positions[0]) == len(positions)", "max(positions) == positions[0]", RUNNER),
     Mutant("failed-decode-keeps-length", "cakemp/compute/runner.py",
            "                slot.length = starts\n", "                pass\n", RUNNER),
     # Every layer of a batched step reads the block tables of the first KV slot.

@@ -45,6 +45,7 @@ from half-applied. Attention-only devices keep their rollback instead.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -239,6 +240,8 @@ class PoolState:
         """`recurrent[i]`: device i serves layers whose state cannot be rewound (linear attention)."""
         self._devices = [_Device(label) for label in labels]
         self._recurrent = tuple(recurrent) or (False,) * len(labels)
+        # The requests owed, in the order of their deadlines: each is set to now + the timeout, then moved
+        # last (`_renew`), so the first's is the next, and `tick` stops at the first not yet due.
         self._requests: dict[int, _Request] = {}
         # Per device, the requests owed whose route passes it: `waiting` is asked once per request
         # answered, so it is counted as requests come and go rather than over all of them each time.
@@ -277,7 +280,7 @@ class PoolState:
 
     def next_deadline(self) -> float | None:
         """When `tick` must next be called (None: nothing to watch)."""
-        times = [r.deadline for r in self._requests.values()]
+        times = [next(iter(self._requests.values())).deadline] if self._requests else []
         for d in self._devices:
             match d.phase:
                 case Starting() | Reloading():
@@ -417,7 +420,7 @@ class PoolState:
             # Only a failure of the first chunk on the route's first device, before any of it ran
             # there, comes before anything ran.
             request.partial = ran or (device, chunk) != (request.devices[0], 0)
-        request.deadline, request.pinged_at = now + self._request_timeout, None
+        self._renew(request_id, request, now)
         return self._settle(request_id, request)
 
     def progressed(self, device: int, request_id: int, now: float) -> None:
@@ -425,7 +428,7 @@ class PoolState:
         self._devices[device].heard = now
         request = self._requests.get(request_id)
         if request is not None:
-            request.deadline, request.pinged_at = now + self._request_timeout, None
+            self._renew(request_id, request, now)
 
     def cleared(self, device: int, session: int) -> None:
         """Goodbye: the session starts afresh, so state lost earlier no longer matters."""
@@ -447,19 +450,19 @@ class PoolState:
                 case Backoff(respawn_at=respawn_at) if now >= respawn_at:
                     actions.append(self._spawn(index, now))
         hung: set[int] = set()
-        for request in self._requests.values():
-            if now < request.deadline:
-                continue
+        due = list(itertools.takewhile(lambda owed: now >= owed[1].deadline, self._requests.items()))
+        for request_id, request in due:
             ready = [device for device in request.devices if self.state(device) is DeviceState.READY]
-            if request.pinged_at is None:
-                request.pinged_at, request.deadline = now, now + self._request_timeout
+            pinged_at = request.pinged_at
+            self._renew(request_id, request, now)  # after a Probe; after a kill, whose exit fails it before then
+            if pinged_at is None:
+                request.pinged_at = now
                 actions += [Probe(device) for device in ready]
                 continue
-            silent = [device for device in ready if self._devices[device].heard < request.pinged_at]
+            silent = [device for device in ready if self._devices[device].heard < pinged_at]
             hung.update(silent)
-            request.deadline = now + self._request_timeout  # a kill's exit fails it before then
-            if not silent:  # all alive: it waits behind other work; look again later
-                request.pinged_at = None
+            if silent:  # else all alive: it waits behind other work; look again later
+                request.pinged_at = pinged_at
         for index in sorted(hung):
             if self.phase(index) == Serving():  # not already being killed
                 actions += self._kill(index, f"did not answer within {self._request_timeout:g} s")
@@ -486,6 +489,12 @@ class PoolState:
             forget = self._half_applied(request) if request.error is not None and request.partial else []
             return [*forget, Complete(request_id, request.error)]
         return []
+
+    def _renew(self, request_id: int, request: _Request, now: float) -> None:
+        """The request is heard of: its deadline the timeout from `now`, the latest of all (moved last), no Probe out."""
+        request.deadline, request.pinged_at = now + self._request_timeout, None
+        del self._requests[request_id]
+        self._requests[request_id] = request
 
     def _remove(self, request_id: int) -> None:
         for device in set(self._requests.pop(request_id).devices):

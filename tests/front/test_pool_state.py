@@ -176,6 +176,30 @@ def test_progress_on_a_request_moves_its_deadline():
     assert state.next_deadline() == 95.0 + TIMEOUT
 
 
+def test_the_next_deadline_is_the_earliest_whichever_request_was_heard_of_last():
+    """Deadlines move as requests are heard of (progress, an answered chunk, a Probe): the next is always
+    the earliest owed, and a tick probes the requests due and no other."""
+    state = serving(2)
+    state.sent(1, 1, (0, 1), 0.0)
+    state.sent(2, 2, (0, 1), 1.0)
+    state.sent(2, 2, (0, 1), 1.0)  # a prompt in two chunks
+    state.sent(3, 3, (0, 1), 2.0)
+    for request_id in (1, 2, 3):
+        state.sealed(request_id)
+    state.progressed(0, 1, 3.0)  # request 1 heard of last: 2's deadline is now the next
+    assert state.next_deadline() == 1.0 + TIMEOUT
+    state.answered(1, 2, 4.0)  # its first chunk: 3's now
+    assert state.next_deadline() == 2.0 + TIMEOUT
+    assert state.tick(2.0 + TIMEOUT) == [Probe(0), Probe(1)]  # request 3 alone went silent
+    assert state.next_deadline() == 3.0 + TIMEOUT
+    assert state.tick(3.0 + TIMEOUT) == [Probe(0), Probe(1)]  # then request 1
+    assert state.next_deadline() == 4.0 + TIMEOUT  # request 2's, probed neither time
+    state.heard(0, 13.0)  # device 0 answered the Probes, device 1 did not
+    actions = state.tick(2.0 + 2 * TIMEOUT)  # request 2 due, and request 3 probed a timeout ago
+    assert actions[:2] == [Probe(0), Probe(1)] and [a.device for a in actions if isinstance(a, Kill)] == [1]
+    assert state.next_deadline() == 3.0 + 2 * TIMEOUT  # request 1's, probed once
+
+
 def test_a_death_fails_only_the_requests_through_that_device_and_restarts_it():
     """Requests routed through the dead device fail with DeviceLost; others stay owed; the device restarts
     after the first backoff as the next generation and is Restarted on its Ready."""
