@@ -204,7 +204,7 @@ MUTANTS = (
            "[row + pool for pool in pool_ids for row in scaled]", "[row for _ in pool_ids for row in scaled]", RUNNER),
     # A step of decodes read from the tables as arrays: each row at the start of its block.
     Mutant("step-decode-rows-offset-dropped", "cakemp/compute/kv_cache.py",
-           "* BLOCK + positions % BLOCK, tables", "* BLOCK, tables", RUNNER),
+           "return blocks * BLOCK + positions % BLOCK, tables", "return blocks * BLOCK, tables", RUNNER),
     # A decode's check remembered for its next rows in the block (KVCache.continuing) outlives what changes them.
     Mutant("decode-check-kept-past-a-share", "cakemp/compute/kv_cache.py",
            "        self._continued.clear()", "        pass", KV),

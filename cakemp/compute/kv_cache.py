@@ -257,7 +257,8 @@ class Tables:
         `rows[b]`'s slot `slots[l]`, as written on the host, and that table's row of the tables viewed as
         [rows * slots, width]: [L, B] each."""
         tables = slots[:, None] + rows * self._entries.shape[1]  # [L, B]
-        return self._entries.reshape(-1, self._entries.shape[2])[tables, positions // BLOCK] * BLOCK + positions % BLOCK, tables
+        blocks = self._entries.reshape(-1, self._entries.shape[2])[tables, positions // BLOCK]  # [L, B]
+        return blocks * BLOCK + positions % BLOCK, tables
 
     def _written(self, row: int, slot: int, start: int, end: int) -> None:
         """Entries [start, end) of row `row`'s slot `slot` changed on the host."""
