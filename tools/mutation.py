@@ -101,6 +101,8 @@ MUTANTS = (
            "positions.count(positions[0]) == len(positions)", "True", RUNNER),
     Mutant("stage-columns-length-unchecked", "cakemp/ipc/message.py",
            "if not len(self.layers) == len(self.positions) == len(self.blocks):", "if False:", IPC),
+    Mutant("ipc-equal-items-cut-one-short", "cakemp/ipc/codec.py",
+           "list(zip(*[elements] * count))", "list(zip(*[elements] * max(count - 1, 1)))", IPC),
     Mutant("ipc-tuple-items-given-their-neighbours-integers", "cakemp/ipc/codec.py",
            "zip(*[values] * self.width)", "zip(*[values] * (self.width - 1))", IPC),
     # --- auth
