@@ -310,7 +310,7 @@ class KVCache:
         self._live_used = 0  # blocks a live session holds
         self._sessions: dict[int, dict[int, KVSlot]] = {}
         # Each session's last `continuing` that passed: its blocks, the block its row was in, its slots then.
-        self._continued: dict[int, tuple[Sequence[int], int, list[KVSlot]]] = {}
+        self._continued: dict[int, tuple[tuple[int, ...], int, list[KVSlot]]] = {}
         self._rows: dict[int, int] = {}  # session -> its row of `tables`
         self._free_rows: list[int] = []
         self._tables = Tables(device)
@@ -451,7 +451,7 @@ class KVCache:
             self._linear_bytes += self.bytes_per_linear_slot
         return slots
 
-    def continuing(self, session: int, blocks: Sequence[int], position: int) -> list[KVSlot] | None:
+    def continuing(self, session: int, blocks: tuple[int, ...], position: int) -> list[KVSlot] | None:
         """The session's KV slots of `blocks` (block_idx each) if writing row `position` in each changes
         nothing of it but, where the row opens a block, that block: the row is within what it has cached
         and the context limit, and in its last block, which is its own (a decode step's next row, or one
@@ -460,14 +460,15 @@ class KVCache:
         then `reserve` decides. A block taken stays in its table if the request then fails, as `reserve`'s do.
 
         What it finds of the tables is kept for the session's next rows in the same block (its blocks the
-        same tuple, as a run's are), so that 15 decode rows of 16 only have their lengths read: whatever
+        same, as a run's are), so that 15 decode rows of 16 only have their lengths read: whatever
         changes its tables (`_change`, `detach`) or shares a block (`shared_from`) forgets it."""
         slots = self._sessions.get(session)
         if slots is None or position >= self.max_context:
             return None
         index = position // BLOCK  # the row's block in each table
         known = self._continued.get(session)
-        if known is not None and known[0] is blocks and known[1] == index:
+        # (Its blocks: the run's tuple, or an equal one the runner rebuilt after a step of another run.)
+        if known is not None and known[1] == index and (known[0] is blocks or known[0] == blocks):
             # Row `position` is in the block each table ended in at the last check, its own still: only
             # lengths may have moved since (a step's, a rollback's).
             held = known[2]

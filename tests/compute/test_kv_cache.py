@@ -162,20 +162,20 @@ def test_a_decode_row_opening_a_block_takes_one_in_every_layer_at_once(mirrored)
     opened(BLOCK)
     opened(2 * BLOCK, blocks=(0, 1, 2, 0))  # a run naming a slot twice: one block for it all the same
     used = c.nbytes()
-    assert c.continuing(1, [0, 1, 2], 2 * BLOCK) is not None and c.nbytes() == used  # its row again: in its block
+    assert c.continuing(1, (0, 1, 2), 2 * BLOCK) is not None and c.nbytes() == used  # its row again: in its block
     for slot in c.slots(1).values():
         slot.length = 3 * BLOCK
     tables = {block_idx: list(slot.table) for block_idx, slot in c.slots(1).items()}
     with pytest.raises(CacheBudgetExceeded):  # the 12 blocks in use, 3 more wanted
-        c.continuing(1, [0, 1, 2], 3 * BLOCK)
+        c.continuing(1, (0, 1, 2), 3 * BLOCK)
     assert {block_idx: slot.table for block_idx, slot in c.slots(1).items()} == tables and c.nbytes() == used
     assert c.tables[row, :3, 3].tolist() == [NULL_BLOCK] * 3
     c.clear(2)  # its 3 blocks free
     opened(3 * BLOCK)
     used = c.nbytes()
-    assert c.continuing(1, [0, 1, 2], BLOCK) is None  # a row before its last block: the plan decides
+    assert c.continuing(1, (0, 1, 2), BLOCK) is None  # a row before its last block: the plan decides
     shares = c.shared_from(c.slots(1), [0, 1, 2], 3 * BLOCK + 1)  # its 4 blocks shared, as prefix reuse does
-    assert c.continuing(1, [0, 1, 2], 3 * BLOCK) is None and c.nbytes() == used  # its last block copied first
+    assert c.continuing(1, (0, 1, 2), 3 * BLOCK) is None and c.nbytes() == used  # its last block copied first
     c.drop(shares.values())
     slots = c.reserve(1, {block_idx: (0, 5) for block_idx in range(3)})  # a new prompt: blocks past its first freed
     for block_idx, slot in slots.items():
