@@ -87,7 +87,7 @@ class StepRows:
         if d == B and not mixed and L * (4 + d) >= _ARRAYS_FROM:  # decodes, each at one position
             packed = torch.from_numpy(cache.decode_rows(self.sessions, pool_ids, starts)).to(cache.device)
         else:
-            packed = int64_tensor(self._listed(cache, starts, slots, layers, pool_ids), cache.device)
+            packed = int64_tensor(self._listed(pool_ids), cache.device)
         self.placed = packed[: 2 * L * N].view(2, L, N)  # [2, L, N]: each row's position; its row of the flat pool
         self._picked = packed[2 * L * N :]
         self._placed_views: tuple[torch.Tensor, ...] | None = None
@@ -95,11 +95,10 @@ class StepRows:
         self._tables: torch.Tensor | None = None
         self._visible: dict[tuple, tuple[int, int, torch.Tensor]] = {}
 
-    def _listed(self, cache: KVCache, starts: Sequence[int | tuple[int, ...]], slots: Sequence[Sequence[KVSlot | None]],
-                layers: Sequence[int], pool_ids: list[int]) -> list[int]:
+    def _listed(self, pool_ids: list[int]) -> list[int]:
         """`packed`'s values, each read from a slot's table in Python (`KVCache.decode_rows` reads a step of
-        decodes from the tables as arrays)."""
-        d, lengths = self.decodes, self.lengths
+        decodes from the tables as arrays); `pool_ids`: each attention layer's KV slot index."""
+        cache, slots, layers, d, lengths = self.cache, self._slots, self._layers, self.decodes, self.lengths
         positions, slot_ids = [], []
         for layer_starts, j in zip(self.starts, layers, strict=True):
             # A decode request's one row, at its start (most of a step: one comprehension for them all).
