@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
+import time
+from functools import partial
+from typing import NamedTuple
 
-from cakemp.ipc import Activation, Answers, DeviceChannel, FrontChannel, Hop, Hops, Op, Stage, rows
+import pytest
+import zmq
+
+from cakemp.ipc import Activation, Answers, DeviceChannel, FrontChannel, Hop, Hops, Op, Ping, Stage, encode, rows
+from cakemp.ipc.channel import send_frames
 
 
 def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
@@ -65,11 +73,70 @@ def test_a_hand_off_to_a_device_that_is_not_a_peer_is_refused(tmp_path):
     os.close(parent_write)
 
 
-def test_the_device_end_returns_none_once_the_parent_pipe_closes(tmp_path):
-    """With no request pending, closing the parent's end of the pipe makes receive() return None."""
+class Device(NamedTuple):
+    channel: DeviceChannel
+    front: zmq.Socket  # a plain DEALER in the front's place, bound first as the front binds
+    parent_write: int  # the parent's end of the pipe
+
+
+@pytest.fixture
+def device(tmp_path):
+    """A device's channel with the front's socket and the parent's pipe; all closed afterwards, failed or not
+    (a channel left open would hang the interpreter's exit in its context's term)."""
+    endpoint = f"ipc://{tmp_path}/device-0"
+    front = zmq.Context.instance().socket(zmq.DEALER)
+    front.setsockopt(zmq.LINGER, 0)
+    front.bind(endpoint)
     parent_read, parent_write = os.pipe()
-    channel = DeviceChannel(f"ipc://{tmp_path}/device-0", parent_read)
-    os.close(parent_write)
-    assert channel.receive() is None
+    channel = DeviceChannel(endpoint, parent_read, [endpoint])
+    yield Device(channel, front, parent_write)
     channel.close()
+    front.close()
     os.close(parent_read)
+    with contextlib.suppress(OSError):  # closed by the test
+        os.close(parent_write)
+
+
+def test_the_device_end_returns_none_once_the_parent_pipe_closes(device):
+    """With no request pending, closing the parent's end of the pipe makes receive() return None."""
+    os.close(device.parent_write)
+    assert device.channel.receive(10) is None
+
+
+def test_a_device_asleep_with_nothing_to_do_wakes_once_the_parent_is_gone(device):
+    """A sleeping receive returns None when the parent's end of the pipe closes meanwhile."""
+    closer = threading.Timer(0.05, os.close, (device.parent_write,))
+    closer.start()
+    assert device.channel.receive(10) is None  # (a receive that slept through it would give [] after 10 s)
+    closer.join()
+
+
+def test_a_device_waits_out_its_timeout_when_nothing_comes_and_wakes_for_what_comes_later(device, tmp_path):
+    """receive(timeout) with nothing sent returns no messages once the timeout has passed (not before);
+    a message sent while a receive sleeps (or while it looks without sleeping, poll_s) is returned as it
+    comes, each time."""
+    channel = device.channel
+    started = time.monotonic()
+    assert channel.receive(0.05) == []
+    assert time.monotonic() - started >= 0.05
+    assert channel.receive(0) == []
+    ping = partial(send_frames, device.front, encode(Ping()))
+    for poll_s in (0.0, 10.0):
+        sender = threading.Timer(0.05, ping)
+        sender.start()
+        started = time.monotonic()
+        assert channel.receive(30, poll_s) == [Ping()]
+        assert time.monotonic() - started < 5
+        sender.join()
+    # A peer connecting to the inbox wakes the sleeper with no message: it sleeps on until one comes.
+    peer = zmq.Context.instance().socket(zmq.PUSH)
+    peer.setsockopt(zmq.LINGER, 0)
+    connecting, sender = threading.Timer(0.05, peer.connect, (f"ipc://{tmp_path}/device-0-in",)), threading.Timer(0.3, ping)
+    connecting.start()
+    sender.start()
+    try:
+        assert channel.receive(30) == [Ping()]
+    finally:
+        connecting.join()
+        sender.join()
+        peer.close()
