@@ -105,6 +105,8 @@ MUTANTS = (
            "list(zip(*[elements] * count))", "list(zip(*[elements] * max(count - 1, 1)))", IPC),
     Mutant("ipc-tuple-items-given-their-neighbours-integers", "cakemp/ipc/codec.py",
            "zip(*[values] * self.width)", "zip(*[values] * (self.width - 1))", IPC),
+    Mutant("ipc-bytes-past-the-fields-read-as-nothing", "cakemp/ipc/codec.py",
+           "if header.at != header.size or len(frames) != 1 + len(layout.frames):", "if False:", IPC),
     # --- auth
     Mutant("worker-accepts-any-master-proof", "cakemp/auth.py",
            "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:", AUTH),

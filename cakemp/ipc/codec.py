@@ -233,6 +233,10 @@ def decode(frames: Sequence[Buffer]) -> Message:
         layout = _LAYOUTS.get(kind)
         if layout is None:
             raise ValueError(f"unknown kind {kind}")
-        return layout.read(header, frames)
+        message = layout.read(header, frames)
+        if header.at != header.size or len(frames) != 1 + len(layout.frames):  # a writer of another layout
+            raise ValueError(f"{header.size - header.at} bytes and {len(frames) - 1 - len(layout.frames)} frames "
+                             "past its fields")
+        return message
     except (struct.error, ValueError, IndexError, UnicodeDecodeError) as e:
         raise BadIpcMessage(f"malformed ipc message: {e}") from None

@@ -26,16 +26,18 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
 
     def device(index: int):
         channel = DeviceChannel(endpoints[index], parent_read, endpoints)
-        (request,) = channel.receive()
-        rest = request.hops[0].stages[1:]
-        if rest:
-            assert channel.hand_off(rest[0].device, Hops(tuple(Hop(hop.session, hop.request_id, hop.dtype, hop.nbytes,
-                                                                   0, 1, hop.shape, rest) for hop in request.hops),
-                                                         request.data))
-        else:
-            channel.send(Answers(tuple(Activation(hop.request_id, hop.dtype, hop.nbytes, 0, hop.shape)
-                                       for hop in request.hops), data=request.data))
-        channel.close(linger_ms=10_000)  # let the message leave before the socket goes
+        try:
+            (request,) = channel.receive(30)
+            rest = request.hops[0].stages[1:]
+            if rest:
+                assert channel.hand_off(rest[0].device, Hops(tuple(Hop(hop.session, hop.request_id, hop.dtype,
+                                                                       hop.nbytes, 0, 1, hop.shape, rest)
+                                                                   for hop in request.hops), request.data))
+            else:
+                channel.send(Answers(tuple(Activation(hop.request_id, hop.dtype, hop.nbytes, 0, hop.shape)
+                                           for hop in request.hops), data=request.data))
+        finally:  # whatever failed: an open channel would hang the interpreter's exit
+            channel.close(linger_ms=10_000)  # let the message leave before the socket goes
 
     async def front():
         replies: asyncio.Queue = asyncio.Queue()
@@ -46,14 +48,15 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
             thread.start()
         route = (Stage.of(0, 1, (Op(0, 0, 0),)), Stage.of(1, 1, (Op(0, 0, 1),)))
         half = len(body) // 2
-        await channels[0].send(Hops((Hop(3, 9, 5, half, 0, 1, (1, 512, 1024), route),
-                                     Hop(4, 10, 5, half, 0, 1, (1, 512, 1024), route)), memoryview(body)))
-        reply = await asyncio.wait_for(replies.get(), 10)
-        for thread in threads:
-            thread.join()
-        for channel in channels:
-            channel.close()
-        return reply
+        try:
+            await channels[0].send(Hops((Hop(3, 9, 5, half, 0, 1, (1, 512, 1024), route),
+                                         Hop(4, 10, 5, half, 0, 1, (1, 512, 1024), route)), memoryview(body)))
+            return await asyncio.wait_for(replies.get(), 10)
+        finally:
+            for thread in threads:
+                thread.join(40)
+            for channel in channels:
+                channel.close()
 
     reply = asyncio.run(front())
     assert [(a.request_id, a.shape) for a in reply.activations] == [(9, (1, 512, 1024)), (10, (1, 512, 1024))]

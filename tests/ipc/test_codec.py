@@ -210,6 +210,9 @@ HOP_FIXED = struct.pack("<BIQQBQII", Kind.HOPS, 1, 1, 1, 5, 0, 0, 1)
     pytest.param([struct.pack("<BII", Kind.ANSWERS, 0, 1) + struct.pack("<QIIBQ", 1, 99, 0, 0, 0)
                    + struct.pack("<III", 0, 0, 0), b""], id="unknown error code"),
     pytest.param([struct.pack("<BI", Kind.START_FAILURE, 1), b"\xff"], id="text not UTF-8"),
+    pytest.param([encode(Progress(5))[0] + b"junk"], id="bytes past the fields"),
+    pytest.param([*encode(Progress(5)), b""], id="a frame past the message"),
+    pytest.param([*encode(Hops((), b"")), b""], id="a frame past the data"),
 ])
 def test_garbage_is_this_nodes_fault(frames):
     """Short, unknown or incomplete messages raise BadIpcMessage, a NodeFault (only cakemp writes
