@@ -241,7 +241,9 @@ class PoolState:
         self._devices = [_Device(label) for label in labels]
         self._recurrent = tuple(recurrent) or (False,) * len(labels)
         # The requests owed, in the order of their deadlines: each is set to now + the timeout, then moved
-        # last (`_renew`), so the first's is the next, and `tick` stops at the first not yet due.
+        # last (`_renew`), so the first's is the next, and `tick` stops at the first not yet due. That
+        # holds because the events' `now` never goes back (the pool reads its loop's monotonic clock as it
+        # handles each event, and hands one event's `now` to no later one).
         self._requests: dict[int, _Request] = {}
         # Per device, the requests owed whose route passes it: `waiting` is asked once per request
         # answered, so it is counted as requests come and go rather than over all of them each time.
