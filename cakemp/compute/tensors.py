@@ -66,7 +66,9 @@ def to_bytes(x: torch.Tensor, dtype: int) -> memoryview:
 def to_bytes_each(xs: Sequence[torch.Tensor], dtype: int) -> list[memoryview]:
     """Each of `xs` as `to_bytes` gives it, all cast and copied to the host together (on a GPU one
     transfer, not one per tensor): views of one buffer, in order."""
-    flat = to_bytes(torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0], dtype)
+    if len(xs) == 1:
+        return [to_bytes(xs[0], dtype)]
+    flat = to_bytes(torch.cat([x.reshape(-1) for x in xs]), dtype)
     views, at, itemsize = [], 0, _WIRE_TO_TORCH[dtype].itemsize
     for x in xs:
         end = at + x.numel() * itemsize

@@ -331,8 +331,14 @@ class DeviceService:
             x = tensors.to_tensor(message.data, dtype, (sum(lengths), hidden))  # wire dtype, CPU: [N, H]
         except BadTensor:
             return None
-        # Cast on the device: torch casts within a host copy on the CPU, single-threaded.
-        x = x.to(self.runner.device).to(self.runner.dtype)
+        # Cast on the device: torch casts within a host copy on the CPU, single-threaded. (Each call only
+        # where it changes something: after a sleep every torch call runs cold, tens of µs for a lone decode.)
+        if self.runner.device != "cpu":
+            x = x.to(self.runner.device)
+        if x.dtype != self.runner.dtype:
+            x = x.to(self.runner.dtype)
+        if len(lengths) == 1:
+            return [x.view(1, lengths[0], hidden)]
         if len(lengths) == sum(lengths):  # decodes alone: [N, 1, 1, H] unbound in one call
             return list(x.view(len(lengths), 1, 1, hidden).unbind(0))
         return [x.unsqueeze(0) for x in x.split_with_sizes(lengths)]
