@@ -226,7 +226,8 @@ def encode(msg: Message) -> list[Buffer]:
 
 
 def decode(frames: Sequence[Buffer]) -> Message:
-    """The message in `frames`; body buffers are kept as given (no copy). Raises BadIpcMessage."""
+    """The message in `frames`; body buffers are kept as given (no copy). Raises BadIpcMessage, for
+    anything short, unknown or past the message's fields alike."""
     try:
         header = _Header(frames[0])
         (kind,) = header.take(_KIND)
