@@ -299,6 +299,11 @@ MUTANTS = (
     Mutant("cut-piece-named-by-the-first-rows", "cakemp/device/service.py",
            "data[piece.start * row:piece.end * row]", "data[:(piece.end - piece.start) * row]",
            ("tests/device/test_service.py",)),
+    Mutant("device-rows-kept-in-their-wire-dtype", "cakemp/device/service.py",
+           "if x.dtype != self.runner.dtype:", "if False:", ("tests/device/test_service.py",)),
+    Mutant("device-one-hop-given-the-first-row-only", "cakemp/device/service.py",
+           "return [x.view(1, lengths[0], hidden)]", "return [x[:1].view(1, 1, hidden)]",
+           ("tests/device/test_service.py",)),
     # --- block math
     Mutant("rms-eps-10x", "cakemp/model/block.py",
            "self.eps = config.rms_norm_eps", "self.eps = config.rms_norm_eps * 10", BLOCK),
