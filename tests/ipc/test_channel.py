@@ -65,17 +65,6 @@ def test_a_request_handed_from_device_to_device_comes_back_intact(tmp_path):
     os.close(parent_write)
 
 
-def test_a_hand_off_to_a_device_that_is_not_a_peer_is_refused(tmp_path):
-    """hand_off to an index outside the node's devices returns False rather than raising."""
-    parent_read, parent_write = os.pipe()
-    endpoint = f"ipc://{tmp_path}/device-0"
-    channel = DeviceChannel(endpoint, parent_read, [endpoint])
-    assert channel.hand_off(1, Hops((), b"")) is False
-    channel.close()
-    os.close(parent_read)
-    os.close(parent_write)
-
-
 class Device(NamedTuple):
     channel: DeviceChannel
     front: zmq.Socket  # a plain DEALER in the front's place, bound first as the front binds
@@ -98,6 +87,11 @@ def device(tmp_path):
     os.close(parent_read)
     with contextlib.suppress(OSError):  # closed by the test
         os.close(parent_write)
+
+
+def test_a_hand_off_to_a_device_that_is_not_a_peer_is_refused(device):
+    """hand_off to an index outside the node's devices returns False rather than raising."""
+    assert device.channel.hand_off(1, Hops((), b"")) is False
 
 
 def test_the_device_end_returns_none_once_the_parent_pipe_closes(device):
