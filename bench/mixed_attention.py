@@ -10,8 +10,10 @@ size --heads (Llama-3-8B's by default). A step "8+1x128" holds 8 decode rows, ea
 positions of its own, and one 128-token prompt chunk after --context / 2 positions of its prompt.
 Its rows' attention is computed four ways, each against the first within f32's or bf16's rounding:
 
-* split: cakemp's `LayerPages.attend` (compute/paged_step.py): the decode rows in one call over
-  their gathered blocks with a mask, each chunk in one causal call over its own blocks;
+* split: cakemp's `LayerPages.attend` (compute/paged_step.py): the decode rows in one call (on a
+  GPU the paged kernel over their blocks where they lie, model/paged_attention.py; on a CPU SDPA over
+  their gathered blocks with a mask), each chunk in one causal call over its own blocks;
+* gathered: split with its decode rows over gathered blocks on a GPU too (the same as split on a CPU);
 * padded: one SDPA call over every request, its rows padded to the longest request's and its keys
   gathered to the longest context, with a [B, 1, T, S] mask (built in the call's time);
 * flex: one FlexAttention call (`torch.compile`d once, before timing) over every row, each request's
@@ -72,6 +74,14 @@ class Step:
     def split(self) -> torch.Tensor:
         return self.rows.layer(0).attend(self.q, None, self.scale)
 
+    def gathered(self) -> torch.Tensor:
+        """split, its decode rows attending over a gathered copy of their blocks whatever the device."""
+        in_place, self.cache.paged_attend = self.cache.paged_attend, None
+        try:
+            return self.split()
+        finally:
+            self.cache.paged_attend = in_place
+
     def padded(self) -> torch.Tensor:
         """Every request in one SDPA call: rows padded to the longest request, keys to the longest context."""
         q, device = self.q, self.q.device
@@ -113,27 +123,32 @@ class Step:
 
 
 def measure(spec: str, context: int, heads: tuple[int, int, int], device: torch.device, dtype: torch.dtype,
-            reps: int) -> dict[str, float]:
-    """{way: ms a call} for a step `spec` ("decodes[+chunks x T]"), checked against split."""
+            reps: int, flex: bool = True) -> dict[str, float]:
+    """{way: ms a call} for a step `spec` ("decodes[+chunks x T]"), checked against split; without `flex`,
+    split and gathered only (no compile)."""
     decodes, _, rest = spec.partition("+")
     chunks, T = (int(n) for n in rest.split("x")) if rest else (0, 1)
     attend = torch.compile(flex_attention, dynamic=False)  # each step shape its own: a dynamic recompile failed on a CPU
     with torch.inference_mode():  # as a device's step (its pool is made under it)
         step = Step(int(decodes), chunks, T, context, heads, device, dtype)
-        start = time.perf_counter()
-        given = step.flex_mask()
         reference = step.split()
-        ways = {"split": step.split, "padded": step.padded, "flex": lambda: step.flex(attend),
-                "flex, mask given": lambda: step.flex(attend, given)}
-        step.flex(attend)
-        figures = {"compile s": time.perf_counter() - start}
+        ways = {"split": step.split, "gathered": step.gathered}
+        figures = {}
+        if flex:
+            start = time.perf_counter()
+            given = step.flex_mask()
+            ways |= {"padded": step.padded, "flex": lambda: step.flex(attend),
+                     "flex, mask given": lambda: step.flex(attend, given)}
+            step.flex(attend)
+            figures["compile s"] = time.perf_counter() - start
         bound = 1e-4 if dtype == torch.float32 else 2e-2
         for name, way in ways.items():
             error = (way().float() - reference.float()).abs().max().item()
             if error > bound * reference.float().abs().max().item():
                 raise AssertionError(f"{spec}: {name} differs from split by {error}")
             figures[name] = timed(way, device, reps) * 1e3
-        figures["block mask alone"] = timed(step.flex_mask, device, reps) * 1e3
+        if flex:
+            figures["block mask alone"] = timed(step.flex_mask, device, reps) * 1e3
     return figures
 
 
@@ -153,11 +168,11 @@ def main() -> None:
     print(machine_line())
     print(f"{args.device}, {args.dtype}, heads {heads}, context {args.context}, {args.threads} thread(s), "
           f"best of {args.reps}; ms a call (over split)")
-    print("| step | split | padded | flex | flex, mask given | block mask alone | flex compile |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| step | split | gathered | padded | flex | flex, mask given | block mask alone | flex compile |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for spec in args.steps.split(","):
         f = measure(spec, args.context, heads, device, DTYPES[args.dtype], args.reps)
-        cells = [f"{f[name]:.3f} ({f[name] / f['split']:.2f}x)" for name in ("padded", "flex", "flex, mask given")]
+        cells = [f"{f[name]:.3f} ({f[name] / f['split']:.2f}x)" for name in ("gathered", "padded", "flex", "flex, mask given")]
         print(f"| {spec} | {f['split']:.3f} | " + " | ".join(cells) +
               f" | {f['block mask alone']:.3f} | {f['compile s']:.1f} s |")
 

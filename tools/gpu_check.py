@@ -86,7 +86,9 @@ findings, or the error that stopped it, and the next one runs regardless:
    (8 decodes + one 128-token chunk, 32 decodes + two; Llama-3-8B's heads, bf16, 512 positions) over a
    paged pool, as cakemp calls it (decodes in one call, each chunk in its own) against one padded SDPA
    call and one FlexAttention call (bench/mixed_attention.py): ms a call of each, the block mask's own
-   time and the compile's, each checked against cakemp's way. Rehearsal: small heads, f32.
+   time and the compile's, each checked against cakemp's way; then decode rows alone (32 at 512 and at
+   4,096 positions, one at 8,192), cakemp's way (in place: the paged kernel, model/paged_attention.py)
+   against the same over their gathered blocks (`gathered`). Rehearsal: small heads, f32.
 Writes every finding as JSON to --out (default: $OUT/gpu_check.json where OUT is set, else
 ./gpu_check.json), the file rewritten after each one (a run cut off at its time limit leaves what it had
 found), and prints one line per finding. `--rehearse` runs the same code on the CPU
@@ -1246,6 +1248,10 @@ def check_mixed_attention(device: torch.device, rehearse: bool) -> None:
     for spec in ("8+1x32",) if rehearse else ("8+1x128", "32+2x128"):
         figures = measure(spec, 128 if rehearse else 512, heads, device, dtype, reps=3 if rehearse else 20)
         finding(f"mixed-attention.{spec}", {name: round(value, 3) for name, value in figures.items()})
+    # Decode rows alone, in place (model/paged_attention.py: split, on a GPU) against over their gathered blocks.
+    for spec, context in ((("8", 300),) if rehearse else (("32", 512), ("32", 4096), ("1", 8192))):
+        figures = measure(spec, context, heads, device, dtype, reps=3 if rehearse else 20, flex=False)
+        finding(f"mixed-attention.decodes.{spec}x{context}", {name: round(value, 3) for name, value in figures.items()})
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ BLOCK = ("tests/model/test_block.py", "tests/compute/test_runner_parity.py", "-k
 GENERATION = ("tests/master/test_generator.py", "-k", "greedy")
 PREFIX = ("tests/compute/test_prefix_cache.py",)
 SCHEDULER = ("tests/device/test_scheduler.py", "tests/node/test_batching.py")
+PAGED_ATTENTION = ("tests/model/test_paged_attention.py",)
+IN_PLACE = ("tests/compute/test_decode_graph.py", "-k", "in_place")
 # llama.cpp's own tokenizer is the oracle (skipped without llama-cpp-python: a mutant then survives).
 GGUF_TOKENIZER = ("tests/master/test_gguf_tokenizer_llama_cpp.py", "tests/master/test_gguf_tokenizer.py",
                   "tests/master/test_gguf_generator.py")
@@ -416,6 +418,24 @@ MUTANTS = (
            ("tests/compute/test_decode_graph.py",)),
     Mutant("fp8-kernel-reads-a-plain-global", "cakemp/model/weights/fp8_gemm.py",
            "(cols // _SCALE_BLOCK)", "(cols // BLOCK)", ("tests/model/test_fp8_gemm.py",)),
+    # --- a GPU's decode rows attending in place (model/paged_attention.py), through Triton's interpreter
+    Mutant("paged-attention-reads-a-key-past-the-row", "cakemp/model/paged_attention.py",
+           "    hi = tl.minimum(end, (split + 1) * split_keys)\n",
+           "    hi = tl.minimum(end + 1, (split + 1) * split_keys)\n", PAGED_ATTENTION),
+    Mutant("paged-attention-splits-overlap", "cakemp/model/paged_attention.py",
+           "    lo = tl.maximum(first, split * split_keys)\n",
+           "    lo = tl.maximum(first, split * split_keys - 1)\n", PAGED_ATTENTION),
+    Mutant("paged-attention-window-one-key-short", "cakemp/model/paged_attention.py",
+           "tl.maximum(end - window, 0)", "tl.maximum(end - window + 1, 0)", PAGED_ATTENTION),
+    Mutant("paged-attention-splits-merged-unweighted", "cakemp/model/paged_attention.py",
+           "    merged = (o * weight[..., None]).sum(2)", "    merged = o.sum(2)", PAGED_ATTENTION),
+    Mutant("paged-attention-reads-a-plain-global", "cakemp/model/paged_attention.py",
+           "keys // _BLOCK", "keys // BLOCK", PAGED_ATTENTION),
+    Mutant("paged-step-in-place-without-the-window", "cakemp/compute/paged_step.py",
+           "step.positions[self.index, :d],\n                                           window,",
+           "step.positions[self.index, :d],\n                                           None,", IN_PLACE),
+    Mutant("graph-in-place-without-the-window", "cakemp/compute/decode_graph.py",
+           "graph.positions[self.index], window,", "graph.positions[self.index], None,", IN_PLACE),
     Mutant("unit-leaves-triton-in-the-home", "deploy/systemd/cakemp@.service",
            "Environment=TRITON_CACHE_DIR=%C/cakemp-%i/triton\n", "", ("tests/deploy/test_systemd.py",)),
     Mutant("bench-side-drops-its-cache", "bench/step_growth.py",

@@ -9,8 +9,10 @@ step (compute/paged_step.py) over buffers of fixed shape, `DecodeGraph`:
   past the last request computes on whatever input it last held, writes its K/V into the pool's
   scratch block and reads its null block (kv_cache.SCRATCH_BLOCK, NULL_BLOCK), so it touches no
   session;
-* each request's keys gathered to a fixed width, in blocks (a power of two, at least MIN_WIDTH), and
-  which keys each row sees worked out from its position inside the step (its window too);
+* each request's block table held to a fixed width, in blocks (a power of two, at least MIN_WIDTH); on
+  a GPU each row reads its keys where they lie in the pool, up to its position (model/paged_attention.py,
+  its keys split among programs by the width); elsewhere its blocks are gathered to the width and which
+  keys each row sees worked out from its position inside the step (its window too);
 * before each replay, the step's rows, positions, slot ids and block tables copied into the buffers
   (StepRows builds them as it does for the paged step); after it, the outputs copied out.
 
@@ -250,7 +252,11 @@ class _FixedPages:
 
     def attend(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         """q: [1, H_q, bucket, D] -> [1, H_q, bucket, D], each row over its request's keys to its position."""
-        graph = self.graph
-        k, v = graph.pools[self.index].gather(graph.tables[self.index])  # [bucket, H_kv, W * BLOCK, D]
+        graph, pool = self.graph, self.graph.pools[self.index]
+        if graph.cache.paged_attend is not None:  # a GPU's: each row's keys read where they lie in the pool
+            return graph.cache.paged_attend(q[0].transpose(0, 1), pool.k, pool.v, graph.tables[self.index],
+                                            graph.positions[self.index], window, scale, graph.width * BLOCK
+                                            ).transpose(0, 1)[None]
+        k, v = pool.gather(graph.tables[self.index])  # [bucket, H_kv, W * BLOCK, D]
         seen = seen_keys(graph.keys, graph.positions[self.index], window)  # [bucket, S]
         return attention.attend_rows(q[0].transpose(0, 1), k, v, seen, scale).transpose(0, 1)[None]

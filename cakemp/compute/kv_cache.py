@@ -318,6 +318,13 @@ class KVCache:
         self._linear_bytes = 0  # the live sessions' linear-attention states
         self.spare: Spare | None = None
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # `gather_space`'s K and V
+        # How a step's decode rows attend: on a GPU over their blocks where they lie in the pool, one Triton
+        # kernel (model/paged_attention.py, its `attend`); elsewhere (None) over a gathered copy, by SDPA.
+        self.paged_attend = None
+        if torch.device(device).type == "cuda":
+            from cakemp.model import paged_attention  # Triton: a GPU's torch brings it, a CPU's may not
+
+            self.paged_attend = paged_attention.attend
 
     @property
     def tables(self) -> torch.Tensor:

@@ -12,9 +12,9 @@ chunk's own attention:
   `KVCache.tables`) and which keys each decode row sees;
 * `LayerPages`, one per attention layer: `write` puts the step's K/V rows at their slot ids (one
   indexed copy for K, one for V); `attend` runs every decode row in one attention call over its own
-  blocks (gathered, padded to the longest and masked), each prompt chunk in one call of its own. A
-  layer's gathers land in the cache's kept gather space (`KVCache.gather_space`), not in memory
-  allocated afresh for each.
+  blocks (on a GPU read where they lie, by model/paged_attention.py's kernel; elsewhere gathered,
+  padded to the longest and masked), each prompt chunk in one call of its own. A layer's gathers land
+  in the cache's kept gather space (`KVCache.gather_space`), not in memory allocated afresh for each.
 
 A step's requests share each layer's KV slot index (the runner groups them so), so a layer reads
 and writes one pool (kv_cache.Pool). A request alone in its step whose blocks of a layer lie in one
@@ -248,8 +248,13 @@ class LayerPages:
 
     def _decode_rows(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         """q: [d, H_q, D], the decode rows (one per request) -> [d, H_q, D]."""
-        first, last, visible = self.step.visible(self.index, window)
-        tables = self.step.tables(self.index)[: q.shape[0], first:last]
+        step, d = self.step, q.shape[0]
+        if step.cache.paged_attend is not None:  # a GPU's: each row's keys read where they lie
+            pool = step.pools[self.index]
+            return step.cache.paged_attend(q, pool.k, pool.v, step.tables(self.index)[:d], step.positions[self.index, :d],
+                                           window, scale, step.blocks_needed() * BLOCK)
+        first, last, visible = step.visible(self.index, window)
+        tables = step.tables(self.index)[:d, first:last]
         k, v = self._gather(tables)  # [d, H_kv, blocks * BLOCK, D]
         S = visible.shape[1]  # the keys past the furthest row's own are no row's: left out of the call
         return attention.attend_rows(q, k[:, :, :S], v[:, :, :S], visible, scale)

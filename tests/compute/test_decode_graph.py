@@ -6,6 +6,8 @@ ways: eagerly, as a CPU's device runs it, and recorded once and replayed with a 
 stale. tools/gpu_check checks on a GPU that a replay equals the eager step bit for bit.
 """
 
+import os
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -312,3 +314,44 @@ def test_a_graph_that_cannot_be_captured_leaves_every_step_to_the_paged_one(tmp_
     decode_together(graphed, paged, lengths, steps=3)
     assert graphed.graphs.failed is not None and not graphed.graphs.made
     assert not graphed.graphs.takes(1, 1)
+
+
+@torch.library.custom_op("cakemp_tests::paged_attend", mutates_args=())
+def _paged_attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                  positions: torch.Tensor, window: int | None, scale: float, keys: int) -> torch.Tensor:
+    """model/paged_attention.attend as one torch op: a replay of the recording re-runs it as a GPU's graph
+    relaunches the kernel (the recording sees torch ops only, and the kernel is a Triton launch)."""
+    from cakemp.model import paged_attention
+
+    return paged_attention.attend(q, k_pool, v_pool, tables, positions, window, scale, keys)
+
+
+def test_rows_read_in_place_decode_as_the_gathered_step(family, graphs):
+    """A GPU's decode rows attend over their keys where they lie in the pool (model/paged_attention.py's
+    Triton kernel, through its interpreter here), in a graph's step and in the paged step of a runner
+    without graphs alike: both equal the paged step that gathers the keys, as sessions at different lengths
+    (past the windows, past Phi's longrope switch, across 256 positions: a wider graph, its keys in two
+    splits) decode together, and beside a prompt chunk."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is off (tests/conftest.py sets it)")
+    graphed, in_place, paged = load(family, graph_batch=4), load(family), load(family)
+    graphed.cache.paged_attend = in_place.cache.paged_attend = _paged_attend
+    lengths = {1: 3, 2: 255, 3: 20}
+    prefill((graphed, paged), lengths)
+    prefill((in_place, paged), lengths)
+    hidden = paged.config.hidden_size
+    for step in range(3):
+        requests = [Request(s, tokens(1, 1000 * step + s, hidden), ops(lengths[s])) for s in lengths]
+        if step == 1:  # a prompt chunk beside the decodes: the paged step, its decode rows still in place
+            requests.append(Request(9, tokens(5, 6, hidden), ops(0)))
+        expected = paged.run_batch(requests)
+        for runner in (graphed, in_place):
+            for mine, theirs in zip(runner.run_batch(requests), expected, strict=True):
+                assert isinstance(mine, torch.Tensor), mine
+                assert_close(mine, theirs)
+            runner.free_session(9)
+        paged.free_session(9)
+        for s in lengths:
+            lengths[s] += 1
+    assert {key[2] for key in graphed.graphs.made} == {16, 32}

@@ -89,7 +89,7 @@ def test_under_the_unit_triton_compiles_the_fp8_kernel_though_the_account_has_no
     unit's environment (its cache directory, %C/cakemp-%i, a fresh one here) the FP8 kernel compiles for a
     GPU and Triton's cache is inside that directory; without the unit's TRITON_CACHE_DIR it does not."""
     pytest.importorskip("triton")
-    from tests.support.triton_compile import compile_fp8_kernel, require_nvidia_backend
+    from tests.support.triton_compile import compile_kernels, require_nvidia_backend
 
     require_nvidia_backend()
     cache = tmp_path / "cache"  # systemd makes it, the account's own
@@ -98,10 +98,10 @@ def test_under_the_unit_triton_compiles_the_fp8_kernel_though_the_account_has_no
     unit = {key: value.replace("%C", str(tmp_path)).replace("cakemp-%i", "cache") for key, value in unit.items()}
     base = {key: value for key, value in os.environ.items() if not key.startswith("TRITON_") and key != "HOME"}
     base["HOME"] = "/dev/null/home"  # no home: nothing can be made there
-    assert compile_fp8_kernel(["1:bf16"], base | unit) == ""
+    assert compile_kernels(["fp8:1:bf16"], base | unit) == ""
     assert Path(unit["TRITON_CACHE_DIR"]).is_relative_to(cache) and any(Path(unit["TRITON_CACHE_DIR"]).iterdir())
     without = {key: value for key, value in (base | unit).items() if key != "TRITON_CACHE_DIR"}
-    assert compile_fp8_kernel(["1:bf16"], without).startswith("1:bf16 ")  # it names the case that failed
+    assert compile_kernels(["fp8:1:bf16"], without).startswith("fp8:1:bf16 ")  # it names the case that failed
 
 
 def test_stop_timeout_leaves_room_for_the_drain():

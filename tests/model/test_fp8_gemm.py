@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from cakemp.model.weights import fp8, fp8_gemm  # noqa: E402
 from tests.support.tolerance import fp8_matmul_bound  # noqa: E402
-from tests.support.triton_compile import compile_fp8_kernel, require_nvidia_backend  # noqa: E402
+from tests.support.triton_compile import compile_kernels, require_nvidia_backend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -80,5 +80,5 @@ def test_the_kernel_compiles_for_hopper_as_a_gpu_compiles_it():
     block-scaled product), as far as the GPU's binary (tests/support/triton_compile.py); skipped where
     Triton has no NVIDIA backend."""
     require_nvidia_backend()
-    failed = compile_fp8_kernel([f"{rows}:{out}" for rows in (1, 20, 70) for out in ("bf16", "fp16", "fp32")])
+    failed = compile_kernels([f"fp8:{rows}:{out}" for rows in (1, 20, 70) for out in ("bf16", "fp16", "fp32")])
     assert not failed, failed

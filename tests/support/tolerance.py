@@ -114,6 +114,7 @@ tests' random layers; the per-product rounding is checked tightly in tests/model
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -279,3 +280,27 @@ def fp8_magnitude(x: torch.Tensor, weight) -> torch.Tensor:
         products = x_q[:, columns].float().abs() @ weight.weight[:, columns].float().abs().t()
         magnitude += products * x_scale[:, b, None] * w_scale[None, :, b]
     return magnitude
+
+
+def decode_attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           dtype: torch.dtype) -> float:
+    """The bound on a decode row's attention output, computed in f32 (model/paged_attention.py), against
+    its exact value; q: [D], k, v: [S, D], the keys it sees, in `dtype`'s values. With u = 2^-24:
+    * each score scale * q.k_i, a D-term f32 dot then a product, errs by at most (D + 1) u A, A the
+      largest scale * sum |q_d k_id|;
+    * a score error e moves each normalized weight by at most 2e relatively (its exp, and the sum's),
+      and the weights' own exps, running sum and division add (S + 3) u;
+    * the weighted sum of the S values, in f32, adds S u of sum p_i |v_i| <= max |v|; merging the
+      splits' partial sums (exps of their log-sum-exps, O(A + log S) each) adds 4 (A + log S + 1) u;
+    * a half dtype's probabilities enter the product with V in TF32 (a GPU's; 2^-11 each);
+    * the output is rounded once to `dtype` (u of it, relative).
+    Returned as an absolute bound over the row's outputs: the terms above times max |v|, plus the
+    output's rounding of max |exact| (<= max |v|)."""
+    u = U[torch.float32]
+    S, D = k.shape
+    A = scale * (q.double().abs() @ k.double().abs().t()).max().item()
+    relative = 2 * (D + 1) * u * A + (S + 3) * u + S * u + 4 * (A + math.log(S) + 1) * u
+    if dtype != torch.float32:
+        relative += 2.0**-11
+    top = v.double().abs().max().item()
+    return top * (relative + (U[dtype] if dtype != torch.float32 else 0.0))

@@ -1,0 +1,129 @@
+"""A step's decode rows attending over their own blocks of a KV pool, in place: one Triton kernel.
+
+The portable path (model/attention.attend_rows, fed by kv_cache.Pool.gather) first copies every
+row's blocks into a [rows, H_kv, S, D] buffer padded to the longest row (in a GPU's fixed-shape step,
+to the graph's width, a power of two), then has SDPA read that copy through a mask. A decode step is
+bound by memory: the KV it reads is, past short contexts, most of the step's bytes after the
+weights. The copy reads the KV once, writes it once more and SDPA reads it again, padding included:
+three to five times the bytes that attention needs. This kernel reads each row's keys and values
+where they lie in the pool, through its block table, up to its own position and no further.
+
+Each program computes one row's query heads of one kv head (the n_rep query heads that read kv head
+h, as attend_rows' call shape groups them) over one split of the key positions: keys in tiles of
+TILE positions, each key's pool row looked up in the row's block table, scores in f32 and a running
+(max, sum) softmax, as flash attention computes it. Splitting the keys keeps a GPU's cores busy when
+few rows have long contexts (one session at 8k positions: 8 kv heads x 32 splits, not 8 programs);
+the splits' partial results, each with its log-sum-exp, are merged by a few torch ops after it.
+
+Nothing in it reads a value back to the host or depends on one for its launch (the splits are fixed
+by the key width the caller names, the loop bounds are read on the GPU), so a CUDA graph captures
+it as it is (compute/decode_graph.py). Rounding: the scores and the softmax are f32; a bf16 / f16
+step's probabilities are rounded to its dtype before their product with V (what SDPA's fused
+kernels do), whose sum is f32; the output is rounded once to the step's dtype. An f32 step's dots
+are computed in f32 ("ieee"), not TF32.
+
+Triton's interpreter (TRITON_INTERPRET=1) runs it on a CPU, where the tests check it against an f64
+evaluation of the same attention; tests/support/triton_compile.py compiles it for sm_90. A CPU
+device never calls it (Triton compiles for GPUs only): its steps keep the portable path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 16  # positions per block of the pool: kv_cache.BLOCK's (model/ cannot import compute/)
+_BLOCK = tl.constexpr(BLOCK)  # as the kernel reads it (the compiler reads a global only as a constexpr)
+SPLIT_KEYS = 256  # key positions per program: a split of a row's keys
+_QUERY_ROWS = 16  # tl.dot's least rows: a kv head's n_rep query heads padded to this
+
+
+@triton.jit
+def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, o_ptr, lse_ptr,
+             stride_qb, stride_qh, stride_kb, stride_kr, stride_kh, stride_tb, window, scale, split_keys,
+             N_REP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
+             PRECISION: tl.constexpr):
+    # q: [B, H_q, D]; k, v: [blocks, BLOCK, H_kv, D]; tables: [B, W] block ids; positions: [B];
+    # o: [B, H_kv, splits, N_REP, D] f32, each split's softmax-weighted V; lse: [B, H_kv, splits, N_REP] f32.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    end = tl.load(positions_ptr + b) + 1  # the row sees keys [first, end)
+    first = tl.where(window > 0, tl.maximum(end - window, 0), 0)
+    lo = tl.maximum(first, split * split_keys)
+    hi = tl.minimum(end, (split + 1) * split_keys)
+    rows = tl.arange(0, ROWS)  # [R]: query head h * N_REP + row
+    dims = tl.arange(0, D_PAD)
+    row_ok = rows < N_REP
+    dim_ok = dims < D
+    q = tl.load(q_ptr + b * stride_qb + (h * N_REP + rows)[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)  # [R, D]
+    m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, D_PAD), dtype=tl.float32)
+    for start in range(lo - lo % TILE, hi, TILE):  # every tile holds a key of [lo, hi)
+        keys = start + tl.arange(0, TILE)  # [T]
+        seen = (keys >= lo) & (keys < hi)
+        block = tl.load(tables_ptr + b * stride_tb + keys // _BLOCK, mask=seen, other=0)
+        at = block * stride_kb + (keys % _BLOCK) * stride_kr + h * stride_kh  # [T]: each key's row of head h
+        kv_mask = seen[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.where(seen[None, :], scores * scale, float("-inf"))  # [R, T]
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m = m_new
+    # A split with no key of the row (past its end, before its window) adds nothing: its lse is -inf.
+    some = total > 0
+    out = tl.where(some[:, None], acc / tl.where(some, total, 1.0)[:, None], 0.0)
+    lse = tl.where(some, m + tl.log(tl.where(some, total, 1.0)), float("-inf"))
+    at = ((b * tl.num_programs(1) + h) * tl.num_programs(2) + split) * N_REP  # lse's [b, h, split, 0]
+    tl.store(o_ptr + (at + rows)[:, None] * D + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(lse_ptr + at + rows, lse, mask=row_ok)
+
+
+def constants(n_rep: int, head_dim: int, dtype: torch.dtype) -> dict:
+    """The kernel's compile-time arguments for kv heads of `n_rep` query heads each, of `head_dim`, in `dtype`:
+    tiles narrower for wide heads (a tile of keys and of values is held in f32), f32 dots as f32 ("ieee");
+    a half dtype's in TF32, which holds bf16 and f16 values exactly (the probabilities rounded to 10 bits)."""
+    d_pad = triton.next_power_of_2(max(head_dim, 16))
+    return dict(N_REP=n_rep, ROWS=max(_QUERY_ROWS, triton.next_power_of_2(n_rep)), D=head_dim, D_PAD=d_pad,
+                TILE=32 if d_pad <= 128 else 16, PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+
+def splits_for(keys: int) -> int:
+    """How many programs share a row's `keys` key positions (each at most SPLIT_KEYS of them)."""
+    return max(1, -(-keys // SPLIT_KEYS))
+
+
+def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+           positions: torch.Tensor, window: int | None, scale: float, keys: int) -> torch.Tensor:
+    """q: [B, H_q, D], one decode row per request; k_pool, v_pool: [blocks, BLOCK, H_kv, D]; tables: [B, W]
+    int64, each row's blocks (its keys at positions [0, W * BLOCK)); positions: [B] int64, each row's own
+    position: it sees its keys up to it (the last `window` of them where there is one) -> [B, H_q, D].
+
+    `keys`: the key positions the rows may reach, at most W * BLOCK (a step's furthest row's, rounded up
+    as the caller likes: fixed for a graph); it sets the splits, not what a row reads."""
+    B, H_q, D = q.shape
+    H_kv = k_pool.shape[2]
+    n_rep = H_q // H_kv
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    splits = splits_for(keys)
+    o = torch.empty(B, H_kv, splits, n_rep, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H_kv, splits, n_rep, dtype=torch.float32, device=q.device)
+    _partial[(B, H_kv, splits)](
+        q, k_pool, v_pool, tables, positions, o, lse,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), tables.stride(0),
+        window or 0, scale, SPLIT_KEYS, **constants(n_rep, D, q.dtype))
+    if splits == 1:
+        return o[:, :, 0].reshape(B, H_q, D).to(q.dtype)
+    # Each split's softmax over its own keys, weighted by its share of the whole: exp(lse - max lse).
+    weight = torch.exp(lse - lse.amax(2, keepdim=True).clamp_min(torch.finfo(torch.float32).min))  # [B, H_kv, S, R]
+    merged = (o * weight[..., None]).sum(2) / weight.sum(2).clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return merged.reshape(B, H_q, D).to(q.dtype)
