@@ -1,4 +1,4 @@
-"""A step's decode rows attending over their own blocks of a KV pool, in place: one Triton kernel.
+"""A step's decode rows attending over their own blocks of a KV pool, in place: a Triton kernel.
 
 The portable path (model/attention.attend_rows, fed by kv_cache.Pool.gather) first copies every
 row's blocks into a [rows, H_kv, S, D] buffer padded to the longest row (in a GPU's fixed-shape step,
@@ -13,14 +13,16 @@ h, as attend_rows' call shape groups them) over one split of the key positions: 
 TILE positions, each key's pool row looked up in the row's block table, scores in f32 and a running
 (max, sum) softmax, as flash attention computes it. Splitting the keys keeps a GPU's cores busy when
 few rows have long contexts (one session at 8k positions: 8 kv heads x 32 splits, not 8 programs);
-the splits' partial results, each with its log-sum-exp, are merged by a few torch ops after it.
+the splits' partial results, each with its log-sum-exp, are merged by a second kernel (two launches
+a layer, where the gathered way's copies, mask and SDPA make about six).
 
 Nothing in it reads a value back to the host or depends on one for its launch (the splits are fixed
 by the key width the caller names, the loop bounds are read on the GPU), so a CUDA graph captures
-it as it is (compute/decode_graph.py). Rounding: the scores and the softmax are f32; a bf16 / f16
-step's probabilities are rounded to its dtype before their product with V (what SDPA's fused
-kernels do), whose sum is f32; the output is rounded once to the step's dtype. An f32 step's dots
-are computed in f32 ("ieee"), not TF32.
+it as it is (compute/decode_graph.py). Rounding: queries, keys and values are read into f32, the
+scores, the softmax and every sum are f32, and the output is rounded once to the step's dtype. The
+dots of an f32 step are f32 ("ieee"); a bf16 / f16 step's run on TF32 tensor cores, which hold its
+queries, keys and values exactly and round the probabilities to 10 bits before their product with V
+(SDPA's fused kernels round them to the step's dtype: 7 bits for bf16).
 
 Triton's interpreter (TRITON_INTERPRET=1) runs it on a CPU, where the tests check it against an f64
 evaluation of the same attention; tests/support/triton_compile.py compiles it for sm_90. A CPU
@@ -87,13 +89,47 @@ def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, o_ptr, lse_ptr,
     tl.store(lse_ptr + at + rows, lse, mask=row_ok)
 
 
-def constants(n_rep: int, head_dim: int, dtype: torch.dtype) -> dict:
-    """The kernel's compile-time arguments for kv heads of `n_rep` query heads each, of `head_dim`, in `dtype`:
-    tiles narrower for wide heads (a tile of keys and of values is held in f32), f32 dots as f32 ("ieee");
-    a half dtype's in TF32, which holds bf16 and f16 values exactly (the probabilities rounded to 10 bits)."""
-    d_pad = triton.next_power_of_2(max(head_dim, 16))
-    return dict(N_REP=n_rep, ROWS=max(_QUERY_ROWS, triton.next_power_of_2(n_rep)), D=head_dim, D_PAD=d_pad,
-                TILE=32 if d_pad <= 128 else 16, PRECISION="ieee" if dtype == torch.float32 else "tf32")
+@triton.jit
+def _merge(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, splits,
+           N_REP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    # o: [B, H_kv, splits, N_REP, D] f32, lse: [B, H_kv, splits, N_REP] f32 -> out: [B, H_q, D], each split's
+    # softmax weighted by its share of the row's whole, exp(lse - the largest lse), rounded once to out's dtype
+    # (a GPU rounds to nearest; Triton's interpreter truncates).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, D_PAD)
+    row_ok = rows < N_REP
+    mask = row_ok[:, None] & (dims < D)[None, :]
+    first = (b * tl.num_programs(1) + h) * splits * N_REP  # lse's [b, h, 0, 0]
+    m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, D_PAD), dtype=tl.float32)
+    for split in range(splits):
+        at = first + split * N_REP + rows
+        lse = tl.load(lse_ptr + at, mask=row_ok, other=float("-inf"))
+        o = tl.load(o_ptr + at[:, None] * D + dims[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        # While no split has seen a key m_new is -inf: shifted by 0, what came before and this weigh 0.
+        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m - shift)
+        weight = tl.exp(lse - shift)
+        total = total * alpha + weight
+        acc = acc * alpha[:, None] + weight[:, None] * o
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + (h * N_REP + rows)[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def constants(n_rep: int, head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """The compile-time arguments of `_partial` and of `_merge` for kv heads of `n_rep` query heads each, of
+    `head_dim`, in `dtype`: tiles of keys narrower for wide heads (a tile of keys and one of values are held
+    in f32), f32 dots in f32 ("ieee"), a half dtype's in TF32."""
+    shape = dict(N_REP=n_rep, ROWS=max(_QUERY_ROWS, triton.next_power_of_2(n_rep)), D=head_dim,
+                 D_PAD=triton.next_power_of_2(max(head_dim, 16)))
+    return shape | dict(TILE=32 if shape["D_PAD"] <= 128 else 16,
+                        PRECISION="ieee" if dtype == torch.float32 else "tf32"), shape
 
 
 def splits_for(keys: int) -> int:
@@ -117,13 +153,11 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: 
     splits = splits_for(keys)
     o = torch.empty(B, H_kv, splits, n_rep, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H_kv, splits, n_rep, dtype=torch.float32, device=q.device)
+    partial, merge = constants(n_rep, D, q.dtype)
     _partial[(B, H_kv, splits)](
         q, k_pool, v_pool, tables, positions, o, lse,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), tables.stride(0),
-        window or 0, scale, SPLIT_KEYS, **constants(n_rep, D, q.dtype))
-    if splits == 1:
-        return o[:, :, 0].reshape(B, H_q, D).to(q.dtype)
-    # Each split's softmax over its own keys, weighted by its share of the whole: exp(lse - max lse).
-    weight = torch.exp(lse - lse.amax(2, keepdim=True).clamp_min(torch.finfo(torch.float32).min))  # [B, H_kv, S, R]
-    merged = (o * weight[..., None]).sum(2) / weight.sum(2).clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    return merged.reshape(B, H_q, D).to(q.dtype)
+        window or 0, scale, SPLIT_KEYS, **partial)
+    out = torch.empty(B, H_q, D, dtype=q.dtype, device=q.device)
+    _merge[(B, H_kv)](o, lse, out, out.stride(0), out.stride(1), splits, **merge)
+    return out

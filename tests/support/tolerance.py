@@ -293,7 +293,8 @@ def decode_attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     * the weighted sum of the S values, in f32, adds S u of sum p_i |v_i| <= max |v|; merging the
       splits' partial sums (exps of their log-sum-exps, O(A + log S) each) adds 4 (A + log S + 1) u;
     * a half dtype's probabilities enter the product with V in TF32 (a GPU's; 2^-11 each);
-    * the output is rounded once to `dtype` (u of it, relative).
+    * the output is rounded once to `dtype`: to nearest on a GPU (u of it), toward zero by Triton's
+      interpreter (2 u).
     Returned as an absolute bound over the row's outputs: the terms above times max |v|, plus the
     output's rounding of max |exact| (<= max |v|)."""
     u = U[torch.float32]
@@ -303,4 +304,4 @@ def decode_attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     if dtype != torch.float32:
         relative += 2.0**-11
     top = v.double().abs().max().item()
-    return top * (relative + (U[dtype] if dtype != torch.float32 else 0.0))
+    return top * (relative + (2 * U[dtype] if dtype != torch.float32 else 0.0))

@@ -31,19 +31,20 @@ def fp8_case(rows, out):
 
 def paged_case(dtype, n_rep, head_dim):
     pointers = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "tables_ptr": "*i64",
-                "positions_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"}
-    return paged_attention._partial, pointers, paged_attention.constants(int(n_rep), int(head_dim), DTYPES[dtype]), ""
+                "positions_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{dtype}", "scale": "fp32"}
+    partial, merge = paged_attention.constants(int(n_rep), int(head_dim), DTYPES[dtype])
+    return ((paged_attention._partial, pointers, partial, ""), (paged_attention._merge, pointers, merge, ""))
 
 
 for case in sys.argv[1:]:
     name, *fields = case.split(":")
-    kernel, pointers, constants, in_ptx = (fp8_case if name == "fp8" else paged_case)(*fields)
-    signature = {arg: pointers.get(arg, "constexpr" if arg in constants else "i32") for arg in kernel.arg_names}
-    try:
-        compiled = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm["cubin"] and in_ptx in compiled.asm["ptx"], f"no {in_ptx} in its PTX"
-    except Exception as e:
-        print(case, type(e).__name__, str(e).splitlines()[-1] if str(e) else "")
+    for kernel, pointers, constants, in_ptx in ((fp8_case(*fields),) if name == "fp8" else paged_case(*fields)):
+        signature = {arg: pointers.get(arg, "constexpr" if arg in constants else "i32") for arg in kernel.arg_names}
+        try:
+            compiled = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+            assert compiled.asm["cubin"] and in_ptx in compiled.asm["ptx"], f"no {in_ptx} in its PTX"
+        except Exception as e:
+            print(case, kernel.__name__, type(e).__name__, str(e).splitlines()[-1] if str(e) else "")
 """
 
 
