@@ -41,7 +41,9 @@ SPLIT_KEYS = 256  # key positions per program: a split of a row's keys
 _QUERY_ROWS = 16  # tl.dot's least rows: a kv head's n_rep query heads padded to this
 
 
-@triton.jit
+# What varies from step to step (a graph's bucket sets q's strides, a context's growth the tables' width and
+# the splits) compiles no new variant: Triton would specialise each integer on being 1 or a multiple of 16.
+@triton.jit(do_not_specialize=["stride_qb", "stride_qh", "stride_tb", "window"])
 def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, o_ptr, lse_ptr,
              stride_qb, stride_qh, stride_kb, stride_kr, stride_kh, stride_tb, window, scale, split_keys,
              N_REP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
@@ -89,7 +91,7 @@ def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, o_ptr, lse_ptr,
     tl.store(lse_ptr + at + rows, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ob", "stride_oh", "splits"])
 def _merge(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, splits,
            N_REP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
     # o: [B, H_kv, splits, N_REP, D] f32, lse: [B, H_kv, splits, N_REP] f32 -> out: [B, H_q, D], each split's
