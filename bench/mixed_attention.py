@@ -41,7 +41,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from bench.blocks import timed
 from bench.pool import machine_line
 from cakemp.compute.kv_cache import BLOCK, KVCache
-from cakemp.compute.paged_step import StepRows
+from cakemp.compute.paged_step import StepRows, in_place_attention
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -54,6 +54,7 @@ class Step:
                  device: torch.device, dtype: torch.dtype):
         H_q, H_kv, D = heads
         self.cache = cache = KVCache(H_kv, D, dtype, device, max_context=context + T + 1)
+        cache.paged_attend = in_place_attention(device, dtype, H_q // H_kv, D)  # as a runner's (a GPU's kernel)
         self.lengths = [1] * decodes + [T] * chunks
         self.starts = [context] * decodes + [context // 2] * chunks
         sessions = range(1, decodes + chunks + 1)

@@ -210,7 +210,7 @@ class DecodeGraph:
 
         Each copy and fill here is a launch on a GPU, ahead of the replay: the step's rows go in with
         three copies, and padding rows are reset only where the last step had a real row. A padding row
-        keeps whatever input and position it held: it writes only the scratch block and reads only the
+        keeps whatever input it held, at position 0: it writes only the scratch block and reads only the
         null block, and every op of a layer is row by row, so its output, discarded, reaches no row."""
         B = x.shape[1]
         self.x[:, :B] = x
@@ -221,6 +221,7 @@ class DecodeGraph:
         if B < self.rows:  # rows of the last step's requests, padding now
             self.slot_ids[:, B:self.rows] = SCRATCH_BLOCK * BLOCK
             self.tables[:, B:self.rows] = NULL_BLOCK
+            self.positions[:, B:self.rows] = 0  # (on a GPU a row reads its null blocks up to its position)
         self.rows = B
         for index, rotary in enumerate(self.rotaries):
             if rotary is not None and rotary.long_inv_freq is not None:

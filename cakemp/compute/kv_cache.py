@@ -60,7 +60,7 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
@@ -318,13 +318,10 @@ class KVCache:
         self._linear_bytes = 0  # the live sessions' linear-attention states
         self.spare: Spare | None = None
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # `gather_space`'s K and V
-        # How a step's decode rows attend: on a GPU over their blocks where they lie in the pool, one Triton
-        # kernel (model/paged_attention.py, its `attend`); elsewhere (None) over a gathered copy, by SDPA.
-        self.paged_attend = None
-        if torch.device(device).type == "cuda":
-            from cakemp.model import paged_attention  # Triton: a GPU's torch brings it, a CPU's may not
-
-            self.paged_attend = paged_attention.attend
+        # How a step's decode rows attend: over their blocks where they lie in the pool, by a GPU's kernel
+        # (model/paged_attention.attend, where paged_step.in_place_attention gives it); None: over a gathered
+        # copy, by SDPA.
+        self.paged_attend: Callable | None = None
 
     @property
     def tables(self) -> torch.Tensor:

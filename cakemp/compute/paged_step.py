@@ -29,12 +29,14 @@ its own is amortised (and takes SDPA's fused causal kernels).
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from cakemp.compute.kv_cache import BLOCK, KVCache, KVSlot, int64_tensor
+from cakemp.log import get_logger
 from cakemp.model import attention
 from cakemp.model.rotary import Rotary
 
@@ -188,6 +190,26 @@ class StepRows:
             seen = seen_keys(keys, self.positions[index, : self.decodes], window)
             found = self._visible[key] = first, last, attention.bias(seen, self.cache.dtype)
         return found
+
+
+@functools.cache
+def in_place_attention(device: torch.device, dtype: torch.dtype, n_rep: int, head_dim: int) -> Callable | None:
+    """How decode rows of a layer of `n_rep` query heads a kv head of `head_dim`, in `dtype`, attend on
+    `device` (a KVCache's `paged_attend`): on a GPU in place, by model/paged_attention.py's kernel, once it
+    has run there beside the portable way and matched it; else None, the portable way (gathered keys and
+    SDPA), as on a CPU. The choice is logged once, with the reason where the kernel is not used."""
+    if device.type != "cuda":
+        return None
+    try:
+        from cakemp.model import paged_attention  # Triton: a GPU's torch brings it
+
+        paged_attention.trial(device, dtype, n_rep, head_dim)
+    except Exception as e:  # a kernel that cannot be imported, compiled or run here, or that differs, is not used
+        get_logger().warning("decode attention over gathered keys: the paged kernel is unavailable",
+                             device=str(device), reason=f"{type(e).__name__}: {str(e)[:200]}")
+        return None
+    get_logger().info("decode attention in place", device=str(device), kernel="model/paged_attention.py")
+    return paged_attention.attend
 
 
 def seen_keys(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from cakemp.compute import memory, tensors
 from cakemp.compute.decode_graph import DecodeGraphs, capturable
 from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.compute.loading import Block, LoadPlan, Rounding, check_quantizable, kept_kernels
-from cakemp.compute.paged_step import StepRows
+from cakemp.compute.paged_step import StepRows, in_place_attention
 from cakemp.compute.prefix_cache import Begun, PrefixCache
 from cakemp.errors import InternalError, PositionGap, RecurrentRewind, UnknownLayer
 from cakemp.model.block import MATRICES
@@ -246,6 +246,8 @@ class BlockRunner:
             budget_bytes=kv_budget_bytes,
             linear_shapes=_linear_state_shapes(config),
         )
+        self.cache.paged_attend = in_place_attention(device, dtype, config.num_attention_heads // config.num_key_value_heads,
+                                                     config.head_dim)
         self.prefixes = PrefixCache(self.cache, [block.recurrent for block in self.blocks], config.hidden_size,
                                     share_prefixes) if prefix_reuse else None
         self.capturable = tuple(map(capturable, self.blocks))

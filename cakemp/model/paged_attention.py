@@ -21,8 +21,8 @@ by the key width the caller names, the loop bounds are read on the GPU), so a CU
 it as it is (compute/decode_graph.py). Rounding: queries, keys and values are read into f32, the
 scores, the softmax and every sum are f32, and the output is rounded once to the step's dtype. The
 dots of an f32 step are f32 ("ieee"); a bf16 / f16 step's run on TF32 tensor cores, which hold its
-queries, keys and values exactly and round the probabilities to 10 bits before their product with V
-(SDPA's fused kernels round them to the step's dtype: 7 bits for bf16).
+queries, keys and values exactly and keep 10 bits of each probability's mantissa in its product with V
+(truncated, by up to 2^-10 relatively; SDPA's fused kernels round them to the step's dtype, 7 bits for bf16).
 
 Triton's interpreter (TRITON_INTERPRET=1) runs it on a CPU, where the tests check it against an f64
 evaluation of the same attention; tests/support/triton_compile.py compiles it for sm_90. A CPU
@@ -35,26 +35,36 @@ import torch
 import triton
 import triton.language as tl
 
+from cakemp.model import attention
+
 BLOCK = 16  # positions per block of the pool: kv_cache.BLOCK's (model/ cannot import compute/)
 _BLOCK = tl.constexpr(BLOCK)  # as the kernel reads it (the compiler reads a global only as a constexpr)
-SPLIT_KEYS = 256  # key positions per program: a split of a row's keys
+SPLIT_KEYS = 256  # key positions per program at least: a split of a row's keys
+MAX_SPLITS = 64  # past 16,384 positions the splits widen instead (a program per split, most of them empty)
 _QUERY_ROWS = 16  # tl.dot's least rows: a kv head's n_rep query heads padded to this
+
+
+@triton.jit
+def _seen(positions_ptr, b, window):
+    """Row b's keys [first, end): to its own position, the last `window` of them where there is one (0: none)."""
+    end = tl.load(positions_ptr + b) + 1
+    return tl.where(window > 0, tl.maximum(end - window, 0), 0), end
 
 
 # What varies from step to step (a graph's bucket sets q's strides, a context's growth the tables' width and
 # the splits) compiles no new variant: Triton would specialise each integer on being 1 or a multiple of 16.
-@triton.jit(do_not_specialize=["stride_qb", "stride_qh", "stride_tb", "window"])
+@triton.jit(do_not_specialize=["stride_qb", "stride_qh", "stride_tb", "window", "split_keys"])
 def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, o_ptr, lse_ptr,
              stride_qb, stride_qh, stride_kb, stride_kr, stride_kh, stride_tb, window, scale, split_keys,
              N_REP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
              PRECISION: tl.constexpr):
     # q: [B, H_q, D]; k, v: [blocks, BLOCK, H_kv, D]; tables: [B, W] block ids; positions: [B];
     # o: [B, H_kv, splits, N_REP, D] f32, each split's softmax-weighted V; lse: [B, H_kv, splits, N_REP] f32.
-    b = tl.program_id(0)
+    # A split holding none of its row's keys (past its end, before its window) writes nothing: _merge skips it.
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    end = tl.load(positions_ptr + b) + 1  # the row sees keys [first, end)
-    first = tl.where(window > 0, tl.maximum(end - window, 0), 0)
+    first, end = _seen(positions_ptr, b, window)
     lo = tl.maximum(first, split * split_keys)
     hi = tl.minimum(end, (split + 1) * split_keys)
     rows = tl.arange(0, ROWS)  # [R]: query head h * N_REP + row
@@ -82,46 +92,41 @@ def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, o_ptr, lse_ptr,
         v = tl.load(v_ptr + at[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
-    # A split with no key of the row (past its end, before its window) adds nothing: its lse is -inf.
-    some = total > 0
-    out = tl.where(some[:, None], acc / tl.where(some, total, 1.0)[:, None], 0.0)
-    lse = tl.where(some, m + tl.log(tl.where(some, total, 1.0)), float("-inf"))
     at = ((b * tl.num_programs(1) + h) * tl.num_programs(2) + split) * N_REP  # lse's [b, h, split, 0]
-    tl.store(o_ptr + (at + rows)[:, None] * D + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
-    tl.store(lse_ptr + at + rows, lse, mask=row_ok)
+    some = rows < tl.where(lo < hi, N_REP, 0)  # the rows to store: none where the split holds no key
+    total = tl.maximum(total, 1.0)  # (a split that saw a key sums exp(0) for its largest score: >= 1 already)
+    tl.store(o_ptr + (at + rows)[:, None] * D + dims[None, :], acc / total[:, None], mask=some[:, None] & dim_ok[None, :])
+    tl.store(lse_ptr + at + rows, m + tl.log(total), mask=some)
 
 
-@triton.jit(do_not_specialize=["stride_ob", "stride_oh", "splits"])
-def _merge(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, splits,
+@triton.jit(do_not_specialize=["stride_ob", "stride_oh", "splits", "window", "split_keys"])
+def _merge(o_ptr, lse_ptr, out_ptr, positions_ptr, stride_ob, stride_oh, splits, window, split_keys,
            N_REP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    # o: [B, H_kv, splits, N_REP, D] f32, lse: [B, H_kv, splits, N_REP] f32 -> out: [B, H_q, D], each split's
-    # softmax weighted by its share of the row's whole, exp(lse - the largest lse), rounded once to out's dtype
-    # (a GPU rounds to nearest; Triton's interpreter truncates).
-    b = tl.program_id(0)
+    # o: [B, H_kv, splits, N_REP, D] f32, lse: [B, H_kv, splits, N_REP] f32 -> out: [B, H_q, D]: the splits
+    # holding the row's keys, each's softmax weighted by its share of the whole, exp(lse - the largest lse),
+    # rounded once to out's dtype (a GPU rounds to nearest; Triton's interpreter truncates).
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    first, end = _seen(positions_ptr, b, window)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, D_PAD)
     row_ok = rows < N_REP
     mask = row_ok[:, None] & (dims < D)[None, :]
-    first = (b * tl.num_programs(1) + h) * splits * N_REP  # lse's [b, h, 0, 0]
     m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, D_PAD), dtype=tl.float32)
-    for split in range(splits):
-        at = first + split * N_REP + rows
-        lse = tl.load(lse_ptr + at, mask=row_ok, other=float("-inf"))
+    for split in range(first // split_keys, (end - 1) // split_keys + 1):
+        at = ((b * tl.num_programs(1) + h) * splits + split) * N_REP + rows
+        lse = tl.load(lse_ptr + at, mask=row_ok, other=0.0)
         o = tl.load(o_ptr + at[:, None] * D + dims[None, :], mask=mask, other=0.0)
         m_new = tl.maximum(m, lse)
-        # While no split has seen a key m_new is -inf: shifted by 0, what came before and this weigh 0.
-        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp(m - shift)
-        weight = tl.exp(lse - shift)
+        alpha = tl.exp(m - m_new)
+        weight = tl.exp(lse - m_new)
         total = total * alpha + weight
         acc = acc * alpha[:, None] + weight[:, None] * o
         m = m_new
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptr + b * stride_ob + (h * N_REP + rows)[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+             (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def constants(n_rep: int, head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
@@ -130,13 +135,16 @@ def constants(n_rep: int, head_dim: int, dtype: torch.dtype) -> tuple[dict, dict
     in f32), f32 dots in f32 ("ieee"), a half dtype's in TF32."""
     shape = dict(N_REP=n_rep, ROWS=max(_QUERY_ROWS, triton.next_power_of_2(n_rep)), D=head_dim,
                  D_PAD=triton.next_power_of_2(max(head_dim, 16)))
-    return shape | dict(TILE=32 if shape["D_PAD"] <= 128 else 16,
-                        PRECISION="ieee" if dtype == torch.float32 else "tf32"), shape
+    # An f32 step's dots run on the CUDA cores, a [16, D] x [D, TILE] product in registers: 16 keys a tile.
+    wide = shape["D_PAD"] > (64 if dtype == torch.float32 else 128)
+    return shape | dict(TILE=16 if wide else 32, PRECISION="ieee" if dtype == torch.float32 else "tf32"), shape
 
 
-def splits_for(keys: int) -> int:
-    """How many programs share a row's `keys` key positions (each at most SPLIT_KEYS of them)."""
-    return max(1, -(-keys // SPLIT_KEYS))
+def splits_for(keys: int) -> tuple[int, int]:
+    """(splits, the key positions each holds) of rows reaching `keys` positions: SPLIT_KEYS each, up to
+    MAX_SPLITS of them, wider beyond."""
+    width = SPLIT_KEYS * -(-keys // (SPLIT_KEYS * MAX_SPLITS))
+    return max(1, -(-keys // width)), width
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -146,20 +154,64 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: 
     position: it sees its keys up to it (the last `window` of them where there is one) -> [B, H_q, D].
 
     `keys`: the key positions the rows may reach, at most W * BLOCK (a step's furthest row's, rounded up
-    as the caller likes: fixed for a graph); it sets the splits, not what a row reads."""
+    as the caller likes: fixed for a graph); it sets the splits, not what a row reads: a row past it would
+    see keys up to it only (ValueError where it passes the tables' positions)."""
     B, H_q, D = q.shape
     H_kv = k_pool.shape[2]
     n_rep = H_q // H_kv
+    _check(q, k_pool, v_pool, tables, positions, keys)
     if q.stride(2) != 1:
         q = q.contiguous()
-    splits = splits_for(keys)
+    splits, split_keys = splits_for(keys)
     o = torch.empty(B, H_kv, splits, n_rep, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H_kv, splits, n_rep, dtype=torch.float32, device=q.device)
     partial, merge = constants(n_rep, D, q.dtype)
     _partial[(B, H_kv, splits)](
         q, k_pool, v_pool, tables, positions, o, lse,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), tables.stride(0),
-        window or 0, scale, SPLIT_KEYS, **partial)
+        window or 0, scale, split_keys, **partial)
     out = torch.empty(B, H_q, D, dtype=q.dtype, device=q.device)
-    _merge[(B, H_kv)](o, lse, out, out.stride(0), out.stride(1), splits, **merge)
+    _merge[(B, H_kv)](o, lse, out, positions, out.stride(0), out.stride(1), splits, window or 0, split_keys, **merge)
     return out
+
+
+def _check(q, k_pool, v_pool, tables, positions, keys: int) -> None:
+    """ValueError where the call breaks what the kernel assumes of its tensors (read from shapes and
+    strides only: nothing waits for the GPU)."""
+    if not (k_pool.shape == v_pool.shape and k_pool.stride() == v_pool.stride() and k_pool.stride(3) == 1
+            and k_pool.shape[1] == BLOCK and k_pool.shape[3] == q.shape[2] and q.shape[1] % k_pool.shape[2] == 0):
+        raise ValueError(f"pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not fit queries {tuple(q.shape)}")
+    if tables.dtype != torch.int64 or positions.dtype != torch.int64 or tables.stride(1) != 1 or \
+            positions.stride(0) != 1 or len(tables) != len(q) or len(positions) != len(q):
+        raise ValueError(f"tables {tables.dtype} {tuple(tables.shape)} and positions {positions.dtype} "
+                         f"{tuple(positions.shape)}: one int64 row each of {len(q)} rows, contiguous")
+    if keys > tables.shape[1] * BLOCK:
+        raise ValueError(f"keys {keys} past the tables' {tables.shape[1] * BLOCK} positions")
+
+
+def trial(device: torch.device, dtype: torch.dtype, n_rep: int, head_dim: int) -> None:
+    """Run the kernel on `device` for a layer of `n_rep` query heads a kv head of `head_dim`, in `dtype`, beside
+    the portable way (attend_rows over the same keys, gathered): two rows over scattered blocks, across
+    splits, with and without a window. AssertionError where they differ past the dtype's rounding (any
+    failure to compile or run it raises too): the caller then keeps the portable way."""
+    generator = torch.Generator().manual_seed(0)
+    H_kv, width = 2, 40  # blocks a table: 640 positions, three splits
+    k_pool, v_pool = (torch.randn(width * 2 + 2, BLOCK, H_kv, head_dim, generator=generator).to(device, dtype)
+                      for _ in range(2))
+    tables = torch.stack([torch.randperm(width * 2, generator=generator)[:width] + 2 for _ in range(2)]).to(device)
+    positions = torch.tensor([5, 600], device=device)
+    q = torch.randn(2, H_kv * n_rep, head_dim, generator=generator).to(device, dtype)
+    keys = torch.arange(width * BLOCK, device=device)
+    k, v = (pool[tables].flatten(1, 2).transpose(1, 2).float() for pool in (k_pool, v_pool))  # [2, H_kv, S, D]
+    for window in (None, 300):
+        seen = keys <= positions[:, None]
+        if window is not None:
+            seen &= keys > positions[:, None] - window
+        expected = attention.attend_rows(q.float(), k, v, seen, head_dim**-0.5)  # the same values, in f32
+        got = attend(q, k_pool, v_pool, tables, positions, window, head_dim**-0.5, width * BLOCK).float()
+        # The output's rounding to `dtype` (and the reference's, twice over), the sums' order over its keys in
+        # f32 and, for a half dtype, TF32's truncated probabilities (2^-10). A key missed or too many is far more.
+        tolerance = 4 * torch.finfo(dtype).eps * expected.abs().max().item() + \
+            (len(keys) * 2.0**-24 + (2.0**-10 if dtype != torch.float32 else 0.0)) * v.abs().max().item()
+        error = (got - expected).abs().max().item()
+        assert error <= tolerance, f"the kernel differs from the portable way by {error:.3g} (window {window})"

@@ -258,6 +258,7 @@ def test_a_row_that_turns_padding_in_its_bucket_writes_no_session_s_blocks_any_m
     decode_together(graphed, paged, lengths, steps=2)  # rows 1-3 of the bucket of 4, the fourth padding
     (graph,) = graphed.graphs.made.values()
     assert (graph.slot_ids[:, 3] == SCRATCH_BLOCK * BLOCK).all() and (graph.tables[:, 3] == NULL_BLOCK).all()
+    assert (graph.positions[:, 3] == 0).all()  # the kernel reads a row's null blocks no further than position 0
     lengths[5] = 30
     decode_together(graphed, paged, lengths, steps=2, seed=9)
     assert {key[1] for key in graphed.graphs.made} == {4}

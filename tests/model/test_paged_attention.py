@@ -117,7 +117,46 @@ def test_a_padding_row_of_null_blocks_gives_zeros_and_no_nan():
 
 
 def test_the_keys_are_split_among_programs_by_the_width_asked_for():
-    assert [paged_attention.splits_for(keys) for keys in (16, 256, 257, 640, 8192)] == [1, 1, 2, 3, 32]
+    """256 positions a program, up to 64 programs a row and head; wider splits past that."""
+    assert [paged_attention.splits_for(keys) for keys in (16, 256, 257, 640, 16384, 16385, 131072)] == [
+        (1, 256), (1, 256), (2, 256), (3, 256), (64, 256), (33, 512), (64, 2048)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_start_up_trial_passes_the_kernel_and_fails_a_wrong_one(dtype, monkeypatch):
+    """What a GPU device runs before it uses the kernel (paged_attention.trial, beside the portable way):
+    it passes the kernel, here through the interpreter, and fails one that drops a row's last key."""
+    paged_attention.trial(DEVICE, dtype, n_rep=4, head_dim=32)
+    attend = paged_attention.attend
+
+    def short_by_one(q, k_pool, v_pool, tables, positions, *args):
+        return attend(q, k_pool, v_pool, tables, positions - 1, *args)
+
+    monkeypatch.setattr(paged_attention, "attend", short_by_one)
+    with pytest.raises(AssertionError, match="differs from the portable way"):
+        paged_attention.trial(DEVICE, dtype, n_rep=4, head_dim=32)
+
+
+def test_a_gpu_takes_the_kernel_only_once_its_trial_passed(monkeypatch):
+    """paged_step.in_place_attention: the CPU's decode rows attend over gathered keys, whatever Triton
+    can do; a GPU's in place where the kernel's trial passed, else over gathered keys too, logged with
+    why (no GPU is needed to decide: the trial is what touches the device)."""
+    from structlog.testing import capture_logs
+
+    from cakemp.compute.paged_step import in_place_attention
+
+    assert in_place_attention(torch.device("cpu"), torch.float32, 4, 32) is None
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(paged_attention, "trial", lambda *shape: None)
+    assert in_place_attention(gpu, torch.bfloat16, 4, 64) is paged_attention.attend
+
+    def fails(*shape):
+        raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(paged_attention, "trial", fails)
+    with capture_logs() as logs:
+        assert in_place_attention(gpu, torch.bfloat16, 8, 64) is None
+    assert [log["reason"] for log in logs] == ["RuntimeError: no kernel image is available"]
 
 
 def test_the_kernel_compiles_for_hopper_as_a_gpu_compiles_it():
@@ -145,7 +184,7 @@ def test_a_gpu_runner_s_decode_rows_read_in_place_as_the_gathered_ones(tmp_path)
     layers = [f"model.layers.{i}" for i in range(3)]
     graphed, eager, gathered = (BlockRunner.load(path, layers, "cuda", torch.float32, graph_batch=batch)
                                 for batch in (4, None, None))
-    assert graphed.cache.paged_attend is eager.cache.paged_attend is paged_attention.attend
+    assert graphed.cache.paged_attend is eager.cache.paged_attend is paged_attention.attend  # its trial passed
     gathered.cache.paged_attend = None
     hidden, lengths = graphed.config.hidden_size, {1: 3, 2: 40, 3: 255}
     generator = torch.Generator().manual_seed(0)

@@ -292,7 +292,8 @@ def decode_attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
       and the weights' own exps, running sum and division add (S + 3) u;
     * the weighted sum of the S values, in f32, adds S u of sum p_i |v_i| <= max |v|; merging the
       splits' partial sums (exps of their log-sum-exps, O(A + log S) each) adds 4 (A + log S + 1) u;
-    * a half dtype's probabilities enter the product with V in TF32 (a GPU's; 2^-11 each);
+    * a half dtype's probabilities enter the product with V in TF32 (a GPU's tensor cores keep 10 bits of
+      their mantissas, truncating: 2^-10 each);
     * the output is rounded once to `dtype`: to nearest on a GPU (u of it), toward zero by Triton's
       interpreter (2 u).
     Returned as an absolute bound over the row's outputs: the terms above times max |v|, plus the
@@ -302,6 +303,6 @@ def decode_attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     A = scale * (q.double().abs() @ k.double().abs().t()).max().item()
     relative = 2 * (D + 1) * u * A + (S + 3) * u + S * u + 4 * (A + math.log(S) + 1) * u
     if dtype != torch.float32:
-        relative += 2.0**-11
+        relative += 2.0**-10
     top = v.double().abs().max().item()
     return top * (relative + (2 * U[dtype] if dtype != torch.float32 else 0.0))
