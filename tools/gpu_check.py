@@ -76,7 +76,8 @@ findings, or the error that stopped it, and the next one runs regardless:
    codec and ZeroMQ, to a device that echoes after the in-process step's time): what one front process
    relays on this machine's CPU, whatever the GPU, beside what the node did; and a 512-token prompt's
    round trip through it, what carrying its activation there and back costs here (`prompt_512_transport_ms`,
-   beside the node's prompt and in-process).
+   beside the node's prompt and in-process). `decode_attention`: the node's log of how its decode rows
+   attended (in place, by the paged kernel, once its start-up trial passed; else why not).
 12. graphs (~40 s, estimated): the same 4 layers through BlockRunner with its decode steps replayed
    as CUDA graphs (compute/decode_graph.py) beside the paged step op by op, at 1, 8 and 32 sessions
    512 tokens in: each replay against the same fixed-shape step run eagerly over the same buffers
@@ -1086,6 +1087,9 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
                     "requests_per_step": round(requests / steps, 1) if steps else None})
         finally:
             finding("node_perf.exit_status", node.stop())
+            # How its decode rows attended: in place (the paged kernel's start-up trial passed) or gathered, and why.
+            log = (Path(tmp) / "node.log").read_text(errors="replace")
+            finding("node_perf.decode_attention", [line[:300] for line in log.splitlines() if "decode attention" in line])
         n = max(counts)
         floor = await front_floor(Path(tmp), n, hidden, cached, names, n / in_process[n], seconds)  # its step's seconds
         finding(f"node_perf.front_floor_{n}", floor | {"over_in_process": round(floor["tok_s"] / in_process[n], 2),
