@@ -430,6 +430,8 @@ MUTANTS = (
     Mutant("paged-attention-splits-merged-unweighted", "cakemp/model/paged_attention.py",
            "        acc = acc * alpha[:, None] + weight[:, None] * o\n", "        acc = acc * alpha[:, None] + o\n",
            PAGED_ATTENTION),
+    Mutant("paged-attention-merge-reads-past-its-splits", "cakemp/model/paged_attention.py",
+           "tl.minimum((end - 1) // split_keys + 1, splits)", "(end - 1) // split_keys + 1", PAGED_ATTENTION),
     Mutant("paged-attention-reads-a-plain-global", "cakemp/model/paged_attention.py",
            "keys // _BLOCK", "keys // BLOCK", PAGED_ATTENTION),
     Mutant("paged-step-in-place-without-the-window", "cakemp/compute/paged_step.py",

@@ -115,7 +115,8 @@ def _merge(o_ptr, lse_ptr, out_ptr, positions_ptr, stride_ob, stride_oh, splits,
     m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, D_PAD), dtype=tl.float32)
-    for split in range(first // split_keys, (end - 1) // split_keys + 1):
+    # (A row past the keys the caller named reads no split past the last: it sees keys up to them only.)
+    for split in range(first // split_keys, tl.minimum((end - 1) // split_keys + 1, splits)):
         at = ((b * tl.num_programs(1) + h) * splits + split) * N_REP + rows
         lse = tl.load(lse_ptr + at, mask=row_ok, other=0.0)
         o = tl.load(o_ptr + at[:, None] * D + dims[None, :], mask=mask, other=0.0)
@@ -126,7 +127,7 @@ def _merge(o_ptr, lse_ptr, out_ptr, positions_ptr, stride_ob, stride_oh, splits,
         acc = acc * alpha[:, None] + weight[:, None] * o
         m = m_new
     tl.store(out_ptr + b * stride_ob + (h * N_REP + rows)[:, None] * stride_oh + dims[None, :],
-             (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+             (acc / tl.where(total > 0, total, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def constants(n_rep: int, head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:

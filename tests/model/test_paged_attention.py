@@ -116,6 +116,18 @@ def test_a_padding_row_of_null_blocks_gives_zeros_and_no_nan():
     assert torch.equal(got, torch.zeros_like(got))
 
 
+def test_a_row_past_the_keys_named_reads_no_split_beyond_them():
+    """`keys` must reach every row's position; a caller that names fewer (a bug) gets attention over those
+    keys only, and no program reads past the splits it launched (on a GPU: memory past their buffers)."""
+    k_pool, v_pool = pools(2, 16, torch.float32, seed=6)
+    tables = scattered_tables(1, 40, seed=7)
+    q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    got = paged_attention.attend(q, k_pool, v_pool, tables.to(DEVICE), torch.tensor([600], device=DEVICE), None,
+                                 0.25, 256)
+    expected, bounds = exact(q[0].cpu(), k_pool.cpu(), v_pool.cpu(), tables[0], 255, None, 0.25)
+    assert ((got[0].cpu().double() - expected).abs().amax(1) <= bounds).all()
+
+
 def test_the_keys_are_split_among_programs_by_the_width_asked_for():
     """256 positions a program, up to 64 programs a row and head; wider splits past that."""
     assert [paged_attention.splits_for(keys) for keys in (16, 256, 257, 640, 16384, 16385, 131072)] == [
