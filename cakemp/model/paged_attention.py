@@ -45,17 +45,20 @@ _QUERY_ROWS = 16  # tl.dot's least rows: a kv head's n_rep query heads padded to
 
 
 @triton.jit
-def _seen(positions_ptr, b, window):
-    """Row b's keys [first, end): to its own position, the last `window` of them where there is one (0: none)."""
+def _seen(positions_ptr, b, window, reach):
+    """Row b's keys [first, end): to its own position, the last `window` of them where there is one (0: none),
+    and before `reach`, the key positions the caller named (which every row's position should be within)."""
     end = tl.load(positions_ptr + b) + 1
-    return tl.where(window > 0, tl.maximum(end - window, 0), 0), end
+    return tl.where(window > 0, tl.maximum(end - window, 0), 0), tl.minimum(end, reach)
 
 
 # What varies from step to step (a graph's bucket sets q's strides, a context's growth the tables' width and
-# the splits) compiles no new variant: Triton would specialise each integer on being 1 or a multiple of 16.
-@triton.jit(do_not_specialize=["stride_qb", "stride_qh", "stride_tb", "window", "split_keys"])
+# the splits) compiles no new variant: Triton would specialise each integer on being 1 or a multiple of 16, and
+# each pointer on its alignment (a layer's positions and tables are views at any offset of the step's).
+@triton.jit(do_not_specialize=["stride_qb", "stride_qh", "stride_tb", "window", "reach", "split_keys"],
+            do_not_specialize_on_alignment=["q_ptr", "tables_ptr", "positions_ptr"])
 def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, o_ptr, lse_ptr,
-             stride_qb, stride_qh, stride_kb, stride_kr, stride_kh, stride_tb, window, scale, split_keys,
+             stride_qb, stride_qh, stride_kb, stride_kr, stride_kh, stride_tb, window, scale, reach, split_keys,
              N_REP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
              PRECISION: tl.constexpr):
     # q: [B, H_q, D]; k, v: [blocks, BLOCK, H_kv, D]; tables: [B, W] block ids; positions: [B];
@@ -64,7 +67,7 @@ def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, o_ptr, lse_ptr,
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    first, end = _seen(positions_ptr, b, window)
+    first, end = _seen(positions_ptr, b, window, reach)
     lo = tl.maximum(first, split * split_keys)
     hi = tl.minimum(end, (split + 1) * split_keys)
     rows = tl.arange(0, ROWS)  # [R]: query head h * N_REP + row
@@ -99,15 +102,16 @@ def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, o_ptr, lse_ptr,
     tl.store(lse_ptr + at + rows, m + tl.log(total), mask=some)
 
 
-@triton.jit(do_not_specialize=["stride_ob", "stride_oh", "splits", "window", "split_keys"])
-def _merge(o_ptr, lse_ptr, out_ptr, positions_ptr, stride_ob, stride_oh, splits, window, split_keys,
+@triton.jit(do_not_specialize=["stride_ob", "stride_oh", "splits", "window", "reach", "split_keys"],
+            do_not_specialize_on_alignment=["positions_ptr"])
+def _merge(o_ptr, lse_ptr, out_ptr, positions_ptr, stride_ob, stride_oh, splits, window, reach, split_keys,
            N_REP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
     # o: [B, H_kv, splits, N_REP, D] f32, lse: [B, H_kv, splits, N_REP] f32 -> out: [B, H_q, D]: the splits
     # holding the row's keys, each's softmax weighted by its share of the whole, exp(lse - the largest lse),
     # rounded once to out's dtype (a GPU rounds to nearest; Triton's interpreter truncates).
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    first, end = _seen(positions_ptr, b, window)
+    first, end = _seen(positions_ptr, b, window, reach)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, D_PAD)
     row_ok = rows < N_REP
@@ -115,8 +119,7 @@ def _merge(o_ptr, lse_ptr, out_ptr, positions_ptr, stride_ob, stride_oh, splits,
     m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, D_PAD), dtype=tl.float32)
-    # (A row past the keys the caller named reads no split past the last: it sees keys up to them only.)
-    for split in range(first // split_keys, tl.minimum((end - 1) // split_keys + 1, splits)):
+    for split in range(first // split_keys, (end - 1) // split_keys + 1):
         at = ((b * tl.num_programs(1) + h) * splits + split) * N_REP + rows
         lse = tl.load(lse_ptr + at, mask=row_ok, other=0.0)
         o = tl.load(o_ptr + at[:, None] * D + dims[None, :], mask=mask, other=0.0)
@@ -144,7 +147,7 @@ def constants(n_rep: int, head_dim: int, dtype: torch.dtype) -> tuple[dict, dict
 def splits_for(keys: int) -> tuple[int, int]:
     """(splits, the key positions each holds) of rows reaching `keys` positions: SPLIT_KEYS each, up to
     MAX_SPLITS of them, wider beyond."""
-    width = SPLIT_KEYS * -(-keys // (SPLIT_KEYS * MAX_SPLITS))
+    width = SPLIT_KEYS * max(1, -(-keys // (SPLIT_KEYS * MAX_SPLITS)))
     return max(1, -(-keys // width)), width
 
 
@@ -155,8 +158,8 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: 
     position: it sees its keys up to it (the last `window` of them where there is one) -> [B, H_q, D].
 
     `keys`: the key positions the rows may reach, at most W * BLOCK (a step's furthest row's, rounded up
-    as the caller likes: fixed for a graph); it sets the splits, not what a row reads: a row past it would
-    see keys up to it only (ValueError where it passes the tables' positions)."""
+    as the caller likes: fixed for a graph); it sets the splits. A row past it would see only its keys before
+    it, and nothing past it is read (ValueError where it passes the tables' positions)."""
     B, H_q, D = q.shape
     H_kv = k_pool.shape[2]
     n_rep = H_q // H_kv
@@ -170,9 +173,10 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: 
     _partial[(B, H_kv, splits)](
         q, k_pool, v_pool, tables, positions, o, lse,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), tables.stride(0),
-        window or 0, scale, split_keys, **partial)
+        window or 0, scale, keys, split_keys, **partial)
     out = torch.empty(B, H_q, D, dtype=q.dtype, device=q.device)
-    _merge[(B, H_kv)](o, lse, out, positions, out.stride(0), out.stride(1), splits, window or 0, split_keys, **merge)
+    _merge[(B, H_kv)](o, lse, out, positions, out.stride(0), out.stride(1), splits, window or 0, keys, split_keys,
+                      **merge)
     return out
 
 

@@ -116,15 +116,18 @@ def test_a_padding_row_of_null_blocks_gives_zeros_and_no_nan():
     assert torch.equal(got, torch.zeros_like(got))
 
 
-def test_a_row_past_the_keys_named_reads_no_split_beyond_them():
-    """`keys` must reach every row's position; a caller that names fewer (a bug) gets attention over those
-    keys only, and no program reads past the splits it launched (on a GPU: memory past their buffers)."""
+@pytest.mark.parametrize("keys", [256, 600], ids=["a-split", "inside-a-split"])
+def test_a_row_past_the_keys_named_reads_nothing_beyond_them(keys):
+    """`keys` must reach every row's position; a caller that names fewer (a bug) gets attention over the keys
+    before it only, and no program reads past them: neither splits it did not launch (on a GPU, memory past
+    their buffers) nor table entries past the row's (`keys` inside a split; those entries are NaN blocks here)."""
     k_pool, v_pool = pools(2, 16, torch.float32, seed=6)
     tables = scattered_tables(1, 40, seed=7)
+    k_pool[tables[0, -(-keys // BLOCK):]] = v_pool[tables[0, -(-keys // BLOCK):]] = float("nan")
     q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    got = paged_attention.attend(q, k_pool, v_pool, tables.to(DEVICE), torch.tensor([600], device=DEVICE), None,
-                                 0.25, 256)
-    expected, bounds = exact(q[0].cpu(), k_pool.cpu(), v_pool.cpu(), tables[0], 255, None, 0.25)
+    got = paged_attention.attend(q, k_pool, v_pool, tables.to(DEVICE), torch.tensor([630], device=DEVICE), None,
+                                 0.25, keys)
+    expected, bounds = exact(q[0].cpu(), k_pool.cpu(), v_pool.cpu(), tables[0], keys - 1, None, 0.25)
     assert ((got[0].cpu().double() - expected).abs().amax(1) <= bounds).all()
 
 
@@ -157,18 +160,21 @@ def test_a_gpu_takes_the_kernel_only_once_its_trial_passed(monkeypatch):
 
     from cakemp.compute.paged_step import in_place_attention
 
-    assert in_place_attention(torch.device("cpu"), torch.float32, 4, 32) is None
-    gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(paged_attention, "trial", lambda *shape: None)
-    assert in_place_attention(gpu, torch.bfloat16, 4, 64) is paged_attention.attend
-
     def fails(*shape):
         raise RuntimeError("no kernel image is available")
 
-    monkeypatch.setattr(paged_attention, "trial", fails)
-    with capture_logs() as logs:
-        assert in_place_attention(gpu, torch.bfloat16, 8, 64) is None
-    assert [log["reason"] for log in logs] == ["RuntimeError: no kernel image is available"]
+    gpu = torch.device("cuda", 0)
+    in_place_attention.cache_clear()  # it decides once a shape: the decisions made here go with this test
+    try:
+        assert in_place_attention(torch.device("cpu"), torch.float32, 4, 32) is None
+        monkeypatch.setattr(paged_attention, "trial", lambda *shape: None)
+        assert in_place_attention(gpu, torch.bfloat16, 4, 64) is paged_attention.attend
+        monkeypatch.setattr(paged_attention, "trial", fails)
+        with capture_logs() as logs:
+            assert in_place_attention(gpu, torch.bfloat16, 8, 64) is None
+        assert [log["reason"] for log in logs] == ["RuntimeError: no kernel image is available"]
+    finally:
+        in_place_attention.cache_clear()
 
 
 def test_the_kernel_compiles_for_hopper_as_a_gpu_compiles_it():
