@@ -97,7 +97,7 @@ class DecodeGraphs:
         `blocks`, in order) -> [1, B, H], through the graph of the step's shape; None where the step fits
         no graph (`takes`), or that graph could not be captured (the step then runs op by op, and so do
         all after it)."""
-        B, needed = x.shape[1], step.blocks_needed()
+        B, needed = x.shape[1], step.blocks_needed
         if not self.takes(B, needed):
             return None
         bucket = next(size for size in self.buckets if size >= B)

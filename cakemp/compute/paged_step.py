@@ -149,8 +149,10 @@ class StepRows:
         """Attention layer `index`'s block table of each request, [B, width] (past a table's end: the null block)."""
         return self.all_tables()[index]
 
+    @functools.cached_property
     def blocks_needed(self) -> int:
-        """The blocks the step's furthest-reaching request holds in a layer, to its last row."""
+        """The blocks the step's furthest-reaching request holds in a layer, to its last row (worked out once:
+        a GPU's decode rows name it at every layer)."""
         ends = (start + T for index in set(self._alike) for start, T in zip(self.starts[index], self.lengths, strict=True))
         return (max(ends) - 1) // BLOCK + 1
 
@@ -274,7 +276,7 @@ class LayerPages:
         if step.cache.paged_attend is not None:  # a GPU's: each row's keys read where they lie
             pool = step.pools[self.index]
             return step.cache.paged_attend(q, pool.k, pool.v, step.tables(self.index)[:d], step.positions[self.index, :d],
-                                           window, scale, step.blocks_needed() * BLOCK)
+                                           window, scale, step.blocks_needed * BLOCK)
         first, last, visible = step.visible(self.index, window)
         tables = step.tables(self.index)[:d, first:last]
         k, v = self._gather(tables)  # [d, H_kv, blocks * BLOCK, D]
