@@ -24,9 +24,11 @@ dots of an f32 step are f32 ("ieee"); a bf16 / f16 step's run on TF32 tensor cor
 queries, keys and values exactly and keep 10 bits of each probability's mantissa in its product with V
 (truncated, by up to 2^-10 relatively; SDPA's fused kernels round them to the step's dtype, 7 bits for bf16).
 
-Triton's interpreter (TRITON_INTERPRET=1) runs it on a CPU, where the tests check it against an f64
-evaluation of the same attention; tests/support/triton_compile.py compiles it for sm_90. A CPU
-device never calls it (Triton compiles for GPUs only): its steps keep the portable path.
+A GPU device uses it once `trial` has run it there beside the portable path and they matched
+(compute/paged_step.in_place_attention). Triton's interpreter (TRITON_INTERPRET=1) runs it on a CPU,
+where the tests check it against an f64 evaluation of the same attention; tests/support/triton_compile.py
+compiles it for sm_90. A CPU device never calls it (Triton compiles for GPUs only): its steps keep the
+portable path.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from cakemp.model import attention
 BLOCK = 16  # positions per block of the pool: kv_cache.BLOCK's (model/ cannot import compute/)
 _BLOCK = tl.constexpr(BLOCK)  # as the kernel reads it (the compiler reads a global only as a constexpr)
 SPLIT_KEYS = 256  # key positions per program at least: a split of a row's keys
-MAX_SPLITS = 64  # past 16,384 positions the splits widen instead (a program per split, most of them empty)
+MAX_SPLITS = 64  # past 16,384 positions the splits widen instead (a short row in a wide graph: most are idle)
 _QUERY_ROWS = 16  # tl.dot's least rows: a kv head's n_rep query heads padded to this
 
 
