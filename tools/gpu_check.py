@@ -9,7 +9,8 @@ findings, or the error that stopped it, and the next one runs regardless:
 1. machine: torch, CUDA and driver versions, the GPU, `nvidia-smi -L`, and
    `grep nvidia /proc/devices` (the device groups the systemd unit's DeviceAllow must name),
    and which of the unit's `DeviceAllow=char-…` groups this driver registers;
-2. tests: the gpu-marked tests (`pytest -m gpu tests/model tests/compute tests/device`);
+2. tests: the gpu-marked tests and the Triton kernels' own (`pytest -m "gpu or kernel" tests/model tests/compute
+   tests/device`);
 3. attention: every call shape the block makes, at Llama-3-8B's head shape (32 query heads on
    8 kv heads of 128), in f16, bf16 and f32, with SDPA's math kernel disabled, so a shape no
    fused kernel takes raises instead of quietly materialising scores: decode at two
@@ -222,7 +223,7 @@ def main() -> None:
         if rehearse:
             finding("tests.skipped", "rehearsal")
             return
-        output = shell(f"cd {ROOT} && {sys.executable} -m pytest -q -m gpu -p no:cacheprovider "
+        output = shell(f"cd {ROOT} && {sys.executable} -m pytest -q -m 'gpu or kernel' -p no:cacheprovider "
                        "tests/model tests/compute tests/device 2>&1 | tail -25", timeout=240)
         finding("tests.summary", output.splitlines()[-1] if output else "no output")
         failed = [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))]

@@ -18,6 +18,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU, and Triton's interpreter is off (tests/conftest.py sets it)", allow_module_level=True)
 
+pytestmark = pytest.mark.kernel  # (tools/gpu_check runs these on a GPU, compiled)
 BLOCK = paged_attention.BLOCK
 POOL_BLOCKS = 96
 
