@@ -333,7 +333,7 @@ class DeviceService:
             return None
         # Cast on the device: torch casts within a host copy on the CPU, single-threaded. (Each call only
         # where it changes something: after a sleep every torch call runs cold, tens of µs for a lone decode.)
-        if self.runner.device != "cpu":
+        if self.runner.device.type != "cpu":
             x = x.to(self.runner.device)
         if x.dtype != self.runner.dtype:
             x = x.to(self.runner.dtype)
