@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from cakemp.compute.kv_cache import BLOCK, NULL_BLOCK, SCRATCH_BLOCK, KVCache, Pool
-from cakemp.compute.paged_step import StepRows, seen_keys
+from cakemp.compute.paged_step import StepRows
 from cakemp.log import get_logger
 from cakemp.model import attention
 from cakemp.model.block import DecoderBlock
@@ -259,5 +259,5 @@ class _FixedPages:
                                             graph.positions[self.index], window, scale, graph.width * BLOCK
                                             ).transpose(0, 1)[None]
         k, v = pool.gather(graph.tables[self.index])  # [bucket, H_kv, W * BLOCK, D]
-        seen = seen_keys(graph.keys, graph.positions[self.index], window)  # [bucket, S]
+        seen = attention.seen_keys(graph.keys, graph.positions[self.index], window)  # [bucket, S]
         return attention.attend_rows(q[0].transpose(0, 1), k, v, seen, scale).transpose(0, 1)[None]

@@ -189,7 +189,7 @@ class StepRows:
             last = -(-furthest // BLOCK)  # blocks to the furthest end
             first = 0 if window is None else max(0, min(ends) + 1 - window) // BLOCK  # blocks before every window
             keys = torch.arange(first * BLOCK, furthest, device=self.cache.device)  # [S] each key's position
-            seen = seen_keys(keys, self.positions[index, : self.decodes], window)
+            seen = attention.seen_keys(keys, self.positions[index, : self.decodes], window)
             found = self._visible[key] = first, last, attention.bias(seen, self.cache.dtype)
         return found
 
@@ -212,16 +212,6 @@ def in_place_attention(device: torch.device, dtype: torch.dtype, n_rep: int, hea
         return None
     get_logger().info("decode attention in place", device=str(device), kernel="model/paged_attention.py")
     return paged_attention.attend
-
-
-def seen_keys(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-    """keys: [S] positions, positions: [d] each decode row's own -> [d, S] bool: the keys each row sees
-    (to its own position; within the last `window` of them where there is one)."""
-    position = positions[:, None]  # [d, 1]
-    seen = keys <= position
-    if window is not None:
-        seen &= keys > position - window
-    return seen
 
 
 class LayerPages:

@@ -88,6 +88,16 @@ def attend(
     return out
 
 
+def seen_keys(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """keys: [S] positions, positions: [d] each decode row's own -> [d, S] bool: the keys each row sees
+    (to its own position; within the last `window` of them where there is one)."""
+    position = positions[:, None]  # [d, 1]
+    seen = keys <= position
+    if window is not None:
+        seen &= keys > position - window
+    return seen
+
+
 def bias(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """seen: a bool mask -> the same mask as SDPA adds it to the scores, in `dtype`: 0 where seen, -inf
     elsewhere (what SDPA makes of a bool mask at every call; made once, a step's layers share it)."""

@@ -211,9 +211,7 @@ def trial(device: torch.device, dtype: torch.dtype, n_rep: int, head_dim: int) -
     keys = torch.arange(width * BLOCK, device=device)
     k, v = (pool[tables].flatten(1, 2).transpose(1, 2).float() for pool in (k_pool, v_pool))  # [2, H_kv, S, D]
     for window in (None, 300):
-        seen = keys <= positions[:, None]
-        if window is not None:
-            seen &= keys > positions[:, None] - window
+        seen = attention.seen_keys(keys, positions, window)
         expected = attention.attend_rows(q.float(), k, v, seen, head_dim**-0.5)  # the same values, in f32
         got = attend(q, k_pool, v_pool, tables, positions, window, head_dim**-0.5, width * BLOCK).float()
         # The output's rounding to `dtype` (and the reference's, twice over), the sums' order over its keys in
