@@ -184,9 +184,9 @@ MUTANTS = (
            "if pool.owners[table[i]] > 1:", "if False:", RUNNER),
     Mutant("freed-blocks-not-zeroed", "cakemp/compute/kv_cache.py",
            "            pool.k.index_fill_(0, ids, 0)\n            pool.v.index_fill_(0, ids, 0)\n", "", RUNNER),
-    Mutant("decode-window-ignored", "cakemp/compute/paged_step.py",
+    Mutant("decode-window-ignored", "cakemp/model/attention.py",
            "    if window is not None:\n        seen &=", "    if False:\n        seen &=", RUNNER),
-    Mutant("decode-sees-padding", "cakemp/compute/paged_step.py",
+    Mutant("decode-sees-padding", "cakemp/model/attention.py",
            "seen = keys <= position", "seen = keys >= 0", RUNNER),
     # The same bug against the f32 parity tests alone (the issue: 4 of 5 families let it through).
     Mutant("rms-eps-10x/parity", "cakemp/model/block.py",
