@@ -199,7 +199,7 @@ def _check(q, k_pool, v_pool, tables, positions, keys: int) -> None:
 def trial(device: torch.device, dtype: torch.dtype, n_rep: int, head_dim: int) -> None:
     """Run the kernel on `device` for a layer of `n_rep` query heads a kv head of `head_dim`, in `dtype`, beside
     the portable way (attend_rows over the same keys, gathered): two rows over scattered blocks, across
-    splits, with and without a window. AssertionError where they differ past the dtype's rounding (any
+    splits, with and without a window. RuntimeError where they differ past the dtype's rounding (any
     failure to compile or run it raises too): the caller then keeps the portable way."""
     generator = torch.Generator().manual_seed(0)
     H_kv, width = 2, 40  # blocks a table: 640 positions, three splits
@@ -219,4 +219,5 @@ def trial(device: torch.device, dtype: torch.dtype, n_rep: int, head_dim: int) -
         tolerance = 4 * torch.finfo(dtype).eps * expected.abs().max().item() + \
             (len(keys) * 2.0**-24 + (2.0**-10 if dtype != torch.float32 else 0.0)) * v.abs().max().item()
         error = (got - expected).abs().max().item()
-        assert error <= tolerance, f"the kernel differs from the portable way by {error:.3g} (window {window})"
+        if not error <= tolerance:  # (not an assert: `python -O` would drop the check)
+            raise RuntimeError(f"the kernel differs from the portable way by {error:.3g} (window {window})")
