@@ -8,7 +8,7 @@ thread holds the GIL, which torch's ops release, so it overstates the device's o
 its compute. This counts each stage's thread CPU time instead (time.thread_time around each call):
 `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over a random Llama of --layers layers
 (hidden --hidden, its MLP 3x that, f32) is started with a `sitecustomize` module on its
-PYTHONPATH that, once the device's loop is imported, wraps its stages: receiving (ZeroMQ and the
+PYTHONPATH (bench/device_shim.py) that, as the device starts, wraps its stages: receiving (ZeroMQ and the
 ipc decode within it), turning a message into tasks, the scheduler, the step (and the runner's
 run_batch within it), and sending the step's answers (the ipc encode and ZeroMQ's send within it);
 the device writes its sums when sent SIGUSR1. For each count of sessions (bench.pool's masters, as
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from bench.device_shim import shim_environment
 from bench.pool import Session, machine_line, start_cakemp
 from bench.request_cost import device_pid, in_process_window, shape
 from cakemp.compute import tensors
@@ -51,11 +52,10 @@ STAGES = (
 INSIDE = {"ipc decode": "receive", "run_batch": "step", "channel send": "send the step's answers",
           "ipc encode": "channel send"}
 
-# The device's sitecustomize: once cakemp.device.process is imported, its `main` (what the front spawns
-# a device process to run; the front itself imports it, never calls it) first wraps STAGES (the loop
-# looks each of them up when it calls it), and the process writes its sums to STAGES_FILE.<pid> on SIGUSR1.
-SITECUSTOMIZE = '''
-import importlib, json, os, signal, sys, time
+# Run in the device before it loads (bench/device_shim.py): wraps STAGES (the loop looks each of them up
+# when it calls it), and the process writes its sums to STAGES_FILE.<pid> on SIGUSR1.
+INSTALL = '''
+import importlib, json, os, signal, time
 
 STAGES = {stages!r}
 sums = {{"thread": 0.0}}
@@ -88,45 +88,14 @@ def install():
             json.dump(sums, f)
 
     signal.signal(signal.SIGUSR1, dump)
-
-
-class Finder:
-    def find_spec(self, name, path, target=None):
-        if name != "cakemp.device.process":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            main = module.main
-
-            def installed(*args, **kwargs):
-                install()
-                return main(*args, **kwargs)
-
-            installed.__module__, installed.__qualname__ = main.__module__, main.__qualname__  # pickled by name
-            module.main = installed
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-import importlib.util  # noqa: E402
-sys.meta_path.insert(0, Finder())
 '''
 
 
 def start_node(model: Path, work: Path, layers: int) -> tuple:
     """`cakemp run` over every layer with the stage clock in its device (its port, process and stages file)."""
-    shim = work / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(SITECUSTOMIZE.format(stages=STAGES))
     stages_file = work / "stages"
-    root = Path(__file__).resolve().parent.parent
-    node, port = start_cakemp(model, work, "cpu:1", "--cpu-threads", "1", "--no-prefix-reuse", layers=layers,
-                              env={"PYTHONPATH": f"{shim}{os.pathsep}{root}", "STAGES_FILE": str(stages_file)})
+    env = shim_environment(work / "shim", INSTALL.format(stages=STAGES)) | {"STAGES_FILE": str(stages_file)}
+    node, port = start_cakemp(model, work, "cpu:1", "--cpu-threads", "1", "--no-prefix-reuse", layers=layers, env=env)
     return port, node, stages_file
 
 

@@ -2,7 +2,7 @@
 
     python -m bench.request_cost [--steps 200] [--rounds 4] [--counts 1,8] [--layers 2] [--hidden 256]
                                  [--dtype f32] [--profile-seconds 4] [--before DIR] [--prompt 512] [--prompts 10]
-                                 [--pin-cpus] [--prefix-reuse] [--idle 0] [--floor]
+                                 [--pin-cpus] [--prefix-reuse] [--idle 0] [--floor] [--wait-all]
 
 Writes a random Llama checkpoint of --layers layers (hidden 256 or --hidden, its MLP 3x that, 4 query heads on
 2 kv heads, f32 or --dtype) and starts `cakemp run --gpus cpu:1 --cpu-threads 1 --no-prefix-reuse` over all its
@@ -58,6 +58,11 @@ With --before DIR (a checkout of an earlier commit, e.g. `git archive <commit> |
 a second node runs from DIR (PYTHONPATH=DIR) beside this tree's, its windows taking turns with
 this tree's in every round, and its front and device CPU per request are printed beside them
 (profiles are of this tree's node only).
+
+With --wait-all, another node of this tree runs beside it the same way, its device patched (through
+bench/device_shim.py) to wait, between steps, up to WAIT_ALL_S for every session of its last step, where
+device/scheduler.py's Gathering waits only as long as a step's fixed cost: what steps as full as there are
+sessions would save of the CPU per request, against the decode rate they cost.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ from pathlib import Path
 import torch
 
 from bench.batching import batch_size_totals
+from bench.device_shim import shim_environment
 from bench.front_floor import Floor
 from bench.pool import MAX_POSITIONS, REUSE_BUDGET, Session, free_port, machine_line, raw, start_cakemp
 from bench.route import children
@@ -98,6 +104,26 @@ def shape(hidden: int) -> dict[str, int]:
 
 SHAPE = shape(HIDDEN)
 NODE_ARGS = ("--cpu-threads", "1", "--no-prefix-reuse")
+# --wait-all: a node whose device, between steps, waits up to WAIT_ALL_S for every session of its last step
+# (device/scheduler.py's Gathering waits only as long as a step's fixed cost, for those that came back in
+# time before): steps as full as the sessions, against the rate that costs (bench/device_shim.py).
+WAIT_ALL_NODE = "waiting for every session"
+WAIT_ALL = '''
+WAIT_ALL_S = 0.010
+
+
+def install():
+    from cakemp.device.scheduler import Gathering
+
+    stepped = Gathering.stepped
+
+    def waiting_for_all(self, sessions, step_s, now, decodes=None):
+        stepped(self, sessions, step_s, now, decodes)
+        self.window_s = WAIT_ALL_S
+
+    Gathering.stepped = waiting_for_all
+    Gathering.awaited = lambda self: set(self._answered)
+'''
 # The in-process steps are timed twice: back to back, and idle this long before each, as a node's
 # device is between a step's answer and the next request (about a master's round trip at one
 # session): a step started cold (caches taken by the front and the master meanwhile, the core
@@ -377,20 +403,22 @@ def print_profile(profiled: dict[str, tuple[Counter, Counter]], per_request: dic
                                                         for frame, n in by_frame.most_common(top)))
 
 
-def print_before(by_node: dict[str, dict[int, dict[str, float]]]) -> None:
-    """Each node's front and device CPU µs per request, and this tree's over the earlier one's."""
-    (before, old), (_, new) = by_node.items()
-    print(f"\n{before} against this tree, CPU µs per request, measured in the same rounds")
-    print("| sessions | front before | front now | ratio | device before | device now | ratio "
-          "| device beyond in-process, before | now | decode rate over in-process, before | now |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for count in new:
-        front_old, front_new = old[count]["front (process)"], new[count]["front (process)"]
-        device_old, device_new = old[count]["device (process)"], new[count]["device (process)"]
-        beyond = [cost[count]["device (process)"] - cost[count]["in-process"] for cost in (old, new)]
+def print_beside(other: str, theirs: dict[int, dict[str, float]], ours: dict[int, dict[str, float]]) -> None:
+    """Another node's front and device CPU µs per request beside this tree's, and this tree's over the other's."""
+    print(f"\n{other} against this tree, CPU µs per request, measured in the same rounds (ratio: this tree's over the other's)")
+    print("| sessions | front, other | this tree | ratio | device, other | this tree | ratio "
+          "| device beyond in-process, other | this tree | the node's requests a step, other | this tree "
+          "| decode rate over in-process, other | this tree |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for count in ours:
+        old, new = theirs[count], ours[count]
+        front_old, front_new = old["front (process)"], new["front (process)"]
+        device_old, device_new = old["device (process)"], new["device (process)"]
+        beyond = [cost["device (process)"] - cost["in-process"] for cost in (old, new)]
+        steps = [cost.get("requests a step", float("nan")) for cost in (old, new)]
         print(f"| {count} | {front_old:.0f} | {front_new:.0f} | {front_new / front_old:.3f} | "
               f"{device_old:.0f} | {device_new:.0f} | {device_new / device_old:.3f} | {beyond[0]:+.0f} | {beyond[1]:+.0f} | "
-              f"{old[count]['rate over in-process']:.2f} | {new[count]['rate over in-process']:.2f} |")
+              f"{steps[0]:.1f} | {steps[1]:.1f} | {old['rate over in-process']:.2f} | {new['rate over in-process']:.2f} |")
 
 
 def print_floor(figures: dict[int, dict[str, float]], floor: dict[int, dict[str, float]]) -> None:
@@ -421,6 +449,8 @@ def main() -> None:
     parser.add_argument("--prefix-reuse", action="store_true", help="start the nodes with prefix reuse, as by default")
     parser.add_argument("--idle", type=int, default=0, help="sessions connected to each node, idle, while it is measured")
     parser.add_argument("--floor", action="store_true", help="measure bench/front_floor.py's floor front beside the nodes")
+    parser.add_argument("--wait-all", action="store_true",
+                        help="beside this tree's node, one whose device waits for every session of its last step")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     node_args = tuple(arg for arg in NODE_ARGS if not (args.prefix_reuse and arg == "--no-prefix-reuse")) + \
@@ -438,12 +468,16 @@ def main() -> None:
         # memory a prompt freed.
         heap.keep_freed_memory()
         heap.freeze_loaded()
-        trees = {"this tree": None} if args.before is None else \
-            {f"before ({args.before.name})": args.before.resolve(), "this tree": None}
+        # Each node: the checkout it runs from (None: this one) and its environment besides.
+        trees = {"this tree": (None, None)}
+        if args.before is not None:
+            trees = {f"before ({args.before.name})": (args.before.resolve(), None), **trees}
+        if args.wait_all:
+            trees[WAIT_ALL_NODE] = (None, shim_environment(work / "wait-all", WAIT_ALL))
         metrics = {name: free_port() for name in trees}  # each node's: the requests its device runs a step
         started = {name: start_cakemp(model, work, "cpu:1", *node_args, "--metrics-address", f"127.0.0.1:{metrics[name]}",
-                                      layers=args.layers, source=tree)
-                   for name, tree in trees.items()}
+                                      layers=args.layers, source=tree, env=env)
+                   for name, (tree, env) in trees.items()}
         floor = Floor(work, FLOOR_BUSY_S) if args.floor else None
         try:
             nodes = {name: (port, {"front": node.pid, "device": device_pid(node.pid)})
@@ -479,8 +513,9 @@ def main() -> None:
                                                           if "(process)" not in name and not name.startswith("in-process")
                                                           and name not in ("requests a step", "rate over in-process"))
                       for count, cost in figures.items()))
-    if args.before is not None:
-        print_before(by_node)
+    for name in by_node:
+        if name != "this tree":
+            print_beside(name, by_node[name], figures)
     if floor_figures is not None:
         print_floor(figures, floor_figures)
     if prompt is not None:
