@@ -345,7 +345,8 @@ class KVCache:
         """Room for `blocks` gathered blocks of K and of V, [blocks, BLOCK, H_kv, D] each, that every
         gather of a step computed op by op reuses (a layer has read its keys before the next gathers).
         Grown by doubling (by what is needed where the doubling runs out of memory) and kept: the device
-        holds the largest step's gathered keys for good (outside the budget, as activations are), where
+        holds the largest step's gathered keys for good (outside the budget, as activations are; decode rows
+        are gathered in groups padded within twice each row's own keys, or by under paged_step's _SPLIT_BYTES), where
         a fresh tensor for each layer's keys was memory mapped afresh past glibc's threshold, a page
         fault per 4 KiB: at 32 sessions of 2,048 positions, 4 KV heads of 64, f32, a layer's gather took
         66 ms, 20 ms into kept room (a 2-core VM's CPU)."""

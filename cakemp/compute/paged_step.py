@@ -13,8 +13,9 @@ chunk's own attention:
 * `LayerPages`, one per attention layer: `write` puts the step's K/V rows at their slot ids (one
   indexed copy for K, one for V); `attend` runs every decode row in one attention call over its own
   blocks (on a GPU read where they lie, by model/paged_attention.py's kernel; elsewhere gathered,
-  padded to the longest and masked), each prompt chunk in one call of its own. A layer's gathers land
-  in the cache's kept gather space (`KVCache.gather_space`), not in memory allocated afresh for each.
+  padded and masked, in one call per group of rows whose keys span alike: `StepRows.spans`), each
+  prompt chunk in one call of its own. A layer's gathers land in the cache's kept gather space
+  (`KVCache.gather_space`), not in memory allocated afresh for each.
 
 A step's requests share each layer's KV slot index (the runner groups them so), so a layer reads
 and writes one pool (kv_cache.Pool). A request alone in its step whose blocks of a layer lie in one
@@ -32,6 +33,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -47,6 +49,10 @@ from cakemp.model.rotary import Rotary
 # 32 sessions through 32 layers 198 / 39. Where a CPU's compute has just run, cold, a lone decode
 # through 32 layers took 74 / 95: ~20 µs of a 6 ms step.
 _ARRAYS_FROM = 80
+# Decode rows whose keys span unlike are attended in groups (StepRows.spans) only where one group would pad
+# rows by this many bytes of K and V or more: a group's gather and attention call cost about as much as
+# gathering this much (2-core Xeon VM, 2 kv heads of 64, f32: ~40 µs).
+_SPLIT_BYTES = 1 << 20
 
 
 class StepRows:
@@ -176,22 +182,80 @@ class StepRows:
         """The pages of the step's `index`-th attention layer."""
         return LayerPages(self, index)
 
-    def visible(self, index: int, window: int | None) -> tuple[int, int, torch.Tensor]:
-        """For the decode rows of attention layer `index`: the blocks [first, last) their keys lie in
-        and which keys of those each sees, [d, S] as SDPA's additive mask in the cache's dtype (0 seen,
-        -inf not), S running from the first block's first key to the furthest row's own (shared by
-        layers at the same positions and window: SDPA would make that mask of a bool one at each call)."""
+    def spans(self, index: int, window: int | None) -> list[KeySpan]:
+        """The decode rows of attention layer `index` in groups (`_grouped`), each row reading its table from
+        the first block its keys are in (its window's, else its first) as far as the group's widest row:
+        what a group's rows see costs about their own keys to gather and attend over, never those of the
+        step's longest row nor of its rows furthest apart (one long context in a step of short ones would
+        otherwise cost each short row as much: a step of 8 decodes at 32 positions, 1.6 ms alone, took
+        31 ms beside one at 8,128). Shared by layers at the same positions and window, each group's mask
+        made once (SDPA would make that mask of a bool one at each call)."""
         key = (self._alike[index], window)
         found = self._visible.get(key)
         if found is None:
             ends = self.starts[index][: self.decodes]
-            furthest = max(ends) + 1
-            last = -(-furthest // BLOCK)  # blocks to the furthest end
-            first = 0 if window is None else max(0, min(ends) + 1 - window) // BLOCK  # blocks before every window
-            keys = torch.arange(first * BLOCK, furthest, device=self.cache.device)  # [S] each key's position
-            seen = attention.seen_keys(keys, self.positions[index, : self.decodes], window)
-            found = self._visible[key] = first, last, attention.bias(seen, self.cache.dtype)
+            firsts = [0] * len(ends) if window is None else [max(0, end + 1 - window) // BLOCK for end in ends]
+            widths = [end // BLOCK + 1 - first for end, first in zip(ends, firsts, strict=True)]
+            split = max(1, _SPLIT_BYTES // self.cache.bytes_per_block)
+            found = self._visible[key] = [self._span(index, window, rows, ends, firsts, widths)
+                                          for rows in _grouped(widths, split)]
         return found
+
+    def _span(self, index: int, window: int | None, rows: list[int], ends: Sequence[int], firsts: list[int],
+              widths: list[int]) -> KeySpan:
+        """The KeySpan of decode rows `rows` (each at `ends`, its keys in `widths` blocks from block `firsts`)
+        at attention layer `index` (a lone row's without a mask: it attends as a lone request does)."""
+        device = self.cache.device
+        picked = None if len(rows) == self.decodes else int64_tensor(rows, device)
+        if len(rows) == 1:
+            return KeySpan(rows, picked, None, None)
+        if picked is not None:
+            ends, firsts, widths = ([values[r] for r in rows] for values in (ends, firsts, widths))
+        positions = self.positions[index, : self.decodes]
+        positions = positions if picked is None else positions[picked]
+        width, first = max(widths), min(firsts)
+        if first == max(firsts):  # (every row where there is no window) their keys one slice of the tables: [S]
+            columns = slice(first, first + width)
+            keys = torch.arange(first * BLOCK, max(ends) + 1, device=device)  # to the furthest row's own
+        else:  # each row's own blocks, [n, width], and their keys' positions, [n, S]
+            S = max(end + 1 - start * BLOCK for end, start in zip(ends, firsts, strict=True))
+            starts = int64_tensor(firsts, device)[:, None]
+            columns = starts + torch.arange(width, device=device)
+            keys = starts * BLOCK + torch.arange(S, device=device)
+        seen = attention.seen_keys(keys, positions, window)
+        return KeySpan(rows, picked, columns, attention.bias(seen, self.cache.dtype))
+
+
+class KeySpan(NamedTuple):
+    """Decode rows of a step attended together: `rows` (their indices; `picked` the same on the device,
+    None where they are every decode row, in order), the columns of their block tables their keys lie in
+    (one slice for all, or each row's own, [rows, width]: its table's from its first block on), and which
+    gathered keys each sees, [rows, S] as SDPA's additive mask (0 seen, -inf not). A lone row's has neither
+    columns nor mask: it attends as a lone request does."""
+
+    rows: list[int]
+    picked: torch.Tensor | None
+    columns: slice | torch.Tensor | None
+    visible: torch.Tensor | None
+
+
+def _grouped(widths: Sequence[int], split: int) -> list[list[int]]:
+    """Decode rows in groups to attend together, row r reading `widths[r]` blocks of its table and every row of a
+    group as many as its widest: all together where none is padded past twice its own, or the padding is
+    under `split` blocks (a group's gather and call cost about what gathering that many blocks does); else
+    widest first, a row joining the group before it on the same terms."""
+    if max(widths) <= 2 * min(widths) or max(widths) * len(widths) - sum(widths) < split:
+        return [list(range(len(widths)))]  # (the step's rows alike: most steps)
+    groups: list[list[int]] = []
+    widest = padding = 0
+    for r in sorted(range(len(widths)), key=widths.__getitem__, reverse=True):
+        if groups and (widest <= 2 * widths[r] or padding + widest - widths[r] < split):
+            groups[-1].append(r)
+            padding += widest - widths[r]
+            continue
+        groups.append([r])
+        widest, padding = widths[r], 0
+    return groups
 
 
 @functools.cache
@@ -267,11 +331,29 @@ class LayerPages:
             pool = step.pools[self.index]
             return step.cache.paged_attend(q, pool.k, pool.v, step.tables(self.index)[:d], step.positions[self.index, :d],
                                            window, scale, step.blocks_needed * BLOCK)
-        first, last, visible = step.visible(self.index, window)
-        tables = step.tables(self.index)[:d, first:last]
-        k, v = self._gather(tables)  # [d, H_kv, blocks * BLOCK, D]
-        S = visible.shape[1]  # the keys past the furthest row's own are no row's: left out of the call
-        return attention.attend_rows(q, k[:, :, :S], v[:, :, :S], visible, scale)
+        spans = step.spans(self.index, window)
+        if len(spans) == 1:
+            return self._span_rows(q, spans[0], window, scale)
+        out = torch.empty_like(q)
+        for span in spans:
+            out.index_copy_(0, span.picked, self._span_rows(q.index_select(0, span.picked), span, window, scale))
+        return out
+
+    def _span_rows(self, q: torch.Tensor, span: KeySpan, window: int | None, scale: float) -> torch.Tensor:
+        """q: [n, H_q, D], the decode rows of `span` -> [n, H_q, D]: a lone row as a lone request's (its keys a
+        view of the pool where its blocks are one run), several over their blocks gathered, padded and masked."""
+        if len(span.rows) == 1:
+            return self._each(q[:, :, None], range(span.rows[0], span.rows[0] + 1), window, scale)[:, :, 0]
+        tables = self.step.tables(self.index)[: self.step.decodes]
+        tables = tables if span.picked is None else tables.index_select(0, span.picked)
+        columns = span.columns
+        # Past a table's width (a row's window reaching no further than its own end): its last column,
+        # the null block or the row's own, masked either way.
+        tables = tables[:, columns] if type(columns) is slice else \
+            tables.gather(1, columns.clamp(max=tables.shape[1] - 1))
+        k, v = self._gather(tables)  # [n, H_kv, width * BLOCK, D]
+        S = span.visible.shape[1]
+        return attention.attend_rows(q, k[:, :, :S], v[:, :, :S], span.visible, scale)
 
     def _gather(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tables: [b, n] -> the K and V of those blocks, [b, H_kv, n * BLOCK, D], into the cache's

@@ -89,8 +89,8 @@ def attend(
 
 
 def seen_keys(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-    """keys: [S] positions, positions: [d] each decode row's own -> [d, S] bool: the keys each row sees
-    (to its own position; within the last `window` of them where there is one)."""
+    """keys: [S] positions (or [d, S], each row's own), positions: [d] each decode row's own -> [d, S] bool:
+    the keys each row sees (to its own position; within the last `window` of them where there is one)."""
     position = positions[:, None]  # [d, 1]
     seen = keys <= position
     if window is not None:

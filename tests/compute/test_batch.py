@@ -9,6 +9,7 @@ within tests/support/tolerance.py's f32 bound, not bit for bit.
 import pytest
 import torch
 
+from cakemp.compute import paged_step
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import CacheBudgetExceeded, InternalError, PositionGap, RecurrentRewind
 from cakemp.op import Op
@@ -66,6 +67,33 @@ def test_sessions_batched_at_different_positions_match_each_alone(family):
             assert isinstance(result, torch.Tensor), result
             assert_close(result, alone.run(request.session, request.x, request.ops))
     assert batched.kv_bytes() == alone.kv_bytes()
+
+
+def test_decodes_of_far_apart_contexts_attend_in_groups_each_as_alone(family, monkeypatch):
+    """Sessions at 2, 20, 40 and 100 positions decode together, with a split of one block (so that these
+    short contexts group as long ones would): without a window, the longest and the shortest each alone
+    (a view of the pool, or its own gather), those at 20 and 40 together, widest first; through Gemma's
+    window, all together, each row reading its table from its own window's first block. Every output
+    equals the same request run alone."""
+    monkeypatch.setattr(paged_step, "_SPLIT_BYTES", 1)
+    seen = []
+    spans = paged_step.StepRows.spans
+    monkeypatch.setattr(paged_step.StepRows, "spans", lambda *args: seen.append(spans(*args)) or seen[-1])
+    batched, alone = load(family), load(family)
+    hidden = batched.config.hidden_size
+    lengths = {1: 2, 2: 20, 3: 40, 4: 100}
+    for session, T in lengths.items():
+        x = tokens(T, session, hidden)
+        assert_close(batched.run(session, x, ops(family, 0)), alone.run(session, x, ops(family, 0)))
+    for step in range(3):
+        requests = [Request(s, tokens(1, 100 * step + s, hidden), ops(family, lengths[s] + step)) for s in lengths]
+        for request, result in zip(requests, batched.run_batch(requests), strict=True):
+            assert isinstance(result, torch.Tensor), result
+            assert_close(result, alone.run(request.session, request.x, request.ops))
+    if family[0] == "gemma3":  # layers 0-3 all slide (a window of 4)
+        assert all(len(found) == 1 and isinstance(found[0].columns, torch.Tensor) for found in seen)
+    else:
+        assert any(len(found) > 1 for found in seen)
 
 
 def test_a_token_whose_layers_are_at_different_positions_batches_with_plain_decodes(family):

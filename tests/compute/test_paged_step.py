@@ -50,3 +50,20 @@ def test_a_step_of_decodes_reads_each_row_where_its_slot_puts_it(arrays, mirrore
         for i, slot in enumerate(slots):
             table = step.tables(index)[i].tolist()
             assert table[: len(slot[j].table)] == slot[j].table and set(table[len(slot[j].table):]) <= {0}
+
+
+@pytest.mark.parametrize("widths, split, groups", [
+    # Rows within twice each other's blocks: one group, as they come (the common step).
+    ([3, 5, 4], 1, [[0, 1, 2]]),
+    # One long context among short ones: it alone, the short ones together.
+    ([2, 500, 3, 2], 1, [[1], [2, 0, 3]]),
+    # ... unless the padding it would add is less than `split` blocks: one call then costs less than two.
+    ([2, 500, 3, 2], 10**6, [[0, 1, 2, 3]]),
+    # A halving chain: each row would be padded past twice its own, so each is alone...
+    ([64, 31, 15, 7], 1, [[0], [1], [2], [3]]),
+    # ... and with a split of 40 blocks, the padding each adds counted against it: 64 + 31 (33 padded),
+    # then 15 (49 would pass 40) and 7 (8 padded) together.
+    ([64, 31, 15, 7], 40, [[0, 1], [2, 3]]),
+])
+def test_decode_rows_are_grouped_by_the_blocks_they_read(widths, split, groups):
+    assert paged_step._grouped(widths, split) == groups
