@@ -19,7 +19,7 @@ positions, a copy on write, a slot attached), so that a step reads every request
 one gather instead of building it in Python. They are written on the host (`Tables`) and, on a
 GPU, copied over once a step where they changed. An entry past a table's end names the pool's null
 block (NULL_BLOCK: zeros, held by no table, outside the budget): a batched step pads a shorter
-request's table to the longest one's, and those entries must read nothing another session wrote
+request's table to the longest of those it attends with, and those entries must read nothing another session wrote
 (a masked NaN key still makes the row NaN). A second block outside the budget, SCRATCH_BLOCK, takes
 the writes of a fixed-shape step's padding rows (compute/decode_graph.py) and is never read.
 

@@ -1,8 +1,9 @@
 """A step's decode rows attending over their own blocks of a KV pool, in place: a Triton kernel.
 
 The portable path (model/attention.attend_rows, fed by kv_cache.Pool.gather) first copies every
-row's blocks into a [rows, H_kv, S, D] buffer padded to the longest row (in a GPU's fixed-shape step,
-to the graph's width, a power of two), then has SDPA read that copy through a mask. A decode step is
+row's blocks into a [rows, H_kv, S, D] buffer padded to the longest row of its group (rows reading alike
+numbers of blocks: compute/paged_step.py; in a GPU's fixed-shape step, every row to the graph's width, a
+power of two), then has SDPA read that copy through a mask. A decode step is
 bound by memory: the KV it reads is, past short contexts, most of the step's bytes after the
 weights. The copy reads the KV once, writes it once more and SDPA reads it again, padding included:
 three to five times the bytes that attention needs. This kernel reads each row's keys and values
