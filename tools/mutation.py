@@ -62,7 +62,8 @@ PREFIX = ("tests/compute/test_prefix_cache.py",)
 SCHEDULER = ("tests/device/test_scheduler.py", "tests/node/test_batching.py")
 PAGED_ATTENTION = ("tests/model/test_paged_attention.py",)
 IN_PLACE = ("tests/compute/test_decode_graph.py", "-k", "in_place")
-SPANS = ("tests/compute/test_batch.py", "tests/compute/test_paged_step.py", "-k", "far_apart or grouped")
+SPANS = ("tests/compute/test_batch.py", "tests/compute/test_paged_step.py", "-k",
+         "far_apart or grouped or tables_last_block")
 # llama.cpp's own tokenizer is the oracle (skipped without llama-cpp-python: a mutant then survives).
 GGUF_TOKENIZER = ("tests/master/test_gguf_tokenizer_llama_cpp.py", "tests/master/test_gguf_tokenizer.py",
                   "tests/master/test_gguf_generator.py")
@@ -441,8 +442,10 @@ MUTANTS = (
     Mutant("decode-rows-padded-to-the-longest", "cakemp/compute/paged_step.py",
            "    if max(widths) <= 2 * min(widths) or", "    if True or", SPANS),
     Mutant("decode-rows-from-their-windows-first-block-but-one", "cakemp/compute/paged_step.py",
-           "columns = starts + torch.arange(width, device=device)",
-           "columns = (starts - 1).clamp(min=0) + torch.arange(width, device=device)", SPANS),
+           "columns = (starts + torch.arange(width, device=device))",
+           "columns = ((starts - 1).clamp(min=0) + torch.arange(width, device=device))", SPANS),
+    Mutant("decode-rows-read-past-their-tables-width", "cakemp/compute/paged_step.py",
+           ".clamp_(max=self.cache.tables.shape[2] - 1)", "", SPANS),
     Mutant("decode-rows-of-a-group-put-back-in-turn", "cakemp/compute/paged_step.py",
            "out.index_copy_(0, span.picked, ", "out.index_copy_(0, span.picked.sort().values, ", SPANS),
     Mutant("graph-in-place-without-the-window", "cakemp/compute/decode_graph.py",

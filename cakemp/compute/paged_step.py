@@ -220,7 +220,9 @@ class StepRows:
         else:  # each row's own blocks, [n, width], and their keys' positions, [n, S]
             S = max(end + 1 - start * BLOCK for end, start in zip(ends, firsts, strict=True))
             starts = int64_tensor(firsts, device)[:, None]
-            columns = starts + torch.arange(width, device=device)
+            # Past the tables' width (a row's blocks ending before the group's widest): their last column,
+            # the null block or the row's own, masked either way.
+            columns = (starts + torch.arange(width, device=device)).clamp_(max=self.cache.tables.shape[2] - 1)
             keys = starts * BLOCK + torch.arange(S, device=device)
         seen = attention.seen_keys(keys, positions, window)
         return KeySpan(rows, picked, columns, attention.bias(seen, self.cache.dtype))
@@ -347,10 +349,7 @@ class LayerPages:
         tables = self.step.tables(self.index)[: self.step.decodes]
         tables = tables if span.picked is None else tables.index_select(0, span.picked)
         columns = span.columns
-        # Past a table's width (a row's window reaching no further than its own end): its last column,
-        # the null block or the row's own, masked either way.
-        tables = tables[:, columns] if type(columns) is slice else \
-            tables.gather(1, columns.clamp(max=tables.shape[1] - 1))
+        tables = tables[:, columns] if type(columns) is slice else tables.gather(1, columns)
         k, v = self._gather(tables)  # [n, H_kv, width * BLOCK, D]
         S = span.visible.shape[1]
         return attention.attend_rows(q, k[:, :, :S], v[:, :, :S], span.visible, scale)

@@ -96,6 +96,23 @@ def test_decodes_of_far_apart_contexts_attend_in_groups_each_as_alone(family, mo
         assert any(len(found) > 1 for found in seen)
 
 
+def test_a_windowed_row_in_its_tables_last_block_decodes_beside_one_straddling_a_block(family):
+    """Sessions at 255 positions (the last of its table's 16 blocks) and 33 decode together: through
+    Gemma's window of 4 the second reads two blocks from its window's first, so the first's two columns
+    from its own first run past its table's width (its last column stands for them, masked); each equals
+    its request alone."""
+    batched, alone = load(family), load(family)
+    hidden = batched.config.hidden_size
+    lengths = {1: 255, 2: 33}
+    for session, T in lengths.items():
+        x = tokens(T, session, hidden)
+        assert_close(batched.run(session, x, ops(family, 0)), alone.run(session, x, ops(family, 0)))
+    requests = [Request(s, tokens(1, 7 * s, hidden), ops(family, T)) for s, T in lengths.items()]
+    for request, result in zip(requests, batched.run_batch(requests), strict=True):
+        assert isinstance(result, torch.Tensor), result
+        assert_close(result, alone.run(request.session, request.x, request.ops))
+
+
 def test_a_token_whose_layers_are_at_different_positions_batches_with_plain_decodes(family):
     """A token rewriting an earlier row at its first layer than at the others (each within what is
     cached), in one step with two plain decodes and a prompt chunk: its layers see their own rows and
