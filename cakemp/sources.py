@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -47,6 +48,21 @@ def source_of(host: str) -> str:
             return str(address.ipv4_mapped)
         return str(ipaddress.ip_network(f"{address}/64", strict=False))
     return str(address)
+
+
+# A session's id (the front numbers each connection) holds its source in its top bits, so that a device,
+# which never sees an address, can share its KV budget out by source (compute/fair_share.py).
+_SERIAL_BITS = 32
+
+
+def session_id(source: str, serial: int) -> int:
+    """The id of the `serial`-th connection, from `source` (`source_of`): a hash of the source above the serial."""
+    return zlib.crc32(source.encode()) << _SERIAL_BITS | serial & (1 << _SERIAL_BITS) - 1
+
+
+def session_source(session: int) -> int:
+    """The source a session id carries (`session_id`; 0 for an id of fewer bits, as a test's)."""
+    return session >> _SERIAL_BITS
 
 
 @dataclass

@@ -62,6 +62,7 @@ PREFIX = ("tests/compute/test_prefix_cache.py",)
 SCHEDULER = ("tests/device/test_scheduler.py", "tests/node/test_batching.py")
 PAGED_ATTENTION = ("tests/model/test_paged_attention.py",)
 IN_PLACE = ("tests/compute/test_decode_graph.py", "-k", "in_place")
+FAIR_SHARE = ("tests/compute/test_fair_share.py",)
 SPANS = ("tests/compute/test_batch.py", "tests/compute/test_paged_step.py", "-k",
          "far_apart or grouped or tables_last_block")
 # llama.cpp's own tokenizer is the oracle (skipped without llama-cpp-python: a mutant then survives).
@@ -263,7 +264,7 @@ MUTANTS = (
     Mutant("kv-opened-whatever-the-table-holds", "cakemp/compute/kv_cache.py",
            "                if len(table) != index:\n                    return None\n", "", KV),
     Mutant("kv-opened-blocks-past-the-budget", "cakemp/compute/kv_cache.py",
-           "        self._fit(len(slots) * self.bytes_per_block)\n", "", KV),
+           "        self._fit(session, len(slots) * self.bytes_per_block)\n", "", KV),
     Mutant("kv-opened-blocks-not-published", "cakemp/compute/kv_cache.py",
            "        self._tables.append(self._rows[session], [slot.pool for slot in slots], index, taken)\n", "", KV),
     Mutant("kv-opened-entries-not-copied-to-the-device", "cakemp/compute/kv_cache.py",
@@ -439,6 +440,16 @@ MUTANTS = (
     Mutant("paged-step-in-place-without-the-window", "cakemp/compute/paged_step.py",
            "step.positions[self.index, :d],\n                                           window,",
            "step.positions[self.index, :d],\n                                           None,", IN_PLACE),
+    Mutant("full-budget-first-come-first-served", "cakemp/compute/fair_share.py",
+           "        cache.reclaim = self.reclaim\n", "", FAIR_SHARE),
+    Mutant("fair-share-gives-up-the-most-recent", "cakemp/compute/fair_share.py",
+           "victim = min(victims,", "victim = max(victims,", FAIR_SHARE),
+    Mutant("fair-share-gives-up-a-stepping-session", "cakemp/compute/fair_share.py",
+           " and other not in self.stepping]", "]", FAIR_SHARE),
+    Mutant("fair-share-past-the-askers-own-share", "cakemp/compute/fair_share.py",
+           "if held[mine] + nbytes > share or not over:", "if not over:", FAIR_SHARE),
+    Mutant("given-up-session-continues-unwarned", "cakemp/compute/fair_share.py",
+           "            self._given_up.add(victim)\n", "", FAIR_SHARE),
     Mutant("decode-rows-padded-to-the-longest", "cakemp/compute/paged_step.py",
            "    if max(widths) <= 2 * min(widths) or", "    if True or", SPANS),
     Mutant("decode-rows-from-their-windows-first-block-but-one", "cakemp/compute/paged_step.py",

@@ -322,6 +322,9 @@ class KVCache:
         # (model/paged_attention.attend, where paged_step.in_place_attention gives it); None: over a gathered
         # copy, by SDPA.
         self.paged_attend: Callable | None = None
+        # Asked for room a session needs when neither the budget nor the spare has it (session, bytes):
+        # compute/fair_share.py's, which gives up sessions of a source past its share of the budget.
+        self.reclaim: Callable[[int, int], None] | None = None
 
     @property
     def tables(self) -> torch.Tensor:
@@ -332,6 +335,11 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes the live sessions hold: their blocks (each once) and linear states (not the spare's)."""
         return self._live_used * self.bytes_per_block + self._linear_bytes
+
+    def session_bytes(self, session: int) -> int:
+        """Bytes `session`'s blocks (a block it shares counted whole) and linear states hold."""
+        blocks = sum(len(slot.table) for slot in self._sessions.get(session, {}).values())
+        return blocks * self.bytes_per_block + len(self._linear.get(session, {})) * self.bytes_per_linear_slot
 
     def room(self) -> int | None:
         """Bytes of the budget neither the blocks in use, the sessions' linear states nor the spare
@@ -444,7 +452,7 @@ class KVCache:
                 self._refuse_context(block_idx, end)
         linear = self._linear.get(session, {})
         new_linear = [block_idx for block_idx in linear_ends if block_idx not in linear]
-        self._fit(needed * self.bytes_per_block + len(new_linear) * self.bytes_per_linear_slot)
+        self._fit(session, needed * self.bytes_per_block + len(new_linear) * self.bytes_per_linear_slot)
         if changes:
             slots = self._sessions.setdefault(session, slots)
             self._change(session, slots, changes)
@@ -499,7 +507,7 @@ class KVCache:
     def _open(self, session: int, slots: list[KVSlot], index: int) -> None:
         """Give each of the session's `slots`, which hold `index` blocks, its next block, the budget
         checked for them all first (CacheBudgetExceeded: none is taken)."""
-        self._fit(len(slots) * self.bytes_per_block)
+        self._fit(session, len(slots) * self.bytes_per_block)
         pools = self.pools
         taken = self._take_each([pools[slot.pool] for slot in slots])
         for slot, block in zip(slots, taken, strict=True):
@@ -553,12 +561,15 @@ class KVCache:
         """A linear-attention slot `reserve` made for `session`."""
         return self._linear[session][block_idx]
 
-    def _fit(self, nbytes: int) -> None:
-        """Make sure `nbytes` more fit the budget, asking the spare for room first; else CacheBudgetExceeded."""
+    def _fit(self, session: int, nbytes: int) -> None:
+        """Make sure `nbytes` more fit the budget for `session`, asking the spare for room first, then
+        `reclaim`; else CacheBudgetExceeded."""
         if self.budget_bytes is None or nbytes == 0:
             return
         if self.room() < nbytes and self.spare is not None:
             self.spare.release(nbytes)
+        if self.room() < nbytes and self.reclaim is not None:
+            self.reclaim(session, nbytes)
         left = self.room()
         if nbytes > left:
             raise CacheBudgetExceeded(

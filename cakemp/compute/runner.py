@@ -16,6 +16,7 @@ import torch
 from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import memory, tensors
 from cakemp.compute.decode_graph import DecodeGraphs, capturable
+from cakemp.compute.fair_share import FairShare
 from cakemp.compute.kv_cache import KVCache, KVSlot
 from cakemp.compute.loading import Block, LoadPlan, Rounding, check_quantizable, kept_kernels
 from cakemp.compute.paged_step import StepRows, in_place_attention
@@ -250,6 +251,7 @@ class BlockRunner:
                                                      config.head_dim)
         self.prefixes = PrefixCache(self.cache, [block.recurrent for block in self.blocks], config.hidden_size,
                                     share_prefixes) if prefix_reuse else None
+        self.share = FairShare(self.cache, self.free_session)
         self.capturable = tuple(map(capturable, self.blocks))
         self._checked = self._run_layers(())  # the run `_check_run` passed last (none yet)
         self.graphs = None if graph_batch is None else DecodeGraphs(self.cache, graph_batch, device.type == "cuda")
@@ -393,7 +395,12 @@ class BlockRunner:
         if together is not None:
             together(range(len(requests)))
         results: list[torch.Tensor | Exception | None] = [None] * len(requests)
-        for group in self._plan_step(requests, results).values():
+        self.share.stepping = set(sessions)
+        try:
+            groups = self._plan_step(requests, results)
+        finally:
+            self.share.stepping = frozenset()
+        for group in groups.values():
             outputs = self._run_group(group, between_ops)
             for i, planned, output in zip(group.indices, group.planned, outputs, strict=True):
                 results[i] = output if planned is None or isinstance(output, Exception) else planned.answer(output)
@@ -494,6 +501,7 @@ class BlockRunner:
             self._check_run(tuple(zip(ops.layers, ops.blocks)))  # checked once
         run = self._checked.run  # what the request shares with those it batches with: each op's (layer, block_idx)
         position = ops.position  # (None: the ops are at several positions)
+        self.share.asked(session, position)
         begun = None if self.prefixes is None else self.prefixes.begin(session, x, rows, position, run)
         if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
             if not begun.computes:
@@ -647,6 +655,7 @@ class BlockRunner:
         if self.prefixes is not None:
             self.prefixes.retire(session)
         self.cache.clear(session)
+        self.share.forget(session)
 
     def free_session(self, session: int) -> None:
         """A closed connection: forget the session's positions and free its buffers, and its
@@ -655,6 +664,7 @@ class BlockRunner:
         if self.prefixes is not None:
             self.prefixes.end(session)
         self.cache.clear(session)
+        self.share.forget(session)
 
     def kv_bytes(self) -> int:
         """Bytes the live sessions' KV slots and linear states hold (not what prefix reuse keeps)."""

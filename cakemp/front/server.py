@@ -46,6 +46,7 @@ from cakemp.ipc.spec import DeviceMain, DeviceSpec
 from cakemp.rss import resident_bytes
 from cakemp.setup.discovery import DiscoveryResponder, announcement_for
 from cakemp.setup.exchange import MAX_SETUP_FRAME, Setup
+from cakemp.sources import session_id, source_of
 from cakemp.streams import Inbox
 from cakemp.topology import collapse_layers, place_layers
 from cakemp.units import human_bytes
@@ -371,8 +372,10 @@ class Front:
                                 arrival: HelloPlace | None) -> None:
         keep_alive(writer.get_extra_info("socket"))
         serving = self._serving
+        peer = writer.get_extra_info("peername")
         connection = Connection(
-            next(self._session_ids), reader, writer, pool=serving.pool, admission=serving.admission,
+            session_id(source_of(peer[0] if peer else "?"), next(self._session_ids)), reader, writer,
+            pool=serving.pool, admission=serving.admission,
             limits=serving.limits, budget=self._budget, metrics=self.metrics, revision=self.config.revision,
             worker_info=self._worker_info, served=serving.served, trace_file=self._trace_file, arrival=arrival,
         )

@@ -417,6 +417,39 @@ def test_a_long_context_beside_short_ones_pads_none_of_their_keys(tmp_path):
     assert grown < 16 * 2**20, f"the device grew by {grown / 2**20:.1f} MiB"
 
 
+def test_a_master_holding_the_whole_kv_budget_gives_up_a_session_to_another_masters_prompt(checkpoint, hf, tmp_path):
+    """A master at 127.0.0.1 fills a device's KV budget with eight sessions; a master at 127.0.0.2
+    then sends a prompt: it is computed (as HF's layers compute it), room made by giving up the first
+    master's least recently used session (compute/fair_share.py), which is told so at its next request.
+    No device restarts."""
+    topology = write_topology(tmp_path / "topology.yml", ["model.layers.0-3"])
+    fresh = RunningNode(checkpoint, topology, "--gpus", "cpu:1", "--dtype", "f32", "--max-context", "256",
+                        "--kv-budget-mib", "1", "--no-prefix-reuse", "--metrics-address", "127.0.0.1:0",
+                        env={"RUNTIME_DIRECTORY": str(tmp_path)})
+    prompt = torch.randn(1, 64, HIDDEN)
+    expected = hf()(prompt, 0)
+
+    async def main():
+        # 4 layers of 2 kv heads of 16, f32: 1 KiB a position; eight sessions of 128 fill 1 MiB.
+        hoarder = [await CakeMaster.connect(fresh.port, LAYERS) for _ in range(8)]
+        for master in hoarder:
+            await master.forward(torch.randn(1, 128, HIDDEN), 0)
+        with pytest.raises(RemoteWorkerError, match="budget is left"):  # its own next session: first come, first served
+            await hoarder[0].forward(torch.randn(1, 16, HIDDEN), 128)
+        newcomer = await CakeMaster.connect(fresh.port, LAYERS, source="127.0.0.2")
+        torch.testing.assert_close(await newcomer.forward(prompt, 0), expected, atol=F32_ATOL, rtol=0)
+        with pytest.raises(RemoteWorkerError, match="given up to make room for a session of another master"):
+            await hoarder[1].forward(torch.randn(1, 1, HIDDEN), 128)
+        for master in (*hoarder, newcomer):
+            await master.close()
+
+    try:
+        run(main())
+        assert restarts(fresh) == 0
+    finally:
+        fresh.kill()
+
+
 def test_master_connections_have_tcp_keepalive(node):
     """The node's end of a master connection runs the keepalive timer (so a master gone without a
     FIN is found), as `ss` shows it."""
