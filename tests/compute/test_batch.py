@@ -48,24 +48,35 @@ def tokens(T, seed, hidden):
     return torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(seed))
 
 
+def prefilled(family, lengths: dict[int, int]) -> tuple[BlockRunner, BlockRunner]:
+    """Two runners, each session of `lengths` prefilled to its length in both (their answers equal)."""
+    batched, alone = load(family), load(family)
+    hidden = batched.config.hidden_size
+    for session, T in lengths.items():
+        x = tokens(T, session, hidden)
+        assert_close(batched.run(session, x, ops(family, 0)), alone.run(session, x, ops(family, 0)))
+    return batched, alone
+
+
+def each_as_alone(batched: BlockRunner, alone: BlockRunner, requests: list[Request]) -> None:
+    """`requests` run as one batch on `batched`: each result equals its request run alone on `alone`."""
+    for request, result in zip(requests, batched.run_batch(requests), strict=True):
+        assert isinstance(result, torch.Tensor), result
+        assert_close(result, alone.run(request.session, request.x, request.ops))
+
+
 def test_sessions_batched_at_different_positions_match_each_alone(family):
     """Four sessions prefilled to different lengths (1, 3, 7 and 12 tokens, one of them past Gemma's
     window), then decoding together for five steps, one of the steps also carrying another session's
     prompt chunk: every output equals the same request run alone."""
-    batched, alone = load(family), load(family)
-    hidden = batched.config.hidden_size
     lengths = {1: 1, 2: 3, 3: 7, 4: 12}
-    for session, T in lengths.items():
-        x = tokens(T, session, hidden)
-        assert_close(batched.run(session, x, ops(family, 0)), alone.run(session, x, ops(family, 0)))
+    batched, alone = prefilled(family, lengths)
+    hidden = batched.config.hidden_size
     for step in range(5):
         requests = [Request(s, tokens(1, 100 * step + s, hidden), ops(family, lengths[s] + step)) for s in lengths]
         if step == 2:  # a prompt chunk arrives among the decodes: 6 tokens of session 5 at position 0
             requests.insert(1, Request(5, tokens(6, 99, hidden), ops(family, 0)))
-        results = batched.run_batch(requests)
-        for request, result in zip(requests, results, strict=True):
-            assert isinstance(result, torch.Tensor), result
-            assert_close(result, alone.run(request.session, request.x, request.ops))
+        each_as_alone(batched, alone, requests)
     assert batched.kv_bytes() == alone.kv_bytes()
 
 
@@ -79,17 +90,12 @@ def test_decodes_of_far_apart_contexts_attend_in_groups_each_as_alone(family, mo
     seen = []
     spans = paged_step.StepRows.spans
     monkeypatch.setattr(paged_step.StepRows, "spans", lambda *args: seen.append(spans(*args)) or seen[-1])
-    batched, alone = load(family), load(family)
-    hidden = batched.config.hidden_size
     lengths = {1: 2, 2: 20, 3: 40, 4: 100}
-    for session, T in lengths.items():
-        x = tokens(T, session, hidden)
-        assert_close(batched.run(session, x, ops(family, 0)), alone.run(session, x, ops(family, 0)))
+    batched, alone = prefilled(family, lengths)
+    hidden = batched.config.hidden_size
     for step in range(3):
-        requests = [Request(s, tokens(1, 100 * step + s, hidden), ops(family, lengths[s] + step)) for s in lengths]
-        for request, result in zip(requests, batched.run_batch(requests), strict=True):
-            assert isinstance(result, torch.Tensor), result
-            assert_close(result, alone.run(request.session, request.x, request.ops))
+        each_as_alone(batched, alone, [Request(s, tokens(1, 100 * step + s, hidden), ops(family, lengths[s] + step))
+                                       for s in lengths])
     if family[0] == "gemma3":  # layers 0-3 all slide (a window of 4)
         assert all(len(found) == 1 and isinstance(found[0].columns, torch.Tensor) for found in seen)
     else:
@@ -101,16 +107,10 @@ def test_a_windowed_row_in_its_tables_last_block_decodes_beside_one_straddling_a
     Gemma's window of 4 the second reads two blocks from its window's first, so the first's two columns
     from its own first run past its table's width (its last column stands for them, masked); each equals
     its request alone."""
-    batched, alone = load(family), load(family)
-    hidden = batched.config.hidden_size
     lengths = {1: 255, 2: 33}
-    for session, T in lengths.items():
-        x = tokens(T, session, hidden)
-        assert_close(batched.run(session, x, ops(family, 0)), alone.run(session, x, ops(family, 0)))
-    requests = [Request(s, tokens(1, 7 * s, hidden), ops(family, T)) for s, T in lengths.items()]
-    for request, result in zip(requests, batched.run_batch(requests), strict=True):
-        assert isinstance(result, torch.Tensor), result
-        assert_close(result, alone.run(request.session, request.x, request.ops))
+    batched, alone = prefilled(family, lengths)
+    hidden = batched.config.hidden_size
+    each_as_alone(batched, alone, [Request(s, tokens(1, 7 * s, hidden), ops(family, T)) for s, T in lengths.items()])
 
 
 def test_a_token_whose_layers_are_at_different_positions_batches_with_plain_decodes(family):
