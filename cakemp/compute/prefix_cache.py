@@ -41,6 +41,7 @@ retired like a Goodbye's.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -51,6 +52,7 @@ from cakemp.compute.kv_cache import KVCache, KVSlot, LinearSlot
 from cakemp.compute.output_rows import OutputRows, RowPool
 from cakemp.compute.row_chain import Extension, RowChain
 from cakemp.model.deltanet import LinearState
+from cakemp.sources import session_source
 
 # Retired prefixes kept at most, whatever the budget (none may be unbounded, and a lookup scans them).
 MAX_RETIRED = 256
@@ -85,6 +87,7 @@ class Prefix:
     pending: torch.Tensor | None = None
     slots: dict[int, KVSlot] = field(default_factory=dict)  # retired only: the attention layers' KV slots
     used: int = 0  # when last used (for least recently used first)
+    source: int = 0  # the source of the session it came from (sources.session_source)
     # The bytes it holds besides KV blocks as last counted: a live prefix's after each request (only
     # a request changes it), a retired one's as it was retired (unchanged until it is taken out);
     # and a retired one's KV blocks, counted then too.
@@ -149,7 +152,7 @@ class PrefixCache:
         if start == 0:
             self.retire(session)  # a new prompt replaces the session's rows: they are kept
             prefix = Prefix(SHARED if self._shared else session, path, RowChain(self._row_bytes),
-                            OutputRows(self._outputs))
+                            OutputRows(self._outputs), source=session_source(session))
             self._live[session] = prefix
         else:
             prefix = self._live.get(session)
@@ -426,16 +429,19 @@ class PrefixCache:
         for slot in slots.values():
             slot.length = prefix.ahead.length
         self._keep(Prefix(prefix.domain, prefix.layer_path, prefix.ahead, prefix.outputs, dict(prefix.points),
-                          slots=slots, used=prefix.used))
+                          slots=slots, used=prefix.used, source=prefix.source))
 
     def _keep(self, prefix: Prefix) -> None:
-        """Retire `prefix` (its slots at its chain's length), the newest; past MAX_RETIRED the oldest goes."""
+        """Retire `prefix` (its slots at its chain's length), the newest; past MAX_RETIRED the oldest of the
+        source that retired the most goes (a master saying Goodbye again and again pushes out its own)."""
         prefix.held, prefix.held_kv = self._held_bytes(prefix), self._kv_bytes(prefix)
         self._retired_held += prefix.held
         self._retired_kv += prefix.held_kv
         self._retired.append(prefix)
         if len(self._retired) > MAX_RETIRED:
-            self._discard(self._retired[0], evicted=True)
+            retired = Counter(kept.source for kept in self._retired)
+            most = max(retired, key=retired.__getitem__)
+            self._discard(next(kept for kept in self._retired if kept.source == most), evicted=True)
 
     def _unretire(self, prefix: Prefix) -> None:
         """Take `prefix` out of the retired (given up, or made a session's again)."""

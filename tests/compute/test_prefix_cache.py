@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.compute import prefix_cache
 from cakemp.compute.kv_cache import BLOCK
 from cakemp.compute.prefix_cache import MAX_RETIRED, MIN_REUSE, PrefixCache
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import ContextLimitExceeded
 from cakemp.front.router import chunk_bounds
+from cakemp.sources import session_id
 from tests.support.checkpoints import make_checkpoint
 from tests.support.tolerance import assert_close
 
@@ -353,6 +355,27 @@ def test_retired_prefixes_are_bounded_in_number(llama):
         node.runner.run(session, rows(16, session), node.ops(0))
         node.runner.clear_session(session)
     assert node.runner.prefixes.retired_count() == MAX_RETIRED and figures(node.runner)[2] == 2
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
+def test_past_the_retired_cap_a_master_saying_goodbye_again_and_again_pushes_out_its_own(llama, monkeypatch, shared):
+    """Past MAX_RETIRED (4 here) the oldest retired prefix of the source that retired the most goes: a
+    master at one address whose sessions retire prompt after prompt leaves another's first prompts kept,
+    which the other's sessions then reuse, where the oldest of all would have gone first."""
+    monkeypatch.setattr(prefix_cache, "MAX_RETIRED", 4)
+    node = Node(llama, prefix_reuse=True, share_prefixes=shared)
+    kept = [session_id("10.0.0.2", serial) for serial in (1, 2)]
+    flood = [session_id("10.0.0.1", serial) for serial in range(1, 9)]
+    for session in (*kept, *flood):
+        node.runner.run(session, rows(16, session % 1000), node.ops(0))
+        node.runner.clear_session(session)  # Goodbye: its rows retired
+    for session in kept:
+        hits = figures(node.runner)[0]
+        node.runner.run(session, rows(16, session % 1000), node.ops(0))
+        assert figures(node.runner)[0] == hits + 1
+    hits = figures(node.runner)[0]
+    node.runner.run(flood[0], rows(16, flood[0] % 1000), node.ops(0))  # its first prompt: pushed out
+    assert figures(node.runner)[0] == hits
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen"])
