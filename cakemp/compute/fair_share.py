@@ -3,20 +3,24 @@
 Until the budget is full a session takes the room it asks for, first come, first served. A session
 that asks for room neither the budget left nor prefix reuse's kept rows (given up first: they are
 nobody's) can give, while its source holds less than its share (the budget over the sources holding
-KV, its own counted), is given it by the source holding the most past its share: that source's
-sessions are given up, least recently asked first, until the room is there. So however much of the
-budget one source took while the others were away, each source that comes can have its share, and
-no source loses its sessions while it holds no more than its share. A source is a master's address
-(an IPv4 address, an IPv6 /64), carried in the top bits of the session ids the front gives
-(sources.session_id). A session of the step being planned is never given up (its slots are
-reserved for the step); a session given up is told so at each request (CacheBudgetExceeded) until
-it starts again at position 0 or says Goodbye.
+KV, its own counted; a block several of a source's sessions share counted once), is given it by the
+sources past their share, the furthest first: their sessions are given up, least recently asked
+first, until the room is there. So however much of the budget one source took while the others were
+away, each source that comes can have its share, and no source loses its sessions while it holds no
+more than its share. A source is a master's address (an IPv4 address, an IPv6 /64), carried in the top
+bits of the session ids the front gives (sources.session_id).
+
+A session of the step being planned keeps its slots for the step (they are reserved): where the
+sessions past their share are all in it (a master sending a row for each of its sessions at every
+step), the asking request is refused, and the least recently asked of each such source is given up
+once the step is computed, so that the room is there at the next ask. A session given up is told so
+at each request (CacheBudgetExceeded) until it starts again at position 0 or says Goodbye.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable, Set
 
 from cakemp.compute.kv_cache import KVCache
@@ -36,7 +40,8 @@ class FairShare:
         self._clock = itertools.count()
         self._asked: dict[int, int] = {}  # session -> the clock at its last request
         self._given_up: set[int] = set()
-        self.stepping: Set[int] = frozenset()  # the sessions of the step being planned: never given up
+        self._owed: set[int] = set()  # sessions of the step to give up once it is computed
+        self.stepping: Set[int] = frozenset()  # the sessions of the step being planned
         cache.reclaim = self.reclaim
 
     def asked(self, session: int, position: int | None) -> None:
@@ -53,25 +58,43 @@ class FairShare:
         self._asked.pop(session, None)
         self._given_up.discard(session)
 
+    def settle(self) -> None:
+        """The step is computed: give up the sessions of it owed to a source under its share."""
+        owed, self._owed = self._owed, set()
+        for session in owed:
+            if session in self._cache.sessions():
+                self._give_up_one(session)
+
     def reclaim(self, session: int, nbytes: int) -> None:
         """Make room for `nbytes` more for `session` (the budget and the kept rows have none), as far as
-        its source's share allows, by giving up sessions of the source most past its own."""
+        its source's share allows, by giving up sessions of the sources past their own."""
         cache, mine = self._cache, session_source(session)
         while cache.room() < nbytes:
-            held: Counter[int] = Counter()
+            by_source: dict[int, list[int]] = defaultdict(list)
             for other in cache.sessions():
-                held[session_source(other)] += cache.session_bytes(other)
+                by_source[session_source(other)].append(other)
+            held = {source: cache.held_by(sessions) for source, sessions in by_source.items()}
             share = cache.budget_bytes / len(held.keys() | {mine})
-            over = [source for source, nbytes_held in held.items() if source != mine and nbytes_held > share]
-            if held[mine] + nbytes > share or not over:
+            if held.get(mine, 0) + nbytes > share:
                 return
-            source = max(over, key=held.__getitem__)
-            victims = [other for other in cache.sessions()
-                       if session_source(other) == source and other not in self.stepping]
-            if not victims:
+            over = sorted((source for source in held if source != mine and held[source] > share),
+                          key=held.__getitem__, reverse=True)
+            victim = None
+            for source in over:
+                free = [other for other in by_source[source] if other not in self.stepping]
+                if free:
+                    victim = min(free, key=self._last_asked)
+                    break
+                self._owed.add(min(by_source[source], key=self._last_asked))
+            if victim is None:
                 return
-            victim = min(victims, key=lambda other: self._asked.get(other, -1))
-            self._give_up(victim)
-            self._given_up.add(victim)
+            self._give_up_one(victim)
             if cache.spare is not None:  # what the victim's rows left kept for reuse, if anything
                 cache.spare.release(nbytes)
+
+    def _last_asked(self, session: int) -> int:
+        return self._asked.get(session, -1)
+
+    def _give_up_one(self, session: int) -> None:
+        self._give_up(session)
+        self._given_up.add(session)

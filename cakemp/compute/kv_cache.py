@@ -58,6 +58,7 @@ before it refuses a session. Its KV slots leave the cache's sessions when a sess
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from array import array
 from collections.abc import Callable, Iterable, Sequence, Set
@@ -336,10 +337,14 @@ class KVCache:
         """Bytes the live sessions hold: their blocks (each once) and linear states (not the spare's)."""
         return self._live_used * self.bytes_per_block + self._linear_bytes
 
-    def session_bytes(self, session: int) -> int:
-        """Bytes `session`'s blocks (a block it shares counted whole) and linear states hold."""
-        blocks = sum(len(slot.table) for slot in self._sessions.get(session, {}).values())
-        return blocks * self.bytes_per_block + len(self._linear.get(session, {})) * self.bytes_per_linear_slot
+    def held_by(self, sessions: Iterable[int]) -> int:
+        """Bytes the blocks (each once, however many of `sessions` share it) and linear states of `sessions` hold."""
+        blocks, linear = set(), 0
+        for session in sessions:
+            for slot in self._sessions.get(session, {}).values():
+                blocks.update(zip(itertools.repeat(slot.pool), slot.table))
+            linear += len(self._linear.get(session, {}))
+        return len(blocks) * self.bytes_per_block + linear * self.bytes_per_linear_slot
 
     def room(self) -> int | None:
         """Bytes of the budget neither the blocks in use, the sessions' linear states nor the spare

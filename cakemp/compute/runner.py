@@ -400,10 +400,13 @@ class BlockRunner:
             groups = self._plan_step(requests, results)
         finally:
             self.share.stepping = frozenset()
-        for group in groups.values():
-            outputs = self._run_group(group, between_ops)
-            for i, planned, output in zip(group.indices, group.planned, outputs, strict=True):
-                results[i] = output if planned is None or isinstance(output, Exception) else planned.answer(output)
+        try:
+            for group in groups.values():
+                outputs = self._run_group(group, between_ops)
+                for i, planned, output in zip(group.indices, group.planned, outputs, strict=True):
+                    results[i] = output if planned is None or isinstance(output, Exception) else planned.answer(output)
+        finally:
+            self.share.settle()  # sessions of the step owed to a source under its share
         return results
 
     def _plan_step(self, requests: Sequence[Request], results: list) -> dict[tuple, _Group]:

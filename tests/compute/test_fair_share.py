@@ -78,14 +78,48 @@ def test_one_source_alone_is_first_come_first_served(checkpoint):
         runner.run(session, x(1), ops(runner, 31))
 
 
-def test_no_session_of_the_step_is_given_up(checkpoint):
-    """A's four sessions decode in the step B's prompt comes in: none can be given up, so B's prompt
-    alone is refused and each decode is answered."""
+def test_a_source_in_every_step_gives_up_its_session_once_the_step_is_computed(checkpoint):
+    """A's four sessions decode in every step, as a master sending a row for each of its sessions at every
+    step would (rewriting their last one: they never grow), and B's prompt comes in beside them: none is
+    given up under the step (their slots are reserved), so B's prompt is refused and each decode
+    answered; once the step is computed A's least recently asked session is given up, so that in the
+    next such step B's prompt is computed, and that session is told why."""
+
+    def step():
+        return runner.run_batch([Request(B[0], x(31), ops(runner, 0)),
+                                 *(Request(session, x(1), ops(runner, 30)) for session in (A[1], A[2], A[3], A[0]))])
+
     runner = filled(checkpoint)
-    results = runner.run_batch([Request(B[0], x(31), ops(runner, 0)),
-                                *(Request(session, x(1), ops(runner, 31)) for session in A[:4])])
-    assert isinstance(results[0], CacheBudgetExceeded)
+    results = step()
+    assert isinstance(results[0], CacheBudgetExceeded) and "budget is left" in str(results[0])
     assert all(isinstance(result, torch.Tensor) for result in results[1:])
+    results = step()
+    assert isinstance(results[0], torch.Tensor) and str(results[1]) == GIVEN_UP
+    assert all(isinstance(result, torch.Tensor) for result in results[2:])
+
+
+def test_blocks_a_sources_sessions_share_count_once(checkpoint):
+    """With shared prefixes, five of X's chats share the first three blocks of a system prompt (16
+    blocks in all, within a share of 20 of 60); Z's four sessions hold 32, unshared. Y's prompt of 16
+    blocks takes its room from Z alone: counted per session, X's shared blocks would make it look past
+    its share, and give up its chats for next to nothing."""
+    runner = BlockRunner.load(checkpoint, LAYERS, "cpu", torch.float32, kv_budget_bytes=60 * 4096,
+                              prefix_reuse=True, share_prefixes=True)
+    X = [session_id("10.0.0.1", serial) for serial in range(1, 7)]
+    Z = [session_id("10.0.0.2", serial) for serial in range(1, 5)]
+    Y = session_id("10.0.0.3", 1)
+    system = x(64, 1)
+    runner.run(X[0], system, ops(runner, 0))
+    runner.clear_session(X[0])  # retired: the chats after it take its first blocks up
+    for serial, session in enumerate(X[1:]):
+        runner.run(session, torch.cat([system[:, :48], x(8, 10 + serial)], dim=1), ops(runner, 0))
+    for serial, session in enumerate(Z):
+        runner.run(session, x(64, 20 + serial), ops(runner, 0))
+    runner.run(Y, x(128, 30), ops(runner, 0))
+    for session in X[1:]:
+        runner.run(session, x(1), ops(runner, 56))
+    with pytest.raises(CacheBudgetExceeded, match="given up to make room"):
+        runner.run(Z[0], x(1), ops(runner, 64))
 
 
 def test_a_session_given_up_starts_again_at_zero(checkpoint):
