@@ -64,7 +64,7 @@ PAGED_ATTENTION = ("tests/model/test_paged_attention.py",)
 IN_PLACE = ("tests/compute/test_decode_graph.py", "-k", "in_place")
 FAIR_SHARE = ("tests/compute/test_fair_share.py",)
 SPANS = ("tests/compute/test_batch.py", "tests/compute/test_paged_step.py", "-k",
-         "far_apart or grouped or tables_last_block")
+         "far_apart or grouped or tables_last_block or windows_first_block")
 # llama.cpp's own tokenizer is the oracle (skipped without llama-cpp-python: a mutant then survives).
 GGUF_TOKENIZER = ("tests/master/test_gguf_tokenizer_llama_cpp.py", "tests/master/test_gguf_tokenizer.py",
                   "tests/master/test_gguf_generator.py")
@@ -466,6 +466,11 @@ MUTANTS = (
            "columns = ((starts - 1).clamp(min=0) + torch.arange(width, device=device))", SPANS),
     Mutant("decode-rows-read-past-their-tables-width", "cakemp/compute/paged_step.py",
            ".clamp_(max=self.cache.tables.shape[2] - 1)", "", SPANS),
+    Mutant("windowed-request-reads-its-whole-table", "cakemp/compute/paged_step.py",
+           "skipped = 0 if window is None else max(0, start + 1 - window) // BLOCK", "skipped = 0", SPANS),
+    Mutant("windowed-request-skips-a-block-of-its-window", "cakemp/compute/paged_step.py",
+           "skipped = 0 if window is None else max(0, start + 1 - window) // BLOCK",
+           "skipped = 0 if window is None else max(0, start + 1 - window) // BLOCK + 1", SPANS),
     Mutant("decode-rows-of-a-group-put-back-in-turn", "cakemp/compute/paged_step.py",
            "out.index_copy_(0, span.picked, ", "out.index_copy_(0, span.picked.sort().values, ", SPANS),
     Mutant("graph-in-place-without-the-window", "cakemp/compute/decode_graph.py",

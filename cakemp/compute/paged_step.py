@@ -310,21 +310,24 @@ class LayerPages:
         outs = []
         for i in requests:
             start, T, first = starts[i], step.lengths[i], step.firsts[i] - step.firsts[requests[0]]
-            k, v = self._keys(i, start + T)
-            outs.append(attention.attend(q[:, :, first : first + T], k, v, start, window, scale))
+            # Through a window, its keys from the block its first row's window starts in (positions counted from there).
+            skipped = 0 if window is None else max(0, start + 1 - window) // BLOCK
+            k, v = self._keys(i, skipped, start + T)
+            outs.append(attention.attend(q[:, :, first : first + T], k, v, start - skipped * BLOCK, window, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-    def _keys(self, i: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Request i's K and V, [1, H_kv, S >= end, D]: a view of the pool where its blocks to `end` are
-        one run, else gathered."""
+    def _keys(self, i: int, skipped: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i's K and V from block `skipped` of its table to position `end`, [1, H_kv, S >= end -
+        skipped * BLOCK, D]: a view of the pool where those blocks are one run, else gathered."""
         pool = self.step.pools[self.index]
-        table = self.step.slot(self.index, i).table[: -(-end // BLOCK)]
+        last = -(-end // BLOCK)
+        table = self.step.slot(self.index, i).table[skipped:last]
         first = table[0]
         if table[-1] - first == len(table) - 1 and table == list(range(first, first + len(table))):
             rows = slice(first * BLOCK, (first + len(table)) * BLOCK)
             k_rows, v_rows = pool.rows()
             return k_rows[rows].transpose(0, 1)[None], v_rows[rows].transpose(0, 1)[None]
-        return self._gather(self.step.tables(self.index)[i : i + 1, : len(table)])
+        return self._gather(self.step.tables(self.index)[i : i + 1, skipped:last])
 
     def _decode_rows(self, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         """q: [d, H_q, D], the decode rows (one per request) -> [d, H_q, D]."""

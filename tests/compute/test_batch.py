@@ -113,6 +113,20 @@ def test_a_windowed_row_in_its_tables_last_block_decodes_beside_one_straddling_a
     each_as_alone(batched, alone, [Request(s, tokens(1, 7 * s, hidden), ops(family, T)) for s, T in lengths.items()])
 
 
+def test_a_request_alone_reads_its_keys_from_its_windows_first_block(family):
+    """Two sessions prefill 192 positions 16 at a time in turn (their blocks interleave, so each request
+    gathers its keys), then one decodes alone: each request equals its request alone, and through
+    Gemma's window of 4 no gather held more than the blocks a window and a chunk span, not a table's 12."""
+    batched, alone = load(family), load(family)
+    hidden = batched.config.hidden_size
+    for position in range(0, 192, 16):
+        for session in (1, 2):
+            each_as_alone(batched, alone, [Request(session, tokens(16, session + position, hidden), ops(family, position))])
+    each_as_alone(batched, alone, [Request(1, tokens(1, 5, hidden), ops(family, 192))])
+    held = batched.cache.gather_space(1)[0].untyped_storage().nbytes() // (batched.cache.bytes_per_block // 2)
+    assert held <= 3 if family[0] == "gemma3" else held >= 12  # (layers 0-3 all slide there)
+
+
 def test_a_token_whose_layers_are_at_different_positions_batches_with_plain_decodes(family):
     """A token rewriting an earlier row at its first layer than at the others (each within what is
     cached), in one step with two plain decodes and a prompt chunk: its layers see their own rows and
