@@ -101,7 +101,7 @@ class StepRows:
         self._placed_views: tuple[torch.Tensor, ...] | None = None
         self._request: torch.Tensor | None = None
         self._tables: torch.Tensor | None = None
-        self._visible: dict[tuple, tuple[int, int, torch.Tensor]] = {}
+        self._spans: dict[tuple, list[KeySpan]] = {}
 
     def _listed(self, pool_ids: list[int]) -> list[int]:
         """`packed`'s values, each read from a slot's table in Python (`KVCache.decode_rows` reads a step of
@@ -191,13 +191,13 @@ class StepRows:
         31 ms beside one at 8,128). Shared by layers at the same positions and window, each group's mask
         made once (SDPA would make that mask of a bool one at each call)."""
         key = (self._alike[index], window)
-        found = self._visible.get(key)
+        found = self._spans.get(key)
         if found is None:
             ends = self.starts[index][: self.decodes]
             firsts = [0] * len(ends) if window is None else [max(0, end + 1 - window) // BLOCK for end in ends]
             widths = [end // BLOCK + 1 - first for end, first in zip(ends, firsts, strict=True)]
             split = max(1, _SPLIT_BYTES // self.cache.bytes_per_block)
-            found = self._visible[key] = [self._span(index, window, rows, ends, firsts, widths)
+            found = self._spans[key] = [self._span(index, window, rows, ends, firsts, widths)
                                           for rows in _grouped(widths, split)]
         return found
 
