@@ -22,9 +22,9 @@ to a newcomer of its own source only, at once, so a client with more connections
 from __future__ import annotations
 
 import functools
+import hashlib
 import ipaddress
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -56,8 +56,10 @@ _SERIAL_BITS = 32
 
 
 def session_id(source: str, serial: int) -> int:
-    """The id of the `serial`-th connection, from `source` (`source_of`): a hash of the source above the serial."""
-    return zlib.crc32(source.encode()) << _SERIAL_BITS | serial & (1 << _SERIAL_BITS) - 1
+    """The id of the `serial`-th connection, from `source` (`source_of`): a hash of the source above the serial
+    (BLAKE2b, not a CRC, whose linearity would let a peer pick among its addresses one that passes for another's)."""
+    digest = hashlib.blake2b(source.encode(), digest_size=_SERIAL_BITS // 8).digest()
+    return int.from_bytes(digest, "big") << _SERIAL_BITS | serial & (1 << _SERIAL_BITS) - 1
 
 
 def session_source(session: int) -> int:
