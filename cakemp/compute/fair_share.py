@@ -60,6 +60,8 @@ class FairShare:
 
     def settle(self) -> None:
         """The step is computed: give up the sessions of it owed to a source under its share."""
+        if not self._owed:  # (most steps)
+            return
         owed, self._owed = self._owed, set()
         for session in owed:
             if session in self._cache.sessions():
