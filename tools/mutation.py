@@ -448,7 +448,7 @@ MUTANTS = (
     Mutant("fair-share-gives-up-the-most-recent", "cakemp/compute/fair_share.py",
            "victim = min(free, key=self._last_asked)", "victim = max(free, key=self._last_asked)", FAIR_SHARE),
     Mutant("fair-share-gives-up-a-stepping-session", "cakemp/compute/fair_share.py",
-           " if other not in self.stepping]", "]", FAIR_SHARE),
+           " if other not in self._stepping]", "]", FAIR_SHARE),
     Mutant("fair-share-never-settles-the-step", "cakemp/compute/fair_share.py",
            "                self._owed.add(min(by_source[source], key=self._last_asked))\n", "", FAIR_SHARE),
     Mutant("fair-share-counts-shared-blocks-per-session", "cakemp/compute/fair_share.py",

@@ -19,9 +19,10 @@ at each request (CacheBudgetExceeded) until it starts again at position 0 or say
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Set
+from collections.abc import Callable, Iterable, Iterator, Set
 
 from cakemp.compute.kv_cache import KVCache
 from cakemp.errors import CacheBudgetExceeded
@@ -41,8 +42,22 @@ class FairShare:
         self._asked: dict[int, int] = {}  # session -> the clock at its last request
         self._given_up: set[int] = set()
         self._owed: set[int] = set()  # sessions of the step to give up once it is computed
-        self.stepping: Set[int] = frozenset()  # the sessions of the step being planned
+        self._stepping: Set[int] = frozenset()  # the sessions of the step under way
         cache.reclaim = self.reclaim
+
+    @contextlib.contextmanager
+    def step(self, sessions: Iterable[int]) -> Iterator[None]:
+        """A step of `sessions` planned and computed: none of them is given up meanwhile (their slots are
+        reserved for it); once it is computed, the sessions of it owed to a source under its share are."""
+        self._stepping = set(sessions)
+        try:
+            yield
+        finally:
+            self._stepping = frozenset()
+            owed, self._owed = self._owed, set()
+            for session in owed:
+                if session in self._cache.sessions():
+                    self._give_up_one(session)
 
     def asked(self, session: int, position: int | None) -> None:
         """A request of `session` at `position` (None: its ops at several) is being planned.
@@ -57,15 +72,6 @@ class FairShare:
         """The session starts afresh, or is gone."""
         self._asked.pop(session, None)
         self._given_up.discard(session)
-
-    def settle(self) -> None:
-        """The step is computed: give up the sessions of it owed to a source under its share."""
-        if not self._owed:  # (most steps)
-            return
-        owed, self._owed = self._owed, set()
-        for session in owed:
-            if session in self._cache.sessions():
-                self._give_up_one(session)
 
     def reclaim(self, session: int, nbytes: int) -> None:
         """Make room for `nbytes` more for `session` (the budget and the kept rows have none), as far as
@@ -83,7 +89,7 @@ class FairShare:
                           key=held.__getitem__, reverse=True)
             victim = None
             for source in over:
-                free = [other for other in by_source[source] if other not in self.stepping]
+                free = [other for other in by_source[source] if other not in self._stepping]
                 if free:
                     victim = min(free, key=self._last_asked)
                     break

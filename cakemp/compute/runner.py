@@ -395,18 +395,11 @@ class BlockRunner:
         if together is not None:
             together(range(len(requests)))
         results: list[torch.Tensor | Exception | None] = [None] * len(requests)
-        self.share.stepping = set(sessions)
-        try:
-            groups = self._plan_step(requests, results)
-        finally:
-            self.share.stepping = frozenset()
-        try:
-            for group in groups.values():
+        with self.share.step(sessions):  # none of them given up to make room for another source's
+            for group in self._plan_step(requests, results).values():
                 outputs = self._run_group(group, between_ops)
                 for i, planned, output in zip(group.indices, group.planned, outputs, strict=True):
                     results[i] = output if planned is None or isinstance(output, Exception) else planned.answer(output)
-        finally:
-            self.share.settle()  # sessions of the step owed to a source under its share
         return results
 
     def _plan_step(self, requests: Sequence[Request], results: list) -> dict[tuple, _Group]:
