@@ -12,7 +12,9 @@ step (compute/paged_step.py) over buffers of fixed shape, `DecodeGraph`:
 * each request's block table held to a fixed width, in blocks (a power of two, at least MIN_WIDTH); on
   a GPU each row reads its keys where they lie in the pool, up to its position (model/paged_attention.py,
   its keys split among programs by the width); elsewhere its blocks are gathered to the width and which
-  keys each row sees worked out from its position inside the step (its window too);
+  keys each row sees worked out from its position inside the step (its window too), so a step whose rows
+  would pad by far so (a long context beside short ones: StepRows.gathers_alike) takes the paged step,
+  which gathers each group of rows alike to its own width;
 * before each replay, the step's rows, positions, slot ids and block tables copied into the buffers
   (StepRows builds them as it does for the paged step); after it, the outputs copied out.
 
@@ -95,13 +97,15 @@ class DecodeGraphs:
             step: StepRows, x: torch.Tensor) -> torch.Tensor | None:
         """x: [1, B, H], one decode row per request of `step` (whose every op is an attention layer of
         `blocks`, in order) -> [1, B, H], through the graph of the step's shape; None where the step fits
-        no graph (`takes`), or that graph could not be captured (the step then runs op by op, and so do
-        all after it)."""
+        no graph (`takes`), where its rows' keys gathered to the graph's width would pad short rows by far,
+        or where that graph could not be captured (the step then runs op by op, and so do all after it)."""
         B, needed = x.shape[1], step.blocks_needed
         if not self.takes(B, needed):
             return None
-        bucket = next(size for size in self.buckets if size >= B)
         width = min(width_for(needed), self.max_width)
+        if self.cache.paged_attend is None and not step.gathers_alike(width, min(MIN_WIDTH, width)):
+            return None  # every row's keys gathered to the width: a long row would pad each short one to it
+        bucket = next(size for size in self.buckets if size >= B)
         key = run_key, bucket, width
         graph = self.made.get(key)
         if graph is None or not graph.reads(step.pools):

@@ -196,10 +196,23 @@ class StepRows:
             ends = self.starts[index][: self.decodes]
             firsts = [0] * len(ends) if window is None else [max(0, end + 1 - window) // BLOCK for end in ends]
             widths = [end // BLOCK + 1 - first for end, first in zip(ends, firsts, strict=True)]
-            split = max(1, _SPLIT_BYTES // self.cache.bytes_per_block)
             found = self._spans[key] = [self._span(index, window, rows, ends, firsts, widths)
-                                          for rows in _grouped(widths, split)]
+                                          for rows in _grouped(widths, self._split_blocks)]
         return found
+
+    def gathers_alike(self, width: int, least: int) -> bool:
+        """Whether every decode row may have its keys gathered to `width` blocks, as a fixed-shape step
+        gathers them where it reads no keys in place (compute/decode_graph.py): on the terms `spans` keeps a
+        group to, each row counted at its blocks from its table's first to its position (such a step reads no
+        window's start) and at no fewer than `least`, the narrowest width that step pads to anyway."""
+        alike = set(self._alike)
+        widths = [max(least, max(self.starts[index][r] for index in alike) // BLOCK + 1) for r in range(self.decodes)]
+        return _pads_alike(widths, width, self._split_blocks)
+
+    @functools.cached_property
+    def _split_blocks(self) -> int:
+        """_SPLIT_BYTES of K and V, in blocks of this cache."""
+        return max(1, _SPLIT_BYTES // self.cache.bytes_per_block)
 
     def _span(self, index: int, window: int | None, rows: list[int], ends: Sequence[int], firsts: list[int],
               widths: list[int]) -> KeySpan:
@@ -246,7 +259,7 @@ def _grouped(widths: Sequence[int], split: int) -> list[list[int]]:
     group as many as its widest: all together where none is padded past twice its own, or the padding is
     under `split` blocks (a group's gather and call cost about what gathering that many blocks does); else
     widest first, a row joining the group before it on the same terms."""
-    if max(widths) <= 2 * min(widths) or max(widths) * len(widths) - sum(widths) < split:
+    if _pads_alike(widths, max(widths), split):
         return [list(range(len(widths)))]  # (the step's rows alike: most steps)
     groups: list[list[int]] = []
     widest = padding = 0
@@ -258,6 +271,12 @@ def _grouped(widths: Sequence[int], split: int) -> list[list[int]]:
         groups.append([r])
         widest, padding = widths[r], 0
     return groups
+
+
+def _pads_alike(widths: Sequence[int], width: int, split: int) -> bool:
+    """Whether rows reading `widths[r]` blocks each may all be padded to `width` blocks: none past twice its
+    own, or all by under `split` blocks together."""
+    return width <= 2 * min(widths) or width * len(widths) - sum(widths) < split
 
 
 @functools.cache

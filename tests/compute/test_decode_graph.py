@@ -58,9 +58,10 @@ def tokens(T, seed, hidden):
     return torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(seed))
 
 
-def decode_together(graphed, paged, lengths: dict[int, int], steps: int, seed: int = 0):
+def decode_together(graphed, paged, lengths: dict[int, int], steps: int, seed: int = 0, replayed: bool = True):
     """Every session of `lengths` (session -> positions cached) decodes `steps` tokens together on both
-    runners; each step's outputs equal. The lengths advance."""
+    runners; each step's outputs equal, and where graphs replay, each step was a replay (none where not
+    `replayed`). The lengths advance."""
     hidden = graphed.config.hidden_size
     replays = cpu_graphs.Recording.replays
     for step in range(steps):
@@ -70,8 +71,8 @@ def decode_together(graphed, paged, lengths: dict[int, int], steps: int, seed: i
             assert_close(mine, theirs)
         for s in lengths:
             lengths[s] += 1
-    if graphed.graphs.capture and graphed.graphs.failed is None:  # every step was a replay
-        assert cpu_graphs.Recording.replays == replays + steps
+    if graphed.graphs.capture and graphed.graphs.failed is None:
+        assert cpu_graphs.Recording.replays == replays + (steps if replayed else 0)
 
 
 def prefill(runners, lengths: dict[int, int]):
@@ -185,6 +186,24 @@ def test_a_grown_pool_gets_a_new_graph_and_padding_touches_no_session(tmp_path, 
         assert not pool.k[NULL_BLOCK].any() and not pool.v[NULL_BLOCK].any()
     named = set(graphed.cache.tables.flatten().tolist())
     assert SCRATCH_BLOCK not in named
+
+
+def test_short_rows_beside_a_long_context_take_the_paged_step_where_keys_are_gathered(tmp_path, graphs):
+    """Where rows' keys are gathered to a graph's width (no kernel reads them in place), one long context
+    in a step of short ones would pad each short row to its width: 8 rows of 2 blocks each gathering 251.
+    Such a step takes the paged step, which gathers each group of rows alike to its own width, and equals
+    it; once the long session leaves, the short ones decode through a graph again."""
+    path = make_checkpoint(tmp_path, "llama")
+    graphed, paged = load(path, graph_batch=16, max_context=8192), load(path, max_context=8192)
+    lengths = {s: 20 for s in range(1, 9)} | {9: 4000}
+    prefill((graphed, paged), lengths)
+    decode_together(graphed, paged, lengths, steps=2, replayed=False)
+    assert graphed.graphs.made == {}
+    for runner in (graphed, paged):
+        runner.free_session(9)
+    del lengths[9]
+    decode_together(graphed, paged, lengths, steps=2)
+    assert {key[1:] for key in graphed.graphs.made} == {(8, 16)}
 
 
 def test_with_a_budget_the_pools_and_graphs_are_made_at_start_and_never_made_again(tmp_path, graphs):
