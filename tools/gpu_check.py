@@ -70,9 +70,11 @@ findings, or the error that stopped it, and the next one runs regardless:
    batched, and through `cakemp
    run --gpus all --dtype bf16` from 1, 8 and 32 concurrent masters, spread over up to 8 processes
    (bench/masters.py: one process of them would set the rate it measured) (tokens/s, each against
-   in-process, and the CPU per token of the front, the device and the masters, and how busy each
-   was: which one sets the rate; and the requests its device ran a step, below the sessions where they
-   came back too far apart for one); a 512-token prompt through the node against in-process; and the
+   in-process, and a step's ms beyond the same step in-process, the CPU per token of the front, the
+   device and the masters, and how busy each was: which one sets the rate; and the requests its device
+   ran a step, below the sessions where they came back too far apart for one); one master again through
+   a node whose device polls its sockets 1 ms before it sleeps (`--device-poll-ms 1`: what its wake-up
+   costs a lone session, where cores are spare); a 512-token prompt through the node against in-process; and the
    same 32 masters through a front of this design at its least (bench/front_floor.py: TCP, the Cake
    codec and ZeroMQ, to a device that echoes after the in-process step's time): what one front process
    relays on this machine's CPU, whatever the GPU, beside what the node did; and a 512-token prompt's
@@ -115,6 +117,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 if "--rehearse" in sys.argv:
@@ -1000,9 +1003,7 @@ MASTER_PROCESSES = max(2, min(8, (os.cpu_count() or 2) // 2))
 async def check_node_perf(device: torch.device, rehearse: bool) -> None:
     import transformers
 
-    from bench.batching import batch_size_totals
-    from bench.masters import Masters
-    from bench.request_cost import device_pid, thread_seconds
+    from bench.request_cost import device_pid
     from bench.step_growth import Cakemp, Transformers
     from cakemp import heap
     from cakemp.compute.runner import BlockRunner
@@ -1021,7 +1022,7 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
         finding("node_perf.floor_ms", round(floor_ms, 4))
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
                                                                   attn_implementation="sdpa").to(device)
-        in_process, node_rate = {}, {}  # per count: tokens/s in-process, and through the node
+        in_process = {}  # per count: tokens/s in-process
         for n in counts:
             with torch.inference_mode():
                 ours = Cakemp(path, n, cached, layers, runner=runner)
@@ -1064,37 +1065,76 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
             finding("node_perf.prompt_512", {"node_ms": round(node_ms, 2), "in_process_ms": round(prompt_ms, 2),
                                               "ratio": round(node_ms / prompt_ms, 2),
                                               "node_first_ms": [round(1e3 * t, 2) for t in times[:PROMPT_WARM]]})
-            for n in counts:
-                masters = Masters(port, n, hidden, cached, names, MASTER_PROCESSES)
-                try:
-                    masters.window(1.0)  # untimed: the device captures the graphs of this batch's shapes meanwhile
-                    ran_before, stepped_before = thread_seconds(pids), batch_size_totals(metrics)
-                    window = masters.window(seconds)
-                    ran, stepped = thread_seconds(pids), batch_size_totals(metrics)
-                finally:
-                    masters.close()
-                ran.subtract(ran_before)
-                requests, steps = (after - before for after, before in zip(stepped, stepped_before, strict=True))
-                ran["masters (process)"] = window.cpu_s
-                rate = node_rate[n] = window.done / window.wall_s
-                # Which process sets the rate: each one's CPU per token, and its share of the wall time
-                # (near 1.0, that process is saturated; the masters' spread over MASTER_PROCESSES).
-                finding(f"node_perf.node_{n}", {
-                    "tok_s": round(rate), "over_in_process": round(rate / in_process[n], 2),
-                    "cpu_us_per_token": {name: round(ran[f"{name} (process)"] / window.done * 1e6) for name in [*pids, "masters"]},
-                    "busy": {name: round(ran[f"{name} (process)"] / window.wall_s, 2) for name in [*pids, "masters"]},
-                    "master_processes": masters.processes,
-                    # Below n: the sessions came back too far apart for one step, which split them (device/scheduler.py).
-                    "requests_per_step": round(requests / steps, 1) if steps else None})
+            node_rate = node_rates(port, pids, metrics, counts, hidden, cached, names, seconds, in_process, "node_perf.node")
         finally:
             finding("node_perf.exit_status", node.stop())
             # How its decode rows attended: in place (the paged kernel's start-up trial passed) or gathered, and why.
             log = (Path(tmp) / "node.log").read_text(errors="replace")
             finding("node_perf.decode_attention", [line[:300] for line in log.splitlines() if "decode attention" in line])
+        polled = await polling_node(Path(tmp), path, hidden, cached, names, seconds, in_process, rehearse)
+        finding("node_perf.polling_over_node_1", round(polled / node_rate[1], 2))
         n = max(counts)
         floor = await front_floor(Path(tmp), n, hidden, cached, names, n / in_process[n], seconds)  # its step's seconds
         finding(f"node_perf.front_floor_{n}", floor | {"over_in_process": round(floor["tok_s"] / in_process[n], 2),
                                                        "node_over_floor": round(node_rate[n] / floor["tok_s"], 2)})
+
+
+def node_rates(port: int, pids: dict[str, int], metrics: int, counts: Sequence[int], hidden: int, cached: int,
+               names: list[str], seconds: float, in_process: dict[int, float], key: str) -> dict[int, float]:
+    """Each count of masters decoding through the node at `port` (its processes `pids`, its /metrics at `metrics`)
+    for `seconds`, after an untimed second: a finding `{key}_{n}` of each (below), and the tokens/s of each."""
+    from bench.batching import batch_size_totals
+    from bench.masters import Masters
+    from bench.request_cost import thread_seconds
+
+    rates = {}
+    for n in counts:
+        masters = Masters(port, n, hidden, cached, names, MASTER_PROCESSES)
+        try:
+            masters.window(1.0)  # untimed: the device captures the graphs of this batch's shapes meanwhile
+            ran_before, stepped_before = thread_seconds(pids), batch_size_totals(metrics)
+            window = masters.window(seconds)
+            ran, stepped = thread_seconds(pids), batch_size_totals(metrics)
+        finally:
+            masters.close()
+        ran.subtract(ran_before)
+        requests, steps = (after - before for after, before in zip(stepped, stepped_before, strict=True))
+        ran["masters (process)"] = window.cpu_s
+        rate = rates[n] = window.done / window.wall_s
+        # Which process sets the rate: each one's CPU per token, and its share of the wall time
+        # (near 1.0, that process is saturated; the masters' spread over MASTER_PROCESSES).
+        finding(f"{key}_{n}", {
+            "tok_s": round(rate), "over_in_process": round(rate / in_process[n], 2),
+            # A step of the n sessions through the node, less the same step in-process.
+            "step_ms_over_in_process": round(1e3 * n * (1 / rate - 1 / in_process[n]), 3),
+            "cpu_us_per_token": {name: round(ran[f"{name} (process)"] / window.done * 1e6) for name in [*pids, "masters"]},
+            "busy": {name: round(ran[f"{name} (process)"] / window.wall_s, 2) for name in [*pids, "masters"]},
+            "master_processes": masters.processes,
+            # Below n: the sessions came back too far apart for one step, which split them (device/scheduler.py).
+            "requests_per_step": round(requests / steps, 1) if steps else None})
+    return rates
+
+
+async def polling_node(workdir: Path, path: Path, hidden: int, cached: int, names: list[str], seconds: float,
+                 in_process: dict[int, float], rehearse: bool) -> float:
+    """One session through a node whose device, owed its next request, looks at its sockets for 1 ms before it
+    sleeps (`--device-poll-ms 1`, for machines with cores to spare): its tokens/s (finding
+    `node_perf.node_polling_1`), what a device's wake-up costs a lone session's decode beside the node above."""
+    from bench.request_cost import device_pid
+    from cakemp.demo.local_node import LocalNode, free_port
+
+    topology = workdir / "topology.yml"
+    metrics = free_port()
+    node = LocalNode(name="perf", model_dir=path, topology=topology, port=free_port(), gpus="cpu" if rehearse else "all",
+                     dtype="bf16", log_path=workdir / "polling.log", metrics_port=metrics, extra=("--device-poll-ms", "1"))
+    node.start()
+    try:
+        await node.wait_ready(timeout=300)
+        port = int(node.address.rsplit(":", 1)[1])
+        pids = {"front": node._process.pid, "device": device_pid(node._process.pid)}
+        return node_rates(port, pids, metrics, (1,), hidden, cached, names, seconds, in_process, "node_perf.node_polling")[1]
+    finally:
+        node.stop()
 
 
 async def prompt_times(port: int, hidden: int, names: list[str]) -> list[float]:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import cakemp
@@ -52,8 +53,10 @@ class LocalNode:
         cluster_key: str | None = None,
         protocol: int = 2,
         metrics_port: int | None = None,
+        extra: Sequence[str] = (),
     ) -> None:
-        """`metrics_port`: where the node serves /metrics on 127.0.0.1 (None: nowhere)."""
+        """`metrics_port`: where the node serves /metrics on 127.0.0.1 (None: nowhere); `extra`: more of
+        `cakemp run`'s options."""
         self.address = f"127.0.0.1:{port}"
         self.metrics_port = metrics_port
         self.cluster_key = cluster_key
@@ -62,7 +65,7 @@ class LocalNode:
             sys.executable, "-m", "cakemp", "run",
             "--name", name, "--model", str(model_dir), "--topology", str(topology),
             "--address", self.address, "--gpus", gpus, "--dtype", dtype, "--protocol", str(protocol),
-            *(() if metrics_port is None else ("--metrics-address", f"127.0.0.1:{metrics_port}")),
+            *(() if metrics_port is None else ("--metrics-address", f"127.0.0.1:{metrics_port}")), *extra,
         ]  # fmt: skip
         self._process: subprocess.Popen | None = None
 
