@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -120,9 +120,13 @@ class Begun(NamedTuple):
 class PrefixCache:
     """The prefixes of one device's runner: each live session's, and the retired ones (module docstring)."""
 
-    def __init__(self, cache: KVCache, recurrent: Sequence[bool], hidden: int, shared: bool = False):
-        """`recurrent[layer]`: the runner's layer `layer` is a linear-attention layer."""
+    def __init__(self, cache: KVCache, recurrent: Sequence[bool], hidden: int, shared: bool = False,
+                 regime: Callable[[int], bytes] | None = None):
+        """`recurrent[layer]`: the runner's layer `layer` is a linear-attention layer. `regime(end)`: how a
+        request ending at `end` rotates its rows, as bytes (b"": as any other; a longrope model's past its
+        original context: otherwise, row_chain.py), hashed with its rows; None where every request is alike."""
         self._cache = cache
+        self._regime = regime
         cache.spare = self  # its budget asks for room back (release)
         self._recurrent = tuple(recurrent)
         self._row_bytes = hidden * cache.dtype.itemsize
@@ -160,7 +164,7 @@ class PrefixCache:
                 self._drop(session)
                 return None
         prefix.used = next(self._clock)
-        extension = prefix.chain.extension(rows)
+        extension = prefix.chain.extension(rows, b"" if self._regime is None else self._regime(start + x.shape[1]))
         if start == 0:
             self._adopt(session, prefix, extension)
         if prefix.ahead is None:  # nothing it holds changed (a decode step; a prompt that adopted nothing)

@@ -16,6 +16,11 @@ BLAKE2b's speed on a row of kilobytes (docs/benchmarks.md).
 A RowChain is what a session's run has taken so far; an Extension is what a request would add
 to it, computed once per request (each row hashed once) and taken up to where the request's
 rows were taken (`RowChain.advance`).
+
+Rows of the same bytes are other rows where the request computing them rotated them otherwise: a
+longrope model's request reaching past its original context rotates every row of it with the long
+factors, so its KV rows differ from those of the same bytes in a shorter request. Such a request's
+rows are hashed with a `salt` (the runner's `regime`), so that neither is answered the other's rows.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ import hashlib
 DIGEST = 32  # bytes of one row's digest (SHA-256's)
 
 
-def _chained(previous: bytes, rows: memoryview, row_bytes: int) -> bytearray:
-    """The digests of `rows`, one after another, the first chained on `previous`."""
+def _chained(previous: bytes, rows: memoryview, row_bytes: int, salt: bytes) -> bytearray:
+    """The digests of `rows`, one after another, the first chained on `previous`, each row's with `salt`."""
     digests = bytearray()
     for start in range(0, len(rows), row_bytes):
         h = hashlib.sha256(previous)
+        h.update(salt)  # (b"": no change)
         h.update(rows[start : start + row_bytes])
         previous = h.digest()
         digests += previous
@@ -48,9 +54,9 @@ class RowChain:
         """The digest naming rows [0, position), 0 <= position <= length (b"" for none)."""
         return bytes(self._digests[DIGEST * (position - 1) : DIGEST * position]) if position else b""
 
-    def extension(self, rows: memoryview) -> Extension:
-        """What `rows` (the bytes of whole rows following this chain's end) would add to it."""
-        return Extension(self.length, rows, self.row_bytes, self.digest_at(self.length))
+    def extension(self, rows: memoryview, salt: bytes = b"") -> Extension:
+        """What `rows` (the bytes of whole rows following this chain's end, hashed with `salt`) would add to it."""
+        return Extension(self.length, rows, self.row_bytes, self.digest_at(self.length), salt)
 
     def advance(self, extension: Extension, end: int) -> None:
         """Take the extension's rows up to position `end` (this chain may hold some of them already)."""
@@ -71,18 +77,19 @@ class Extension:
     chain), so they are hashed then: on a GPU, while the GPU computes the step's kernels. A request
     matched against kept rows needs them before it runs, and hashes them then."""
 
-    __slots__ = ("start", "end", "_rows", "_row_bytes", "_previous", "_digests")
+    __slots__ = ("start", "end", "_rows", "_row_bytes", "_previous", "_salt", "_digests")
 
-    def __init__(self, start: int, rows: memoryview, row_bytes: int, previous: bytes):
-        """`rows`: the bytes of whole rows of `row_bytes`, from `start` on; `previous`: the digest before them."""
+    def __init__(self, start: int, rows: memoryview, row_bytes: int, previous: bytes, salt: bytes = b""):
+        """`rows`: the bytes of whole rows of `row_bytes`, from `start` on; `previous`: the digest before them;
+        `salt`: hashed into each row's digest (the module docstring says why)."""
         self.start, self.end = start, start + len(rows) // row_bytes
-        self._rows, self._row_bytes, self._previous = rows, row_bytes, previous
+        self._rows, self._row_bytes, self._previous, self._salt = rows, row_bytes, previous, salt
         self._digests: bytearray | None = None
 
     @property
     def digests(self) -> bytearray:
         if self._digests is None:
-            self._digests = _chained(self._previous, self._rows, self._row_bytes)
+            self._digests = _chained(self._previous, self._rows, self._row_bytes, self._salt)
             self._rows = None  # the request's rows are not held past their hashing
         return self._digests
 

@@ -250,13 +250,27 @@ class BlockRunner:
         self.cache.paged_attend = in_place_attention(device, dtype, config.num_attention_heads // config.num_key_value_heads,
                                                      config.head_dim)
         self.prefixes = PrefixCache(self.cache, [block.recurrent for block in self.blocks], config.hidden_size,
-                                    share_prefixes) if prefix_reuse else None
+                                    share_prefixes, self._regime()) if prefix_reuse else None
         self.share = FairShare(self.cache, self.free_session)
         self.capturable = tuple(map(capturable, self.blocks))
         self._checked = self._run_layers(())  # the run `_check_run` passed last (none yet)
         self.graphs = None if graph_batch is None else DecodeGraphs(self.cache, graph_batch, device.type == "cuda")
         if self.graphs is not None and kv_budget_bytes is not None and all(self.capturable):
             self._prepare_graphs()
+
+    def _regime(self) -> Callable[[int], bytes] | None:
+        """How a request ending at `end` rotates its rows, as prefix reuse tells rows of the same bytes apart:
+        which of the layers' longrope rotaries it takes the long factors of (None: no layer has them)."""
+        longrope = tuple(dict.fromkeys(rotary for rotary in self.rotaries
+                                       if rotary is not None and rotary.long_inv_freq is not None))
+        if not longrope:
+            return None
+
+        def regime(end: int) -> bytes:
+            taken = bytes(rotary.reaches_long(end) for rotary in longrope)
+            return taken if any(taken) else b""
+
+        return regime
 
     def _prepare_graphs(self) -> None:
         """The KV pools of the slots a master names (block_idx N for the layer `…layers.N`) made at their

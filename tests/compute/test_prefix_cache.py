@@ -18,6 +18,7 @@ from cakemp.errors import ContextLimitExceeded
 from cakemp.front.router import chunk_bounds
 from cakemp.sources import session_id
 from tests.support.checkpoints import make_checkpoint
+from tests.support.families import HUB_FAMILIES
 from tests.support.tolerance import assert_close
 
 HIDDEN = 64
@@ -107,6 +108,40 @@ def test_the_kept_rows_are_the_first_turns_output_bit_for_bit(llama):
     second = node.prompt(1, torch.cat([history, rows(9, 2)], dim=1))
     assert torch.equal(second[:, :40], first)
     assert_close(second, fresh(llama, torch.cat([history, rows(9, 2)], dim=1)))
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    """Phi-4-mini's longrope: a request ending past position 16 rotates all its rows with the long factors."""
+    family, overrides, hub = HUB_FAMILIES["phi3"]
+    return make_checkpoint(tmp_path_factory.mktemp("phi3"), family, hub_config=hub, **overrides)
+
+
+def test_rows_rotated_otherwise_are_not_reused_across_longrope_s_switch(phi3):
+    """A longrope request ending past the original context rotates every row of it with the long factors,
+    so rows of the same bytes are other rows in a shorter request: a prompt's rows are not answered from
+    a prefix computed on the other side of the switch (each answer as a fresh prefill's), and are from
+    one computed on the same side."""
+    node = Node(phi3, chunk=64, prefix_reuse=True)
+    long_first, _ = node.turn(1, rows(20, 0), 0, seed=1)  # ends at 20: long factors
+    short = rows(20, 0)[:, :16]  # the same first 16 rows, ending at 16: short factors
+    assert_close(node.prompt(1, short), fresh(phi3, short))
+    assert node.runner.prefixes.tokens == 0
+    node.runner.clear_session(1)
+
+    node = Node(phi3, chunk=64, prefix_reuse=True)
+    _, history = node.turn(1, rows(16, 2), 4, seed=3)  # the prompt's 16 rows short, the decoded 4 long
+    longer = torch.cat([history, rows(2, 4)], dim=1)  # ends at 22: every row long
+    assert_close(node.prompt(1, longer), fresh(phi3, longer))
+    assert node.runner.prefixes.tokens == 0
+    node.runner.clear_session(1)
+
+    again = torch.cat([rows(20, 0), rows(4, 5)], dim=1)  # a long prefix, continued past the switch
+    node = Node(phi3, chunk=64, prefix_reuse=True)
+    node.turn(1, rows(20, 0), 0, seed=1)
+    out = node.prompt(1, again)
+    assert node.runner.prefixes.tokens == 20 and torch.equal(out[:, :20], long_first)
+    assert_close(out, fresh(phi3, again))
 
 
 def test_rows_are_named_by_the_bytes_a_request_came_with(llama):
