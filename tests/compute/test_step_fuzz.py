@@ -16,8 +16,9 @@ import random
 import pytest
 import torch
 
+from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute.runner import BlockRunner, Request
-from cakemp.errors import PositionGap
+from cakemp.errors import PositionGap, RecurrentRewind
 from cakemp.op import Op
 from tests.support import cpu_graphs
 from tests.support.checkpoints import make_checkpoint
@@ -29,10 +30,12 @@ STEPS = 40
 MAX_CONTEXT = 96  # every session starts again below this
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3", "phi3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "phi3", "qwen3_5", "qwen3_moe"])
 def family(request, tmp_path_factory):
     """Plain Llama; Gemma 3's windows (4) and two rotaries; Phi-4-mini's partial longrope (switching
-    factors past position 16) and window (5)."""
+    factors past position 16) and window (5); Qwen3.5's linear-attention layers (1 and 2: a recurrence,
+    which refuses a rewind; 3 full attention), whose steps no graph holds; Qwen3-MoE's experts routed
+    per token of the whole step."""
     name = request.param
     path = tmp_path_factory.mktemp(name)
     if name in HUB_FAMILIES:
@@ -54,8 +57,9 @@ RUNNERS = {
 def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkeypatch):
     if kind == "graphed-replayed":
         cpu_graphs.install(monkeypatch)
-    tested = BlockRunner.load(family, [f"model.layers.{i}" for i in LAYERS], "cpu", torch.float32, **RUNNERS[kind])
-    alone = BlockRunner.load(family, [f"model.layers.{i}" for i in LAYERS], "cpu", torch.float32)
+    names = [ModelConfig.from_dir(family).layer_name(i) for i in LAYERS]
+    tested = BlockRunner.load(family, names, "cpu", torch.float32, **RUNNERS[kind])
+    alone = BlockRunner.load(family, names, "cpu", torch.float32)
     schedule = Schedule(random.Random(seed), tested.config.hidden_size)
     answered = refused = 0
     for _ in range(STEPS):
@@ -63,8 +67,8 @@ def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkey
         for request, result in zip(requests, tested.run_batch(requests), strict=True):
             try:
                 expected = alone.run(request.session, request.x, request.ops)
-            except PositionGap as e:
-                assert isinstance(result, PositionGap), f"{result!r} where alone: {e!r}"
+            except (PositionGap, RecurrentRewind) as e:
+                assert type(result) is type(e), f"{result!r} where alone: {e!r}"
                 refused += 1
                 continue
             assert isinstance(result, torch.Tensor), f"{result!r} where alone it was answered"
@@ -74,11 +78,10 @@ def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkey
         for session, goodbye in schedule.leaving():
             for runner in (tested, alone):
                 (runner.clear_session if goodbye else runner.free_session)(session)
-    assert answered > 3 * STEPS and refused > 0  # the schedule did what it is for
-    if kind.startswith("graphed"):
+    assert answered > 2 * STEPS and refused > 0  # the schedule did what it is for
+    if kind.startswith("graphed") and all(tested.capturable):  # (no graph holds a MoE or a linear layer)
         assert tested.graphs.made  # some steps took a graph
-    if kind == "graphed-replayed":
-        assert cpu_graphs.Recording.replays > 0
+        assert kind == "graphed" or cpu_graphs.Recording.replays > 0
     if kind == "shared-prefixes":
         assert tested.prefixes.hits > 0
 
