@@ -1,7 +1,7 @@
-"""A differential fuzz of the batched step: seeded random schedules of sessions coming, decoding, sending
-prompt chunks, rewinding, asking for a position they have not reached, saying Goodbye and leaving, run
-step by step through runners that batch each step differently, each request's answer checked against
-the same request run alone on a runner of its own.
+"""A differential fuzz of the batched step: seeded random schedules (tests/support/schedules.py) of sessions
+coming, decoding, sending prompt chunks, rewinding, asking for a position they have not reached, saying
+Goodbye and leaving, run step by step through runners that batch each step differently, each request's
+answer checked against the same request run alone on a runner of its own.
 
 The runners under test: the paged step (a CPU device's), the fixed-shape step a GPU captures as CUDA
 graphs (run eagerly, and recorded and replayed with a graph's semantics: tests/support/cpu_graphs.py),
@@ -23,6 +23,7 @@ from cakemp.op import Op
 from tests.support import cpu_graphs
 from tests.support.checkpoints import make_checkpoint
 from tests.support.families import HUB_FAMILIES
+from tests.support.schedules import Schedule
 from tests.support.tolerance import assert_close
 
 LAYERS = [1, 2, 3]
@@ -60,11 +61,12 @@ def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkey
     names = [ModelConfig.from_dir(family).layer_name(i) for i in LAYERS]
     tested = BlockRunner.load(family, names, "cpu", torch.float32, **RUNNERS[kind])
     alone = BlockRunner.load(family, names, "cpu", torch.float32)
-    schedule = Schedule(random.Random(seed), tested.config.hidden_size)
+    schedule = Schedule(random.Random(seed), tested.config.hidden_size, MAX_CONTEXT)
     answered = refused = 0
     for _ in range(STEPS):
-        requests = schedule.step()
-        for request, result in zip(requests, tested.run_batch(requests), strict=True):
+        asked = schedule.step()
+        requests = [Request(a.session, a.x, [Op(i, a.position, layer) for i, layer in enumerate(LAYERS)]) for a in asked]
+        for request, result, one in zip(requests, tested.run_batch(requests), asked, strict=True):
             try:
                 expected = alone.run(request.session, request.x, request.ops)
             except (PositionGap, RecurrentRewind) as e:
@@ -73,7 +75,7 @@ def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkey
                 continue
             assert isinstance(result, torch.Tensor), f"{result!r} where alone it was answered"
             assert_close(result, expected)
-            schedule.answered(request)
+            schedule.answered(one)
             answered += 1
         for session, goodbye in schedule.leaving():
             for runner in (tested, alone):
@@ -84,69 +86,3 @@ def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkey
         assert kind == "graphed" or cpu_graphs.Recording.replays > 0
     if kind == "shared-prefixes":
         assert tested.prefixes.hits > 0
-
-
-class Schedule:
-    """Which requests each step holds: every live session most steps (a decode at its next position, now
-    and then a prompt chunk, a rewind, or a position past what it holds), new sessions with prompts (often
-    the first rows of a prompt whose session said Goodbye, and more), and now and then a session saying
-    Goodbye or leaving."""
-
-    def __init__(self, rng: random.Random, hidden: int):
-        self.rng, self.hidden = rng, hidden
-        self.cached: dict[int, int] = {}  # live session -> the positions it holds
-        self.prompts: dict[int, torch.Tensor] = {}  # session -> the prompt it started with, [1, T, H]
-        self.retired: list[torch.Tensor] = []  # the prompts of sessions that said Goodbye
-        self._next = 0
-
-    def step(self) -> list[Request]:
-        rng = self.rng
-        requests = [self._request(session) for session in self.cached if rng.random() < 0.85]
-        for _ in range(rng.choice([0, 0, 1, 2])):
-            session, self._next = self._next, self._next + 1
-            self.cached[session] = 0
-            self.prompts[session] = self._prompt()
-            requests.append(Request(session, self.prompts[session], self._ops(0)))
-        rng.shuffle(requests)
-        return requests
-
-    def answered(self, request: Request) -> None:
-        self.cached[request.session] = request.ops[0].index_pos + request.x.shape[1]
-
-    def leaving(self) -> list[tuple[int, bool]]:
-        """(session, whether it said Goodbye rather than closed its connection) of those leaving now; a
-        session near MAX_CONTEXT starts again (Goodbye)."""
-        gone = [(s, self.rng.random() < 0.7) for s in self.cached if self.rng.random() < 0.1]
-        gone += [(s, True) for s, length in self.cached.items() if length > MAX_CONTEXT - 24 and (s, False) not in gone]
-        for session, goodbye in gone:
-            del self.cached[session]
-            if goodbye:
-                self.retired.append(self.prompts[session])
-        return gone
-
-    def _request(self, session: int) -> Request:
-        rng, length = self.rng, self.cached[session]
-        roll = rng.random()
-        if roll < 0.08:  # a position past what it holds: PositionGap, alone and in the step
-            return Request(session, self._x(1), self._ops(length + rng.randint(1, 3)))
-        if roll < 0.16 and length:  # a rewind: the rows from there on replaced
-            return Request(session, self._x(rng.randint(1, 5)), self._ops(rng.randint(0, length - 1)))
-        if roll < 0.22:  # a prompt chunk
-            return Request(session, self._x(rng.randint(2, 20)), self._ops(length))
-        return Request(session, self._x(1), self._ops(length))
-
-    def _prompt(self) -> torch.Tensor:
-        """A new session's prompt: fresh, or a retired one's first rows (prefix reuse adopts its blocks) and more."""
-        rng = self.rng
-        fresh = self._x(rng.randint(1, 40))
-        if self.retired and rng.random() < 0.6:
-            earlier = rng.choice(self.retired)
-            return torch.cat([earlier[:, : rng.randint(1, earlier.shape[1])], fresh[:, : rng.randint(0, 8)]], dim=1)
-        return fresh
-
-    def _x(self, T: int) -> torch.Tensor:
-        return torch.randn(1, T, self.hidden, generator=torch.Generator().manual_seed(self.rng.getrandbits(31)))
-
-    @staticmethod
-    def _ops(position: int) -> list[Op]:
-        return [Op(i, position, layer) for i, layer in enumerate(LAYERS)]
