@@ -9,6 +9,7 @@ and the paged step with prefix reuse sharing blocks between sessions under a KV 
 often repeat an earlier one's first rows, so that blocks are shared and copied on write). An answer
 equals the one alone within tests/support/tolerance.py's f32 bound; a request the one alone refuses is
 refused with the same error, and its neighbours in the step are answered as if it had not been there.
+Without prefix reuse, the KV bytes held after each step are those of the live sessions' positions.
 """
 
 import random
@@ -17,6 +18,8 @@ import pytest
 import torch
 
 from cakemp.checkpoint.config import ModelConfig
+from cakemp.compute import paged_step
+from cakemp.compute.kv_cache import BLOCK
 from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import PositionGap, RecurrentRewind
 from cakemp.op import Op
@@ -47,6 +50,7 @@ def family(request, tmp_path_factory):
 
 RUNNERS = {
     "paged": {},
+    "paged-arrays": {},  # every step of decodes alone read from the tables as arrays (paged_step._ARRAYS_FROM)
     "graphed": {"graph_batch": 8},  # steps of more than 8 decodes, or with a chunk, take the paged step
     "graphed-replayed": {"graph_batch": 8},
     "shared-prefixes": {"prefix_reuse": True, "share_prefixes": True, "kv_budget_bytes": 8 << 20},
@@ -58,6 +62,8 @@ RUNNERS = {
 def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkeypatch):
     if kind == "graphed-replayed":
         cpu_graphs.install(monkeypatch)
+    if kind == "paged-arrays":
+        monkeypatch.setattr(paged_step, "_ARRAYS_FROM", 0)
     names = [ModelConfig.from_dir(family).layer_name(i) for i in LAYERS]
     tested = BlockRunner.load(family, names, "cpu", torch.float32, **RUNNERS[kind])
     alone = BlockRunner.load(family, names, "cpu", torch.float32)
@@ -80,6 +86,11 @@ def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkey
         for session, goodbye in schedule.leaving():
             for runner in (tested, alone):
                 (runner.clear_session if goodbye else runner.free_session)(session)
+        if tested.prefixes is None and not any(tested.recurrent):
+            # Each live session holds the blocks of its positions in each layer, no more (none of a refused
+            # request, none past a rewind, none of a session gone).
+            blocks = sum(-(-length // BLOCK) for length in schedule.cached.values()) * len(LAYERS)
+            assert tested.kv_bytes() == blocks * tested.cache.bytes_per_block
     assert answered > 2 * STEPS and refused > 0  # the schedule did what it is for
     if kind.startswith("graphed") and all(tested.capturable):  # (no graph holds a MoE or a linear layer)
         assert tested.graphs.made  # some steps took a graph
