@@ -51,6 +51,7 @@ import torch
 from cakemp.compute.kv_cache import KVCache, KVSlot, LinearSlot
 from cakemp.compute.output_rows import OutputRows, RowPool
 from cakemp.compute.row_chain import Extension, RowChain
+from cakemp.errors import PositionGap, RecurrentRewind
 from cakemp.model.deltanet import LinearState
 from cakemp.sources import session_source
 
@@ -117,6 +118,17 @@ class Begun(NamedTuple):
         return self.resume < self.extension.end
 
 
+def _not_continued(length: int, start: int | None) -> PositionGap:
+    """Why a request of a session holding `length` positions of a run with a linear-attention layer, at `start`
+    on that run's layers (None: at several positions, or on other layers), does not continue it."""
+    if start is not None and 0 < start < length:
+        return RecurrentRewind(f"index_pos {start} would rewind a linear-attention layer's recurrent state, which "
+                               f"cannot be rewound: it has consumed {length} positions in this session; continue at "
+                               f"{length} or start again at 0")
+    return PositionGap(f"index_pos {start} does not follow the {length} positions of this session's run, whose re-sent "
+                       f"rows are being answered from kept rows: continue at {length}, or start again at 0")
+
+
 class PrefixCache:
     """The prefixes of one device's runner: each live session's, and the retired ones (module docstring)."""
 
@@ -150,9 +162,6 @@ class PrefixCache:
         adopt a retired prefix; one following an adopted prefix goes on matching it. None when the
         request is not followed (its ops start at different positions, or it does not continue the
         session's run: the session is then not followed until it starts again at 0)."""
-        if start is None or start < 0:
-            self._drop(session)
-            return None
         if start == 0:
             self.retire(session)  # a new prompt replaces the session's rows: they are kept
             prefix = Prefix(SHARED if self._shared else session, path, RowChain(self._row_bytes),
@@ -160,7 +169,12 @@ class PrefixCache:
             self._live[session] = prefix
         else:
             prefix = self._live.get(session)
-            if prefix is None or prefix.layer_path != path or prefix.chain.length != start:
+            if start is None or prefix is None or prefix.layer_path != path or prefix.chain.length != start:
+                if prefix is not None and prefix.lags:
+                    # Its state is behind rows it was answered (kept rows past the last state point of a recurrent
+                    # run, computed with its next rows): refused as it would be had it computed them, and followed
+                    # still, to go on where it was.
+                    raise _not_continued(prefix.chain.length, start if prefix.layer_path == path else None)
                 self._drop(session)
                 return None
         prefix.used = next(self._clock)

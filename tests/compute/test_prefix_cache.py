@@ -14,7 +14,7 @@ from cakemp.compute import prefix_cache
 from cakemp.compute.kv_cache import BLOCK
 from cakemp.compute.prefix_cache import MAX_RETIRED, MIN_REUSE, PrefixCache
 from cakemp.compute.runner import BlockRunner, Request
-from cakemp.errors import ContextLimitExceeded
+from cakemp.errors import ContextLimitExceeded, PositionGap, RecurrentRewind
 from cakemp.front.router import chunk_bounds
 from cakemp.sources import session_id
 from tests.support.checkpoints import make_checkpoint
@@ -260,6 +260,23 @@ def test_a_recurrent_run_computes_agreeing_rows_again_from_its_last_state(qwen):
     out = node.prompt(1, changed)
     assert figures(node.runner)[:2] == (1, 14)
     assert_close(out, fresh(qwen, changed))
+
+
+def test_a_request_not_continuing_rows_answered_past_the_last_state_is_refused_and_the_run_goes_on(qwen):
+    """The first turn's chunks end at 14, 27 and 40 (its kept states); the next turn's first 20 rows are
+    answered from kept rows while the recurrent state stays at 14, the rows after it held to compute with
+    the session's next ones. A rewind then is refused as it would be had the session computed them (it has
+    20 positions, not 14), and the session goes on from 20, each answer a fresh prefill's."""
+    node = Node(qwen, prefix_reuse=True)
+    _, history = node.turn(1, rows(40, 0), 0, seed=1)
+    node.runner.run(1, history[:, :20], node.ops(0))
+    for position in (10, 14):
+        with pytest.raises(RecurrentRewind, match="consumed 20 positions"):
+            node.runner.run(1, rows(1, 5), node.ops(position))
+    with pytest.raises(PositionGap, match="follow the 20 positions"):
+        node.runner.run(1, rows(1, 5), node.ops(21))
+    more = torch.cat([history[:, :20], rows(6, 6)], dim=1)
+    assert_close(node.runner.run(1, more[:, 20:], node.ops(20)), fresh(qwen, more)[:, 20:])
 
 
 def test_another_chat_sharing_only_the_start_leaves_a_prefix_whole(llama, qwen):
