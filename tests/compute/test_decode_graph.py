@@ -20,7 +20,7 @@ from cakemp.model.weights import int4, int8
 from cakemp.op import Op
 from tests.support import cpu_graphs
 from tests.support.checkpoints import make_checkpoint
-from tests.support.families import HUB_FAMILIES
+from tests.support.families import family_checkpoint
 from tests.support.tolerance import assert_close
 
 LAYERS = [1, 2, 3]
@@ -30,12 +30,7 @@ LAYERS = [1, 2, 3]
 def family(request, tmp_path_factory):
     """Plain Llama; Qwen2's q/k/v biases; Qwen3's per-head q/k norms; Gemma 3's windows (4) and two
     rotaries; Phi-4-mini's partial longrope (switching factors past position 16) and window (5)."""
-    name = request.param
-    path = tmp_path_factory.mktemp(name)
-    if name in HUB_FAMILIES:
-        family_name, overrides, hub = HUB_FAMILIES[name]
-        return make_checkpoint(path, family_name, hub_config=hub, **overrides)
-    return make_checkpoint(path, name)
+    return family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(params=["eager", "replayed"])

@@ -18,7 +18,7 @@ from cakemp.errors import ContextLimitExceeded, PositionGap, RecurrentRewind
 from cakemp.front.router import chunk_bounds
 from cakemp.sources import session_id
 from tests.support.checkpoints import make_checkpoint
-from tests.support.families import HUB_FAMILIES
+from tests.support.families import family_checkpoint
 from tests.support.tolerance import assert_close
 
 HIDDEN = 64
@@ -113,8 +113,7 @@ def test_the_kept_rows_are_the_first_turns_output_bit_for_bit(llama):
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory):
     """Phi-4-mini's longrope: a request ending past position 16 rotates all its rows with the long factors."""
-    family, overrides, hub = HUB_FAMILIES["phi3"]
-    return make_checkpoint(tmp_path_factory.mktemp("phi3"), family, hub_config=hub, **overrides)
+    return family_checkpoint(tmp_path_factory.mktemp("phi3"), "phi3")
 
 
 def test_rows_rotated_otherwise_are_not_reused_across_longrope_s_switch(phi3):

@@ -24,8 +24,7 @@ from cakemp.compute.runner import BlockRunner, Request
 from cakemp.errors import PositionGap, RecurrentRewind
 from cakemp.op import Op
 from tests.support import cpu_graphs
-from tests.support.checkpoints import make_checkpoint
-from tests.support.families import HUB_FAMILIES
+from tests.support.families import family_checkpoint
 from tests.support.schedules import Schedule
 from tests.support.tolerance import assert_close
 
@@ -40,12 +39,7 @@ def family(request, tmp_path_factory):
     factors past position 16) and window (5); Qwen3.5's linear-attention layers (1 and 2: a recurrence,
     which refuses a rewind; 3 full attention), whose steps no graph holds; Qwen3-MoE's experts routed
     per token of the whole step."""
-    name = request.param
-    path = tmp_path_factory.mktemp(name)
-    if name in HUB_FAMILIES:
-        family_name, overrides, hub = HUB_FAMILIES[name]
-        return make_checkpoint(path, family_name, hub_config=hub, **overrides)
-    return make_checkpoint(path, name)
+    return family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
 RUNNERS = {

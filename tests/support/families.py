@@ -8,7 +8,9 @@ ties the family's checkpoints use (Gemma 3 and Phi-4-mini tie, OLMo 2 and EXAONE
 
 from __future__ import annotations
 
-from tests.support.checkpoints import OMIT
+from pathlib import Path
+
+from tests.support.checkpoints import OMIT, make_checkpoint
 
 HUB_FAMILIES = {
     # gemma-3-1b: classic rope keys, no layer_types, tie_word_embeddings left out (means tied);
@@ -78,3 +80,12 @@ HUB_FAMILIES = {
         {"rope_theta": 1000042.0, "rope_scaling": None, "attention_bias": False, "mlp_bias": False},
     ),
 }
+
+
+def family_checkpoint(path: Path, name: str) -> Path:
+    """A tiny checkpoint of family `name` in `path`: keyed as its hub checkpoints are where HUB_FAMILIES has
+    it, else make_checkpoint's own."""
+    if name in HUB_FAMILIES:
+        family, overrides, hub = HUB_FAMILIES[name]
+        return make_checkpoint(path, family, hub_config=hub, **overrides)
+    return make_checkpoint(path, name)
