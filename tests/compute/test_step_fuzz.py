@@ -1,7 +1,7 @@
 """A differential fuzz of the batched step: seeded random schedules (tests/support/schedules.py) of sessions
-coming, decoding, sending prompt chunks, rewinding, asking for a position they have not reached, saying
-Goodbye and leaving, run step by step through runners that batch each step differently, each request's
-answer checked against the same request run alone on a runner of its own.
+coming, decoding, sending prompt chunks, rewinding, asking for a position they have not reached or past
+the runners' context limit, saying Goodbye and leaving, run step by step through runners that batch each
+step differently, each request's answer checked against the same request run alone on a runner of its own.
 
 The runners under test: the paged step (a CPU device's), the fixed-shape step a GPU captures as CUDA
 graphs (run eagerly, and recorded and replayed with a graph's semantics: tests/support/cpu_graphs.py),
@@ -21,7 +21,7 @@ from cakemp.checkpoint.config import ModelConfig
 from cakemp.compute import paged_step
 from cakemp.compute.kv_cache import BLOCK
 from cakemp.compute.runner import BlockRunner, Request
-from cakemp.errors import PositionGap, RecurrentRewind
+from cakemp.errors import ContextLimitExceeded, PositionGap, RecurrentRewind
 from cakemp.op import Op
 from tests.support import cpu_graphs
 from tests.support.families import family_checkpoint
@@ -31,6 +31,7 @@ from tests.support.tolerance import assert_close
 LAYERS = [1, 2, 3]
 STEPS = 40
 MAX_CONTEXT = 96  # every session starts again below this
+CONTEXT_LIMIT = 48  # the runners' --max-context: a session reaching it is refused alike until it leaves
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3", "phi3", "qwen3_5", "qwen3_moe"])
@@ -59,8 +60,8 @@ def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkey
     if kind == "paged-arrays":
         monkeypatch.setattr(paged_step, "_ARRAYS_FROM", 0)
     names = [ModelConfig.from_dir(family).layer_name(i) for i in LAYERS]
-    tested = BlockRunner.load(family, names, "cpu", torch.float32, **RUNNERS[kind])
-    alone = BlockRunner.load(family, names, "cpu", torch.float32)
+    tested = BlockRunner.load(family, names, "cpu", torch.float32, max_context=CONTEXT_LIMIT, **RUNNERS[kind])
+    alone = BlockRunner.load(family, names, "cpu", torch.float32, max_context=CONTEXT_LIMIT)
     schedule = Schedule(random.Random(seed), tested.config.hidden_size, MAX_CONTEXT)
     answered = refused = 0
     for _ in range(STEPS):
@@ -69,7 +70,7 @@ def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkey
         for request, result, one in zip(requests, tested.run_batch(requests), asked, strict=True):
             try:
                 expected = alone.run(request.session, request.x, request.ops)
-            except (PositionGap, RecurrentRewind) as e:
+            except (PositionGap, RecurrentRewind, ContextLimitExceeded) as e:
                 assert type(result) is type(e), f"{result!r} where alone: {e!r}"
                 refused += 1
                 continue
