@@ -48,9 +48,9 @@ class Call(NamedTuple):
     token_count: int = 0
 
     @classmethod
-    def of(cls, session: int, x: RawTensor, ops: Sequence[Op], data: memoryview | None = None) -> Call:
+    def of(cls, session: int, x: RawTensor, ops: Sequence[Op], data: memoryview | None = None, to_end: int = 0) -> Call:
         """The call a SingleOp asks for: its one op names the component, its index_pos a token count
-        (`data`, x's bytes, are x's own: nothing is named by them here)."""
+        (`data`, x's bytes, are x's own: nothing is named by them here; a call is never cut: `to_end` 0)."""
         return cls(session, x, ops[0].layer, ops[0].index_pos)
 
 

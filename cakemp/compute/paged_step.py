@@ -61,13 +61,16 @@ class StepRows:
 
     def __init__(self, cache: KVCache, sessions: Sequence[int], lengths: Sequence[int],
                  starts: Sequence[int | tuple[int, ...]], slots: Sequence[Sequence[KVSlot | None]],
-                 layers: Sequence[int]):
+                 layers: Sequence[int], beyond: Sequence[int] | None = None):
         """Each request's `starts`, its index_pos: an int where every op of it is at one position (a
         decode's, most requests), else a tuple of its ops'; its `slots`, its KV slot of each op (None: a
         linear-attention op's), each holding blocks to the request's end; `layers`: the op of each
         attention layer of the step, in order. The decode requests (`lengths` 1) come first, and a
-        layer's requests share its KV slot index (the runner groups and orders them so)."""
+        layer's requests share its KV slot index (the runner groups and orders them so). `beyond`: where a
+        request is a piece of a longer one, that one's rows past the piece (longrope's factors are picked by
+        where it ends); None: none is."""
         self.cache = cache
+        self._beyond = beyond
         self.sessions = tuple(sessions)
         self.lengths = tuple(lengths)
         self._slots, self._layers = slots, tuple(layers)
@@ -147,8 +150,10 @@ class StepRows:
 
     def long_rows(self, index: int, rotary: Rotary) -> torch.Tensor:
         """[N] bool: the rows of attention layer `index` whose request reaches `rotary`'s long factors
-        (longrope picks its factors per request, by where the request ends)."""
-        reaches = [rotary.reaches_long(start + T) for start, T in zip(self.starts[index], self.lengths, strict=True)]
+        (longrope picks its factors per request, by where the request ends: a piece's, where its request does)."""
+        beyond = self._beyond or itertools.repeat(0)
+        reaches = [rotary.reaches_long(start + T + more)
+                   for start, T, more in zip(self.starts[index], self.lengths, beyond, strict=False)]
         return torch.tensor(reaches, device=self.cache.device)[self.request]
 
     def tables(self, index: int) -> torch.Tensor:

@@ -155,11 +155,13 @@ class PrefixCache:
 
     # -- requests
 
-    def begin(self, session: int, x: torch.Tensor, rows: memoryview, start: int | None, path: LayerPath) -> Begun | None:
+    def begin(self, session: int, x: torch.Tensor, rows: memoryview, start: int | None, path: LayerPath,
+              beyond: int = 0) -> Begun | None:
         """Take a request (x: [1, T, H], `rows` its bytes on the host; its ops checked against the
         runner's layers, `start` the position every one of them is at, None where they differ; `path`
-        their layers and KV slots) before it runs: a request at 0 retires what the session held and may
-        adopt a retired prefix; one following an adopted prefix goes on matching it. None when the
+        their layers and KV slots; `beyond`: a piece's request's rows past it) before it runs: a request
+        at 0 retires what the session held and may adopt a retired prefix; one following an adopted
+        prefix goes on matching it. None when the
         request is not followed (its ops start at different positions, or it does not continue the
         session's run: the session is then not followed until it starts again at 0)."""
         if start == 0:
@@ -178,7 +180,7 @@ class PrefixCache:
                 self._drop(session)
                 return None
         prefix.used = next(self._clock)
-        extension = prefix.chain.extension(rows, b"" if self._regime is None else self._regime(start + x.shape[1]))
+        extension = prefix.chain.extension(rows, b"" if self._regime is None else self._regime(start + x.shape[1] + beyond))
         if start == 0:
             self._adopt(session, prefix, extension)
         if prefix.ahead is None:  # nothing it holds changed (a decode step; a prompt that adopted nothing)

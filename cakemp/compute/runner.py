@@ -44,6 +44,9 @@ class Request(NamedTuple):
     x: torch.Tensor
     ops: Sequence[Op]
     data: memoryview | None = None
+    # A piece of a longer request (a prompt cut into chunks): its rows from its first to that request's end
+    # (0: x is all of it). Longrope picks its factors by where the whole request ends, as it would computed whole.
+    to_end: int = 0
 
 
 X = TypeVar("X", contravariant=True)  # what a runner's request is made of: the activation as the device holds it
@@ -62,9 +65,10 @@ class Runner(Protocol[X, R]):
     expert_cache: ExpertCache | None  # what holds offloaded MoE experts, and its counts (None: none offloaded)
     weight_bytes: int | None  # the bytes its weights hold (None: not counted, an image model's components)
 
-    def request(self, session: int, x: X, ops: Sequence[Op], data: memoryview | None = None) -> R:
+    def request(self, session: int, x: X, ops: Sequence[Op], data: memoryview | None = None, to_end: int = 0) -> R:
         """The request of `session` computing `ops` over `x`; `data`: x's own bytes on the host, as
-        received, where the caller has them (x's dtype and shape as they are)."""
+        received, where the caller has them (x's dtype and shape as they are); `to_end`: where x is a
+        piece of a request, the rows from its first to that request's end (0: x is all of it)."""
 
     def run_batch(self, requests: Sequence[R], between_ops: Callable[[], None] | None = None,
                   together: Callable[[Sequence[int]], None] | None = None) -> list[torch.Tensor | Exception]:
@@ -96,6 +100,7 @@ class _Planned:
     slots: dict[int, KVSlot]  # block_idx -> the session's attention slot (those of `writes` among them)
     writes: dict[int, tuple[int, int]]  # block_idx -> the rows [start, end) its ops write in that slot
     begun: Begun | None = None  # as prefix reuse took it: `x` and `ops` are then its rows still to compute
+    beyond: int = 0  # a piece of a longer request: that request's rows past this piece's end (Request.to_end)
     computed: dict[int, tuple[LinearState, int]] = field(default_factory=dict)  # block_idx -> (new state, consumed)
 
     def answer(self, computed: torch.Tensor | None) -> torch.Tensor:
@@ -500,6 +505,7 @@ class BlockRunner:
         against the session's state and reserve its slots (RequestError if it cannot run); a decode whose
         slots hold its row already is a `_Decode`."""
         session, x, ops = request.session, request.x, request.ops
+        beyond = max(0, request.to_end - T)  # (a piece of a longer request: its rows past this one)
         if type(ops) is not Ops:  # a sequence of Op: read into columns once
             ops = Ops.of(ops)
         if self.slots_shifted:  # from here on, block_idx is the KV slot
@@ -512,15 +518,15 @@ class BlockRunner:
         run = self._checked.run  # what the request shares with those it batches with: each op's (layer, block_idx)
         position = ops.position  # (None: the ops are at several positions)
         self.share.asked(session, position)
-        begun = None if self.prefixes is None else self.prefixes.begin(session, x, rows, position, run)
+        begun = None if self.prefixes is None else self.prefixes.begin(session, x, rows, position, run, beyond)
         if begun is not None and begun.resume != begun.extension.start:  # rows kept: compute the rest
             if not begun.computes:
-                return _Planned(session, x, Ops((), (), ()), (), {}, {}, begun)
+                return _Planned(session, x, Ops((), (), ()), (), {}, {}, begun, beyond)
             start = begun.extension.start
             x = x[:, begun.resume - start:] if begun.resume > start else torch.cat([begun.pending, x], dim=1)
             ops = Ops(ops.layers, (begun.resume,) * len(ops), ops.blocks)
             T = x.shape[1]
-        elif T == 1 and (decode := self._decode(session, x, position, run, begun)) is not None:
+        elif T == 1 and not beyond and (decode := self._decode(session, x, position, run, begun)) is not None:
             return decode
         writes, linear_ends = {}, {}  # block_idx -> the rows [start, end) its ops write; -> the end
         held, recurrent = self.cache.slots(session), self.recurrent
@@ -550,7 +556,7 @@ class BlockRunner:
             else:
                 writes[block_idx] = (index_pos, index_pos + T)
         slots = self.cache.reserve(session, writes, linear_ends)
-        return _Planned(session, x, ops, run, slots, writes, begun)
+        return _Planned(session, x, ops, run, slots, writes, begun, beyond)
 
     def _decode(self, session: int, x: torch.Tensor, position: int | None, run: tuple[tuple[int, int], ...],
                 begun: Begun | None) -> _Decode | None:
@@ -593,7 +599,8 @@ class BlockRunner:
         run = group.run
         layers = self._checked if run == self._checked.run else self._run_layers(run)
         attention = layers.attention
-        step = None if not attention else StepRows(self.cache, sessions, lengths, starts, slots, list(attention))
+        beyond = [0 if plan is None else plan.beyond for plan in planned]
+        step = None if not attention else StepRows(self.cache, sessions, lengths, starts, slots, list(attention), beyond)
         # A fixed-shape decode step (compute/decode_graph.py, which also asks that its shape fit a graph):
         # decodes only, through attention layers a graph holds every one of.
         graphed = self.graphs.run(run, layers.blocks, layers.rotaries, step, x) \

@@ -207,14 +207,15 @@ class DeviceService:
             try:
                 if isinstance(task.x, Exception):
                     raise task.x
-                x, ops, data = task.x, hop.stages[0].ops, task.data
+                x, ops, data, to_end = task.x, hop.stages[0].ops, task.data, hop.to_end
                 if not (piece.first and piece.last):  # a piece of a prompt cut here: its rows, at its positions
                     x = x[:, piece.start:piece.end]
                     ops = ops.shifted(piece.start)
+                    to_end = (to_end or task.tokens) - piece.start  # its rows to the request's end
                     if data is not None:
                         row = data.nbytes // task.tokens
                         data = data[piece.start * row:piece.end * row]
-                batch.append((piece, self.runner.request(hop.session, x, ops, data)))
+                batch.append((piece, self.runner.request(hop.session, x, ops, data, to_end)))
             except Exception as e:
                 onward.append(self._failed_chunk(task, self._fault(e), ran=not piece.first))
         if not batch:
@@ -304,7 +305,7 @@ class DeviceService:
             rest = hop.stages[1:]
             if rest:
                 item = Hop(hop.session, hop.request_id, dtype, body.nbytes, hop.chunk, hop.chunks, shape, rest,
-                           (*hop.kv, kv))
+                           (*hop.kv, kv), to_end=hop.to_end)
                 onward.append(Onward(task, rest[0].device, item, body))
             else:
                 onward.append(Onward(task, None, Activation(hop.request_id, dtype, body.nbytes, hop.chunk, shape,

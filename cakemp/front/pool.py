@@ -173,8 +173,9 @@ class DevicePool:
         if stamps is not None:
             stamps.append(trace.now())  # routed
             carried = tuple(stamps)
+        # A chunk's rows to the request's end (0 for a request sent whole): where longrope's factors switch.
         hops = [(Hop(session, request_id, x.dtype, memoryview(data).nbytes, i, len(chunks), chunk_shape,
-                     route.shifted(first), trace=carried), data)
+                     route.shifted(first), trace=carried, to_end=0 if len(chunks) == 1 else x.shape[1] - first), data)
                 for i, (first, chunk_shape, data) in enumerate(chunks)]
         pending = self._queue(session, route, hops, stamps)
         pending.x, pending.start = x, self._loop.time()

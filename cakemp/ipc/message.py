@@ -113,7 +113,9 @@ class Hop(NamedTuple):
     x is [1, T, H] little-endian elements of wire `dtype` (`shape`): `nbytes` of its message's
     data; chunk `chunk` of the request's `chunks`; `kv` the KV bytes reported by the stages
     already run, in route order; `trace` the request's stamps so far when the front traces it
-    (ipc/trace.py; else empty). Fields in the order the codec reads them (integers, then tuples).
+    (ipc/trace.py; else empty); `to_end` the rows from x's first to the end of the request it is a
+    chunk of (0: x's own, T): longrope picks its factors by where the whole request ends. Fields in
+    the order the codec reads them (integers, then tuples), but `to_end`, last for its default.
     """
 
     session: U64
@@ -126,6 +128,7 @@ class Hop(NamedTuple):
     stages: tuple[Stage, ...]
     kv: tuple[U64, ...] = ()
     trace: tuple[U64, ...] = ()
+    to_end: U64 = 0
 
 
 @message(Kind.HOPS)

@@ -143,6 +143,18 @@ def test_rows_rotated_otherwise_are_not_reused_across_longrope_s_switch(phi3):
     assert_close(out, fresh(phi3, again))
 
 
+def test_a_longrope_prompt_cut_into_pieces_computes_as_it_does_whole(phi3):
+    """A prompt reaching past longrope's switch, sent in pieces each knowing its rows to the request's end (as
+    a node's front or device cuts it: `to_end`), gives what it gives whole, with prefix reuse on; pieces sent as
+    requests of their own take each their own factors (the first two the short ones), as transformers' calls do."""
+    x = rows(24, 7)
+    node = Node(phi3, chunk=64, prefix_reuse=True)
+    pieces = [node.runner.run_batch([Request(1, x[:, a:b], node.ops(a), None, 24 - a)])[0] for a, b in ((0, 8), (8, 16), (16, 24))]
+    assert_close(torch.cat(pieces, dim=1), fresh(phi3, x))
+    alone = [node.runner.run(2, x[:, a:b], node.ops(a)) for a, b in ((0, 8), (8, 16), (16, 24))]
+    assert (torch.cat(alone, dim=1) - fresh(phi3, x)).abs().max() > 1e-3
+
+
 def test_rows_are_named_by_the_bytes_a_request_came_with(llama):
     """A request's `data` (a device's received bytes) is what names its rows, not a copy of x's: a prompt
     whose data repeats a retired prompt's is answered that prompt's kept rows, whatever its x; without

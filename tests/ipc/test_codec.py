@@ -131,13 +131,13 @@ def test_each_message_is_spelled_once_in_the_ipc_package():
 
 def test_the_header_is_the_kind_then_the_integers_then_the_tuples():
     """The layout the codec derives, spelled out for a Hops of one Hop: kind, the count of hops, the
-    hops' integers in declaration order, then each tuple field as every hop's count and all their
+    hops' integers in declaration order (`to_end`, 0, the last of them), then each tuple field as every hop's count and all their
     items, laid out the same way: the route's two stages' integers, then for each column of their ops
     (layers, positions, KV slots) the stages' counts (2 and 1) and the three ops' values (plain ints as
     u64s); the bytes as a frame of their own. An untraced Hop's stamps are an empty tuple, a count of 0."""
     data = memoryview(bytearray(16))
     frames = encode(Hops((Hop(7, 42, 4, 16, 2, 5, (1, 8), ROUTE, (123,)),), data))
-    expected = (struct.pack("<BI", Kind.HOPS, 1) + struct.pack("<QQBQII", 7, 42, 4, 16, 2, 5)
+    expected = (struct.pack("<BI", Kind.HOPS, 1) + struct.pack("<QQBQIIQ", 7, 42, 4, 16, 2, 5, 0)
                 + struct.pack("<I2Q", 2, 1, 8)
                 + struct.pack("<I", 2) + struct.pack("<IIII", 0, 3, 2, 1)
                 + struct.pack("<II", 2, 1) + struct.pack("<QQQ", 0, 1, 0)

@@ -4,9 +4,10 @@ answer checked against the same request run alone on a runner in this process.
 Each master holds one connection, one session on the node: it sends a prompt, decodes, sends prompt chunks,
 rewinds, asks for a position it has not reached (refused by the node as by the runner alone), says Goodbye
 and starts again (often repeating the first rows of an earlier prompt: prefix reuse, on by default, keeps
-them), or closes its connection and opens another. Two nodes of Llama layers 0-3, prompts in pieces of 8
-rows: on `--gpus cpu:2` every route spans both devices, so the front cuts a prompt into chunks that flow
-from one device to the next; on `--gpus cpu:1` the device cuts it into pieces between its decode steps.
+them), or closes its connection and opens another. Two nodes of Phi-4-mini's layers 0-3 (its longrope's
+factors picked by where a whole request ends, however the node cuts it), prompts in pieces of 8 rows: on
+`--gpus cpu:2` every route spans both devices, so the front cuts a prompt into chunks that flow from one
+device to the next; on `--gpus cpu:1` the device cuts it into pieces between its decode steps.
 The masters' requests meet in the devices' batched steps at whatever positions their schedules reach.
 """
 
@@ -21,8 +22,8 @@ import torch
 from cakemp.compute.runner import BlockRunner
 from cakemp.errors import PositionGap, RemoteWorkerError
 from cakemp.master.client import WorkerClient
-from tests.support.checkpoints import make_checkpoint
 from tests.support.conversation import hits
+from tests.support.families import family_checkpoint
 from tests.support.master import from_raw, to_raw
 from tests.support.node import RunningNode, scrape, write_topology
 from tests.support.schedules import Schedule
@@ -37,7 +38,9 @@ MAX_CONTEXT = 96  # a master's session starts again below this
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", shards=2)
+    """Phi-4-mini's: a partial longrope whose factors switch past position 16 for a whole request, however the
+    node cuts it, and a window of 5."""
+    return family_checkpoint(tmp_path_factory.mktemp("ckpt"), "phi3")
 
 
 @pytest.fixture(scope="module", params=["cpu:2", "cpu:1"])
