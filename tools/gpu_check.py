@@ -1003,11 +1003,9 @@ MASTER_PROCESSES = max(2, min(8, (os.cpu_count() or 2) // 2))
 async def check_node_perf(device: torch.device, rehearse: bool) -> None:
     import transformers
 
-    from bench.request_cost import device_pid
     from bench.step_growth import Cakemp, Transformers
     from cakemp import heap
     from cakemp.compute.runner import BlockRunner
-    from cakemp.demo.local_node import LocalNode, free_port
 
     layers, cached, counts = 4, (64 if rehearse else 512), (1, 8, 32)
     steps, seconds = (5, 2.0) if rehearse else (30, 5.0)
@@ -1049,17 +1047,10 @@ async def check_node_perf(device: torch.device, rehearse: bool) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-        topology = Path(tmp) / "topology.yml"
-        topology.write_text(f"perf:\n  host: 127.0.0.1:10128\n  layers:\n    - model.layers.0-{layers - 1}\n")
-        metrics = free_port()  # the node's /metrics: the requests its device ran a step
-        node = LocalNode(name="perf", model_dir=path, topology=topology, port=free_port(),
-                         gpus="cpu" if rehearse else "all", dtype="bf16", log_path=Path(tmp) / "node.log",
-                         metrics_port=metrics)
+        node, metrics = perf_node(Path(tmp), path, len(names), rehearse, "node.log")
         node.start()
         try:
-            await node.wait_ready(timeout=300)
-            port = int(node.address.rsplit(":", 1)[1])
-            pids = {"front": node._process.pid, "device": device_pid(node._process.pid)}
+            port, pids = await ready(node)
             times = await prompt_times(port, hidden, names)
             node_ms = 1e3 * statistics.median(times[PROMPT_WARM:])
             finding("node_perf.prompt_512", {"node_ms": round(node_ms, 2), "in_process_ms": round(prompt_ms, 2),
@@ -1120,21 +1111,33 @@ async def polling_node(workdir: Path, path: Path, hidden: int, cached: int, name
     """One session through a node whose device, owed its next request, looks at its sockets for 1 ms before it
     sleeps (`--device-poll-ms 1`, for machines with cores to spare): its tokens/s (finding
     `node_perf.node_polling_1`), what a device's wake-up costs a lone session's decode beside the node above."""
-    from bench.request_cost import device_pid
-    from cakemp.demo.local_node import LocalNode, free_port
-
-    topology = workdir / "topology.yml"
-    metrics = free_port()
-    node = LocalNode(name="perf", model_dir=path, topology=topology, port=free_port(), gpus="cpu" if rehearse else "all",
-                     dtype="bf16", log_path=workdir / "polling.log", metrics_port=metrics, extra=("--device-poll-ms", "1"))
+    node, metrics = perf_node(workdir, path, len(names), rehearse, "polling.log", "--device-poll-ms", "1")
     node.start()
     try:
-        await node.wait_ready(timeout=300)
-        port = int(node.address.rsplit(":", 1)[1])
-        pids = {"front": node._process.pid, "device": device_pid(node._process.pid)}
+        port, pids = await ready(node)
         return node_rates(port, pids, metrics, (1,), hidden, cached, names, seconds, in_process, "node_perf.node_polling")[1]
     finally:
         node.stop()
+
+
+def perf_node(workdir: Path, path: Path, layers: int, rehearse: bool, log: str, *extra: str):
+    """(a `cakemp run --gpus all --dtype bf16` of the perf checkpoint's `layers` layers, not started yet, logging
+    to `workdir`/`log`, with `extra` options; the port of its /metrics, where the requests its device ran a step are)."""
+    from cakemp.demo.local_node import LocalNode, free_port
+
+    topology = workdir / "topology.yml"
+    topology.write_text(f"perf:\n  host: 127.0.0.1:10128\n  layers:\n    - model.layers.0-{layers - 1}\n")
+    metrics = free_port()
+    return LocalNode(name="perf", model_dir=path, topology=topology, port=free_port(), gpus="cpu" if rehearse else "all",
+                     dtype="bf16", log_path=workdir / log, metrics_port=metrics, extra=extra), metrics
+
+
+async def ready(node) -> tuple[int, dict[str, int]]:
+    """Once the started `node` answers: its port, and the pids of its front and its device."""
+    from bench.request_cost import device_pid
+
+    await node.wait_ready(timeout=300)
+    return int(node.address.rsplit(":", 1)[1]), {"front": node._process.pid, "device": device_pid(node._process.pid)}
 
 
 async def prompt_times(port: int, hidden: int, names: list[str]) -> list[float]:
