@@ -70,7 +70,7 @@ class StepRows:
         request is a piece of a longer one, that one's rows past the piece (longrope's factors are picked by
         where it ends); None: none is."""
         self.cache = cache
-        self._beyond = beyond
+        self._beyond = (0,) * len(lengths) if beyond is None else tuple(beyond)
         self.sessions = tuple(sessions)
         self.lengths = tuple(lengths)
         self._slots, self._layers = slots, tuple(layers)
@@ -151,9 +151,8 @@ class StepRows:
     def long_rows(self, index: int, rotary: Rotary) -> torch.Tensor:
         """[N] bool: the rows of attention layer `index` whose request reaches `rotary`'s long factors
         (longrope picks its factors per request, by where the request ends: a piece's, where its request does)."""
-        beyond = self._beyond or itertools.repeat(0)
         reaches = [rotary.reaches_long(start + T + more)
-                   for start, T, more in zip(self.starts[index], self.lengths, beyond, strict=False)]
+                   for start, T, more in zip(self.starts[index], self.lengths, self._beyond, strict=True)]
         return torch.tensor(reaches, device=self.cache.device)[self.request]
 
     def tables(self, index: int) -> torch.Tensor:

@@ -599,7 +599,8 @@ class BlockRunner:
         run = group.run
         layers = self._checked if run == self._checked.run else self._run_layers(run)
         attention = layers.attention
-        beyond = [0 if plan is None else plan.beyond for plan in planned]
+        # Each request's rows past it where it is a piece of a longer one (a step of decodes has no plan: none is).
+        beyond = [0 if plan is None else plan.beyond for plan in planned] if any(planned) else None
         step = None if not attention else StepRows(self.cache, sessions, lengths, starts, slots, list(attention), beyond)
         # A fixed-shape decode step (compute/decode_graph.py, which also asks that its shape fit a graph):
         # decodes only, through attention layers a graph holds every one of.
