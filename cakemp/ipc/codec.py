@@ -21,7 +21,7 @@ import struct
 from collections.abc import Callable, Sequence
 from enum import IntEnum
 from functools import partial
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Annotated, get_args, get_origin, get_type_hints
 
 from cakemp.errors import BadIpcMessage, BadTensor
@@ -98,14 +98,15 @@ class _Layout:
         self.frames = [(name, mark) for name, mark in marks.items() if mark in _FRAMES]
         self.min_size = self.fixed.size + _COUNT.size * len(self.tuples)
         self.flat = not (self.enums or self.tuples or self.frames)  # integers alone: one struct says it all
-        # An instance of the values read, a sequence of them: by position when the fields are declared
-        # in the order they are read (the fast case); a NamedTuple item (a step's many) made by tuple's
-        # own constructor, which runs no Python (its class's __new__ does).
+        # An instance of the values in its fields' order (`make`): a NamedTuple item (a step's many) made by
+        # tuple's own constructor, which runs no Python (its class's __new__ does). The values are read
+        # integers, then tuples, then frames; a class declaring a field out of that order (a Hop's to_end,
+        # last for its default) has them put in its order by one C call (`declared`), for an item's values
+        # or for the columns of a step's items.
         order = [*integers, *(name for name, _ in self.tuples), *(name for name, _ in self.frames)]
-        if order != list(hints):
-            self.build = lambda values: cls(**dict(zip(order, values)))
-        else:
-            self.build = partial(tuple.__new__, cls) if issubclass(cls, tuple) else lambda values: cls(*values)
+        self.make = partial(tuple.__new__, cls) if issubclass(cls, tuple) else lambda values: cls(*values)
+        self.declared = None if order == list(hints) else itemgetter(*(order.index(name) for name in hints))
+        self.build = self.make if self.declared is None else lambda values: self.make(self.declared(values))
         # Items that are their integers, in order (an Op: a route's one per layer): taken and made as tuples.
         self.as_tuples = self.flat and order == list(hints) and issubclass(cls, tuple)
         self.cls = cls
@@ -176,7 +177,7 @@ class _Layout:
                 columns.append(list(zip(*[elements] * count)) if count else [()] * n)
             else:
                 columns.append([tuple(itertools.islice(elements, count)) for count in counts])
-        return tuple(map(self.build, zip(*columns)))
+        return tuple(map(self.make, zip(*(columns if self.declared is None else self.declared(columns)))))
 
 
 def _mark(hint: object) -> str | None:
