@@ -112,6 +112,8 @@ MUTANTS = (
            "zip(*[values] * self.width)", "zip(*[values] * (self.width - 1))", IPC),
     Mutant("ipc-bytes-past-the-fields-read-as-nothing", "cakemp/ipc/codec.py",
            "if header.at != header.size or len(frames) != 1 + len(layout.frames):", "if False:", IPC),
+    Mutant("ipc-step-items-built-in-the-order-their-values-are-read", "cakemp/ipc/codec.py",
+           "zip(*(columns if self.declared is None else self.declared(columns)))", "zip(*columns)", IPC),
     # --- auth
     Mutant("worker-accepts-any-master-proof", "cakemp/auth.py",
            "if not hmac.compare_digest(proof, _mac(key, nonce_w)):", "if False:", AUTH),
