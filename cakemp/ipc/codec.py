@@ -108,7 +108,7 @@ class _Layout:
         self.declared = None if order == list(hints) else itemgetter(*(order.index(name) for name in hints))
         self.build = self.make if self.declared is None else lambda values: self.make(self.declared(values))
         # Items that are their integers, in order (an Op: a route's one per layer): taken and made as tuples.
-        self.as_tuples = self.flat and order == list(hints) and issubclass(cls, tuple)
+        self.as_tuples = self.flat and self.declared is None and issubclass(cls, tuple)
         self.cls = cls
 
     def write(self, head: bytearray, value: object) -> None:
