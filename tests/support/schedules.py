@@ -80,5 +80,9 @@ class Schedule:
                 self.retired.append(self.prompts[session])
         return gone
 
+    def given_up(self, session: int) -> None:
+        """The worker gave `session`'s state up for room: it leaves, as its master, told so, starts afresh."""
+        del self.cached[session]
+
     def _x(self, T: int) -> torch.Tensor:
         return torch.randn(1, T, self.hidden, generator=torch.Generator().manual_seed(self.rng.getrandbits(31)))
