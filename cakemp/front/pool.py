@@ -97,10 +97,8 @@ class _Outbox:
 
 class DevicePool:
     def __init__(self, specs: Sequence[DeviceSpec], device_main: DeviceMain, *, status: NodeStatus, metrics: Metrics,
-                 request_timeout: float, restart_attempts: int, workload: Workload, prefill_chunk: int,
-                 recurrent: Sequence[bool] = ()):
-        """`recurrent[i]`: device i serves linear-attention layers, whose state a failed request cannot rewind.
-        `workload`: whether requests keep state and are cut into chunks of `prefill_chunk` tokens."""
+                 request_timeout: float, restart_attempts: int, workload: Workload, prefill_chunk: int):
+        """`workload`: whether requests keep state and are cut into chunks of `prefill_chunk` tokens."""
         self.specs = tuple(specs)
         self._labels = tuple(spec.label for spec in self.specs)  # as metrics and logs name each device
         self._series = tuple(map(metrics.device, self._labels))  # each device's series of the metrics
@@ -113,7 +111,8 @@ class DevicePool:
         self._workload = workload
         self._prefill_chunk = prefill_chunk
         self._state = PoolState([spec.label for spec in self.specs], request_timeout=request_timeout,
-                                load_silence=LOAD_SILENCE_S, restart_attempts=restart_attempts, recurrent=recurrent)
+                                load_silence=LOAD_SILENCE_S, restart_attempts=restart_attempts,
+                                stateful=workload.stateful)
         self._context = multiprocessing.get_context("spawn")
         self._loop = asyncio.get_running_loop()
         self._channels: list[FrontChannel] = []

@@ -37,9 +37,10 @@ for another `request_timeout` is hung and killed, and its death fails the reques
 
 A session whose state on a device is gone is told once, by its next request that relies on it
 (past position 0 there): after the device's process died, or after one of its requests failed
-once part of it had run (a later chunk, a later device of the route) on a device whose state
-cannot be rewound (linear attention): that state is then dropped (Forget), never continued
-from half-applied. Attention-only devices keep their rollback instead.
+once part of it had run (a later chunk or piece of a prompt, a later device of the route). A
+device rolls back only the step that failed: what the request's earlier chunks, pieces or
+stages wrote stays (a linear-attention state cannot be rewound at all), so the session's state
+on every device of its route is then dropped (Forget), never continued from half-applied.
 """
 
 from __future__ import annotations
@@ -148,8 +149,8 @@ class Probe:
 
 @dataclass(frozen=True)
 class Forget:
-    """Drop the session's state on `device`: a request failed after part of it had run there, and
-    that state cannot be rewound (a linear-attention layer's recurrence)."""
+    """Drop the session's state on `device`: a request of it failed after part of it had run on its route,
+    and what ran is not rolled back (module docstring)."""
 
     device: int
     session: int
@@ -206,7 +207,7 @@ class Loss(enum.Enum):
     """Why a session's state on a device is gone, for the next request of it that relies on that state."""
 
     RESTART = "restart"  # it died with an earlier process of the device
-    HALF_APPLIED = "half-applied"  # a request failed part-way and the device cannot rewind it (Forget)
+    HALF_APPLIED = "half-applied"  # a request failed part-way, and what ran of it was not rolled back (Forget)
 
 
 @dataclass
@@ -236,10 +237,11 @@ class PoolState:
     """The devices' phases and the requests they owe; every method is an event, and returns the actions it calls for."""
 
     def __init__(self, labels: Sequence[str], *, request_timeout: float, load_silence: float, restart_attempts: int,
-                 recurrent: Sequence[bool] = ()):
-        """`recurrent[i]`: device i serves layers whose state cannot be rewound (linear attention)."""
+                 stateful: bool = True):
+        """`stateful`: whether requests leave state on the devices (a text model's KV caches; image components
+        keep none)."""
         self._devices = [_Device(label) for label in labels]
-        self._recurrent = tuple(recurrent) or (False,) * len(labels)
+        self._stateful = stateful
         # The requests owed, in the order of their deadlines: each is set to now + the timeout, then moved
         # last (`_renew`), so the first's is the next, and `tick` stops at the first not yet due. That
         # holds because the events' `now` never goes back (the pool reads its loop's monotonic clock as it
@@ -511,12 +513,13 @@ class PoolState:
         return actions
 
     def _half_applied(self, request: _Request, dead: int | None = None) -> list[Action]:
-        """The request failed after part of it ran: on each other device of its route whose state
-        cannot be rewound, mark the session lost and forget its state there, so that it never
-        continues from a half-applied request (attention layers keep their rollback)."""
+        """The request failed after part of it ran: on each other device of its route, mark the session lost
+        and forget its state there, so that it never continues from a half-applied request."""
+        if not self._stateful:
+            return []
         actions: list[Action] = []
         for device in dict.fromkeys(request.devices):
-            if device == dead or not self._recurrent[device]:
+            if device == dead:
                 continue
             self._devices[device].lost[request.session] = Loss.HALF_APPLIED
             actions.append(Forget(device, request.session))
@@ -564,8 +567,8 @@ def _state_lost(relied: Sequence[tuple[str, Loss]]) -> DeviceLost:
     """A request relying on state the session lost on these devices (label, why)."""
     whys = {
         Loss.RESTART: "device {} restarted; this session's KV state was lost",
-        Loss.HALF_APPLIED: ("a request of this session failed part-way, and device {}'s linear-attention state "
-                            "cannot be rewound: its state there was dropped"),
+        Loss.HALF_APPLIED: ("a request of this session failed part-way, after part of it had run: its state on "
+                            "device {} was dropped rather than kept half-applied"),
     }
     told = dict.fromkeys(whys[loss].format(label) for label, loss in relied)
     return DeviceLost(f"{'; '.join(told)}; start again with a fresh prefill (index_pos 0)")

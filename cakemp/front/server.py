@@ -170,7 +170,7 @@ class Front:
     def _build(self, config: NodeConfig, served: LayerAssignment | None) -> Serving:
         """What serves `config`'s layers: what the front admits, from the model's config.json (read
         here, no torch), the connections' limits, the status, and the pool, not started yet."""
-        admission, recurrent_layers = _judge(config)
+        admission = _judge(config)
         max_payload = admission.max_payload()
         if max_payload > config.max_buffered_bytes:
             raise ConfigError(f"--max-buffered-mib {config.max_buffered_bytes / 2**20:g} is less than one "
@@ -186,8 +186,7 @@ class Front:
         )
         pool = DevicePool(specs, self._device_main, status=status, metrics=self.metrics,
                           request_timeout=config.request_timeout, restart_attempts=config.restart_attempts,
-                          workload=config.workload, prefill_chunk=config.prefill_chunk,
-                          recurrent=[not recurrent_layers.isdisjoint(spec.parts) for spec in specs])
+                          workload=config.workload, prefill_chunk=config.prefill_chunk)
         return Serving(config, admission, limits, status, pool, served)
 
     def _bind(self) -> Listener:
@@ -412,12 +411,12 @@ class Front:
         return device_specs(config, place_layers(config.parts, len(config.devices)), self._runtime_dir)
 
 
-def _judge(config: NodeConfig) -> tuple[Admission, frozenset[str]]:
+def _judge(config: NodeConfig) -> Admission:
     """What admits a request to `config`'s layers (from the model's config.json, read here without
-    torch) or image components, and which of the layers keep a recurrent state (linear attention)."""
+    torch) or image components."""
     image = config.workload.image
     if image is not None:
-        return ComponentAdmission.for_arch(image.arch, config.parts), frozenset()
+        return ComponentAdmission.for_arch(image.arch, config.parts)
     model = ModelConfig.from_dir(config.checkpoint_path)
     if model.model_type != config.workload.model_type:
         raise CheckpointError(f"{config.checkpoint_path}: {model.architecture} layers are served with --model-type "
@@ -428,8 +427,7 @@ def _judge(config: NodeConfig) -> tuple[Admission, frozenset[str]]:
         raise ConfigError(f"topology entry '{config.name}' names {', '.join(collapse_layers(missing))}, which "
                           f"{config.checkpoint_path} does not have (its layers: {model.layer_name(0)}.."
                           f"{model.layer_name(model.num_hidden_layers - 1)})")
-    recurrent = frozenset(layer for layer in config.parts if model.layer_index(layer) in model.linear_layers)
-    return LayerAdmission.for_model(model, config.parts, config.max_context), recurrent
+    return LayerAdmission.for_model(model, config.parts, config.max_context)
 
 
 def _pin(cores: tuple[int, ...]) -> None:

@@ -208,8 +208,8 @@ class Activation(NamedTuple):
 class Failure(NamedTuple):
     """Chunk `chunk` of a request failed on the device that sends this (an item of `Answers`); its
     message is `nbytes` of the message's data, UTF-8. `ran`: part of the request had run on this
-    device before it failed (an earlier piece of a prompt the device cut), so state that cannot be
-    rewound is half-applied there."""
+    device before it failed (an earlier piece of a prompt the device cut), whose state is not rolled
+    back: the front then drops the session's state on the route (front/pool_state.py)."""
 
     request_id: U64
     code: Code

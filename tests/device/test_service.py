@@ -205,8 +205,8 @@ def test_a_hop_s_rows_are_named_by_its_own_received_bytes_for_prefix_reuse(check
 
 def test_a_prompt_cut_here_that_fails_part_way_says_part_of_it_ran_and_runs_no_further(service):
     """Past the context limit (32) in its third piece, a 40-token prompt cut by 16 is answered once
-    with the failure, marked as having run in part here (state that cannot be rewound is then dropped
-    by the front); its pieces run no more."""
+    with the failure, marked as having run in part here (the session's state, which its earlier pieces
+    changed, is then dropped by the front); its pieces run no more."""
     reply = answer(service, forward(torch.randn(1, 40, 64), [Op(0, 0, 2)]), prefill_chunk=16)
     assert isinstance(reply.item, Failure) and reply.item.code == ErrorCode.CONTEXT_LIMIT and reply.item.ran == 1
     whole = answer(service, forward(torch.randn(1, 40, 64), [Op(0, 0, 2)], request_id=2))

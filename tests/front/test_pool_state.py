@@ -99,14 +99,15 @@ def test_a_request_is_complete_once_every_chunk_sent_is_answered():
 
 
 def test_a_failed_chunk_fails_the_request_once_all_chunks_are_answered():
-    """The first failure is the request's error; it is reported when the last chunk has its answer."""
+    """The first failure is the request's error; it is reported when the last chunk has its answer (after device
+    0, which ran chunk 0 before device 1 failed it, and device 1 forget the session: nothing half-applied stays)."""
     state = serving()
     state.sent(3, 1, (0, 1), 0.0)
     state.sent(3, 1, (0, 1), 0.0)
     state.sealed(3)
     first, second = PositionGap("chunk 0"), PositionGap("chunk 1")
     assert state.answered(1, 3, 1.0, first) == []
-    assert state.answered(1, 3, 1.0, second) == [Complete(3, first)]
+    assert state.answered(1, 3, 1.0, second) == [Forget(0, 1), Forget(1, 1), Complete(3, first)]
 
 
 def test_each_device_counts_the_requests_it_owes_until_each_is_answered_failed_or_stopped():
@@ -144,11 +145,11 @@ def test_a_silent_request_pings_its_route_then_kills_only_the_silent_device():
     assert state.tick(TIMEOUT) == [Probe(0), Probe(1)]
     state.heard(0, TIMEOUT + 0.1)  # device 0's Pong
     assert state.tick(2 * TIMEOUT) == [Kill(1, f"did not answer within {TIMEOUT:g} s")]
-    actions = state.exited(1, 2 * TIMEOUT + 1, -9)
-    assert isinstance(actions[0], Complete) and actions[0].request_id == 5
-    assert isinstance(actions[0].error, DeviceLost)
-    assert str(actions[0].error) == f"device cpu:1 did not answer within {TIMEOUT:g} s"
-    assert actions[1] == Restarting(1, f"did not answer within {TIMEOUT:g} s")
+    forget, complete, restarting = state.exited(1, 2 * TIMEOUT + 1, -9)
+    assert forget == Forget(0, 1)  # what device 0 may have run of it is dropped
+    assert isinstance(complete, Complete) and complete.request_id == 5 and isinstance(complete.error, DeviceLost)
+    assert str(complete.error) == f"device cpu:1 did not answer within {TIMEOUT:g} s"
+    assert restarting == Restarting(1, f"did not answer within {TIMEOUT:g} s")
 
 
 def test_a_request_waiting_behind_a_long_one_on_a_live_device_is_not_a_hang():
@@ -207,8 +208,9 @@ def test_a_death_fails_only_the_requests_through_that_device_and_restarts_it():
     state.sent(1, 1, (0, 1), 0.0)
     state.sent(2, 2, (0,), 0.0)
     actions = state.exited(1, 5.0, -9)
-    assert [(type(a), getattr(a, "request_id", None)) for a in actions] == [(Complete, 1), (Restarting, None)]
-    assert str(actions[0].error) == "device cpu:1 died (exit code -9)" and isinstance(actions[0].error, DeviceLost)
+    assert [(type(a), getattr(a, "request_id", None)) for a in actions] == [(Forget, None), (Complete, 1),
+                                                                            (Restarting, None)]
+    assert str(actions[1].error) == "device cpu:1 died (exit code -9)" and isinstance(actions[1].error, DeviceLost)
     assert state.owed(2) and state.state(1) is DeviceState.RESTARTING
     with pytest.raises(DeviceLost, match="device cpu:1 is restarting after it died"):
         state.admit(3, (1,), (False,))
@@ -349,37 +351,47 @@ def test_a_hop_for_a_replaced_process_is_refused_by_name():
     assert fresh(1).phase(0) == Starting()
 
 
-def recurrent_pool() -> PoolState:
-    """Three ready devices; 0 and 2 serve linear-attention layers, 1 only attention layers."""
+def three_devices(stateful: bool = True) -> PoolState:
+    """Three ready devices, of requests that keep state on them (a text model's) or none (image components)."""
     state = PoolState(["cpu:0", "cpu:1", "cpu:2"], request_timeout=TIMEOUT, load_silence=LOAD_SILENCE,
-                      restart_attempts=ATTEMPTS, recurrent=(True, False, True))
+                      restart_attempts=ATTEMPTS, stateful=stateful)
     state.start(0.0)
     for device in range(3):
         state.ready(device, 0.0)
     return state
 
 
-def test_a_request_failing_after_part_of_it_ran_drops_the_state_that_cannot_be_rewound():
-    """A prompt whose second chunk fails on the last device: the linear-attention devices of its route forget
-    the session (Forget, before the request completes) and its next request relying on them is told once;
-    the attention-only device keeps its rollback."""
-    state = recurrent_pool()
+def test_a_request_failing_after_part_of_it_ran_drops_the_sessions_state_on_its_route():
+    """A prompt whose second chunk fails on the last device: chunk 0 stays written on every device of its route
+    (a device rolls back the step that failed, not the request's earlier ones), so every one of them forgets
+    the session (Forget, before the request completes), and its next request relying on them is told once."""
+    state = three_devices()
     state.admit(1, (0, 1, 2), (False, False, False))
     for _ in range(2):
         state.sent(5, 1, (0, 1, 2), 0.0)
     state.sealed(5)
     assert state.answered(2, 5, 1.0) == []  # chunk 0 went through every device
     failure = PositionGap("over the budget")
-    assert state.answered(2, 5, 2.0, failure, chunk=1) == [Forget(0, 1), Forget(2, 1), Complete(5, failure)]
-    with pytest.raises(DeviceLost, match="failed part-way, and device cpu:0's linear-attention state cannot be "
-                                         "rewound.*start again with a fresh prefill"):
+    assert state.answered(2, 5, 2.0, failure, chunk=1) == [Forget(0, 1), Forget(1, 1), Forget(2, 1),
+                                                           Complete(5, failure)]
+    with pytest.raises(DeviceLost, match="failed part-way, after part of it had run: its state on device cpu:0 was "
+                                         "dropped rather than kept half-applied.*start again with a fresh prefill"):
         state.admit(1, (0, 1, 2), (True, True, True))
     state.admit(1, (0, 1, 2), (True, True, True))  # told once
 
 
+def test_image_components_failing_part_way_forget_nothing():
+    """Requests that keep no state (image components) leave nothing half-applied to drop."""
+    state = three_devices(stateful=False)
+    state.sent(5, 1, (0, 1), 0.0)
+    state.sealed(5)
+    failure = PositionGap("refused")
+    assert state.answered(1, 5, 1.0, failure) == [Complete(5, failure)]
+
+
 def test_a_request_refused_before_anything_ran_leaves_the_state_alone():
     """The first chunk failing on the route's first device ran nowhere: no Forget, nothing lost."""
-    state = recurrent_pool()
+    state = three_devices()
     state.sent(6, 1, (0, 2), 0.0)
     state.sent(6, 1, (0, 2), 0.0)
     state.sealed(6)
@@ -391,10 +403,10 @@ def test_a_request_refused_before_anything_ran_leaves_the_state_alone():
 
 def test_a_death_on_the_route_drops_the_state_the_other_devices_advanced():
     """Device 2 dies under a request that device 0 already ran: device 0 forgets the session too."""
-    state = recurrent_pool()
+    state = three_devices()
     state.admit(1, (0, 2), (False, False))
     state.sent(8, 1, (0, 2), 0.0)
     actions = state.exited(2, 1.0, -9)
     assert actions[:2] == [Forget(0, 1), Complete(8, actions[1].error)] and isinstance(actions[1].error, DeviceLost)
-    with pytest.raises(DeviceLost, match="cpu:0's linear-attention state"):
+    with pytest.raises(DeviceLost, match="its state on device cpu:0 was dropped"):
         state.admit(1, (0,), (True,))

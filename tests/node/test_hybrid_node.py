@@ -126,7 +126,7 @@ def test_a_prompt_failing_part_way_leaves_no_half_applied_state(node):
         master = await connect(node)
         with pytest.raises(RemoteWorkerError, match="budget"):
             await master.forward(torch.randn(1, 5000, HIDDEN), 0)
-        with pytest.raises(RemoteWorkerError, match="failed part-way.*cannot be rewound.*fresh prefill"):
+        with pytest.raises(RemoteWorkerError, match="failed part-way.*dropped rather than kept half-applied.*fresh prefill"):
             await master.forward(torch.randn(1, 1, HIDDEN), 128)
         with pytest.raises(RemoteWorkerError, match="does not follow the 0 positions"):  # dropped, not kept
             await master.forward(torch.randn(1, 1, HIDDEN), 128)
