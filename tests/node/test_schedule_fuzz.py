@@ -12,7 +12,8 @@ The masters' requests meet in the devices' batched steps at whatever positions t
 Then masters at three addresses on a node whose KV budget they overfill: each request the node answers
 is answered as alone, and what it refuses for room (the runner alone, which has no budget, is then not
 asked) or with the session given up to another address's (its master then starts afresh) is what the
-budget's fair share must do; no device restarts, no error is logged.
+budget's fair share must do; no device restarts, no error is logged. And a prompt that fails part-way
+over a two-device route's budget leaves no rows of it for its session to continue past.
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def budgeted_node(wide, tmp_path_factory):
     yield from running_node(wide, tmp_path_factory, "--gpus", "cpu:1", "--kv-budget-mib", "1", layers=len(WIDE_NAMES))
 
 
+@pytest.fixture(scope="module")
+def budgeted_pipeline(wide, tmp_path_factory):
+    yield from running_node(wide, tmp_path_factory, "--gpus", "cpu:2", "--kv-budget-mib", "1", layers=len(WIDE_NAMES))
+
+
 def running_node(checkpoint, tmp_path_factory, *flags: str, layers: int = len(NAMES)):
     """A node of the checkpoint's first `layers` layers with `flags`, prompts in pieces of 8; stopped cleanly, no
     error logged."""
@@ -103,6 +109,29 @@ def test_masters_overfilling_the_kv_budget_are_answered_as_alone_or_refused_for_
     assert outcomes["answered"] > len(BUDGETED_SOURCES) * STEPS // 3 and outcomes["no room"] > 0 and outcomes["given up"] > 0
 
 
+def test_a_prompt_failing_part_way_over_the_budget_leaves_no_rows_of_it_behind(budgeted_pipeline):
+    """Two-device route, each device's 1 MiB holding 256 positions of its 4 layers. One session holds 200; another's
+    200-row prompt flows down the route in chunks of 8 until one finds no room, after its first chunks ran on
+    both devices. Their rows are not kept for it to continue past: its next request continuing is told its
+    state was dropped, the one after it refused as the fresh session it is, and a new prompt is served."""
+
+    async def main():
+        holder, client = await connected(budgeted_pipeline.port, None), await connected(budgeted_pipeline.port, None)
+        ops = lambda position: [(name, position, i) for i, name in enumerate(WIDE_NAMES)]  # noqa: E731
+        await holder.batch(to_raw(torch.randn(1, 200, 128)), ops(0))
+        with pytest.raises(RemoteWorkerError, match=NO_ROOM):
+            await client.batch(to_raw(torch.randn(1, 200, 128)), ops(0))
+        with pytest.raises(RemoteWorkerError, match=LOST):
+            await client.batch(to_raw(torch.randn(1, 1, 128)), ops(8))  # (the first chunk ran)
+        with pytest.raises(RemoteWorkerError, match="does not follow the 0 positions"):
+            await client.batch(to_raw(torch.randn(1, 1, 128)), ops(8))
+        await client.batch(to_raw(torch.randn(1, 4, 128)), ops(0))
+        await client.batch(to_raw(torch.randn(1, 1, 128)), ops(4))
+        await asyncio.gather(holder.close(), client.close())
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 async def masters(port: int, alone: BlockRunner, seed: int, budgeted: tuple[str, ...] = ()) -> list[Counter]:
     """MASTERS masters at once, or where `budgeted` a master at each of its addresses: what became of each one's
     requests."""
@@ -126,7 +155,9 @@ async def master(port: int, alone: BlockRunner, seed: int, source: str | None, b
                 answer = from_raw(await client.batch(to_raw(asked.x), ops))
             except RemoteWorkerError as e:
                 outcome = refusal(e, alone, seed, asked, ops, budgeted)
-                if outcome in ("given up", "lost"):  # the master starts afresh
+                # The master starts afresh: its session given up or dropped, or its new prompt at 0 refused (which
+                # has retired its earlier rows all the same: docs/cluster.md, Prefix reuse).
+                if outcome in ("given up", "lost") or (outcome == "no room" and asked.position == 0):
                     schedule.given_up(0)
                     alone.free_session(seed)
             else:
