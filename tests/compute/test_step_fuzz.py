@@ -86,10 +86,7 @@ def test_random_steps_answer_each_request_as_it_alone(family, kind, seed, monkey
             outcomes[outcome] += 1
             if outcome == "answered":
                 schedule.answered(one)
-            # Its master starts afresh: its session given up, or its new prompt at 0 refused for room (which has
-            # retired its earlier rows all the same: docs/cluster.md, Prefix reuse).
-            elif outcome == "given up" or (outcome == "no room" and one.position == 0):
-                schedule.given_up(one.session)
+            elif schedule.ended(one, outcome):
                 for runner in (tested, alone):
                     runner.free_session(request.session)
         for session, goodbye in schedule.leaving():

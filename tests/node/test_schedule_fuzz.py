@@ -51,6 +51,8 @@ NO_ROOM = re.compile(r"the KV cache would need .* budget is left")  # CacheBudge
 # A request failed after part of it ran (a later piece of a prompt the device cut, over the budget): the session's
 # state was dropped rather than kept half-applied, and its next request is told so.
 LOST = re.compile(r"failed part-way, after part of it had run.*start again with a fresh prefill")
+# What each refusal a budgeted node may answer says (Schedule.ended names them so).
+BUDGET_REFUSALS = (("given up", re.compile(re.escape(GIVEN_UP))), ("no room", NO_ROOM), ("lost", LOST))
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +157,7 @@ async def master(port: int, alone: BlockRunner, seed: int, source: str | None, b
                 answer = from_raw(await client.batch(to_raw(asked.x), ops))
             except RemoteWorkerError as e:
                 outcome = refusal(e, alone, seed, asked, ops, budgeted)
-                # The master starts afresh: its session given up or dropped, or its new prompt at 0 refused (which
-                # has retired its earlier rows all the same: docs/cluster.md, Prefix reuse).
-                if outcome in ("given up", "lost") or (outcome == "no room" and asked.position == 0):
-                    schedule.given_up(0)
+                if schedule.ended(asked, outcome):
                     alone.free_session(seed)
             else:
                 assert_close(answer, alone.run(seed, asked.x, alone.ops(ops)))
@@ -184,7 +183,7 @@ def refusal(error: RemoteWorkerError, alone: BlockRunner, seed: int, asked, ops,
     part-way ("lost"); else as `alone` refuses it, in the same words ("refused")."""
     text = str(error)
     if budgeted:
-        for outcome, words in (("given up", re.compile(re.escape(GIVEN_UP))), ("no room", NO_ROOM), ("lost", LOST)):
+        for outcome, words in BUDGET_REFUSALS:
             if words.search(text):
                 return outcome
     with pytest.raises((PositionGap, RecurrentRewind)) as refused:

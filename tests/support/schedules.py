@@ -80,9 +80,15 @@ class Schedule:
                 self.retired.append(self.prompts[session])
         return gone
 
-    def given_up(self, session: int) -> None:
-        """The worker gave `session`'s state up for room: it leaves, as its master, told so, starts afresh."""
-        del self.cached[session]
+    def ended(self, asked: Asked, outcome: str) -> bool:
+        """Whether a refusal of `asked` (`outcome`: why) has ended its session's state on the worker: given up for
+        another address's room ("given up"), dropped after a request of it failed part-way ("lost"), or a new
+        prompt at 0 refused for room ("no room": with prefix reuse it has retired the session's earlier rows all
+        the same, docs/cluster.md, Prefix reuse). If so the session leaves, its master to start afresh."""
+        if outcome in ("given up", "lost") or (outcome == "no room" and asked.position == 0):
+            del self.cached[asked.session]
+            return True
+        return False
 
     def _x(self, T: int) -> torch.Tensor:
         return torch.randn(1, T, self.hidden, generator=torch.Generator().manual_seed(self.rng.getrandbits(31)))
